@@ -1,0 +1,1 @@
+"""The five lorafleet services and the lorafleet command."""

@@ -1,0 +1,1 @@
+"""GPU worker: base model, adapter slots, continuous-batching engine."""

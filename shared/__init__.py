@@ -1,0 +1,1 @@
+"""lorafleet's common package: config, message schemas, subjects, bus and Redis helpers, logging, errors."""

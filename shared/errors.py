@@ -1,0 +1,125 @@
+"""Typed errors, each with its HTTP status and stable error code, mapped in one place."""
+
+from typing import ClassVar
+
+from shared.schemas import ErrorBody
+
+
+class LorafleetError(Exception):
+    """Base of every error that crosses a service boundary."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    error_type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.param = param
+
+    def to_body(self) -> ErrorBody:
+        return ErrorBody(
+            code=self.code,
+            message=self.message,
+            status=self.status,
+            retry_after_s=self.retry_after_s,
+            param=self.param,
+        )
+
+
+class InvalidRequest(LorafleetError):
+    status = 400
+    code = "invalid_request"
+    error_type = "invalid_request_error"
+
+
+class InvalidMessage(InvalidRequest):
+    code = "invalid_message"
+
+
+class Unauthorized(LorafleetError):
+    status = 401
+    code = "invalid_api_key"
+    error_type = "authentication_error"
+
+
+class Forbidden(LorafleetError):
+    status = 403
+    code = "forbidden"
+    error_type = "permission_error"
+
+
+class ModelNotFound(LorafleetError):
+    """Unknown model, or one this tenant may not use: the same answer for both, by design."""
+
+    status = 404
+    code = "model_not_found"
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(LorafleetError):
+    status = 413
+    code = "payload_too_large"
+    error_type = "invalid_request_error"
+
+
+class IntegrityError(LorafleetError):
+    status = 422
+    code = "integrity_error"
+    error_type = "invalid_request_error"
+
+
+class QuotaExceeded(LorafleetError):
+    status = 429
+    code = "quota_exceeded"
+    error_type = "rate_limit_error"
+
+
+class ServiceUnavailable(LorafleetError):
+    status = 503
+    code = "service_unavailable"
+    error_type = "server_error"
+
+
+class NoWorkerAvailable(ServiceUnavailable):
+    code = "no_worker_available"
+
+
+class WorkerLost(ServiceUnavailable):
+    code = "worker_lost"
+
+
+class UpstreamTimeout(LorafleetError):
+    status = 504
+    code = "upstream_timeout"
+    error_type = "server_error"
+
+
+class Cancelled(LorafleetError):
+    status = 499
+    code = "cancelled"
+    error_type = "invalid_request_error"
+
+
+class InternalError(LorafleetError):
+    pass
+
+
+_BY_CODE: dict[str, type[LorafleetError]] = {}
+
+
+def _register(cls: type[LorafleetError]) -> None:
+    _BY_CODE.setdefault(cls.code, cls)
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(LorafleetError)
+
+
+def from_body(body: ErrorBody) -> LorafleetError:
+    """Rebuild the typed error a remote service reported."""
+    cls = _BY_CODE.get(body.code, InternalError)
+    err = cls(body.message, retry_after_s=body.retry_after_s, param=body.param)
+    return err

@@ -1,0 +1,249 @@
+"""Every message body exchanged over NATS: pydantic v2 models serialised as JSON."""
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+
+class Message(BaseModel):
+    """Base for bus messages: unknown fields are refused, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ErrorBody(Message):
+    code: str = Field(max_length=64)
+    message: str = Field(max_length=2000)
+    status: int = Field(ge=400, le=599)
+    retry_after_s: float | None = None
+    param: str | None = None
+
+
+# ---- inference ---------------------------------------------------------------------------
+
+
+class ChatMessage(Message):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=200_000)
+
+
+class SamplingParams(Message):
+    max_tokens: int = Field(default=128, ge=1, le=32_768)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1000, description="0 disables top-k")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=8)
+    ignore_eos: bool = False
+
+
+class ResolvedAdapter(Message):
+    """The exact adapter version a request was granted by the registry."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    rank: int = Field(ge=1, le=1024)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    storage_uri: str = Field(max_length=2048)
+    alpha: float = Field(gt=0)
+
+
+class InferRequest(Message):
+    """One generation request, as submitted on ``lf.infer.submit.<tenant>``."""
+
+    request_id: RequestId
+    tenant_id: Identifier
+    model: str = Field(min_length=1, max_length=256, description="the name the client asked for")
+    base_model: str = Field(min_length=1, max_length=256)
+    adapter: ResolvedAdapter | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+    prompt: str | None = Field(default=None, max_length=400_000)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    reply_to: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.>*-]+$")
+    priority: Literal["interactive", "batch"] = "interactive"
+    created_at: float = Field(default_factory=time.time)
+    timeout_s: float = Field(default=120.0, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "InferRequest":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("exactly one of messages or prompt must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DispatchReply(Message):
+    """A worker's answer to ``lf.worker.<id>.dispatch``: it took the request, or why not."""
+
+    accepted: bool
+    worker_id: Identifier
+    error: ErrorBody | None = None
+
+
+class ServedBy(Message):
+    worker_id: Identifier
+    base_model: str
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    adapter_digest: str | None = None
+    cache_hit: bool = True
+
+
+class Usage(Message):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class ReplyAccepted(Message):
+    kind: Literal["accepted"] = "accepted"
+    request_id: RequestId
+    worker_id: Identifier
+
+
+class ReplyToken(Message):
+    kind: Literal["token"] = "token"
+    request_id: RequestId
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+
+
+class ReplyFinal(Message):
+    kind: Literal["final"] = "final"
+    request_id: RequestId
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    served_by: ServedBy
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+
+
+class ReplyError(Message):
+    kind: Literal["error"] = "error"
+    request_id: RequestId
+    error: ErrorBody
+
+
+ReplyMessage = Annotated[ReplyAccepted | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")]
+
+
+class ReplyEnvelope(Message):
+    """What travels on a request's reply inbox; one wrapper so a consumer decodes one type."""
+
+    body: ReplyMessage
+
+
+# ---- worker control and liveness -----------------------------------------------------------
+
+
+class WorkerControl(Message):
+    action: Literal["prefetch", "evict", "pin", "unpin", "cancel"]
+    request_id: RequestId | None = None
+    adapter_id: Identifier | None = None
+    adapter_version: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _target(self) -> "WorkerControl":
+        if self.action == "cancel" and self.request_id is None:
+            raise ValueError("cancel needs request_id")
+        if self.action != "cancel" and self.adapter_id is None:
+            raise ValueError(f"{self.action} needs adapter_id")
+        return self
+
+
+class WorkerHeartbeat(Message):
+    worker_id: Identifier
+    base_model: str
+    ready: bool
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    max_running: int = Field(ge=1)
+    kv_blocks_free: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    resident_adapters: list[str] = Field(default_factory=list)
+    ts: float = Field(default_factory=time.time)
+
+
+class ServiceHeartbeat(Message):
+    service: Literal["gateway", "scheduler", "worker", "registry", "auditor"]
+    instance_id: Identifier
+    ready: bool
+    detail: str = Field(default="", max_length=500)
+    ts: float = Field(default_factory=time.time)
+
+
+# ---- registry --------------------------------------------------------------------------------
+
+
+class ResolveRequest(Message):
+    tenant_id: Identifier
+    model: str = Field(min_length=1, max_length=256)
+    request_key: str = Field(min_length=1, max_length=256)
+
+
+class ModelInfo(Message):
+    id: str
+    owned_by: str
+    created: int
+    kind: Literal["base", "adapter"]
+
+
+class ResolveReply(Message):
+    base_model: str | None = None
+    adapter: ResolvedAdapter | None = None
+    error: ErrorBody | None = None
+
+
+class ListModelsRequest(Message):
+    tenant_id: Identifier
+
+
+class ListModelsReply(Message):
+    models: list[ModelInfo] = Field(default_factory=list)
+    error: ErrorBody | None = None
+
+
+# ---- audit -------------------------------------------------------------------------------
+
+
+class CompletionAudit(Message):
+    kind: Literal["completion"] = "completion"
+    ts: float = Field(default_factory=time.time)
+    request_id: RequestId
+    tenant_id: Identifier
+    base_model: str
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    adapter_rank: int | None = None
+    adapter_digest: str | None = None
+    cache_hit: bool
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    worker_id: Identifier
+    outcome: Literal["stop", "length", "cancelled", "error"]
+
+
+class RejectionAudit(Message):
+    kind: Literal["rejection"] = "rejection"
+    ts: float = Field(default_factory=time.time)
+    request_id: RequestId
+    tenant_id: Identifier
+    service: str
+    code: str
+    reason: str = Field(max_length=2000)
+
+
+AuditEvent = Annotated[CompletionAudit | RejectionAudit, Field(discriminator="kind")]
+
+
+class AuditEnvelope(Message):
+    body: AuditEvent

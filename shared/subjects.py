@@ -1,0 +1,66 @@
+"""Every NATS subject and stream name the platform uses. Nothing else spells a subject string."""
+
+import re
+
+PREFIX = "lf"
+
+INFER_STREAM = "INFER"
+INFER_SUBMIT_ALL = f"{PREFIX}.infer.submit.>"
+
+ADAPTER_EVENTS_STREAM = "ADAPTER_EVENTS"
+ADAPTER_EVENTS_ALL = f"{PREFIX}.adapter.event.>"
+
+AUDIT_STREAM = "AUDIT"
+AUDIT_ALL = f"{PREFIX}.audit.>"
+
+WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
+SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
+
+REGISTRY_OPS = ("resolve", "list", "register", "promote", "rollback", "revoke")
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def token(value: str) -> str:
+    """Return ``value`` if it is safe as one subject token (no dots, wildcards or spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"not a valid subject token: {value!r}")
+    return value
+
+
+def infer_submit(tenant_id: str) -> str:
+    return f"{PREFIX}.infer.submit.{token(tenant_id)}"
+
+
+def tenant_of_submit(subject: str) -> str:
+    """The tenant named by an ``lf.infer.submit.<tenant>`` subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:3] != [PREFIX, "infer", "submit"]:
+        raise ValueError(f"not a submit subject: {subject!r}")
+    return token(parts[3])
+
+
+def worker_dispatch(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{token(worker_id)}.dispatch"
+
+
+def worker_control(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{token(worker_id)}.control"
+
+
+def registry(op: str) -> str:
+    if op not in REGISTRY_OPS:
+        raise ValueError(f"unknown registry op: {op!r}")
+    return f"{PREFIX}.registry.{op}"
+
+
+def adapter_event(adapter_id: str) -> str:
+    return f"{PREFIX}.adapter.event.{token(adapter_id)}"
+
+
+def audit(kind: str, tenant_id: str) -> str:
+    return f"{PREFIX}.audit.{token(kind)}.{token(tenant_id)}"
+
+
+def service_heartbeat(service: str) -> str:
+    return f"{PREFIX}.service.heartbeat.{token(service)}"
