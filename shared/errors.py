@@ -4,6 +4,8 @@ from typing import ClassVar
 
 from shared.schemas import ErrorBody
 
+_BY_CODE: dict[str, type["LorafleetError"]] = {}
+
 
 class LorafleetError(Exception):
     """Base of every error that crosses a service boundary."""
@@ -11,6 +13,10 @@ class LorafleetError(Exception):
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
     error_type: ClassVar[str] = "server_error"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _BY_CODE.setdefault(cls.code, cls)
 
     def __init__(self, message: str, *, retry_after_s: float | None = None, param: str | None = None):
         super().__init__(message)
@@ -106,20 +112,40 @@ class InternalError(LorafleetError):
     pass
 
 
-_BY_CODE: dict[str, type[LorafleetError]] = {}
+class Conflict(LorafleetError):
+    """A registry change that contradicts the current state (version taken, wrong lifecycle step)."""
+
+    status = 409
+    code = "conflict"
+    error_type = "invalid_request_error"
 
 
-def _register(cls: type[LorafleetError]) -> None:
-    _BY_CODE.setdefault(cls.code, cls)
-    for sub in cls.__subclasses__():
-        _register(sub)
+class AdapterNotReleased(ModelNotFound):
+    """The tenant may use the adapter, but no version of it is released (staging or retired)."""
+
+    code = "adapter_not_released"
 
 
-_register(LorafleetError)
+class AdapterRevoked(LorafleetError):
+    """The version was revoked as a security stop; it is never served again."""
+
+    status = 410
+    code = "adapter_revoked"
+    error_type = "invalid_request_error"
+
+
+class RemoteError(LorafleetError):
+    """An error whose type this process does not know: keeps the remote's code and status."""
+
+    def __init__(self, body: ErrorBody):
+        super().__init__(body.message, retry_after_s=body.retry_after_s, param=body.param)
+        self.code = body.code
+        self.status = body.status
 
 
 def from_body(body: ErrorBody) -> LorafleetError:
-    """Rebuild the typed error a remote service reported."""
-    cls = _BY_CODE.get(body.code, InternalError)
-    err = cls(body.message, retry_after_s=body.retry_after_s, param=body.param)
-    return err
+    """Rebuild the typed error a remote service reported (every subclass registers its code)."""
+    cls = _BY_CODE.get(body.code)
+    if cls is None or cls.status != body.status:
+        return RemoteError(body)
+    return cls(body.message, retry_after_s=body.retry_after_s, param=body.param)

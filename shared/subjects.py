@@ -16,7 +16,25 @@ AUDIT_ALL = f"{PREFIX}.audit.>"
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
 
-REGISTRY_OPS = ("resolve", "list", "register", "promote", "rollback", "revoke")
+REGISTRY_OPS = (
+    "resolve",
+    "list",
+    "register",
+    "promote",
+    "rollout",
+    "rollback",
+    "retire",
+    "revoke",
+    "get",
+    "adapters",
+    "trust_key",
+    "keys",
+)
+
+REGISTRY_RECORDS_BUCKET = "lf_adapters"  # KV: "<adapter_id>.<version>" -> AdapterRecord
+REGISTRY_SIGNERS_BUCKET = "lf_signers"  # KV: signer -> base64 Ed25519 public key
+ADAPTER_STORE_BUCKET = "lf_adapter_store"  # object store: the approved adapter weights
+ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads awaiting register
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -1,0 +1,103 @@
+"""One step's token -> row index for a rank class, and the op that picks Triton (CUDA) or torch (CPU)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_segments
+
+# CUDA: BGMV re-reads a row's weights for every token, SGMV once per BLOCK_M tokens, so BGMV only
+# wins when segments are about one token long (decode).
+BGMV_MAX_MEAN_SEG_LEN = 1.5
+# CPU: the gathered bmm copies one weight row per token; the segment loop costs a few matmul
+# launches per segment. bench/lora_ops.py measures the crossover.
+GATHER_MAX_MEAN_SEG_LEN = 1.5
+
+
+@dataclass(slots=True)
+class LoraIndex:
+    """The tokens of one rank class in one step, sorted by their row in the class's stack."""
+
+    token_idx: torch.Tensor  # [n] int32, positions in x / y
+    token_row: torch.Tensor  # [n] int32, stack row of each token_idx entry
+    seg_start: torch.Tensor  # [num_segments + 1] int32, offsets into token_idx
+    seg_row: torch.Tensor  # [num_segments] int32, stack row of each segment
+    max_seg_len: int
+    segments: tuple[Segment, ...]  # host copy of the segments, for the CPU path
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_idx.shape[0]
+
+    @property
+    def mean_seg_len(self) -> float:
+        return self.num_tokens / max(1, len(self.segments))
+
+
+def find_segments(token_idx: torch.Tensor, token_row: torch.Tensor) -> tuple[Segment, ...]:
+    """Runs of equal rows in host tensors sorted by row (stable, so token_idx ascends in a run)."""
+    if token_row.numel() == 0:
+        return ()
+    rows, counts = torch.unique_consecutive(token_row, return_counts=True)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    first = token_idx[starts.long()]
+    contiguous = token_idx[(ends - 1).long()] - first == counts - 1
+    first = torch.where(contiguous, first, torch.full_like(first, -1))
+    return tuple(zip(starts.tolist(), ends.tolist(), rows.tolist(), first.tolist()))
+
+
+def index_for(token_rows: torch.Tensor, device: torch.device | str = "cpu") -> LoraIndex:
+    """A freshly allocated index for per-token rows ([num_tokens], -1 = no adapter); tests and benches."""
+    rows = token_rows.to("cpu", torch.int64)
+    keep = torch.nonzero(rows >= 0).squeeze(1)
+    token_row, order = torch.sort(rows[keep], stable=True)
+    token_idx = keep[order].to(INDEX_DTYPE)
+    token_row = token_row.to(INDEX_DTYPE)
+    segments = find_segments(token_idx, token_row)
+    seg_start = torch.tensor([s[0] for s in segments] + [token_idx.shape[0]], dtype=INDEX_DTYPE)
+    seg_row = torch.tensor([s[2] for s in segments], dtype=INDEX_DTYPE)
+    return LoraIndex(
+        token_idx=token_idx.to(device),
+        token_row=token_row.to(device),
+        seg_start=seg_start.to(device),
+        seg_row=seg_row.to(device),
+        max_seg_len=max((e - s for s, e, _, _ in segments), default=0),
+        segments=segments,
+    )
+
+
+def add_lora(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    index: LoraIndex,
+    workspace: torch.Tensor,
+) -> None:
+    """``y[t] += scale[row] * (x[t] @ a[row]) @ b[row]`` for each indexed token t, in place.
+
+    x: [num_tokens, in]; y: [num_tokens, out]; a: [num_slots, in, r]; b: [num_slots, r, out];
+    scale: [num_slots] fp32; workspace: fp32, at least n * r elements (used on CUDA only).
+    """
+    n, rank = index.num_tokens, a.shape[2]
+    if n == 0:
+        return
+    if not x.is_cuda:
+        if index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN:
+            add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row)
+        else:
+            add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
+        return
+    from kernels.bgmv import bgmv_expand, bgmv_shrink
+    from kernels.sgmv import sgmv_expand, sgmv_shrink
+
+    h = workspace.view(-1)[: n * rank].view(n, rank)
+    if index.mean_seg_len <= BGMV_MAX_MEAN_SEG_LEN:
+        bgmv_shrink(x, a, index.token_idx, index.token_row, h)
+        bgmv_expand(h, b, scale, index.token_idx, index.token_row, y)
+    else:
+        segs = (index.seg_start, index.seg_row, index.max_seg_len)
+        sgmv_shrink(x, a, index.token_idx, index.token_row, *segs, h)
+        sgmv_expand(h, b, scale, index.token_idx, index.token_row, *segs, y)

@@ -1,0 +1,1 @@
+"""Durable audit trail: hash-chained log of every completion, rejection and registry change."""

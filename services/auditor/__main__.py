@@ -1,0 +1,3 @@
+from services.auditor.service import main
+
+main()

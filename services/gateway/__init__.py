@@ -1,0 +1,1 @@
+"""HTTP edge: OpenAI-compatible API, API keys -> tenant, health."""

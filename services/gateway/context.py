@@ -1,0 +1,19 @@
+"""What the gateway's routes share: settings, the NATS connection, the cluster view, API keys."""
+
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from services.gateway.auth import ApiKeys
+from services.gateway.readiness import ClusterView
+from shared.config import GatewaySettings
+
+
+@dataclass(slots=True)
+class GatewayContext:
+    settings: GatewaySettings
+    nc: NATS
+    js: JetStreamContext
+    cluster: ClusterView
+    keys: ApiKeys

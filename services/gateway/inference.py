@@ -1,0 +1,107 @@
+"""Submit an InferRequest on JetStream and relay its reply stream, with bounded waits."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NoStreamResponseError
+
+from shared import subjects
+from shared.bus import decode, encode
+from shared.errors import InternalError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
+
+log = structlog.get_logger("gateway.inference")
+
+
+@dataclass(slots=True)
+class Submission:
+    """One in-flight request: its accept notice, then tokens, then a final message."""
+
+    request: InferRequest
+    accepted: ReplyAccepted
+    _queue: asyncio.Queue
+    _sub: object
+    _nc: NATS
+    _deadline: float
+    finished: bool = False
+
+    async def events(self) -> AsyncIterator[ReplyToken | ReplyFinal]:
+        """Tokens then the final message; a remote error or the deadline raises a typed error."""
+        try:
+            while True:
+                remaining = self._deadline - time.monotonic()
+                if remaining <= 0:
+                    raise UpstreamTimeout(f"request {self.request.request_id} exceeded {self.request.timeout_s:.0f}s")
+                try:
+                    body = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    continue
+                if isinstance(body, ReplyError):
+                    self.finished = True
+                    raise from_body(body.error)
+                if isinstance(body, ReplyAccepted):
+                    continue
+                yield body
+                if isinstance(body, ReplyFinal):
+                    self.finished = True
+                    return
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop listening; if the request has not finished, cancel it on its worker."""
+        if not self.finished:
+            self.finished = True
+            cancel = WorkerControl(action="cancel", request_id=self.request.request_id)
+            try:
+                await self._nc.publish(subjects.worker_control(self.accepted.worker_id), encode(cancel))
+            except Exception as e:
+                log.warning("cancel_publish_failed", request_id=self.request.request_id, error=str(e))
+        try:
+            await self._sub.unsubscribe()
+        except Exception:
+            pass
+
+
+async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float) -> Submission:
+    """Publish the request and wait until a worker accepts it (else 503 within the bound)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    inbox = nc.new_inbox()
+
+    async def on_reply(msg) -> None:
+        try:
+            queue.put_nowait(decode(ReplyEnvelope, msg.data).body)
+        except Exception as e:
+            log.warning("bad_reply_message", error=str(e))
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    accept_deadline = time.time() + accept_timeout_s
+    request = InferRequest(reply_to=inbox, accept_deadline=accept_deadline, **request_fields)
+    try:
+        await js.publish(
+            subjects.infer_submit(request.tenant_id),
+            encode(request),
+            headers={"Nats-Msg-Id": request.request_id},
+            timeout=accept_timeout_s,
+        )
+    except (NoStreamResponseError, TimeoutError) as e:
+        await sub.unsubscribe()
+        raise ServiceUnavailable(f"the request queue is not available ({type(e).__name__})") from None
+    deadline = time.monotonic() + request.timeout_s
+    try:
+        first = await asyncio.wait_for(queue.get(), accept_timeout_s)
+    except TimeoutError:
+        await sub.unsubscribe()
+        raise NoWorkerAvailable(f"no worker accepted the request within {accept_timeout_s:.0f}s") from None
+    if isinstance(first, ReplyError):
+        await sub.unsubscribe()
+        raise from_body(first.error)
+    if not isinstance(first, ReplyAccepted):
+        await sub.unsubscribe()
+        raise InternalError(f"reply stream of {request.request_id} did not start with an accept notice")
+    return Submission(request, first, queue, sub, nc, deadline)

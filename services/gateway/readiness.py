@@ -1,0 +1,47 @@
+"""The gateway's view of the cluster, from service and worker heartbeats."""
+
+from dataclasses import dataclass, field
+
+from shared.liveness import Liveness
+from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+
+REQUIRED = ("scheduler", "registry")
+OPTIONAL = ("auditor",)
+
+
+@dataclass(slots=True)
+class ClusterView:
+    timeout_s: float
+    services: dict[str, Liveness[ServiceHeartbeat]] = field(default_factory=dict)
+    workers: Liveness[WorkerHeartbeat] | None = None
+
+    def __post_init__(self) -> None:
+        self.workers = Liveness(self.timeout_s)
+        for name in REQUIRED + OPTIONAL:
+            self.services[name] = Liveness(self.timeout_s)
+
+    def on_service(self, beat: ServiceHeartbeat) -> None:
+        if beat.service in self.services:
+            self.services[beat.service].seen(beat.instance_id, beat)
+
+    def on_worker(self, beat: WorkerHeartbeat) -> None:
+        self.workers.seen(beat.worker_id, beat)
+
+    def ready_workers(self) -> list[WorkerHeartbeat]:
+        return [b for b in self.workers.alive().values() if b.ready]
+
+    def status(self) -> tuple[bool, dict[str, str]]:
+        """(ready, component -> "ok" | "missing" | "not ready: ...") for /readyz."""
+        components: dict[str, str] = {}
+        for name, live in self.services.items():
+            beats = list(live.alive().values())
+            if any(b.ready for b in beats):
+                components[name] = "ok"
+            elif beats:
+                components[name] = f"not ready: {beats[0].detail}"
+            else:
+                components[name] = "missing"
+        workers = self.ready_workers()
+        components["workers"] = f"{len(workers)} ready" if workers else "missing"
+        ready = all(components[name] == "ok" for name in REQUIRED) and bool(workers)
+        return ready, components

@@ -1,0 +1,60 @@
+"""Gateway process: connect to NATS, follow the cluster's heartbeats, serve HTTP."""
+
+import asyncio
+import contextlib
+
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.auth import ApiKeys
+from services.gateway.context import GatewayContext
+from services.gateway.readiness import ClusterView
+from shared import subjects
+from shared.bus import connect, decode, ensure_streams, shutdown_event
+from shared.config import GatewaySettings
+from shared.heartbeat import publish_heartbeats
+from shared.logs import configure_logging
+from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+
+
+async def run(settings: GatewaySettings) -> None:
+    log = configure_logging("gateway", settings.log_level)
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await connect(settings.nats_url, f"gateway-{settings.instance_id}")
+        stack.push_async_callback(nc.drain)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        cluster = ClusterView(settings.liveness_timeout_s)
+
+        async def on_service(msg) -> None:
+            try:
+                cluster.on_service(decode(ServiceHeartbeat, msg.data))
+            except Exception as e:
+                log.warning("bad_heartbeat", error=str(e))
+
+        async def on_worker(msg) -> None:
+            try:
+                cluster.on_worker(decode(WorkerHeartbeat, msg.data))
+            except Exception as e:
+                log.warning("bad_heartbeat", error=str(e))
+
+        await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_service)
+        await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker)
+        ctx = GatewayContext(settings, nc, js, cluster, ApiKeys(settings.api_keys))
+        server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,
+                                               log_level="warning", lifespan="off"))
+        server.install_signal_handlers = lambda: None
+        stop = shutdown_event()
+        beats = asyncio.create_task(publish_heartbeats(
+            nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, lambda: (server.started, "")))
+        serving = asyncio.create_task(server.serve())
+        log.info("gateway_started", port=settings.port)
+        await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+        beats.cancel()
+        log.info("gateway_stopped")
+
+
+def main() -> None:
+    asyncio.run(run(GatewaySettings()))

@@ -1,0 +1,1 @@
+"""Adapter registry and trusted store: records, versions, signatures, lifecycle, resolution."""

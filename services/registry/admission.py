@@ -1,0 +1,92 @@
+"""Admit a new adapter version: validate the files, verify the signature, fix its identity.
+
+Pure: the service fetches the files and stores them only after ``admit`` returns, so any
+refusal leaves nothing behind.
+"""
+
+from dataclasses import dataclass
+
+from shared import signing
+from shared.adapter_format import AdapterLimits, validate_adapter
+from shared.errors import Conflict, IntegrityError
+from shared.fingerprint import BaseModelSpec
+from shared.schemas import AdapterRecord, RegisterRequest
+
+from services.registry.records import Catalog, Change
+from services.registry.resolve import SHARED_TENANT
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelIdentity:
+    """The one base model this registry admits adapters for."""
+
+    name: str
+    fingerprint: str
+    spec: BaseModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    limits: AdapterLimits
+    dev_mode: bool  # admits unsigned adapters; never in production
+
+
+def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
+    """The version this request registers, refusing a taken id, version or alias."""
+    owner = catalog.owner(req.adapter_id)
+    if owner is not None and owner != req.tenant_id:
+        raise Conflict(f"adapter id {req.adapter_id!r} is not available")
+    latest = catalog.latest(req.adapter_id)
+    next_version = latest.version + 1 if latest else 1
+    if req.version is not None and req.version < next_version:
+        raise Conflict(f"{req.adapter_id} v{req.version} exists or is older than v{next_version}; versions are immutable")
+    for alias in req.aliases:
+        holder = catalog.alias_owner(req.tenant_id, alias)
+        taken_as_id = alias != req.adapter_id and catalog.owner(alias) == req.tenant_id
+        if (holder is not None and holder != req.adapter_id) or taken_as_id:
+            raise Conflict(f"alias {alias!r} already names another adapter of tenant {req.tenant_id}")
+    if req.allowed_scopes and req.tenant_id != SHARED_TENANT:
+        raise Conflict("allowed_scopes only apply to adapters of the 'shared' tenant")
+    return req.version or next_version
+
+
+def admit(
+    catalog: Catalog,
+    req: RegisterRequest,
+    files: dict[str, bytes],
+    base: BaseModelIdentity,
+    policy: AdmissionPolicy,
+    trusted_keys: dict[str, str],
+    storage_uri: str,
+) -> Change:
+    """The staging record of a new version, or a typed error saying what is wrong."""
+    version = _check_identity(catalog, req)
+    summary = validate_adapter(files, base.spec, policy.limits)
+    manifest = signing.manifest_bytes(summary.file_sha256, req.adapter_id, version, req.tenant_id, base.fingerprint)
+    if req.signature is not None and req.signer is not None:
+        signing.verify(manifest, req.signature, req.signer, trusted_keys)
+    elif not policy.dev_mode:
+        raise IntegrityError("the adapter is unsigned; only a registry in dev mode admits unsigned adapters")
+    record = AdapterRecord(
+        adapter_id=req.adapter_id,
+        version=version,
+        tenant_id=req.tenant_id,
+        base_model=base.name,
+        base_model_fingerprint=base.fingerprint,
+        task_type=req.task_type,
+        rank=summary.rank,
+        alpha=summary.alpha,
+        use_rslora=summary.use_rslora,
+        target_modules=list(summary.target_modules),
+        files=summary.file_sha256,
+        checksum=summary.checksum,
+        manifest_digest=signing.manifest_digest(manifest),
+        signature=req.signature,
+        signer=req.signer,
+        storage_uri=storage_uri,
+        allowed_scopes=req.allowed_scopes,
+        aliases=req.aliases,
+        eval_results=req.eval_results,
+    )
+    return Change(kind="registered", before=None, after=record)
+

@@ -1,0 +1,182 @@
+"""The registry's operations as plain async methods: the service maps one subject to each.
+
+Every change is written to KV first, then applied to the in-memory catalog, then announced
+(an AdapterEvent and a registry_change audit record), all under one lock so that lifecycle
+steps never interleave.
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from shared import subjects
+from shared.adapter_format import read_adapter_dir
+from shared.schemas import (
+    AdapterEvent,
+    AdapterRecordsReply,
+    AuditEnvelope,
+    GetAdapterRequest,
+    ListAdaptersRequest,
+    ListKeysRequest,
+    ListModelsReply,
+    ListModelsRequest,
+    PromoteRequest,
+    RegisterRequest,
+    RegistryChangeAudit,
+    ResolveReply,
+    ResolveRequest,
+    RetireRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+    TrustedKeysReply,
+    TrustKeyRequest,
+)
+
+from services.registry import lifecycle
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.kv import RecordsKV
+from services.registry.records import Catalog, Change
+from services.registry.resolve import list_models, resolve
+from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
+
+Publish = Callable[[str, BaseModel], Awaitable[None]]
+
+
+class Registry:
+    def __init__(
+        self,
+        *,
+        catalog: Catalog,
+        trusted_keys: dict[str, str],
+        kv: RecordsKV,
+        approved: ApprovedStore,
+        uploads: Uploads,
+        base: BaseModelIdentity,
+        policy: AdmissionPolicy,
+        trusted_dirs: tuple[Path, ...],
+        remote_allow_list: tuple[str, ...],
+        publish: Publish,
+    ) -> None:
+        self.catalog = catalog
+        self.trusted_keys = trusted_keys
+        self._kv = kv
+        self._approved = approved
+        self._uploads = uploads
+        self._base = base
+        self._policy = policy
+        self._trusted_dirs = trusted_dirs
+        self._remote_allow_list = remote_allow_list
+        self._publish = publish
+        self._lock = asyncio.Lock()
+        self._started = int(time.time())
+
+    async def resolve(self, req: ResolveRequest) -> ResolveReply:
+        return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key)
+
+    async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
+        return list_models(self.catalog, self._base.name, req.tenant_id, self._started)
+
+    async def get(self, req: GetAdapterRequest) -> AdapterRecordsReply:
+        records = self.catalog.versions(req.adapter_id)
+        if req.version is not None:
+            records = [r for r in records if r.version == req.version]
+        return AdapterRecordsReply(records=records)
+
+    async def adapters(self, req: ListAdaptersRequest) -> AdapterRecordsReply:
+        records = [r for a in sorted(self.catalog.adapters()) for r in self.catalog.versions(a)]
+        return AdapterRecordsReply(records=[r for r in records if req.tenant_id in (None, r.tenant_id)])
+
+    async def keys(self, req: ListKeysRequest) -> TrustedKeysReply:
+        return TrustedKeysReply(keys=dict(self.trusted_keys))
+
+    async def trust_key(self, req: TrustKeyRequest) -> TrustedKeysReply:
+        async with self._lock:
+            await self._kv.put_signer(req.signer, req.public_key)
+            self.trusted_keys[req.signer] = req.public_key
+        return TrustedKeysReply(keys=dict(self.trusted_keys))
+
+    async def register(self, req: RegisterRequest) -> AdapterRecordsReply:
+        """Validate, verify, store, record; a refusal stores nothing (the upload is kept)."""
+        async with self._lock:
+            files = await self._read_source(req)
+            latest = self.catalog.latest(req.adapter_id)
+            version = req.version or (latest.version + 1 if latest else 1)
+            change = admit(
+                self.catalog,
+                req,
+                files,
+                self._base,
+                self._policy,
+                self.trusted_keys,
+                self._approved.uri(req.adapter_id, version),
+            )
+            await self._approved.put(req.adapter_id, version, files)
+            await self._commit([change], req.actor)
+        if req.upload_id is not None:
+            await self._uploads.delete(req.upload_id)
+        return AdapterRecordsReply(records=[change.after])
+
+    async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:
+        return await self._change(
+            req.actor, lambda: lifecycle.promote(self.catalog, req.adapter_id, req.version, req.traffic_percent)
+        )
+
+    async def rollout(self, req: RolloutRequest) -> AdapterRecordsReply:
+        return await self._change(
+            req.actor, lambda: lifecycle.rollout(self.catalog, req.adapter_id, req.traffic_percent)
+        )
+
+    async def rollback(self, req: RollbackRequest) -> AdapterRecordsReply:
+        return await self._change(req.actor, lambda: lifecycle.rollback(self.catalog, req.adapter_id))
+
+    async def retire(self, req: RetireRequest) -> AdapterRecordsReply:
+        return await self._change(req.actor, lambda: lifecycle.retire(self.catalog, req.adapter_id, req.version))
+
+    async def revoke(self, req: RevokeRequest) -> AdapterRecordsReply:
+        return await self._change(req.actor, lambda: lifecycle.revoke(self.catalog, req.adapter_id, req.version))
+
+    async def _change(self, actor: str, plan: Callable[[], list[Change]]) -> AdapterRecordsReply:
+        async with self._lock:
+            changes = plan()
+            await self._commit(changes, actor)
+        return AdapterRecordsReply(records=[c.after for c in changes])
+
+    async def _read_source(self, req: RegisterRequest) -> dict[str, bytes]:
+        limits = self._policy.limits
+        if req.inline_files is not None:
+            return decode_inline(req.inline_files)
+        if req.upload_id is not None:
+            return await self._uploads.read(req.upload_id, limits)
+        assert req.source_uri is not None
+        return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs, self._remote_allow_list), limits)
+
+    async def _commit(self, changes: list[Change], actor: str) -> None:
+        for change in changes:
+            await self._kv.put_record(change.after)
+        self.catalog.apply(changes)
+        for change in changes:
+            after = change.after
+            event = AdapterEvent(
+                kind=change.kind,
+                adapter_id=after.adapter_id,
+                version=after.version,
+                tenant_id=after.tenant_id,
+                status=after.status,
+                traffic_percent=after.traffic_percent,
+                actor=actor,
+            )
+            await self._publish(subjects.adapter_event(after.adapter_id), event)
+            audit = RegistryChangeAudit(
+                actor=actor,
+                tenant_id=after.tenant_id,
+                adapter_id=after.adapter_id,
+                version=after.version,
+                action=change.kind,
+                before=change.before.status if change.before else None,
+                after=after.status,
+            )
+            await self._publish(subjects.audit("registry_change", after.tenant_id), AuditEnvelope(body=audit))

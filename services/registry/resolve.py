@@ -1,0 +1,89 @@
+"""(tenant, model[@version], request key) -> the base model or the exact adapter version.
+
+An unknown adapter and one the tenant may not use get the same ModelNotFound text, so a
+tenant cannot probe which adapter names exist.
+"""
+
+from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
+from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
+
+from services.registry.records import RELEASED, Catalog
+from services.registry.rollout import choose
+
+SHARED_TENANT = "shared"
+
+
+def not_found(model: str) -> ModelNotFound:
+    return ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
+
+
+def may_use(record: AdapterRecord, tenant_id: str) -> bool:
+    """Owner tenant, or a shared adapter whose scopes name the tenant or ``*``."""
+    if record.tenant_id == tenant_id:
+        return True
+    return record.tenant_id == SHARED_TENANT and (tenant_id in record.allowed_scopes or "*" in record.allowed_scopes)
+
+
+def find_adapter(catalog: Catalog, tenant_id: str, name: str) -> str | None:
+    """The adapter id ``name`` means for this tenant (id, own alias, then shared alias), if visible."""
+    for candidate in (name, catalog.alias_owner(tenant_id, name), catalog.alias_owner(SHARED_TENANT, name)):
+        latest = catalog.latest(candidate) if candidate else None
+        if latest is not None and may_use(latest, tenant_id):
+            return candidate
+    return None
+
+
+def _split(model: str) -> tuple[str, int | None]:
+    name, sep, version = model.partition("@")
+    if not sep:
+        return name, None
+    if not version.isdigit() or int(version) < 1:
+        raise ModelNotFound(f"'{model}': a version after @ must be a positive integer", param="model")
+    return name, int(version)
+
+
+def to_resolved(record: AdapterRecord) -> ResolvedAdapter:
+    return ResolvedAdapter(
+        adapter_id=record.adapter_id,
+        version=record.version,
+        rank=record.rank,
+        digest=record.checksum,
+        storage_uri=record.storage_uri,
+        alpha=record.alpha,
+        use_rslora=record.use_rslora,
+    )
+
+
+def resolve(catalog: Catalog, base_model: str, tenant_id: str, model: str, request_key: str) -> ResolveReply:
+    if model == base_model:
+        return ResolveReply(base_model=base_model, adapter=None)
+    name, version = _split(model)
+    adapter_id = find_adapter(catalog, tenant_id, name)
+    if adapter_id is None:
+        raise not_found(model)
+    if version is not None:
+        record = catalog.get(adapter_id, version)
+        if record is None:
+            raise not_found(model)
+    else:
+        production, canary = catalog.released(adapter_id)
+        record = choose(production, canary, request_key) or catalog.latest(adapter_id)
+        assert record is not None
+    if record.status == "revoked":
+        raise AdapterRevoked(f"'{model}' version {record.version} was revoked and is not served", param="model")
+    if record.status not in RELEASED:
+        raise AdapterNotReleased(f"'{model}' has no released version (it is {record.status})", param="model")
+    return ResolveReply(base_model=base_model, adapter=to_resolved(record))
+
+
+def list_models(catalog: Catalog, base_model: str, tenant_id: str, created: int) -> ListModelsReply:
+    """The base model plus every released adapter the tenant may use (one entry per adapter)."""
+    models = [ModelInfo(id=base_model, owned_by="lorafleet", created=created, kind="base")]
+    for adapter_id in sorted(catalog.adapters()):
+        production, canary = catalog.released(adapter_id)
+        shown = production or canary
+        if shown is not None and may_use(shown, tenant_id):
+            models.append(
+                ModelInfo(id=adapter_id, owned_by=shown.tenant_id, created=int(shown.created_at), kind="adapter")
+            )
+    return ListModelsReply(models=models)

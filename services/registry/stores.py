@@ -1,0 +1,113 @@
+"""Where adapter bytes come from and go to: uploads, the approved store, trusted sources.
+
+The approved store is a JetStream object store (``nats-os://<bucket>/<id>/<version>``) or a
+local trusted directory (``file:///dir/<id>/<version>``); workers read the same URIs
+(services/worker/adapter_verify.py). Remote sources are refused unless allow-listed.
+"""
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.errors import NotFoundError
+from nats.js.object_store import ObjectStore
+
+from shared import subjects
+from shared.adapter_format import ADAPTER_FILES, AdapterLimits
+from shared.errors import InvalidRequest, ServiceUnavailable
+
+OBJECT_SCHEME = "nats-os"
+
+
+def object_prefix(adapter_id: str, version: int) -> str:
+    return f"{adapter_id}/{version}"
+
+
+async def open_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:
+    return await js.create_object_store(bucket, config=ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE))
+
+
+def decode_inline(files: dict[str, str]) -> dict[str, bytes]:
+    try:
+        return {name: base64.b64decode(data, validate=True) for name, data in files.items()}
+    except binascii.Error:
+        raise InvalidRequest("inline_files must hold base64 file contents") from None
+
+
+def trusted_source_dir(uri: str, trusted_dirs: tuple[Path, ...], remote_allow_list: tuple[str, ...]) -> Path:
+    """The local directory a ``file://`` source names, if inside a trusted directory.
+
+    Remote sources (http, https, s3, hub ids) are refused; an allow-listed one is refused
+    too, with a different message, because this build does not fetch remote bytes."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        if any(uri.startswith(prefix) for prefix in remote_allow_list):
+            raise ServiceUnavailable(f"{uri}: allow-listed, but this registry does not fetch remote sources")
+        raise InvalidRequest(f"source {uri!r} is refused: only uploads and file:// trusted directories are admitted")
+    path = Path(os.path.realpath(parsed.path))
+    for root in trusted_dirs:
+        if path.is_relative_to(os.path.realpath(root)):
+            return path
+    raise InvalidRequest(f"source {uri!r} is outside every trusted directory")
+
+
+class Uploads:
+    """The bucket clients put ``<upload_id>/<file>`` objects into before calling register."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store = store
+
+    async def read(self, upload_id: str, limits: AdapterLimits) -> dict[str, bytes]:
+        files: dict[str, bytes] = {}
+        for name in ADAPTER_FILES:
+            try:
+                info = await self._store.get_info(f"{upload_id}/{name}")
+            except NotFoundError:
+                raise InvalidRequest(f"upload {upload_id!r} has no {name}") from None
+            if info.size > limits.max_weights_bytes:
+                raise InvalidRequest(f"upload {upload_id!r}: {name} exceeds the size cap")
+            files[name] = (await self._store.get(f"{upload_id}/{name}")).data or b""
+        return files
+
+    async def delete(self, upload_id: str) -> None:
+        for name in ADAPTER_FILES:
+            try:
+                await self._store.delete(f"{upload_id}/{name}")
+            except NotFoundError:
+                pass
+
+
+class ApprovedStore:
+    """Writes admitted adapter files to the object store, or to a trusted directory."""
+
+    def __init__(self, objects: ObjectStore | None, bucket: str, file_dir: Path | None) -> None:
+        self._objects = objects
+        self._bucket = bucket
+        self._file_dir = file_dir
+
+    def uri(self, adapter_id: str, version: int) -> str:
+        if self._file_dir is not None:
+            return (self._file_dir.resolve() / object_prefix(adapter_id, version)).as_uri()
+        return f"{OBJECT_SCHEME}://{self._bucket}/{object_prefix(adapter_id, version)}"
+
+    async def put(self, adapter_id: str, version: int, files: dict[str, bytes]) -> None:
+        if self._file_dir is not None:
+            target = self._file_dir / object_prefix(adapter_id, version)
+            target.mkdir(parents=True, exist_ok=False)
+            for name, data in files.items():
+                (target / name).write_bytes(data)
+            return
+        assert self._objects is not None
+        for name, data in files.items():
+            await self._objects.put(f"{object_prefix(adapter_id, version)}/{name}", data)
+
+
+async def open_approved_store(js: JetStreamContext, file_dir: str | None) -> ApprovedStore:
+    if file_dir:
+        return ApprovedStore(None, subjects.ADAPTER_STORE_BUCKET, Path(file_dir))
+    objects = await open_object_store(js, subjects.ADAPTER_STORE_BUCKET)
+    return ApprovedStore(objects, subjects.ADAPTER_STORE_BUCKET, None)

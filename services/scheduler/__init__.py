@@ -1,0 +1,1 @@
+"""Admission, fairness and placement of requests on workers."""

@@ -1,0 +1,37 @@
+"""Per-adapter request heat in Redis; best effort, never blocking the request path."""
+
+import json
+import time
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+HEAT_KEY = "lf:heat"
+log = structlog.get_logger("scheduler.heat")
+
+
+class HeatCounter:
+    def __init__(self, redis: Redis):
+        self._redis = redis
+        self.healthy = True
+        self._last_warning = 0.0
+
+    async def bump(self, submission: bytes) -> None:
+        try:
+            raw = json.loads(submission)
+            adapter = raw.get("adapter") or {}
+            member = f"{adapter['adapter_id']}@{adapter['version']}" if adapter else f"base:{raw['base_model']}"
+        except (ValueError, KeyError, TypeError):
+            return
+        try:
+            await self._redis.zincrby(HEAT_KEY, 1.0, member)
+            self.healthy = True
+        except (RedisError, OSError) as e:
+            self.healthy = False
+            if time.monotonic() - self._last_warning > 10:
+                self._last_warning = time.monotonic()
+                log.warning("redis_unavailable", error=str(e))
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,43 @@
+"""Engine configuration: validated once at start-up, never mutated."""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Sizing and numerics of one worker engine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str = Field(default="cpu", min_length=1, max_length=32, description="torch device of weights and KV cache")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="dtype of the engine's weights, activations and KV cache"
+    )
+    kv_block_size: int = Field(default=16, ge=1, le=256, description="tokens per KV cache block")
+    kv_cache_bytes: int = Field(
+        default=512 * 2**20, ge=2**16, le=2**40, description="byte budget of the KV cache (all layers, K and V)"
+    )
+    num_blocks: int | None = Field(
+        default=None, ge=1, le=2**22, description="explicit KV block count; overrides kv_cache_bytes when set"
+    )
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="most sequences running in one step")
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=16, le=2**20, description="most tokens (prefill + decode) in one forward pass"
+    )
+    max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
+    num_threads: int | None = Field(default=None, ge=1, le=1024, description="torch intra-op threads; None keeps torch's")
+
+    @model_validator(mode="after")
+    def _prompt_fits_one_step(self) -> "EngineConfig":
+        # A (re)prefill is never split across steps, so a full sequence must fit in one step.
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

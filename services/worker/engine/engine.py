@@ -1,0 +1,153 @@
+"""The synchronous engine: each step schedules, runs one forward pass and postprocesses."""
+
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from services.worker.engine.batch import StepBatch, build_batch
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
+from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
+from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.model import LlamaForward
+from services.worker.engine.sampler import sample
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
+from services.worker.engine.weights import ModelWeights, load_weights
+from services.worker.model_loader import LoadedModel
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache; not thread-safe (AsyncEngine owns it from one thread)."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        tokenizer: PreTrainedTokenizerBase,
+        config: EngineConfig,
+        eos_token_ids: set[int],
+        adapter_manager: AdapterManager | None = None,
+    ):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.adapter_manager = adapter_manager
+        spec = weights.spec
+        num_blocks = config.num_blocks or blocks_for_budget(
+            spec, config.kv_block_size, config.torch_dtype, config.kv_cache_bytes
+        )
+        if num_blocks < 1:
+            raise ValueError("kv_cache_bytes is too small for one KV block")
+        self.cache = KVCache(spec, num_blocks, config.kv_block_size, config.torch_dtype, config.device)
+        self.blocks = BlockManager(num_blocks, config.kv_block_size)
+        self.scheduler = Scheduler(config, self.blocks, adapter_manager)
+        self.model = LlamaForward(weights)
+        self._seqs: dict[str, Sequence] = {}
+
+    @classmethod
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: AdapterManager | None = None
+    ) -> "LLMEngine":
+        """Build from the worker's loaded transformers model (weights shared, not copied, when dtypes match)."""
+        weights = load_weights(loaded.model, config.torch_dtype, config.device, config.max_model_len)
+        eos = loaded.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        if loaded.tokenizer.eos_token_id is not None:
+            eos_ids.add(loaded.tokenizer.eos_token_id)
+        return cls(weights, loaded.tokenizer, config, eos_ids, adapter_manager)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises RequestTooLarge when it could never fit this engine."""
+        if request.request_id in self._seqs:
+            raise DuplicateRequest(f"request {request.request_id!r} is already in the engine")
+        prompt = len(request.prompt_token_ids)
+        limit = self.config.max_model_len
+        if prompt == 0 or prompt >= limit:
+            raise RequestTooLarge(f"prompt has {prompt} tokens; this engine accepts 1 to {limit - 1}", param="prompt")
+        longest = min(prompt + request.sampling.max_tokens, limit)
+        capacity = self.num_blocks * self.config.kv_block_size
+        if self.blocks.blocks_needed(longest) > self.num_blocks:
+            raise RequestTooLarge(
+                f"prompt + max_tokens = {longest} tokens exceeds the whole KV cache ({capacity} tokens)",
+                param="max_tokens",
+            )
+        seq = Sequence(request, self.tokenizer)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its KV blocks; its final output, or None if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return self._output(seq, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the forward pass, sample and detokenise."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        batch = build_batch(plan.decodes, plan.prefills, self.config.kv_block_size, self.config.device)
+        logits = self._run(batch)
+        want_logprobs = any(seq.request.logprobs for seq in batch.seqs)
+        tokens, logprobs = sample(logits, batch.seqs, want_logprobs)
+        return self._postprocess(batch.seqs, tokens, logprobs)
+
+    def _run(self, batch: StepBatch) -> torch.Tensor:
+        lora = None
+        if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
+            lora = self.adapter_manager.prepare(batch.token_slots)
+        return self.model.forward(
+            batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
+        )
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.num_cached = seq.num_tokens
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(self._output(seq, [token], None if logprobs is None else [logprobs[row]]))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.sampling
+        if seq.detokenizer.update():
+            return "stop"
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=tokens,
+            text=seq.detokenizer.delta(finished),
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            first_token_time=seq.first_token_time,
+            logprobs=logprobs if seq.request.logprobs else None,
+        )

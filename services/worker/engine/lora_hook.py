@@ -1,0 +1,31 @@
+"""The contract between the engine and the adapter slot cache (implemented in the worker's LoRA package)."""
+
+from typing import Protocol
+
+import torch
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraHook(Protocol):
+    """Per-step LoRA state; the forward pass calls it after each base projection."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += delta(x) for each token's own adapter, in place.
+
+        x: [num_tokens, in_features]; y: [num_tokens, out_features], possibly a non-contiguous
+        column view of a fused projection output; tokens in the step's flattened order.
+        """
+        ...
+
+
+class AdapterManager(Protocol):
+    """Maps adapter names to resident slots and builds each step's LoRA state."""
+
+    def slot_of(self, adapter: str) -> int | None:
+        """The adapter's slot, or None while it is not resident (its requests wait, others run)."""
+        ...
+
+    def prepare(self, token_slots: torch.Tensor) -> LoraHook | None:
+        """token_slots: int64 [num_tokens], -1 = base model only. Called once per step with any slot >= 0."""
+        ...

@@ -1,0 +1,74 @@
+"""The engine's Llama-family forward pass over a flattened step of tokens, with the LoRA hook."""
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.lora_hook import LoraHook
+from services.worker.engine.rope import apply_rope
+from services.worker.engine.weights import ModelWeights
+
+
+class LlamaForward:
+    """RMSNorm, RoPE, GQA attention, SwiGLU, with q/k/v and gate/up fused into one matmul each.
+
+    With a ``lora`` object, each projection's output is passed to ``lora.apply`` after the base
+    matmul. For fused projections it receives column views of the fused output (non-contiguous,
+    row stride = fused width); ``apply`` must add into them in place.
+    """
+
+    def __init__(self, weights: ModelWeights):
+        self.w = weights
+        self.spec = weights.spec
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        logits_indices: torch.Tensor,
+        lora: LoraHook | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; logits_indices: [num_logits] -> fp32 logits [num_logits, vocab]."""
+        s = self.spec
+        q_end, k_end = s.q_size, s.q_size + s.kv_size
+        heads = s.num_heads + s.num_kv_heads
+        rope = self.w.rope[positions]
+        h = self.w.embed[input_ids]
+        attn_out = h.new_empty(h.shape[0], s.q_size)
+        for i, layer in enumerate(self.w.layers):
+            x = self._norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            if lora is not None:
+                lora.apply(i, "q_proj", x, qkv[:, :q_end])
+                lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
+                lora.apply(i, "v_proj", x, qkv[:, k_end:])
+            qk = apply_rope(qkv[:, :k_end].view(-1, heads, s.head_dim), rope)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
+            k_cache, v_cache = cache.layer(i)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            a = paged_attention(q, k, v, k_cache, v_cache, meta, cache.block_size, attn_out)
+            o = F.linear(a, layer.o, layer.o_bias)
+            if lora is not None:
+                lora.apply(i, "o_proj", a, o)
+            h = h + o
+            x = self._norm(h, layer.post_norm)
+            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            inter = gate_up.shape[1] // 2
+            if lora is not None:
+                lora.apply(i, "gate_proj", x, gate_up[:, :inter])
+                lora.apply(i, "up_proj", x, gate_up[:, inter:])
+            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            d = F.linear(act, layer.down, layer.down_bias)
+            if lora is not None:
+                lora.apply(i, "down_proj", act, d)
+            h = h + d
+        h = self._norm(h[logits_indices], self.w.final_norm)
+        return F.linear(h, self.w.lm_head).float()

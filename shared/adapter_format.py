@@ -1,0 +1,218 @@
+"""Admission check of a LoRA adapter's two files, before anything is stored or loaded.
+
+Only ``adapter_model.safetensors`` + ``adapter_config.json`` are admitted: no pickle, no
+remote code, no feature the serving engine does not implement (DoRA, modules_to_save,
+per-module ranks), tensors exactly shaped for the base model, all values finite.
+"""
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
+from shared.fingerprint import BaseModelSpec
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+IGNORED_IN_DIR = frozenset({"README.md"})  # the model card peft writes; never uploaded
+ALLOWED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+ALLOWED_DTYPES = frozenset({"F32", "F16", "BF16"})
+MAX_CONFIG_BYTES = 64 * 1024
+
+_TENSOR_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z]+_proj)\.lora_(A|B)\.weight$"
+)
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_NEUTRAL_KEYS = frozenset({
+    "peft_type", "peft_version", "r", "lora_alpha", "use_rslora", "target_modules", "base_model_name_or_path",
+    "revision", "task_type", "inference_mode", "init_lora_weights", "lora_dropout", "bias", "auto_mapping",
+    "megatron_core", "qalora_group_size",
+})  # fmt: skip
+_REFUSED = {
+    "use_dora": "DoRA adapters (use_dora) are not supported by the serving engine",
+    "modules_to_save": "modules_to_save is refused: an adapter may only carry LoRA A/B matrices",
+    "rank_pattern": "rank_pattern is refused: every module must use the adapter's single rank r",
+    "alpha_pattern": "alpha_pattern is refused: every module must use the adapter's single lora_alpha",
+    "auto_map": "auto_map references remote code and is refused",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterLimits:
+    max_rank: int = 64
+    max_weights_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSummary:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    tensor_count: int
+    file_sha256: dict[str, str]  # file name -> sha256 hex
+
+    @property
+    def checksum(self) -> str:
+        """sha256 of the weights file: the digest a request's completion record carries."""
+        return self.file_sha256[WEIGHTS_FILE]
+
+
+def read_adapter_dir(path: str | Path, limits: AdapterLimits = AdapterLimits()) -> dict[str, bytes]:
+    """Read the two adapter files from a directory, refusing symlinks and any other file."""
+    directory = Path(path)
+    if directory.is_symlink() or not directory.is_dir():
+        raise InvalidRequest(f"{directory} is not a plain directory")
+    files: dict[str, bytes] = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.name in IGNORED_IN_DIR and entry.is_file() and not entry.is_symlink():
+            continue
+        _check_name(entry.name)
+        if entry.is_symlink() or not entry.is_file():
+            raise InvalidRequest(f"{entry.name}: must be a regular file, not a symlink or directory")
+        cap = MAX_CONFIG_BYTES if entry.name == CONFIG_FILE else limits.max_weights_bytes
+        if entry.stat().st_size > cap:
+            raise PayloadTooLarge(f"{entry.name}: {entry.stat().st_size} bytes exceeds the {cap}-byte cap")
+        files[entry.name] = entry.read_bytes()
+    return files
+
+
+def validate_adapter(files: dict[str, bytes], spec: BaseModelSpec, limits: AdapterLimits) -> AdapterSummary:
+    """Check both files completely; raise a typed error naming the first problem found."""
+    for name in files:
+        _check_name(name)
+    missing = [n for n in ADAPTER_FILES if n not in files]
+    if missing:
+        raise InvalidRequest(f"adapter is missing {', '.join(missing)}")
+    if len(files[CONFIG_FILE]) > MAX_CONFIG_BYTES:
+        raise PayloadTooLarge(f"{CONFIG_FILE}: exceeds the {MAX_CONFIG_BYTES}-byte cap")
+    if len(files[WEIGHTS_FILE]) > limits.max_weights_bytes:
+        raise PayloadTooLarge(f"{WEIGHTS_FILE}: exceeds the {limits.max_weights_bytes}-byte cap")
+    rank, alpha, use_rslora, modules = _check_config(files[CONFIG_FILE], limits)
+    count = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
+    return AdapterSummary(
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        target_modules=tuple(sorted(modules)),
+        tensor_count=count,
+        file_sha256={n: hashlib.sha256(files[n]).hexdigest() for n in ADAPTER_FILES},
+    )
+
+
+def _check_name(name: str) -> None:
+    if "/" in name or "\\" in name or name in ("", ".", "..") or "\x00" in name:
+        raise InvalidRequest(f"file name {name!r} is refused: path components are not allowed")
+    if name not in ADAPTER_FILES:
+        raise InvalidRequest(
+            f"file {name!r} is refused: only {WEIGHTS_FILE} and {CONFIG_FILE} are accepted "
+            "(no pickle, .bin, .pt or code files)"
+        )
+
+
+def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, set[str]]:
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidRequest(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise InvalidRequest(f"{CONFIG_FILE} must be a JSON object")
+    for key, reason in _REFUSED.items():
+        if config.get(key):
+            raise InvalidRequest(f"{CONFIG_FILE}: {reason}")
+    mapping = config.get("auto_mapping")
+    if mapping and not str(mapping.get("parent_library", "")).startswith("transformers.models."):
+        raise InvalidRequest(f"{CONFIG_FILE}: auto_mapping names a custom class outside transformers: {mapping}")
+    for key, value in config.items():
+        if key not in _NEUTRAL_KEYS and value not in (None, False, {}, [], 0, ""):
+            raise InvalidRequest(f"{CONFIG_FILE}: unsupported setting {key}={value!r}")
+    if config.get("peft_type") != "LORA":
+        raise InvalidRequest(f"{CONFIG_FILE}: peft_type must be LORA, got {config.get('peft_type')!r}")
+    if config.get("bias", "none") != "none":
+        raise InvalidRequest(f"{CONFIG_FILE}: bias={config['bias']!r} is refused, only 'none'")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise InvalidRequest(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+    if rank > limits.max_rank:
+        raise InvalidRequest(f"{CONFIG_FILE}: rank {rank} exceeds the admitted maximum {limits.max_rank}")
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
+        raise InvalidRequest(f"{CONFIG_FILE}: lora_alpha must be a positive number, got {alpha!r}")
+    modules = config.get("target_modules")
+    if isinstance(modules, str):
+        modules = [modules]
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+        raise InvalidRequest(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names")
+    unknown = sorted(set(modules) - ALLOWED_MODULES)
+    if unknown:
+        raise InvalidRequest(f"{CONFIG_FILE}: target_modules {unknown} are refused; allowed: {sorted(ALLOWED_MODULES)}")
+    return rank, float(alpha), bool(config.get("use_rslora", False)), set(modules)
+
+
+def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> int:
+    header = _header(raw)
+    dims = spec.projection_dims()
+    seen: set[tuple[int, str, str]] = set()
+    for name, entry in header.items():
+        match = _TENSOR_NAME.match(name)
+        if not match:
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} is not a LoRA A/B weight of a Llama projection")
+        layer, block, module, side = int(match[1]), match[2], match[3], match[4]
+        if module not in modules or _BLOCK.get(module, "mlp") != block:
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} targets a module outside target_modules")
+        if layer >= spec.num_layers:
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r}: the base model has {spec.num_layers} layers")
+        if entry.get("dtype") not in ALLOWED_DTYPES:
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} has dtype {entry.get('dtype')!r}")
+        in_f, out_f = dims[module]
+        expected = [rank, in_f] if side == "A" else [out_f, rank]
+        if list(entry.get("shape", ())) != expected:
+            raise IntegrityError(
+                f"{WEIGHTS_FILE}: tensor {name!r} has shape {entry.get('shape')}, expected {expected} "
+                "for this base model"
+            )
+        seen.add((layer, module, side))
+    for layer, module, side in seen:
+        if (layer, module, "B" if side == "A" else "A") not in seen:
+            raise IntegrityError(f"{WEIGHTS_FILE}: layer {layer} {module} has lora_{side} without its pair")
+    missing = sorted(modules - {m for _, m, _ in seen})
+    if missing:
+        raise IntegrityError(f"{WEIGHTS_FILE}: no tensors for target_modules {missing}")
+    _check_finite(raw)
+    return len(header)
+
+
+def _header(raw: bytes) -> dict[str, dict]:
+    """Parse and bound-check the safetensors header before the library touches the bytes."""
+    if len(raw) < 8:
+        raise IntegrityError(f"{WEIGHTS_FILE}: too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", raw[:8])
+    if length > min(len(raw) - 8, MAX_CONFIG_BYTES * 16):
+        raise IntegrityError(f"{WEIGHTS_FILE}: header length {length} is out of bounds")
+    try:
+        header = json.loads(raw[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise IntegrityError(f"{WEIGHTS_FILE}: header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{WEIGHTS_FILE}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    if not header:
+        raise IntegrityError(f"{WEIGHTS_FILE}: contains no tensors")
+    return header
+
+
+def _check_finite(raw: bytes) -> None:
+    try:
+        tensors = load_safetensors(raw)
+    except Exception as e:  # the library's parse errors are not typed
+        raise IntegrityError(f"{WEIGHTS_FILE}: not a valid safetensors file: {e}") from None
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} contains NaN or Inf values")

@@ -1,0 +1,157 @@
+"""NATS plumbing: connect with reconnect, JetStream streams, typed request-reply, shutdown signals."""
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+from pydantic import BaseModel, ValidationError
+
+from shared import subjects
+from shared.errors import InternalError, InvalidMessage, LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.schemas import ErrorBody
+
+M = TypeVar("M", bound=BaseModel)
+log = structlog.get_logger("bus")
+
+ERROR_HEADER = "Lf-Error"
+MAX_MESSAGE_BYTES = 1_048_576
+
+STREAMS: tuple[StreamConfig, ...] = (
+    StreamConfig(
+        name=subjects.INFER_STREAM,
+        subjects=[subjects.INFER_SUBMIT_ALL],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        duplicate_window=120.0,
+        max_msg_size=MAX_MESSAGE_BYTES,
+        max_age=3600.0,
+    ),
+    StreamConfig(
+        name=subjects.ADAPTER_EVENTS_STREAM,
+        subjects=[subjects.ADAPTER_EVENTS_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=30 * 86400.0,
+    ),
+    StreamConfig(
+        name=subjects.AUDIT_STREAM,
+        subjects=[subjects.AUDIT_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=120.0,
+    ),
+)
+
+
+async def connect(url: str, name: str) -> NATS:
+    """Connect, retrying forever in the background once connected; log every state change."""
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", client=name, error=str(e))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected", client=name)
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected", client=name)
+
+    return await nats.connect(
+        servers=[u.strip() for u in url.split(",")],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=2,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """Create the platform's streams, or bring an existing one to this configuration."""
+    for config in STREAMS:
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            await js.update_stream(config)
+
+
+def encode(message: BaseModel) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def decode(model: type[M], data: bytes) -> M:
+    """Parse a message body, turning any validation failure into a typed InvalidMessage."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise InvalidMessage(f"{model.__name__}: message of {len(data)} bytes is too large")
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise InvalidMessage(f"{model.__name__}: {where}: {first.get('msg', 'invalid')}") from None
+
+
+async def reply_error(nc: NATS, reply: str, error: LorafleetError) -> None:
+    await nc.publish(reply, encode(error.to_body()), headers={ERROR_HEADER: error.code})
+
+
+def serve(
+    nc: NATS,
+    subject: str,
+    request_type: type[M],
+    handler: Callable[[M], Awaitable[BaseModel]],
+    *,
+    queue: str = "",
+) -> Awaitable:
+    """Subscribe a typed request-reply handler. Bad input or a failing handler gets a typed
+    error reply; nothing a client sends can stop the subscription."""
+
+    async def on_message(msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("request_without_reply", subject=msg.subject)
+            return
+        try:
+            result = await handler(decode(request_type, msg.data))
+            await nc.publish(msg.reply, encode(result))
+        except LorafleetError as e:
+            log.info("request_refused", subject=msg.subject, code=e.code, error=e.message)
+            await reply_error(nc, msg.reply, e)
+        except Exception as e:  # a bug must still answer the caller, never hang it
+            log.exception("request_failed", subject=msg.subject)
+            await reply_error(nc, msg.reply, InternalError(f"{type(e).__name__} while handling {subject}"))
+
+    return nc.subscribe(subject, queue=queue, cb=on_message)
+
+
+async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M], timeout: float) -> M:
+    """Typed request-reply: the reply model, or the remote's typed error raised here."""
+    try:
+        msg = await nc.request(subject, encode(message), timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise ServiceUnavailable(f"nothing serves {subject}") from None
+    except nats.errors.TimeoutError:
+        raise UpstreamTimeout(f"{subject} did not answer within {timeout:.1f}s") from None
+    if msg.headers and ERROR_HEADER in msg.headers:
+        raise from_body(decode(ErrorBody, msg.data))
+    return decode(reply_type, msg.data)
+
+
+def shutdown_event() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT, for a drain-then-close shutdown."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    return event

@@ -1,0 +1,82 @@
+"""Validated settings, one model per service, read once from ``LF_*`` environment variables."""
+
+import os
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_instance_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{host}-{os.getpid()}"
+
+
+class CommonSettings(BaseSettings):
+    """What every service needs: where NATS and Redis are, logging, liveness timing."""
+
+    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore")
+
+    nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
+    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
+    instance_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60, description="how often liveness is published")
+    liveness_timeout_s: float = Field(default=5.0, gt=0, le=600, description="silence after which a peer is dead")
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field(default="127.0.0.1", description="HTTP bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description="API key -> tenant id (JSON in LF_API_KEYS); issue #8 moves keys to the registry"
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, le=64 * 1_048_576, description="largest request body")
+    max_tokens_limit: int = Field(default=4096, ge=1, le=32_768, description="largest max_tokens a client may ask")
+    max_prompt_chars: int = Field(default=200_000, ge=1, le=2_000_000, description="largest prompt, in characters")
+    accept_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="how long to wait for a worker to accept before answering 503"
+    )
+    request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
+    registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
+
+
+class SchedulerSettings(CommonSettings):
+    dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
+    no_worker_grace_s: float = Field(
+        default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
+    )
+    max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions handled concurrently")
+
+
+class WorkerSettings(CommonSettings):
+    worker_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    model_dir: str | None = Field(default=None, description="local HF model directory; None = embedded SmolLM2")
+    model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$")
+    max_running: int = Field(default=64, ge=1, le=4096, description="sequences decoded together")
+
+
+class RegistrySettings(CommonSettings):
+    model_dir: str | None = Field(default=None, description="base model directory; None = embedded SmolLM2")
+    model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
+    dev_mode: bool = Field(default=False, description="admit unsigned adapters; never in production")
+    max_rank: int = Field(default=64, ge=1, le=1024, description="largest LoRA rank admitted")
+    max_adapter_bytes: int = Field(
+        default=256 * 1_048_576, ge=1024, le=8 * 1024**3, description="largest adapter_model.safetensors admitted"
+    )
+    store_dir: str | None = Field(
+        default=None, description="approved store as a local trusted directory; None = the JetStream object store"
+    )
+    trusted_source_dirs: tuple[str, ...] = Field(
+        default=(), description="directories a register request may name as a file:// source"
+    )
+    remote_allow_list: tuple[str, ...] = Field(
+        default=(), description="URL prefixes an operator allows as remote sources (JSON list)"
+    )
+
+
+class AuditorSettings(CommonSettings):
+    db_path: str = Field(default=".lorafleet/audit.sqlite3", description="SQLite index of the audit trail")
+    durable_name: str = Field(default="auditor", pattern=r"^[A-Za-z0-9_-]{1,64}$")

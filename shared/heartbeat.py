@@ -1,0 +1,33 @@
+"""Publish a service's liveness on ``lf.service.heartbeat.<service>`` until told to stop."""
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from shared import subjects
+from shared.bus import encode
+from shared.schemas import ServiceHeartbeat
+
+log = structlog.get_logger("heartbeat")
+
+
+async def publish_heartbeats(
+    nc: NATS,
+    service: str,
+    instance_id: str,
+    interval_s: float,
+    status: Callable[[], tuple[bool, str]],
+) -> None:
+    """Every ``interval_s``: publish (ready, detail) from ``status()``. Runs until cancelled."""
+    subject = subjects.service_heartbeat(service)
+    while True:
+        ready, detail = status()
+        if nc.is_connected:
+            try:
+                beat = ServiceHeartbeat(service=service, instance_id=instance_id, ready=ready, detail=detail[:500])
+                await nc.publish(subject, encode(beat))
+            except Exception as e:  # liveness must never take the service down
+                log.warning("heartbeat_failed", error=str(e))
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,23 @@
+"""structlog JSON logging, one line per event, bound to request/tenant/adapter where known."""
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger:
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger(service=service)
