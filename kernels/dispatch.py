@@ -90,6 +90,8 @@ def add_lora(
         else:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
         return
+    # Imported on first CUDA use: a CPU worker never pays for importing Triton, and tests can set
+    # TRITON_INTERPRET before the kernels are decorated.
     from kernels.bgmv import bgmv_expand, bgmv_shrink
     from kernels.sgmv import sgmv_expand, sgmv_shrink
 

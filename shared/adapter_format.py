@@ -21,6 +21,7 @@ from shared.fingerprint import BaseModelSpec
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+OBJECT_STORE_SCHEME = "nats-os"  # storage URIs nats-os://<bucket>/<adapter_id>/<version>
 IGNORED_IN_DIR = frozenset({"README.md"})  # the model card peft writes; never uploaded
 ALLOWED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 ALLOWED_DTYPES = frozenset({"F32", "F16", "BF16"})

@@ -14,7 +14,7 @@ from services.gateway.openai_format import ChunkWriter, full_response
 from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
-from shared.errors import InvalidRequest, LorafleetError, NoWorkerAvailable
+from shared.errors import InvalidRequest, LorafleetError, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
     ChatMessage, ListModelsReply, ListModelsRequest, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
 )
@@ -41,15 +41,19 @@ async def _run(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest | C
     chat = isinstance(body, ChatCompletionRequest)
     request_id = uuid.uuid4().hex
     log_ = log.bind(request_id=request_id, tenant_id=tenant, model=body.model)
-    if not ctx.cluster.ready_workers():
+    sampling = _sampling(ctx, body)
+    missing = ctx.cluster.unavailable()
+    if missing == "worker":
         raise NoWorkerAvailable("no worker is available")
+    if missing is not None:
+        raise ServiceUnavailable(f"the {missing} is not available")
     resolved = await bus_request(
         ctx.nc, subjects.registry("resolve"),
         ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id),
         ResolveReply, ctx.settings.registry_timeout_s,
     )
     fields = dict(request_id=request_id, tenant_id=tenant, model=body.model, base_model=resolved.base_model,
-                  adapter=resolved.adapter, sampling=_sampling(ctx, body), stream=body.stream,
+                  adapter=resolved.adapter, sampling=sampling, stream=body.stream,
                   timeout_s=ctx.settings.request_timeout_s, **inputs)
     sub = await submit(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s)
     headers = _served_headers(sub)

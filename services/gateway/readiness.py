@@ -27,6 +27,14 @@ class ClusterView:
     def on_worker(self, beat: WorkerHeartbeat) -> None:
         self.workers.seen(beat.worker_id, beat)
 
+    def unavailable(self) -> str | None:
+        """Why a request cannot be served right now (a missing piece of its path), or None."""
+        if not any(b.ready for b in self.services["scheduler"].alive().values()):
+            return "scheduler"
+        if not self.ready_workers():
+            return "worker"
+        return None
+
     def ready_workers(self) -> list[WorkerHeartbeat]:
         return [b for b in self.workers.alive().values() if b.ready]
 

@@ -17,10 +17,9 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from shared import subjects
-from shared.adapter_format import ADAPTER_FILES, AdapterLimits
+from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
 from shared.errors import InvalidRequest, ServiceUnavailable
 
-OBJECT_SCHEME = "nats-os"
 
 
 def object_prefix(adapter_id: str, version: int) -> str:
@@ -92,7 +91,7 @@ class ApprovedStore:
     def uri(self, adapter_id: str, version: int) -> str:
         if self._file_dir is not None:
             return (self._file_dir.resolve() / object_prefix(adapter_id, version)).as_uri()
-        return f"{OBJECT_SCHEME}://{self._bucket}/{object_prefix(adapter_id, version)}"
+        return f"{OBJECT_STORE_SCHEME}://{self._bucket}/{object_prefix(adapter_id, version)}"
 
     async def put(self, adapter_id: str, version: int, files: dict[str, bytes]) -> None:
         if self._file_dir is not None:

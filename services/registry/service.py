@@ -1,0 +1,123 @@
+"""Registry service wiring: connect, open the stores, serve ``lf.registry.<op>``, heartbeat."""
+
+import asyncio
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import structlog
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel
+
+from shared import subjects
+from shared.adapter_format import AdapterLimits
+from shared.bus import connect, encode, ensure_streams, serve, shutdown_event
+from shared.config import RegistrySettings
+from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
+from shared.heartbeat import publish_heartbeats
+from shared.logs import configure_logging
+from shared.schemas import (
+    GetAdapterRequest,
+    ListAdaptersRequest,
+    ListKeysRequest,
+    ListModelsRequest,
+    PromoteRequest,
+    RegisterRequest,
+    ResolveRequest,
+    RetireRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+    TrustKeyRequest,
+)
+
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.kv import RecordsKV
+from services.registry.ops import Registry
+from services.registry.records import Catalog
+from services.registry.stores import Uploads, open_approved_store, open_object_store
+from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+
+log = structlog.get_logger("registry")
+
+
+def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
+    cache = Path(settings.model_cache) if settings.model_cache else None
+    directory = resolve_model_dir(settings.model_dir, cache)
+    name = EMBEDDED_MODEL_NAME if settings.model_dir is None else directory.name
+    return BaseModelIdentity(
+        name=name, fingerprint=fingerprint_model_dir(directory), spec=BaseModelSpec.from_model_dir(directory)
+    )
+
+
+async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIdentity) -> Registry:
+    """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    kv = await RecordsKV.open(js)
+
+    async def publish(subject: str, message: BaseModel) -> None:
+        await js.publish(subject, encode(message))
+
+    return Registry(
+        catalog=Catalog(await kv.load_records()),
+        trusted_keys=await kv.load_signers(),
+        kv=kv,
+        approved=await open_approved_store(js, settings.store_dir),
+        uploads=Uploads(await open_object_store(js, subjects.ADAPTER_UPLOADS_BUCKET)),
+        base=base,
+        policy=AdmissionPolicy(
+            limits=AdapterLimits(max_rank=settings.max_rank, max_weights_bytes=settings.max_adapter_bytes),
+            dev_mode=settings.dev_mode,
+        ),
+        trusted_dirs=tuple(Path(d) for d in settings.trusted_source_dirs),
+        remote_allow_list=settings.remote_allow_list,
+        publish=publish,
+    )
+
+
+async def subscribe(nc: NATS, registry: Registry) -> list:
+    """One typed request-reply handler per op on ``lf.registry.<op>``."""
+    handlers: dict[str, tuple[type[BaseModel], object]] = {
+        "resolve": (ResolveRequest, registry.resolve),
+        "list": (ListModelsRequest, registry.list_models),
+        "register": (RegisterRequest, registry.register),
+        "promote": (PromoteRequest, registry.promote),
+        "rollout": (RolloutRequest, registry.rollout),
+        "rollback": (RollbackRequest, registry.rollback),
+        "retire": (RetireRequest, registry.retire),
+        "revoke": (RevokeRequest, registry.revoke),
+        "get": (GetAdapterRequest, registry.get),
+        "adapters": (ListAdaptersRequest, registry.adapters),
+        "trust_key": (TrustKeyRequest, registry.trust_key),
+        "keys": (ListKeysRequest, registry.keys),
+    }
+    assert set(handlers) == set(subjects.REGISTRY_OPS)
+    return [await serve(nc, subjects.registry(op), model, handler) for op, (model, handler) in handlers.items()]
+
+
+async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set, then drain."""
+    base = await asyncio.to_thread(base_model_identity, settings)
+    async with AsyncExitStack() as stack:
+        nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
+        stack.push_async_callback(nc.drain)
+        registry = await open_registry(nc, settings, base)
+        await subscribe(nc, registry)
+        beat = asyncio.create_task(
+            publish_heartbeats(
+                nc,
+                "registry",
+                settings.instance_id,
+                settings.heartbeat_interval_s,
+                lambda: (True, f"{len(registry.catalog)} adapter versions"),
+            )
+        )
+        stack.callback(beat.cancel)
+        log.info("registry_ready", base_model=base.name, fingerprint=base.fingerprint, versions=len(registry.catalog))
+        await stop.wait()
+
+
+async def main() -> None:
+    settings = RegistrySettings()
+    configure_logging("registry", settings.log_level)
+    await run(settings, shutdown_event())

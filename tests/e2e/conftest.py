@@ -1,0 +1,55 @@
+"""The whole stack as real processes: nats-server, redis-server and the five services."""
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.cli.infra import Server, free_port, start_nats, start_redis
+from services.cli.stack import SERVICES, Stack, wait_ready
+
+API_KEY = "e2e-key-demo"
+OTHER_KEY = "e2e-key-other"
+
+
+@dataclass
+class RunningStack:
+    stack: Stack
+    nats: Server
+    redis: Server
+    gateway_url: str
+    api_key: str
+    db_path: Path
+
+    def ready(self, services: tuple[str, ...] = SERVICES, timeout_s: float = 300) -> None:
+        asyncio.run(wait_ready(self.nats.url, self.stack, services, timeout_s))
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    root = tmp_path_factory.mktemp("stack")
+    nats = start_nats(free_port(), root / "nats")
+    redis = start_redis(free_port(), root / "redis")
+    port = free_port()
+    env = {
+        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
+        "LF_API_KEYS": json.dumps({API_KEY: "demo", OTHER_KEY: "other"}),
+        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LIVENESS_TIMEOUT_S": "3",
+        "LF_ACCEPT_TIMEOUT_S": "6", "LF_NO_WORKER_GRACE_S": "2",
+        "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
+    }
+    stack = Stack(env, root / "logs")
+    running = RunningStack(stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3")
+    try:
+        for name in SERVICES:
+            stack.start(name)
+        running.ready()
+        yield running
+    finally:
+        stack.stop_all()
+        redis.stop()
+        nats.stop()
