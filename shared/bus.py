@@ -12,10 +12,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from shared import subjects
+from shared.config import CommonSettings
 from shared.errors import InternalError, InvalidMessage, LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
 from shared.schemas import ErrorBody
 
@@ -53,8 +54,12 @@ STREAMS: tuple[StreamConfig, ...] = (
 )
 
 
-async def connect(url: str, name: str) -> NATS:
-    """Connect, retrying forever in the background once connected; log every state change."""
+async def connect(url: str, name: str, credentials: tuple[str, str] | None = None) -> NATS:
+    """Connect, retrying forever in the background once connected; log every state change.
+
+    ``credentials`` (user, password) default to this process's ``LF_NATS_USER`` /
+    ``LF_NATS_PASSWORD[_FILE]``; none there means a server without auth."""
+    user, password = credentials or CommonSettings().nats_credentials() or (None, None)
 
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", client=name, error=str(e))
@@ -75,15 +80,38 @@ async def connect(url: str, name: str) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        user=user,
+        password=password,
     )
 
 
+_COMPARED = ("subjects", "retention", "storage", "discard", "max_age", "max_msg_size", "duplicate_window")
+
+
+def _drifted(wanted: StreamConfig, actual: StreamConfig) -> bool:
+    """Whether a field set in ``wanted`` differs on the server (None, or a zero duplicate
+    window, means the server's default)."""
+    for k in _COMPARED:
+        value = getattr(wanted, k)
+        if value is None or (k == "duplicate_window" and value == 0):
+            continue
+        if value != getattr(actual, k):
+            return True
+    return False
+
+
 async def ensure_streams(js: JetStreamContext) -> None:
-    """Create the platform's streams, or bring an existing one to this configuration."""
+    """Create a missing stream, or bring a drifted one to this configuration.
+
+    A stream already as configured costs one ``STREAM.INFO``, so a service whose NATS user
+    may not create or update streams starts fine once ``lorafleet nats setup`` made them."""
     for config in STREAMS:
         try:
+            info = await js.stream_info(config.name)
+        except NotFoundError:
             await js.add_stream(config)
-        except BadRequestError:
+            continue
+        if _drifted(config, info.config):
             await js.update_stream(config)
 
 

@@ -2,8 +2,9 @@
 
 import os
 import socket
+from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +24,23 @@ class CommonSettings(BaseSettings):
     instance_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60, description="how often liveness is published")
     liveness_timeout_s: float = Field(default=5.0, gt=0, le=600, description="silence after which a peer is dead")
+    nats_user: str | None = Field(default=None, description="NATS user of this service (None = no auth)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password; prefer nats_password_file")
+    nats_password_file: Path | None = Field(default=None, description="file holding the NATS password")
+    redis_password_file: Path | None = Field(default=None, description="file holding the Redis AUTH password")
+    redis_key_prefix: str = Field(default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key")
+
+    def nats_credentials(self) -> tuple[str, str] | None:
+        """(user, password) for NATS, or None when this deployment runs without NATS auth."""
+        if self.nats_user is None:
+            return None
+        if self.nats_password_file is not None:
+            return self.nats_user, self.nats_password_file.read_text().strip()
+        return self.nats_user, self.nats_password.get_secret_value() if self.nats_password else ""
+
+    def redis_password(self) -> str | None:
+        """The Redis AUTH password from ``redis_password_file``; a password in ``redis_url`` wins over it."""
+        return self.redis_password_file.read_text().strip() if self.redis_password_file else None
 
 
 class GatewaySettings(CommonSettings):

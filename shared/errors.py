@@ -149,3 +149,9 @@ def from_body(body: ErrorBody) -> LorafleetError:
     if cls is None or cls.status != body.status:
         return RemoteError(body)
     return cls(body.message, retry_after_s=body.retry_after_s, param=body.param)
+
+
+class NoFreeSlot(ServiceUnavailable):
+    """Every GPU slot of the adapter's rank class is taken: evict one, or wait."""
+
+    code = "no_free_slot"

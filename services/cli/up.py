@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from services.cli.infra import pick_port, start_nats, start_redis
+from services.cli.nats_auth import local_auth, setup_streams
 from services.cli.stack import SERVICES, Stack, wait_ready
 
 
@@ -50,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     for name, wanted in (("gateway", args.port), ("nats", args.nats_port), ("redis", args.redis_port)):
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
-    nats = start_nats(ports["nats"], state / "nats", state / "logs" / "nats.log")
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    auth = local_auth(state)
+    nats = start_nats(ports["nats"], state / "nats", state / "logs" / "nats.log", config=auth.config)
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
     key = demo_key(state)
     env = {
@@ -60,10 +63,11 @@ def run(args: argparse.Namespace) -> int:
     }
     stack = Stack(env, state / "logs")
     try:
+        asyncio.run(setup_streams(nats.url, auth.admin()))
         for name in SERVICES:
-            stack.start(name)
+            stack.start(name, extra_env=auth.service_env(name))
         print("starting services (the first start converts the base model once, about a minute)...")
-        asyncio.run(wait_ready(nats.url, stack, SERVICES, args.ready_timeout))
+        asyncio.run(wait_ready(auth.admin_url(nats.url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
         print(f"demo tenant API key: {key}\n\nTry:\n{example(ports['gateway'], key, 'SmolLM2-135M-Instruct')}\n")
         print("Ctrl-C stops everything.")

@@ -1,6 +1,7 @@
 """Registry service wiring: connect, open the stores, serve ``lf.registry.<op>``, heartbeat."""
 
 import asyncio
+import gc
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -102,6 +103,8 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
         stack.push_async_callback(nc.drain)
         registry = await open_registry(nc, settings, base)
+        gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
+        stack.callback(gc.unfreeze)
         await subscribe(nc, registry)
         beat = asyncio.create_task(
             publish_heartbeats(

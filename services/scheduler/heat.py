@@ -7,13 +7,14 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-HEAT_KEY = "lf:heat"
+HEAT_KEY = "heat"  # under the deployment's redis_key_prefix
 log = structlog.get_logger("scheduler.heat")
 
 
 class HeatCounter:
-    def __init__(self, redis: Redis):
+    def __init__(self, redis: Redis, key_prefix: str = "lf:"):
         self._redis = redis
+        self._key = f"{key_prefix}{HEAT_KEY}"
         self.healthy = True
         self._last_warning = 0.0
 
@@ -25,7 +26,7 @@ class HeatCounter:
         except (ValueError, KeyError, TypeError):
             return
         try:
-            await self._redis.zincrby(HEAT_KEY, 1.0, member)
+            await self._redis.zincrby(self._key, 1.0, member)
             self.healthy = True
         except (RedisError, OSError) as e:
             self.healthy = False

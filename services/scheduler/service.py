@@ -54,7 +54,7 @@ async def run(settings: SchedulerSettings) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         workers: Liveness[WorkerHeartbeat] = Liveness(settings.liveness_timeout_s)
-        heat = HeatCounter(connect_redis(settings.redis_url))
+        heat = HeatCounter(connect_redis(settings.redis_url, password=settings.redis_password()), settings.redis_key_prefix)
         stack.push_async_callback(heat.close)
 
         async def on_worker(msg) -> None:
@@ -90,7 +90,7 @@ async def run(settings: SchedulerSettings) -> None:
         def status() -> tuple[bool, str]:
             alive = [w for w in workers.alive().values() if w.ready]
             detail = f"{len(alive)} workers" + ("" if heat.healthy else ", redis unavailable")
-            return bool(alive), detail
+            return nc.is_connected, detail
 
         stop = shutdown_event()
         beats = asyncio.create_task(publish_heartbeats(nc, "scheduler", settings.instance_id,

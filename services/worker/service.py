@@ -53,7 +53,8 @@ async def run(settings: WorkerSettings) -> None:
         loaded = await asyncio.to_thread(load_model, settings.model_dir, device=settings.device, cache_dir=cache_dir)
         config = EngineConfig(device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_running)
         engine = AsyncEngine.from_loaded(loaded, config)
-        stack.push_async_callback(engine.shutdown)
+        engine.start()
+        stack.callback(engine.shutdown)
 
         async def emit(reply_to: str, message: ReplyMessage) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))

@@ -76,7 +76,6 @@ class RequestServer:
         if self.engine.stats().waiting >= self.max_waiting:
             raise ServiceUnavailable("worker queue is full")
         prompt_ids = self.tokenize(request)
-        self.engine.check(EngineRequest(request.request_id, prompt_ids, request.sampling))
         self._remember(request.request_id)
         await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,
                                                         cache_hit=True))

@@ -1,20 +1,26 @@
 """Registry fixtures: a tiny Llama base model directory and a real peft LoRA adapter for it."""
 
+import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import torch
+from nats.aio.client import Client as NATS
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
+from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits
+from shared.bus import connect
+from shared.config import RegistrySettings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.signing import KeyPair, generate_keypair
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
-from shared.schemas import AdapterRecord
+from shared.schemas import AdapterRecord, ServiceHeartbeat
+from services.registry.service import run
 
 TINY = {
     "model_type": "llama",
@@ -127,3 +133,21 @@ def make_record() -> Callable[..., AdapterRecord]:
         return AdapterRecord(**values)
 
     return make
+
+
+@pytest.fixture
+async def registry(nats_url: str, base_dir: Path, tmp_path: Path) -> AsyncIterator[NATS]:
+    """A running registry service and a client connection; the service stops at teardown."""
+    settings = RegistrySettings(nats_url=nats_url, model_dir=str(base_dir), instance_id="reg-test",
+                                heartbeat_interval_s=0.1, max_rank=16, trusted_source_dirs=(str(tmp_path),))  # fmt: skip
+    nc = await connect(nats_url, "registry-test")
+    beats = await nc.subscribe(subjects.service_heartbeat("registry"))
+    stop = asyncio.Event()
+    service = asyncio.create_task(run(settings, stop))
+    beat = ServiceHeartbeat.model_validate_json((await beats.next_msg(timeout=30)).data)
+    assert (beat.service, beat.ready) == ("registry", True)
+    await beats.unsubscribe()
+    yield nc
+    stop.set()
+    await service
+    await nc.drain()

@@ -1,5 +1,6 @@
 """Admission checks of adapter files: each refusal names exactly what is wrong."""
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -86,7 +87,7 @@ def test_shape_mismatch_with_the_base_model_is_refused(variant: Callable, base: 
 
 
 def test_adapter_for_a_bigger_base_model_is_refused(adapter_files: dict[str, bytes], base: BaseModelIdentity) -> None:
-    bigger = type(base.spec)(**{**{f: getattr(base.spec, f) for f in base.spec.__slots__}, "hidden_size": 128})
+    bigger = dataclasses.replace(base.spec, hidden_size=128)
     with pytest.raises(IntegrityError, match="expected"):
         validate_adapter(adapter_files, bigger, LIMITS)
 

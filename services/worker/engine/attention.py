@@ -50,10 +50,7 @@ def paged_attention(
         dv = v_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, meta.decode_blocks)
         dk = dk.view(kv_heads, n, length, head_dim)
         dv = dv.view(kv_heads, n, length, head_dim)
-        # Explicit matmuls: SDPA's CPU kernel is several times slower for few query rows with a mask.
-        scores = torch.matmul(dq, dk.transpose(-1, -2)).mul_(head_dim**-0.5)
-        scores.masked_fill_(meta.decode_mask.logical_not(), float("-inf"))
-        res = torch.matmul(scores.softmax(-1), dv)
+        res = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     for start, end in meta.prefill_bounds:
         res = F.scaled_dot_product_attention(

@@ -1,0 +1,187 @@
+"""``lorafleet adapter ...``: push, inspect and move adapters through their lifecycle over NATS."""
+
+import argparse
+import asyncio
+import getpass
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel
+
+from shared import signing, subjects
+from shared.adapter_format import read_adapter_dir
+from shared.bus import request
+from shared.errors import LorafleetError, ServiceUnavailable
+from shared.fingerprint import fingerprint_model_dir
+from shared.schemas import (
+    AdapterRecord,
+    AdapterRecordsReply,
+    GetAdapterRequest,
+    ListAdaptersRequest,
+    PromoteRequest,
+    RegisterRequest,
+    RetireRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+)
+from services.worker.model_loader import resolve_model_dir
+
+TIMEOUT_S = 30.0
+
+
+def actor() -> str:
+    """Who the audit trail names for a CLI change: ``cli:<user>``, or LF_ACTOR."""
+    name = os.environ.get("LF_ACTOR") or f"cli:{getpass.getuser()}"
+    return re.sub(r"[^A-Za-z0-9_.:@-]", "-", name)[:128]
+
+
+async def cli_connect(url: str) -> NATS:
+    """A short-lived client: no reconnect loop, no connection-state logging on stdout."""
+    try:
+        return await nats.connect(servers=[u.strip() for u in url.split(",")], name="lorafleet-cli",
+                                  connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)  # fmt: skip
+    except (OSError, nats.errors.Error) as e:
+        raise ServiceUnavailable(f"cannot reach NATS at {url}: {e}") from None
+
+
+async def call(nc: NATS, op: str, message: BaseModel) -> AdapterRecordsReply:
+    return await request(nc, subjects.registry(op), message, AdapterRecordsReply, TIMEOUT_S)
+
+
+async def push_adapter(
+    nc: NATS,
+    directory: Path,
+    *,
+    adapter_id: str,
+    tenant_id: str,
+    task_type: str,
+    base_fingerprint: str,
+    sign_key: Path | None = None,
+    aliases: list[str] | None = None,
+    scopes: list[str] | None = None,
+    who: str = "cli",
+) -> AdapterRecord:
+    """Upload the two files, sign the manifest for the next version, and register it.
+
+    The signer's name is the key file's stem (``keys gen NAME`` writes ``NAME.key``)."""
+    files = read_adapter_dir(directory)
+    versions = (await call(nc, "get", GetAdapterRequest(adapter_id=adapter_id))).records
+    version = versions[-1].version + 1 if versions else 1
+    signature = signer = None
+    if sign_key is not None:
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        manifest = signing.manifest_bytes(digests, adapter_id, version, tenant_id, base_fingerprint)
+        signature = signing.sign(manifest, signing.load_private_key(sign_key.read_bytes()))
+        signer = sign_key.stem
+    upload_id = secrets.token_hex(12)
+    uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+    for name, data in files.items():
+        await uploads.put(f"{upload_id}/{name}", data)
+    req = RegisterRequest(
+        adapter_id=adapter_id,
+        tenant_id=tenant_id,
+        task_type=task_type,
+        version=version,
+        upload_id=upload_id,
+        signature=signature,
+        signer=signer,
+        aliases=aliases or [],
+        allowed_scopes=scopes or [],
+        actor=who,
+    )
+    return (await call(nc, "register", req)).records[0]
+
+
+def _print(records: list[AdapterRecord], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+        return
+    print(f"{'adapter':<24} {'ver':>4} {'tenant':<12} {'status':<10} {'traffic':>7} {'rank':>4}  checksum")
+    for r in records:
+        print(
+            f"{r.adapter_id:<24} {r.version:>4} {r.tenant_id:<12} {r.status:<10} "
+            f"{r.traffic_percent:>6.1f}% {r.rank:>4}  {r.checksum[:12]}"
+        )
+
+
+async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
+    nc = await cli_connect(args.nats_url)
+    try:
+        who = actor()
+        if args.adapter_cmd == "push":
+            base_dir = resolve_model_dir(args.base_model_dir)
+            record = await push_adapter(
+                nc, args.dir, adapter_id=args.id, tenant_id=args.tenant, task_type=args.task,
+                base_fingerprint=fingerprint_model_dir(base_dir), sign_key=args.sign_key,
+                aliases=args.alias, scopes=args.scope, who=who,
+            )  # fmt: skip
+            return [record]
+        ops: dict[str, Callable[[], tuple[str, BaseModel]]] = {
+            "list": lambda: ("adapters", ListAdaptersRequest(tenant_id=args.tenant)),
+            "show": lambda: ("get", GetAdapterRequest(adapter_id=args.id, version=args.version)),
+            "promote": lambda: ("promote", PromoteRequest(adapter_id=args.id, version=args.version,
+                                                          traffic_percent=args.percent, actor=who)),
+            "rollout": lambda: ("rollout", RolloutRequest(adapter_id=args.id, traffic_percent=args.percent, actor=who)),
+            "rollback": lambda: ("rollback", RollbackRequest(adapter_id=args.id, actor=who)),
+            "retire": lambda: ("retire", RetireRequest(adapter_id=args.id, version=args.version, actor=who)),
+            "revoke": lambda: ("revoke", RevokeRequest(adapter_id=args.id, version=args.version, actor=who)),
+        }  # fmt: skip
+        op, message = ops[args.adapter_cmd]()
+        return (await call(nc, op, message)).records
+    finally:
+        await nc.drain()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        records = asyncio.run(_run(args))
+    except LorafleetError as e:
+        print(f"error ({e.code}): {e.message}")
+        return 1
+    _print(records, args.json)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    opts = argparse.ArgumentParser(add_help=False)
+    opts.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
+    opts.add_argument("--json", action="store_true", help="print records as JSON")
+    adapter = subparsers.add_parser("adapter", help="push and manage LoRA adapters in the registry")
+    adapter.set_defaults(func=run)
+    sub = adapter.add_subparsers(dest="adapter_cmd", required=True)
+    push = sub.add_parser("push", parents=[opts], help="upload, sign and register a new version (status staging)")
+    push.add_argument("dir", type=Path, help="directory with adapter_model.safetensors + adapter_config.json")
+    push.add_argument("--id", required=True)
+    push.add_argument("--tenant", required=True, help='owner tenant, or "shared"')
+    push.add_argument("--task", required=True, help="task type, e.g. summarization")
+    push.add_argument("--sign-key", type=Path, help="Ed25519 private key (NAME.key from `keys gen`)")
+    push.add_argument("--alias", action="append", default=[], help="extra name clients may ask for")
+    push.add_argument("--scope", action="append", default=[], help='tenant allowed to use a shared adapter, or "*"')
+    push.add_argument("--base-model-dir", help="base model the adapter is for; default: the embedded SmolLM2")
+    sub.add_parser("list", parents=[opts], help="every adapter version").add_argument("--tenant")
+    show = sub.add_parser("show", parents=[opts], help="one adapter's versions")
+    show.add_argument("id")
+    show.add_argument("--version", type=int)
+    promote = sub.add_parser("promote", parents=[opts], help="staging -> canary at --percent (100 = production)")
+    promote.add_argument("id")
+    promote.add_argument("version", type=int)
+    promote.add_argument("--percent", type=float, default=1.0)
+    rollout = sub.add_parser("rollout", parents=[opts], help="set the canary's traffic share; 100 makes it production")
+    rollout.add_argument("id")
+    rollout.add_argument("--percent", type=float, required=True)
+    sub.add_parser("rollback", parents=[opts], help="undo the latest rollout step").add_argument("id")
+    retire = sub.add_parser("retire", parents=[opts], help="stop serving one version")
+    retire.add_argument("id")
+    retire.add_argument("version", type=int)
+    revoke = sub.add_parser("revoke", parents=[opts], help="security stop: one version, or all without --version")
+    revoke.add_argument("id")
+    revoke.add_argument("--version", type=int)

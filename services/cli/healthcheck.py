@@ -1,0 +1,69 @@
+"""``python -m services.cli.healthcheck <service>``: exit 0 only if this container's instance of
+``<service>`` published a ready heartbeat recently (a compose / Kubernetes health probe).
+
+The instance is ``LF_WORKER_ID`` (workers) or ``LF_INSTANCE_ID`` when set; otherwise any instance
+whose default id starts with this host's name (the container's hostname), or with ``--any``
+any ready instance of the service."""
+
+import argparse
+import asyncio
+import sys
+
+from shared import subjects
+from shared.bus import connect, decode
+from shared.config import CommonSettings, WorkerSettings, _default_instance_id
+from shared.schemas import ServiceHeartbeat
+
+
+def instance_matcher(service: str, any_instance: bool) -> tuple[str, bool]:
+    """(id or prefix to match, whether it is an exact id)."""
+    if any_instance:
+        return "", False
+    settings = WorkerSettings() if service == "worker" else CommonSettings()
+    wanted = settings.worker_id if isinstance(settings, WorkerSettings) else settings.instance_id
+    default = _default_instance_id()
+    if wanted != default:
+        return wanted, True
+    return default.rsplit("-", 1)[0] + "-", False
+
+
+async def ready_heartbeat(service: str, match: str, exact: bool, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a ready heartbeat of a matching instance."""
+    settings = CommonSettings()
+    nc = await connect(settings.nats_url, f"healthcheck-{service}")
+    found = asyncio.Event()
+
+    async def on_beat(msg) -> None:
+        beat = decode(ServiceHeartbeat, msg.data)
+        hit = beat.instance_id == match if exact else beat.instance_id.startswith(match)
+        if beat.ready and hit:
+            found.set()
+
+    try:
+        await nc.subscribe(subjects.service_heartbeat(service), cb=on_beat)
+        await asyncio.wait_for(found.wait(), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        await nc.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck")
+    parser.add_argument("service", choices=("gateway", "registry", "scheduler", "worker", "auditor"))
+    parser.add_argument("--any", action="store_true", help="accept any ready instance of the service")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a heartbeat")
+    args = parser.parse_args(argv)
+    match, exact = instance_matcher(args.service, args.any)
+    try:
+        ok = asyncio.run(ready_heartbeat(args.service, match, exact, args.timeout))
+    except Exception as e:  # a probe reports, never raises
+        print(f"unhealthy: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    print("ready" if ok else f"no ready heartbeat from {args.service} within {args.timeout:.0f}s")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

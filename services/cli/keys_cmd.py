@@ -1,0 +1,71 @@
+"""``lorafleet keys ...``: make an Ed25519 signing key, and trust a signer's public key."""
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from shared import signing, subjects
+from shared.bus import request
+from shared.errors import LorafleetError
+from shared.schemas import ListKeysRequest, TrustedKeysReply, TrustKeyRequest
+from services.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
+
+
+def generate(name: str, out_dir: Path) -> tuple[Path, str]:
+    """Write ``NAME.key`` (PKCS#8 PEM, mode 0600) and ``NAME.pub`` (base64 raw public key)."""
+    keys = signing.generate_keypair()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    private = out_dir / f"{name}.key"
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(keys.private_pem)
+    (out_dir / f"{name}.pub").write_text(keys.public_b64 + "\n")
+    return private, keys.public_b64
+
+
+async def _registry_keys(args: argparse.Namespace) -> dict[str, str]:
+    nc = await cli_connect(args.nats_url)
+    try:
+        if args.keys_cmd == "trust":
+            key = args.public_key
+            if Path(key).is_file():
+                key = Path(key).read_text().strip()
+            message = TrustKeyRequest(signer=args.name, public_key=key, actor=actor())
+            reply = await request(nc, subjects.registry("trust_key"), message, TrustedKeysReply, TIMEOUT_S)
+        else:
+            reply = await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, TIMEOUT_S)
+        return reply.keys
+    finally:
+        await nc.drain()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.keys_cmd == "gen":
+        private, public = generate(args.name, args.out)
+        print(f"private key: {private} (keep it secret)\npublic key:  {public}")
+        print(f"trust it with: lorafleet keys trust {args.name} {public}")
+        return 0
+    try:
+        keys = asyncio.run(_registry_keys(args))
+    except LorafleetError as e:
+        print(f"error ({e.code}): {e.message}")
+        return 1
+    for name, public in sorted(keys.items()):
+        print(f"{name:<24} {public}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    opts = argparse.ArgumentParser(add_help=False)
+    opts.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
+    keys = subparsers.add_parser("keys", help="adapter signing keys")
+    keys.set_defaults(func=run)
+    sub = keys.add_subparsers(dest="keys_cmd", required=True)
+    gen = sub.add_parser("gen", help="make NAME.key and NAME.pub")
+    gen.add_argument("name", help="signer name (letters, digits, - and _)")
+    gen.add_argument("--out", type=Path, default=Path(".lorafleet/keys"))
+    trust = sub.add_parser("trust", parents=[opts], help="add a trusted signer to the registry")
+    trust.add_argument("name")
+    trust.add_argument("public_key", help="base64 public key, or the NAME.pub file")
+    sub.add_parser("list", parents=[opts], help="the registry's trusted signers")

@@ -1,0 +1,146 @@
+"""Who may do what on NATS: one user per service, one per direct-NATS tenant, one admin.
+
+Every permission is an allow list; anything not listed is refused by nats-server. JetStream
+operations are requests to ``$JS.API.*`` subjects, so each stream, bucket and consumer a
+service touches is named here. The shared streams (INFER, ADAPTER_EVENTS, AUDIT) are created
+by the admin (``lorafleet nats setup``); services only read their info. The registry creates
+and owns its KV and object-store buckets; workers read them.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared import subjects
+
+API = "$JS.API"
+SHARED_STREAMS = (subjects.INFER_STREAM, subjects.ADAPTER_EVENTS_STREAM, subjects.AUDIT_STREAM)
+SERVICES = ("gateway", "registry", "scheduler", "worker", "auditor")
+ADMIN = "admin"
+SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
+AUDITOR_CONSUMER = "auditor"  # durable on AUDIT (AuditorSettings.durable_name default)
+REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+    def to_conf(self) -> dict:
+        conf: dict = {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}}
+        if self.allow_responses:
+            conf["allow_responses"] = True
+        return conf
+
+
+def tenant_inbox(tenant: str) -> str:
+    """The inbox prefix a direct-NATS tenant connects with (``inbox_prefix=``)."""
+    return f"_INBOX_{subjects.token(tenant)}"
+
+
+def reply_inboxes(tenants: Iterable[str]) -> list[str]:
+    """Where replies to a request's ``reply_to`` may go: the gateway's inboxes and each tenant's."""
+    return ["_INBOX.>", *(f"{tenant_inbox(t)}.>" for t in tenants)]
+
+
+def stream_info(*streams: str) -> list[str]:
+    return [f"{API}.STREAM.INFO.{s}" for s in streams]
+
+
+def durable_consumer(stream: str, name: str) -> list[str]:
+    """Create (every nats-py form), inspect and pull from one durable consumer, and ack its messages."""
+    return [
+        f"{API}.CONSUMER.CREATE.{stream}.{name}", f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{name}", f"{API}.CONSUMER.INFO.{stream}.{name}",
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>",
+    ]
+
+
+def stream_reader(stream: str) -> list[str]:
+    """Read a stream through ephemeral or ordered consumers (watchers), and fetch single messages."""
+    return [
+        f"{API}.STREAM.INFO.{stream}", f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>",
+        f"{API}.CONSUMER.INFO.{stream}.>", f"{API}.CONSUMER.DELETE.{stream}.>",
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.>", f"$JS.ACK.{stream}.>",
+        f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.>",
+    ]
+
+
+def kv_read(bucket: str) -> list[str]:
+    return stream_reader(f"KV_{bucket}")
+
+
+def kv_write(bucket: str) -> list[str]:
+    """Own a KV bucket: create it, put and delete keys (puts are publishes to ``$KV.<bucket>.<key>``)."""
+    return [*kv_read(bucket), f"{API}.STREAM.CREATE.KV_{bucket}", f"$KV.{bucket}.>"]
+
+
+def obj_read(bucket: str) -> list[str]:
+    """Read objects; nats-py finds the chunk stream by subject, which needs ``STREAM.NAMES``."""
+    return [*stream_reader(f"OBJ_{bucket}"), f"{API}.STREAM.NAMES"]
+
+
+def obj_write(bucket: str) -> list[str]:
+    """Put and delete objects: chunk and meta publishes to ``$O.<bucket>.>``, purges of replaced chunks."""
+    return [*obj_read(bucket), f"$O.{bucket}.>", f"{API}.STREAM.PURGE.OBJ_{bucket}"]
+
+
+def _registry_ops(ops: Iterable[str]) -> list[str]:
+    return [subjects.registry(op) for op in ops]
+
+
+def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
+    """The permission set of each service user; ``tenants`` are the direct-NATS tenants whose
+    inboxes workers and the scheduler must be able to answer."""
+    tenants = tuple(tenants)
+    inboxes = reply_inboxes(tenants)
+    own = {name: [subjects.service_heartbeat(name)] for name in SERVICES}
+    common = stream_info(*SHARED_STREAMS)
+    return {
+        "gateway": Permissions(
+            publish=(*common, *own["gateway"], subjects.INFER_SUBMIT_ALL, "lf.registry.>", "lf.worker.*.control",
+                     subjects.AUDIT_ALL, *obj_write(subjects.ADAPTER_UPLOADS_BUCKET)),
+            subscribe=("_INBOX.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
+        ),
+        "registry": Permissions(
+            publish=(*common, *own["registry"], subjects.ADAPTER_EVENTS_ALL, subjects.AUDIT_ALL,
+                     *kv_write(subjects.REGISTRY_RECORDS_BUCKET), *kv_write(subjects.REGISTRY_SIGNERS_BUCKET),
+                     *obj_write(subjects.ADAPTER_STORE_BUCKET), f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
+                     *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
+                     f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}"),
+            subscribe=("_INBOX.>", "lf.registry.>", *own["registry"]),
+            allow_responses=True,
+        ),
+        "scheduler": Permissions(
+            publish=(*common, *own["scheduler"], *inboxes, "lf.worker.*.dispatch", "lf.worker.*.control",
+                     subjects.AUDIT_ALL, *_registry_ops(REGISTRY_READ_OPS),
+                     *durable_consumer(subjects.INFER_STREAM, SCHEDULER_CONSUMER),
+                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
+            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, *own["scheduler"]),
+        ),
+        "worker": Permissions(
+            publish=(*common, *own["worker"], *inboxes, subjects.WORKER_HEARTBEAT, subjects.AUDIT_ALL,
+                     *_registry_ops(REGISTRY_READ_OPS), *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
+                     *kv_read(subjects.REGISTRY_RECORDS_BUCKET), *kv_read(subjects.REGISTRY_SIGNERS_BUCKET),
+                     *obj_read(subjects.ADAPTER_STORE_BUCKET)),
+            subscribe=("_INBOX.>", "lf.worker.*.dispatch", "lf.worker.*.control", *own["worker"]),
+            allow_responses=True,
+        ),
+        "auditor": Permissions(
+            publish=(*common, *own["auditor"], *_registry_ops(REGISTRY_READ_OPS),
+                     *durable_consumer(subjects.AUDIT_STREAM, AUDITOR_CONSUMER),
+                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
+            subscribe=("_INBOX.>", *own["auditor"]),
+        ),
+    }
+
+
+def tenant_permissions(tenant: str) -> Permissions:
+    """A direct-NATS client of one tenant: submit its own requests, read its own inbox, nothing else."""
+    return Permissions(publish=(subjects.infer_submit(tenant),), subscribe=(f"{tenant_inbox(tenant)}.>",))
+
+
+def admin_permissions() -> Permissions:
+    """The operator: stream setup, the admin CLI, the launcher's readiness watch."""
+    return Permissions(publish=(">",), subscribe=(">",))

@@ -1,0 +1,22 @@
+"""Continuous-batching inference engine with a paged KV cache and a per-token LoRA hook."""
+
+from services.worker.engine.async_engine import AsyncEngine, EngineDead, EngineStats
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
+from services.worker.engine.lora_hook import AdapterManager, LoraHook
+from services.worker.engine.sequence import EngineRequest, RequestOutput
+
+__all__ = [
+    "AdapterManager",
+    "AsyncEngine",
+    "DuplicateRequest",
+    "EngineConfig",
+    "EngineDead",
+    "EngineRequest",
+    "EngineStats",
+    "LLMEngine",
+    "LoraHook",
+    "RequestOutput",
+    "RequestTooLarge",
+]

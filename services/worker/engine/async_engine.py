@@ -1,0 +1,152 @@
+"""Asyncio front of the engine: one background thread runs the step loop, outputs stream per request."""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.errors import DuplicateRequest
+from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.sequence import EngineRequest, RequestOutput
+from services.worker.model_loader import LoadedModel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+class EngineDead(RuntimeError):
+    """The step loop failed; every in-flight request ends with this error."""
+
+
+class AsyncEngine:
+    """Thread-safe owner of an LLMEngine. Create with ``from_loaded``, call ``start`` once, ``shutdown`` at exit."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._adds: list[EngineRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._stats = EngineStats(0, 0, engine.blocks.allocator.num_free, engine.num_blocks)
+
+    @classmethod
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: AdapterManager | None = None
+    ) -> "AsyncEngine":
+        return cls(LLMEngine.from_loaded(loaded, config, adapter_manager))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's per-step outputs; the last has ``finished`` set.
+
+        Raises RequestTooLarge (or DuplicateRequest) before the first output. Leaving the
+        iterator early, or cancelling the task consuming it, aborts the request.
+        """
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._wake:
+            if self._stopping:
+                raise EngineDead("the engine is shut down")
+            if request.request_id in self._streams:
+                raise DuplicateRequest(f"request {request.request_id!r} is already streaming")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._adds.append(request)
+            self._wake.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step and its stream ends with "abort"."""
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished()):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            for request in adds:
+                try:
+                    self.engine.add_request(request)
+                except Exception as error:
+                    self._deliver(request.request_id, error)
+            for request_id in aborts:
+                output = self.engine.abort(request_id)
+                if output is not None:
+                    self._deliver(request_id, output)
+            try:
+                outputs = self.engine.step()
+            except Exception as error:
+                self._fail_all(error)
+                return
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            self._refresh_stats()
+        self._fail_all(EngineDead("the engine is shut down"))
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        final = isinstance(item, BaseException) or item.finished
+        with self._lock:
+            target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            _hand_off(*target, item)
+
+    def _refresh_stats(self) -> None:
+        scheduler = self.engine.scheduler
+        self._stats = EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_blocks_free=self.engine.blocks.allocator.num_free,
+            kv_blocks_total=self.engine.num_blocks,
+        )
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            self._stopping = True
+            streams, self._streams = self._streams, {}
+        for request_id, (loop, queue) in streams.items():
+            self.engine.abort(request_id)
+            failure = error if isinstance(error, EngineDead) else EngineDead(f"engine step failed: {error!r}")
+            _hand_off(loop, queue, failure)
+
+
+def _hand_off(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,129 @@
+"""Preallocated stacked adapter weights, one row per slot, grouped by rank class.
+
+A slot is a global id: the rank classes own consecutive id ranges, in rank order, so sorting
+token slots also groups tokens by rank class. Slot -1 means the base model alone.
+"""
+
+import torch
+
+from shared.errors import IntegrityError, NoFreeSlot
+from services.worker.lora.config import LoraConfig
+from services.worker.lora.layout import AdapterWeights, ModelShapes
+
+
+class RankClassStack:
+    """The stacked A / B weights and scales of one rank class; row r holds one adapter or zeros."""
+
+    __slots__ = ("rank", "num_slots", "first_slot", "a", "b", "scale", "row_modules")
+
+    def __init__(
+        self,
+        rank: int,
+        num_slots: int,
+        first_slot: int,
+        shapes: ModelShapes,
+        modules: tuple[str, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.rank = rank
+        self.num_slots = num_slots
+        self.first_slot = first_slot
+        zeros = dict(device=device, dtype=dtype)
+        dims = shapes.dims
+        self.a: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, in, rank]
+            {m: torch.zeros(num_slots, dims[m][0], rank, **zeros) for m in modules} for _ in range(shapes.num_layers)
+        ]
+        self.b: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, rank, out]
+            {m: torch.zeros(num_slots, rank, dims[m][1], **zeros) for m in modules} for _ in range(shapes.num_layers)
+        ]
+        self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
+        self.row_modules: list[frozenset[str]] = [frozenset()] * num_slots  # host: modules each row targets
+
+    def set_slot(self, row: int, weights: AdapterWeights) -> None:
+        """Copy an adapter into a row, zero-padded from its rank to the class rank."""
+        self.reset_slot(row)
+        r = weights.rank
+        for (layer, module), a in weights.a.items():
+            self.a[layer][module][row, :, :r].copy_(a)
+            self.b[layer][module][row, :r, :].copy_(weights.b[(layer, module)])
+        self.scale[row] = weights.scale
+        self.row_modules[row] = weights.modules
+
+    def reset_slot(self, row: int) -> None:
+        """Zero a row, so a stale index into it adds nothing."""
+        for layer_a, layer_b in zip(self.a, self.b):
+            for module in layer_a:
+                layer_a[module][row].zero_()
+                layer_b[module][row].zero_()
+        self.scale[row] = 0.0
+        self.row_modules[row] = frozenset()
+
+
+class SlotPool:
+    """All rank classes' stacks, sized from the byte budget, with their free rows."""
+
+    __slots__ = ("classes", "slot_bytes", "_free", "max_rank")
+
+    def __init__(self, config: LoraConfig, shapes: ModelShapes, device: torch.device | str, dtype: torch.dtype):
+        modules = config.target_modules
+        unknown = set(modules) - set(shapes.dims)
+        if unknown:
+            raise ValueError(f"the base model has no projection {sorted(unknown)}")
+        elem = torch.empty(0, dtype=dtype).element_size()
+        classes, slot_bytes, first = [], [], 0
+        for rank, budget in zip(config.rank_classes, config.class_budgets()):
+            size = rank * shapes.params_per_rank(modules) * elem
+            count = min(config.max_slots_per_class, budget // size)
+            if count < 1:
+                raise ValueError(f"rank class {rank} gets {budget} bytes, less than one slot ({size} bytes)")
+            classes.append(RankClassStack(rank, count, first, shapes, modules, torch.device(device), dtype))
+            slot_bytes.append(size)
+            first += count
+        self.classes: tuple[RankClassStack, ...] = tuple(classes)
+        self.slot_bytes: tuple[int, ...] = tuple(slot_bytes)
+        self._free: list[list[int]] = [list(range(c.num_slots - 1, -1, -1)) for c in classes]  # popped low row first
+        self.max_rank = config.rank_classes[-1]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(c.num_slots for c in self.classes)
+
+    def class_of_rank(self, rank: int) -> int:
+        """Index of the smallest rank class >= rank."""
+        for i, stack in enumerate(self.classes):
+            if rank <= stack.rank:
+                return i
+        raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {self.max_rank}", param="r")
+
+    def locate(self, slot: int) -> tuple[RankClassStack, int]:
+        """The stack holding a global slot id, and its row there."""
+        for stack in self.classes:
+            if stack.first_slot <= slot < stack.first_slot + stack.num_slots:
+                return stack, slot - stack.first_slot
+        raise KeyError(f"no slot {slot}")
+
+    def free_slots(self, rank: int) -> int:
+        return len(self._free[self.class_of_rank(rank)])
+
+    def can_allocate(self, rank: int) -> bool:
+        return self.free_slots(rank) > 0
+
+    def allocate(self, rank: int) -> int:
+        """Take a free slot of the rank's class; raises NoFreeSlot when the class is full."""
+        i = self.class_of_rank(rank)
+        if not self._free[i]:
+            raise NoFreeSlot(f"all {self.classes[i].num_slots} slots of rank class {self.classes[i].rank} are taken")
+        return self.classes[i].first_slot + self._free[i].pop()
+
+    def set_slot(self, slot: int, weights: AdapterWeights) -> None:
+        stack, row = self.locate(slot)
+        if weights.rank > stack.rank:
+            raise IntegrityError(f"rank {weights.rank} does not fit slot {slot} of rank class {stack.rank}", param="r")
+        stack.set_slot(row, weights)
+
+    def release(self, slot: int) -> None:
+        """Zero a slot and return it to its class's free rows."""
+        stack, row = self.locate(slot)
+        stack.reset_slot(row)
+        self._free[self.classes.index(stack)].append(row)

@@ -1,0 +1,89 @@
+"""A nats-server running the generated permission model, and clients that record refusals."""
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.cli.infra import Server, free_port, start_nats
+from services.cli.nats_auth import Secrets, render_config, setup_streams, write_private
+from services.cli.nats_permissions import ADMIN
+
+TENANTS = ("acme", "globex")
+
+
+@dataclass
+class AuthServer:
+    server: Server
+    creds: Secrets
+
+    def password(self, user: str) -> str:
+        if user.startswith("tenant-"):
+            return self.creds.tenants[user.removeprefix("tenant-")]
+        return self.creds.users[user]
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
+    root = tmp_path_factory.mktemp("nats-auth")
+    creds = Secrets.load_or_create(root / "nats-users.json")
+    creds.tenants = {t: f"pw-{t}" for t in TENANTS}
+    write_private(root / "nats.conf", render_config(creds))
+    server = start_nats(free_port(), root / "data", root / "nats.log", config=root / "nats.conf")
+    try:
+        asyncio.run(setup_streams(server.url, (ADMIN, creds.users[ADMIN])))
+        yield AuthServer(server, creds)
+    finally:
+        server.stop()
+
+
+@dataclass
+class Client:
+    """A connection as one user; permission violations arrive asynchronously in ``errors``."""
+
+    nc: NATS
+    errors: list[str] = field(default_factory=list)
+
+    async def refused(self, what: str, subject: str, timeout_s: float = 2.0) -> bool:
+        """Whether the server reported a violation for ``what`` ("Publish" or "Subscription") to ``subject``."""
+        needle = f'permissions violation for {what} to "{subject}"'.lower()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            if any(needle in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def publish_refused(self, subject: str) -> bool:
+        await self.nc.publish(subject, b"{}")
+        await self.nc.flush()
+        return await self.refused("Publish", subject)
+
+    async def subscribe_refused(self, subject: str) -> bool:
+        await self.nc.subscribe(subject)
+        await self.nc.flush()
+        return await self.refused("Subscription", subject)
+
+
+@pytest.fixture
+async def connect_as(auth_server: AuthServer) -> AsyncIterator:
+    clients: list[Client] = []
+
+    async def _connect(user: str, **options) -> Client:
+        client = Client(nc=None)  # type: ignore[arg-type]
+
+        async def on_error(e: Exception) -> None:
+            client.errors.append(str(e))
+
+        client.nc = await nats.connect(auth_server.server.url, user=user, password=auth_server.password(user),
+                                       error_cb=on_error, allow_reconnect=False, **options)
+        clients.append(client)
+        return client
+
+    yield _connect
+    for client in clients:
+        await client.nc.close()

@@ -1,0 +1,1 @@
+"""Builders shared by tests: tiny models, PEFT adapters."""

@@ -1,0 +1,53 @@
+"""The torch reference (gathered and segmented forms) against the plain fp32 loop."""
+
+import pytest
+import torch
+
+from kernels import add_lora, find_segments, index_for, reference
+from tests.kernels.conftest import DTYPES, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("rank", [8, 16, 32, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_both_forms_match_the_loop(spread: str, rank: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+    num_tokens, num_rows, in_features, out_features = 24, 8, 96, 80
+    a, b, scale = make_weights(num_rows, in_features, rank, out_features, dtype, gen)
+    rows = spread_rows(spread, num_tokens, num_rows, gen)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    y = torch.randn(num_tokens, out_features, generator=gen).to(dtype)
+    expected = loop_lora(x, y, a, b, scale, rows)
+    index = index_for(rows)
+    atol, rtol = TOLERANCE[dtype]
+
+    gathered = y.clone()
+    reference.add_lora_gathered(x, gathered, a, b, scale, index.token_idx, index.token_row)
+    torch.testing.assert_close(gathered.float(), expected, atol=atol, rtol=rtol)
+
+    segmented = y.clone()
+    reference.add_lora_segments(x, segmented, a, b, scale, index.token_idx, index.segments)
+    torch.testing.assert_close(segmented.float(), expected, atol=atol, rtol=rtol)
+    assert torch.equal(segmented[rows < 0], y[rows < 0])
+
+
+def test_segments_mark_contiguous_runs_only() -> None:
+    rows = torch.tensor([2, 2, 2, 0, 2, -1, 1, 1])
+    index = index_for(rows)
+    # row 0: token 3 (a run of one); row 1: tokens 6, 7 (a run); row 2: tokens 0, 1, 2, 4 (not a run)
+    assert index.segments == ((0, 1, 0, 3), (1, 3, 1, 6), (3, 7, 2, -1))
+    assert index.token_idx.tolist() == [3, 6, 7, 0, 1, 2, 4]
+    assert index.seg_start.tolist() == [0, 1, 3, 7] and index.seg_row.tolist() == [0, 1, 2]
+    assert index.max_seg_len == 4
+    assert find_segments(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)) == ()
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 1, 1, 1, 0, 0, -1, 3]])
+def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
+    a, b, scale = make_weights(4, 32, 16, 24, torch.float32, gen)
+    token_rows = torch.tensor(rows)
+    x = torch.randn(len(rows), 32, generator=gen)
+    fused = torch.randn(len(rows), 48, generator=gen)
+    expected = fused.clone()
+    expected[:, :24] = loop_lora(x, fused[:, :24], a, b, scale, token_rows)
+    add_lora(x, fused[:, :24], a, b, scale, index_for(token_rows), torch.empty(0))
+    torch.testing.assert_close(fused, expected, atol=2e-5, rtol=1e-4)

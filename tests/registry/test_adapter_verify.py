@@ -1,0 +1,79 @@
+"""Worker-side verification: the bytes fetched must be exactly the signed, admitted adapter."""
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shared import signing
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.errors import IntegrityError
+from shared.schemas import AdapterRecord, RegisterRequest
+from shared.signing import KeyPair
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.records import Catalog
+from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
+
+Files = dict[str, bytes]
+
+
+@pytest.fixture
+def signed_record(adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair) -> AdapterRecord:
+    """The record the registry admits for the peft adapter, signed by the trusted key."""
+    unsigned = AdmissionPolicy(limits=policy.limits, dev_mode=True)
+    req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
+    draft = admit(Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere").after
+    manifest = signing.manifest_bytes(draft.files, "summarize", 1, "acme", base.fingerprint)
+    signature = signing.sign(manifest, signing.load_private_key(signer_keys.private_pem))
+    return draft.model_copy(update={"signature": signature, "signer": "release"})
+
+
+def test_untouched_adapter_verifies(signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+    verify_adapter(signed_record, adapter_files, base.fingerprint, {"release": signer_keys.public_b64})
+
+
+def test_tampered_weights_are_refused(signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+    weights = bytearray(adapter_files[WEIGHTS_FILE])
+    weights[-1] ^= 0x01  # one bit of one tensor value, as a corrupted or swapped store object would
+    files = {**adapter_files, WEIGHTS_FILE: bytes(weights)}
+    with pytest.raises(IntegrityError, match="adapter_model.safetensors sha256 .* does not match"):
+        verify_adapter(signed_record, files, base.fingerprint, {"release": signer_keys.public_b64})
+
+
+def test_tampered_record_is_refused(signed_record: AdapterRecord, variant: Callable, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+    """An attacker who can rewrite both the store and the record still cannot forge the signature."""
+    files = variant(config={"lora_alpha": 64})
+    digests = {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
+    manifest = signing.manifest_bytes(digests, "summarize", 1, "acme", base.fingerprint)
+    record = signed_record.model_copy(
+        update={"files": digests, "checksum": digests[WEIGHTS_FILE], "manifest_digest": signing.manifest_digest(manifest)}
+    )
+    with pytest.raises(IntegrityError, match="signature does not match the manifest"):
+        verify_adapter(record, files, base.fingerprint, {"release": signer_keys.public_b64})
+
+
+def test_other_base_model_and_unsigned_and_untrusted_are_refused(
+    signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair
+) -> None:
+    trusted = {"release": signer_keys.public_b64}
+    with pytest.raises(IntegrityError, match="was built for base model"):
+        verify_adapter(signed_record, adapter_files, "e" * 64, trusted)
+    unsigned = signed_record.model_copy(update={"signature": None, "signer": None})
+    with pytest.raises(IntegrityError, match="is unsigned"):
+        verify_adapter(unsigned, adapter_files, base.fingerprint, trusted)
+    verify_adapter(unsigned, adapter_files, base.fingerprint, trusted, require_signature=False)
+    with pytest.raises(IntegrityError, match="not a trusted signer"):
+        verify_adapter(signed_record, adapter_files, base.fingerprint, {})
+
+
+async def test_fetch_from_a_trusted_directory(adapter_files: Files, tmp_path: Path) -> None:
+    for name, data in adapter_files.items():
+        (tmp_path / name).write_bytes(data)
+    assert await fetch_adapter_files(None, tmp_path.as_uri()) == adapter_files  # type: ignore[arg-type]
+    (tmp_path / CONFIG_FILE).unlink()
+    (tmp_path / CONFIG_FILE).symlink_to(tmp_path / WEIGHTS_FILE)
+    with pytest.raises(IntegrityError, match="not a regular file"):
+        await fetch_adapter_files(None, tmp_path.as_uri())  # type: ignore[arg-type]
+    with pytest.raises(IntegrityError, match="not a trusted store"):
+        await fetch_adapter_files(None, "https://example.com/adapter")  # type: ignore[arg-type]

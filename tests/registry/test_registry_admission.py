@@ -1,0 +1,91 @@
+"""Admission of a new version: signature, identity and version rules on top of the file checks."""
+
+from collections.abc import Callable
+
+import pytest
+
+from shared import signing
+from shared.adapter_format import validate_adapter
+from shared.errors import Conflict, IntegrityError
+from shared.schemas import AdapterRecord, RegisterRequest
+from shared.signing import KeyPair
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.records import Catalog
+
+URI = "nats-os://lf_adapter_store/summarize/1"
+Files = dict[str, bytes]
+
+
+@pytest.fixture
+def sign_request(base: BaseModelIdentity, policy: AdmissionPolicy) -> Callable[..., RegisterRequest]:
+    """A register request signed by ``keys`` over ``files`` for the identity in ``fields``."""
+
+    def make(files: Files, keys: KeyPair, fingerprint: str | None = None, **fields: object) -> RegisterRequest:
+        values: dict = {"adapter_id": "summarize", "tenant_id": "acme", "task_type": "summarization",
+                        "version": 1, "inline_files": {}, "actor": "cli:alice", **fields}  # fmt: skip
+        digests = validate_adapter(files, base.spec, policy.limits).file_sha256
+        manifest = signing.manifest_bytes(
+            digests, values["adapter_id"], values["version"], values["tenant_id"], fingerprint or base.fingerprint
+        )
+        signature = signing.sign(manifest, signing.load_private_key(keys.private_pem))
+        return RegisterRequest(signature=signature, signer="release", **values)
+
+    return make
+
+
+def test_signed_adapter_becomes_a_staging_record(
+    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair, sign_request: Callable
+) -> None:
+    req = sign_request(adapter_files, signer_keys, aliases=["sum"])
+    change = admit(Catalog(), req, adapter_files, base, policy, {"release": signer_keys.public_b64}, URI)
+    record = change.after
+    assert (change.kind, change.before, record.status, record.version) == ("registered", None, "staging", 1)
+    assert (record.rank, record.alpha, record.signer, record.aliases) == (8, 16.0, "release", ["sum"])
+    assert record.base_model_fingerprint == base.fingerprint and record.storage_uri == URI
+
+
+def test_unsigned_adapter_is_refused_unless_dev_mode(
+    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy
+) -> None:
+    req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
+    with pytest.raises(IntegrityError, match="the adapter is unsigned"):
+        admit(Catalog(), req, adapter_files, base, policy, {}, URI)
+    dev = AdmissionPolicy(limits=policy.limits, dev_mode=True)
+    assert admit(Catalog(), req, adapter_files, base, dev, {}, URI).after.signature is None
+
+
+def test_forged_signatures_are_refused(
+    adapter_files: Files, variant: Callable, base: BaseModelIdentity, policy: AdmissionPolicy,
+    signer_keys: KeyPair, sign_request: Callable,
+) -> None:  # fmt: skip
+    trusted = {"release": signer_keys.public_b64}
+    forger = signing.generate_keypair()
+    cases = [
+        (sign_request(adapter_files, forger), adapter_files),  # someone else's key under the trusted name
+        (sign_request(adapter_files, signer_keys, version=2), adapter_files),  # signed for another version
+        (sign_request(adapter_files, signer_keys, tenant_id="globex"), adapter_files),
+        (sign_request(adapter_files, signer_keys, fingerprint="e" * 64), adapter_files),  # another base model
+        (sign_request(adapter_files, signer_keys), variant(config={"lora_alpha": 32})),  # files swapped after signing
+    ]
+    for req, files in cases:
+        req = req.model_copy(update={"version": 1, "tenant_id": "acme"})
+        with pytest.raises(IntegrityError, match="signature does not match the manifest"):
+            admit(Catalog(), req, files, base, policy, trusted, URI)
+
+
+def test_identity_rules(
+    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair,
+    sign_request: Callable, make_record: Callable[..., AdapterRecord],
+) -> None:  # fmt: skip
+    trusted = {"release": signer_keys.public_b64}
+    catalog = Catalog([make_record("summarize", 1, "acme"), make_record("other", 1, "acme", aliases=["qa"])])
+    with pytest.raises(Conflict, match="versions are immutable"):
+        admit(catalog, sign_request(adapter_files, signer_keys), adapter_files, base, policy, trusted, URI)
+    with pytest.raises(Conflict, match="is not available"):
+        req = sign_request(adapter_files, signer_keys, tenant_id="globex", version=2)
+        admit(catalog, req, adapter_files, base, policy, trusted, URI)
+    with pytest.raises(Conflict, match="alias 'qa' already names another adapter"):
+        req = sign_request(adapter_files, signer_keys, version=2, aliases=["qa"])
+        admit(catalog, req, adapter_files, base, policy, trusted, URI)
+    req = sign_request(adapter_files, signer_keys, version=2)
+    assert admit(catalog, req, adapter_files, base, policy, trusted, URI).after.version == 2

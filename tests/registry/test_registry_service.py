@@ -1,0 +1,153 @@
+"""The registry service over a real nats-server with JetStream: push -> promote -> rollout ->
+rollback -> revoke, with events on ADAPTER_EVENTS, audit records, and the worker's fetch."""
+
+import base64
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from shared import subjects
+from shared.adapter_format import WEIGHTS_FILE
+from shared.bus import request
+from shared.errors import AdapterRevoked, IntegrityError, InvalidMessage, InvalidRequest, ModelNotFound
+from shared.schemas import (
+    AdapterEvent, AdapterRecordsReply, AuditEnvelope, GetAdapterRequest, PromoteRequest, RegisterRequest,
+    ResolveReply, ResolveRequest, RevokeRequest, RollbackRequest, RolloutRequest,
+    TrustedKeysReply, TrustKeyRequest,
+)  # fmt: skip
+from shared.signing import KeyPair
+from services.cli.adapter_cmd import push_adapter
+from services.registry.admission import BaseModelIdentity
+from services.worker.adapter_verify import fetch_verified
+
+ID = "svc-summarize"
+
+
+async def call(nc: NATS, op: str, message, reply_type=AdapterRecordsReply):  # noqa: ANN001, ANN201
+    return await request(nc, subjects.registry(op), message, reply_type, 10.0)
+
+
+async def resolve_version(nc: NATS, key: str = "k") -> int:
+    reply = await call(nc, "resolve", ResolveRequest(tenant_id="acme", model=ID, request_key=key), ResolveReply)
+    assert reply.adapter is not None
+    return reply.adapter.version
+
+
+async def stream_messages(nc: NATS, subject: str) -> list[bytes]:
+    """Every message a JetStream stream holds on ``subject``, in order."""
+    sub = await nc.jetstream().subscribe(subject, ordered_consumer=True)
+    seen = []
+    try:
+        while True:
+            seen.append((await sub.next_msg(timeout=0.5)).data)
+    except nats.errors.TimeoutError:
+        return seen
+    finally:
+        await sub.unsubscribe()
+
+
+async def object_names(nc: NATS, bucket: str) -> list[str]:
+    store = await nc.jetstream().object_store(bucket)
+    try:
+        return sorted(o.name for o in await store.list(ignore_deletes=True))
+    except nats.js.errors.NotFoundError:
+        return []
+
+
+async def test_lifecycle_over_nats(
+    registry: NATS, peft_adapter_dir: Path, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
+) -> None:
+    nc = registry
+    keys = await call(nc, "trust_key", TrustKeyRequest(signer="release", public_key=signer_keys.public_b64,
+                                                       actor="test"), TrustedKeysReply)  # fmt: skip
+    assert keys.keys["release"] == signer_keys.public_b64
+    key_file = tmp_path / "release.key"
+    key_file.write_bytes(signer_keys.private_pem)
+    push = dict(adapter_id=ID, tenant_id="acme", task_type="summarization", base_fingerprint=base.fingerprint,
+                sign_key=key_file, who="test")  # fmt: skip
+    v1 = await push_adapter(nc, peft_adapter_dir, **push)
+    v2 = await push_adapter(nc, peft_adapter_dir, **push)
+    assert (v1.version, v2.version, v1.status, v1.signer) == (1, 2, "staging", "release")
+    assert await object_names(nc, subjects.ADAPTER_UPLOADS_BUCKET) == []  # consumed uploads are deleted
+    assert f"{ID}/1/{WEIGHTS_FILE}" in await object_names(nc, subjects.ADAPTER_STORE_BUCKET)
+
+    await call(nc, "promote", PromoteRequest(adapter_id=ID, version=1, traffic_percent=100, actor="test"))
+    await call(nc, "promote", PromoteRequest(adapter_id=ID, version=2, traffic_percent=10, actor="test"))
+    split = [await resolve_version(nc, f"key-{i}") for i in range(400)]
+    assert 0.04 < split.count(2) / len(split) < 0.18
+    await call(nc, "rollout", RolloutRequest(adapter_id=ID, traffic_percent=100, actor="test"))
+    assert await resolve_version(nc) == 2
+    await call(nc, "rollback", RollbackRequest(adapter_id=ID, actor="test"))
+    assert await resolve_version(nc) == 1
+
+    record = (await call(nc, "get", GetAdapterRequest(adapter_id=ID, version=1))).records[0]
+    trusted = {"release": signer_keys.public_b64}
+    files = await fetch_verified(nc.jetstream(), record, base.fingerprint, trusted)
+    assert json.loads(files["adapter_config.json"])["r"] == 8
+
+    await call(nc, "revoke", RevokeRequest(adapter_id=ID, actor="test"))
+    with pytest.raises(AdapterRevoked):
+        await resolve_version(nc)
+    events = [AdapterEvent.model_validate_json(m) for m in await stream_messages(nc, subjects.adapter_event(ID))]
+    assert [(e.kind, e.version, e.status) for e in events] == [
+        ("registered", 1, "staging"), ("registered", 2, "staging"), ("promoted", 1, "production"),
+        ("promoted", 2, "canary"), ("retired", 1, "retired"), ("rollout", 2, "production"),
+        ("rolled_back", 2, "retired"), ("rolled_back", 1, "production"), ("revoked", 1, "revoked"),
+        ("revoked", 2, "revoked"),
+    ]  # fmt: skip
+    audits = [AuditEnvelope.model_validate_json(m).body for m in await stream_messages(nc, subjects.audit("registry_change", "acme"))]
+    mine = [(a.action, a.version, a.before, a.after, a.actor) for a in audits if getattr(a, "adapter_id", None) == ID]
+    assert mine[6] == ("rolled_back", 2, "production", "retired", "test") and len(mine) == len(events)
+
+
+async def test_refusals_store_nothing_and_bad_messages_get_typed_errors(
+    registry: NATS, variant: Callable, tmp_path: Path
+) -> None:
+    nc = registry
+    poisoned = variant(tensors=lambda t: t[next(iter(t))].fill_(float("nan")))
+    inline = {name: base64.b64encode(data).decode() for name, data in poisoned.items()}
+    req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", inline_files=inline, actor="test")
+    with pytest.raises(IntegrityError, match="contains NaN or Inf"):
+        await call(nc, "register", req)
+    uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+    for name, data in variant().items():
+        await uploads.put(f"unsigned01/{name}", data)
+    req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", upload_id="unsigned01", actor="test")
+    with pytest.raises(IntegrityError, match="unsigned"):
+        await call(nc, "register", req)
+    for uri, text in (("https://hub.example/evil", "only uploads and file://"), ("file:///etc", "outside every trusted")):
+        req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", source_uri=uri, actor="test")
+        with pytest.raises(InvalidRequest, match=text):
+            await call(nc, "register", req)
+    assert (await call(nc, "get", GetAdapterRequest(adapter_id="svc-nan"))).records == []
+    assert not [n for n in await object_names(nc, subjects.ADAPTER_STORE_BUCKET) if n.startswith("svc-nan/")]
+
+    reply = await nc.request(subjects.registry("resolve"), b'{"tenant_id": "acme", "model": 7}', timeout=5)
+    assert reply.headers and reply.headers["Lf-Error"] == InvalidMessage.code
+    reply = await nc.request(subjects.registry("promote"), b"\xff not json", timeout=5)
+    assert reply.headers and reply.headers["Lf-Error"] == InvalidMessage.code
+    with pytest.raises(ModelNotFound, match="does not exist or you do not have access"):
+        await call(nc, "resolve", ResolveRequest(tenant_id="acme", model="svc-nan", request_key="k"), ResolveReply)
+
+
+async def test_tampered_store_object_is_refused_by_the_worker(
+    registry: NATS, peft_adapter_dir: Path, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
+) -> None:
+    nc = registry
+    await call(nc, "trust_key", TrustKeyRequest(signer="release", public_key=signer_keys.public_b64, actor="t"),
+               TrustedKeysReply)  # fmt: skip
+    key_file = tmp_path / "release.key"
+    key_file.write_bytes(signer_keys.private_pem)
+    record = await push_adapter(nc, peft_adapter_dir, adapter_id="svc-tamper", tenant_id="acme", task_type="t",
+                                base_fingerprint=base.fingerprint, sign_key=key_file)  # fmt: skip
+    store = await nc.jetstream().object_store(subjects.ADAPTER_STORE_BUCKET)
+    weights = bytearray((peft_adapter_dir / WEIGHTS_FILE).read_bytes())
+    weights[-4:] = b"\x00\x00\x80\x7f"  # one value becomes +Inf after admission
+    await store.put(f"svc-tamper/{record.version}/{WEIGHTS_FILE}", bytes(weights))
+    with pytest.raises(IntegrityError, match="does not match"):
+        await fetch_verified(nc.jetstream(), record, base.fingerprint, {"release": signer_keys.public_b64})

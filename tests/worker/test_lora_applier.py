@@ -1,0 +1,147 @@
+"""The engine's LoRA hook: mixed ranks and base tokens vs a plain loop, and vs PEFT itself."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.errors import IntegrityError, NoFreeSlot
+from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from tests.helpers.adapters import ALL_MODULES, make_peft_model, peft_delta, save_peft_adapter, tiny_llama, tiny_llama_config
+
+SHAPES = ModelShapes.from_hf_config(tiny_llama_config())
+SPECS = {  # name -> (rank, alpha, target modules, rsLoRA)
+    "r8": (8, 16, ("q_proj", "v_proj"), False),
+    "r16": (16, 8, ALL_MODULES, True),
+    "r64": (64, 32, ("k_proj", "o_proj", "down_proj", "up_proj"), False),
+    "r12": (12, 24, ("gate_proj", "q_proj"), False),
+}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, base) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: save_peft_adapter(root / name, base, rank=r, alpha=al, target_modules=mods, use_rslora=rs, seed=i)
+        for i, (name, (r, al, mods, rs)) in enumerate(SPECS.items())
+    }
+
+
+def new_manager(**config: object) -> AdapterManager:
+    config.setdefault("memory_budget_bytes", 2**24)
+    return AdapterManager(LoraConfig(**config), SHAPES)
+
+
+def loop_delta(weights: dict[str, AdapterWeights], names: list[str | None], layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+    """One token at a time, straight from each adapter's unpadded weights."""
+    delta = torch.zeros(x.shape[0], SHAPES.dims[module][1])
+    for t, name in enumerate(names):
+        if name is not None and (layer, module) in weights[name].a:
+            w = weights[name]
+            delta[t] = w.scale * (x[t] @ w.a[(layer, module)]) @ w.b[(layer, module)]
+    return delta
+
+
+@pytest.mark.parametrize("layout", ["decode", "prefill", "interleaved"])
+def test_mixed_ranks_and_base_tokens_match_a_plain_loop(adapter_dirs: dict[str, Path], layout: str) -> None:
+    manager = new_manager()
+    weights = {name: manager.read(d) for name, d in adapter_dirs.items()}
+    slots = {name: manager.load_adapter(name, d) for name, d in adapter_dirs.items()}
+    assert {manager.pool.locate(s)[0].rank for s in slots.values()} == {8, 16, 64}
+    order: list[str | None] = ["r8", "r16", None, "r64", "r12"]
+    if layout == "decode":
+        names = order * 3
+    elif layout == "prefill":
+        names = [n for n in order for _ in range(5)]
+    else:
+        names = [order[(7 * i) % 5] for i in range(23)]
+    token_slots = torch.tensor([-1 if n is None else slots[n] for n in names])
+    lora = manager.prepare(token_slots)
+    assert lora is not None
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(SHAPES.num_layers):
+        for module in MODULES:
+            x = torch.randn(len(names), SHAPES.dims[module][0], generator=gen)
+            y = torch.randn(len(names), SHAPES.dims[module][1], generator=gen)
+            out = y.clone()
+            lora.apply(layer, module, x, out)
+            torch.testing.assert_close(out, y + loop_delta(weights, names, layer, module, x), atol=1e-5, rtol=1e-5)
+            base_tokens = token_slots < 0
+            assert torch.equal(out[base_tokens], y[base_tokens])
+
+
+def test_each_rank_class_computes_at_its_own_rank(adapter_dirs: dict[str, Path]) -> None:
+    manager = new_manager()
+    slot8, slot64 = manager.load_adapter("r8", adapter_dirs["r8"]), manager.load_adapter("r64", adapter_dirs["r64"])
+    lora = manager.prepare(torch.tensor([slot8, slot64, slot8]))
+    assert lora is not None
+    ranks = {part.stack.rank: part for part in lora.classes}
+    assert set(ranks) == {8, 64}
+    assert ranks[8].index.token_idx.tolist() == [0, 2] and ranks[64].index.token_idx.tolist() == [1]
+    assert ranks[8].modules == {"q_proj", "v_proj"}
+    assert ranks[8].stack.a[0]["q_proj"].shape[2] == 8
+
+
+def test_delta_equals_what_peft_adds_to_each_projection(tmp_path: Path, base) -> None:
+    model = make_peft_model(base, rank=16, alpha=32, target_modules=ALL_MODULES, use_rslora=True, seed=5)
+    model.save_pretrained(tmp_path)
+    manager = new_manager()
+    lora = manager.prepare(torch.full((6,), manager.load_adapter("tenant-a", tmp_path)))
+    assert lora is not None
+    gen = torch.Generator().manual_seed(2)
+    for layer in range(2):
+        for module in MODULES:
+            x = torch.randn(6, SHAPES.dims[module][0], generator=gen)
+            y = torch.zeros(6, SHAPES.dims[module][1])
+            lora.apply(layer, module, x, y)
+            torch.testing.assert_close(y, peft_delta(model, layer, module, x), atol=1e-5, rtol=1e-4)
+
+
+def test_adds_into_column_views_of_a_fused_projection(adapter_dirs: dict[str, Path]) -> None:
+    manager = new_manager()
+    weights = manager.read(adapter_dirs["r16"])
+    slot = manager.load_adapter("r16", weights)
+    names: list[str | None] = ["r16", None, "r16"]
+    lora = manager.prepare(torch.tensor([slot, -1, slot]))
+    x = torch.randn(3, 64)
+    qkv = torch.randn(3, 128)
+    expected = qkv.clone()
+    expected[:, 64:96] += loop_delta({"r16": weights}, names, 1, "k_proj", x)
+    expected[:, 96:] += loop_delta({"r16": weights}, names, 1, "v_proj", x)
+    lora.apply(1, "k_proj", x, qkv[:, 64:96])
+    lora.apply(1, "v_proj", x, qkv[:, 96:])
+    torch.testing.assert_close(qkv, expected)
+
+
+def test_residency_slot_of_unload_and_stats(adapter_dirs: dict[str, Path]) -> None:
+    manager = new_manager(max_slots_per_class=2)
+    assert manager.slot_of("r8") is None and manager.prepare(torch.tensor([-1, -1])) is None
+    slot = manager.load_adapter("r8", adapter_dirs["r8"])
+    assert manager.load_adapter("r8", adapter_dirs["r8"]) == slot and manager.slot_of("r8") == slot
+    manager.load_adapter("r8-b", adapter_dirs["r8"])
+    assert not manager.can_load(8) and manager.can_load(9)
+    with pytest.raises(NoFreeSlot):
+        manager.load_adapter("r8-c", adapter_dirs["r8"])
+    stats = manager.stats()
+    assert stats.resident == {"r8": slot, "r8-b": slot + 1}
+    assert [(c.rank, c.slots, c.free) for c in stats.classes] == [(8, 2, 0), (16, 2, 2), (32, 2, 2), (64, 2, 2)]
+    manager.unload("r8")
+    assert manager.slot_of("r8") is None and manager.stats().free_slots == 7
+    stack, row = manager.pool.locate(slot)
+    assert not stack.a[0]["q_proj"][row].any() and stack.scale[row] == 0
+    with pytest.raises(KeyError):
+        manager.unload("r8")
+
+
+def test_a_refused_adapter_takes_no_slot(adapter_dirs: dict[str, Path]) -> None:
+    manager = new_manager(rank_classes=(8, 16), target_modules=("q_proj", "v_proj"))
+    with pytest.raises(IntegrityError, match="above the admitted maximum 16"):
+        manager.load_adapter("r64", adapter_dirs["r64"])
+    with pytest.raises(IntegrityError, match="not served"):
+        manager.load_adapter("r16", adapter_dirs["r16"])
+    assert manager.resident() == {} and manager.stats().free_slots == sum(c.num_slots for c in manager.pool.classes)
