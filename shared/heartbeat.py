@@ -19,6 +19,7 @@ async def publish_heartbeats(
     instance_id: str,
     interval_s: float,
     status: Callable[[], tuple[bool, str]],
+    metrics_port: int | None = None,
 ) -> None:
     """Every ``interval_s``: publish (ready, detail) from ``status()``. Runs until cancelled."""
     subject = subjects.service_heartbeat(service)
@@ -26,7 +27,8 @@ async def publish_heartbeats(
         ready, detail = status()
         if nc.is_connected:
             try:
-                beat = ServiceHeartbeat(service=service, instance_id=instance_id, ready=ready, detail=detail[:500])
+                beat = ServiceHeartbeat(service=service, instance_id=instance_id, ready=ready, detail=detail[:500],
+                                        metrics_port=metrics_port)
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down
                 log.warning("heartbeat_failed", error=str(e))

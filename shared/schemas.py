@@ -181,6 +181,7 @@ class ServiceHeartbeat(Message):
     instance_id: Identifier
     ready: bool
     detail: str = Field(default="", max_length=500)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
     ts: float = Field(default_factory=time.time)
 
 

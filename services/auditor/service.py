@@ -12,6 +12,7 @@ from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import AuditorSettings
 from shared.errors import LorafleetError
 from shared.heartbeat import publish_heartbeats
+from shared.metrics import serve_metrics
 from shared.logs import configure_logging
 from shared.schemas import AuditEnvelope
 
@@ -30,8 +31,10 @@ async def run(settings: AuditorSettings) -> None:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
         )
         stop = shutdown_event()
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
         beats = asyncio.create_task(publish_heartbeats(
-            nc, "auditor", settings.instance_id, settings.heartbeat_interval_s, lambda: (True, f"{store.count()} records")))
+            nc, "auditor", settings.instance_id, settings.heartbeat_interval_s,
+            lambda: (True, f"{store.count()} records"), metrics_port))
         log.info("auditor_started", records=store.count())
         while not stop.is_set():
             try:

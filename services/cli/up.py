@@ -34,7 +34,7 @@ def demo_key(state_dir: Path) -> str:
 
 def example(port: int, key: str, model: str) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 40})
+                       "max_tokens": 40, "temperature": 0})
     return (f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
             f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
             f"  -d '{body}'")

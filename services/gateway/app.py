@@ -2,7 +2,8 @@
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.body_limit import BodyLimit
@@ -21,6 +22,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     app.include_router(completions_router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -5,6 +5,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shared import metrics
 from shared.errors import LorafleetError
 
 
@@ -25,6 +26,7 @@ def lorafleet_error_response(err: LorafleetError) -> JSONResponse:
 
 
 async def on_lorafleet_error(_: Request, err: LorafleetError) -> JSONResponse:
+    metrics.ADMISSION_REJECTIONS.labels(err.code).inc()
     return lorafleet_error_response(err)
 
 

@@ -15,6 +15,7 @@ from shared.bus import connect, decode, encode, ensure_streams, request, shutdow
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError
 from shared.heartbeat import publish_heartbeats
+from shared.metrics import serve_metrics
 from shared.liveness import Liveness
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
@@ -93,8 +94,9 @@ async def run(settings: SchedulerSettings) -> None:
             return nc.is_connected, detail
 
         stop = shutdown_event()
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
         beats = asyncio.create_task(publish_heartbeats(nc, "scheduler", settings.instance_id,
-                                                       settings.heartbeat_interval_s, status))
+                                                       settings.heartbeat_interval_s, status, metrics_port))
         log.info("scheduler_started")
         while not stop.is_set():
             try:

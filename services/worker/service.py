@@ -11,7 +11,7 @@ from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.config import EngineConfig
 from services.worker.model_loader import load_model
 from services.worker.serving import RequestServer
-from shared import subjects
+from shared import metrics, subjects
 from shared.bus import connect, decode, encode, ensure_streams, reply_error, shutdown_event
 from shared.config import WorkerSettings
 from shared.errors import LorafleetError
@@ -28,6 +28,9 @@ log = structlog.get_logger("worker")
 async def _worker_heartbeats(nc: NATS, server: RequestServer, settings: WorkerSettings, base_model: str) -> None:
     while True:
         stats = server.engine.stats()
+        metrics.RUNNING.set(stats.running)
+        metrics.QUEUE_DEPTH.labels("worker").set(stats.waiting)
+        metrics.KV_USAGE.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))
         beat = WorkerHeartbeat(worker_id=settings.worker_id, base_model=base_model, ready=True,
                                running=stats.running, waiting=stats.waiting, max_running=settings.max_running,
                                kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total)
@@ -45,10 +48,11 @@ async def run(settings: WorkerSettings) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         stop = shutdown_event()
+        metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
         loading = {"ready": False, "detail": "loading base model"}
         beats = asyncio.create_task(publish_heartbeats(
             nc, "worker", settings.worker_id, settings.heartbeat_interval_s,
-            lambda: (loading["ready"], loading["detail"])))
+            lambda: (loading["ready"], loading["detail"]), metrics_port))
         cache_dir = Path(settings.model_cache) if settings.model_cache else None
         loaded = await asyncio.to_thread(load_model, settings.model_dir, device=settings.device, cache_dir=cache_dir)
         config = EngineConfig(device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_running)

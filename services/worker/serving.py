@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
+from shared import metrics
 from shared.errors import InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
     CompletionAudit, InferRequest, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
@@ -53,6 +54,7 @@ class RequestServer:
         self.audit = audit
         self.max_waiting = max_waiting
         self.tasks: dict[str, asyncio.Task] = {}
+        self._adapter_label = metrics.BoundedLabel(50)
         self._recent: OrderedDict[str, None] = OrderedDict()
 
     def tokenize(self, request: InferRequest) -> list[int]:
@@ -95,6 +97,15 @@ class RequestServer:
         while len(self._recent) > 10_000:
             self._recent.popitem(last=False)
 
+    def _observe(self, outcome: str, timing: Timing, cache_hit: bool, adapter: str) -> None:
+        hit = "true" if cache_hit else "false"
+        metrics.REQUESTS.labels("worker", outcome).inc()
+        if timing.first_token is not None:
+            metrics.TTFT.labels(hit).observe(timing.ttft_ms())
+        if timing.tokens >= 2:
+            metrics.TPOT.labels(hit).observe(timing.tpot_ms())
+        metrics.ADAPTER_TOKENS.labels(self._adapter_label(adapter)).inc(timing.tokens)
+
     async def _serve(self, request: InferRequest, prompt_ids: list[int]) -> None:
         timing = Timing(start=time.monotonic())
         rid, reply = request.request_id, request.reply_to
@@ -128,6 +139,7 @@ class RequestServer:
             await self.emit(reply, ReplyError(request_id=rid, error=ServiceUnavailable(
                 f"worker failed while generating: {type(e).__name__}").to_body()))
         finally:
+            self._observe(outcome, timing, cache_hit=True, adapter="base")
             await self.audit(CompletionAudit(
                 request_id=rid, tenant_id=request.tenant_id, base_model=self.base_model, cache_hit=True,
                 ttft_ms=timing.ttft_ms(), tpot_ms=timing.tpot_ms(), prompt_tokens=usage.prompt_tokens,

@@ -1,0 +1,64 @@
+"""Prometheus metric families, defined once; each service exports the ones it records."""
+
+import threading
+
+import structlog
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = structlog.get_logger("metrics")
+
+_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+# the brief's eight categories
+ADAPTER_CACHE_LOOKUPS = Counter("adapter_cache_lookups", "adapter lookups by the tier that answered",
+                                ["tier"])  # gpu | cpu | miss
+ADAPTER_CACHE_HIT_RATIO = Gauge("adapter_cache_hit_ratio", "share of lookups answered by each tier", ["tier"])
+ADAPTER_LOAD_LATENCY = Histogram("adapter_load_latency_ms", "adapter load time by source tier", ["source"],
+                                 buckets=_MS)
+TTFT = Histogram("ttft_ms", "time to first token", ["cache_hit"], buckets=_MS)
+TPOT = Histogram("tpot_ms", "time per output token after the first", ["cache_hit"],
+                 buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+ADAPTER_TOKENS = Counter("adapter_tokens", "generated tokens per adapter (top adapters, the rest as other)",
+                         ["adapter"])
+ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
+STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)
+TENANT_ISOLATION_ERRORS = Counter("tenant_isolation_errors", "requests served or attempted across tenants")
+INTEGRITY_ERRORS = Counter("integrity_errors", "adapter digest/signature/fingerprint mismatches", ["service"])
+QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adapter", "version"])
+
+# operations
+REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])
+ADMISSION_REJECTIONS = Counter("admission_rejections", "requests refused before running", ["reason"])
+QUEUE_DEPTH = Gauge("queue_depth", "requests waiting", ["service"])
+RUNNING = Gauge("running_requests", "requests running in the engine")
+KV_USAGE = Gauge("kv_cache_usage_ratio", "share of KV blocks in use")
+SLOT_OCCUPANCY = Gauge("adapter_slot_occupancy_ratio", "share of GPU adapter slots in use", ["rank_class"])
+REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
+
+
+class BoundedLabel:
+    """Keeps a label's cardinality bounded: the first ``limit`` values are kept, the rest read ``other``."""
+
+    def __init__(self, limit: int = 50):
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self.limit:
+                self._seen.add(value)
+                return value
+        return "other"
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> int | None:
+    """Expose /metrics on ``port`` (0 = any free port, -1 = off); the port actually used."""
+    if port < 0:
+        return None
+    server, _ = start_http_server(port, addr=host)
+    actual = server.server_address[1]
+    log.info("metrics_listening", port=actual)
+    return actual
