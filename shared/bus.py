@@ -19,6 +19,9 @@ from shared import subjects
 from shared.config import CommonSettings
 from shared.errors import InternalError, InvalidMessage, LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
 from shared.schemas import ErrorBody
+from shared.telemetry import continued, inject, tracer
+
+_tracer = tracer("bus")
 
 M = TypeVar("M", bound=BaseModel)
 log = structlog.get_logger("bus")
@@ -151,7 +154,8 @@ def serve(
             log.warning("request_without_reply", subject=msg.subject)
             return
         try:
-            result = await handler(decode(request_type, msg.data))
+            with continued(msg.headers), _tracer.start_as_current_span(f"serve {subject}"):
+                result = await handler(decode(request_type, msg.data))
             await nc.publish(msg.reply, encode(result))
         except LorafleetError as e:
             log.info("request_refused", subject=msg.subject, code=e.code, error=e.message)
@@ -166,7 +170,7 @@ def serve(
 async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M], timeout: float) -> M:
     """Typed request-reply: the reply model, or the remote's typed error raised here."""
     try:
-        msg = await nc.request(subject, encode(message), timeout=timeout)
+        msg = await nc.request(subject, encode(message), timeout=timeout, headers=inject())
     except nats.errors.NoRespondersError:
         raise ServiceUnavailable(f"nothing serves {subject}") from None
     except nats.errors.TimeoutError:

@@ -28,6 +28,9 @@ class CommonSettings(BaseSettings):
     nats_password: SecretStr | None = Field(default=None, description="NATS password; prefer nats_password_file")
     nats_password_file: Path | None = Field(default=None, description="file holding the NATS password")
     redis_password_file: Path | None = Field(default=None, description="file holding the Redis AUTH password")
+    trace_exporter: str = Field(
+        default="none", pattern=r"^(none|console|otlp|file:.+)$", description="where spans go: none, console, otlp, file:<path>"
+    )
     metrics_port: int = Field(default=0, ge=-1, le=65535, description="Prometheus /metrics port: 0 = any free, -1 = off")
     metrics_host: str = Field(default="127.0.0.1", description="bind address of /metrics")
     redis_key_prefix: str = Field(default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key")

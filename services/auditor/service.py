@@ -14,11 +14,13 @@ from shared.errors import LorafleetError
 from shared.heartbeat import publish_heartbeats
 from shared.metrics import serve_metrics
 from shared.logs import configure_logging
+from shared.telemetry import setup_tracing
 from shared.schemas import AuditEnvelope
 
 
 async def run(settings: AuditorSettings) -> None:
     log = configure_logging("auditor", settings.log_level)
+    setup_tracing("auditor", settings.trace_exporter)
     store = AuditStore(settings.db_path)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(store.close)

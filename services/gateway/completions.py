@@ -14,12 +14,14 @@ from services.gateway.openai_format import ChunkWriter, full_response
 from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
+from shared.telemetry import tracer
 from shared.errors import InvalidRequest, LorafleetError, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
     ChatMessage, ListModelsReply, ListModelsRequest, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
 )
 
 router = APIRouter()
+_tracer = tracer("gateway")
 log = structlog.get_logger("gateway")
 
 
@@ -40,6 +42,13 @@ async def _run(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest | C
                inputs: dict) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
     request_id = uuid.uuid4().hex
+    with _tracer.start_as_current_span("gateway.request", attributes={
+            "lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}):
+        return await _submit(ctx, tenant, body, chat, request_id, inputs)
+
+
+async def _submit(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest | CompletionRequest, chat: bool,
+                  request_id: str, inputs: dict) -> JSONResponse | StreamingResponse:
     log_ = log.bind(request_id=request_id, tenant_id=tenant, model=body.model)
     sampling = _sampling(ctx, body)
     missing = ctx.cluster.unavailable()

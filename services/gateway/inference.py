@@ -13,6 +13,7 @@ from nats.js.errors import NoStreamResponseError
 from shared import subjects
 from shared.bus import decode, encode
 from shared.errors import InternalError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.telemetry import inject
 from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
 
 log = structlog.get_logger("gateway.inference")
@@ -86,7 +87,7 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
         await js.publish(
             subjects.infer_submit(request.tenant_id),
             encode(request),
-            headers={"Nats-Msg-Id": request.request_id},
+            headers=inject({"Nats-Msg-Id": request.request_id}),
             timeout=accept_timeout_s,
         )
     except (NoStreamResponseError, TimeoutError) as e:

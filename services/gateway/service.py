@@ -14,11 +14,13 @@ from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import GatewaySettings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.telemetry import setup_tracing
 from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
 
 
 async def run(settings: GatewaySettings) -> None:
     log = configure_logging("gateway", settings.log_level)
+    setup_tracing("gateway", settings.trace_exporter)
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"gateway-{settings.instance_id}")
         stack.push_async_callback(nc.drain)

@@ -18,6 +18,7 @@ from shared.heartbeat import publish_heartbeats
 from shared.metrics import serve_metrics
 from shared.liveness import Liveness
 from shared.logs import configure_logging
+from shared.telemetry import continued, setup_tracing, tracer
 from shared.redis_conn import connect_redis
 from shared.schemas import (
     AuditEnvelope, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError, WorkerHeartbeat,
@@ -49,6 +50,8 @@ def _ports(nc: NATS, js, workers: Liveness[WorkerHeartbeat], settings: Scheduler
 
 async def run(settings: SchedulerSettings) -> None:
     log = configure_logging("scheduler", settings.log_level)
+    setup_tracing("scheduler", settings.trace_exporter)
+    span_tracer = tracer("scheduler")
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"scheduler-{settings.instance_id}")
         stack.push_async_callback(nc.drain)
@@ -75,8 +78,9 @@ async def run(settings: SchedulerSettings) -> None:
 
         async def process(msg) -> None:
             try:
-                outcome = await handle(msg.subject, msg.data, _ports(nc, js, workers, settings, msg),
-                                       settings.no_worker_grace_s)
+                with continued(msg.headers), span_tracer.start_as_current_span("scheduler.place"):
+                    outcome = await handle(msg.subject, msg.data, _ports(nc, js, workers, settings, msg),
+                                           settings.no_worker_grace_s)
                 if outcome is Outcome.DISPATCHED:
                     await msg.ack()
                     await heat.bump(msg.data)

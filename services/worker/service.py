@@ -17,6 +17,7 @@ from shared.config import WorkerSettings
 from shared.errors import LorafleetError
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.telemetry import continued, setup_tracing, tracer
 from shared.schemas import (
     AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, ReplyEnvelope, ReplyMessage, WorkerControl,
     WorkerHeartbeat,
@@ -42,6 +43,8 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, settings: WorkerSe
 
 async def run(settings: WorkerSettings) -> None:
     configure_logging("worker", settings.log_level)
+    setup_tracing("worker", settings.trace_exporter)
+    span_tracer = tracer("worker")
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"worker-{settings.worker_id}")
         stack.push_async_callback(nc.drain)
@@ -75,7 +78,9 @@ async def run(settings: WorkerSettings) -> None:
         async def on_dispatch(msg) -> None:
             try:
                 request = decode(InferRequest, msg.data)
-                await server.accept(request)
+                with continued(msg.headers), span_tracer.start_as_current_span(
+                        "worker.accept", attributes={"lf.request_id": request.request_id}):
+                    await server.accept(request)
                 reply = DispatchReply(accepted=True, worker_id=settings.worker_id)
             except LorafleetError as e:
                 log.info("dispatch_refused", error=e.message, code=e.code)

@@ -14,12 +14,14 @@ from transformers import PreTrainedTokenizerBase
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
 from shared import metrics
+from shared.telemetry import tracer
 from shared.errors import InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
     CompletionAudit, InferRequest, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
 )
 
 log = structlog.get_logger("worker")
+_tracer = tracer("worker")
 
 Emit = Callable[[str, ReplyMessage], Awaitable[None]]
 Audit = Callable[[CompletionAudit], Awaitable[None]]
@@ -107,6 +109,10 @@ class RequestServer:
         metrics.ADAPTER_TOKENS.labels(self._adapter_label(adapter)).inc(timing.tokens)
 
     async def _serve(self, request: InferRequest, prompt_ids: list[int]) -> None:
+        with _tracer.start_as_current_span("worker.generate", attributes={"lf.request_id": request.request_id}):
+            await self._generate(request, prompt_ids)
+
+    async def _generate(self, request: InferRequest, prompt_ids: list[int]) -> None:
         timing = Timing(start=time.monotonic())
         rid, reply = request.request_id, request.reply_to
         pieces: list[str] = []

@@ -24,6 +24,7 @@ class RunningStack:
     gateway_url: str
     api_key: str
     db_path: Path
+    spans_path: Path
 
     def ready(self, services: tuple[str, ...] = SERVICES, timeout_s: float = 300) -> None:
         asyncio.run(wait_ready(self.nats.url, self.stack, services, timeout_s))
@@ -41,9 +42,11 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LIVENESS_TIMEOUT_S": "3",
         "LF_ACCEPT_TIMEOUT_S": "6", "LF_NO_WORKER_GRACE_S": "2",
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
+        "LF_TRACE_EXPORTER": f"file:{root / 'spans.jsonl'}",
     }
     stack = Stack(env, root / "logs")
-    running = RunningStack(stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3")
+    running = RunningStack(stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3",
+                           root / "spans.jsonl")
     try:
         for name in SERVICES:
             stack.start(name)

@@ -1,0 +1,64 @@
+"""Traces span the services of one request; every service exposes its metrics."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import nats
+import openai
+
+from shared import subjects
+from shared.bus import decode
+from shared.schemas import ServiceHeartbeat
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _spans(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_one_request_is_one_trace_across_three_services(running_stack):
+    client = openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=3)
+    request_id = raw.headers["x-lorafleet-request-id"]
+    deadline = time.monotonic() + 10
+    services: set[str] = set()
+    while time.monotonic() < deadline and not {"gateway", "scheduler", "worker"} <= services:
+        spans = _spans(running_stack.spans_path)
+        roots = [s for s in spans if s["attributes"].get("lf.request_id") == request_id
+                 and s["name"] == "gateway.request"]
+        if roots:
+            trace_id = roots[0]["context"]["trace_id"]
+            services = {s["resource"]["attributes"]["service.name"].removeprefix("lorafleet-")
+                        for s in spans if s["context"]["trace_id"] == trace_id}
+        time.sleep(0.3)
+    assert {"gateway", "scheduler", "worker"} <= services
+
+
+async def _metrics_ports(nats_url: str) -> dict[str, int]:
+    nc = await nats.connect(nats_url)
+    sub = await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL)
+    ports: dict[str, int] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(ports) < 3:
+        beat = decode(ServiceHeartbeat, (await sub.next_msg(timeout=5)).data)
+        if beat.metrics_port:
+            ports[beat.service] = beat.metrics_port
+    await nc.close()
+    return ports
+
+
+def test_metrics_families_have_values_after_traffic(running_stack):
+    client = openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
+    ports = asyncio.run(_metrics_ports(running_stack.nats.url))
+    assert {"worker", "scheduler", "auditor"} <= set(ports)
+    worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics").text
+    for family in ("ttft_ms_bucket", "tpot_ms_bucket", "adapter_tokens_total", "requests_total",
+                   "kv_cache_usage_ratio", "running_requests"):
+        assert family in worker, family
+    assert 'ttft_ms_count{cache_hit="true"}' in worker
+    gateway = httpx.get(f"{running_stack.gateway_url}/metrics").text
+    assert "admission_rejections_total" in gateway
