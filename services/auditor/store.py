@@ -66,12 +66,21 @@ class AuditStore:
             )
         return True
 
+    def query(self, *, tenant_id: str | None = None, request_id: str | None = None, adapter_id: str | None = None,
+              kind: str | None = None, since: float | None = None, until: float | None = None,
+              limit: int = 100) -> list[AuditRow]:
+        """Records matching every given filter, oldest first; a tenant filter never returns another tenant's."""
+        filters = {"tenant_id = ?": tenant_id, "request_id = ?": request_id, "adapter_id = ?": adapter_id,
+                   "kind = ?": kind, "ts >= ?": since, "ts <= ?": until}
+        where = [clause for clause, value in filters.items() if value is not None]
+        args = [value for value in filters.values() if value is not None]
+        sql = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit"
+        sql += (" WHERE " + " AND ".join(where)) if where else ""
+        rows = self._db.execute(sql + " ORDER BY pos LIMIT ?", [*args, limit])
+        return [AuditRow(*r[:5], json.loads(r[5]), r[6]) for r in rows]
+
     def by_request(self, request_id: str, tenant_id: str | None = None) -> list[AuditRow]:
-        sql, args = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit WHERE request_id = ?", [request_id]
-        if tenant_id is not None:
-            sql += " AND tenant_id = ?"
-            args.append(tenant_id)
-        return [AuditRow(*r[:5], json.loads(r[5]), r[6]) for r in self._db.execute(sql + " ORDER BY pos", args)]
+        return self.query(request_id=request_id, tenant_id=tenant_id)
 
     def count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM audit").fetchone()[0]

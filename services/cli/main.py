@@ -3,13 +3,13 @@
 import argparse
 import sys
 
-from services.cli import up
+from services.cli import adapter_cmd, audit_cmd, keys_cmd, up
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="multi-tenant multi-LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (up,):
+    for module in (up, adapter_cmd, keys_cmd, audit_cmd):
         module.register(sub)
     return parser
 
