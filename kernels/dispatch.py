@@ -9,9 +9,10 @@ from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_
 # CUDA: BGMV re-reads a row's weights for every token, SGMV once per BLOCK_M tokens, so BGMV only
 # wins when segments are about one token long (decode).
 BGMV_MAX_MEAN_SEG_LEN = 1.5
-# CPU: the gathered bmm copies one weight row per token; the segment loop costs a few matmul
-# launches per segment. bench/lora_ops.py measures the crossover.
-GATHER_MAX_MEAN_SEG_LEN = 1.5
+# CPU: the gathered bmm copies one weight row per token, the segment loop pays a few op launches
+# per segment. 32 tokens, rank 16, 576 x 576, 1 thread: gathered wins ~3x at 1 token per segment,
+# they tie at ~8, segments win ~4x at 16 and ~10x on prefill (bench/lora_ops.py).
+GATHER_MAX_MEAN_SEG_LEN = 4.0
 
 
 @dataclass(slots=True)

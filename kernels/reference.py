@@ -54,7 +54,10 @@ def add_lora_gathered(
 ) -> None:
     """``y[t] += scale[row] * (x[t] @ a[row]) @ b[row]`` for each (t, row) in zip(token_idx, token_row).
 
-    One batched matmul per op over gathered weight copies: best when most tokens have their own row.
+    x: [num_tokens, in]; y: [num_tokens, out] (any row stride); a: [num_slots, in, r];
+    b: [num_slots, r, out]; scale: [num_slots] fp32; token_idx, token_row: [n].
+    One batched matmul per op over gathered weight copies: fastest on CPU when most tokens have
+    their own row (decode), see bench/lora_ops.py.
     """
     expand(shrink(x, a, token_idx, token_row), b, scale, token_idx, token_row, y)
 
@@ -68,10 +71,12 @@ def add_lora_segments(
     token_idx: torch.Tensor,
     segments: Sequence[Segment],
 ) -> None:
-    """Same result as :func:`add_lora_gathered`, one matmul pair per segment of tokens sharing a row.
+    """``y[token_idx[s:e]] += scale[row] * (x[token_idx[s:e]] @ a[row]) @ b[row]`` per (s, e, row, _) segment.
 
-    A segment that is a contiguous run of tokens reads and writes views of x and y (no copies).
-    ``segments`` is the host copy of the index, so the loop never reads a tensor back.
+    x, y, a, b, scale: as in :func:`add_lora_gathered`; token_idx: [n]; segments: host tuples
+    (start, end, row, first token of a contiguous run or -1), so the loop never reads a tensor back.
+    One matmul pair per segment; a contiguous run reads and writes views of x and y (no copies):
+    fastest on CPU when tokens share rows (prefill).
     """
     for start, end, row, first in segments:
         if first >= 0:

@@ -1,8 +1,9 @@
 """SGMV: segmented LoRA shrink / expand (prefill, where runs of tokens share a row).
 
 Each program takes a BLOCK_M tile of one segment's tokens and runs a ``tl.dot`` against that
-segment's row. Operands are upcast to fp32 before the dot, as in :mod:`kernels.bgmv`; values
-that come from fp16 / bf16 are exact in tf32, so only the fp32 intermediate ``h`` is rounded.
+segment's row. Operands are upcast to fp32 before the dot, as in :mod:`kernels.bgmv`. On GPU the
+dot runs in tf32, which holds fp16 / bf16 values exactly: for those models only the fp32
+intermediate ``h`` is rounded (as when punica / vLLM store it in the model dtype).
 """
 
 import torch

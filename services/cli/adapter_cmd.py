@@ -46,9 +46,13 @@ def actor() -> str:
 
 async def cli_connect(url: str) -> NATS:
     """A short-lived client: no reconnect loop, no connection-state logging on stdout."""
+
+    async def quiet(_: Exception) -> None:  # the failure is reported once, below
+        return None
+
     try:
-        return await nats.connect(servers=[u.strip() for u in url.split(",")], name="lorafleet-cli",
-                                  connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)  # fmt: skip
+        return await nats.connect(servers=[u.strip() for u in url.split(",")], name="lorafleet-cli", connect_timeout=2,
+                                  max_reconnect_attempts=1, allow_reconnect=False, error_cb=quiet)  # fmt: skip
     except (OSError, nats.errors.Error) as e:
         raise ServiceUnavailable(f"cannot reach NATS at {url}: {e}") from None
 

@@ -19,8 +19,7 @@ def instance_matcher(service: str, any_instance: bool) -> tuple[str, bool]:
     """(id or prefix to match, whether it is an exact id)."""
     if any_instance:
         return "", False
-    settings = WorkerSettings() if service == "worker" else CommonSettings()
-    wanted = settings.worker_id if isinstance(settings, WorkerSettings) else settings.instance_id
+    wanted = WorkerSettings().worker_id if service == "worker" else CommonSettings().instance_id
     default = _default_instance_id()
     if wanted != default:
         return wanted, True
@@ -49,15 +48,23 @@ async def ready_heartbeat(service: str, match: str, exact: bool, timeout_s: floa
         await nc.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck")
     parser.add_argument("service", choices=("gateway", "registry", "scheduler", "worker", "auditor"))
     parser.add_argument("--any", action="store_true", help="accept any ready instance of the service")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a heartbeat")
-    args = parser.parse_args(argv)
-    match, exact = instance_matcher(args.service, args.any)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
-        ok = asyncio.run(ready_heartbeat(args.service, match, exact, args.timeout))
+        match, exact = instance_matcher(args.service, args.any)
+        # bounded as a whole: connect() keeps retrying an unreachable server
+        ok = asyncio.run(asyncio.wait_for(ready_heartbeat(args.service, match, exact, args.timeout), args.timeout + 3))
+    except TimeoutError:
+        print(f"unhealthy: NATS at {CommonSettings().nats_url} not reachable", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:  # a probe reports, never raises
         print(f"unhealthy: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -5,6 +5,8 @@
   deploy/nats.conf                 the server config with one user per service (0600)
   deploy/secrets/<service>.env     LF_NATS_USER / LF_NATS_PASSWORD (+ Redis URL) per container (0600)
   deploy/secrets/redis.env         REDIS_PASSWORD for the redis container (0600)
+``tenant-user <tenant>`` adds a direct-NATS user for one tenant; ``setup`` creates the shared
+streams as the admin. ``start_secured_nats`` runs the same model for ``lorafleet up`` and tests.
 Permissions themselves live in services/cli/nats_permissions.py.
 """
 
@@ -16,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.cli.infra import Server, start_nats
 from services.cli.nats_permissions import (
     ADMIN, SERVICES, admin_permissions, service_permissions, tenant_inbox, tenant_permissions,
 )
@@ -47,10 +50,7 @@ class Secrets:
         return made
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.touch(mode=0o600, exist_ok=True)
-        path.chmod(0o600)
-        path.write_text(json.dumps({"users": self.users, "tenants": self.tenants, "redis": self.redis}, indent=2))
+        write_private(path, json.dumps({"users": self.users, "tenants": self.tenants, "redis": self.redis}, indent=2))
 
 
 def render_config(creds: Secrets, server: dict | None = None, tls: dict | None = None) -> str:
@@ -69,19 +69,23 @@ def render_config(creds: Secrets, server: dict | None = None, tls: dict | None =
 
 
 def write_private(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``text`` to a file only its owner can read (created 0600, never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.touch(mode=0o600, exist_ok=True)
     path.chmod(0o600)
     path.write_text(text)
 
 
 COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": {"store_dir": "/data"}}
+COMPOSE_TLS = {"cert_file": "/etc/nats/tls/server.pem", "key_file": "/etc/nats/tls/server-key.pem",
+               "ca_file": "/etc/nats/tls/ca.pem", "timeout": 2}
 
 
-def init_deploy(directory: Path) -> Secrets:
-    """Write the compose secrets and config under ``directory`` (idempotent: passwords are kept)."""
+def init_deploy(directory: Path, tls: bool = False) -> Secrets:
+    """Write the compose secrets and config under ``directory`` (idempotent: passwords are kept).
+    ``tls`` makes the server require TLS with the certificates mounted at /etc/nats/tls."""
     creds = Secrets.load_or_create(directory / "secrets" / SECRETS_FILE)
-    write_private(directory / "nats.conf", render_config(creds, COMPOSE_SERVER))
+    write_private(directory / "nats.conf", render_config(creds, COMPOSE_SERVER, COMPOSE_TLS if tls else None))
     redis_url = f"redis://:{creds.redis}@redis:6379/0"
     for user in (*SERVICES, ADMIN):
         lines = [f"LF_NATS_USER={user}", f"LF_NATS_PASSWORD={creds.users[user]}"]
@@ -99,7 +103,8 @@ def add_tenant_user(directory: Path, tenant: str) -> str:
     creds = Secrets.load_or_create(path)
     creds.tenants.setdefault(subjects.token(tenant), secrets.token_urlsafe(24))
     creds.save(path)
-    init_deploy(directory)
+    config = directory / "nats.conf"
+    init_deploy(directory, tls=config.exists() and "tls" in json.loads(config.read_text()))
     return creds.tenants[tenant]
 
 
@@ -123,12 +128,27 @@ class LocalAuth:
 
 
 def local_auth(state_dir: Path) -> LocalAuth:
-    """Generate (or reuse) passwords and a nats-server config under ``state_dir``; start the
-    server with ``start_nats(..., config=auth.config)``, then ``await setup_streams(url, auth.admin())``."""
+    """Generate (or reuse) passwords and a nats-server config under ``state_dir``, and
+    ``admin.env`` for admin CLI sessions (``set -a; . state/admin.env; set +a``)."""
     creds = Secrets.load_or_create(state_dir / SECRETS_FILE)
     config = state_dir / "nats.conf"
     write_private(config, render_config(creds))
+    write_private(state_dir / "admin.env", f"LF_NATS_USER={ADMIN}\nLF_NATS_PASSWORD={creds.users[ADMIN]}\n")
     return LocalAuth(config, creds)
+
+
+def start_secured_nats(port: int, state_dir: Path, log_file: Path | None = None) -> tuple[Server, LocalAuth]:
+    """nats-server with the permission model (data in ``state_dir/nats``) and the streams created
+    by the admin. Start each service with ``extra_env=auth.service_env(name)``; in-process
+    clients connect to ``auth.admin_url(server.url)``."""
+    auth = local_auth(state_dir)
+    server = start_nats(port, state_dir / "nats", log_file, config=auth.config)
+    try:
+        asyncio.run(setup_streams(server.url, auth.admin()))
+    except BaseException:
+        server.stop()
+        raise
+    return server, auth
 
 
 async def setup_streams(nats_url: str, admin: tuple[str, str] | None) -> None:
@@ -145,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = p.add_subparsers(dest="nats_command", required=True)
     init = cmds.add_parser("init", help="generate passwords, nats.conf and env files for compose")
     init.add_argument("--dir", type=Path, default=Path("deploy"))
+    init.add_argument("--tls", action="store_true", help="require TLS (certificates in deploy/tls, see docs)")
     init.set_defaults(func=_init)
     tenant = cmds.add_parser("tenant-user", help="add a direct-NATS user for one tenant")
     tenant.add_argument("tenant")
@@ -155,7 +176,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
-    init_deploy(args.dir)
+    init_deploy(args.dir, args.tls)
     print(f"wrote {args.dir / 'nats.conf'} and {args.dir / 'secrets'}/ (keep them out of images and git)")
     return 0
 

@@ -7,8 +7,8 @@ import secrets
 import signal
 from pathlib import Path
 
-from services.cli.infra import pick_port, start_nats, start_redis
-from services.cli.nats_auth import local_auth, setup_streams
+from services.cli.infra import pick_port, start_redis
+from services.cli.nats_auth import start_secured_nats
 from services.cli.stack import SERVICES, Stack, wait_ready
 
 
@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    auth = local_auth(state)
-    nats = start_nats(ports["nats"], state / "nats", state / "logs" / "nats.log", config=auth.config)
+    nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log")
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
     key = demo_key(state)
     env = {
@@ -63,13 +62,14 @@ def run(args: argparse.Namespace) -> int:
     }
     stack = Stack(env, state / "logs")
     try:
-        asyncio.run(setup_streams(nats.url, auth.admin()))
         for name in SERVICES:
             stack.start(name, extra_env=auth.service_env(name))
         print("starting services (the first start converts the base model once, about a minute)...")
         asyncio.run(wait_ready(auth.admin_url(nats.url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
         print(f"demo tenant API key: {key}\n\nTry:\n{example(ports['gateway'], key, 'SmolLM2-135M-Instruct')}\n")
+        print(f"NATS requires auth: admin password in {state / 'admin.env'} "
+              f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})")
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
         while True:

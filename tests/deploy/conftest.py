@@ -3,7 +3,6 @@
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import nats
 import pytest

@@ -18,8 +18,8 @@ DTYPES = list(TOLERANCE)
 
 def spread_rows(kind: str, num_tokens: int, num_rows: int, gen: torch.Generator) -> torch.Tensor:
     """Per-token stack rows, spread over the batch the way punica's tests sweep them."""
-    if kind == "distinct":
-        return torch.randperm(num_rows, generator=gen)[:num_tokens] if num_tokens <= num_rows else torch.arange(num_tokens) % num_rows
+    if kind == "distinct":  # as distinct as the rows allow
+        return torch.randperm(max(num_rows, num_tokens), generator=gen)[:num_tokens] % num_rows
     if kind == "identical":
         return torch.full((num_tokens,), int(torch.randint(num_rows, (1,), generator=gen)))
     if kind == "uniform":
@@ -39,6 +39,14 @@ def spread_rows(kind: str, num_tokens: int, num_rows: int, gen: torch.Generator)
 
 
 SPREADS = ["distinct", "identical", "uniform", "zipf", "skewed", "mixed"]
+RANKS = [8, 16, 32, 64]
+# Every rank and spread in fp32; the half dtypes at the smallest and largest rank keep the interpreter quick.
+KERNEL_CASES = [
+    pytest.param(dtype, rank, spread, id=f"{str(dtype)[6:]}-r{rank}-{spread}")
+    for dtype in DTYPES
+    for rank in (RANKS if dtype == torch.float32 else [RANKS[0], RANKS[-1]])
+    for spread in SPREADS
+]
 
 
 def make_weights(

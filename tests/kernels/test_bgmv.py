@@ -5,15 +5,13 @@ import torch
 
 from kernels import index_for, reference
 from kernels.bgmv import bgmv_expand, bgmv_shrink
-from tests.kernels.conftest import DTYPES, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import KERNEL_CASES, TOLERANCE, loop_lora, make_weights, spread_rows
 
 SHAPES = [(64, 96), (160, 48)]  # (in, out); 160 and 48 are not powers of two
 
 
-@pytest.mark.parametrize("spread", SPREADS)
-@pytest.mark.parametrize("rank", [8, 16, 32, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_bgmv_matches_reference_and_loop(spread: str, rank: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+@pytest.mark.parametrize(("dtype", "rank", "spread"), KERNEL_CASES)
+def test_bgmv_matches_reference_and_loop(dtype: torch.dtype, rank: int, spread: str, gen: torch.Generator) -> None:
     in_features, out_features = SHAPES[rank % 3 % 2]
     num_tokens, num_rows = 12, 8
     a, b, scale = make_weights(num_rows, in_features, rank, out_features, dtype, gen)
@@ -61,7 +59,8 @@ def test_bgmv_launcher_refuses_bad_operands(gen: torch.Generator) -> None:
     with pytest.raises(AssertionError, match="int32"):
         bgmv_shrink(x, a, index.token_idx.long(), index.token_row.long(), h)
     with pytest.raises(AssertionError, match="contiguous"):
-        bgmv_expand(h, b.transpose(1, 2).contiguous().transpose(1, 2), scale, index.token_idx, index.token_row, x[:, :16])
+        strided_b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        bgmv_expand(h, strided_b, scale, index.token_idx, index.token_row, x[:, :16])
     with pytest.raises(AssertionError, match="fp32"):
         bgmv_expand(h.half(), b, scale, index.token_idx, index.token_row, torch.zeros(2, 16))
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from kernels import add_lora, find_segments, index_for, reference
-from tests.kernels.conftest import DTYPES, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import DTYPES, RANKS, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
 
 
 @pytest.mark.parametrize("spread", SPREADS)
-@pytest.mark.parametrize("rank", [8, 16, 32, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_both_forms_match_the_loop(spread: str, rank: int, dtype: torch.dtype, gen: torch.Generator) -> None:
     num_tokens, num_rows, in_features, out_features = 24, 8, 96, 80
     a, b, scale = make_weights(num_rows, in_features, rank, out_features, dtype, gen)
@@ -41,7 +41,7 @@ def test_segments_mark_contiguous_runs_only() -> None:
     assert find_segments(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)) == ()
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 1, 1, 1, 0, 0, -1, 3]])
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 1, 1, 1, 0, 0, -1, 3], [2] * 9 + [-1, 0, 0] + [2] * 4])
 def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
     a, b, scale = make_weights(4, 32, 16, 24, torch.float32, gen)
     token_rows = torch.tensor(rows)

@@ -5,12 +5,14 @@ import torch
 
 from kernels import index_for, reference
 from kernels.sgmv import BLOCK_M, sgmv_expand, sgmv_shrink
-from tests.kernels.conftest import DTYPES, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import KERNEL_CASES, TOLERANCE, loop_lora, make_weights, spread_rows
 
 SHAPES = [(64, 96), (160, 48)]  # (in, out); 160 and 48 are not powers of two
 
 
-def run_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def run_sgmv(
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     index = index_for(rows)
     h = torch.empty(index.num_tokens, a.shape[2])
     segs = (index.seg_start, index.seg_row, index.max_seg_len)
@@ -20,10 +22,8 @@ def run_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return y
 
 
-@pytest.mark.parametrize("spread", SPREADS)
-@pytest.mark.parametrize("rank", [8, 16, 32, 64])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sgmv_matches_reference_and_loop(spread: str, rank: int, dtype: torch.dtype, gen: torch.Generator) -> None:
+@pytest.mark.parametrize(("dtype", "rank", "spread"), KERNEL_CASES)
+def test_sgmv_matches_reference_and_loop(dtype: torch.dtype, rank: int, spread: str, gen: torch.Generator) -> None:
     in_features, out_features = SHAPES[rank % 3 % 2]
     num_tokens, num_rows = 40, 6  # segments longer than BLOCK_M in the identical / skewed spreads
     a, b, scale = make_weights(num_rows, in_features, rank, out_features, dtype, gen)
@@ -64,7 +64,8 @@ def test_sgmv_launcher_refuses_bad_segments(gen: torch.Generator) -> None:
     a, _, _ = make_weights(2, 32, 8, 16, torch.float32, gen)
     index = index_for(torch.tensor([0, 0, 1]))
     h = torch.empty(3, 8)
+    x, idx, rows = torch.randn(3, 32), index.token_idx, index.token_row
     with pytest.raises(AssertionError, match="num_segments"):
-        sgmv_shrink(torch.randn(3, 32), a, index.token_idx, index.token_row, index.seg_start[:-1], index.seg_row, 2, h)
+        sgmv_shrink(x, a, idx, rows, index.seg_start[:-1], index.seg_row, 2, h)
     with pytest.raises(AssertionError, match="int32"):
-        sgmv_shrink(torch.randn(3, 32), a, index.token_idx, index.token_row, index.seg_start.long(), index.seg_row, 2, h)
+        sgmv_shrink(x, a, idx, rows, index.seg_start.long(), index.seg_row, 2, h)

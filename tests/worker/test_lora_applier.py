@@ -1,13 +1,26 @@
 """The engine's LoRA hook: mixed ranks and base tokens vs a plain loop, and vs PEFT itself."""
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from shared.errors import IntegrityError, NoFreeSlot
+from services.worker.engine.batch import build_batch
+from services.worker.engine.kv_cache import BlockManager, KVCache
+from services.worker.engine.model import LlamaForward
+from services.worker.engine.sequence import EngineRequest, Sequence
+from services.worker.engine.weights import load_weights
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
-from tests.helpers.adapters import ALL_MODULES, make_peft_model, peft_delta, save_peft_adapter, tiny_llama, tiny_llama_config
+from tests.helpers.adapters import (
+    ALL_MODULES,
+    make_peft_model,
+    peft_delta,
+    save_peft_adapter,
+    tiny_llama,
+    tiny_llama_config,
+)
 
 SHAPES = ModelShapes.from_hf_config(tiny_llama_config())
 SPECS = {  # name -> (rank, alpha, target modules, rsLoRA)
@@ -37,7 +50,9 @@ def new_manager(**config: object) -> AdapterManager:
     return AdapterManager(LoraConfig(**config), SHAPES)
 
 
-def loop_delta(weights: dict[str, AdapterWeights], names: list[str | None], layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+def loop_delta(
+    weights: dict[str, AdapterWeights], names: list[str | None], layer: int, module: str, x: torch.Tensor
+) -> torch.Tensor:
     """One token at a time, straight from each adapter's unpadded weights."""
     delta = torch.zeros(x.shape[0], SHAPES.dims[module][1])
     for t, name in enumerate(names):
@@ -50,7 +65,7 @@ def loop_delta(weights: dict[str, AdapterWeights], names: list[str | None], laye
 @pytest.mark.parametrize("layout", ["decode", "prefill", "interleaved"])
 def test_mixed_ranks_and_base_tokens_match_a_plain_loop(adapter_dirs: dict[str, Path], layout: str) -> None:
     manager = new_manager()
-    weights = {name: manager.read(d) for name, d in adapter_dirs.items()}
+    weights = {name: manager.read_adapter(d) for name, d in adapter_dirs.items()}
     slots = {name: manager.load_adapter(name, d) for name, d in adapter_dirs.items()}
     assert {manager.pool.locate(s)[0].rank for s in slots.values()} == {8, 16, 64}
     order: list[str | None] = ["r8", "r16", None, "r64", "r12"]
@@ -104,7 +119,7 @@ def test_delta_equals_what_peft_adds_to_each_projection(tmp_path: Path, base) ->
 
 def test_adds_into_column_views_of_a_fused_projection(adapter_dirs: dict[str, Path]) -> None:
     manager = new_manager()
-    weights = manager.read(adapter_dirs["r16"])
+    weights = manager.read_adapter(adapter_dirs["r16"])
     slot = manager.load_adapter("r16", weights)
     names: list[str | None] = ["r16", None, "r16"]
     lora = manager.prepare(torch.tensor([slot, -1, slot]))
@@ -145,3 +160,52 @@ def test_a_refused_adapter_takes_no_slot(adapter_dirs: dict[str, Path]) -> None:
     with pytest.raises(IntegrityError, match="not served"):
         manager.load_adapter("r16", adapter_dirs["r16"])
     assert manager.resident() == {} and manager.stats().free_slots == sum(c.num_slots for c in manager.pool.classes)
+
+
+def test_engine_forward_with_the_hook_matches_peft_logits(tmp_path: Path, base) -> None:
+    """Two adapters of ranks 8 and 64 beside a base request, through prefill, mixed and decode steps."""
+    models = {
+        "a8": make_peft_model(base, rank=8, target_modules=("q_proj", "v_proj"), seed=1),
+        "b64": make_peft_model(base, rank=64, alpha=32, target_modules=ALL_MODULES, use_rslora=True, seed=2),
+    }
+    manager = new_manager()
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / name)
+        manager.load_adapter(name, tmp_path / name)
+    weights = load_weights(base, torch.float32, "cpu", 256)
+    forward, cache = LlamaForward(weights), KVCache(weights.spec, 64, 4, torch.float32, "cpu")
+    blocks = BlockManager(64, 4)
+    names = ["a8", None, "b64"]
+    prompts = [[5, 17, 42, 99, 3, 8], [40, 2, 9], [33, 44, 5]]
+    seqs = [Sequence(EngineRequest(str(i), p), None) for i, p in enumerate(prompts)]
+    for seq, name in zip(seqs, names):
+        seq.slot = -1 if name is None else manager.slot_of(name)
+    running: list[Sequence] = []
+    for joining in (seqs[:2], seqs[2:], []):
+        for seq in running:
+            blocks.append(seq)
+        for seq in joining:
+            blocks.allocate(seq)
+        batch = build_batch(running, joining, 4, "cpu")
+        lora = manager.prepare(batch.token_slots)
+        logits = forward.forward(batch.input_ids, batch.positions, batch.meta, cache, batch.logits_indices, lora)
+        for row, seq in enumerate(batch.seqs):
+            name = names[seqs.index(seq)]
+            model = base if name is None else models[name]
+            with torch.no_grad():
+                expected = model(torch.tensor([seq.token_ids])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+            seq.num_cached = seq.num_tokens
+            seq.token_ids.append(int(logits[row].argmax()))
+        running = batch.seqs
+
+
+def test_concurrent_loads_get_distinct_slots_and_one_slot_per_name(adapter_dirs: dict[str, Path]) -> None:
+    manager = new_manager()
+    weights = manager.read_adapter(adapter_dirs["r8"])
+    names = ["a", "b", "c", "a", "b", "c", "d", "a"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        slots = list(pool.map(lambda name: manager.load_adapter(name, weights), names))
+    by_name = dict(zip(names, slots))
+    assert all(by_name[n] == s for n, s in zip(names, slots)) and len(set(by_name.values())) == 4
+    assert manager.stats().classes[0].free == manager.pool.classes[0].num_slots - 4

@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 
 from shared.errors import IntegrityError, NoFreeSlot
-from services.worker.lora import AdapterWeights, LoraConfig, ModelShapes
+from services.worker.lora import MODULES, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.slots import SlotPool
 from tests.helpers.adapters import tiny_llama_config
@@ -92,7 +92,8 @@ def test_set_slot_copies_zero_padded_and_reset_slot_zeroes() -> None:
     assert not stack.a[0]["k_proj"][row].any()
     assert stack.scale[row] == 0.5 and stack.row_modules[row] == {"q_proj", "v_proj"}
     p.release(slot)
-    assert not any(stack.a[layer][m][row].any() or stack.b[layer][m][row].any() for layer in range(2) for m in stack.a[0])
+    zeroed = [not (stack.a[layer][m][row].any() or stack.b[layer][m][row].any()) for layer in range(2) for m in MODULES]
+    assert all(zeroed)
     assert stack.scale[row] == 0 and stack.row_modules[row] == frozenset()
 
 
@@ -117,24 +118,27 @@ def test_a_full_class_raises_no_free_slot_until_one_is_released() -> None:
 
 
 def test_metadata_groups_tokens_by_rank_class_and_slot() -> None:
-    meta = LoraMetadata.allocate(max_tokens=16, num_classes=2, device="cpu")
-    first_slots = [0, 4, 6]  # class 0: slots 0-3, class 1: slots 4-5
-    slots = torch.tensor([5, 1, 1, -1, 4, 1, 0, 5])
-    low, high = meta.fill(slots, first_slots)
+    meta = LoraMetadata.allocate(max_tokens=16, class_first_slots=[0, 4, 6, 8], device="cpu")
+    slots = torch.tensor([5, 1, 1, -1, 4, 1, 0, 5])  # class 0: slots 0-3, class 1: 4-5, class 2: 6-7
+    low, high, unused = meta.fill(slots)
+    assert unused is None and low is not None and high is not None
     assert low.token_idx.tolist() == [6, 1, 2, 5] and low.token_row.tolist() == [0, 1, 1, 1]
-    assert low.seg_start.tolist() == [0, 1, 4] and low.seg_row.tolist() == [0, 1]
+    assert low.seg_start.tolist() == [0, 1, 4] and low.seg_row.tolist() == [0, 1] and low.max_seg_len == 3
     assert low.segments == ((0, 1, 0, 6), (1, 4, 1, -1))
     assert high.token_idx.tolist() == [4, 0, 7] and high.token_row.tolist() == [0, 1, 1]
+    assert high.seg_start.tolist() == [0, 1, 3] and high.seg_row.tolist() == [0, 1]
     assert high.segments == ((0, 1, 0, 4), (1, 3, 1, -1)) and high.max_seg_len == 2
-    base_only = meta.fill(torch.tensor([-1, -1]), first_slots)
-    assert [i.num_tokens for i in base_only] == [0, 0]
+    assert meta.fill(torch.tensor([-1, -1])) == [None, None, None]
+    (only_high,) = [i for i in meta.fill(torch.tensor([-1, 7, 7, 6])) if i is not None]
+    assert only_high.token_idx.tolist() == [3, 1, 2] and only_high.segments == ((0, 1, 0, 3), (1, 3, 1, 1))
     storage = meta.host_idx.untyped_storage().data_ptr()
     assert low.token_idx.untyped_storage().data_ptr() == storage  # views of the buffers, refilled in place
 
 
 def test_metadata_refuses_unknown_slots_and_too_many_tokens() -> None:
-    meta = LoraMetadata.allocate(max_tokens=4, num_classes=1, device="cpu")
-    with pytest.raises(ValueError, match="token slots"):
-        meta.fill(torch.tensor([0, 3]), [0, 3])
+    meta = LoraMetadata.allocate(max_tokens=4, class_first_slots=[0, 3], device="cpu")
+    for slots in ([0, 3], [-2, 0]):
+        with pytest.raises(ValueError, match="token slots"):
+            meta.fill(torch.tensor(slots))
     with pytest.raises(ValueError, match="exceed"):
-        meta.fill(torch.zeros(5, dtype=torch.int64), [0, 3])
+        meta.fill(torch.zeros(5, dtype=torch.int64))

@@ -9,7 +9,14 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import IntegrityError
 from services.worker.lora import MODULES, ModelShapes, load_peft_adapter
-from tests.helpers.adapters import ALL_MODULES, edit_adapter_config, make_peft_model, save_peft_adapter, tiny_llama, tiny_llama_config
+from tests.helpers.adapters import (
+    ALL_MODULES,
+    edit_adapter_config,
+    make_peft_model,
+    save_peft_adapter,
+    tiny_llama,
+    tiny_llama_config,
+)
 
 SHAPES = ModelShapes.from_hf_config(tiny_llama_config())
 WEIGHTS = "adapter_model.safetensors"
@@ -33,7 +40,8 @@ def base():
 
 @pytest.fixture
 def adapter(tmp_path: Path, base) -> Path:
-    return save_peft_adapter(tmp_path / "adapter", base, rank=8, alpha=16, target_modules=("q_proj", "v_proj", "down_proj"))
+    modules = ("q_proj", "v_proj", "down_proj")
+    return save_peft_adapter(tmp_path / "adapter", base, rank=8, alpha=16, target_modules=modules)
 
 
 def test_loads_slot_layout_transposed_from_peft(tmp_path: Path, base) -> None:

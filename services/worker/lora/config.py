@@ -14,10 +14,14 @@ class LoraConfig(BaseModel):
         default=(8, 16, 32, 64),
         min_length=1,
         max_length=8,
-        description="ascending ranks; an adapter of rank r lives in the smallest class >= r, the largest is the admitted maximum",
+        description="ascending ranks; an adapter of rank r lives in the smallest class >= r; "
+        "the largest is the admitted maximum",
     )
     memory_budget_bytes: int = Field(
-        default=2**30, ge=2**16, le=2**40, description="bytes of stacked A/B slot weights, all classes and layers together"
+        default=2**30,
+        ge=2**16,
+        le=2**40,
+        description="bytes of stacked A/B slot weights, all classes and layers together",
     )
     class_shares: tuple[float, ...] | None = Field(
         default=None, description="fraction of the budget per rank class, in rank_classes order; None = equal bytes"

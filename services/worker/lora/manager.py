@@ -52,8 +52,8 @@ class AdapterManager:
         self.shapes = shapes
         self.device = torch.device(device)
         self.pool = SlotPool(config, shapes, self.device, dtype)
-        self._metadata = LoraMetadata.allocate(config.max_num_tokens, len(self.pool.classes), self.device)
-        self._class_first_slots = [c.first_slot for c in self.pool.classes] + [self.pool.num_slots]
+        first_slots = [c.first_slot for c in self.pool.classes] + [self.pool.num_slots]
+        self._metadata = LoraMetadata.allocate(config.max_num_tokens, first_slots, self.device)
         on_cuda = self.device.type == "cuda"
         self._workspaces = [
             torch.empty(config.max_num_tokens * c.rank if on_cuda else 0, dtype=torch.float32, device=self.device)
@@ -76,21 +76,27 @@ class AdapterManager:
         with self._lock:
             if name in self._slots:
                 return self._slots[name]
-        weights = source if isinstance(source, AdapterWeights) else self.read(source)
+        weights = source if isinstance(source, AdapterWeights) else self.read_adapter(source)
         self._check(weights)
         with self._lock:
             if name in self._slots:
                 return self._slots[name]
             slot = self.pool.allocate(weights.rank)
-            try:
-                self.pool.set_slot(slot, weights)
-            except BaseException:
+        # The copy runs unlocked: no token can reference a slot before it is published below.
+        try:
+            self.pool.set_slot(slot, weights)
+        except BaseException:
+            with self._lock:
                 self.pool.release(slot)
-                raise
+            raise
+        with self._lock:
+            if name in self._slots:  # a concurrent load of the same name won
+                self.pool.release(slot)
+                return self._slots[name]
             self._slots[name] = slot
             return slot
 
-    def read(self, directory: Path | str) -> AdapterWeights:
+    def read_adapter(self, directory: Path | str) -> AdapterWeights:
         """Validate and read a PEFT directory against this pool's model, rank classes and modules."""
         return load_peft_adapter(
             directory, self.shapes, max_rank=self.config.max_rank, allowed_modules=self.config.target_modules
@@ -122,22 +128,24 @@ class AdapterManager:
 
         The hook views buffers the next prepare() refills: it is valid for one step.
         """
-        indexes = self._metadata.fill(token_slots, self._class_first_slots)
+        indexes = self._metadata.fill(token_slots)
         classes = []
         for stack, index, workspace in zip(self.pool.classes, indexes, self._workspaces):
-            if index.num_tokens:
+            if index is not None:
                 modules = frozenset().union(*(stack.row_modules[row] for _, _, row, _ in index.segments))
                 classes.append(ClassBatch(stack, index, modules, workspace))
         return LoraBatch(classes) if classes else None
 
     def _check(self, weights: AdapterWeights) -> None:
         if weights.rank > self.config.max_rank:
-            raise IntegrityError(f"adapter rank {weights.rank} is above the admitted maximum {self.config.max_rank}", param="r")
+            message = f"adapter rank {weights.rank} is above the admitted maximum {self.config.max_rank}"
+            raise IntegrityError(message, param="r")
         if weights.a.keys() != weights.b.keys():
             raise IntegrityError("every (layer, module) needs both an A and a B matrix", param="weights")
         unknown = sorted(weights.modules - set(self.config.target_modules))
         if unknown:
-            raise IntegrityError(f"target modules {unknown} are not served {list(self.config.target_modules)}", param=unknown[0])
+            message = f"target modules {unknown} are not served {list(self.config.target_modules)}"
+            raise IntegrityError(message, param=unknown[0])
         for (layer, module), a in weights.a.items():
             in_f, out_f = self.shapes.dims[module]
             b = weights.b[(layer, module)]

@@ -1,7 +1,8 @@
 """Per-step LoRA metadata: tokens sorted by (rank class, slot) and cut into segments, in place.
 
 Built on the host from the step's token slots (one device -> host read per step, not per
-projection), then copied into device buffers allocated once at max size.
+projection), then copied into device buffers allocated once at max size. Global slot ids
+ascend with the rank class, so one sort groups tokens by class and, within it, by slot.
 """
 
 from dataclasses import dataclass
@@ -14,77 +15,94 @@ from kernels.reference import INDEX_DTYPE, Segment
 
 @dataclass(slots=True)
 class LoraMetadata:
-    """Index buffers of every rank class; each step refills a prefix of them."""
+    """Index buffers of every rank class; each step refills a prefix of them.
 
-    host_idx: torch.Tensor  # [max_tokens] int32, tokens sorted by global slot (host, pinned on CUDA)
-    host_row: torch.Tensor  # [max_tokens] int32, row of each sorted token in its class's stack (host)
-    host_seg_start: torch.Tensor  # [num_classes, max_tokens + 1] int32, per class offsets into its tokens (host)
-    host_seg_row: torch.Tensor  # [num_classes, max_tokens] int32, per class stack row of each segment (host)
+    Class c's tokens are token_idx[lo_c:hi_c]; its segments are seg_row[g_c:g_c + G_c] with
+    offsets seg_start[g_c + c : g_c + c + G_c + 1] relative to lo_c.
+    """
+
+    host_idx: torch.Tensor  # [max_tokens] int32, adapter tokens sorted by global slot (host, pinned on CUDA)
+    host_row: torch.Tensor  # [max_tokens] int32, each sorted token's row in its class's stack (host)
+    host_seg_start: torch.Tensor  # [max_tokens + num_classes] int32, per class segment offsets (host)
+    host_seg_row: torch.Tensor  # [max_tokens] int32, stack row of each segment (host)
     token_idx: torch.Tensor  # [max_tokens] int32, device copy of host_idx
     token_row: torch.Tensor  # [max_tokens] int32, device copy of host_row
-    seg_start: torch.Tensor  # [num_classes, max_tokens + 1] int32, device copy of host_seg_start
-    seg_row: torch.Tensor  # [num_classes, max_tokens] int32, device copy of host_seg_row
+    seg_start: torch.Tensor  # [max_tokens + num_classes] int32, device copy of host_seg_start
+    seg_row: torch.Tensor  # [max_tokens] int32, device copy of host_seg_row
+    first_slots: torch.Tensor  # [num_classes + 1] int64, first global slot of each class, then the slot count
+    num_tokens: int = 0  # adapter tokens of the last fill
+    num_segments: int = 0  # segments of the last fill, all classes
 
     @classmethod
-    def allocate(cls, max_tokens: int, num_classes: int, device: torch.device | str) -> "LoraMetadata":
+    def allocate(cls, max_tokens: int, class_first_slots: list[int], device: torch.device | str) -> "LoraMetadata":
+        """Buffers for steps of up to max_tokens; class_first_slots: each class's first slot, then the slot count."""
         device = torch.device(device)
         pin = device.type == "cuda"
+        num_classes = len(class_first_slots) - 1
+        sizes = (max_tokens, max_tokens, max_tokens + num_classes, max_tokens)
+        host = [torch.zeros(size, dtype=INDEX_DTYPE, pin_memory=pin) for size in sizes]
+        dev = host if not pin else [torch.zeros_like(t, device=device) for t in host]
+        return cls(*host, *dev, first_slots=torch.tensor(class_first_slots))
 
-        def host(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=INDEX_DTYPE, pin_memory=pin)
-
-        host_bufs = (host(max_tokens), host(max_tokens), host(num_classes, max_tokens + 1), host(num_classes, max_tokens))
-        dev_bufs = host_bufs if not pin else tuple(torch.zeros_like(t, device=device) for t in host_bufs)
-        return cls(*host_bufs, *dev_bufs)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.host_idx.shape[0]
-
-    def fill(self, token_slots: torch.Tensor, class_first_slots: list[int]) -> list[LoraIndex]:
-        """Refill the buffers for a step; one index per rank class (empty when no token uses it).
-
-        token_slots: [num_tokens] global slot per token, -1 = base; class_first_slots: the first
-        global slot of each rank class, ascending, plus one past the last slot at the end.
-        """
-        n = token_slots.shape[0]
-        if n > self.max_tokens:
-            raise ValueError(f"{n} tokens exceed the {self.max_tokens} the LoRA metadata was sized for")
-        slots = token_slots.to("cpu", torch.int64)
-        sorted_slots, order = torch.sort(slots, stable=True)
-        if n and (sorted_slots[0] < -1 or sorted_slots[-1] >= class_first_slots[-1]):
-            raise ValueError(f"token slots must lie in [-1, {class_first_slots[-1]}), got {slots.unique().tolist()}")
-        bounds = torch.searchsorted(sorted_slots, torch.tensor(class_first_slots)).tolist()
-        begin, end = bounds[0], bounds[-1]
-        self.host_idx[begin:end].copy_(order[begin:end])
-        self.host_row[begin:end].copy_(sorted_slots[begin:end])
-        indexes: list[tuple[int, int, tuple[Segment, ...]]] = []
-        for c, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            self.host_row[lo:hi].sub_(class_first_slots[c])
-            segments = find_segments(self.host_idx[lo:hi], self.host_row[lo:hi])
-            num_segments = len(segments)
-            self.host_seg_start[c, :num_segments].copy_(torch.tensor([s[0] for s in segments], dtype=INDEX_DTYPE))
-            self.host_seg_start[c, num_segments] = hi - lo
-            self.host_seg_row[c, :num_segments].copy_(torch.tensor([s[2] for s in segments], dtype=INDEX_DTYPE))
-            indexes.append((lo, hi, segments))
+    def fill(self, token_slots: torch.Tensor) -> list[LoraIndex | None]:
+        """Refill the buffers for a step's token_slots ([num_tokens], -1 = base): one index per rank
+        class, None for a class no token uses."""
+        if token_slots.shape[0] > self.host_idx.shape[0]:
+            raise ValueError(f"{token_slots.shape[0]} tokens exceed the {self.host_idx.shape[0]} the metadata holds")
+        sorted_slots, order = torch.sort(token_slots.to("cpu", torch.int64), stable=True)
+        bounds = torch.searchsorted(sorted_slots, self.first_slots).tolist()
+        if bounds[-1] != sorted_slots.shape[0] or (bounds[0] and sorted_slots[0] < -1):
+            valid = f"[-1, {int(self.first_slots[-1])})"
+            raise ValueError(f"token slots must lie in {valid}, got {token_slots.unique().tolist()}")
+        lo = bounds[0]
+        first_slots = self.first_slots.tolist()
+        n = bounds[-1] - lo
+        self.host_idx[:n].copy_(order[lo:])
+        per_class: list[list[Segment]] = [[] for _ in first_slots[:-1]]
+        c = 0
+        for start, end, slot, first in find_segments(self.host_idx[:n], sorted_slots[lo:]):
+            while slot >= first_slots[c + 1]:
+                c += 1
+            offset = bounds[c] - lo
+            per_class[c].append((start - offset, end - offset, slot - first_slots[c], first))
+        starts: list[int] = []
+        rows: list[int] = []
+        for c, segments in enumerate(per_class):
+            if segments:
+                class_rows = self.host_row[bounds[c] - lo : bounds[c + 1] - lo]
+                torch.sub(sorted_slots[bounds[c] : bounds[c + 1]], first_slots[c], out=class_rows)
+            starts += [s[0] for s in segments] + [bounds[c + 1] - bounds[c]]
+            rows += [s[2] for s in segments]
+        self.host_seg_start[: len(starts)].copy_(torch.tensor(starts, dtype=INDEX_DTYPE))
+        self.host_seg_row[: len(rows)].copy_(torch.tensor(rows, dtype=INDEX_DTYPE))
+        self.num_tokens, self.num_segments = n, len(rows)
         if self.token_idx is not self.host_idx:
             # Blocking: the next step rewrites these host buffers, which must not race this copy.
-            for dst, src in zip(self._device_buffers(), self._host_buffers()):
-                dst.copy_(src)
-        return [
-            LoraIndex(
-                token_idx=self.token_idx[lo:hi],
-                token_row=self.token_row[lo:hi],
-                seg_start=self.seg_start[c, : len(segments) + 1],
-                seg_row=self.seg_row[c, : len(segments)],
-                max_seg_len=max((e - s for s, e, _, _ in segments), default=0),
-                segments=segments,
+            for dst, src in zip((self.token_idx, self.token_row, self.seg_start, self.seg_row), self._host()):
+                dst[: src.shape[0]].copy_(src)
+        return self._indexes(bounds, per_class)
+
+    def _host(self) -> tuple[torch.Tensor, ...]:
+        n, g, c = self.num_tokens, self.num_segments, self.first_slots.shape[0] - 1
+        return self.host_idx[:n], self.host_row[:n], self.host_seg_start[: g + c], self.host_seg_row[:g]
+
+    def _indexes(self, bounds: list[int], per_class: list[list[Segment]]) -> list[LoraIndex | None]:
+        indexes: list[LoraIndex | None] = []
+        g = 0
+        for c, segments in enumerate(per_class):
+            lo, hi = bounds[c] - bounds[0], bounds[c + 1] - bounds[0]
+            num = len(segments)
+            indexes.append(
+                LoraIndex(
+                    token_idx=self.token_idx[lo:hi],
+                    token_row=self.token_row[lo:hi],
+                    seg_start=self.seg_start[g + c : g + c + num + 1],
+                    seg_row=self.seg_row[g : g + num],
+                    max_seg_len=max(e - s for s, e, _, _ in segments),
+                    segments=tuple(segments),
+                )
+                if segments
+                else None
             )
-            for c, (lo, hi, segments) in enumerate(indexes)
-        ]
-
-    def _host_buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.host_idx, self.host_row, self.host_seg_start, self.host_seg_row
-
-    def _device_buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.token_idx, self.token_row, self.seg_start, self.seg_row
+            g += num
+        return indexes

