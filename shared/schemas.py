@@ -65,7 +65,10 @@ class InferRequest(Message):
     prompt: str | None = Field(default=None, max_length=400_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
-    reply_to: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.>*-]+$")
+    reply_to: str = Field(
+        min_length=1, max_length=256, pattern=r"^_INBOX[._][A-Za-z0-9_.-]+$",
+        description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
+    )
     priority: Literal["interactive", "batch"] = "interactive"
     created_at: float = Field(default_factory=time.time)
     timeout_s: float = Field(default=120.0, gt=0, le=3600)

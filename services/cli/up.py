@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e}")
             return 1
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("stopping...")
         stack.stop_all()
         redis.stop()

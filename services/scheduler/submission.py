@@ -42,6 +42,8 @@ def parse_submission(subject: str, data: bytes) -> InferRequest:
     request = decode(InferRequest, data)
     if subjects.tenant_of_submit(subject) != request.tenant_id:
         raise Forbidden("a request's tenant must match the tenant of its submit subject")
+    if request.reply_to.startswith("_INBOX_") and not request.reply_to.startswith(f"_INBOX_{request.tenant_id}."):
+        raise Forbidden("replies may only go to the requesting tenant's own inbox")
     return request
 
 
@@ -52,7 +54,8 @@ def reply_target(data: bytes) -> tuple[str, str] | None:
         rid, reply = raw.get("request_id"), raw.get("reply_to")
     except (ValueError, AttributeError):
         return None
-    if isinstance(rid, str) and isinstance(reply, str) and reply.startswith("_INBOX."):
+    if isinstance(rid, str) and isinstance(reply, str) and reply.startswith("_INBOX.") and "*" not in reply \
+            and ">" not in reply:
         return rid[:128], reply
     return None
 

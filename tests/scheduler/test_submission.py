@@ -117,3 +117,12 @@ async def test_workers_of_another_base_model_are_not_used():
     assert outcome is Outcome.REFUSED
     assert rec.dispatched == []
     await asyncio.sleep(0)
+
+
+async def test_replies_cannot_be_aimed_at_another_tenants_inbox():
+    rec = Recorder([beat("w1")])
+    data = make_request(reply_to="_INBOX_other.123").model_dump_json().encode()
+    assert await handle("lf.infer.submit.acme", data, rec.ports(), 0) is Outcome.REFUSED
+    assert rec.dispatched == []
+    own = make_request(reply_to="_INBOX_acme.123").model_dump_json().encode()
+    assert await handle("lf.infer.submit.acme", own, rec.ports(), 0) is Outcome.DISPATCHED
