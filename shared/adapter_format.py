@@ -7,13 +7,13 @@ per-module ranks), tensors exactly shaped for the base model, all values finite.
 
 import hashlib
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load as load_safetensors
+import numpy as np
 
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
 from shared.fingerprint import BaseModelSpec
@@ -24,7 +24,11 @@ ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 OBJECT_STORE_SCHEME = "nats-os"  # storage URIs nats-os://<bucket>/<adapter_id>/<version>
 IGNORED_IN_DIR = frozenset({"README.md"})  # the model card peft writes; never uploaded
 ALLOWED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-ALLOWED_DTYPES = frozenset({"F32", "F16", "BF16"})
+_FLOAT_BITS = {  # dtype -> (little-endian word, exponent mask, bytes per value)
+    "F32": (np.dtype("<u4"), 0x7F800000, 4),
+    "F16": (np.dtype("<u2"), 0x7C00, 2),
+    "BF16": (np.dtype("<u2"), 0x7F80, 2),
+}
 MAX_CONFIG_BYTES = 64 * 1024
 
 _TENSOR_NAME = re.compile(
@@ -129,7 +133,9 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
         if config.get(key):
             raise InvalidRequest(f"{CONFIG_FILE}: {reason}")
     mapping = config.get("auto_mapping")
-    if mapping and not str(mapping.get("parent_library", "")).startswith("transformers.models."):
+    if mapping and not (
+        isinstance(mapping, dict) and str(mapping.get("parent_library", "")).startswith("transformers.models.")
+    ):
         raise InvalidRequest(f"{CONFIG_FILE}: auto_mapping names a custom class outside transformers: {mapping}")
     for key, value in config.items():
         if key not in _NEUTRAL_KEYS and value not in (None, False, {}, [], 0, ""):
@@ -170,7 +176,7 @@ def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} targets a module outside target_modules")
         if layer >= spec.num_layers:
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r}: the base model has {spec.num_layers} layers")
-        if entry.get("dtype") not in ALLOWED_DTYPES:
+        if entry.get("dtype") not in _FLOAT_BITS:
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} has dtype {entry.get('dtype')!r}")
         in_f, out_f = dims[module]
         expected = [rank, in_f] if side == "A" else [out_f, rank]
@@ -186,12 +192,12 @@ def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]
     missing = sorted(modules - {m for _, m, _ in seen})
     if missing:
         raise IntegrityError(f"{WEIGHTS_FILE}: no tensors for target_modules {missing}")
-    _check_finite(raw)
+    _check_data(raw, header, data_start=8 + struct.unpack("<Q", raw[:8])[0])
     return len(header)
 
 
 def _header(raw: bytes) -> dict[str, dict]:
-    """Parse and bound-check the safetensors header before the library touches the bytes."""
+    """Parse and bound-check the safetensors header: tensor name -> {dtype, shape, data_offsets}."""
     if len(raw) < 8:
         raise IntegrityError(f"{WEIGHTS_FILE}: too short to be a safetensors file")
     (length,) = struct.unpack("<Q", raw[:8])
@@ -206,14 +212,34 @@ def _header(raw: bytes) -> dict[str, dict]:
     header.pop("__metadata__", None)
     if not header:
         raise IntegrityError(f"{WEIGHTS_FILE}: contains no tensors")
+    if not all(isinstance(entry, dict) for entry in header.values()):
+        raise IntegrityError(f"{WEIGHTS_FILE}: every header entry must be a JSON object")
     return header
 
 
-def _check_finite(raw: bytes) -> None:
-    try:
-        tensors = load_safetensors(raw)
-    except Exception as e:  # the library's parse errors are not typed
-        raise IntegrityError(f"{WEIGHTS_FILE}: not a valid safetensors file: {e}") from None
-    for name, tensor in tensors.items():
-        if not bool(torch.isfinite(tensor).all()):
+def _check_data(raw: bytes, header: dict[str, dict], data_start: int) -> None:
+    """Every tensor's bytes lie in the file, with no gap or overlap, and hold finite values.
+
+    A float is NaN or Inf exactly when all its exponent bits are set, so the check reads the
+    raw little-endian words, for bf16 too, without any tensor library."""
+    spans = []
+    for name, entry in header.items():
+        word, exponent, itemsize = _FLOAT_BITS[entry["dtype"]]
+        count = math.prod(entry["shape"])
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r}: data_offsets must be two integers")
+        begin, end = offsets
+        if not 0 <= begin <= end or end - begin != count * itemsize or data_start + end > len(raw):
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r}: data offsets out of bounds (truncated or corrupt)")
+        spans.append((begin, end))
+        words = np.frombuffer(raw, dtype=word, count=count, offset=data_start + begin)
+        if bool(((words & exponent) == exponent).any()):
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} contains NaN or Inf values")
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor data overlaps or leaves a gap at byte {position}")
+        position = end
+    if data_start + position != len(raw):
+        raise IntegrityError(f"{WEIGHTS_FILE}: {len(raw) - data_start - position} trailing bytes after the tensors")

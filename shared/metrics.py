@@ -33,6 +33,9 @@ QUEUE_DEPTH = Gauge("queue_depth", "requests waiting", ["service"])
 RUNNING = Gauge("running_requests", "requests running in the engine")
 KV_USAGE = Gauge("kv_cache_usage_ratio", "share of KV blocks in use")
 SLOT_OCCUPANCY = Gauge("adapter_slot_occupancy_ratio", "share of GPU adapter slots in use", ["rank_class"])
+ADAPTER_SLOT_WAIT = Histogram("adapter_slot_wait_ms", "time a load waited for a slot held by requests in flight",
+                              buckets=_MS)
+ADAPTER_CPU_TIER_BYTES = Gauge("adapter_cpu_tier_bytes", "bytes of verified adapter weights in the CPU tier")
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 
 

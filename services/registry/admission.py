@@ -39,7 +39,9 @@ def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
     latest = catalog.latest(req.adapter_id)
     next_version = latest.version + 1 if latest else 1
     if req.version is not None and req.version < next_version:
-        raise Conflict(f"{req.adapter_id} v{req.version} exists or is older than v{next_version}; versions are immutable")
+        raise Conflict(
+            f"{req.adapter_id} v{req.version} exists or is older than v{next_version}; versions are immutable"
+        )
     for alias in req.aliases:
         holder = catalog.alias_owner(req.tenant_id, alias)
         taken_as_id = alias != req.adapter_id and catalog.owner(alias) == req.tenant_id

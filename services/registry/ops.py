@@ -105,7 +105,9 @@ class Registry:
             files = await self._read_source(req)
             latest = self.catalog.latest(req.adapter_id)
             version = req.version or (latest.version + 1 if latest else 1)
-            change = admit(
+            # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
+            change = await asyncio.to_thread(
+                admit,
                 self.catalog,
                 req,
                 files,

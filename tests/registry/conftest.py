@@ -112,7 +112,9 @@ def policy() -> AdmissionPolicy:
 def make_record() -> Callable[..., AdapterRecord]:
     """An AdapterRecord with placeholder digests, for catalog-level tests that need no files."""
 
-    def make(adapter_id: str = "summarize", version: int = 1, tenant_id: str = "acme", **fields: object) -> AdapterRecord:
+    def make(
+        adapter_id: str = "summarize", version: int = 1, tenant_id: str = "acme", **fields: object
+    ) -> AdapterRecord:
         digest = "0" * 64
         values: dict = {
             "adapter_id": adapter_id,
@@ -138,8 +140,14 @@ def make_record() -> Callable[..., AdapterRecord]:
 @pytest.fixture
 async def registry(nats_url: str, base_dir: Path, tmp_path: Path) -> AsyncIterator[NATS]:
     """A running registry service and a client connection; the service stops at teardown."""
-    settings = RegistrySettings(nats_url=nats_url, model_dir=str(base_dir), instance_id="reg-test",
-                                heartbeat_interval_s=0.1, max_rank=16, trusted_source_dirs=(str(tmp_path),))  # fmt: skip
+    settings = RegistrySettings(
+        nats_url=nats_url,
+        model_dir=str(base_dir),
+        instance_id="reg-test",
+        heartbeat_interval_s=0.1,
+        max_rank=16,
+        trusted_source_dirs=(str(tmp_path),),
+    )
     nc = await connect(nats_url, "registry-test")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))
     stop = asyncio.Event()

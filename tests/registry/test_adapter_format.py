@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,12 +72,26 @@ def test_config_must_be_json(adapter_files: dict[str, bytes], base: BaseModelIde
     refused({**adapter_files, CONFIG_FILE: b"{not json"}, base, InvalidRequest, "is not valid JSON")
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_weights_are_refused(variant: Callable, base: BaseModelIdentity, value: float) -> None:
-    def poison(tensors: dict[str, torch.Tensor]) -> None:
-        tensors[Q_A][0, 0] = value
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused(
+    variant: Callable, base: BaseModelIdentity, dtype: torch.dtype, value: float
+) -> None:
+    def cast(tensors: dict[str, torch.Tensor]) -> None:
+        for name in tensors:
+            tensors[name] = tensors[name].to(dtype)
 
+    def poison(tensors: dict[str, torch.Tensor]) -> None:
+        cast(tensors)
+        tensors[Q_A][3, 5] = value
+
+    validate_adapter(variant(tensors=cast), base.spec, LIMITS)  # finite in every dtype
     refused(variant(tensors=poison), base, IntegrityError, f"tensor {Q_A!r} contains NaN or Inf")
+
+
+def test_trailing_bytes_after_the_tensors_are_refused(adapter_files: dict[str, bytes], base: BaseModelIdentity) -> None:
+    files = {**adapter_files, WEIGHTS_FILE: adapter_files[WEIGHTS_FILE] + b"\x80\x04payload"}
+    refused(files, base, IntegrityError, "trailing bytes after the tensors")
 
 
 def test_shape_mismatch_with_the_base_model_is_refused(variant: Callable, base: BaseModelIdentity) -> None:
@@ -110,7 +125,27 @@ def test_oversized_weights_are_refused(adapter_files: dict[str, bytes], base: Ba
 
 def test_truncated_weights_are_refused(adapter_files: dict[str, bytes], base: BaseModelIdentity) -> None:
     files = {**adapter_files, WEIGHTS_FILE: adapter_files[WEIGHTS_FILE][:-100]}
-    refused(files, base, IntegrityError, "not a valid safetensors file")
+    refused(files, base, IntegrityError, "out of bounds (truncated or corrupt)")
+
+
+@pytest.mark.parametrize(
+    ("header", "text"),
+    [
+        ({Q_A: 5}, "must be a JSON object"),
+        ({Q_A: {"dtype": "F32", "shape": [8, 64], "data_offsets": "0-2048"},
+          Q_A.replace("lora_A", "lora_B"): {"dtype": "F32", "shape": [64, 8], "data_offsets": [0, 2048]}},
+         "data_offsets must be two integers"),
+        ({Q_A: {"dtype": "I64", "shape": [8, 64], "data_offsets": [0, 4096]}}, "has dtype 'I64'"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_malformed_safetensors_headers_get_typed_errors(
+    variant: Callable, base: BaseModelIdentity, header: object, text: str
+) -> None:
+    encoded = json.dumps(header).encode()
+    weights = struct.pack("<Q", len(encoded)) + encoded + bytes(2048)
+    files = variant(config={"target_modules": ["q_proj"]})
+    refused({**files, WEIGHTS_FILE: weights}, base, IntegrityError, text)
 
 
 def test_directory_with_a_pickle_file_is_refused(peft_adapter_dir: Path, tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ Files = dict[str, bytes]
 
 
 @pytest.fixture
-def signed_record(adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair) -> AdapterRecord:
+def signed_record(
+    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair
+) -> AdapterRecord:
     """The record the registry admits for the peft adapter, signed by the trusted key."""
     unsigned = AdmissionPolicy(limits=policy.limits, dev_mode=True)
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
@@ -29,11 +31,15 @@ def signed_record(adapter_files: Files, base: BaseModelIdentity, policy: Admissi
     return draft.model_copy(update={"signature": signature, "signer": "release"})
 
 
-def test_untouched_adapter_verifies(signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+def test_untouched_adapter_verifies(
+    signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair
+) -> None:
     verify_adapter(signed_record, adapter_files, base.fingerprint, {"release": signer_keys.public_b64})
 
 
-def test_tampered_weights_are_refused(signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+def test_tampered_weights_are_refused(
+    signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair
+) -> None:
     weights = bytearray(adapter_files[WEIGHTS_FILE])
     weights[-1] ^= 0x01  # one bit of one tensor value, as a corrupted or swapped store object would
     files = {**adapter_files, WEIGHTS_FILE: bytes(weights)}
@@ -41,13 +47,19 @@ def test_tampered_weights_are_refused(signed_record: AdapterRecord, adapter_file
         verify_adapter(signed_record, files, base.fingerprint, {"release": signer_keys.public_b64})
 
 
-def test_tampered_record_is_refused(signed_record: AdapterRecord, variant: Callable, base: BaseModelIdentity, signer_keys: KeyPair) -> None:
+def test_tampered_record_is_refused(
+    signed_record: AdapterRecord, variant: Callable, base: BaseModelIdentity, signer_keys: KeyPair
+) -> None:
     """An attacker who can rewrite both the store and the record still cannot forge the signature."""
     files = variant(config={"lora_alpha": 64})
     digests = {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
     manifest = signing.manifest_bytes(digests, "summarize", 1, "acme", base.fingerprint)
     record = signed_record.model_copy(
-        update={"files": digests, "checksum": digests[WEIGHTS_FILE], "manifest_digest": signing.manifest_digest(manifest)}
+        update={
+            "files": digests,
+            "checksum": digests[WEIGHTS_FILE],
+            "manifest_digest": signing.manifest_digest(manifest),
+        }
     )
     with pytest.raises(IntegrityError, match="signature does not match the manifest"):
         verify_adapter(record, files, base.fingerprint, {"release": signer_keys.public_b64})

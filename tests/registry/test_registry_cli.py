@@ -31,13 +31,15 @@ async def test_keys_then_signed_push_promote_and_show(
     code, out = await lorafleet(["keys", "trust", "cli-release", str(tmp_path / "cli-release.pub"), *url], capsys)
     assert code == 0 and "cli-release" in out
     push = ["adapter", "push", str(peft_adapter_dir), "--id", "cli-sum", "--tenant", "acme", "--task", "summarization",
-            "--sign-key", str(tmp_path / "cli-release.key"), "--base-model-dir", str(base_dir), "--alias", "clisum", *url]  # fmt: skip
+            "--sign-key", str(tmp_path / "cli-release.key"), "--base-model-dir", str(base_dir),
+            "--alias", "clisum", *url]  # fmt: skip
     code, out = await lorafleet(push, capsys)
     assert code == 0 and "staging" in out
     code, out = await lorafleet(["adapter", "promote", "cli-sum", "1", "--percent", "100", *url], capsys)
     assert code == 0 and "production" in out
     code, out = await lorafleet(["adapter", "show", "cli-sum", "--json", *url], capsys)
     shown = json.loads(out)
-    assert [(r["version"], r["status"], r["signer"], r["aliases"]) for r in shown] == [(1, "production", "cli-release", ["clisum"])]
+    summary = [(r["version"], r["status"], r["signer"], r["aliases"]) for r in shown]
+    assert summary == [(1, "production", "cli-release", ["clisum"])]
     code, out = await lorafleet(["adapter", "rollout", "cli-sum", "--percent", "50", *url], capsys)
     assert code == 1 and "error (conflict): cli-sum has no canary version to roll out" in out

@@ -35,7 +35,8 @@ def test_staged_rollout_to_production(catalog: Catalog) -> None:
     assert step(catalog, lifecycle.promote(catalog, "summarize", 2, 1)) == [(2, "canary", 1.0)]
     for percent in (10, 50):
         assert step(catalog, lifecycle.rollout(catalog, "summarize", percent)) == [(2, "canary", float(percent))]
-    assert step(catalog, lifecycle.rollout(catalog, "summarize", 100)) == [(1, "retired", 0.0), (2, "production", 100.0)]
+    final = step(catalog, lifecycle.rollout(catalog, "summarize", 100))
+    assert final == [(1, "retired", 0.0), (2, "production", 100.0)]
 
 
 def test_rollout_split_matches_percent_and_is_stable(catalog: Catalog) -> None:

@@ -55,7 +55,8 @@ def test_owner_id_alias_and_pinned_version(catalog: Catalog) -> None:
 def test_shared_adapters_follow_allowed_scopes(catalog: Catalog) -> None:
     assert resolve(catalog, BASE, "acme", "chat", "k").adapter is not None
     assert resolve(catalog, BASE, "globex", "shared-all", "k").adapter is not None
-    assert error_of(catalog, "globex", "shared-chat")[1] == "The model 'shared-chat' does not exist or you do not have access to it."
+    expected = "The model 'shared-chat' does not exist or you do not have access to it."
+    assert error_of(catalog, "globex", "shared-chat")[1] == expected
 
 
 def test_revoked_and_unreleased_versions_are_refused(catalog: Catalog) -> None:

@@ -5,11 +5,13 @@ import base64
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
+from pydantic import BaseModel
 
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
@@ -23,12 +25,17 @@ from shared.schemas import (
 from shared.signing import KeyPair
 from services.cli.adapter_cmd import push_adapter
 from services.registry.admission import BaseModelIdentity
-from services.worker.adapter_verify import fetch_verified
+from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
 
 ID = "svc-summarize"
 
 
-async def call(nc: NATS, op: str, message, reply_type=AdapterRecordsReply):  # noqa: ANN001, ANN201
+M = TypeVar("M", bound=BaseModel)
+
+
+async def call(
+    nc: NATS, op: str, message: BaseModel, reply_type: type[M] = AdapterRecordsReply  # type: ignore[assignment]
+) -> M:
     return await request(nc, subjects.registry(op), message, reply_type, 10.0)
 
 
@@ -85,8 +92,9 @@ async def test_lifecycle_over_nats(
     await call(nc, "rollback", RollbackRequest(adapter_id=ID, actor="test"))
     assert await resolve_version(nc) == 1
 
-    record = (await call(nc, "get", GetAdapterRequest(adapter_id=ID, version=1))).records[0]
-    trusted = {"release": signer_keys.public_b64}
+    record = await fetch_record(nc, ID, 1, timeout_s=5)
+    trusted = await fetch_trusted_keys(nc, timeout_s=5)
+    assert trusted["release"] == signer_keys.public_b64
     files = await fetch_verified(nc.jetstream(), record, base.fingerprint, trusted)
     assert json.loads(files["adapter_config.json"])["r"] == 8
 
@@ -100,7 +108,8 @@ async def test_lifecycle_over_nats(
         ("rolled_back", 2, "retired"), ("rolled_back", 1, "production"), ("revoked", 1, "revoked"),
         ("revoked", 2, "revoked"),
     ]  # fmt: skip
-    audits = [AuditEnvelope.model_validate_json(m).body for m in await stream_messages(nc, subjects.audit("registry_change", "acme"))]
+    audit_subject = subjects.audit("registry_change", "acme")
+    audits = [AuditEnvelope.model_validate_json(m).body for m in await stream_messages(nc, audit_subject)]
     mine = [(a.action, a.version, a.before, a.after, a.actor) for a in audits if getattr(a, "adapter_id", None) == ID]
     assert mine[6] == ("rolled_back", 2, "production", "retired", "test") and len(mine) == len(events)
 
@@ -109,18 +118,27 @@ async def test_refusals_store_nothing_and_bad_messages_get_typed_errors(
     registry: NATS, variant: Callable, tmp_path: Path
 ) -> None:
     nc = registry
-    poisoned = variant(tensors=lambda t: t[next(iter(t))].fill_(float("nan")))
-    inline = {name: base64.b64encode(data).decode() for name, data in poisoned.items()}
-    req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", inline_files=inline, actor="test")
-    with pytest.raises(IntegrityError, match="contains NaN or Inf"):
-        await call(nc, "register", req)
+    cases = [
+        (variant(tensors=lambda t: t[next(iter(t))].fill_(float("nan"))), IntegrityError, "contains NaN or Inf"),
+        ({**variant(), "adapter_model.bin": b"\x80\x04K\x01."}, InvalidRequest, "'adapter_model.bin' is refused"),
+        ({**variant(), "../../etc/passwd": b"x"}, InvalidRequest, "path components are not allowed"),
+        (variant(config={"use_dora": True}), InvalidRequest, "DoRA"),
+        (variant(config={"auto_map": {"AutoModel": "x.Y"}}), InvalidRequest, "remote code"),
+        (variant(config={"r": 64}), InvalidRequest, "rank 64 exceeds the admitted maximum 16"),
+    ]
+    for files, error, text in cases:
+        inline = {name: base64.b64encode(data).decode() for name, data in files.items()}
+        req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", inline_files=inline, actor="t")
+        with pytest.raises(error, match=text):
+            await call(nc, "register", req)
     uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
     for name, data in variant().items():
         await uploads.put(f"unsigned01/{name}", data)
     req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", upload_id="unsigned01", actor="test")
     with pytest.raises(IntegrityError, match="unsigned"):
         await call(nc, "register", req)
-    for uri, text in (("https://hub.example/evil", "only uploads and file://"), ("file:///etc", "outside every trusted")):
+    remote = (("https://hub.example/evil", "only uploads and file://"), ("file:///etc", "outside every trusted"))
+    for uri, text in remote:
         req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", source_uri=uri, actor="test")
         with pytest.raises(InvalidRequest, match=text):
             await call(nc, "register", req)

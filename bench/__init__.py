@@ -1,0 +1,1 @@
+"""Benchmarks: one command each, ratios measured in one run (see BENCHMARKS.md)."""
