@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from shared import signing, subjects
 from shared.adapter_format import read_adapter_dir
 from shared.bus import request
+from shared.config import CommonSettings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
@@ -51,8 +52,11 @@ async def cli_connect(url: str) -> NATS:
         return None
 
     try:
+        credentials = CommonSettings().nats_credentials()
+        user, password = credentials if credentials else (None, None)
         return await nats.connect(servers=[u.strip() for u in url.split(",")], name="lorafleet-cli", connect_timeout=2,
-                                  max_reconnect_attempts=1, allow_reconnect=False, error_cb=quiet)  # fmt: skip
+                                  max_reconnect_attempts=1, allow_reconnect=False, error_cb=quiet,
+                                  user=user, password=password)  # fmt: skip
     except (OSError, nats.errors.Error) as e:
         raise ServiceUnavailable(f"cannot reach NATS at {url}: {e}") from None
 

@@ -39,8 +39,8 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
     env = {
         "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
         "LF_API_KEYS": json.dumps({API_KEY: "demo", OTHER_KEY: "other"}),
-        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LIVENESS_TIMEOUT_S": "3",
-        "LF_ACCEPT_TIMEOUT_S": "6", "LF_NO_WORKER_GRACE_S": "2",
+        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LIVENESS_TIMEOUT_S": "5",
+        "LF_ACCEPT_TIMEOUT_S": "8", "LF_NO_WORKER_GRACE_S": "5",
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
         "LF_TRACE_EXPORTER": f"file:{root / 'spans.jsonl'}",
     }

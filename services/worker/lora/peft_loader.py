@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
 from shared.errors import IntegrityError
@@ -40,11 +41,15 @@ KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|m
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:
-    path = directory / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
+        return parse_adapter_config((directory / CONFIG_FILE).read_bytes())
     except FileNotFoundError:
         raise IntegrityError(f"{CONFIG_FILE} is missing from the adapter", param=CONFIG_FILE) from None
+
+
+def parse_adapter_config(data: bytes) -> dict[str, Any]:
+    try:
+        config = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise IntegrityError(f"{CONFIG_FILE} is not valid JSON: {err}", param=CONFIG_FILE) from None
     if not isinstance(config, dict):
@@ -84,7 +89,32 @@ def load_peft_adapter(
     (copying into a slot converts); scale = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
     """
     directory = Path(directory)
-    config = read_adapter_config(directory)
+    return to_slot_layout(read_adapter_config(directory), load_safetensors(directory), shapes,
+                          max_rank=max_rank, allowed_modules=allowed_modules)
+
+
+def load_peft_files(
+    files: dict[str, bytes], shapes: ModelShapes, *, max_rank: int, allowed_modules: tuple[str, ...]
+) -> AdapterWeights:
+    """The same as ``load_peft_adapter`` for the two files already in memory (fetched from a store)."""
+    extra = sorted(set(files) - {CONFIG_FILE, WEIGHTS_FILE})
+    if extra:
+        raise IntegrityError(f"unexpected adapter files {extra}: {CONFIG_FILE} and {WEIGHTS_FILE} only", param=extra[0])
+    if CONFIG_FILE not in files or WEIGHTS_FILE not in files:
+        raise IntegrityError(f"an adapter needs {CONFIG_FILE} and {WEIGHTS_FILE}", param=CONFIG_FILE)
+    try:
+        tensors = load_safetensors_bytes(files[WEIGHTS_FILE])
+    except (SafetensorError, OSError, ValueError) as err:
+        raise IntegrityError(f"{WEIGHTS_FILE} is not a readable safetensors file: {err}", param=WEIGHTS_FILE) from None
+    return to_slot_layout(parse_adapter_config(files[CONFIG_FILE]), tensors, shapes,
+                          max_rank=max_rank, allowed_modules=allowed_modules)
+
+
+def to_slot_layout(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], shapes: ModelShapes, *, max_rank: int,
+    allowed_modules: tuple[str, ...],
+) -> AdapterWeights:
+    """Validate a parsed adapter against the base model and lay it out for the slots."""
     rank, alpha = config["r"], float(config["lora_alpha"])
     if rank > max_rank:
         raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {max_rank}", param="r")
@@ -94,7 +124,7 @@ def load_peft_adapter(
         if unknown:
             raise IntegrityError(f"target modules {unknown} are not served {list(allowed_modules)}", param=unknown[0])
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_safetensors(directory).items():
+    for key, tensor in tensors.items():
         match = KEY.match(key)
         if match is None:
             raise IntegrityError(f"unexpected tensor {key!r}: only lora_A / lora_B of Llama projections", param=key)

@@ -1,0 +1,63 @@
+"""The cache's loader from the trusted store: fetch, re-verify, and lay out one adapter version.
+
+It runs on the cache's load threads; the NATS calls it needs are handed to the worker's event
+loop, so a slow store never blocks the step loop or the dispatch handler."""
+
+import asyncio
+import threading
+
+from nats.aio.client import Client as NATS
+
+from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
+from services.worker.lora.config import LoraConfig
+from services.worker.lora.layout import AdapterWeights, ModelShapes
+from services.worker.lora.peft_loader import load_peft_files
+from shared import metrics
+from shared.errors import IntegrityError, InvalidRequest
+
+
+def split_key(key: str) -> tuple[str, int]:
+    adapter_id, _, version = key.rpartition("@")
+    if not adapter_id or not version.isdigit():
+        raise InvalidRequest(f"adapter key {key!r} is not <adapter_id>@<version>")
+    return adapter_id, int(version)
+
+
+class StoreLoader:
+    def __init__(self, nc: NATS, loop: asyncio.AbstractEventLoop, base_fingerprint: str, shapes: ModelShapes,
+                 lora: LoraConfig, *, require_signature: bool, timeout_s: float = 30.0):
+        self.nc = nc
+        self.loop = loop
+        self.base_fingerprint = base_fingerprint
+        self.shapes = shapes
+        self.lora = lora
+        self.require_signature = require_signature
+        self.timeout_s = timeout_s
+        self._digests: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def digest_of(self, key: str) -> str | None:
+        """sha256 of the weights actually verified and loaded for ``key``."""
+        with self._lock:
+            return self._digests.get(key)
+
+    def __call__(self, key: str) -> AdapterWeights:
+        adapter_id, version = split_key(key)
+        future = asyncio.run_coroutine_threadsafe(self._fetch(adapter_id, version), self.loop)
+        try:
+            checksum, files = future.result(self.timeout_s)
+        except IntegrityError:
+            metrics.INTEGRITY_ERRORS.labels("worker").inc()
+            raise
+        weights = load_peft_files(files, self.shapes, max_rank=self.lora.max_rank,
+                                  allowed_modules=self.lora.target_modules)
+        with self._lock:
+            self._digests[key] = checksum
+        return weights
+
+    async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
+        record = await fetch_record(self.nc, adapter_id, version, self.timeout_s)
+        keys = await fetch_trusted_keys(self.nc, self.timeout_s)
+        files = await fetch_verified(self.nc.jetstream(), record, self.base_fingerprint, keys,
+                                     require_signature=self.require_signature)
+        return record.checksum, files
