@@ -42,7 +42,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     LF_MODEL_CACHE=/var/lib/lorafleet/models \
     LF_DB_PATH=/var/lib/lorafleet/audit/audit.sqlite3 \
-    LF_DEVICE=${VARIANT}
+    LF_ENGINE__DEVICE=${VARIANT}
 WORKDIR /home/lorafleet
 USER lorafleet
 CMD ["python", "-m", "services.gateway"]

@@ -52,8 +52,16 @@ class GatewaySettings(CommonSettings):
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
     api_keys: dict[str, str] = Field(
-        default_factory=dict, description="API key -> tenant id (JSON in LF_API_KEYS); issue #8 moves keys to the registry"
+        default_factory=dict,
+        description="bootstrap/dev API key -> tenant id (JSON in LF_API_KEYS), inference scope only; "
+        "real keys are issued by the registry (lorafleet key create)",
     )
+    max_n: int = Field(default=4, ge=1, le=16, description="largest n (choices per request)")
+    max_stop: int = Field(default=4, ge=0, le=16, description="most stop sequences per request")
+    max_prompt_tokens: int = Field(
+        default=8192, ge=0, le=1_000_000, description="largest prompt in base-model tokens; 0 = no token count"
+    )
+    model_dir: str | None = Field(default=None, description="base model dir for the tokenizer; None = embedded SmolLM2")
     max_body_bytes: int = Field(default=1_048_576, ge=1024, le=64 * 1_048_576, description="largest request body")
     max_tokens_limit: int = Field(default=4096, ge=1, le=32_768, description="largest max_tokens a client may ask")
     max_prompt_chars: int = Field(default=200_000, ge=1, le=2_000_000, description="largest prompt, in characters")
@@ -72,13 +80,10 @@ class SchedulerSettings(CommonSettings):
     max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions handled concurrently")
 
 
-class WorkerSettings(CommonSettings):
+class WorkerIdentity(CommonSettings):
+    """Who a worker is; the rest of its settings (services/worker/settings.py) need torch to validate."""
+
     worker_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    model_dir: str | None = Field(default=None, description="local HF model directory; None = embedded SmolLM2")
-    model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
-    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$")
-    max_running: int = Field(default=64, ge=1, le=4096, description="sequences decoded together")
 
 
 class RegistrySettings(CommonSettings):

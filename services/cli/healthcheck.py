@@ -11,7 +11,7 @@ import sys
 
 from shared import subjects
 from shared.bus import connect, decode
-from shared.config import CommonSettings, WorkerSettings, _default_instance_id
+from shared.config import CommonSettings, WorkerIdentity, _default_instance_id
 from shared.schemas import ServiceHeartbeat
 
 
@@ -19,7 +19,7 @@ def instance_matcher(service: str, any_instance: bool) -> tuple[str, bool]:
     """(id or prefix to match, whether it is an exact id)."""
     if any_instance:
         return "", False
-    wanted = WorkerSettings().worker_id if service == "worker" else CommonSettings().instance_id
+    wanted = WorkerIdentity().worker_id if service == "worker" else CommonSettings().instance_id
     default = _default_instance_id()
     if wanted != default:
         return wanted, True

@@ -1,4 +1,4 @@
-"""Worker process: load the base model, run the engine, answer dispatches, stream replies."""
+"""Worker process: load the base model, run the engine and the adapter cache, answer dispatches."""
 
 import asyncio
 import contextlib
@@ -6,39 +6,80 @@ from pathlib import Path
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.js.api import DeliverPolicy
+from redis.exceptions import RedisError
 
+from services.worker.adapter_events import on_adapter_event
+from services.worker.adapter_source import StoreLoader
+from services.worker.cache.hierarchy import CacheHierarchy
 from services.worker.engine.async_engine import AsyncEngine
-from services.worker.engine.config import EngineConfig
+from services.worker.lora.layout import ModelShapes
+from services.worker.lora.manager import AdapterManager
 from services.worker.model_loader import load_model
 from services.worker.serving import RequestServer
+from services.worker.settings import WorkerSettings
 from shared import metrics, subjects
 from shared.bus import connect, decode, encode, ensure_streams, reply_error, shutdown_event
-from shared.config import WorkerSettings
-from shared.errors import LorafleetError
+from shared.errors import InvalidMessage, LorafleetError
+from shared.fingerprint import fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
-from shared.telemetry import continued, setup_tracing, tracer
+from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, ReplyEnvelope, ReplyMessage, WorkerControl,
-    WorkerHeartbeat,
+    AdapterEvent, AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, ReplyEnvelope, ReplyMessage,
+    WorkerControl, WorkerHeartbeat,
 )
+from shared.telemetry import continued, setup_tracing, tracer
 
 log = structlog.get_logger("worker")
 
 
-async def _worker_heartbeats(nc: NATS, server: RequestServer, settings: WorkerSettings, base_model: str) -> None:
+async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings,
+                             base_model: str) -> None:
     while True:
-        stats = server.engine.stats()
+        stats, residency = server.engine.stats(), cache.stats()
         metrics.RUNNING.set(stats.running)
         metrics.QUEUE_DEPTH.labels("worker").set(stats.waiting)
         metrics.KV_USAGE.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))
         beat = WorkerHeartbeat(worker_id=settings.worker_id, base_model=base_model, ready=True,
-                               running=stats.running, waiting=stats.waiting, max_running=settings.max_running,
-                               kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total)
+                               running=stats.running, waiting=stats.waiting, max_running=settings.engine.max_num_seqs,
+                               kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total,
+                               resident_adapters=residency.gpu_adapters, cpu_adapters=residency.cpu_adapters)
         if nc.is_connected:
             with contextlib.suppress(Exception):
                 await nc.publish(subjects.WORKER_HEARTBEAT, encode(beat))
         await asyncio.sleep(settings.heartbeat_interval_s)
+
+
+async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
+    """Feed the fleet's adapter heat (Redis, written by the scheduler) to the eviction policy."""
+    redis = connect_redis(settings.redis_url, password=settings.redis_password())
+    try:
+        while True:
+            try:
+                scores = await redis.zrange(f"{settings.redis_key_prefix}heat", 0, -1, withscores=True)
+                cache.update_heat(dict(scores))
+            except (RedisError, OSError):
+                metrics.REDIS_FALLBACKS.labels("heat_read").inc()
+            await asyncio.sleep(settings.heat_refresh_s)
+    finally:
+        await redis.aclose()
+
+
+def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
+    key = f"{control.adapter_id}@{control.adapter_version}" if control.adapter_id else None
+    if control.action == "cancel":
+        server.cancel(control.request_id)
+    elif key is None or control.adapter_version is None:
+        raise InvalidMessage(f"{control.action} needs adapter_id and adapter_version")
+    elif control.action == "prefetch":
+        cache.prefetch(key)
+    elif control.action == "evict":
+        cache.evict(key)
+    elif control.action == "pin":
+        cache.pin(key)
+    elif control.action == "unpin":
+        cache.unpin(key)
 
 
 async def run(settings: WorkerSettings) -> None:
@@ -57,9 +98,16 @@ async def run(settings: WorkerSettings) -> None:
             nc, "worker", settings.worker_id, settings.heartbeat_interval_s,
             lambda: (loading["ready"], loading["detail"]), metrics_port))
         cache_dir = Path(settings.model_cache) if settings.model_cache else None
-        loaded = await asyncio.to_thread(load_model, settings.model_dir, device=settings.device, cache_dir=cache_dir)
-        config = EngineConfig(device=settings.device, dtype=settings.dtype, max_num_seqs=settings.max_running)
-        engine = AsyncEngine.from_loaded(loaded, config)
+        loaded = await asyncio.to_thread(load_model, settings.model_dir, device=settings.engine.device,
+                                         cache_dir=cache_dir)
+        shapes = ModelShapes.from_hf_config(loaded.model.config)
+        manager = AdapterManager(settings.lora, shapes, device=settings.engine.device,
+                                 dtype=settings.engine.torch_dtype)
+        loader = StoreLoader(nc, asyncio.get_running_loop(), fingerprint_model_dir(loaded.directory), shapes,
+                             settings.lora, require_signature=settings.require_signature)
+        cache = CacheHierarchy(manager, loader, settings.cache)
+        stack.callback(cache.close)
+        engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager)
         engine.start()
         stack.callback(engine.shutdown)
 
@@ -73,7 +121,7 @@ async def run(settings: WorkerSettings) -> None:
                 log.warning("audit_publish_failed", request_id=event.request_id, error=str(e))
 
         server = RequestServer(engine, loaded.tokenizer, settings.worker_id, loaded.name, emit, audit,
-                               max_waiting=settings.max_running * 4)
+                               settings.max_waiting, cache, loader.digest_of)
 
         async def on_dispatch(msg) -> None:
             try:
@@ -90,23 +138,31 @@ async def run(settings: WorkerSettings) -> None:
 
         async def on_control(msg) -> None:
             try:
-                control = decode(WorkerControl, msg.data)
+                _control(decode(WorkerControl, msg.data), server, cache)
             except LorafleetError as e:
                 log.warning("bad_control_message", error=e.message)
                 if msg.reply:
                     await reply_error(nc, msg.reply, e)
-                return
-            if control.action == "cancel":
-                server.cancel(control.request_id)
 
+        async def on_event(msg) -> None:
+            try:
+                on_adapter_event(decode(AdapterEvent, msg.data), cache, server)
+            except LorafleetError as e:
+                log.warning("bad_adapter_event", error=e.message)
+
+        await js.subscribe(subjects.ADAPTER_EVENTS_ALL, cb=on_event, ordered_consumer=True,
+                           deliver_policy=DeliverPolicy.NEW)
         await nc.subscribe(subjects.worker_dispatch(settings.worker_id), cb=on_dispatch)
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)
-        hb = asyncio.create_task(_worker_heartbeats(nc, server, settings, loaded.name))
+        cache.start()
+        background = [asyncio.create_task(_worker_heartbeats(nc, server, cache, settings, loaded.name)),
+                      asyncio.create_task(_follow_heat(settings, cache))]
         loading.update(ready=True, detail="")
         log.info("worker_ready", worker_id=settings.worker_id, model=loaded.name)
         await stop.wait()
         loading.update(ready=False, detail="draining")
-        hb.cancel()
+        for task in background:
+            task.cancel()
         if server.tasks:
             await asyncio.wait(list(server.tasks.values()), timeout=10)
         beats.cancel()

@@ -1,24 +1,25 @@
-"""Serve one dispatched request on the engine: tokenise, stream replies, finish with usage and audit.
+"""Serve dispatched requests on the engine: adapter lookup, streaming replies, usage, audit.
 
 NATS-free: replies and audit records go out through injected callables."""
 
 import asyncio
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from services.worker.cache.hierarchy import CacheHierarchy, Lookup, adapter_key
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
+from services.worker.timing import Timing
 from shared import metrics
-from shared.telemetry import tracer
-from shared.errors import InvalidRequest, LorafleetError, ServiceUnavailable
+from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
     CompletionAudit, InferRequest, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
 )
+from shared.telemetry import tracer
 
 log = structlog.get_logger("worker")
 _tracer = tracer("worker")
@@ -28,26 +29,25 @@ Audit = Callable[[CompletionAudit], Awaitable[None]]
 
 
 @dataclass(slots=True)
-class Timing:
-    start: float
-    first_token: float | None = None
-    last_token: float | None = None
-    tokens: int = 0
+class Job:
+    request: InferRequest
+    prompt_ids: list[int]
+    key: str | None = None
+    lookup: Lookup | None = None
+    timing: Timing = field(default_factory=Timing)
+    digest: str | None = None
 
-    def ttft_ms(self) -> float:
-        return ((self.first_token or time.monotonic()) - self.start) * 1000
-
-    def tpot_ms(self) -> float:
-        if self.tokens < 2 or self.first_token is None or self.last_token is None:
-            return 0.0
-        return (self.last_token - self.first_token) * 1000 / (self.tokens - 1)
+    @property
+    def cache_hit(self) -> bool:
+        return self.lookup is None or self.lookup.hit
 
 
 class RequestServer:
     """Accepts dispatched requests up to a waiting bound and runs each as a task on the engine."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, worker_id: str, base_model: str,
-                 emit: Emit, audit: Audit, max_waiting: int):
+                 emit: Emit, audit: Audit, max_waiting: int, cache: CacheHierarchy | None = None,
+                 digest_of: Callable[[str], str | None] = lambda _: None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.worker_id = worker_id
@@ -55,7 +55,11 @@ class RequestServer:
         self.emit = emit
         self.audit = audit
         self.max_waiting = max_waiting
+        self.cache = cache
+        self.digest_of = digest_of
         self.tasks: dict[str, asyncio.Task] = {}
+        self._jobs: dict[str, Job] = {}
+        self._stop_errors: dict[str, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(50)
         self._recent: OrderedDict[str, None] = OrderedDict()
 
@@ -63,7 +67,7 @@ class RequestServer:
         if request.messages is not None:
             ids = self.tokenizer.apply_chat_template(
                 [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         else:
             ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
         if not ids:
@@ -79,74 +83,117 @@ class RequestServer:
             raise InvalidRequest(f"this worker serves {self.base_model}, not {request.base_model}")
         if self.engine.stats().waiting >= self.max_waiting:
             raise ServiceUnavailable("worker queue is full")
-        prompt_ids = self.tokenize(request)
+        job = Job(request, self.tokenize(request))
+        if request.adapter is not None:
+            if self.cache is None:
+                raise InvalidRequest("this worker serves the base model only")
+            job.key = adapter_key(request.adapter.adapter_id, request.adapter.version)
+            job.lookup = self.cache.acquire(job.key, request.adapter.rank, request.tenant_id, request.priority)
         self._remember(request.request_id)
+        self._jobs[request.request_id] = job
         await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,
-                                                        cache_hit=True))
-        task = asyncio.create_task(self._serve(request, prompt_ids))
+                                                        cache_hit=job.cache_hit))
+        task = asyncio.create_task(self._serve(job))
         self.tasks[request.request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request.request_id, None))
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
+        """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
         task = self.tasks.get(request_id)
         if task is None:
             return False
+        if error is not None:
+            self._stop_errors[request_id] = error
         task.cancel()
         return True
+
+    def cancel_adapter(self, keys: list[str], error: LorafleetError) -> int:
+        """Stop every request running on one of ``keys`` (a revoked adapter version)."""
+        doomed = [rid for rid, job in self._jobs.items() if job.key in keys]
+        return sum(self.cancel(rid, error) for rid in doomed)
 
     def _remember(self, request_id: str) -> None:
         self._recent[request_id] = None
         while len(self._recent) > 10_000:
             self._recent.popitem(last=False)
 
-    def _observe(self, outcome: str, timing: Timing, cache_hit: bool, adapter: str) -> None:
-        hit = "true" if cache_hit else "false"
-        metrics.REQUESTS.labels("worker", outcome).inc()
-        if timing.first_token is not None:
-            metrics.TTFT.labels(hit).observe(timing.ttft_ms())
-        if timing.tokens >= 2:
-            metrics.TPOT.labels(hit).observe(timing.tpot_ms())
-        metrics.ADAPTER_TOKENS.labels(self._adapter_label(adapter)).inc(timing.tokens)
+    async def _serve(self, job: Job) -> None:
+        rid = job.request.request_id
+        with _tracer.start_as_current_span("worker.generate", attributes={
+                "lf.request_id": rid, "lf.adapter": job.key or "", "lf.cache_hit": job.cache_hit}):
+            outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
+            try:
+                await self._adapter_ready(job)
+                outcome, usage = await self._generate(job)
+            except asyncio.CancelledError:
+                error = self._stop_errors.pop(rid, None)
+                outcome = "error" if error else "cancelled"
+                if error is not None:
+                    await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=error.to_body()))
+                log.info("request_cancelled", request_id=rid, reason=error.code if error else "client")
+            except LorafleetError as e:
+                await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=e.to_body()))
+            except Exception as e:
+                log.exception("request_failed", request_id=rid)
+                failure = ServiceUnavailable(f"worker failed while generating: {type(e).__name__}")
+                await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=failure.to_body()))
+            finally:
+                self._jobs.pop(rid, None)
+                if job.key is not None and self.cache is not None:
+                    self.cache.release(job.key)
+                self._observe(job, outcome)
+                await self.audit(self._audit_record(job, outcome, usage))
 
-    async def _serve(self, request: InferRequest, prompt_ids: list[int]) -> None:
-        with _tracer.start_as_current_span("worker.generate", attributes={"lf.request_id": request.request_id}):
-            await self._generate(request, prompt_ids)
+    async def _adapter_ready(self, job: Job) -> None:
+        """Wait alone for this request's adapter, then check it is the exact version granted."""
+        if job.lookup is None:
+            return
+        if not job.lookup.hit:
+            with _tracer.start_as_current_span("worker.adapter_load", attributes={"lf.tier": job.lookup.tier}):
+                await asyncio.wrap_future(job.lookup.ready)
+        job.digest = self.digest_of(job.key)
+        if job.digest is not None and job.digest != job.request.adapter.digest:
+            metrics.INTEGRITY_ERRORS.labels("worker").inc()
+            raise IntegrityError(f"{job.key}: loaded weights {job.digest[:12]} are not the granted "
+                                 f"{job.request.adapter.digest[:12]}")
 
-    async def _generate(self, request: InferRequest, prompt_ids: list[int]) -> None:
-        timing = Timing(start=time.monotonic())
-        rid, reply = request.request_id, request.reply_to
+    async def _generate(self, job: Job) -> tuple[str, Usage]:
+        request, rid = job.request, job.request.request_id
         pieces: list[str] = []
-        outcome, usage = "error", Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
-        try:
-            async for out in self.engine.generate(EngineRequest(rid, prompt_ids, request.sampling)):
-                now = time.monotonic()
-                if out.token_ids:
-                    timing.first_token = timing.first_token or now
-                    timing.last_token = now
-                    timing.tokens = out.completion_tokens
-                if out.text or out.token_ids:
-                    pieces.append(out.text)
-                    await self.emit(reply, ReplyToken(request_id=rid, index=out.completion_tokens - 1,
-                                                      text=out.text, token_ids=out.token_ids))
-                if out.finished:
-                    outcome = "cancelled" if out.finish_reason == "abort" else out.finish_reason
-                    usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
-            await self.emit(reply, ReplyFinal(
-                request_id=rid, text="".join(pieces), finish_reason=outcome, usage=usage,
-                served_by=ServedBy(worker_id=self.worker_id, base_model=self.base_model, cache_hit=True),
-                ttft_ms=timing.ttft_ms(), tpot_ms=timing.tpot_ms()))
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            log.info("request_cancelled", request_id=rid)
-        except LorafleetError as e:
-            await self.emit(reply, ReplyError(request_id=rid, error=e.to_body()))
-        except Exception as e:
-            log.exception("request_failed", request_id=rid)
-            await self.emit(reply, ReplyError(request_id=rid, error=ServiceUnavailable(
-                f"worker failed while generating: {type(e).__name__}").to_body()))
-        finally:
-            self._observe(outcome, timing, cache_hit=True, adapter="base")
-            await self.audit(CompletionAudit(
-                request_id=rid, tenant_id=request.tenant_id, base_model=self.base_model, cache_hit=True,
-                ttft_ms=timing.ttft_ms(), tpot_ms=timing.tpot_ms(), prompt_tokens=usage.prompt_tokens,
-                completion_tokens=timing.tokens, worker_id=self.worker_id, outcome=outcome))
+        outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
+        async for out in self.engine.generate(EngineRequest(rid, job.prompt_ids, request.sampling, adapter=job.key)):
+            if out.token_ids:
+                job.timing.token(out.completion_tokens)
+            if out.text or out.token_ids:
+                pieces.append(out.text)
+                await self.emit(request.reply_to, ReplyToken(request_id=rid, index=out.completion_tokens - 1,
+                                                             text=out.text, token_ids=out.token_ids))
+            if out.finished:
+                outcome = "cancelled" if out.finish_reason == "abort" else out.finish_reason
+                usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        adapter = request.adapter
+        served = ServedBy(worker_id=self.worker_id, base_model=self.base_model, cache_hit=job.cache_hit,
+                          adapter_id=adapter.adapter_id if adapter else None,
+                          adapter_version=adapter.version if adapter else None, adapter_digest=job.digest)
+        await self.emit(request.reply_to, ReplyFinal(
+            request_id=rid, text="".join(pieces), finish_reason=outcome, usage=usage, served_by=served,
+            ttft_ms=job.timing.ttft_ms(), tpot_ms=job.timing.tpot_ms()))
+        return outcome, usage
+
+    def _observe(self, job: Job, outcome: str) -> None:
+        hit = "true" if job.cache_hit else "false"
+        metrics.REQUESTS.labels("worker", outcome).inc()
+        if job.timing.first_token is not None:
+            metrics.TTFT.labels(hit).observe(job.timing.ttft_ms())
+        if job.timing.tokens >= 2:
+            metrics.TPOT.labels(hit).observe(job.timing.tpot_ms())
+        metrics.ADAPTER_TOKENS.labels(self._adapter_label(job.key or "base")).inc(job.timing.tokens)
+
+    def _audit_record(self, job: Job, outcome: str, usage: Usage) -> CompletionAudit:
+        adapter = job.request.adapter
+        return CompletionAudit(
+            request_id=job.request.request_id, tenant_id=job.request.tenant_id, base_model=self.base_model,
+            adapter_id=adapter.adapter_id if adapter else None, adapter_version=adapter.version if adapter else None,
+            adapter_rank=adapter.rank if adapter else None, adapter_digest=job.digest, cache_hit=job.cache_hit,
+            ttft_ms=job.timing.ttft_ms(), tpot_ms=job.timing.tpot_ms(), prompt_tokens=usage.prompt_tokens,
+            completion_tokens=job.timing.tokens, worker_id=self.worker_id, outcome=outcome)

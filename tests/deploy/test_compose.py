@@ -13,11 +13,17 @@ import yaml
 from services.cli.healthcheck import build_parser
 from services.cli.infra import nats_server_binary
 from services.cli.nats_auth import add_tenant_user, init_deploy
+from services.worker.settings import WorkerSettings
 from shared.config import (
-    AuditorSettings, CommonSettings, GatewaySettings, RegistrySettings, SchedulerSettings, WorkerSettings,
+    AuditorSettings, CommonSettings, GatewaySettings, RegistrySettings, SchedulerSettings,
 )
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def field_of(env_key: str) -> str:
+    """The settings field an LF_ variable sets (LF_ENGINE__DTYPE sets ``engine``)."""
+    return env_key[3:].lower().split("__")[0]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
@@ -81,10 +87,10 @@ def test_environment_names_real_settings(deploy_dir: Path) -> None:
             if file.exists():
                 keys.update(line.split("=", 1) for line in file.read_text().splitlines() if line)
         for key in keys:
-            assert key.startswith("LF_") and key[3:].lower() in settings.model_fields, (name, key)
+            assert key.startswith("LF_") and field_of(key) in settings.model_fields, (name, key)
         assert "LF_NATS_USER" in keys, name
     for key in dockerfile_env():
-        assert not key.startswith("LF_") or key[3:].lower() in {**WorkerSettings.model_fields,
+        assert not key.startswith("LF_") or field_of(key) in {**WorkerSettings.model_fields,
                                                                  **AuditorSettings.model_fields}, key
 
 

@@ -13,6 +13,9 @@ from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.model_loader import LoadedModel
 
 
+_IDLE_POLL_S = 0.005
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     running: int
@@ -117,6 +120,11 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output.request_id, output)
             self._refresh_stats()
+            if not outputs:
+                # Everything left waits (e.g. for an adapter to become resident): poll, don't spin.
+                with self._wake:
+                    if not (self._stopping or self._adds or self._aborts):
+                        self._wake.wait(timeout=_IDLE_POLL_S)
         self._fail_all(EngineDead("the engine is shut down"))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:

@@ -17,18 +17,17 @@ class AttentionMetadata:
     prefill_bounds: list[tuple[int, int]]  # token [start, end) of each prefill
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k_cache[:, slots] = k.transpose(0, 1); caches [kv_heads, num_slots, head_dim], k/v [num_tokens, kv_heads, head_dim]."""
-    k_cache.index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.index_copy_(1, slots, v.transpose(0, 1))
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """kv_cache[0][:, slots] = k.transpose(0, 1), same for v; kv_cache [2, kv_heads, num_slots, head_dim]."""
+    kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
+    kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
     out: torch.Tensor,
@@ -36,8 +35,8 @@ def paged_attention(
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
-    (already written to the caches). Prefills start from an empty cache, so they attend to
-    their own fresh K/V; decodes gather their blocks from the cache.
+    (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). Prefills start from an
+    empty cache, so they attend to their own fresh K/V; decodes gather their blocks from the cache.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
@@ -46,10 +45,8 @@ def paged_attention(
         # Heads sharing a KV head become that head's query rows: GQA without repeating K/V.
         dq = q[:n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
         length = meta.decode_mask.shape[-1]
-        dk = k_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, meta.decode_blocks)
-        dv = v_cache.view(kv_heads, -1, block_size, head_dim).index_select(1, meta.decode_blocks)
-        dk = dk.view(kv_heads, n, length, head_dim)
-        dv = dv.view(kv_heads, n, length, head_dim)
+        blocks = kv_cache.view(2, kv_heads, -1, block_size, head_dim).index_select(2, meta.decode_blocks)
+        dk, dv = blocks.view(2, kv_heads, n, length, head_dim)
         res = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     for start, end in meta.prefill_bounds:

@@ -29,7 +29,9 @@ class EngineConfig(BaseModel):
         default=2048, ge=16, le=2**20, description="most tokens (prefill + decode) in one forward pass"
     )
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
-    num_threads: int | None = Field(default=None, ge=1, le=1024, description="torch intra-op threads; None keeps torch's")
+    num_threads: int | None = Field(
+        default=None, ge=1, le=1024, description="torch intra-op threads (process-wide); None keeps torch's"
+    )
 
     @model_validator(mode="after")
     def _prompt_fits_one_step(self) -> "EngineConfig":

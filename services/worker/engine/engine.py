@@ -113,7 +113,9 @@ class LLMEngine:
             batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
         )
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None) -> list[RequestOutput]:
+    def _postprocess(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None
+    ) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for row, (seq, token) in enumerate(zip(seqs, tokens)):

@@ -33,9 +33,9 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each [kv_heads, num_slots, head_dim]."""
-        return self.data[index, 0], self.data[index, 1]
+    def layer(self, index: int) -> torch.Tensor:
+        """K and V of one layer: [2, kv_heads, num_slots, head_dim]."""
+        return self.data[index]
 
 
 class BlockAllocator:

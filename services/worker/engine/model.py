@@ -52,9 +52,9 @@ class LlamaForward:
             qk = apply_rope(qkv[:, :k_end].view(-1, heads, s.head_dim), rope)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
-            k_cache, v_cache = cache.layer(i)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, k_cache, v_cache, meta, cache.block_size, attn_out)
+            kv = cache.layer(i)
+            write_kv(kv, k, v, meta.slot_mapping)
+            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out)
             o = F.linear(a, layer.o, layer.o_bias)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)

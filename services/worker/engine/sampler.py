@@ -29,10 +29,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], want_logprobs: bool) -> t
         params = seq.request.sampling
         if params.temperature == 0.0 or params.top_k == 1:
             continue
-        filtered = _filter(logits[row] / params.temperature, params.top_k, params.top_p)
+        # On CPU, where the sequence's seeded generator lives.
+        filtered = _filter(logits[row].cpu() / params.temperature, params.top_k, params.top_p)
         probs = filtered.softmax(-1)
         tokens[row] = int(torch.multinomial(probs, 1, generator=seq.generator))
     if not want_logprobs:
         return tokens, None
-    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    chosen = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    logprobs = logits.log_softmax(-1).gather(1, chosen).squeeze(1)
     return tokens, logprobs.tolist()

@@ -101,6 +101,9 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported activation {act!r}; the engine implements SwiGLU (silu)")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and max_model_len > window:
+        raise ValueError(f"sliding-window attention is not implemented; use max_model_len <= {window}")
     spec = spec_of(config)
     layers = []
     for layer in model.model.layers:

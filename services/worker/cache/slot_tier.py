@@ -1,0 +1,88 @@
+"""GPU slot residency per rank class: who holds a slot, copies in flight, and who leaves for a newcomer.
+
+Bookkeeping only: the hierarchy performs the copies and unloads on the AdapterManager, and the
+trace simulator drives the same class, so both exercise one eviction path.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from shared.errors import IntegrityError
+from services.worker.cache.policy import Entry, EvictionPolicy
+
+QuotaFn = Callable[[str | None, int], int]  # (tenant, slots of the rank class) -> slots it may hold
+
+
+class SlotTier:
+    """Residents and reservations of each rank class; victim choice by policy and tenant quota. Not thread-safe."""
+
+    __slots__ = ("policy", "slots", "_quota", "_residents", "_reserved")
+
+    def __init__(self, class_slots: Mapping[int, int], policy: EvictionPolicy, quota: QuotaFn | None = None):
+        self.policy = policy
+        self.slots = dict(sorted(class_slots.items()))  # rank class -> slot count
+        self._quota = quota
+        self._residents: dict[int, dict[str, Entry]] = {rank: {} for rank in self.slots}
+        self._reserved = dict.fromkeys(self.slots, 0)
+
+    def class_of(self, rank: int) -> int:
+        """The smallest rank class >= rank."""
+        for rank_class in self.slots:
+            if rank <= rank_class:
+                return rank_class
+        raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {max(self.slots)}", param="r")
+
+    def __contains__(self, key: str) -> bool:
+        return any(key in residents for residents in self._residents.values())
+
+    def keys(self) -> list[str]:
+        return [key for residents in self._residents.values() for key in residents]
+
+    def used(self, rank_class: int) -> int:
+        """Slots of the class holding an adapter."""
+        return len(self._residents[rank_class])
+
+    def free(self, rank_class: int) -> int:
+        """Slots neither held nor reserved for a copy in progress."""
+        return self.slots[rank_class] - len(self._residents[rank_class]) - self._reserved[rank_class]
+
+    def reserve(self, rank_class: int) -> None:
+        if self.free(rank_class) < 1:
+            raise RuntimeError(f"rank class {rank_class} has no free slot to reserve")
+        self._reserved[rank_class] += 1
+
+    def unreserve(self, rank_class: int) -> None:
+        self._reserved[rank_class] -= 1
+
+    def commit(self, entry: Entry) -> None:
+        """A reserved slot now holds ``entry``."""
+        rank_class = self.class_of(entry.rank)
+        self._reserved[rank_class] -= 1
+        self._residents[rank_class][entry.key] = entry
+
+    def update(self, entry: Entry) -> None:
+        """Refresh a resident's tenant / SLO class (a request told more than a prefetch knew)."""
+        for residents in self._residents.values():
+            held = residents.get(entry.key)
+            if held is not None:
+                residents[entry.key] = replace(entry, rank=held.rank)
+
+    def remove(self, key: str) -> Entry | None:
+        for residents in self._residents.values():
+            if key in residents:
+                return residents.pop(key)
+        return None
+
+    def victim(self, incoming: Entry, now: float, protected: Callable[[str], bool]) -> Entry | None:
+        """The resident of incoming's rank class to evict for it, or None when every one is protected.
+
+        When incoming's tenant already holds its quota of the class, its own coldest goes first.
+        """
+        rank_class = self.class_of(incoming.rank)
+        candidates = [e for e in self._residents[rank_class].values() if not protected(e.key)]
+        if self._quota is not None and incoming.tenant is not None:
+            own = [e for e in self._residents[rank_class].values() if e.tenant == incoming.tenant]
+            if len(own) >= self._quota(incoming.tenant, self.slots[rank_class]):
+                own_candidates = [e for e in candidates if e.tenant == incoming.tenant]
+                candidates = own_candidates or candidates
+        return self.policy.victim(candidates, now)

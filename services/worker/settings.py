@@ -1,0 +1,29 @@
+"""The worker's settings: identity, model, and the engine, adapter-slot and cache configs nested
+(``LF_ENGINE__KV_CACHE_BYTES``, ``LF_LORA__MEMORY_BUDGET_BYTES``, ``LF_CACHE__POLICY``...)."""
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.worker.cache.config import CacheConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.lora.config import LoraConfig
+from shared.config import WorkerIdentity
+
+
+class WorkerSettings(WorkerIdentity):
+    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore", env_nested_delimiter="__")
+
+    model_dir: str | None = Field(default=None, description="local HF model directory; None = embedded SmolLM2")
+    model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="batching, KV cache, device, dtype")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="rank classes and the byte budget of the adapter slots")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="CPU tier, eviction policy, warmup")
+    max_waiting: int = Field(default=256, ge=1, le=100_000, description="requests queued before dispatches are refused")
+    require_signature: bool = Field(default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)")
+    heat_refresh_s: float = Field(default=5.0, gt=0, le=600, description="how often fleet heat is read from Redis")
+
+    @model_validator(mode="after")
+    def _lora_fits_engine(self) -> "WorkerSettings":
+        if self.lora.max_num_tokens < self.engine.max_num_batched_tokens:
+            raise ValueError("lora.max_num_tokens must be >= engine.max_num_batched_tokens")
+        return self

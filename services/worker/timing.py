@@ -1,0 +1,26 @@
+"""Per-request latency bookkeeping: time to first token and time per output token."""
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Timing:
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+
+    def token(self, completion_tokens: int) -> None:
+        now = time.monotonic()
+        self.first_token = self.first_token or now
+        self.last_token = now
+        self.tokens = completion_tokens
+
+    def ttft_ms(self) -> float:
+        return ((self.first_token or time.monotonic()) - self.start) * 1000
+
+    def tpot_ms(self) -> float:
+        if self.tokens < 2 or self.first_token is None or self.last_token is None:
+            return 0.0
+        return (self.last_token - self.first_token) * 1000 / (self.tokens - 1)
