@@ -176,6 +176,9 @@ class WorkerHeartbeat(Message):
     kv_blocks_free: int = Field(ge=0)
     kv_blocks_total: int = Field(ge=0)
     resident_adapters: list[str] = Field(default_factory=list)
+    cpu_adapters: list[str] = Field(
+        default_factory=list, description="adapter keys held verified in the worker's CPU tier (a cheap load)"
+    )
     ts: float = Field(default_factory=time.time)
 
 
@@ -359,6 +362,88 @@ class TrustedKeysReply(Message):
     keys: dict[str, str] = Field(default_factory=dict, description="signer -> base64 public key")
 
 
+# ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
+
+ApiScope = Literal["inference", "admin", "platform_admin"]
+
+
+class TenantQuota(Message):
+    """A tenant's limits, as data for the scheduler; None = no limit of that kind."""
+
+    requests_per_min: int | None = Field(default=None, ge=1, le=10_000_000)
+    tokens_per_min: int | None = Field(default=None, ge=1, le=10_000_000_000)
+    max_concurrent: int | None = Field(default=None, ge=1, le=100_000)
+    max_gpu_adapter_slots: int | None = Field(default=None, ge=1, le=100_000)
+
+
+class TenantRecord(Message):
+    tenant_id: Identifier
+    created_at: float = Field(default_factory=time.time)
+    quota: TenantQuota = Field(default_factory=TenantQuota)
+
+
+class ApiKeyInfo(Message):
+    """An API key as listed: everything but the secret and its hash."""
+
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    tenant_id: Identifier
+    scopes: list[ApiScope] = Field(min_length=1, max_length=3)
+    created_at: float = Field(default_factory=time.time)
+    revoked: bool = False
+
+
+class ApiKeyRecord(ApiKeyInfo):
+    """As stored: ``sha256(salt || secret)``; the secret itself is shown once, at creation."""
+
+    salt: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    secret_sha256: Sha256Hex
+
+
+class CreateTenantRequest(Message):
+    tenant_id: Identifier
+    quota: TenantQuota = Field(default_factory=TenantQuota)
+    actor: Actor
+
+
+class ListTenantsRequest(Message):
+    tenant_id: Identifier | None = Field(default=None, description="None = every tenant")
+
+
+class TenantsReply(Message):
+    tenants: list[TenantRecord] = Field(default_factory=list)
+
+
+class SetQuotaRequest(Message):
+    tenant_id: Identifier
+    quota: TenantQuota
+    actor: Actor
+
+
+class CreateApiKeyRequest(Message):
+    tenant_id: Identifier
+    scopes: list[ApiScope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
+    actor: Actor
+
+
+class ApiKeyCreatedReply(Message):
+    key: str = Field(description="the bearer key, shown only in this reply")
+    info: ApiKeyInfo
+
+
+class RevokeApiKeyRequest(Message):
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    tenant_id: Identifier | None = Field(default=None, description="when set, only a key of this tenant")
+    actor: Actor
+
+
+class ListApiKeysRequest(Message):
+    tenant_id: Identifier | None = Field(default=None, description="None = every tenant")
+
+
+class ApiKeysReply(Message):
+    keys: list[ApiKeyInfo] = Field(default_factory=list)
+
+
 # ---- audit -------------------------------------------------------------------------------
 
 
@@ -403,7 +488,40 @@ class RegistryChangeAudit(Message):
     after: AdapterStatus
 
 
-AuditEvent = Annotated[CompletionAudit | RejectionAudit | RegistryChangeAudit, Field(discriminator="kind")]
+class ViolationAudit(Message):
+    """What the auditor's cross-check found wrong with a completion: served across tenants, or
+    with weights other than the registry's for that version."""
+
+    kind: Literal["violation"] = "violation"
+    ts: float = Field(default_factory=time.time)
+    violation: Literal["tenant_isolation", "integrity"]
+    request_id: RequestId
+    tenant_id: Identifier
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    detail: str = Field(max_length=2000)
+
+
+AuditEvent = Annotated[
+    CompletionAudit | RejectionAudit | RegistryChangeAudit | ViolationAudit, Field(discriminator="kind")
+]
+
+
+class AuditQueryRequest(Message):
+    """A query of the audit index; ``tenant_id`` scopes it (None only for platform operators)."""
+
+    tenant_id: Identifier | None = None
+    request_id: RequestId | None = None
+    adapter_id: Identifier | None = None
+    kind: str | None = Field(default=None, max_length=32)
+    since: float | None = None
+    until: float | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class AuditQueryReply(Message):
+    records: list[dict] = Field(default_factory=list)
+    intact: bool | None = Field(default=None, description="the hash chain verified, when asked")
 
 
 class AuditEnvelope(Message):

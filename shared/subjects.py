@@ -14,7 +14,9 @@ AUDIT_STREAM = "AUDIT"
 AUDIT_ALL = f"{PREFIX}.audit.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
+AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
+SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
 
 REGISTRY_OPS = (
     "resolve",
@@ -29,12 +31,19 @@ REGISTRY_OPS = (
     "adapters",
     "trust_key",
     "keys",
+    "tenant_create",
+    "tenants",
+    "quota_set",
+    "api_key_create",
+    "api_key_revoke",
+    "api_keys",
 )
 
 REGISTRY_RECORDS_BUCKET = "lf_adapters"  # KV: "<adapter_id>.<version>" -> AdapterRecord
 REGISTRY_SIGNERS_BUCKET = "lf_signers"  # KV: signer -> base64 Ed25519 public key
 ADAPTER_STORE_BUCKET = "lf_adapter_store"  # object store: the approved adapter weights
 ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads awaiting register
+REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

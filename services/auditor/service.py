@@ -1,25 +1,66 @@
-"""Auditor process: a durable consumer of the AUDIT stream feeding the hash-chained store."""
+"""Auditor process: a durable consumer of the AUDIT stream feeding the hash-chained store,
+cross-checking completions against the registry, answering tenant-scoped queries."""
 
 import asyncio
 import contextlib
 
+import structlog
+from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from services.auditor.crosscheck import check_completion
 from services.auditor.store import AuditStore
-from shared import subjects
-from shared.bus import connect, decode, ensure_streams, shutdown_event
+from services.worker.adapter_verify import fetch_record
+from shared import metrics, subjects
+from shared.bus import connect, decode, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings
-from shared.errors import LorafleetError
+from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
-from shared.metrics import serve_metrics
 from shared.logs import configure_logging
+from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
 from shared.telemetry import setup_tracing
-from shared.schemas import AuditEnvelope
+
+log = structlog.get_logger("auditor")
+
+
+class RecordCache:
+    """Registry records by (adapter, version): versions are immutable, so a record never goes stale
+    for what the cross-check compares (owner, scopes, checksum)."""
+
+    def __init__(self, nc: NATS, timeout_s: float = 5.0):
+        self._nc = nc
+        self._timeout_s = timeout_s
+        self._records: dict[tuple[str, int], AdapterRecord | None] = {}
+
+    async def get(self, adapter_id: str, version: int) -> AdapterRecord | None:
+        key = (adapter_id, version)
+        if key not in self._records:
+            try:
+                self._records[key] = await fetch_record(self._nc, adapter_id, version, self._timeout_s)
+            except ModelNotFound:
+                self._records[key] = None
+        return self._records[key]
+
+
+async def _record(store: AuditStore, records: RecordCache, seq: int, event) -> None:
+    store.append(seq, event.model_dump(mode="json"))
+    if not isinstance(event, CompletionAudit) or event.adapter_id is None:
+        return
+    record = await records.get(event.adapter_id, event.adapter_version)
+    for number, violation in enumerate(check_completion(event, record), start=1):
+        # a derived record gets a sequence of its own beyond the stream's, so replays stay idempotent
+        store.append(-(seq * 10 + number), violation.model_dump(mode="json"))
+        if violation.violation == "tenant_isolation":
+            metrics.TENANT_ISOLATION_ERRORS.inc()
+        else:
+            metrics.INTEGRITY_ERRORS.labels("auditor").inc()
+        log.error("audit_violation", violation=violation.violation, request_id=event.request_id,
+                  tenant_id=event.tenant_id, adapter_id=event.adapter_id, detail=violation.detail)
 
 
 async def run(settings: AuditorSettings) -> None:
-    log = configure_logging("auditor", settings.log_level)
+    configure_logging("auditor", settings.log_level)
     setup_tracing("auditor", settings.trace_exporter)
     store = AuditStore(settings.db_path)
     async with contextlib.AsyncExitStack() as stack:
@@ -28,12 +69,21 @@ async def run(settings: AuditorSettings) -> None:
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await ensure_streams(js)
+        records = RecordCache(nc)
+
+        async def on_query(query: AuditQueryRequest) -> AuditQueryReply:
+            rows = store.query(tenant_id=query.tenant_id, request_id=query.request_id, adapter_id=query.adapter_id,
+                               kind=query.kind, since=query.since, until=query.until, limit=query.limit)
+            return AuditQueryReply(records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows],
+                                   intact=store.verify() is None if query.tenant_id is None else None)
+
+        await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, on_query, queue="auditor")
         psub = await js.pull_subscribe(
             subjects.AUDIT_ALL, durable=settings.durable_name, stream=subjects.AUDIT_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
         )
         stop = shutdown_event()
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
+        metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
         beats = asyncio.create_task(publish_heartbeats(
             nc, "auditor", settings.instance_id, settings.heartbeat_interval_s,
             lambda: (True, f"{store.count()} records"), metrics_port))
@@ -49,8 +99,11 @@ async def run(settings: AuditorSettings) -> None:
                 continue
             for msg in msgs:
                 try:
-                    event = decode(AuditEnvelope, msg.data).body
-                    store.append(msg.metadata.sequence.stream, event.model_dump(mode="json"))
+                    await _record(store, records, msg.metadata.sequence.stream, decode(AuditEnvelope, msg.data).body)
+                except (ServiceUnavailable, UpstreamTimeout) as e:
+                    log.warning("crosscheck_deferred", error=e.message)  # appends are idempotent: retry whole
+                    await msg.nak(delay=2)
+                    continue
                 except LorafleetError as e:
                     log.warning("bad_audit_record", subject=msg.subject, error=e.message)
                 await msg.ack()

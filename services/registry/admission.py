@@ -13,7 +13,7 @@ from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest
 
 from services.registry.records import Catalog, Change
-from services.registry.resolve import SHARED_TENANT
+from shared.access import SHARED_TENANT
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,24 +4,15 @@ An unknown adapter and one the tenant may not use get the same ModelNotFound tex
 tenant cannot probe which adapter names exist.
 """
 
+from shared.access import SHARED_TENANT, may_use
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
 from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
 
 from services.registry.records import RELEASED, Catalog
 from services.registry.rollout import choose
 
-SHARED_TENANT = "shared"
-
-
 def not_found(model: str) -> ModelNotFound:
     return ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
-
-
-def may_use(record: AdapterRecord, tenant_id: str) -> bool:
-    """Owner tenant, or a shared adapter whose scopes name the tenant or ``*``."""
-    if record.tenant_id == tenant_id:
-        return True
-    return record.tenant_id == SHARED_TENANT and (tenant_id in record.allowed_scopes or "*" in record.allowed_scopes)
 
 
 def find_adapter(catalog: Catalog, tenant_id: str, name: str) -> str | None:

@@ -119,6 +119,10 @@ class RequestServer:
 
     async def _serve(self, job: Job) -> None:
         rid = job.request.request_id
+        adapter = job.request.adapter
+        structlog.contextvars.bind_contextvars(  # this task's own context: every log line names the request
+            request_id=rid, tenant_id=job.request.tenant_id, adapter_id=adapter.adapter_id if adapter else None,
+            adapter_version=adapter.version if adapter else None)
         with _tracer.start_as_current_span("worker.generate", attributes={
                 "lf.request_id": rid, "lf.adapter": job.key or "", "lf.cache_hit": job.cache_hit}):
             outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
