@@ -19,6 +19,8 @@ ADMIN = "admin"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 AUDITOR_CONSUMER = "auditor"  # durable on AUDIT (AuditorSettings.durable_name default)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
+# the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
+GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "keys"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +101,16 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
     common = stream_info(*SHARED_STREAMS)
     return {
         "gateway": Permissions(
-            publish=(*common, *own["gateway"], subjects.INFER_SUBMIT_ALL, "lf.registry.>", "lf.worker.*.control",
-                     subjects.AUDIT_ALL, *obj_write(subjects.ADAPTER_UPLOADS_BUCKET)),
+            publish=(*common, *own["gateway"], subjects.INFER_SUBMIT_ALL, *_registry_ops(GATEWAY_REGISTRY_OPS),
+                     "lf.worker.*.control", subjects.AUDITOR_QUERY, subjects.AUDIT_ALL,
+                     *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
+                     *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
             subscribe=("_INBOX.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
         ),
         "registry": Permissions(
             publish=(*common, *own["registry"], subjects.ADAPTER_EVENTS_ALL, subjects.AUDIT_ALL,
                      *kv_write(subjects.REGISTRY_RECORDS_BUCKET), *kv_write(subjects.REGISTRY_SIGNERS_BUCKET),
+                     *kv_write(subjects.REGISTRY_TENANTS_BUCKET),
                      *obj_write(subjects.ADAPTER_STORE_BUCKET), f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                      *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
                      f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}"),
@@ -131,7 +136,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
             publish=(*common, *own["auditor"], *_registry_ops(REGISTRY_READ_OPS),
                      *durable_consumer(subjects.AUDIT_STREAM, AUDITOR_CONSUMER),
                      *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
-            subscribe=("_INBOX.>", *own["auditor"]),
+            subscribe=("_INBOX.>", *own["auditor"], subjects.AUDITOR_QUERY),
+            allow_responses=True,
         ),
     }
 

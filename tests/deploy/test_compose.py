@@ -152,8 +152,8 @@ def test_dockerfile_build_args_and_variants() -> None:
 def test_worker_reserves_a_gpu_and_has_a_cpu_variant() -> None:
     devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    assert SERVICES["worker"]["environment"]["LF_DEVICE"] == "cuda"
-    assert SERVICES["worker-cpu"]["profiles"] == ["cpu"] and SERVICES["worker-cpu"]["environment"]["LF_DEVICE"] == "cpu"
+    assert SERVICES["worker"]["environment"]["LF_ENGINE__DEVICE"] == "cuda"
+    assert SERVICES["worker-cpu"]["profiles"] == ["cpu"] and SERVICES["worker-cpu"]["environment"]["LF_ENGINE__DEVICE"] == "cpu"
 
 
 def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
