@@ -5,9 +5,15 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install up test bench clean
+.PHONY: install system-deps up test bench clean
 
 install: $(STAMP)
+
+# The dashboard test drives Debian's headless Chromium; install it when missing (root, as in CI).
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the dashboard test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,7 +27,7 @@ $(STAMP): pyproject.toml
 up: install
 	$(BIN)/lorafleet up
 
-test: install
+test: install system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install

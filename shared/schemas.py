@@ -179,6 +179,9 @@ class WorkerHeartbeat(Message):
     cpu_adapters: list[str] = Field(
         default_factory=list, description="adapter keys held verified in the worker's CPU tier (a cheap load)"
     )
+    slots: dict[str, list[int]] = Field(default_factory=dict, description="rank class -> [slots used, slots]")
+    cache_hit_ratio: dict[str, float] = Field(default_factory=dict, description="tier -> share of adapter lookups")
+    load_ms_mean: dict[str, float] = Field(default_factory=dict, description="source tier -> mean adapter load ms")
     ts: float = Field(default_factory=time.time)
 
 

@@ -2,12 +2,16 @@
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.admin import router as admin_router
+from services.gateway.admin_adapters import router as admin_adapters_router
 from services.gateway.body_limit import BodyLimit
 from services.gateway.completions import router as completions_router
+from services.gateway.dashboard import router as dashboard_router
 from services.gateway.context import GatewayContext
 from services.gateway.errors_http import on_http_error, on_lorafleet_error, on_validation_error
 from shared.errors import LorafleetError
@@ -22,16 +26,19 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     app.include_router(completions_router)
+    app.include_router(admin_router)
+    app.include_router(admin_adapters_router)
+    app.include_router(dashboard_router)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["health"])
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "a required component is missing"}})
     async def readyz(request: Request) -> JSONResponse:
         ctx_: GatewayContext = request.app.state.ctx
         ready, components = ctx_.cluster.status()
@@ -39,4 +46,16 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         ready = ready and ctx_.nc.is_connected
         return JSONResponse({"ready": ready, "components": components}, status_code=200 if ready else 503)
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, less its default 422 entries: validation errors are answered 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for item in schema["paths"].values():
+            for operation in item.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -44,7 +44,9 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierar
         beat = WorkerHeartbeat(worker_id=settings.worker_id, base_model=base_model, ready=True,
                                running=stats.running, waiting=stats.waiting, max_running=settings.engine.max_num_seqs,
                                kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total,
-                               resident_adapters=residency.gpu_adapters, cpu_adapters=residency.cpu_adapters)
+                               resident_adapters=residency.gpu_adapters, cpu_adapters=residency.cpu_adapters,
+                               slots={str(rank): list(used) for rank, used in residency.slots.items()},
+                               cache_hit_ratio=residency.hit_ratio, load_ms_mean=residency.load_ms_mean)
         if nc.is_connected:
             with contextlib.suppress(Exception):
                 await nc.publish(subjects.WORKER_HEARTBEAT, encode(beat))

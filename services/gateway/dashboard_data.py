@@ -1,0 +1,52 @@
+"""What the dashboard shows, summarised from heartbeats, registry records and recent audit records."""
+
+import math
+from collections import defaultdict
+
+from shared.schemas import AdapterRecord, WorkerHeartbeat
+
+
+def p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def traffic(completions: list[dict]) -> dict:
+    """Hit rate, TTFT p95 hit vs miss, per-tenant and per-adapter traffic, a TTFT time series."""
+    ttft: dict[bool, list[float]] = {True: [], False: []}
+    tenants: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "tokens": 0})
+    adapters: dict[str, int] = defaultdict(int)
+    for c in completions:
+        ttft[bool(c["cache_hit"])].append(c["ttft_ms"])
+        tenants[c["tenant_id"]]["requests"] += 1
+        tenants[c["tenant_id"]]["tokens"] += c["completion_tokens"]
+        name = f"{c['adapter_id']}@{c['adapter_version']}" if c.get("adapter_id") else "base"
+        adapters[name] += c["completion_tokens"]
+    lookups = len(ttft[True]) + len(ttft[False])
+    return {
+        "requests": lookups,
+        "hit_rate": len(ttft[True]) / lookups if lookups else None,
+        "ttft_p95_hit_ms": p95(ttft[True]),
+        "ttft_p95_miss_ms": p95(ttft[False]),
+        "tenants": dict(tenants),
+        "adapter_tokens": dict(sorted(adapters.items(), key=lambda kv: -kv[1])[:12]),
+        "ttft_series": [[c["ts"], c["ttft_ms"], bool(c["cache_hit"])] for c in completions[-200:]],
+    }
+
+
+def workers(beats: list[WorkerHeartbeat]) -> list[dict]:
+    return [{
+        "worker_id": b.worker_id, "running": b.running, "waiting": b.waiting, "max_running": b.max_running,
+        "kv_used": 1 - b.kv_blocks_free / max(1, b.kv_blocks_total), "slots": b.slots,
+        "gpu_adapters": b.resident_adapters, "cpu_adapters": b.cpu_adapters,
+        "hit_ratio": b.cache_hit_ratio, "load_ms_mean": b.load_ms_mean,
+    } for b in sorted(beats, key=lambda b: b.worker_id)]
+
+
+def adapters(records: list[AdapterRecord]) -> list[dict]:
+    return [{
+        "adapter_id": r.adapter_id, "version": r.version, "tenant_id": r.tenant_id, "status": r.status,
+        "traffic_percent": r.traffic_percent, "rank": r.rank, "eval": r.eval_results,
+    } for r in sorted(records, key=lambda r: (r.adapter_id, r.version))]
