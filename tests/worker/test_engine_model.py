@@ -1,5 +1,7 @@
 """The engine's forward pass equals transformers' own logits (fp32), through prefill, decode and mixed steps."""
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
@@ -12,6 +14,16 @@ from services.worker.engine.weights import load_weights
 from services.worker.model_loader import load_model
 
 BLOCK = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Small matmuls on a shared 2-core box run far faster without OpenMP barrier waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -69,7 +81,8 @@ PROMPTS = [[5, 17, 42, 99, 3, 8, 250, 11, 7], [400, 2, 9], [33, 44, 55, 66, 77, 
             id="llama-gqa-llama3-rope",
         ),
         pytest.param(
-            lambda: _tiny(LlamaConfig, LlamaForCausalLM, num_attention_heads=4, rope_scaling={"type": "linear", "factor": 2.0},
+            lambda: _tiny(LlamaConfig, LlamaForCausalLM, num_attention_heads=4,
+                          rope_scaling={"type": "linear", "factor": 2.0},
                           attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
             id="llama-linear-rope-bias-untied",
         ),
@@ -98,4 +111,11 @@ def test_smollm2_matches_transformers() -> None:
 def test_unsupported_rope_type_is_refused() -> None:
     model = _tiny(LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope type"):
+        load_weights(model, torch.float32, "cpu", 64)
+
+
+def test_sliding_window_beyond_max_model_len_is_refused() -> None:
+    model = _tiny(Qwen2Config, Qwen2ForCausalLM, num_attention_heads=4,
+                  use_sliding_window=True, sliding_window=32)
+    with pytest.raises(ValueError, match="sliding-window"):
         load_weights(model, torch.float32, "cpu", 64)

@@ -1,0 +1,216 @@
+"""Base-model throughput of the engine against transformers ``generate``, and memory at 64 x 512 tokens.
+
+``python -m bench.engine [--quick] [--threads N]``: for each batch size, the same chat prompts
+(20-60 tokens) run through HF generate (left-padded batch, EOS suppressed by min_new_tokens) and
+the engine (ignore_eos), interleaved round by round, fp32; best round per system is reported.
+Then a fresh process holds 64 sequences of 512 tokens at once and reports its peak RSS
+beside the KV budget and the model size.
+"""
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.weights import spec_of
+from services.worker.model_loader import LoadedModel, load_model
+from shared.schemas import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "engine.json"
+TOPICS = ["the sea", "a red fox", "prime numbers", "the moon", "coffee", "rain in spring", "a lighthouse", "bread",
+          "trains", "a chess game", "autumn leaves", "volcanoes", "bees", "the desert", "a violin", "snow"]
+STYLES = ["Write a haiku about {}.", "Explain {} to a child in two short sentences, please.",
+          "Give me three surprising facts about {}, each in one line, and keep the tone light and friendly."]
+
+
+def chat_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
+    texts = [STYLES[i % len(STYLES)].format(TOPICS[i % len(TOPICS)]) for i in range(count)]
+    return [
+        loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]}
+
+
+class StepClock(BaseStreamer):
+    """Timestamps each generate step (the first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 2
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = StepClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = loaded.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=pad)
+    wall = time.perf_counter() - start
+    assert out.shape[1] - width == new_tokens
+    ttft = clock.times[1] - start
+    tpot = (clock.times[-1] - clock.times[1]) / max(1, new_tokens - 1)
+    return {"wall_s": wall, "ttft_s": [ttft] * len(prompts), "tpot_s": [tpot] * len(prompts)}
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    mono_start = time.monotonic()
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", p, params))
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, out.first_token_time)
+            if out.finished:
+                done[out.request_id] = time.monotonic()
+                assert out.completion_tokens == new_tokens
+    wall = time.perf_counter() - start
+    ttft = [first[r] - mono_start for r in first]
+    tpot = [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]
+    return {"wall_s": wall, "ttft_s": ttft, "tpot_s": tpot}
+
+
+def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
+    best = min(runs, key=lambda r: r["wall_s"])
+    return {
+        "tok_s": tokens / best["wall_s"],
+        "wall_s": best["wall_s"],
+        "ttft_ms": {k: v * 1e3 for k, v in percentiles(best["ttft_s"]).items()},
+        "tpot_ms": {k: v * 1e3 for k, v in percentiles(best["tpot_s"]).items()},
+        "rounds_wall_s": [r["wall_s"] for r in runs],
+    }
+
+
+def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int) -> list[dict[str, object]]:
+    config = EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine = LLMEngine.from_loaded(loaded, config)
+    rows = []
+    for batch in batches:
+        prompts = chat_prompts(loaded, batch)
+        run_engine(engine, prompts[:1], 2)
+        runs: dict[str, list[dict[str, object]]] = {"hf": [], "engine": []}
+        for _ in range(rounds):
+            runs["hf"].append(run_hf(loaded, prompts, new_tokens))
+            runs["engine"].append(run_engine(engine, prompts, new_tokens))
+        total = batch * new_tokens
+        systems = {name: summarise(r, total) for name, r in runs.items()}
+        rows.append({
+            "batch": batch,
+            "new_tokens": new_tokens,
+            "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+            "systems": systems,
+            "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
+            "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
+        })
+    return rows
+
+
+def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
+    """Run in a fresh process: hold ``num_seqs`` sequences of ``seq_len`` tokens at once."""
+    torch.set_num_threads(threads)
+    loaded = load_model()
+    model_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    generated = min(32, seq_len // 2)  # long enough that the first sequences still run when the last joins
+    prompt_len = seq_len - generated
+    budget = num_seqs * seq_len * spec_of(loaded.model.config).kv_bytes_per_token(torch.float32)
+    config = EngineConfig(kv_cache_bytes=budget, kv_block_size=16, max_model_len=seq_len, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(2048, seq_len))
+    engine = LLMEngine.from_loaded(loaded, config)
+    rss_loaded_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    params = SamplingParams(max_tokens=generated, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(EngineRequest(str(i), [(7 * i + j) % 40000 + 100 for j in range(prompt_len)], params))
+    concurrent = 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        concurrent = max(concurrent, len(engine.scheduler.running))
+    return {
+        "num_seqs": num_seqs,
+        "seq_len": seq_len,
+        "max_concurrent": concurrent,
+        "kv_budget_mib": engine.cache.nbytes / 2**20,
+        "model_mib": model_bytes / 2**20,
+        "rss_after_load_mib": rss_loaded_mib,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def environment(threads: int) -> dict[str, object]:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": "float32",
+            "model": "SmolLM2-135M-Instruct", "python": platform.python_version(), "git_commit": commit or None}
+
+
+def table(rows: list[dict[str, object]], memory: dict[str, object]) -> str:
+    lines = ["| batch | system | tok/s | speedup vs hf | TTFT p50 / p95 ms | TPOT p50 / p95 ms |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for row in rows:
+        for name, s in row["systems"].items():
+            speed = f"{row['speedup_vs_hf']:.2f}x" if name == "engine" else "1.00x"
+            lines.append(f"| {row['batch']} | {name} | {s['tok_s']:.1f} | {speed} | "
+                         f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
+                         f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
+    lines.append("")
+    lines.append(f"Memory: {memory['num_seqs']} seqs x {memory['seq_len']} tokens (max {memory['max_concurrent']} "
+                 f"concurrent): peak RSS {memory['peak_rss_mib']:.0f} MiB vs KV budget {memory['kv_budget_mib']:.0f} "
+                 f"MiB + model {memory['model_mib']:.0f} MiB (RSS after load {memory['rss_after_load_mib']:.0f} MiB)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rss_probe:
+        print(json.dumps(rss_probe(*args.rss_probe, args.threads)))
+        return
+    torch.set_num_threads(args.threads)
+    seqs, seq_len = (64, 32) if args.quick else (64, 512)
+    probe = subprocess.run([sys.executable, "-m", "bench.engine", "--threads", str(args.threads), "--rss-probe",
+                            str(seqs), str(seq_len)], capture_output=True, text=True, check=True)
+    memory = json.loads(probe.stdout.strip().splitlines()[-1])
+    loaded = load_model()
+    batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
+    rows = throughput(loaded, batches, new_tokens, rounds)
+    result = {"environment": environment(args.threads), "quick": args.quick, "throughput": rows, "memory": memory,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "adapters": 0,
+              "rank_mix": None}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(table(rows, memory))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

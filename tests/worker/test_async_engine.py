@@ -1,0 +1,113 @@
+"""AsyncEngine: streaming, interleaving of concurrent requests, cancellation and abandonment free KV."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from services.worker.engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, RequestTooLarge
+from services.worker.engine.weights import ModelWeights, load_weights
+from services.worker.model_loader import load_model
+from shared.schemas import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def parts() -> tuple[ModelWeights, PreTrainedTokenizerBase]:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    weights = load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 256)
+    return weights, load_model().tokenizer
+
+
+@pytest.fixture
+async def engine(parts: tuple[ModelWeights, PreTrainedTokenizerBase]) -> AsyncIterator[AsyncEngine]:
+    weights, tokenizer = parts
+    config = EngineConfig(num_blocks=64, kv_block_size=8, max_model_len=256, max_num_batched_tokens=256)
+    async_engine = AsyncEngine(LLMEngine(weights, tokenizer, config, eos_token_ids=set()))
+    async_engine.start()
+    yield async_engine
+    async_engine.shutdown()
+
+
+def request(request_id: str, max_tokens: int) -> EngineRequest:
+    return EngineRequest(request_id, [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+async def wait_for_free(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"blocks not freed: {engine.stats()}")
+
+
+async def test_generate_streams_every_token(engine: AsyncEngine) -> None:
+    outputs = [out async for out in engine.generate(request("r", 8))]
+    assert len(outputs) == 8 and all(len(o.token_ids) == 1 for o in outputs)
+    assert [o.finished for o in outputs] == [False] * 7 + [True]
+    last = outputs[-1]
+    assert last.finish_reason == "length" and last.completion_tokens == 8 and last.prompt_tokens == 5
+    assert last.first_token_time is not None
+    await wait_for_free(engine)
+
+
+async def test_concurrent_generates_interleave(engine: AsyncEngine) -> None:
+    order: list[str] = []
+
+    async def consume(request_id: str) -> None:
+        async for out in engine.generate(request(request_id, 12)):
+            order.append(out.request_id)
+
+    await asyncio.gather(consume("x"), consume("y"))
+    assert order.count("x") == order.count("y") == 12
+    assert order.index("y") < len(order) - order[::-1].index("x") - 1, "y never ran while x was running"
+
+
+async def test_cancel_ends_the_stream_and_frees_blocks(engine: AsyncEngine) -> None:
+    seen = []
+    async for out in engine.generate(request("c", 200)):
+        seen.append(out)
+        if len(seen) == 2:
+            engine.cancel("c")
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    assert len(seen) < 10
+    await wait_for_free(engine)
+
+
+async def test_abandoned_stream_and_cancelled_task_free_blocks(engine: AsyncEngine) -> None:
+    async with contextlib.aclosing(engine.generate(request("a", 200))) as stream:
+        async for _ in stream:
+            break
+    await wait_for_free(engine)
+
+    async def consume() -> None:
+        async for _ in engine.generate(request("t", 200)):
+            pass
+
+    task = asyncio.create_task(consume())
+    while engine.stats().running == 0:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for_free(engine)
+
+
+async def test_too_large_request_raises(engine: AsyncEngine) -> None:
+    with pytest.raises(RequestTooLarge):
+        async for _ in engine.generate(EngineRequest("big", [1] * 300)):
+            pass
+    assert engine.stats().kv_blocks_total == 64
