@@ -1,0 +1,247 @@
+"""Multi-LoRA throughput: the engine with 32 distinct adapters vs itself without, HF PEFT and plain HF.
+
+``python -m bench.multilora [--quick] [--threads N]``: SmolLM2 fp32, one batch of chat prompts
+(20-60 tokens), each request with its own random rank-16 adapter, EOS ignored so every system
+generates the same tokens; systems interleaved round by round, best round reported. The same
+figures for adapters on all seven projections follow, then rank skew: decode step time of 31
+rank-8 + 1 rank-64 requests, and of every adapter zero-padded to rank 64, vs 32 rank-8 requests.
+"""
+
+import argparse
+import copy
+import json
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from peft import __version__ as peft_version
+from transformers import PreTrainedModel
+
+from bench.engine import StepClock, chat_prompts, environment, summarise
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from services.worker.model_loader import LoadedModel, load_model
+from shared.schemas import SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "multilora.json"
+QV = ("q_proj", "v_proj")
+RANK = 16
+Run = dict[str, object]
+
+
+def save_adapters(model: PreTrainedModel, names: list[str], modules: Sequence[str], root: Path) -> list[Path]:
+    """Random non-zero rank-16 PEFT adapters (alpha 32), saved as users ship them."""
+    peft: PeftModel | None = None
+    for seed, name in enumerate(names):
+        torch.manual_seed(seed)
+        config = PeftLoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(modules), init_lora_weights=False)
+        if peft is None:
+            peft = get_peft_model(copy.deepcopy(model), config, adapter_name=name)
+        else:
+            peft.add_adapter(name, config)
+    assert peft is not None
+    peft.save_pretrained(root, selected_adapters=names)
+    return [root / name for name in names]
+
+
+def peft_model(model: PreTrainedModel, names: list[str], dirs: list[Path]) -> PeftModel:
+    """One PeftModel on a copy of the base holding every adapter, added through load_adapter."""
+    peft = PeftModel.from_pretrained(copy.deepcopy(model), dirs[0], adapter_name=names[0])
+    for name, directory in zip(names[1:], dirs[1:]):
+        peft.load_adapter(directory, adapter_name=name)
+    return peft.eval()
+
+
+def run_generate(model: PreTrainedModel, pad: int, prompts: list[list[int]], new_tokens: int, **extra: object) -> Run:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = StepClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, streamer=clock, pad_token_id=pad, **extra)
+    wall = time.perf_counter() - start
+    assert out.shape[1] - width == new_tokens
+    ttft = clock.times[1] - start
+    tpot = (clock.times[-1] - clock.times[1]) / max(1, new_tokens - 1)
+    return {"wall_s": wall, "ttft_s": [ttft] * len(prompts), "tpot_s": [tpot] * len(prompts)}
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], adapters: Sequence[str | None], new_tokens: int) -> Run:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start, mono_start = time.perf_counter(), time.monotonic()
+    for i, (p, adapter) in enumerate(zip(prompts, adapters)):
+        engine.add_request(EngineRequest(f"r{i}", p, params, adapter=adapter))
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, out.first_token_time)
+            if out.finished:
+                done[out.request_id] = time.monotonic()
+                assert out.completion_tokens == new_tokens
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "ttft_s": [first[r] - mono_start for r in first],
+            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]}
+
+
+def random_weights(shapes: ModelShapes, rank: int, seed: int) -> AdapterWeights:
+    gen = torch.Generator().manual_seed(seed)
+    keys = [(layer, m) for layer in range(shapes.num_layers) for m in QV]
+    a = {k: torch.randn(shapes.dims[k[1]][0], rank, generator=gen) * 0.02 for k in keys}
+    b = {k: torch.randn(rank, shapes.dims[k[1]][1], generator=gen) * 0.02 for k in keys}
+    return AdapterWeights(rank=rank, scale=2.0, a=a, b=b)
+
+
+def engine_with(loaded: LoadedModel, lora: LoraConfig, batch: int) -> tuple[LLMEngine, AdapterManager]:
+    config = EngineConfig(kv_cache_bytes=320 * 2**20, max_model_len=512, max_num_seqs=max(64, batch),
+                          max_num_batched_tokens=2048)
+    manager = AdapterManager(lora, ModelShapes.from_hf_config(loaded.model.config))
+    return LLMEngine.from_loaded(loaded, config, manager), manager
+
+
+def start_decode(engine: LLMEngine, prompts: list[list[int]], adapters: list[str], steps: int) -> None:
+    """Queue a batch and run its prefill step, leaving ``steps`` full decode steps."""
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i, (p, adapter) in enumerate(zip(prompts, adapters)):
+        engine.add_request(EngineRequest(f"d{i}", p, params, adapter=adapter))
+    engine.step()
+
+
+def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds: int) -> dict[str, float]:
+    """Median decode step: 31 rank-8 + 1 rank-64, and all rank-8 padded into a rank-64 pool, over 32 rank-8.
+
+    The three batches run in three engines stepped in turn, so machine noise hits them alike.
+    """
+    batch = len(prompts)
+    shapes = ModelShapes.from_hf_config(loaded.model.config)
+    unit = shapes.params_per_rank(QV) * 4 + 1  # bytes of one rank unit, rounded up
+    mixed_pool = LoraConfig(rank_classes=(8, 64), class_shares=(8.0 * batch, 64.0), target_modules=QV,
+                            memory_budget_bytes=(8 * batch + 64) * unit, max_num_tokens=2048)
+    padded_pool = LoraConfig(rank_classes=(64,), target_modules=QV, memory_budget_bytes=64 * batch * unit,
+                             max_num_tokens=2048)
+    rank8, mixed_manager = engine_with(loaded, mixed_pool, batch)
+    skew = LLMEngine.from_loaded(loaded, rank8.config, mixed_manager)
+    padded, padded_manager = engine_with(loaded, padded_pool, batch)
+    names = [f"s{i}" for i in range(batch)]
+    for i, name in enumerate(names):
+        mixed_manager.load_adapter(name, random_weights(shapes, 8, i))
+        padded_manager.load_adapter(name, random_weights(shapes, 8, i))
+    mixed_manager.load_adapter("s64", random_weights(shapes, 64, batch))
+    cases = {"rank8": (rank8, names), "skew": (skew, names[:-1] + ["s64"]), "padded": (padded, names)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for engine, adapters in cases.values():
+            start_decode(engine, prompts, adapters, steps)
+        for _ in range(steps):
+            for name, (engine, _) in cases.items():
+                start = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {"ratio": median["skew"] / median["rank8"], "padded_ratio": median["padded"] / median["rank8"],
+            "step_ms": {name: t * 1e3 for name, t in median.items()}}
+
+
+def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path) -> Run:
+    """All six runs interleaved per round: base, multilora, peft, hf, then the all-seven-projection pair."""
+    batch = len(prompts)
+    names = {"qv": [f"qv{i}" for i in range(batch)], "all": [f"all{i}" for i in range(batch)]}
+    modules = {"qv": QV, "all": MODULES}
+    dirs = {k: save_adapters(loaded.model, names[k], modules[k], root / k) for k in names}
+    shapes = ModelShapes.from_hf_config(loaded.model.config)
+    budget = 2 * batch * RANK * shapes.params_per_rank(MODULES) * 4
+    engine, manager = engine_with(loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget,
+                                                     max_num_tokens=2048), batch)
+    for k in names:
+        for name, directory in zip(names[k], dirs[k]):
+            manager.load_adapter(name, directory)
+    pefts = {k: peft_model(loaded.model, names[k], dirs[k]) for k in names}
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 2
+    systems: dict[str, Callable[[], Run]] = {
+        "base": lambda: run_engine(engine, prompts, [None] * batch, new_tokens),
+        "multilora": lambda: run_engine(engine, prompts, names["qv"], new_tokens),
+        "peft": lambda: run_generate(pefts["qv"], pad, prompts, new_tokens, adapter_names=names["qv"]),
+        "hf": lambda: run_generate(loaded.model, pad, prompts, new_tokens),
+        "multilora_all": lambda: run_engine(engine, prompts, names["all"], new_tokens),
+        "peft_all": lambda: run_generate(pefts["all"], pad, prompts, new_tokens, adapter_names=names["all"]),
+    }
+    run_engine(engine, prompts[:2], names["qv"][:1] + [None], 2)
+    runs: dict[str, list[Run]] = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, system in systems.items():
+            runs[name].append(system())
+    return {name: summarise(r, batch * new_tokens) for name, r in runs.items()}
+
+
+def table(result: dict[str, object]) -> str:
+    systems = result["systems"]
+    lines = ["| system | tok/s | vs base | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "|---|---:|---:|---:|---:|"]
+    for name, s in systems.items():
+        lines.append(f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / systems['base']['tok_s']:.2f}x | "
+                     f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
+                     f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
+    skew, every, batch = result["rank_skew"], result["all_modules"], result["batch_size"]
+    lines += [
+        "",
+        "| figure | q,v (headline) | all seven | target |",
+        "|---|---:|---:|---:|",
+        f"| ratio_vs_base | {result['ratio_vs_base']:.2f} | {every['ratio_vs_base']:.2f} | >= 0.85 |",
+        f"| speedup_vs_peft | {result['speedup_vs_peft']:.2f}x | {every['speedup_vs_peft']:.2f}x | >= 2.5x |",
+        f"| speedup_vs_hf | {result['speedup_vs_hf']:.2f}x | | |",
+        "",
+        f"Rank skew (decode step): {batch - 1} x r8 + 1 x r64 = {skew['ratio']:.2f}x of {batch} x r8 "
+        f"(target <= 1.15x); all padded to r64 = {skew['padded_ratio']:.2f}x. Peak RSS {result['peak_rss_mb']:.0f} MB.",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batch, new_tokens, rounds, skew_steps = (4, 4, 1, 2) if args.quick else (32, 32, 2, 6)
+    loaded = load_model()
+    prompts = chat_prompts(loaded, batch)
+    with tempfile.TemporaryDirectory() as root:
+        systems = throughput(loaded, prompts, new_tokens, rounds, Path(root))
+    skew = rank_skew(loaded, prompts, skew_steps, rounds)
+    tok = {name: s["tok_s"] for name, s in systems.items()}
+    result = {
+        "environment": {**environment(args.threads), "peft": peft_version},
+        "quick": args.quick,
+        "batch_size": batch,
+        "new_tokens": new_tokens,
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+        "adapters": batch,
+        "rank_mix": {str(RANK): batch},
+        "target_modules": list(QV),
+        "systems": systems,
+        "tok_s": tok,
+        "ttft_ms": {name: s["ttft_ms"] for name, s in systems.items()},
+        "tpot_ms": {name: s["tpot_ms"] for name, s in systems.items()},
+        "ratio_vs_base": tok["multilora"] / tok["base"],
+        "speedup_vs_peft": tok["multilora"] / tok["peft"],
+        "speedup_vs_hf": tok["multilora"] / tok["hf"],
+        "all_modules": {"ratio_vs_base": tok["multilora_all"] / tok["base"],
+                        "speedup_vs_peft": tok["multilora_all"] / tok["peft_all"]},
+        "rank_skew": skew,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
