@@ -4,7 +4,6 @@ audited digests, tenant isolation, and revocation reaching a running worker."""
 import asyncio
 import sqlite3
 import time
-from pathlib import Path
 
 import nats
 import openai

@@ -1,6 +1,5 @@
 """The engine on SmolLM2: greedy equals transformers generate, continuous batching, KV exhaustion, stops."""
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,13 +16,6 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 24
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """The adapter hook: per-token slots reach the manager, deltas change only adapter requests' tokens."""
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -45,13 +44,6 @@ class ToyManager:
         self.calls.append(token_slots.tolist())
         return ToyLora(token_slots, self.a, self.b)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """The engine's forward pass equals transformers' own logits (fp32), through prefill, decode and mixed steps."""
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,14 +14,6 @@ from services.worker.model_loader import load_model
 
 BLOCK = 4
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small matmuls on a shared 2-core box run far faster without OpenMP barrier waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
 LLAMA3_ROPE = {

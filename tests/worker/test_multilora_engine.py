@@ -7,7 +7,6 @@ on SmolLM2 and on a tiny random Llama.
 
 import copy
 from contextlib import nullcontext
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,13 +113,6 @@ def build_setup(loaded: LoadedModel, prompts: list[list[int]], root: Path) -> Se
     peft.save_pretrained(root, selected_adapters=list(SPECS))
     return Setup(loaded, peft, {name: root / name for name in SPECS}, prompts)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
