@@ -108,8 +108,10 @@ def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
     }
 
 
-def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int) -> list[dict[str, object]]:
-    config = EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048)
+def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int,
+               dtype: str = "float32") -> list[dict[str, object]]:
+    config = EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048,
+                          dtype=dtype)
     engine = LLMEngine.from_loaded(loaded, config)
     rows = []
     for batch in batches:
@@ -164,9 +166,9 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
     }
 
 
-def environment(threads: int) -> dict[str, object]:
+def environment(threads: int, dtype: str) -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": "float32",
+    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": dtype,
             "model": "SmolLM2-135M-Instruct", "python": platform.python_version(), "git_commit": commit or None}
 
 
@@ -190,6 +192,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of both systems (bf16 uses this CPU's avx512_bf16 / AMX where present)")
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_probe:
@@ -200,16 +204,17 @@ def main() -> None:
     probe = subprocess.run([sys.executable, "-m", "bench.engine", "--threads", str(args.threads), "--rss-probe",
                             str(seqs), str(seq_len)], capture_output=True, text=True, check=True)
     memory = json.loads(probe.stdout.strip().splitlines()[-1])
-    loaded = load_model()
+    loaded = load_model(dtype=getattr(torch, args.dtype))
     batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
-    rows = throughput(loaded, batches, new_tokens, rounds)
-    result = {"environment": environment(args.threads), "quick": args.quick, "throughput": rows, "memory": memory,
+    rows = throughput(loaded, batches, new_tokens, rounds, args.dtype)
+    result = {"environment": environment(args.threads, args.dtype), "quick": args.quick, "throughput": rows, "memory": memory,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "adapters": 0,
               "rank_mix": None}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    path = RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine-{args.dtype}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
     print(table(rows, memory))
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,31 @@ class SchedulerSettings(CommonSettings):
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
     )
-    max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions handled concurrently")
+    max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
+    default_requests_per_min: int | None = Field(
+        default=None, ge=1, description="a tenant's requests/min when its quota sets none; None = unlimited")
+    default_tokens_per_min: int | None = Field(
+        default=None, ge=1, description="a tenant's tokens/min (prompt estimate + max_tokens) when its quota sets none")
+    default_max_concurrent: int | None = Field(
+        default=None, ge=1, description="a tenant's requests queued or running at once when its quota sets none")
+    default_max_gpu_adapter_slots: int | None = Field(
+        default=None, ge=1, description="a tenant's GPU adapter slots per worker when its quota sets none")
+    concurrency_lease_s: float = Field(
+        default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long")
+    vtc_input_weight: float = Field(default=1.0, ge=0, le=100, description="fairness charge per prompt token")
+    vtc_output_weight: float = Field(default=2.0, ge=0, le=100, description="fairness charge per generated token")
+    slo_interactive_s: float = Field(default=2.0, gt=0, le=3600, description="queue-wait target of interactive")
+    slo_batch_s: float = Field(
+        default=30.0, gt=0, le=86400, description="queue-wait target of batch; past it a batch request goes first")
+    capacity_headroom: int = Field(
+        default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)")
+    heat_half_life_s: float = Field(default=60.0, gt=0, le=86400, description="half-life of adapter heat")
+    heat_decay_interval_s: float = Field(default=5.0, gt=0, le=3600, description="how often heat decays and is acted on")
+    hot_rate_per_worker: float = Field(
+        default=2.0, gt=0, description="requests/s of one adapter one worker serves before a replica is prefetched")
+    cold_rate: float = Field(default=0.01, ge=0, description="requests/s below which a replicated adapter is evicted")
+    max_controls_per_tick: int = Field(default=4, ge=0, le=1000, description="prefetch/evict messages per heat tick")
+    dedupe_ttl_s: float = Field(default=3600.0, gt=0, description="how long a dispatched request id is remembered")
 
 
 class WorkerIdentity(CommonSettings):
@@ -102,6 +126,11 @@ class RegistrySettings(CommonSettings):
     )
     remote_allow_list: tuple[str, ...] = Field(
         default=(), description="URL prefixes an operator allows as remote sources (JSON list)"
+    )
+    release_require_eval: bool = Field(default=False, description="refuse to promote a version with no recorded eval")
+    release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every adapter's own threshold")
+    release_max_regression: float = Field(
+        default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
     )
 
 

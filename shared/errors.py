@@ -64,6 +64,14 @@ class ModelNotFound(LorafleetError):
     error_type = "invalid_request_error"
 
 
+class NotFound(LorafleetError):
+    """A named registry object (tenant, API key) that does not exist."""
+
+    status = 404
+    code = "not_found"
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(LorafleetError):
     status = 413
     code = "payload_too_large"
@@ -155,3 +163,9 @@ class NoFreeSlot(ServiceUnavailable):
     """Every GPU slot of the adapter's rank class is taken: evict one, or wait."""
 
     code = "no_free_slot"
+
+
+class ReleaseGateFailed(Conflict):
+    """Promotion refused: no eval recorded, a score under the threshold, or a regression vs production."""
+
+    code = "release_gate_failed"

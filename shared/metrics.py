@@ -36,6 +36,11 @@ SLOT_OCCUPANCY = Gauge("adapter_slot_occupancy_ratio", "share of GPU adapter slo
 ADAPTER_SLOT_WAIT = Histogram("adapter_slot_wait_ms", "time a load waited for a slot held by requests in flight",
                               buckets=_MS)
 ADAPTER_CPU_TIER_BYTES = Gauge("adapter_cpu_tier_bytes", "bytes of verified adapter weights in the CPU tier")
+SCHEDULER_QUEUE_WAIT = Histogram("scheduler_queue_wait_ms", "time a request waited in the scheduler's fair queue",
+                                 ["priority"], buckets=_MS)
+SLO_MISSES = Counter("scheduler_slo_misses", "requests that waited past their class's queue-wait target", ["priority"])
+WORKERS_LOST = Counter("workers_lost", "workers dropped for silence, with requests failed over", ["outcome"])
+SCHEDULER_CONTROLS = Counter("scheduler_controls", "prefetch/evict directives sent to workers", ["action"])
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 
 

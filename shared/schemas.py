@@ -203,6 +203,7 @@ class ResolveRequest(Message):
     tenant_id: Identifier
     model: str = Field(min_length=1, max_length=256)
     request_key: str = Field(min_length=1, max_length=256)
+    preview: bool = Field(default=False, description="a pinned model@version may be a staging version (pre-release eval)")
 
 
 class ModelInfo(Message):
@@ -263,7 +264,7 @@ class AdapterRecord(Message):
 class AdapterEvent(Message):
     """A lifecycle change, published on ``lf.adapter.event.<adapter_id>`` (stream ADAPTER_EVENTS)."""
 
-    kind: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked"]
+    kind: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
     adapter_id: Identifier
     version: int = Field(ge=1)
     tenant_id: Identifier
@@ -306,6 +307,8 @@ class PromoteRequest(Message):
     adapter_id: Identifier
     version: int = Field(ge=1)
     traffic_percent: TrafficPercent = 1.0
+    force: bool = Field(default=False, description="skip the release gate (audited with the reason)")
+    reason: str | None = Field(default=None, max_length=500)
     actor: Actor
 
 
@@ -319,7 +322,23 @@ class RolloutRequest(Message):
 
 class RollbackRequest(Message):
     adapter_id: Identifier
+    reason: str | None = Field(default=None, max_length=500, description="why, for the audit trail")
     actor: Actor
+
+
+class RecordEvalRequest(Message):
+    """An evaluation of one version: ``results`` holds score (and base_score, threshold, items)."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    results: dict[str, float] = Field(max_length=64)
+    actor: Actor
+
+    @model_validator(mode="after")
+    def _has_score(self) -> "RecordEvalRequest":
+        if not 0 <= self.results.get("score", -1) <= 1:
+            raise ValueError("results must hold a score in [0, 1]")
+        return self
 
 
 class RetireRequest(Message):
@@ -486,9 +505,10 @@ class RegistryChangeAudit(Message):
     tenant_id: Identifier
     adapter_id: Identifier
     version: int = Field(ge=1)
-    action: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked"]
+    action: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
     before: AdapterStatus | None = None
     after: AdapterStatus
+    reason: str | None = Field(default=None, max_length=500)
 
 
 class ViolationAudit(Message):

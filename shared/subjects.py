@@ -12,6 +12,7 @@ ADAPTER_EVENTS_ALL = f"{PREFIX}.adapter.event.>"
 
 AUDIT_STREAM = "AUDIT"
 AUDIT_ALL = f"{PREFIX}.audit.>"
+AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
@@ -31,6 +32,7 @@ REGISTRY_OPS = (
     "adapters",
     "trust_key",
     "keys",
+    "record_eval",
     "tenant_create",
     "tenants",
     "quota_set",

@@ -137,9 +137,10 @@ async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
             "list": lambda: ("adapters", ListAdaptersRequest(tenant_id=args.tenant)),
             "show": lambda: ("get", GetAdapterRequest(adapter_id=args.id, version=args.version)),
             "promote": lambda: ("promote", PromoteRequest(adapter_id=args.id, version=args.version,
-                                                          traffic_percent=args.percent, actor=who)),
+                                                          traffic_percent=args.percent, force=args.force,
+                                                          reason=args.reason, actor=who)),
             "rollout": lambda: ("rollout", RolloutRequest(adapter_id=args.id, traffic_percent=args.percent, actor=who)),
-            "rollback": lambda: ("rollback", RollbackRequest(adapter_id=args.id, actor=who)),
+            "rollback": lambda: ("rollback", RollbackRequest(adapter_id=args.id, reason=args.reason, actor=who)),
             "retire": lambda: ("retire", RetireRequest(adapter_id=args.id, version=args.version, actor=who)),
             "revoke": lambda: ("revoke", RevokeRequest(adapter_id=args.id, version=args.version, actor=who)),
         }  # fmt: skip
@@ -183,10 +184,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     promote.add_argument("id")
     promote.add_argument("version", type=int)
     promote.add_argument("--percent", type=float, default=1.0)
+    promote.add_argument("--force", action="store_true", help="skip the release gate (audited with --reason)")
+    promote.add_argument("--reason", help="why, for the audit trail")
     rollout = sub.add_parser("rollout", parents=[opts], help="set the canary's traffic share; 100 makes it production")
     rollout.add_argument("id")
     rollout.add_argument("--percent", type=float, required=True)
-    sub.add_parser("rollback", parents=[opts], help="undo the latest rollout step").add_argument("id")
+    rollback = sub.add_parser("rollback", parents=[opts], help="undo the latest rollout step")
+    rollback.add_argument("id")
+    rollback.add_argument("--reason", help="why, for the audit trail")
     retire = sub.add_parser("retire", parents=[opts], help="stop serving one version")
     retire.add_argument("id")
     retire.add_argument("version", type=int)

@@ -102,7 +102,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
     return {
         "gateway": Permissions(
             publish=(*common, *own["gateway"], subjects.INFER_SUBMIT_ALL, *_registry_ops(GATEWAY_REGISTRY_OPS),
-                     "lf.worker.*.control", subjects.AUDITOR_QUERY, subjects.AUDIT_ALL,
+                     "lf.worker.*.control", subjects.SCHEDULER_CANCEL, subjects.AUDITOR_QUERY, subjects.AUDIT_ALL,
                      *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
                      *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
             subscribe=("_INBOX.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
@@ -121,8 +121,9 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
             publish=(*common, *own["scheduler"], *inboxes, "lf.worker.*.dispatch", "lf.worker.*.control",
                      subjects.AUDIT_ALL, *_registry_ops(REGISTRY_READ_OPS),
                      *durable_consumer(subjects.INFER_STREAM, SCHEDULER_CONSUMER),
-                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
-            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, *own["scheduler"]),
+                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM), *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
+            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.AUDIT_COMPLETION_ALL, subjects.SCHEDULER_CANCEL,
+                       *own["scheduler"]),
         ),
         "worker": Permissions(
             publish=(*common, *own["worker"], *inboxes, subjects.WORKER_HEARTBEAT, subjects.AUDIT_ALL,

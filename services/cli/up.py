@@ -3,13 +3,15 @@
 import argparse
 import asyncio
 import json
-import secrets
 import signal
 from pathlib import Path
 
+from services.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
 from services.cli.infra import pick_port, start_redis
 from services.cli.nats_auth import start_secured_nats
 from services.cli.stack import SERVICES, Stack, wait_ready
+from services.evaluation.demo import curl_example, seed_demo_adapters
+from shared.errors import LorafleetError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,16 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", type=Path, default=Path(".lorafleet"))
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
     p.set_defaults(func=run)
-
-
-def demo_key(state_dir: Path) -> str:
-    """The demo tenant's inference key, made once and kept in the state dir."""
-    path = state_dir / "demo-api-key"
-    if not path.exists():
-        state_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"lf-demo-{secrets.token_hex(16)}\n")
-        path.chmod(0o600)
-    return path.read_text().strip()
 
 
 def example(port: int, key: str, model: str) -> str:
@@ -54,11 +46,10 @@ def run(args: argparse.Namespace) -> int:
     (state / "logs").mkdir(parents=True, exist_ok=True)
     nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log")
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
-    key = demo_key(state)
     env = {
         "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(ports["gateway"]),
-        "LF_API_KEYS": json.dumps({key: "demo"}), "LF_DB_PATH": str(state / "audit.sqlite3"),
-        "LF_MODEL_CACHE": str(state / "models"),
+        "LF_DB_PATH": str(state / "audit.sqlite3"),
+        "LF_MODEL_CACHE": str(state / "models"), "LF_RELEASE_REQUIRE_EVAL": "1",
     }
     stack = Stack(env, state / "logs")
     try:
@@ -67,14 +58,29 @@ def run(args: argparse.Namespace) -> int:
         print("starting services (the first start converts the base model once, about a minute)...")
         asyncio.run(wait_ready(auth.admin_url(nats.url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
-        print(f"demo tenant API key: {key}\n\nTry:\n{example(ports['gateway'], key, 'SmolLM2-135M-Instruct')}\n")
+        key = asyncio.run(ensure_demo_key(auth.admin_url(nats.url), state))
+        model = "SmolLM2-135M-Instruct"
+        print(f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
+              f"{example(ports['gateway'], key, model)}\n\nor with the openai client:\n"
+              f"{openai_snippet(ports['gateway'], key, model)}\n")
+        print("releasing the example adapters (signed, evaluated through the gateway, gated)...")
+        demos = asyncio.run(seed_demo_adapters(auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}",
+                                               state, DEMO_TENANT, ACTOR))
+        for demo in demos:
+            print(f"  {demo.summary}")
+        for demo in demos[:2]:
+            print(f"\n{demo.adapter_id} answers its own task:\n"
+                  f"{curl_example(ports['gateway'], key, demo.adapter_id, demo.prompt)}")
+            if demo.answer is not None:
+                print(f"  -> {demo.answer}")
+        print()
         print(f"NATS requires auth: admin password in {state / 'admin.env'} "
               f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})")
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
         while True:
             signal.pause()
-    except (KeyboardInterrupt, RuntimeError, TimeoutError) as e:
+    except (KeyboardInterrupt, RuntimeError, TimeoutError, LorafleetError) as e:
         if not isinstance(e, KeyboardInterrupt):
             print(f"error: {e}")
             return 1

@@ -4,53 +4,73 @@ import uuid
 from collections.abc import AsyncIterator
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.gateway.auth import Principal, inference_caller
 from services.gateway.context import GatewayContext
 from services.gateway.errors_http import error_payload
-from services.gateway.inference import Submission, submit
+from services.gateway.inference import Submission, merged, submit_all
 from services.gateway.openai_format import ChunkWriter, full_response
+from services.gateway.openai_responses import (
+    INFERENCE_ERRORS, ChatCompletion, Completion, ModelList, SSE_RESPONSE, error_responses,
+)
 from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
-from shared.telemetry import tracer
 from shared.errors import InvalidRequest, LorafleetError, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
     ChatMessage, ListModelsReply, ListModelsRequest, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
 )
+from shared.telemetry import tracer
 
-router = APIRouter()
+router = APIRouter(tags=["inference"])
 _tracer = tracer("gateway")
 log = structlog.get_logger("gateway")
+Body = ChatCompletionRequest | CompletionRequest
 
 
 def _ctx(request: Request) -> GatewayContext:
     return request.app.state.ctx
 
 
-def _sampling(ctx: GatewayContext, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    limit = ctx.settings.max_tokens_limit
-    max_tokens = body.requested_max_tokens() or min(256, limit)
-    if max_tokens > limit:
-        raise InvalidRequest(f"max_tokens {max_tokens} exceeds the limit of {limit}", param="max_tokens")
+def _sampling(ctx: GatewayContext, body: Body, index: int) -> SamplingParams:
+    s = ctx.settings
+    max_tokens = body.requested_max_tokens() or min(256, s.max_tokens_limit)
+    if max_tokens > s.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens {max_tokens} exceeds the limit of {s.max_tokens_limit}", param="max_tokens")
+    if body.n > s.max_n:
+        raise InvalidRequest(f"n {body.n} exceeds the limit of {s.max_n}", param="n")
+    if len(body.stop_list()) > s.max_stop:
+        raise InvalidRequest(f"{len(body.stop_list())} stop sequences exceed the limit of {s.max_stop}", param="stop")
+    seed = None if body.seed is None else (body.seed + index) % 2**63  # distinct but reproducible choices
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                          top_k=body.top_k, seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
 
 
-async def _run(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest | CompletionRequest,
-               inputs: dict) -> JSONResponse | StreamingResponse:
-    chat = isinstance(body, ChatCompletionRequest)
+async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
+    limit = ctx.settings.max_prompt_tokens
+    if ctx.prompt_tokens is None or limit == 0:
+        return
+    count = await ctx.prompt_tokens.count(inputs.get("messages"), inputs.get("prompt"))
+    if count > limit:
+        raise InvalidRequest(f"the prompt has {count} tokens, over the limit of {limit}",
+                             param="messages" if "messages" in inputs else "prompt")
+
+
+async def _run(ctx: GatewayContext, tenant: str, body: Body, inputs: dict,
+               preview: bool = False) -> JSONResponse | StreamingResponse:
     request_id = uuid.uuid4().hex
     with _tracer.start_as_current_span("gateway.request", attributes={
             "lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}):
-        return await _submit(ctx, tenant, body, chat, request_id, inputs)
+        return await _submit(ctx, tenant, body, request_id, inputs, preview)
 
 
-async def _submit(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest | CompletionRequest, chat: bool,
-                  request_id: str, inputs: dict) -> JSONResponse | StreamingResponse:
-    log_ = log.bind(request_id=request_id, tenant_id=tenant, model=body.model)
-    sampling = _sampling(ctx, body)
+async def _submit(ctx: GatewayContext, tenant: str, body: Body, request_id: str,
+                  inputs: dict, preview: bool) -> JSONResponse | StreamingResponse:
+    chat = isinstance(body, ChatCompletionRequest)
+    sampling = [_sampling(ctx, body, i) for i in range(body.n)]
+    await _check_prompt(ctx, inputs)
     missing = ctx.cluster.unavailable()
     if missing == "worker":
         raise NoWorkerAvailable("no worker is available")
@@ -58,76 +78,82 @@ async def _submit(ctx: GatewayContext, tenant: str, body: ChatCompletionRequest 
         raise ServiceUnavailable(f"the {missing} is not available")
     resolved = await bus_request(
         ctx.nc, subjects.registry("resolve"),
-        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id),
+        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview),
         ResolveReply, ctx.settings.registry_timeout_s,
     )
-    fields = dict(request_id=request_id, tenant_id=tenant, model=body.model, base_model=resolved.base_model,
-                  adapter=resolved.adapter, sampling=sampling, stream=body.stream,
-                  timeout_s=ctx.settings.request_timeout_s, **inputs)
-    sub = await submit(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s)
-    headers = _served_headers(sub)
-    log_.info("request_accepted", worker_id=sub.accepted.worker_id, cache_hit=sub.accepted.cache_hit)
+    fields = [dict(request_id=request_id if body.n == 1 else f"{request_id}.{i}", tenant_id=tenant,
+                   model=body.model, base_model=resolved.base_model, adapter=resolved.adapter, sampling=sampling[i],
+                   stream=body.stream, timeout_s=ctx.settings.request_timeout_s, **inputs) for i in range(body.n)]
+    subs = await submit_all(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s)
+    headers = _served_headers(request_id, subs)
+    log.info("request_accepted", request_id=request_id, tenant_id=tenant, model=body.model, n=body.n,
+             workers=[s.accepted.worker_id for s in subs])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChunkWriter(chat, request_id, body.model, include_usage)
-        return StreamingResponse(_sse(sub, writer), media_type="text/event-stream", headers=headers)
-    final: ReplyFinal | None = None
-    async for event in sub.events():
+        return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
+    finals: dict[int, ReplyFinal] = {}
+    async for index, event in merged(subs):
         if isinstance(event, ReplyFinal):
-            final = event
-    return JSONResponse(full_response(chat, request_id, body.model, final), headers=headers)
+            finals[index] = event
+    return JSONResponse(full_response(chat, request_id, body.model, [finals[i] for i in sorted(finals)]),
+                        headers=headers)
 
 
-def _served_headers(sub: Submission) -> dict[str, str]:
-    adapter = sub.request.adapter
+def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
+    adapter = subs[0].request.adapter
     return {
-        "x-lorafleet-request-id": sub.request.request_id,
+        "x-lorafleet-request-id": request_id,
         "x-lorafleet-adapter": adapter.adapter_id if adapter else "",
         "x-lorafleet-version": str(adapter.version) if adapter else "",
-        "x-lorafleet-cache-hit": "true" if sub.accepted.cache_hit else "false",
-        "x-lorafleet-worker": sub.accepted.worker_id,
+        "x-lorafleet-cache-hit": "true" if all(s.accepted.cache_hit for s in subs) else "false",
+        "x-lorafleet-worker": ",".join(sorted({s.accepted.worker_id for s in subs})),
     }
 
 
-async def _sse(sub: Submission, writer: ChunkWriter) -> AsyncIterator[str]:
-    """Stream chunks; a client that goes away cancels the request on its worker (Submission.close)."""
-    yield writer.start()
+async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str]:
+    """Stream chunks; a client that goes away cancels every choice on its worker (merged closes them)."""
+    yield writer.start(len(subs))
+    finals: dict[int, ReplyFinal] = {}
     try:
-        async for event in sub.events():
+        async for index, event in merged(subs):
             if isinstance(event, ReplyFinal):
-                yield writer.finish(event)
+                finals[index] = event
+                yield writer.finish(index, event)
             elif event.text:
-                yield writer.token(event.text)
+                yield writer.token(index, event.text)
+        yield writer.done([finals[i] for i in sorted(finals)])
     except LorafleetError as e:
         yield writer.error(error_payload(e))
-    finally:
-        await sub.close()
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)})
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           caller: Principal = Depends(inference_caller)):
+    """OpenAI chat completions; ``model`` is an adapter id or alias, ``alias@version``, or the base model."""
     ctx = _ctx(request)
-    tenant = ctx.keys.tenant_of(request)
     messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
     if sum(len(m.content) for m in messages) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
-    return await _run(ctx, tenant, body, {"messages": messages})
+    return await _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes)
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+@router.post("/v1/completions", response_model=Completion,
+             responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)})
+async def completions(body: CompletionRequest, request: Request, caller: Principal = Depends(inference_caller)):
+    """OpenAI (legacy) text completions on the same models."""
     ctx = _ctx(request)
-    tenant = ctx.keys.tenant_of(request)
     if len(body.prompt) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {ctx.settings.max_prompt_chars} characters", param="prompt")
-    return await _run(ctx, tenant, body, {"prompt": body.prompt})
+    return await _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes)
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> dict:
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 503, 504))
+async def list_models(request: Request, caller: Principal = Depends(inference_caller)) -> dict:
+    """The base model plus the released adapters this tenant may use."""
     ctx = _ctx(request)
-    tenant = ctx.keys.tenant_of(request)
-    reply = await bus_request(ctx.nc, subjects.registry("list"), ListModelsRequest(tenant_id=tenant),
+    reply = await bus_request(ctx.nc, subjects.registry("list"), ListModelsRequest(tenant_id=caller.tenant_id),
                               ListModelsReply, ctx.settings.registry_timeout_s)
     return {"object": "list", "data": [
         {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in reply.models

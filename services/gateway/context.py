@@ -6,6 +6,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.gateway.auth import ApiKeys
+from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from shared.config import GatewaySettings
 
@@ -17,3 +18,4 @@ class GatewayContext:
     js: JetStreamContext
     cluster: ClusterView
     keys: ApiKeys
+    prompt_tokens: PromptTokens | None = None  # None: prompts are bounded in characters only

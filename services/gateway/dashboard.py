@@ -5,16 +5,22 @@ A platform admin sees every tenant; a tenant admin sees only its own adapters, t
 import time
 from pathlib import Path
 
+from typing import TypeVar
+
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
 from fastapi.responses import HTMLResponse
 
 from services.gateway import dashboard_data
-from services.gateway.auth import Principal, principal
+from services.gateway.auth import Principal, admin_caller
+from services.gateway.openai_responses import error_responses
 from services.gateway.context import GatewayContext
 from shared import subjects
 from shared.bus import request as bus_request
+from shared.errors import ServiceUnavailable, UpstreamTimeout
 from shared.schemas import AdapterRecordsReply, AuditQueryReply, AuditQueryRequest, ListAdaptersRequest
 
+M = TypeVar("M", bound=BaseModel)
 router = APIRouter()
 PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text()
 WINDOW_S = 900.0
@@ -26,18 +32,29 @@ async def dashboard_page() -> HTMLResponse:
     return HTMLResponse(PAGE)
 
 
-@router.get("/dashboard/data", tags=["admin"], summary="live dashboard data (admin scope)")
-async def dashboard_json(request: Request, caller: Principal = Depends(principal)) -> dict:
-    caller.require("admin")
+@router.get("/dashboard/data", tags=["admin"], summary="live dashboard data (admin scope)",
+            responses=error_responses(401, 403))
+async def dashboard_json(request: Request, caller: Principal = Depends(admin_caller)) -> dict:
     ctx: GatewayContext = request.app.state.ctx
     tenant = None if caller.platform_admin else caller.tenant_id
     timeout = ctx.settings.registry_timeout_s
-    records = (await bus_request(ctx.nc, subjects.registry("adapters"), ListAdaptersRequest(tenant_id=tenant),
-                                 AdapterRecordsReply, timeout)).records
-    completions = await bus_request(ctx.nc, subjects.AUDITOR_QUERY, AuditQueryRequest(
-        tenant_id=tenant, kind="completion", since=time.time() - WINDOW_S, limit=1000), AuditQueryReply, timeout)
-    recent = await bus_request(ctx.nc, subjects.AUDITOR_QUERY, AuditQueryRequest(
-        tenant_id=tenant, since=time.time() - WINDOW_S, limit=1000), AuditQueryReply, timeout)
+    missing: list[str] = []
+
+    async def ask(subject: str, message: BaseModel, reply: type[M], empty: M, piece: str) -> M:
+        """A piece that is down leaves its panels empty and is named, instead of failing the page."""
+        try:
+            return await bus_request(ctx.nc, subject, message, reply, timeout)
+        except (ServiceUnavailable, UpstreamTimeout):
+            missing.append(piece)
+            return empty
+
+    records = (await ask(subjects.registry("adapters"), ListAdaptersRequest(tenant_id=tenant), AdapterRecordsReply,
+                         AdapterRecordsReply(), "registry")).records
+    since = time.time() - WINDOW_S
+    completions = await ask(subjects.AUDITOR_QUERY, AuditQueryRequest(
+        tenant_id=tenant, kind="completion", since=since, limit=1000), AuditQueryReply, AuditQueryReply(), "auditor")
+    recent = await ask(subjects.AUDITOR_QUERY, AuditQueryRequest(tenant_id=tenant, since=since, limit=1000),
+                       AuditQueryReply, AuditQueryReply(), "auditor")
     workers = dashboard_data.workers(ctx.cluster.ready_workers())
     if tenant is not None:
         own = {r.adapter_id for r in records}
@@ -50,4 +67,5 @@ async def dashboard_json(request: Request, caller: Principal = Depends(principal
         "adapters": dashboard_data.adapters(records),
         "audit": recent.records[-25:][::-1],
         "audit_intact": completions.intact,
+        "unavailable": sorted(set(missing)),
     }

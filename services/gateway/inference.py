@@ -12,7 +12,9 @@ from nats.js.errors import NoStreamResponseError
 
 from shared import subjects
 from shared.bus import decode, encode
-from shared.errors import InternalError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.errors import (
+    InternalError, LorafleetError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body,
+)
 from shared.telemetry import inject
 from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
 
@@ -69,6 +71,13 @@ class Submission:
             pass
 
 
+async def _cancel_queued(nc: NATS, request_id: str) -> None:
+    try:
+        await nc.publish(subjects.SCHEDULER_CANCEL, encode(WorkerControl(action="cancel", request_id=request_id)))
+    except Exception as e:
+        log.warning("cancel_publish_failed", request_id=request_id, error=str(e))
+
+
 async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float) -> Submission:
     """Publish the request and wait until a worker accepts it (else 503 within the bound)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -96,8 +105,12 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     deadline = time.monotonic() + request.timeout_s
     try:
         first = await asyncio.wait_for(queue.get(), accept_timeout_s)
-    except TimeoutError:
+    except (TimeoutError, asyncio.CancelledError) as e:
+        # nobody waits any more: drop it from the scheduler's queue too
         await sub.unsubscribe()
+        await _cancel_queued(nc, request.request_id)
+        if isinstance(e, asyncio.CancelledError):
+            raise
         raise NoWorkerAvailable(f"no worker accepted the request within {accept_timeout_s:.0f}s") from None
     if isinstance(first, ReplyError):
         await sub.unsubscribe()
@@ -106,3 +119,47 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
         await sub.unsubscribe()
         raise InternalError(f"reply stream of {request.request_id} did not start with an accept notice")
     return Submission(request, first, queue, sub, nc, deadline)
+
+
+async def submit_all(nc: NATS, js: JetStreamContext, fields: list[dict], accept_timeout_s: float) -> list[Submission]:
+    """Submit the n choices of one request together; if any is refused, cancel the others."""
+    results = await asyncio.gather(*(submit(nc, js, f, accept_timeout_s) for f in fields), return_exceptions=True)
+    subs = [r for r in results if isinstance(r, Submission)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for sub in subs:
+            await sub.close()
+        raise failed[0]
+    return subs
+
+
+async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken | ReplyFinal]]:
+    """(choice index, event) from every submission as they arrive; the first error raises.
+    Leaving early closes (cancels) every unfinished submission."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, sub: Submission) -> None:
+        try:
+            async for event in sub.events():
+                queue.put_nowait((index, event))
+        except LorafleetError as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+    try:
+        running = len(subs)
+        while running:
+            index, event = await queue.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, LorafleetError):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for sub in subs:
+            await sub.close()

@@ -5,6 +5,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+StopText = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -39,10 +42,11 @@ class _Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=1000, description="lorafleet extension; 0 disables")
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is served")
+    n: int = Field(default=1, ge=1, le=128, description="choices to generate; bounded by the gateway's max_n")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = Field(
+        default=None, description="stop sequences; how many is bounded by the gateway's max_stop")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     user: str | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")

@@ -8,6 +8,8 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
+from services.gateway.key_watch import follow_keys
+from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from shared import subjects
 from shared.bus import connect, decode, ensure_streams, shutdown_event
@@ -15,6 +17,7 @@ from shared.config import GatewaySettings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.telemetry import setup_tracing
+from services.worker.model_loader import resolve_model_dir
 from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
 
 
@@ -42,13 +45,22 @@ async def run(settings: GatewaySettings) -> None:
 
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_service)
         await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker)
-        ctx = GatewayContext(settings, nc, js, cluster, ApiKeys(settings.api_keys))
+        tokens = None
+        if settings.max_prompt_tokens:
+            tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
+        keys = ApiKeys(settings.api_keys)
+        watch = asyncio.create_task(follow_keys(js, keys))
+        stack.callback(watch.cancel)
+        ctx = GatewayContext(settings, nc, js, cluster, keys, tokens)
         server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,
                                                log_level="warning", lifespan="off"))
         server.install_signal_handlers = lambda: None
         stop = shutdown_event()
+        def health() -> tuple[bool, str]:
+            return server.started and keys.loaded, "" if keys.loaded else "loading API keys"
+
         beats = asyncio.create_task(publish_heartbeats(
-            nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, lambda: (server.started, "")))
+            nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, health))
         serving = asyncio.create_task(server.serve())
         log.info("gateway_started", port=settings.port)
         await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

@@ -96,3 +96,11 @@ def revoke(catalog: Catalog, adapter_id: str, version: int | None) -> list[Chang
     if not targets:
         raise Conflict(f"{adapter_id} is already revoked")
     return [_change("revoked", r, "revoked", 0.0) for r in targets]
+
+
+def record_eval(catalog: Catalog, adapter_id: str, version: int, results: dict[str, float]) -> list[Change]:
+    """Attach eval results to a version; its status and traffic stay as they are."""
+    record = _record(catalog, adapter_id, version)
+    if record.status == "revoked":
+        raise Conflict(f"{adapter_id} v{version} is revoked; its eval is not recorded")
+    return [Change(kind="evaluated", before=record, after=record.model_copy(update={"eval_results": dict(results)}))]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from shared import subjects
+from shared import metrics, subjects
 from shared.adapter_format import read_adapter_dir
 from shared.schemas import (
     AdapterEvent,
@@ -24,6 +24,7 @@ from shared.schemas import (
     ListModelsReply,
     ListModelsRequest,
     PromoteRequest,
+    RecordEvalRequest,
     RegisterRequest,
     RegistryChangeAudit,
     ResolveReply,
@@ -36,6 +37,7 @@ from shared.schemas import (
     TrustKeyRequest,
 )
 
+from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
 from services.registry.kv import RecordsKV
@@ -60,6 +62,7 @@ class Registry:
         trusted_dirs: tuple[Path, ...],
         remote_allow_list: tuple[str, ...],
         publish: Publish,
+        gate: GatePolicy = GatePolicy(),
     ) -> None:
         self.catalog = catalog
         self.trusted_keys = trusted_keys
@@ -71,11 +74,12 @@ class Registry:
         self._trusted_dirs = trusted_dirs
         self._remote_allow_list = remote_allow_list
         self._publish = publish
+        self._gate = gate
         self._lock = asyncio.Lock()
         self._started = int(time.time())
 
     async def resolve(self, req: ResolveRequest) -> ResolveReply:
-        return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key)
+        return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key, req.preview)
 
     async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
         return list_models(self.catalog, self._base.name, req.tenant_id, self._started)
@@ -123,9 +127,25 @@ class Registry:
         return AdapterRecordsReply(records=[change.after])
 
     async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:
-        return await self._change(
-            req.actor, lambda: lifecycle.promote(self.catalog, req.adapter_id, req.version, req.traffic_percent)
-        )
+        """staging -> canary/production, through the release gate unless ``force`` (audited with the reason)."""
+
+        def plan() -> list[Change]:
+            changes = lifecycle.promote(self.catalog, req.adapter_id, req.version, req.traffic_percent)
+            if not req.force:
+                candidate = changes[-1].before
+                assert candidate is not None
+                check_release(candidate, self.catalog.released(req.adapter_id)[0], self._gate)
+            return changes
+
+        reason = req.reason or ("forced past the release gate" if req.force else None)
+        return await self._change(req.actor, plan, reason)
+
+    async def record_eval(self, req: RecordEvalRequest) -> AdapterRecordsReply:
+        """Store one version's eval results (replacing earlier ones) and export its quality score."""
+        reply = await self._change(req.actor, lambda: lifecycle.record_eval(
+            self.catalog, req.adapter_id, req.version, req.results))
+        metrics.QUALITY_SCORE.labels(req.adapter_id, str(req.version)).set(req.results["score"])
+        return reply
 
     async def rollout(self, req: RolloutRequest) -> AdapterRecordsReply:
         return await self._change(
@@ -133,7 +153,7 @@ class Registry:
         )
 
     async def rollback(self, req: RollbackRequest) -> AdapterRecordsReply:
-        return await self._change(req.actor, lambda: lifecycle.rollback(self.catalog, req.adapter_id))
+        return await self._change(req.actor, lambda: lifecycle.rollback(self.catalog, req.adapter_id), req.reason)
 
     async def retire(self, req: RetireRequest) -> AdapterRecordsReply:
         return await self._change(req.actor, lambda: lifecycle.retire(self.catalog, req.adapter_id, req.version))
@@ -141,10 +161,12 @@ class Registry:
     async def revoke(self, req: RevokeRequest) -> AdapterRecordsReply:
         return await self._change(req.actor, lambda: lifecycle.revoke(self.catalog, req.adapter_id, req.version))
 
-    async def _change(self, actor: str, plan: Callable[[], list[Change]]) -> AdapterRecordsReply:
+    async def _change(
+        self, actor: str, plan: Callable[[], list[Change]], reason: str | None = None
+    ) -> AdapterRecordsReply:
         async with self._lock:
             changes = plan()
-            await self._commit(changes, actor)
+            await self._commit(changes, actor, reason)
         return AdapterRecordsReply(records=[c.after for c in changes])
 
     async def _read_source(self, req: RegisterRequest) -> dict[str, bytes]:
@@ -156,7 +178,7 @@ class Registry:
         assert req.source_uri is not None
         return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs, self._remote_allow_list), limits)
 
-    async def _commit(self, changes: list[Change], actor: str) -> None:
+    async def _commit(self, changes: list[Change], actor: str, reason: str | None = None) -> None:
         for change in changes:
             await self._kv.put_record(change.after)
         self.catalog.apply(changes)
@@ -180,5 +202,6 @@ class Registry:
                 action=change.kind,
                 before=change.before.status if change.before else None,
                 after=after.status,
+                reason=reason,
             )
             await self._publish(subjects.audit("registry_change", after.tenant_id), AuditEnvelope(body=audit))

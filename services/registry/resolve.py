@@ -45,7 +45,10 @@ def to_resolved(record: AdapterRecord) -> ResolvedAdapter:
     )
 
 
-def resolve(catalog: Catalog, base_model: str, tenant_id: str, model: str, request_key: str) -> ResolveReply:
+def resolve(
+    catalog: Catalog, base_model: str, tenant_id: str, model: str, request_key: str, preview: bool = False
+) -> ResolveReply:
+    """``preview`` lets a pinned ``model@version`` reach a staging version: pre-release evaluation."""
     if model == base_model:
         return ResolveReply(base_model=base_model, adapter=None)
     name, version = _split(model)
@@ -62,7 +65,7 @@ def resolve(catalog: Catalog, base_model: str, tenant_id: str, model: str, reque
         assert record is not None
     if record.status == "revoked":
         raise AdapterRevoked(f"'{model}' version {record.version} was revoked and is not served", param="model")
-    if record.status not in RELEASED:
+    if record.status not in RELEASED and not (preview and version is not None and record.status == "staging"):
         raise AdapterNotReleased(f"'{model}' has no released version (it is {record.status})", param="model")
     return ResolveReply(base_model=base_model, adapter=to_resolved(record))
 

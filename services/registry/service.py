@@ -16,12 +16,14 @@ from shared.config import RegistrySettings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.metrics import QUALITY_SCORE, serve_metrics
 from shared.schemas import (
     GetAdapterRequest,
     ListAdaptersRequest,
     ListKeysRequest,
     ListModelsRequest,
     PromoteRequest,
+    RecordEvalRequest,
     RegisterRequest,
     ResolveRequest,
     RetireRequest,
@@ -29,13 +31,22 @@ from shared.schemas import (
     RollbackRequest,
     RolloutRequest,
     TrustKeyRequest,
+    CreateTenantRequest,
+    ListTenantsRequest,
+    SetQuotaRequest,
+    CreateApiKeyRequest,
+    RevokeApiKeyRequest,
+    ListApiKeysRequest,
 )
 
+from services.evaluation.gate import GatePolicy
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
 from services.registry.records import Catalog
 from services.registry.stores import Uploads, open_approved_store, open_object_store
+from services.registry.tenants import Tenants
+from services.registry.tenants_kv import open_tenants
 from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
 
 log = structlog.get_logger("registry")
@@ -73,10 +84,15 @@ async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIde
         trusted_dirs=tuple(Path(d) for d in settings.trusted_source_dirs),
         remote_allow_list=settings.remote_allow_list,
         publish=publish,
+        gate=GatePolicy(
+            require_eval=settings.release_require_eval,
+            min_score=settings.release_min_score,
+            max_regression=settings.release_max_regression,
+        ),
     )
 
 
-async def subscribe(nc: NATS, registry: Registry) -> list:
+async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, tuple[type[BaseModel], object]] = {
         "resolve": (ResolveRequest, registry.resolve),
@@ -91,6 +107,13 @@ async def subscribe(nc: NATS, registry: Registry) -> list:
         "adapters": (ListAdaptersRequest, registry.adapters),
         "trust_key": (TrustKeyRequest, registry.trust_key),
         "keys": (ListKeysRequest, registry.keys),
+        "record_eval": (RecordEvalRequest, registry.record_eval),
+        "tenant_create": (CreateTenantRequest, tenants.create_tenant),
+        "tenants": (ListTenantsRequest, tenants.list_tenants),
+        "quota_set": (SetQuotaRequest, tenants.set_quota),
+        "api_key_create": (CreateApiKeyRequest, tenants.create_key),
+        "api_key_revoke": (RevokeApiKeyRequest, tenants.revoke_key),
+        "api_keys": (ListApiKeysRequest, tenants.list_keys),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     return [await serve(nc, subjects.registry(op), model, handler) for op, (model, handler) in handlers.items()]
@@ -105,7 +128,12 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
         registry = await open_registry(nc, settings, base)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
-        await subscribe(nc, registry)
+        await subscribe(nc, registry, await open_tenants(nc.jetstream()))
+        for adapter_id in registry.catalog.adapters():
+            for record in registry.catalog.versions(adapter_id):
+                if "score" in record.eval_results:
+                    QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
         beat = asyncio.create_task(
             publish_heartbeats(
                 nc,
@@ -113,6 +141,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
                 settings.instance_id,
                 settings.heartbeat_interval_s,
                 lambda: (True, f"{len(registry.catalog)} adapter versions"),
+                metrics_port,
             )
         )
         stack.callback(beat.cancel)

@@ -1,38 +1,67 @@
-"""Per-adapter request heat in Redis; best effort, never blocking the request path."""
+"""Per-adapter request heat shared through Redis: decayed counts, published as rates.
 
-import json
+``<prefix>heat:count`` holds decayed request counts; every decay tick a Lua script multiplies
+them by 2^(-dt/half_life) on Redis time and rewrites ``<prefix>heat`` as rates (requests/s),
+the zset the workers' cache policy reads. Several schedulers add into the same counts. While
+Redis is away the same decayed rates are kept in-process (the worker cache's ``DecayedRate``)."""
+
 import time
 
-import structlog
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-HEAT_KEY = "heat"  # under the deployment's redis_key_prefix
-log = structlog.get_logger("scheduler.heat")
+from services.scheduler.redis_guard import RedisGuard
+from services.worker.cache.heat import DecayedRate
+
+HEAT_KEY = "heat"
+
+DECAY = """\
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local half_life, floor = tonumber(ARGV[1]), tonumber(ARGV[2])
+local last = tonumber(redis.call('GET', KEYS[3]) or now)
+local factor = math.pow(2, -math.max(0, now - last) / half_life)
+local rate = math.log(2) / half_life
+local counts = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+redis.call('DEL', KEYS[2])
+local out = {}
+for i = 1, #counts, 2 do
+  local c = tonumber(counts[i + 1]) * factor
+  if c < floor then
+    redis.call('ZREM', KEYS[1], counts[i])
+  else
+    redis.call('ZADD', KEYS[1], c, counts[i])
+    redis.call('ZADD', KEYS[2], c * rate, counts[i])
+    out[#out + 1] = counts[i]
+    out[#out + 1] = tostring(c * rate)
+  end
+end
+redis.call('SET', KEYS[3], tostring(now))
+return out
+"""
 
 
-class HeatCounter:
-    def __init__(self, redis: Redis, key_prefix: str = "lf:"):
+class Heat:
+    def __init__(self, redis: Redis, guard: RedisGuard, key_prefix: str, half_life_s: float, floor: float = 1e-3):
         self._redis = redis
-        self._key = f"{key_prefix}{HEAT_KEY}"
-        self.healthy = True
-        self._last_warning = 0.0
+        self._guard = guard
+        self.half_life_s = half_life_s
+        self.floor = floor
+        self._keys = [f"{key_prefix}{HEAT_KEY}:count", f"{key_prefix}{HEAT_KEY}", f"{key_prefix}{HEAT_KEY}:at"]
+        self._decay = redis.register_script(DECAY)
+        self.local = DecayedRate(half_life_s, floor)
 
-    async def bump(self, submission: bytes) -> None:
-        try:
-            raw = json.loads(submission)
-            adapter = raw.get("adapter") or {}
-            member = f"{adapter['adapter_id']}@{adapter['version']}" if adapter else f"base:{raw['base_model']}"
-        except (ValueError, KeyError, TypeError):
-            return
-        try:
-            await self._redis.zincrby(self._key, 1.0, member)
-            self.healthy = True
-        except (RedisError, OSError) as e:
-            self.healthy = False
-            if time.monotonic() - self._last_warning > 10:
-                self._last_warning = time.monotonic()
-                log.warning("redis_unavailable", error=str(e))
+    async def bump(self, key: str) -> None:
+        """One request placed for adapter ``key``. Between decays a bump counts whole; the next decay
+        ages it from the previous tick, a bias of at most one decay interval."""
+        self.local.bump(key, time.monotonic())
+        await self._guard.call("heat", lambda: self._redis.zincrby(self._keys[0], 1.0, key))
 
-    async def close(self) -> None:
-        await self._redis.aclose()
+    async def decay(self) -> dict[str, float]:
+        """Age every count to now and republish the rates; the fleet's rates (local ones without Redis)."""
+        ok, flat = await self._guard.call("heat", lambda: self._decay(keys=self._keys,
+                                                                      args=[self.half_life_s, self.floor]))
+        if not ok:
+            now = time.monotonic()
+            self.local.prune(now)
+            return self.local.snapshot(now)
+        return {flat[i]: float(flat[i + 1]) for i in range(0, len(flat), 2)}

@@ -1,20 +1,125 @@
-"""Choose a worker for a request from the latest heartbeats (NATS-free, unit-tested directly)."""
+"""The fleet as the scheduler sees it (heartbeats plus its own dispatches since), and which worker
+takes a request: adapter residency (GPU > CPU tier > load), then load, then KV headroom."""
+
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from shared.schemas import InferRequest, WorkerHeartbeat
 
+# residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
+# slot is worth a whole worker's load; a saturated worker ranks after every unsaturated one
+TIER_COST = {"gpu": 0.0, "cpu": 0.5, "miss": 1.0}
+HOME_WEIGHT = 0.5  # an adapter held nowhere goes to its rendezvous-hash home unless that worker is busier
+RECENT_S = 5.0  # a worker we just sent an adapter to is treated as holding it until heartbeats show it
 
-def load_of(beat: WorkerHeartbeat) -> float:
-    return (beat.running + beat.waiting) / beat.max_running
+
+def adapter_key_of(request: InferRequest) -> str | None:
+    return f"{request.adapter.adapter_id}@{request.adapter.version}" if request.adapter else None
 
 
-def rank_workers(request: InferRequest, workers: list[WorkerHeartbeat], exclude: set[str]) -> list[WorkerHeartbeat]:
-    """Ready workers serving the request's base model, best first: adapter already resident,
-    then lowest load, then most free KV."""
-    adapter_key = request.adapter.adapter_id + f"@{request.adapter.version}" if request.adapter else None
-    candidates = [w for w in workers if w.ready and w.worker_id not in exclude and w.base_model == request.base_model]
+def _spread(key: str | None, worker_id: str) -> float:
+    """A stable pseudo-random number in [0, 1) per (adapter, worker): each adapter's ranking of the
+    workers, so misses of one adapter keep landing on the same worker and the fleet's slots
+    partition the long tail instead of all caching the same adapters."""
+    return zlib.crc32(f"{key}|{worker_id}".encode()) / 2**32
 
-    def score(w: WorkerHeartbeat) -> tuple:
-        resident = adapter_key is None or adapter_key in w.resident_adapters
-        return (not resident, load_of(w), -w.kv_blocks_free, w.worker_id)
 
-    return sorted(candidates, key=score)
+@dataclass(slots=True)
+class WorkerView:
+    beat: WorkerHeartbeat
+    seen_at: float
+    sent: dict[str, float] = field(default_factory=dict)  # request id -> wall time, dispatched since the heartbeat
+    inflight: int = 0  # this scheduler's accepted requests on it that have not ended
+    backed_off: bool = False  # it refused for load: nothing more until its next heartbeat
+    recent: dict[str, float] = field(default_factory=dict)  # adapter key -> when we placed it here
+
+    @property
+    def load(self) -> int:
+        return max(self.beat.running + self.beat.waiting + len(self.sent), self.inflight)
+
+    def tier(self, key: str | None, now: float) -> str:
+        if key is None or key in self.beat.resident_adapters or now - self.recent.get(key, -1e9) < RECENT_S:
+            return "gpu"
+        return "cpu" if key in self.beat.cpu_adapters else "miss"
+
+
+@dataclass(slots=True)
+class Fleet:
+    timeout_s: float
+    headroom: int = 2
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+
+    def heartbeat(self, beat: WorkerHeartbeat, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        view = self.workers.get(beat.worker_id)
+        if view is None:
+            self.workers[beat.worker_id] = WorkerView(beat, now)
+            return
+        view.beat, view.seen_at, view.backed_off = beat, now, False
+        view.sent = {rid: t for rid, t in view.sent.items() if t > beat.ts}
+        view.recent = {k: t for k, t in view.recent.items() if now - t < RECENT_S}
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop workers silent past the timeout; their ids."""
+        now = time.monotonic() if now is None else now
+        dead = [w for w, v in self.workers.items() if now - v.seen_at > self.timeout_s]
+        for w in dead:
+            del self.workers[w]
+        return dead
+
+    def serves(self, base_model: str) -> bool:
+        return any(v.beat.ready and v.beat.base_model == base_model for v in self.workers.values())
+
+    def has_room(self, view: WorkerView) -> bool:
+        return view.beat.ready and not view.backed_off and view.load < view.beat.max_running + self.headroom
+
+    def choose(self, request: InferRequest, exclude: Iterable[str] = (), now: float | None = None) -> str | None:
+        """The best worker with room for ``request``, or None."""
+        now = time.monotonic() if now is None else now
+        key, skip = adapter_key_of(request), set(exclude)
+        best: tuple | None = None
+        for worker_id, v in self.workers.items():
+            if worker_id in skip or v.beat.base_model != request.base_model or not self.has_room(v):
+                continue
+            tier = v.tier(key, now)
+            home = HOME_WEIGHT * _spread(key, worker_id) if tier != "gpu" else 0.0
+            saturated = v.load >= v.beat.max_running  # a busy holder spills its adapter to idle workers
+            score = (saturated, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free,
+                     worker_id)
+            if best is None or score < best:
+                best = score
+        return best[3] if best else None
+
+    def sent(self, worker_id: str, request: InferRequest, now: float | None = None) -> None:
+        """A dispatch is on its way to ``worker_id``: count it against the worker until heartbeats do."""
+        view = self.workers.get(worker_id)
+        if view is None:
+            return
+        view.sent[request.request_id] = time.time()
+        key = adapter_key_of(request)
+        if key is not None:
+            view.recent[key] = time.monotonic() if now is None else now
+
+    def accepted(self, worker_id: str) -> None:
+        view = self.workers.get(worker_id)
+        if view is not None:
+            view.inflight += 1
+
+    def ended(self, worker_id: str, request_id: str) -> None:
+        """A request this scheduler placed there finished (it no longer loads the worker)."""
+        view = self.workers.get(worker_id)
+        if view is not None:
+            view.sent.pop(request_id, None)
+            view.inflight = max(0, view.inflight - 1)
+
+    def refused(self, worker_id: str, request_id: str, back_off: bool) -> None:
+        """The worker did not take the request; ``back_off``: it is busy, send nothing until its next heartbeat."""
+        view = self.workers.get(worker_id)
+        if view is not None:
+            view.sent.pop(request_id, None)
+            view.backed_off = view.backed_off or back_off
+
+    def holders(self, key: str) -> list[str]:
+        return [w for w, v in self.workers.items() if key in v.beat.resident_adapters]

@@ -1,40 +1,55 @@
-"""Scheduler process: consume the INFER work queue, place each request on a live worker."""
+"""Scheduler process: fetch the INFER work queue, admit, queue fairly, place on live workers."""
 
 import asyncio
 import contextlib
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, ConsumerConfig
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import BucketNotFoundError
 
-from services.scheduler.heat import HeatCounter
-from services.scheduler.submission import Outcome, Ports, handle
+from services.scheduler.admission import Admission
+from services.scheduler.dedupe import Dispatched
+from services.scheduler.dispatcher import Dispatcher, Ports
+from services.scheduler.fairness import FairQueue
+from services.scheduler.heat import Heat
+from services.scheduler.limits import Quotas
+from services.scheduler.placement import Fleet
+from services.scheduler.prefetch import Prefetcher
+from services.scheduler.redis_guard import RedisGuard
+from services.scheduler.upkeep import Periods, Upkeep
 from shared import subjects
 from shared.bus import connect, decode, encode, ensure_streams, request, shutdown_event
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError
 from shared.heartbeat import publish_heartbeats
-from shared.metrics import serve_metrics
-from shared.liveness import Liveness
 from shared.logs import configure_logging
-from shared.telemetry import continued, setup_tracing, tracer
+from shared.metrics import QUEUE_DEPTH, serve_metrics
 from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AuditEnvelope, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError, WorkerHeartbeat,
+    AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError,
+    WorkerControl, WorkerHeartbeat,
 )
+from shared.telemetry import continued, setup_tracing, tracer
 
 CONSUMER = "scheduler"
+ACK_WAIT_S = 30
+TICK_S = 0.25
+log = structlog.get_logger("scheduler")
+_tracer = tracer("scheduler")
 
 
-def _ports(nc: NATS, js, workers: Liveness[WorkerHeartbeat], settings: SchedulerSettings, msg) -> Ports:
-    async def dispatch(worker_id: str, req: InferRequest) -> DispatchReply:
-        return await request(nc, subjects.worker_dispatch(worker_id), req, DispatchReply,
-                             settings.dispatch_timeout_s)
+def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports:
+    async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
+        with continued(headers), _tracer.start_as_current_span(
+                "scheduler.place", attributes={"lf.request_id": req.request_id, "lf.worker_id": worker_id}):
+            return await request(nc, subjects.worker_dispatch(worker_id), req, DispatchReply,
+                                 settings.dispatch_timeout_s)
 
     async def reply_error(reply_to: str, request_id: str, err: LorafleetError) -> None:
-        body = ReplyEnvelope(body=ReplyError(request_id=request_id, error=err.to_body()))
-        await nc.publish(reply_to, encode(body))
+        await nc.publish(reply_to, encode(ReplyEnvelope(body=ReplyError(request_id=request_id, error=err.to_body()))))
 
     async def record_rejection(tenant: str, request_id: str, err: LorafleetError) -> None:
         try:
@@ -42,83 +57,135 @@ def _ports(nc: NATS, js, workers: Liveness[WorkerHeartbeat], settings: Scheduler
                                    code=err.code, reason=err.message)
             await js.publish(subjects.audit("rejection", tenant), encode(AuditEnvelope(body=event)))
         except Exception as e:
-            structlog.get_logger("scheduler").warning("audit_publish_failed", error=str(e))
+            log.warning("audit_publish_failed", error=str(e))
 
-    return Ports(workers=lambda: list(workers.alive().values()), dispatch=dispatch, reply_error=reply_error,
-                 keep_alive=msg.in_progress, record_rejection=record_rejection)
+    async def control(worker_id: str, message: WorkerControl) -> None:
+        await nc.publish(subjects.worker_control(worker_id), encode(message))
+
+    return Ports(dispatch, reply_error, record_rejection, control)
+
+
+async def _follow_quotas(js: JetStreamContext, quotas: Quotas) -> None:
+    """Mirror the registry's tenant quotas (KV ``lf_tenants``); runs until cancelled."""
+    while True:
+        try:
+            watcher = await (await js.key_value(subjects.REGISTRY_TENANTS_BUCKET)).watchall()
+            try:
+                async for entry in watcher:
+                    if entry is not None:
+                        quotas.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+            finally:
+                await watcher.stop()
+        except asyncio.CancelledError:
+            raise
+        except BucketNotFoundError:
+            await asyncio.sleep(1.0)
+        except Exception as e:
+            log.warning("quota_watch_failed", error=str(e))
+            await asyncio.sleep(1.0)
+
+
+def build(settings: SchedulerSettings, ports: Ports, redis) -> tuple[Dispatcher, Upkeep]:
+    guard = RedisGuard()
+    prefix = settings.redis_key_prefix
+    core = Dispatcher(
+        ports=ports, admission=Admission(redis, guard, prefix, settings.concurrency_lease_s),
+        dispatched=Dispatched(redis, guard, prefix, settings.dedupe_ttl_s),
+        heat=Heat(redis, guard, prefix, settings.heat_half_life_s), quotas=Quotas.from_settings(settings),
+        fleet=Fleet(settings.liveness_timeout_s, settings.capacity_headroom),
+        queue=FairQueue(settings.vtc_input_weight, settings.vtc_output_weight, settings.slo_batch_s),
+        slo_s={"interactive": settings.slo_interactive_s, "batch": settings.slo_batch_s})
+    periods = Periods(settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3,
+                      settings.heat_decay_interval_s)
+    prefetcher = Prefetcher(settings.hot_rate_per_worker, settings.cold_rate, settings.max_controls_per_tick)
+    return core, Upkeep(core, prefetcher, periods)
 
 
 async def run(settings: SchedulerSettings) -> None:
-    log = configure_logging("scheduler", settings.log_level)
+    configure_logging("scheduler", settings.log_level)
     setup_tracing("scheduler", settings.trace_exporter)
-    span_tracer = tracer("scheduler")
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"scheduler-{settings.instance_id}")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await ensure_streams(js)
-        workers: Liveness[WorkerHeartbeat] = Liveness(settings.liveness_timeout_s)
-        heat = HeatCounter(connect_redis(settings.redis_url, password=settings.redis_password()), settings.redis_key_prefix)
-        stack.push_async_callback(heat.close)
+        redis = connect_redis(settings.redis_url, password=settings.redis_password())
+        stack.push_async_callback(redis.aclose)
+        core, upkeep = build(settings, _ports(nc, js, settings), redis)
 
         async def on_worker(msg) -> None:
             try:
-                beat = decode(WorkerHeartbeat, msg.data)
-                workers.seen(beat.worker_id, beat)
+                core.fleet.heartbeat(decode(WorkerHeartbeat, msg.data))
+                core.pump()
             except LorafleetError as e:
                 log.warning("bad_worker_heartbeat", error=e.message)
 
+        async def on_completion(msg) -> None:
+            try:
+                event = decode(AuditEnvelope, msg.data).body
+                if isinstance(event, CompletionAudit):
+                    await core.completed(event)
+            except LorafleetError as e:
+                log.warning("bad_completion_event", error=e.message)
+
+        async def on_cancel(msg) -> None:
+            try:
+                control = decode(WorkerControl, msg.data)
+                if control.action == "cancel":
+                    await core.cancel(control.request_id)
+            except LorafleetError as e:
+                log.warning("bad_cancel", error=e.message)
+
         await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker)
+        await nc.subscribe(subjects.AUDIT_COMPLETION_ALL, cb=on_completion)
+        await nc.subscribe(subjects.SCHEDULER_CANCEL, cb=on_cancel)
         psub = await js.pull_subscribe(
             subjects.INFER_SUBMIT_ALL, durable=CONSUMER, stream=subjects.INFER_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=5),
         )
-        slots = asyncio.Semaphore(settings.max_inflight)
-        tasks: set[asyncio.Task] = set()
-
-        async def process(msg) -> None:
-            try:
-                with continued(msg.headers), span_tracer.start_as_current_span("scheduler.place"):
-                    outcome = await handle(msg.subject, msg.data, _ports(nc, js, workers, settings, msg),
-                                           settings.no_worker_grace_s)
-                if outcome is Outcome.DISPATCHED:
-                    await msg.ack()
-                    await heat.bump(msg.data)
-                else:
-                    await msg.term()
-            except Exception:
-                log.exception("submission_crashed", subject=msg.subject)
-                await msg.nak(delay=1)
-            finally:
-                slots.release()
+        stop = shutdown_event()
 
         def status() -> tuple[bool, str]:
-            alive = [w for w in workers.alive().values() if w.ready]
-            detail = f"{len(alive)} workers" + ("" if heat.healthy else ", redis unavailable")
+            ready = sum(v.beat.ready for v in core.fleet.workers.values())
+            detail = f"{ready} workers, {len(core.held)} queued" + ("" if core.admission.guard.healthy else ", redis unavailable")
             return nc.is_connected, detail
 
-        stop = shutdown_event()
+        async def ticking() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                try:
+                    await upkeep.tick()
+                    QUEUE_DEPTH.labels("scheduler").set(len(core.held))
+                except Exception:
+                    log.exception("upkeep_failed")
+
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
-        beats = asyncio.create_task(publish_heartbeats(nc, "scheduler", settings.instance_id,
-                                                       settings.heartbeat_interval_s, status, metrics_port))
+        background = [asyncio.create_task(publish_heartbeats(nc, "scheduler", settings.instance_id,
+                                                             settings.heartbeat_interval_s, status, metrics_port)),
+                      asyncio.create_task(ticking()), asyncio.create_task(_follow_quotas(js, core.quotas))]
         log.info("scheduler_started")
         while not stop.is_set():
+            room = settings.max_inflight - len(core.held)
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
             try:
-                msgs = await psub.fetch(batch=16, timeout=0.5)
-            except NatsTimeout:
+                msgs = await psub.fetch(batch=min(room, 32), timeout=0.5)
+            except (NatsTimeout, TimeoutError):
                 continue
             except Exception as e:
-                log.warning("fetch_failed", error=str(e))
+                log.warning("fetch_failed", error=f"{type(e).__name__}: {e}")
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                await slots.acquire()
-                task = asyncio.create_task(process(msg))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        beats.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
+                try:
+                    await core.submit(msg.subject, msg.data, msg)
+                except Exception:
+                    log.exception("submission_crashed", subject=msg.subject)
+                    await msg.nak(delay=1)
+        for task in background:
+            task.cancel()
+        await core.shutdown(settings.dispatch_timeout_s + 1)
         log.info("scheduler_stopped")
 
 

@@ -9,7 +9,8 @@ import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 
 from services.cli.infra import free_port, redis_server_binary, wait_port
-from services.scheduler.heat import HeatCounter
+from services.scheduler.heat import Heat
+from services.scheduler.redis_guard import RedisGuard
 from shared.config import CommonSettings
 from shared.redis_conn import connect_redis
 
@@ -42,7 +43,9 @@ async def test_password_from_url_or_file(redis_port: int, tmp_path: Path, monkey
     monkeypatch.setenv("LF_REDIS_PASSWORD_FILE", str(tmp_path / "redis.pw"))
     settings = CommonSettings(redis_url=f"redis://127.0.0.1:{redis_port}/0", redis_key_prefix="tenantA:")
     client = connect_redis(settings.redis_url, password=settings.redis_password())
-    heat = HeatCounter(client, settings.redis_key_prefix)
-    await heat.bump(b'{"base_model": "m", "adapter": {"adapter_id": "a", "version": 1}}')
-    assert heat.healthy and await client.zscore("tenantA:heat", "a@1") == 1.0
-    await heat.close()
+    guard = RedisGuard()
+    heat = Heat(client, guard, settings.redis_key_prefix, half_life_s=60)
+    await heat.bump("a@1")
+    assert guard.healthy and await client.zscore("tenantA:heat:count", "a@1") == 1.0
+    assert (await heat.decay())["a@1"] > 0 and await client.zscore("tenantA:heat", "a@1") > 0
+    await client.aclose()

@@ -42,7 +42,7 @@ async def _metrics_ports(nats_url: str) -> dict[str, int]:
     sub = await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL)
     ports: dict[str, int] = {}
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(ports) < 3:
+    while time.monotonic() < deadline and not {"worker", "scheduler", "auditor"} <= set(ports):
         beat = decode(ServiceHeartbeat, (await sub.next_msg(timeout=5)).data)
         if beat.metrics_port:
             ports[beat.service] = beat.metrics_port

@@ -46,7 +46,7 @@ async def test_invalid_json_is_400(client):
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
     ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),

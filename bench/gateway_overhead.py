@@ -1,0 +1,192 @@
+"""What the platform adds to time-to-first-token: the full stack (HTTP gateway + NATS + scheduler +
+worker) against the same request handed to the worker's engine in-process (``AsyncEngine``).
+
+``python -m bench.gateway_overhead [--quick]``: SmolLM2 on this machine's worker device. Phase 1
+starts nats-server, redis-server and the five services, makes a tenant and key through the
+registry, and times streamed chat requests from sending the HTTP request to the first content
+chunk. Phase 2 (stack stopped, so the two never share CPU) loads the same model into an
+``AsyncEngine`` and times the same prompts from submit to the first token. Requests run one at
+a time, so TTFT is prefill plus whatever each hop adds.
+
+Prefill time swings with CPU contention far more than the few milliseconds the hops cost, so the
+headline figure is paired: for each stack request, its client-side TTFT minus the TTFT its worker
+measured for it (from taking the request to its first token: the engine's own share, read from
+the request's completion audit record). The unpaired engine-vs-stack figures are reported beside
+it. Writes bench/results/gateway_overhead.json and a Markdown table.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from services.cli.adapter_cmd import cli_connect
+from services.cli.infra import free_port, start_nats, start_redis
+from services.cli.stack import SERVICES, Stack, wait_ready
+from shared import subjects
+from shared.bus import decode, request
+from shared.schemas import (
+    ApiKeyCreatedReply, AuditEnvelope, CompletionAudit, CreateApiKeyRequest, CreateTenantRequest, SamplingParams,
+    TenantsReply,
+)
+
+RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [f"In one sentence, what is {t}?" for t in
+           ("the sea", "a red fox", "a prime number", "the moon", "coffee", "rain", "a lighthouse", "bread")]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+            "n": len(ordered)}
+
+
+async def _tenant_key(nats_url: str) -> str:
+    nc = await cli_connect(nats_url)
+    try:
+        await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id="bench", actor="bench"),
+                      TenantsReply, 10)
+        created = await request(nc, subjects.registry("api_key_create"),
+                                CreateApiKeyRequest(tenant_id="bench", actor="bench"), ApiKeyCreatedReply, 10)
+        return created.key
+    finally:
+        await nc.drain()
+
+
+async def _stack_ttft(url: str, key: str, prompt: str) -> tuple[str, float]:
+    """(request id, client-side TTFT in ms) of one streamed chat request."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
+            "stream": True}
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
+        started = time.perf_counter()
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                    return r.headers["x-lorafleet-request-id"], (time.perf_counter() - started) * 1000
+    raise RuntimeError("the stream ended without a content chunk")
+
+
+def stack_phase(requests: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Client-side TTFTs, and per request that TTFT minus the worker's own TTFT for it."""
+    root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
+    nats, redis = start_nats(free_port(), root / "nats"), start_redis(free_port(), root / "redis")
+    port = free_port()
+    env = {"LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
+           "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING"}
+    if "LF_MODEL_CACHE" in os.environ:
+        env["LF_MODEL_CACHE"] = os.environ["LF_MODEL_CACHE"]
+    stack = Stack(env, root / "logs")
+    try:
+        for name in SERVICES:
+            stack.start(name)
+        asyncio.run(wait_ready(nats.url, stack, SERVICES, 600))
+
+        async def measure() -> tuple[list[float], list[float]]:
+            nc = await cli_connect(nats.url)
+            worker_ttft: dict[str, float] = {}
+
+            async def on_audit(msg) -> None:
+                body = decode(AuditEnvelope, msg.data).body
+                if isinstance(body, CompletionAudit):
+                    worker_ttft[body.request_id] = body.ttft_ms
+
+            await nc.subscribe(subjects.audit("completion", "bench"), cb=on_audit)
+            key = await _tenant_key(nats.url)
+            await asyncio.sleep(0.5)  # the gateway's key mirror picks the new key up
+            url = f"http://127.0.0.1:{port}"
+            for i in range(warmup):
+                await _stack_ttft(url, key, PROMPTS[i % len(PROMPTS)])
+            timed = [await _stack_ttft(url, key, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+            await asyncio.sleep(1.0)  # the last completion records arrive
+            await nc.drain()
+            return [t for _, t in timed], [t - worker_ttft[rid] for rid, t in timed if rid in worker_ttft]
+
+        return asyncio.run(measure())
+    finally:
+        stack.stop_all()
+        redis.stop()
+        nats.stop()
+
+
+def engine_phase(requests: int, warmup: int) -> list[float]:
+    from services.worker.engine import EngineRequest
+    from services.worker.engine.async_engine import AsyncEngine
+    from services.worker.model_loader import load_model
+    from services.worker.settings import WorkerSettings
+
+    settings = WorkerSettings()
+    loaded = load_model(None, device=settings.engine.device)
+    engine = AsyncEngine.from_loaded(loaded, settings.engine)
+    engine.start()
+
+    async def ttft(i: int, prompt: str) -> float:
+        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+        req = EngineRequest(request_id=f"bench-{i}", prompt_token_ids=list(ids),
+                            sampling=SamplingParams(max_tokens=2, temperature=0))
+        started = time.perf_counter()
+        async for out in engine.generate(req):
+            if out.token_ids:
+                elapsed = (time.perf_counter() - started) * 1000
+                break
+        return elapsed
+
+    async def measure() -> list[float]:
+        for i in range(warmup):
+            await ttft(-1 - i, PROMPTS[i % len(PROMPTS)])
+        return [await ttft(i, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+
+    try:
+        return asyncio.run(measure())
+    finally:
+        engine.shutdown()
+
+
+def table(result: dict) -> str:
+    rows = ["| path | TTFT p50 (ms) | TTFT p95 (ms) | n |", "|---|---:|---:|---:|"]
+    for name, label in (("stack", "full stack, client side"), ("engine", "AsyncEngine in-process")):
+        p = result[name]
+        rows.append(f"| {label} | {p['p50']:.2f} | {p['p95']:.2f} | {p['n']} |")
+    o = result["overhead_ms"]
+    rows.append(f"| unpaired difference (stack - engine) | {o['p50']:.2f} | {o['p95']:.2f} | |")
+    p = result["paired_overhead_ms"]
+    rows.append(f"| **paired overhead (client TTFT - worker TTFT)** | **{p['p50']:.2f}** | **{p['p95']:.2f}** "
+                f"| {p['n']} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="30 requests per path instead of 200")
+    args = parser.parse_args()
+    requests, warmup = (30, 5) if args.quick else (200, 10)
+    stack, paired = stack_phase(requests, warmup)
+    engine = engine_phase(requests, warmup)
+    s, e = percentiles(stack), percentiles(engine)
+    result = {
+        "model": MODEL, "requests": requests, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "stack": s, "engine": e,
+        "overhead_ms": {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]},
+        "paired_overhead_ms": percentiles(paired),
+        "ratio_p50": s["p50"] / e["p50"],
+        "load_avg_1m": os.getloadavg()[0],
+        "raw_ms": {"stack": stack, "engine": engine, "paired": paired},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    markdown = table(result)
+    RESULTS.with_suffix(".md").write_text(f"# Gateway TTFT overhead ({MODEL})\n\n{markdown}\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The demo release of ``lorafleet up``: the shipped example adapters, signed with a generated dev key,
+evaluated through the gateway, recorded, and promoted through the release gate."""
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+from nats.aio.client import Client as NATS
+
+from services.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
+from services.cli.keys_cmd import generate
+from services.evaluation.release import evaluate, promote, record_eval, summary
+from services.evaluation.runner import gateway_client, load_eval_set
+from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from shared import subjects
+from shared.bus import request
+from shared.errors import Unauthorized
+from shared.fingerprint import fingerprint_model_dir
+from shared.schemas import (
+    AdapterRecordsReply, ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, GetAdapterRequest,
+    RevokeApiKeyRequest, TrustedKeysReply, TrustKeyRequest,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
+SIGNER = "lorafleet-demo"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoAdapter:
+    adapter_id: str
+    version: int
+    prompt: str  # the eval set's first prompt, for the printed example
+    summary: str
+    answer: str | None = None  # what the adapter answered to it, when it was evaluated now
+
+
+def _signing_key(state_dir: Path) -> tuple[Path, str]:
+    keys = state_dir / "keys"
+    if (keys / f"{SIGNER}.key").exists():
+        return keys / f"{SIGNER}.key", (keys / f"{SIGNER}.pub").read_text().strip()
+    return generate(SIGNER, keys)
+
+
+async def _wait_for_key(client: openai.AsyncOpenAI, timeout_s: float = 15.0) -> None:
+    """The gateway mirrors new keys from the registry's bucket: wait until it knows this one."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await client.models.list()
+            return
+        except openai.AuthenticationError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise Unauthorized("the gateway did not learn the release key in time") from None
+            await asyncio.sleep(0.3)
+
+
+async def seed_demo_adapters(nats_url: str, gateway_url: str, state_dir: Path, tenant_id: str,
+                             actor: str) -> list[DemoAdapter]:
+    """Release every example adapter the registry has no production version of; all of them listed."""
+    if not EXAMPLES.is_dir():
+        return []
+    model_dir = await asyncio.to_thread(resolve_model_dir, None, state_dir / "models")
+    fingerprint = await asyncio.to_thread(fingerprint_model_dir, model_dir)
+    nc = await cli_connect(nats_url)
+    try:
+        return await _seed(nc, gateway_url, state_dir, fingerprint, tenant_id, actor)
+    finally:
+        await nc.drain()
+
+
+async def _seed(nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, tenant_id: str,
+                actor: str) -> list[DemoAdapter]:
+    key_file, public = _signing_key(state_dir)
+    await request(nc, subjects.registry("trust_key"), TrustKeyRequest(signer=SIGNER, public_key=public, actor=actor),
+                  TrustedKeysReply, TIMEOUT_S)
+    created = await request(nc, subjects.registry("api_key_create"), CreateApiKeyRequest(
+        tenant_id=tenant_id, scopes=["inference", "admin"], actor=actor), ApiKeyCreatedReply, TIMEOUT_S)
+    client = gateway_client(gateway_url, created.key)
+    seeded = []
+    try:
+        await _wait_for_key(client)
+        for directory in sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()):
+            seeded.append(await _release(nc, client, directory, key_file, fingerprint, tenant_id, actor))
+    finally:
+        await request(nc, subjects.registry("api_key_revoke"), RevokeApiKeyRequest(
+            key_id=created.info.key_id, actor=actor), ApiKeysReply, TIMEOUT_S)
+    return seeded
+
+
+async def _release(nc: NATS, client: openai.AsyncOpenAI, directory: Path, key_file: Path, fingerprint: str,
+                   tenant_id: str, actor: str) -> DemoAdapter:
+    adapter_id = directory.name
+    eval_set = load_eval_set(directory / "eval.jsonl")
+    prompt = (eval_set.items[0].messages or [{"content": ""}])[-1]["content"]
+    records = (await request(nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id),
+                             AdapterRecordsReply, TIMEOUT_S)).records
+    live = next((r for r in records if r.status == "production"), None)
+    if live is not None:
+        return DemoAdapter(adapter_id, live.version, prompt, f"{adapter_id}@{live.version}: already in production, "
+                           f"score {live.eval_results.get('score', float('nan')):.3f}")
+    record = await push_adapter(nc, directory / "adapter", adapter_id=adapter_id, tenant_id=tenant_id, task_type=adapter_id,
+                                base_fingerprint=fingerprint, sign_key=key_file, who=actor)
+    evaluation = await evaluate(client, adapter_id, record.version, eval_set, base_model=EMBEDDED_MODEL_NAME,
+                                max_tokens=40)
+    await record_eval(nc, adapter_id, record.version, evaluation, actor)
+    await promote(nc, adapter_id, record.version, 100, actor)
+    return DemoAdapter(adapter_id, record.version, prompt, summary(adapter_id, record.version, evaluation),
+                       evaluation.adapter.answers[0])
+
+
+def curl_example(port: int, key: str, model: str, prompt: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+                       "temperature": 0}).replace("'", "'\\''")  # inside a single-quoted shell word
+    return (f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
+            f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+            f"  -d '{body}'")

@@ -1,0 +1,154 @@
+"""Admin API for adapters: push (multipart upload), list, lifecycle steps; one registry op each.
+
+An ``admin`` key acts on its own tenant's adapters; a ``platform_admin`` key on any, including
+``shared`` ones. Another tenant's adapter answers exactly like a missing one (404).
+"""
+
+import secrets
+
+from fastapi import APIRouter, Depends, File, Form, Path, Request, UploadFile
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.gateway.admin import ERRORS, actor, registry_call, scoped_tenant
+from services.gateway.auth import Principal, admin_caller
+from services.gateway.openai_responses import error_responses
+from shared import subjects
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
+from shared.schemas import (
+    AdapterRecordsReply, GetAdapterRequest, Identifier, ListAdaptersRequest, PromoteRequest, RegisterRequest,
+    RetireRequest, RevokeRequest, RollbackRequest, RolloutRequest, TrafficPercent,
+)
+
+router = APIRouter(prefix="/admin/adapters", tags=["admin"])
+AdapterId = Path(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+CHANGE_ERRORS = error_responses(409, *ERRORS)
+
+
+class Promote(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1)
+    traffic_percent: TrafficPercent = 1.0
+
+
+class Rollout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    traffic_percent: TrafficPercent
+
+
+class Retire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1)
+
+
+class Revoke(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int | None = Field(default=None, ge=1, description="None = every version")
+
+
+def not_found(adapter_id: str) -> NotFound:
+    return NotFound(f"adapter '{adapter_id}' does not exist or you do not have access to it", param="adapter_id")
+
+
+async def owned(request: Request, caller: Principal, adapter_id: str) -> AdapterRecordsReply:
+    """The adapter's versions if the caller may manage it; 404 (same as missing) otherwise."""
+    reply = await registry_call(request, "get", GetAdapterRequest(adapter_id=adapter_id), AdapterRecordsReply)
+    if not reply.records or not (caller.platform_admin or reply.records[-1].tenant_id == caller.tenant_id):
+        raise not_found(adapter_id)
+    return reply
+
+
+@router.get("", response_model=AdapterRecordsReply, responses=ERRORS)
+async def list_adapters(request: Request, tenant: Identifier | None = None,
+                        caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    """Every version of the tenant's adapters (every tenant's, for a platform admin without ?tenant)."""
+    message = ListAdaptersRequest(tenant_id=scoped_tenant(caller, tenant))
+    return await registry_call(request, "adapters", message, AdapterRecordsReply)
+
+
+@router.get("/{adapter_id}", response_model=AdapterRecordsReply, responses=ERRORS)
+async def get_adapter(request: Request, adapter_id: str = AdapterId,
+                      caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    return await owned(request, caller, adapter_id)
+
+
+async def _read(upload: UploadFile, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLarge(f"{upload.filename or 'file'} exceeds {limit} bytes")
+    return data
+
+
+@router.post("", response_model=AdapterRecordsReply, status_code=201, responses=CHANGE_ERRORS)
+async def push_adapter(
+    request: Request,
+    adapter_id: Identifier = Form(), task_type: str = Form(min_length=1, max_length=64),
+    adapter_config: UploadFile = File(description=CONFIG_FILE), adapter_model: UploadFile = File(description=WEIGHTS_FILE),
+    tenant_id: Identifier | None = Form(default=None, description="default: the caller's tenant; 'shared' needs platform_admin"),
+    version: int | None = Form(default=None, ge=1, description="the version a signature was made for"),
+    signature: str | None = Form(default=None, max_length=200), signer: Identifier | None = Form(default=None),
+    aliases: list[Identifier] = Form(default=[]), allowed_scopes: list[str] = Form(default=[]),
+    caller: Principal = Depends(admin_caller),
+) -> AdapterRecordsReply:
+    """Upload a PEFT adapter (status staging); the registry validates, verifies and stores it."""
+    tenant = scoped_tenant(caller, tenant_id) or caller.tenant_id
+    existing = await registry_call(request, "get", GetAdapterRequest(adapter_id=adapter_id), AdapterRecordsReply)
+    if existing.records and not caller.platform_admin and existing.records[-1].tenant_id != caller.tenant_id:
+        raise not_found(adapter_id)
+    ctx = request.app.state.ctx
+    limit = ctx.settings.max_body_bytes
+    files = {CONFIG_FILE: await _read(adapter_config, limit), WEIGHTS_FILE: await _read(adapter_model, limit)}
+    upload_id = secrets.token_hex(12)
+    try:
+        message = RegisterRequest(
+            adapter_id=adapter_id, tenant_id=tenant, task_type=task_type, version=version, upload_id=upload_id,
+            signature=signature, signer=signer, aliases=aliases, allowed_scopes=allowed_scopes, actor=actor(caller))
+    except ValidationError as e:
+        raise InvalidRequest(f"push: {e.errors()[0]['msg']}") from None
+    store = await ctx.js.object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+    for name, data in files.items():
+        await store.put(f"{upload_id}/{name}", data)
+    return await registry_call(request, "register", message, AdapterRecordsReply)
+
+
+@router.post("/{adapter_id}/promote", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def promote(body: Promote, request: Request, adapter_id: str = AdapterId,
+                  caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    """staging -> canary at traffic_percent (100 = production)."""
+    await owned(request, caller, adapter_id)
+    message = PromoteRequest(adapter_id=adapter_id, version=body.version, traffic_percent=body.traffic_percent,
+                             actor=actor(caller))
+    return await registry_call(request, "promote", message, AdapterRecordsReply)
+
+
+@router.post("/{adapter_id}/rollout", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def rollout(body: Rollout, request: Request, adapter_id: str = AdapterId,
+                  caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    await owned(request, caller, adapter_id)
+    message = RolloutRequest(adapter_id=adapter_id, traffic_percent=body.traffic_percent, actor=actor(caller))
+    return await registry_call(request, "rollout", message, AdapterRecordsReply)
+
+
+@router.post("/{adapter_id}/rollback", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def rollback(request: Request, adapter_id: str = AdapterId,
+                   caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    await owned(request, caller, adapter_id)
+    return await registry_call(request, "rollback", RollbackRequest(adapter_id=adapter_id, actor=actor(caller)),
+                               AdapterRecordsReply)
+
+
+@router.post("/{adapter_id}/retire", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def retire(body: Retire, request: Request, adapter_id: str = AdapterId,
+                 caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    await owned(request, caller, adapter_id)
+    message = RetireRequest(adapter_id=adapter_id, version=body.version, actor=actor(caller))
+    return await registry_call(request, "retire", message, AdapterRecordsReply)
+
+
+@router.post("/{adapter_id}/revoke", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def revoke(body: Revoke, request: Request, adapter_id: str = AdapterId,
+                 caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+    """Security stop: one version, or every version when version is null."""
+    await owned(request, caller, adapter_id)
+    message = RevokeRequest(adapter_id=adapter_id, version=body.version, actor=actor(caller))
+    return await registry_call(request, "revoke", message, AdapterRecordsReply)

@@ -1,0 +1,118 @@
+"""Tenants, their quotas and their API keys: the registry ops behind ``lf.registry.tenant_*``,
+``quota_set`` and ``api_key_*``.
+
+Records live in the KV bucket ``lf_tenants`` (``tenant.<id>``, ``key.<key_id>``); every change
+is written there first, so a gateway watching the bucket sees a revocation within milliseconds.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from shared.api_keys import new_key
+from shared.errors import Conflict, InvalidRequest, NotFound
+from shared.schemas import (
+    ApiKeyCreatedReply,
+    ApiKeyInfo,
+    ApiKeyRecord,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ListApiKeysRequest,
+    ListTenantsRequest,
+    RevokeApiKeyRequest,
+    SetQuotaRequest,
+    TenantRecord,
+    TenantsReply,
+)
+
+from services.registry.resolve import SHARED_TENANT
+
+Put = Callable[[str, bytes], Awaitable[None]]
+TENANT_PREFIX = "tenant."
+KEY_PREFIX = "key."
+
+
+def tenant_key(tenant_id: str) -> str:
+    return f"{TENANT_PREFIX}{tenant_id}"
+
+
+def api_key_key(key_id: str) -> str:
+    return f"{KEY_PREFIX}{key_id}"
+
+
+def info(record: ApiKeyRecord) -> ApiKeyInfo:
+    return ApiKeyInfo(key_id=record.key_id, tenant_id=record.tenant_id, scopes=record.scopes,
+                      created_at=record.created_at, revoked=record.revoked)
+
+
+class Tenants:
+    """In-memory view of the bucket, written through ``put`` before each change applies."""
+
+    def __init__(self, entries: dict[str, bytes], put: Put) -> None:
+        self.tenants: dict[str, TenantRecord] = {}
+        self.keys: dict[str, ApiKeyRecord] = {}
+        for key, value in entries.items():
+            if key.startswith(TENANT_PREFIX):
+                record = TenantRecord.model_validate_json(value)
+                self.tenants[record.tenant_id] = record
+            elif key.startswith(KEY_PREFIX):
+                api_key = ApiKeyRecord.model_validate_json(value)
+                self.keys[api_key.key_id] = api_key
+        self._put = put
+        self._lock = asyncio.Lock()
+
+    async def create_tenant(self, req: CreateTenantRequest) -> TenantsReply:
+        if req.tenant_id == SHARED_TENANT:
+            raise InvalidRequest(f"'{SHARED_TENANT}' is reserved for adapters shared across tenants", param="tenant_id")
+        async with self._lock:
+            if req.tenant_id in self.tenants:
+                raise Conflict(f"tenant '{req.tenant_id}' already exists")
+            record = TenantRecord(tenant_id=req.tenant_id, quota=req.quota)
+            await self._store_tenant(record)
+        return TenantsReply(tenants=[record])
+
+    async def list_tenants(self, req: ListTenantsRequest) -> TenantsReply:
+        return TenantsReply(tenants=[t for name, t in sorted(self.tenants.items())
+                                     if req.tenant_id in (None, name)])
+
+    async def set_quota(self, req: SetQuotaRequest) -> TenantsReply:
+        async with self._lock:
+            record = self._tenant(req.tenant_id).model_copy(update={"quota": req.quota})
+            await self._store_tenant(record)
+        return TenantsReply(tenants=[record])
+
+    async def create_key(self, req: CreateApiKeyRequest) -> ApiKeyCreatedReply:
+        """A new key of an existing tenant; the reply is the only place its secret appears."""
+        self._tenant(req.tenant_id)
+        key, record = new_key(req.tenant_id, sorted(set(req.scopes)))
+        async with self._lock:
+            await self._store_key(record)
+        return ApiKeyCreatedReply(key=key, info=info(record))
+
+    async def revoke_key(self, req: RevokeApiKeyRequest) -> ApiKeysReply:
+        async with self._lock:
+            record = self.keys.get(req.key_id)
+            if record is None or req.tenant_id not in (None, record.tenant_id):
+                raise NotFound(f"API key '{req.key_id}' does not exist", param="key_id")
+            record = record.model_copy(update={"revoked": True})
+            await self._store_key(record)
+        return ApiKeysReply(keys=[info(record)])
+
+    async def list_keys(self, req: ListApiKeysRequest) -> ApiKeysReply:
+        records = sorted(self.keys.values(), key=lambda r: (r.tenant_id, r.created_at))
+        return ApiKeysReply(keys=[info(r) for r in records if req.tenant_id in (None, r.tenant_id)])
+
+    def _tenant(self, tenant_id: str) -> TenantRecord:
+        record = self.tenants.get(tenant_id)
+        if record is None:
+            raise NotFound(f"tenant '{tenant_id}' does not exist", param="tenant_id")
+        return record
+
+    async def _store_tenant(self, record: TenantRecord) -> None:
+        await self._put(tenant_key(record.tenant_id), record.model_dump_json().encode())
+        self.tenants[record.tenant_id] = record
+
+    async def _store_key(self, record: ApiKeyRecord) -> None:
+        await self._put(api_key_key(record.key_id), record.model_dump_json().encode())
+        self.keys[record.key_id] = record
+

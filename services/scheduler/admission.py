@@ -1,0 +1,91 @@
+"""Admission: per-tenant requests/min and tokens/min token buckets and a concurrency cap, in Redis
+(one atomic Lua script each way), or in-process while Redis is unavailable."""
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from services.scheduler import lua
+from services.scheduler.limiter import LocalLimiter
+from services.scheduler.redis_guard import RedisGuard
+from shared import metrics
+from shared.errors import QuotaExceeded
+from shared.schemas import InferRequest, TenantQuota
+
+
+@dataclass(slots=True)
+class Grant:
+    """What admitting one request charged, so its end can give back what it did not use."""
+
+    tenant: str
+    request_id: str
+    quota: TenantQuota
+    tokens: int
+    in_redis: bool
+
+
+def token_cost(request: InferRequest) -> tuple[int, int]:
+    """(prompt tokens estimated at 4 characters a token, max_tokens): what admission charges up front."""
+    chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) + 8 for m in request.messages)
+    return max(1, chars // 4), request.sampling.max_tokens
+
+
+class Admission:
+    def __init__(self, redis: Redis, guard: RedisGuard, key_prefix: str, lease_s: float,
+                 local: LocalLimiter | None = None):
+        self._redis = redis
+        self.guard = guard
+        self._prefix = key_prefix
+        self.lease_s = lease_s
+        self.local = local or LocalLimiter(lease_s)
+        self._admit = redis.register_script(lua.ADMIT)
+        self._release = redis.register_script(lua.RELEASE)
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = f"{self._prefix}quota:{tenant}:"
+        return [base + "rpm", base + "tpm", base + "running"]
+
+    async def admit(self, request: InferRequest, quota: TenantQuota) -> Grant:
+        """Charge the request against its tenant's limits, or raise ``QuotaExceeded`` with retry_after_s."""
+        tenant, rid = request.tenant_id, request.request_id
+        cost = sum(token_cost(request))
+        args = [quota.requests_per_min or 0, quota.tokens_per_min or 0, quota.max_concurrent or 0, cost, rid,
+                self.lease_s]
+        ok, answer = await self.guard.call("admission", lambda: self._admit(keys=self._keys(tenant), args=args))
+        if not ok:
+            try:
+                return Grant(tenant, rid, quota, self.local.admit(tenant, rid, quota, cost), in_redis=False)
+            except QuotaExceeded as e:
+                metrics.ADMISSION_REJECTIONS.labels("quota").inc()
+                raise e
+        if int(answer[0]) != 1:
+            metrics.ADMISSION_REJECTIONS.labels("quota").inc()
+            raise QuotaExceeded(f"tenant {tenant} is over its {answer[1]} limit",
+                                retry_after_s=max(0.001, float(answer[2])))
+        return Grant(tenant, rid, quota, int(float(answer[1])), in_redis=True)
+
+    async def release(self, grant: Grant, used_tokens: int | None) -> None:
+        """End of the request: free its concurrency slot; refund the tokens charged but not used
+        (``used_tokens`` None = unknown, nothing refunded)."""
+        refund = max(0, grant.tokens - used_tokens) if used_tokens is not None else 0
+        if not grant.in_redis:
+            self.local.release(grant.tenant, grant.request_id, refund, grant.quota)
+            return
+        keys = self._keys(grant.tenant)[1:]
+        args = [refund, grant.quota.tokens_per_min or 0, grant.request_id, self.lease_s]
+        await self.guard.call("release", lambda: self._release(keys=keys, args=args))
+
+    async def renew(self, grants: list[Grant]) -> None:
+        """Extend the concurrency leases of requests still queued or running (a lost release then
+        frees itself after ``lease_s``)."""
+        for grant in grants:
+            if not grant.quota.max_concurrent:
+                continue
+            if not grant.in_redis:
+                self.local.renew(grant.tenant, grant.request_id)
+                continue
+            keys = self._keys(grant.tenant)[1:]
+            ok, _ = await self.guard.call("renew", lambda: self._release(
+                keys=keys, args=[-1, 0, grant.request_id, self.lease_s]))
+            if not ok:
+                return

@@ -1,0 +1,236 @@
+"""The scheduler's core, free of NATS: admit submissions, queue them fairly, dispatch them to
+workers with room, and account for their end. Transport acts come in through ``Ports`` and
+each submission's ``Handle`` (a JetStream message: ack once a worker accepted, term if refused)."""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from services.scheduler.admission import Admission, Grant, token_cost
+from services.scheduler.dedupe import Dispatched
+from services.scheduler.fairness import FairQueue, Priority
+from services.scheduler.heat import Heat
+from services.scheduler.limits import Quotas
+from services.scheduler.placement import Fleet, adapter_key_of
+from services.scheduler.submission import parse_submission, refusal_target
+from shared import metrics
+from shared.errors import LorafleetError, QuotaExceeded, from_body
+from shared.schemas import CompletionAudit, DispatchReply, InferRequest, WorkerControl
+
+log = structlog.get_logger("scheduler")
+
+
+class Handle(Protocol):
+    headers: dict[str, str] | None  # trace context of the submission
+
+    async def ack(self) -> None: ...
+    async def term(self) -> None: ...
+    async def nak(self, delay: float | None = None) -> None: ...
+    async def in_progress(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Ports:
+    dispatch: Callable[[str, InferRequest, dict[str, str] | None], Awaitable[DispatchReply]]
+    reply_error: Callable[[str, str, LorafleetError], Awaitable[None]]
+    record_rejection: Callable[[str, str, LorafleetError], Awaitable[None]]
+    control: Callable[[str, WorkerControl], Awaitable[None]]
+
+
+@dataclass(slots=True, eq=False)
+class Queued:
+    request: InferRequest
+    handle: Handle
+    grant: Grant
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant_id
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(slots=True)
+class Inflight:
+    request: InferRequest
+    worker_id: str
+    grant: Grant
+
+
+@dataclass
+class Dispatcher:
+    ports: Ports
+    admission: Admission
+    dispatched: Dispatched
+    heat: Heat
+    quotas: Quotas
+    fleet: Fleet
+    queue: FairQueue[Queued]
+    slo_s: dict[str, float]
+    held: dict[str, Queued] = field(default_factory=dict)  # queued or being dispatched, by request id
+    inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    early: dict[str, CompletionAudit] = field(default_factory=dict)  # ended before its dispatch reply came back
+
+    async def submit(self, subject: str, data: bytes, handle: Handle) -> None:
+        """A submission from the work queue: refuse, drop, or admit and queue it."""
+        try:
+            request = parse_submission(subject, data)
+        except LorafleetError as e:
+            target = refusal_target(subject, data)
+            log.warning("submission_refused", subject=subject, error=e.message)
+            await self._refuse_raw(target, e)
+            await handle.term()
+            return
+        rid = request.request_id
+        if rid in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
+            self.held[rid].handle = handle
+            return
+        if request.accept_deadline is not None and time.time() > request.accept_deadline:
+            await handle.term()
+            return
+        if rid in self.inflight or await self.dispatched.seen(rid):
+            await handle.ack()
+            return
+        try:
+            grant = await self.admission.admit(request, self.quotas.of(request.tenant_id))
+        except QuotaExceeded as e:
+            await self._refuse(request, e)
+            await handle.term()
+            return
+        item = Queued(request, handle, grant)
+        self.held[rid] = item
+        self.queue.push(item)
+        self.pump()
+
+    def pump(self) -> None:
+        """Start a dispatch for every queued request a worker has room for, in fair order."""
+        now = time.monotonic()
+        while True:
+            chosen: dict[str, str] = {}
+
+            def placeable(item: Queued) -> bool:
+                worker = self.fleet.choose(item.request, now=now)
+                if worker is not None:
+                    chosen[item.request_id] = worker
+                return worker is not None
+
+            item = self.queue.pop(now, placeable)
+            if item is None:
+                return
+            worker = chosen[item.request_id]
+            self.fleet.sent(worker, item.request, now)
+            task = asyncio.create_task(self._dispatch_logged(item, worker))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _dispatch_logged(self, item: Queued, worker_id: str) -> None:
+        try:
+            await self._dispatch(item, worker_id)
+        except Exception:  # a failed ack or publish: JetStream redelivers and dedupe settles it
+            log.exception("dispatch_crashed", request_id=item.request_id, worker_id=worker_id)
+
+    async def _dispatch(self, item: Queued, worker_id: str) -> None:
+        request = item.request
+        try:
+            reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
+        except LorafleetError as e:
+            reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
+        if reply.accepted:
+            await self._accepted(item, worker_id)
+        elif reply.error is not None and reply.error.status < 500:
+            self.fleet.refused(worker_id, request.request_id, back_off=False)
+            self.held.pop(request.request_id, None)
+            await self._refuse(request, from_body(reply.error))
+            await self.admission.release(item.grant, 0)
+            await item.handle.term()
+        else:
+            log.info("dispatch_failed", worker_id=worker_id, request_id=request.request_id,
+                     error=reply.error.message if reply.error else "refused")
+            self.fleet.refused(worker_id, request.request_id, back_off=True)
+            if request.request_id in self.held:
+                self.queue.push(item, front=True)
+        self.pump()
+
+    async def _accepted(self, item: Queued, worker_id: str) -> None:
+        request, rid = item.request, item.request_id
+        self.held.pop(rid, None)
+        self.inflight[rid] = Inflight(request, worker_id, item.grant)
+        self.fleet.accepted(worker_id)
+        self.queue.charge(request.tenant_id, *token_cost(request))
+        waited = time.monotonic() - item.enqueued
+        metrics.SCHEDULER_QUEUE_WAIT.labels(request.priority).observe(waited * 1000)
+        if waited > self.slo_s[request.priority]:
+            metrics.SLO_MISSES.labels(request.priority).inc()
+        log.info("dispatched", request_id=rid, worker_id=worker_id, tenant=request.tenant_id)
+        await item.handle.ack()
+        await self.dispatched.mark(rid, worker_id)
+        key = adapter_key_of(request)
+        if key is not None:
+            await self.heat.bump(key)
+        if rid in self.early:
+            await self.completed(self.early.pop(rid))
+
+    async def completed(self, event: CompletionAudit) -> None:
+        """A worker finished a request: free its concurrency slot, refund its unused tokens, and
+        correct its tenant's fairness counter from the estimate to what it really used."""
+        entry = self.inflight.pop(event.request_id, None)
+        if entry is None:
+            if event.request_id in self.held:
+                self.early[event.request_id] = event
+            return
+        self.fleet.ended(entry.worker_id, event.request_id)
+        prompt_est, max_tokens = token_cost(entry.request)
+        self.queue.charge(entry.request.tenant_id, event.prompt_tokens - prompt_est,
+                          event.completion_tokens - max_tokens)
+        await self.admission.release(entry.grant, event.prompt_tokens + event.completion_tokens)
+        self.pump()
+
+    async def cancel(self, request_id: str) -> bool:
+        """Drop a request still queued here (its client left); False if it is not queued."""
+        item = self.queue.remove(request_id)
+        if item is None:
+            return False
+        self.held.pop(request_id, None)
+        await self.admission.release(item.grant, 0)
+        await item.handle.term()
+        log.info("queued_request_cancelled", request_id=request_id)
+        return True
+
+    async def drop_queued(self, item: Queued, error: LorafleetError | None) -> None:
+        """Take ``item`` out of the scheduler: answer ``error`` (None = the client is gone) and terminate it."""
+        self.queue.remove(item.request_id)
+        self.held.pop(item.request_id, None)
+        if error is not None:
+            await self._refuse(item.request, error)
+        await self.admission.release(item.grant, 0)
+        await item.handle.term()
+
+    async def _refuse(self, request: InferRequest, error: LorafleetError) -> None:
+        await self._refuse_raw((request.tenant_id, request.request_id, request.reply_to), error)
+
+    async def _refuse_raw(self, target: tuple[str, str, str | None], error: LorafleetError) -> None:
+        tenant, rid, reply_to = target
+        metrics.REQUESTS.labels("scheduler", error.code).inc()
+        if reply_to is not None:
+            await self.ports.reply_error(reply_to, rid, error)
+        await self.ports.record_rejection(tenant, rid, error)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Let dispatches in progress finish, then hand every queued request back to the work queue."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+        for item in list(self.held.values()):
+            await item.handle.nak()
+        self.held.clear()

@@ -1,0 +1,50 @@
+"""Each tenant's limits: the registry's ``TenantQuota`` (KV ``lf_tenants``), else the configured defaults."""
+
+from dataclasses import dataclass, field
+
+from shared.bus import decode
+from shared.config import SchedulerSettings
+from shared.errors import LorafleetError
+from shared.schemas import TenantQuota, TenantRecord
+
+TENANT_PREFIX = "tenant."
+
+
+@dataclass(slots=True)
+class Quotas:
+    """Tenant id -> quota, changed at run time by the registry's KV entries; unset fields use ``defaults``."""
+
+    defaults: TenantQuota
+    _by_tenant: dict[str, TenantQuota] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: SchedulerSettings) -> "Quotas":
+        return cls(TenantQuota(requests_per_min=settings.default_requests_per_min,
+                               tokens_per_min=settings.default_tokens_per_min,
+                               max_concurrent=settings.default_max_concurrent,
+                               max_gpu_adapter_slots=settings.default_max_gpu_adapter_slots))
+
+    def of(self, tenant: str) -> TenantQuota:
+        own = self._by_tenant.get(tenant)
+        if own is None:
+            return self.defaults
+        return TenantQuota(**{k: v if v is not None else getattr(self.defaults, k) for k, v in own})
+
+    def set(self, tenant: str, quota: TenantQuota | None) -> None:
+        if quota is None:
+            self._by_tenant.pop(tenant, None)
+        else:
+            self._by_tenant[tenant] = quota
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """One KV entry of the tenants bucket (``tenant.<id>``); other keys (API keys) are not ours."""
+        if not key.startswith(TENANT_PREFIX):
+            return
+        tenant = key[len(TENANT_PREFIX):]
+        if not value:
+            self.set(tenant, None)
+            return
+        try:
+            self.set(tenant, decode(TenantRecord, value).quota)
+        except LorafleetError:
+            return

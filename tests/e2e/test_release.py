@@ -1,0 +1,165 @@
+"""The release pipeline end to end: the shipped adapters beat the base model through the gateway,
+a broken version cannot pass the release gate, and a regressing canary is rolled back and audited."""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import nats
+import openai
+import pytest
+import torch
+from nats.aio.client import Client as NATS
+from safetensors.torch import load_file, save_file
+
+from services.auditor.store import AuditStore
+from services.cli.adapter_cmd import push_adapter
+from services.evaluation.canary import run_canary
+from services.evaluation.release import evaluate, promote, record_eval
+from services.evaluation.runner import gateway_client, load_eval_set
+from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from shared import signing, subjects
+from shared.bus import request
+from shared.errors import Conflict, ReleaseGateFailed
+from shared.fingerprint import fingerprint_model_dir
+from shared.schemas import (
+    AdapterRecordsReply, ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, GetAdapterRequest,
+    TenantsReply, TrustedKeysReply, TrustKeyRequest,
+)
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
+ADAPTERS = ("sql-employees", "json-extract", "capital-answer")
+MARGIN = 0.3
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Release:
+    nats_url: str
+    gateway_url: str
+    admin_key: str  # inference + admin: may pin a staging version
+    sign_key: Path
+    fingerprint: str
+    db_path: Path
+
+    def run(self, work: Callable[[NATS, openai.AsyncOpenAI], Awaitable[T]]) -> T:
+        async def go() -> T:
+            nc = await nats.connect(self.nats_url)
+            try:
+                return await work(nc, gateway_client(self.gateway_url, self.admin_key))
+            finally:
+                await nc.close()
+
+        return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def release(running_stack, tmp_path_factory) -> Release:
+    keys = signing.generate_keypair()
+    sign_key = tmp_path_factory.mktemp("keys") / "release.key"
+    sign_key.write_bytes(keys.private_pem)
+
+    async def setup() -> str:
+        nc = await nats.connect(running_stack.nats.url)
+        await request(nc, subjects.registry("trust_key"), TrustKeyRequest(
+            signer="release", public_key=keys.public_b64, actor="test"), TrustedKeysReply, 10)
+        try:
+            await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id="demo", actor="test"),
+                          TenantsReply, 10)
+        except Conflict:
+            pass
+        created = await request(nc, subjects.registry("api_key_create"), CreateApiKeyRequest(
+            tenant_id="demo", scopes=["inference", "admin"], actor="test"), ApiKeyCreatedReply, 10)
+        await nc.close()
+        return created.key
+
+    fingerprint = fingerprint_model_dir(resolve_model_dir(None))
+    found = Release(running_stack.nats.url, running_stack.gateway_url, asyncio.run(setup()), sign_key, fingerprint,
+                    running_stack.db_path)
+
+    async def push_all(nc: NATS, _: openai.AsyncOpenAI) -> None:
+        for name in ADAPTERS:
+            await push_adapter(nc, EXAMPLES / name / "adapter", adapter_id=name, tenant_id="demo", task_type=name,
+                               base_fingerprint=fingerprint, sign_key=sign_key, who="test")
+
+    found.run(push_all)
+    return found
+
+
+async def _records(nc: NATS, adapter_id: str) -> dict[int, str]:
+    reply = await request(nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id),
+                          AdapterRecordsReply, 10)
+    return {r.version: r.status for r in reply.records}
+
+
+def _broken_copy(source: Path, target: Path) -> Path:
+    """The same adapter with its weights replaced by noise: well-formed, signed, and useless."""
+    target.mkdir(parents=True)
+    (target / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    torch.manual_seed(0)
+    tensors = load_file(source / "adapter_model.safetensors")
+    save_file({k: (torch.randn_like(v.float()) * 0.2).half() for k, v in tensors.items()},
+              target / "adapter_model.safetensors")
+    return target
+
+
+def test_each_shipped_adapter_beats_the_base_model_and_is_released(release: Release) -> None:
+    async def work(nc: NATS, client: openai.AsyncOpenAI) -> dict[str, tuple[float, float]]:
+        scores = {}
+        for name in ADAPTERS:
+            eval_set = load_eval_set(EXAMPLES / name / "eval.jsonl")
+            evaluation = await evaluate(client, name, 1, eval_set, base_model=EMBEDDED_MODEL_NAME, max_tokens=40)
+            scores[name] = (evaluation.adapter.score, evaluation.base.score)
+            await record_eval(nc, name, 1, evaluation, "test")
+            await promote(nc, name, 1, 100, "test")
+            assert (await _records(nc, name))[1] == "production"
+        return scores
+
+    scores = release.run(work)
+    print({name: f"adapter {a:.3f} vs base {b:.3f}" for name, (a, b) in scores.items()})
+    for name, (adapter, base) in scores.items():
+        assert adapter - base >= MARGIN, f"{name}: adapter {adapter:.3f} vs base {base:.3f}"
+
+
+def test_a_broken_version_fails_the_release_gate(release: Release, tmp_path: Path) -> None:
+    broken = _broken_copy(EXAMPLES / "sql-employees" / "adapter", tmp_path / "broken")
+
+    async def work(nc: NATS, client: openai.AsyncOpenAI) -> float:
+        record = await push_adapter(nc, broken, adapter_id="sql-employees", tenant_id="demo", task_type="sql",
+                                    base_fingerprint=release.fingerprint, sign_key=release.sign_key, who="test")
+        assert record.version == 2
+        eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
+        evaluation = await evaluate(client, "sql-employees", 2, eval_set, base_model=None, max_tokens=40)
+        await record_eval(nc, "sql-employees", 2, evaluation, "test")
+        with pytest.raises(ReleaseGateFailed, match="under its release threshold"):
+            await promote(nc, "sql-employees", 2, 10, "test")
+        assert await _records(nc, "sql-employees") == {1: "production", 2: "staging"}
+        return evaluation.adapter.score
+
+    assert release.run(work) < 0.3
+
+
+def test_a_regressing_canary_is_rolled_back_and_audited(release: Release) -> None:
+    eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
+
+    async def work(nc: NATS, client: openai.AsyncOpenAI):
+        outcome = await run_canary(nc, client, "sql-employees", 2, [10, 50, 100], eval_set, actor="canary-test",
+                                   audit_db=release.db_path, max_tokens=40, force=True)
+        return outcome, await _records(nc, "sql-employees")
+
+    outcome, statuses = release.run(work)
+    assert not outcome.released and outcome.percent == 10
+    assert outcome.reasons[0].startswith("quality")
+    assert statuses == {1: "production", 2: "staging"}
+    store = AuditStore(release.db_path)
+    try:
+        rows = [r.body for r in store.query(kind="registry_change", adapter_id="sql-employees", limit=1000)]
+    finally:
+        store.close()
+    trail = [(b["version"], b["action"], b["actor"], b.get("reason") or "") for b in rows if b["version"] == 2]
+    assert (2, "promoted", "canary-test", "forced canary start") in trail
+    rolled_back = [t for t in trail if t[1] == "rolled_back"]
+    assert rolled_back and "regressed vs v1: quality" in rolled_back[-1][3]

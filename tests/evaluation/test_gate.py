@@ -1,0 +1,60 @@
+"""The release gate and eval records: threshold, regression tolerance, required eval, audit of force."""
+
+import pytest
+
+from services.evaluation.gate import GatePolicy, check_release
+from services.registry import lifecycle
+from services.registry.records import Catalog
+from shared.errors import Conflict, ReleaseGateFailed
+from shared.schemas import AdapterRecord
+
+DIGEST = "0" * 64
+
+
+def record(version: int, status: str = "staging", **results: float) -> AdapterRecord:
+    return AdapterRecord(
+        adapter_id="sql", version=version, tenant_id="demo", base_model="base", base_model_fingerprint=DIGEST,
+        task_type="sql", rank=8, alpha=16, target_modules=["q_proj"], files={}, checksum=DIGEST,
+        manifest_digest=DIGEST, storage_uri="mem://", status=status, eval_results=results,
+    )  # fmt: skip
+
+
+def test_a_score_at_or_over_the_threshold_passes() -> None:
+    check_release(record(1, score=0.8, threshold=0.8), None, GatePolicy())
+
+
+def test_a_score_under_the_threshold_fails() -> None:
+    with pytest.raises(ReleaseGateFailed, match="under its release threshold 0.600"):
+        check_release(record(1, score=0.2, threshold=0.6), None, GatePolicy())
+
+
+def test_the_policy_floor_raises_a_lower_adapter_threshold() -> None:
+    with pytest.raises(ReleaseGateFailed, match="threshold 0.500"):
+        check_release(record(1, score=0.4, threshold=0.1), None, GatePolicy(min_score=0.5))
+
+
+def test_a_regression_beyond_the_tolerance_fails() -> None:
+    production = record(1, "production", score=0.9)
+    check_release(record(2, score=0.86, threshold=0.5), production, GatePolicy(max_regression=0.05))
+    with pytest.raises(ReleaseGateFailed, match="regression beyond 0.050 from production v1"):
+        check_release(record(2, score=0.8, threshold=0.5), production, GatePolicy(max_regression=0.05))
+
+
+def test_no_eval_passes_only_when_evals_are_optional() -> None:
+    check_release(record(1), None, GatePolicy(require_eval=False))
+    with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
+        check_release(record(1), None, GatePolicy(require_eval=True))
+
+
+def test_gate_failure_is_a_conflict_with_its_own_code() -> None:
+    error = ReleaseGateFailed("x")
+    assert isinstance(error, Conflict) and error.status == 409 and error.to_body().code == "release_gate_failed"
+
+
+def test_record_eval_keeps_status_and_refuses_revoked_versions() -> None:
+    catalog = Catalog([record(1, "production"), record(2, "revoked")])
+    [change] = lifecycle.record_eval(catalog, "sql", 1, {"score": 0.9, "threshold": 0.6})
+    assert change.kind == "evaluated" and change.after.status == "production"
+    assert change.after.eval_results == {"score": 0.9, "threshold": 0.6}
+    with pytest.raises(Conflict, match="revoked"):
+        lifecycle.record_eval(catalog, "sql", 2, {"score": 0.9})

@@ -1,0 +1,76 @@
+"""A stand-in for scheduler + worker: answers every submitted InferRequest on its reply inbox.
+
+Core NATS subscribers see JetStream publishes too, so this listens on ``lf.infer.submit.>``.
+The answer echoes what the request carried (model, adapter, sampling) so tests can check the
+gateway passed it on. A prompt containing "slow" streams a token every 20 ms until cancelled; "quota" is refused as
+the scheduler refuses a tenant over its limits.
+"""
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+
+from shared import subjects
+from shared.bus import decode, encode
+from shared.schemas import (
+    InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, ServedBy, Usage, WorkerControl,
+)
+from shared.errors import QuotaExceeded
+
+WORKER_ID = "fake-worker"
+
+
+@dataclass
+class FakeWorker:
+    nc: NATS
+    requests: list[InferRequest] = field(default_factory=list)
+    cancelled: set[str] = field(default_factory=set)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.INFER_SUBMIT_ALL, cb=self._on_submit)
+        await self.nc.subscribe(subjects.worker_control(WORKER_ID), cb=self._on_control)
+
+    async def _on_control(self, msg) -> None:
+        control = decode(WorkerControl, msg.data)
+        if control.action == "cancel" and control.request_id:
+            self.cancelled.add(control.request_id)
+
+    async def _on_submit(self, msg) -> None:
+        request = decode(InferRequest, msg.data)
+        self.requests.append(request)
+        self.tasks.append(asyncio.create_task(self._answer(request)))
+
+    async def _send(self, request: InferRequest, body) -> None:
+        await self.nc.publish(request.reply_to, encode(ReplyEnvelope(body=body)))
+
+    async def _answer(self, request: InferRequest) -> None:
+        rid = request.request_id
+        text = request.prompt if request.prompt is not None else request.messages[-1].content
+        if "quota" in text:
+            error = QuotaExceeded("tenant is over 10 requests/min", retry_after_s=2.6).to_body()
+            await self._send(request, ReplyError(request_id=rid, error=error))
+            return
+        await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=True))
+        s = request.sampling
+        echo = json.dumps({"adapter": request.adapter.adapter_id if request.adapter else None, "seed": s.seed,
+                           "temperature": s.temperature, "top_p": s.top_p, "stop": s.stop,
+                           "max_tokens": s.max_tokens})
+        pieces = ["echo:", echo]
+        if "slow" in text:
+            pieces = [f" t{i}" for i in range(500)]
+        sent: list[str] = []
+        for i, piece in enumerate(pieces):
+            if rid in self.cancelled:
+                break
+            sent.append(piece)
+            await self._send(request, ReplyToken(request_id=rid, index=i, text=piece, token_ids=[i]))
+            if "slow" in text:
+                await asyncio.sleep(0.02)
+        reason = "cancelled" if rid in self.cancelled else "stop"
+        served = ServedBy(worker_id=WORKER_ID, base_model=request.base_model)
+        await self._send(request, ReplyFinal(request_id=rid, text="".join(sent), finish_reason=reason,
+                                             usage=Usage(prompt_tokens=len(text.split()), completion_tokens=len(sent)),
+                                             served_by=served, ttft_ms=1.0, tpot_ms=1.0))

@@ -1,0 +1,86 @@
+"""Every bound of the gateway, from config, answered with a clear OpenAI-style error."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import BASE
+from tests.gateway.fake_worker import WORKER_ID
+
+CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+async def client(gateway):
+    _, key = await gateway.tenant()
+    async with gateway.client(key) as c:
+        yield c
+
+
+def error(r: httpx.Response, status: int, param: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    if param is not None:
+        assert body["param"] == param
+    return body["message"]
+
+
+async def test_body_size_is_413(client):
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "x" * 300_000})
+    assert "exceeds 200000 bytes" in error(r, 413)
+
+
+async def test_prompt_tokens_over_limit_is_400(client, smol_tokens):
+    if smol_tokens is None:
+        pytest.skip("the SmolLM2 tokenizer is not in the model cache")
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 100})
+    assert "over the limit of 64" in error(r, 400, "prompt")
+    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "w " * 60}]})
+    assert "over the limit of 64" in error(r, 400, "messages")
+    assert (await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 20})).status_code == 200
+
+
+@pytest.mark.parametrize("extra, param, text", [
+    ({"max_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
+    ({"max_completion_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
+    ({"n": 5}, "n", "exceeds the limit of 4"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "exceed the limit of 4"),
+    ({"temperature": 2.5}, "temperature", ""),
+    ({"top_p": 0}, "top_p", ""),
+])
+async def test_sampling_bounds_are_400(client, extra, param, text):
+    assert text in error(await client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
+
+
+async def test_request_timeout_is_504(client):
+    started = time.monotonic()
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "slow please"})
+    error(r, 504)
+    assert time.monotonic() - started < 4
+
+
+async def test_quota_refusal_is_429_with_retry_after(client):
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "quota"})
+    assert "requests/min" in error(r, 429)
+    assert r.headers["retry-after"] == "3"
+
+
+async def test_no_worker_is_503(gateway, client):
+    gateway.cluster.workers.forget(WORKER_ID)
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "hi"})
+    assert error(r, 503)
+    assert r.json()["error"]["code"] == "no_worker_available"
+
+
+async def test_client_disconnect_cancels_the_request_downstream(gateway, client):
+    async with client.stream("POST", "/v1/completions", json={"model": BASE, "prompt": "slow", "stream": True}) as r:
+        lines = r.aiter_lines()
+        for _ in range(6):
+            await anext(lines)
+    request_id = gateway.worker.requests[-1].request_id
+    deadline = time.monotonic() + 2
+    while request_id not in gateway.worker.cancelled:
+        assert time.monotonic() < deadline, "the worker was never told to cancel"
+        await asyncio.sleep(0.02)

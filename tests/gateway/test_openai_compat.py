@@ -1,0 +1,89 @@
+"""The official openai client against the gateway: chat and completions, streamed and not,
+n choices, and every sampling parameter passed on to the worker."""
+
+import json
+
+import openai
+import pytest
+
+from tests.gateway.conftest import BASE
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+async def oai(gateway):
+    _, key = await gateway.tenant()
+    return openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+
+
+def echoed(text: str) -> dict:
+    return json.loads(text.removeprefix("echo:"))
+
+
+async def test_chat_passes_sampling_parameters(oai, gateway):
+    c = await oai.chat.completions.create(model=BASE, messages=MESSAGES, temperature=0.3, top_p=0.9, max_tokens=7,
+                                          stop=["\n", "END"], seed=11, user="u-1")
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert echoed(c.choices[0].message.content) == {"adapter": None, "seed": 11, "temperature": 0.3, "top_p": 0.9,
+                                                    "stop": ["\n", "END"], "max_tokens": 7}
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+
+
+async def test_chat_stream_chunks_and_final_usage(oai):
+    stream = await oai.chat.completions.create(model=BASE, messages=MESSAGES, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("echo:")
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_stream_without_usage_has_no_usage_chunk(oai):
+    stream = await oai.chat.completions.create(model=BASE, messages=MESSAGES, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[-1].choices[0].finish_reason == "stop" and all(c.usage is None for c in chunks)
+
+
+async def test_completions_streamed_and_not_agree(oai):
+    plain = await oai.completions.create(model=BASE, prompt="hi", max_tokens=5)
+    stream = await oai.completions.create(model=BASE, prompt="hi", max_tokens=5, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == plain.choices[0].text
+    assert plain.object == "text_completion"
+
+
+async def test_n_choices_are_merged_with_their_index(oai, gateway):
+    c = await oai.chat.completions.create(model=BASE, messages=MESSAGES, n=3, seed=5)
+    assert [ch.index for ch in c.choices] == [0, 1, 2]
+    assert [echoed(ch.message.content)["seed"] for ch in c.choices] == [5, 6, 7]
+    assert c.usage.completion_tokens == 6
+    stream = await oai.completions.create(model=BASE, prompt="hi", n=2, stream=True,
+                                          stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1] and all(t.startswith("echo:") for t in texts.values())
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"logprobs": True},
+    {"presence_penalty": 0.5},
+    {"response_format": {"type": "json_object"}},
+    {"logit_bias": {"1": 5}},
+])
+async def test_unsupported_parameters_are_refused_not_ignored(oai, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.chat.completions.create(model=BASE, messages=MESSAGES, extra_body=extra)
+    assert e.value.body["code"] == "invalid_request"
+
+
+async def test_unknown_model_is_404_with_openai_error(oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        await oai.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert e.value.body["code"] == "model_not_found"

@@ -1,0 +1,27 @@
+"""The gateway's torch-free token count equals the worker's (transformers' tokenizer + chat template)."""
+
+import pytest
+
+from services.gateway.prompt_tokens import PromptTokens
+from shared.schemas import ChatMessage
+from tests.gateway.conftest import SMOLLM_DIR
+
+CHATS = [
+    [ChatMessage(role="user", content="What is the capital of France?")],
+    [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="héllo  wörld\n\ttabs"),
+     ChatMessage(role="assistant", content="Hi!"), ChatMessage(role="user", content="emoji 🦊 and <|im_end|>")],
+]
+
+
+@pytest.mark.skipif(not (SMOLLM_DIR / "tokenizer.json").is_file(), reason="SmolLM2 is not in the model cache")
+def test_counts_match_transformers():
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(SMOLLM_DIR)
+    counter = PromptTokens.load(SMOLLM_DIR)
+    for chat in CHATS:
+        ids = reference.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert counter.count_sync(chat, None) == len(ids)
+    for prompt in ("The capital of France is", "  spaces and ünïcode 🦊", "x" * 3000):
+        assert counter.count_sync(None, prompt) == len(reference(prompt, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,111 @@
+"""A fleet of real processes on a tiny random Llama: NATS, Redis, registry, scheduler, gateway and
+three workers, so scheduling is tested end to end in seconds."""
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.cli.infra import Server, free_port, start_nats, start_redis
+from services.cli.stack import Stack, wait_ready
+from shared import subjects
+from shared.bus import connect, decode
+from shared.schemas import WorkerHeartbeat
+
+MODEL = "tiny-llama"
+KEYS = {"key-demo": "demo", "key-other": "other", "key-limited": "limited"}
+WORKERS = ("w1", "w2", "w3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def make_tiny_model(directory: Path) -> Path:
+    """A random 2-layer, 64-wide Llama with the SmolLM2 tokenizer (so every service tokenises alike)."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from services.worker.model_loader import resolve_model_dir
+
+    smol = resolve_model_dir(None, Path(os.environ["LF_MODEL_CACHE"]))
+    ref = AutoConfig.from_pretrained(smol)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=ref.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=ref.bos_token_id, eos_token_id=ref.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if (smol / name).is_file():
+            shutil.copy(smol / name, directory / name)
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    if "chat_template" not in tokenizer_config:  # the gateway reads the template from here
+        tokenizer_config["chat_template"] = (smol / "chat_template.jinja").read_text()
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return directory
+
+
+async def wait_workers(nats_url: str, workers: set[str], timeout_s: float) -> None:
+    nc = await connect(nats_url, "test-fleet")
+    seen: set[str] = set()
+
+    async def on_beat(msg) -> None:
+        beat = decode(WorkerHeartbeat, msg.data)
+        if beat.ready:
+            seen.add(beat.worker_id)
+
+    await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_beat)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not workers <= seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready: {sorted(workers - seen)}")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Fleet:
+    stack: Stack
+    nats: Server
+    redis: Server
+    gateway_url: str
+    model_dir: Path
+
+    def start_scheduler(self) -> None:
+        self.stack.start("scheduler")
+        asyncio.run(wait_ready(self.nats.url, self.stack, ("scheduler",), 60))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("fleet")
+    model_dir = make_tiny_model(root / MODEL)
+    nats = start_nats(free_port(), root / "nats")
+    redis = start_redis(free_port(), root / "redis")
+    port = free_port()
+    env = {
+        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port), "LF_API_KEYS": json.dumps(KEYS),
+        "LF_MODEL_DIR": str(model_dir), "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false",
+        "LF_LIVENESS_TIMEOUT_S": "3", "LF_ACCEPT_TIMEOUT_S": "30", "LF_NO_WORKER_GRACE_S": "10",
+        "LF_CAPACITY_HEADROOM": "0", "LF_ENGINE__MAX_NUM_SEQS": "2", "LF_ENGINE__NUM_THREADS": "1",
+        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20), "LF_METRICS_PORT": "-1", "LF_HEAT_DECAY_INTERVAL_S": "1",
+    }
+    stack = Stack(env, root / "logs")
+    running = Fleet(stack, nats, redis, f"http://127.0.0.1:{port}", model_dir)
+    try:
+        for name in ("registry", "scheduler", "gateway"):
+            stack.start(name)
+        for worker in WORKERS:
+            stack.start("worker", {"LF_WORKER_ID": worker}, key=worker)
+        asyncio.run(wait_ready(nats.url, stack, ("registry", "scheduler", "gateway"), 120))
+        asyncio.run(wait_workers(nats.url, set(WORKERS), 180))
+        yield running
+    finally:
+        stack.stop_all()
+        redis.stop()
+        nats.stop()

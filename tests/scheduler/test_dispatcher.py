@@ -1,0 +1,168 @@
+import asyncio
+import time
+
+import pytest
+
+from services.scheduler.service import build
+from services.scheduler.dispatcher import Ports
+from services.scheduler.upkeep import Upkeep
+from shared.config import SchedulerSettings
+from shared.errors import LorafleetError, ServiceUnavailable
+from shared.redis_conn import connect_redis
+from shared.schemas import CompletionAudit, DispatchReply, InferRequest, TenantQuota, WorkerHeartbeat
+
+BASE = "base"
+
+
+class Msg:
+    headers = None
+
+    def __init__(self) -> None:
+        self.acts: list[str] = []
+        self.kept_alive = 0
+
+    async def ack(self) -> None:
+        self.acts.append("ack")
+
+    async def term(self) -> None:
+        self.acts.append("term")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.acts.append("nak")
+
+    async def in_progress(self) -> None:
+        self.kept_alive += 1
+
+
+class World:
+    """Fake workers and client inboxes around a real Dispatcher on a real Redis."""
+
+    def __init__(self, settings: SchedulerSettings, redis) -> None:
+        self.answers: dict[str, DispatchReply | LorafleetError] = {}
+        self.dispatched: list[tuple[str, str]] = []
+        self.errors: dict[str, str] = {}
+
+        async def dispatch(worker_id: str, request: InferRequest, headers) -> DispatchReply:
+            self.dispatched.append((worker_id, request.request_id))
+            answer = self.answers.get(worker_id, DispatchReply(accepted=True, worker_id=worker_id))
+            if isinstance(answer, LorafleetError):
+                raise answer
+            return answer
+
+        async def reply_error(reply_to: str, request_id: str, err: LorafleetError) -> None:
+            self.errors[request_id] = err.code
+
+        async def nothing(*_) -> None:
+            return None
+
+        self.core, self.upkeep = build(settings, Ports(dispatch, reply_error, nothing, nothing), redis)
+        self.upkeep: Upkeep
+
+    def beat(self, worker_id: str, max_running: int = 4, running: int = 0) -> None:
+        self.core.fleet.heartbeat(WorkerHeartbeat(
+            worker_id=worker_id, base_model=BASE, ready=True, running=running, waiting=0, max_running=max_running,
+            kv_blocks_free=10, kv_blocks_total=10, ts=time.time()))
+
+    async def submit(self, rid: str, tenant: str = "acme", **over) -> Msg:
+        fields = dict(request_id=rid, tenant_id=tenant, model=BASE, base_model=BASE, prompt="hello",
+                      reply_to="_INBOX.x", sampling={"max_tokens": 8})
+        fields.update(over)
+        msg = Msg()
+        await self.core.submit(f"lf.infer.submit.{tenant}", InferRequest(**fields).model_dump_json().encode(), msg)
+        await self.settle()
+        return msg
+
+    async def settle(self) -> None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        if self.core.tasks:
+            await asyncio.wait(list(self.core.tasks))
+
+    async def finish(self, rid: str) -> None:
+        entry = self.core.inflight[rid]
+        await self.core.completed(CompletionAudit(
+            request_id=rid, tenant_id=entry.request.tenant_id, base_model=BASE, cache_hit=True, ttft_ms=1,
+            tpot_ms=1, prompt_tokens=2, completion_tokens=8, worker_id=entry.worker_id, outcome="length"))
+        await self.settle()
+
+
+@pytest.fixture
+async def world(redis_url):
+    redis = connect_redis(redis_url)
+    await redis.flushdb()
+    settings = SchedulerSettings(capacity_headroom=0, no_worker_grace_s=0.2, liveness_timeout_s=5,
+                                 redis_key_prefix=f"d{time.monotonic_ns()}:")
+    yield World(settings, redis)
+    await redis.aclose()
+
+
+async def test_accepted_request_is_acked_once_and_a_redelivery_never_runs_twice(world):
+    world.beat("w1")
+    msg = await world.submit("r1")
+    assert msg.acts == ["ack"] and world.dispatched == [("w1", "r1")]
+    again = await world.submit("r1")
+    assert again.acts == ["ack"] and world.dispatched == [("w1", "r1")]
+
+
+async def test_over_quota_is_answered_429_and_dropped(world):
+    world.beat("w1")
+    world.core.quotas.set("acme", TenantQuota(max_concurrent=1))
+    await world.submit("r1")
+    msg = await world.submit("r2")
+    assert msg.acts == ["term"] and world.errors == {"r2": "quota_exceeded"}
+    await world.finish("r1")
+    assert (await world.submit("r3")).acts == ["ack"]
+
+
+async def test_a_flooding_tenant_does_not_starve_a_quiet_one(world):
+    world.beat("w1", max_running=1)
+    for i in range(8):
+        await world.submit(f"flood{i}", tenant="flood")
+    for i in range(2):
+        await world.submit(f"quiet{i}", tenant="quiet")
+    order = [rid for _, rid in world.dispatched]
+    while len(order) < 10:
+        await world.finish(order[-1])
+        world.beat("w1", max_running=1)
+        world.core.pump()
+        await world.settle()
+        order = [rid for _, rid in world.dispatched]
+    assert order[:5].count("quiet0") + order[:5].count("quiet1") == 2
+
+
+async def test_busy_worker_refusal_requeues_elsewhere_and_a_bad_request_is_final(world):
+    world.beat("w1")
+    world.beat("w2", running=1)
+    world.answers["w1"] = ServiceUnavailable("queue full")
+    assert (await world.submit("r1")).acts == ["ack"]
+    assert world.dispatched == [("w1", "r1"), ("w2", "r1")]
+    world.answers["w2"] = DispatchReply(accepted=False, worker_id="w2", error={
+        "code": "context_length_exceeded", "message": "too long", "status": 400})
+    assert (await world.submit("r2")).acts == ["term"] and world.errors["r2"] == "context_length_exceeded"
+
+
+async def test_lost_worker_fails_its_accepted_requests_and_queued_ones_go_elsewhere(world):
+    world.beat("w1", max_running=1)
+    await world.submit("started")
+    queued = await world.submit("waiting")
+    assert world.dispatched == [("w1", "started")] and queued.acts == []
+    world.core.fleet.workers["w1"].seen_at -= 10
+    world.beat("w2")
+    await world.upkeep.tick()
+    await world.settle()
+    assert world.errors == {"started": "worker_lost"}
+    assert ("w2", "waiting") in world.dispatched and queued.acts == ["ack"] and queued.kept_alive == 1
+
+
+async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown_hands_back_the_rest(world):
+    world.beat("w1", max_running=1)
+    await world.submit("busy")
+    cancelled = await world.submit("c")
+    assert await world.core.cancel("c") and cancelled.acts == ["term"]
+    kept = await world.submit("k")
+    orphan = await world.submit("o", base_model="nobody-serves-this")
+    await asyncio.sleep(0.25)
+    await world.upkeep.tick()
+    assert orphan.acts == ["term"] and world.errors["o"] == "no_worker_available"
+    await world.core.shutdown(1)
+    assert kept.acts == ["nak"] and ("w1", "c") not in world.dispatched

@@ -1,0 +1,137 @@
+"""Scheduling end to end on three real workers: quotas, affinity, fairness, and no request lost
+when a worker dies, the scheduler restarts or Redis goes away."""
+
+import asyncio
+import time
+
+import httpx
+import nats
+import pytest
+
+from services.cli.adapter_cmd import push_adapter
+from shared import subjects
+from shared.bus import request
+from shared.fingerprint import fingerprint_model_dir
+from shared.schemas import AdapterRecordsReply, CreateTenantRequest, PromoteRequest, TenantQuota, TenantsReply
+from tests.scheduler.conftest import MODEL, Fleet
+
+BOUND_S = 90  # no request may take longer: "none hangs"
+
+
+async def chat(client: httpx.AsyncClient, key: str, model: str = MODEL, max_tokens: int = 4) -> httpx.Response:
+    return await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
+        "model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "max_tokens": max_tokens, "temperature": 0})
+
+
+async def many(fleet: Fleet, key: str, n: int, max_tokens: int = 4, model: str = MODEL) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+        return await asyncio.wait_for(asyncio.gather(*(chat(client, key, model, max_tokens) for _ in range(n))),
+                                      BOUND_S)
+
+
+def outcomes(responses: list[httpx.Response]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in responses:
+        counts[r.status_code] = counts.get(r.status_code, 0) + 1
+    return counts
+
+
+async def _registry(fleet: Fleet, op: str, message, reply_type):
+    nc = await nats.connect(fleet.nats.url)
+    try:
+        return await request(nc, subjects.registry(op), message, reply_type, 10)
+    finally:
+        await nc.close()
+
+
+async def test_quota_exhaustion_answers_429_with_retry_after_and_recovers(fleet):
+    await _registry(fleet, "tenant_create", CreateTenantRequest(
+        tenant_id="limited", quota=TenantQuota(requests_per_min=20), actor="test"), TenantsReply)
+    await asyncio.sleep(1.0)  # the scheduler follows the tenants bucket
+    responses = await many(fleet, "key-limited", 24, max_tokens=1)
+    counts = outcomes(responses)
+    assert counts.get(429, 0) >= 3 and counts.get(200, 0) >= 20 and set(counts) == {200, 429}
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "quota_exceeded"
+    retry_after = int(refused.headers["Retry-After"])
+    assert 1 <= retry_after <= 4
+    await asyncio.sleep(retry_after + 0.5)
+    assert outcomes(await many(fleet, "key-limited", 1, max_tokens=1)) == {200: 1}
+
+
+@pytest.fixture(scope="module")
+def adapter(fleet, tmp_path_factory) -> str:
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.adapters import make_peft_model
+
+    directory = tmp_path_factory.mktemp("adapter") / "sea"
+    make_peft_model(LlamaForCausalLM.from_pretrained(fleet.model_dir), rank=8, seed=3).save_pretrained(directory)
+
+    async def publish() -> None:
+        nc = await nats.connect(fleet.nats.url)
+        record = await push_adapter(nc, directory, adapter_id="sea", tenant_id="demo", task_type="chat",
+                                    base_fingerprint=fingerprint_model_dir(fleet.model_dir), who="test")
+        await request(nc, subjects.registry("promote"), PromoteRequest(
+            adapter_id="sea", version=record.version, traffic_percent=100, actor="test"), AdapterRecordsReply, 10)
+        await nc.close()
+
+    asyncio.run(publish())
+    return "sea"
+
+
+async def test_repeated_requests_for_an_adapter_stay_on_the_worker_that_holds_it(fleet, adapter):
+    served = []
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+        for _ in range(6):
+            response = await chat(client, "key-demo", model=adapter)
+            assert response.status_code == 200, response.text
+            served.append(response.headers["x-lorafleet-worker"])
+            await asyncio.sleep(0.3)
+    assert len(set(served)) == 1, served
+
+
+async def test_a_flooding_tenant_leaves_the_quiet_one_its_fair_share(fleet):
+    done: list[str] = []
+
+    async def tenant(client: httpx.AsyncClient, key: str, name: str) -> None:
+        response = await chat(client, key, max_tokens=48)
+        assert response.status_code == 200, response.text
+        done.append(name)
+
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+        flood = [asyncio.create_task(tenant(client, "key-demo", "flood")) for _ in range(36)]
+        await asyncio.sleep(0.5)
+        quiet = [asyncio.create_task(tenant(client, "key-other", "quiet")) for _ in range(4)]
+        await asyncio.wait_for(asyncio.gather(*flood, *quiet), BOUND_S)
+    last_quiet = max(i for i, name in enumerate(done) if name == "quiet")
+    assert done[last_quiet + 1:].count("flood") >= 12, done  # first come, first served would leave none
+
+
+async def test_scheduler_restart_mid_load_loses_nothing(fleet):
+    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=24))
+    await asyncio.sleep(0.3)
+    await asyncio.to_thread(fleet.stack.stop, "scheduler")
+    await asyncio.to_thread(fleet.start_scheduler)
+    assert outcomes(await load) == {200: 12}
+
+
+async def test_killing_a_worker_mid_load_ends_every_request_served_or_with_a_clear_error(fleet):
+    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=64))
+    await asyncio.sleep(0.8)
+    fleet.stack.kill("w3")
+    start = time.monotonic()
+    responses = await load
+    assert time.monotonic() - start < BOUND_S
+    for r in responses:
+        assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "worker_lost"), r.text
+    assert outcomes(await many(fleet, "key-demo", 4)) == {200: 4}  # the survivors take new work
+
+
+async def test_requests_are_still_served_with_redis_stopped(fleet):
+    load = asyncio.create_task(many(fleet, "key-demo", 8, max_tokens=16))
+    await asyncio.sleep(0.2)
+    fleet.redis.stop()
+    assert outcomes(await load) == {200: 8}
+    assert outcomes(await many(fleet, "key-other", 6)) == {200: 6}

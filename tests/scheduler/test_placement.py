@@ -1,0 +1,76 @@
+from services.scheduler.placement import Fleet
+from services.scheduler.prefetch import Prefetcher
+from shared.schemas import InferRequest, ResolvedAdapter, WorkerHeartbeat
+
+BASE = "base"
+DIGEST = "0" * 64
+
+
+def beat(worker_id: str, running: int = 0, gpu: tuple[str, ...] = (), cpu: tuple[str, ...] = (),
+         model: str = BASE, kv: int = 100, ts: float = 0.0) -> WorkerHeartbeat:
+    return WorkerHeartbeat(worker_id=worker_id, base_model=model, ready=True, running=running, waiting=0,
+                           max_running=4, kv_blocks_free=kv, kv_blocks_total=100, resident_adapters=list(gpu),
+                           cpu_adapters=list(cpu), ts=ts)
+
+
+def req(adapter: str | None = "ad", version: int = 1, rid: str = "r") -> InferRequest:
+    resolved = ResolvedAdapter(adapter_id=adapter, version=version, rank=8, digest=DIGEST, storage_uri="x",
+                               alpha=16) if adapter else None
+    return InferRequest(request_id=rid, tenant_id="t", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.a",
+                        adapter=resolved)
+
+
+def fleet(*beats: WorkerHeartbeat) -> Fleet:
+    f = Fleet(timeout_s=5, headroom=1)
+    for b in beats:
+        f.heartbeat(b, now=0)
+    return f
+
+
+def test_residency_wins_gpu_then_cpu_then_load():
+    f = fleet(beat("a"), beat("b", running=1, cpu=("ad@1",)), beat("c", running=2, gpu=("ad@1",)))
+    assert f.choose(req(), now=0) == "c"
+    assert f.choose(req(), exclude={"c"}, now=0) == "b"
+    assert f.choose(req(adapter=None), now=0) == "a"  # the base model is resident everywhere: least loaded
+
+
+def test_a_saturated_holder_spills_the_hot_adapter_to_an_idle_worker():
+    f = fleet(beat("a"), beat("hot", running=4, gpu=("ad@1",)))
+    assert f.choose(req(), now=0) == "a"
+
+
+def test_no_room_no_wrong_model_no_dead_worker():
+    f = fleet(beat("full", running=5), beat("other", model="other-model"))
+    assert f.choose(req(), now=0) is None
+    f.heartbeat(beat("late"), now=10)
+    assert f.expire(now=10) == ["full", "other"]
+    assert f.choose(req(), now=10) == "late"
+
+
+def test_dispatches_since_the_last_heartbeat_count_as_load_and_pin_the_adapter_there():
+    f = fleet(beat("a"), beat("b", kv=50))
+    first = f.choose(req(), now=0)
+    assert first == "a"
+    for i in range(2):
+        f.sent(first, req(rid=f"r{i}"), now=0)
+    assert f.choose(req(), now=1) == "a"  # it is loading ad@1 there: affinity, though b is idler
+    for i in range(2, 4):
+        f.sent("a", req(rid=f"r{i}"), now=1)
+    assert f.choose(req(), now=1) == "b"  # a is full until a request ends or a heartbeat says otherwise
+    f.ended("a", "r3")
+    assert f.choose(req(), now=1) == "a"
+    f.refused("a", "r2", back_off=True)
+    assert f.choose(req(), now=1) == "b"
+    f.heartbeat(beat("a", gpu=("ad@1",), ts=1e18), now=2)
+    assert f.choose(req(), now=2) == "a"
+
+
+def test_prefetch_replicates_a_rising_adapter_and_evicts_cold_replicas_boundedly():
+    f = fleet(beat("a", gpu=("hot@1", "cold@1")), beat("b", gpu=("cold@1",)), beat("c", running=3, cpu=("hot@1",)))
+    plan = Prefetcher(hot_rate=1.0, cold_rate=0.01, limit=10).plan({"hot@1": 2.5, "cold@1": 0.0}, f)
+    sent = {(w, c.action, c.adapter_id) for w, c in plan}
+    assert sent == {("c", "prefetch", "hot"), ("b", "evict", "cold")}  # c holds it in its CPU tier
+    prefetcher = Prefetcher(hot_rate=1.0, cold_rate=0.01, limit=1)
+    first = prefetcher.plan({"hot@1": 2.5, "cold@1": 0.0}, f)
+    second = prefetcher.plan({"hot@1": 2.5, "cold@1": 0.0}, f)
+    assert len(first) == len(second) == 1 and first != second  # not the same one tick after tick
