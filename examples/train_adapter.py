@@ -20,9 +20,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tasks import TASKS, Task  # noqa: E402
+from tasks import TASKS, Task
 
-from services.worker.model_loader import load_model  # noqa: E402
+from services.worker.model_loader import load_model
 
 TRAIN_SEED, EVAL_SEED = 0, 1
 EVAL_ITEMS = 16

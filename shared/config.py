@@ -136,4 +136,3 @@ class RegistrySettings(CommonSettings):
 
 class AuditorSettings(CommonSettings):
     db_path: str = Field(default=".lorafleet/audit.sqlite3", description="SQLite index of the audit trail")
-    durable_name: str = Field(default="auditor", pattern=r"^[A-Za-z0-9_-]{1,64}$")

@@ -11,6 +11,9 @@ from services.cli.infra import Server, free_port, start_nats, start_redis
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. at the first import of
+# kernels/, which any test module may trigger: choose the CPU interpreter before all of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,7 @@ import contextlib
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.auditor.crosscheck import check_completion
 from services.auditor.store import AuditStore
@@ -43,12 +42,24 @@ class RecordCache:
         return self._records[key]
 
 
-async def _record(store: AuditStore, records: RecordCache, seq: int, event) -> None:
-    store.append(seq, event.model_dump(mode="json"))
+async def _violations(records: RecordCache, event, stop: asyncio.Event) -> list:
+    """The cross-check's findings; while the registry is unreachable it waits (the stream holds the rest)."""
     if not isinstance(event, CompletionAudit) or event.adapter_id is None:
-        return
-    record = await records.get(event.adapter_id, event.adapter_version)
-    for number, violation in enumerate(check_completion(event, record), start=1):
+        return []
+    while True:
+        try:
+            return check_completion(event, await records.get(event.adapter_id, event.adapter_version))
+        except (ServiceUnavailable, UpstreamTimeout) as e:
+            log.warning("crosscheck_waiting_for_registry", error=e.message)
+            if stop.is_set():
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def _record(store: AuditStore, records: RecordCache, seq: int, event, stop: asyncio.Event) -> None:
+    violations = await _violations(records, event, stop)
+    store.append(seq, event.model_dump(mode="json"))
+    for number, violation in enumerate(violations, start=1):
         # a derived record gets a sequence of its own beyond the stream's, so replays stay idempotent
         store.append(-(seq * 10 + number), violation.model_dump(mode="json"))
         if violation.violation == "tenant_isolation":
@@ -78,35 +89,31 @@ async def run(settings: AuditorSettings) -> None:
                                    intact=store.verify() is None if query.tenant_id is None else None)
 
         await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, on_query, queue="auditor")
-        psub = await js.pull_subscribe(
-            subjects.AUDIT_ALL, durable=settings.durable_name, stream=subjects.AUDIT_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
-        )
         stop = shutdown_event()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
+
+        async def on_audit(msg) -> None:
+            await queue.put(msg)
+
+        # Resume in stream order right after the last recorded sequence: the index is the cursor,
+        # so a restart has no gaps, no duplicates and no reordering.
+        start = store.last_stream_seq() + 1
+        await js.subscribe(subjects.AUDIT_ALL, cb=on_audit, stream=subjects.AUDIT_STREAM, ordered_consumer=True,
+                           config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
         metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
         beats = asyncio.create_task(publish_heartbeats(
             nc, "auditor", settings.instance_id, settings.heartbeat_interval_s,
             lambda: (True, f"{store.count()} records"), metrics_port))
-        log.info("auditor_started", records=store.count())
+        log.info("auditor_started", records=store.count(), resume_from=start)
         while not stop.is_set():
             try:
-                msgs = await psub.fetch(batch=64, timeout=0.5)
-            except NatsTimeout:
+                msg = await asyncio.wait_for(queue.get(), 0.5)
+            except TimeoutError:
                 continue
-            except Exception as e:
-                log.warning("fetch_failed", error=str(e))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                try:
-                    await _record(store, records, msg.metadata.sequence.stream, decode(AuditEnvelope, msg.data).body)
-                except (ServiceUnavailable, UpstreamTimeout) as e:
-                    log.warning("crosscheck_deferred", error=e.message)  # appends are idempotent: retry whole
-                    await msg.nak(delay=2)
-                    continue
-                except LorafleetError as e:
-                    log.warning("bad_audit_record", subject=msg.subject, error=e.message)
-                await msg.ack()
+            try:
+                await _record(store, records, msg.metadata.sequence.stream, decode(AuditEnvelope, msg.data).body, stop)
+            except LorafleetError as e:
+                log.warning("bad_audit_record", subject=msg.subject, error=e.message)
         beats.cancel()
         log.info("auditor_stopped", records=store.count())
 

@@ -46,6 +46,10 @@ class AuditStore:
     def close(self) -> None:
         self._db.close()
 
+    def last_stream_seq(self) -> int:
+        """The newest AUDIT stream sequence recorded (derived records carry negative sequences)."""
+        return self._db.execute("SELECT COALESCE(MAX(stream_seq), 0) FROM audit").fetchone()[0]
+
     def last_hash(self) -> str:
         row = self._db.execute("SELECT hash FROM audit ORDER BY pos DESC LIMIT 1").fetchone()
         return row[0] if row else GENESIS

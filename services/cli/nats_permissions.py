@@ -17,7 +17,6 @@ SHARED_STREAMS = (subjects.INFER_STREAM, subjects.ADAPTER_EVENTS_STREAM, subject
 SERVICES = ("gateway", "registry", "scheduler", "worker", "auditor")
 ADMIN = "admin"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
-AUDITOR_CONSUMER = "auditor"  # durable on AUDIT (AuditorSettings.durable_name default)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
 GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "keys"))
@@ -135,8 +134,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
         ),
         "auditor": Permissions(
             publish=(*common, *own["auditor"], *_registry_ops(REGISTRY_READ_OPS),
-                     *durable_consumer(subjects.AUDIT_STREAM, AUDITOR_CONSUMER),
-                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
+                     *stream_reader(subjects.AUDIT_STREAM), *stream_reader(subjects.ADAPTER_EVENTS_STREAM)),
             subscribe=("_INBOX.>", *own["auditor"], subjects.AUDITOR_QUERY),
             allow_responses=True,
         ),

@@ -51,9 +51,19 @@ class Stack:
         proc.kill()
         proc.wait()
 
-    def stop_all(self) -> None:
-        for key in reversed(list(self.procs)):
-            self.stop(key)
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service at once, then wait for all within one shared deadline."""
+        procs, self.procs = self.procs, {}
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def dead(self) -> dict[str, int]:
         return {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}

@@ -19,8 +19,14 @@ from shared.bus import request
 from shared.errors import Unauthorized
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
-    AdapterRecordsReply, ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, GetAdapterRequest,
-    RevokeApiKeyRequest, TrustedKeysReply, TrustKeyRequest,
+    AdapterRecordsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    GetAdapterRequest,
+    RevokeApiKeyRequest,
+    TrustedKeysReply,
+    TrustKeyRequest,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"

@@ -11,6 +11,7 @@ from nats.aio.client import Client as NATS
 from services.evaluation.runner import EvalReport, EvalSet, run_eval
 from shared import subjects
 from shared.bus import request
+from shared.errors import ServiceUnavailable
 from shared.schemas import AdapterRecord, AdapterRecordsReply, PromoteRequest, RecordEvalRequest
 
 REGISTRY_TIMEOUT_S = 30.0
@@ -33,8 +34,12 @@ class Evaluation:
 
 async def evaluate(client: openai.AsyncOpenAI, adapter_id: str, version: int, eval_set: EvalSet, *,
                    base_model: str | None, max_tokens: int = 48) -> Evaluation:
-    """Score ``adapter_id@version`` (a staging version needs an admin-scoped key) and, if named, the base."""
+    """Score ``adapter_id@version`` (a staging version needs an admin-scoped key) and, if named, the base.
+
+    Raises ServiceUnavailable when no request was answered: an outage is not a score to record."""
     adapter = await run_eval(client, f"{adapter_id}@{version}", eval_set, max_tokens=max_tokens)
+    if adapter.errors == len(adapter.scores):
+        raise ServiceUnavailable(f"no eval request of {adapter_id}@{version} was answered: {adapter.answers[0]}")
     base = await run_eval(client, base_model, eval_set, max_tokens=max_tokens) if base_model else None
     return Evaluation(adapter=adapter, base=base, threshold=eval_set.threshold)
 

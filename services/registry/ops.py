@@ -6,6 +6,7 @@ steps never interleave.
 """
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from shared import metrics, subjects
+from shared.access import may_use
+from shared.errors import ModelNotFound
 from shared.adapter_format import read_adapter_dir
 from shared.schemas import (
     AdapterEvent,
@@ -27,6 +30,7 @@ from shared.schemas import (
     RecordEvalRequest,
     RegisterRequest,
     RegistryChangeAudit,
+    RejectionAudit,
     ResolveReply,
     ResolveRequest,
     RetireRequest,
@@ -79,7 +83,21 @@ class Registry:
         self._started = int(time.time())
 
     async def resolve(self, req: ResolveRequest) -> ResolveReply:
-        return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key, req.preview)
+        try:
+            return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key, req.preview)
+        except ModelNotFound:
+            await self._audit_foreign_attempt(req)
+            raise
+
+    async def _audit_foreign_attempt(self, req: ResolveRequest) -> None:
+        """A tenant naming another tenant's adapter gets the plain 404, and the attempt is audited."""
+        records = self.catalog.versions(req.model.partition("@")[0])
+        if not records or any(may_use(r, req.tenant_id) for r in records):
+            return
+        attempt = RejectionAudit(request_id=re.sub(r"[^A-Za-z0-9_.:-]", "-", req.request_key)[:128],
+                                 tenant_id=req.tenant_id, service="registry", code="tenant_isolation_attempt",
+                                 reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant")
+        await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=attempt))
 
     async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
         return list_models(self.catalog, self._base.name, req.tenant_id, self._started)

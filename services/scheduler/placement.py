@@ -10,7 +10,7 @@ from shared.schemas import InferRequest, WorkerHeartbeat
 
 # residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
 # slot is worth a whole worker's load; a saturated worker ranks after every unsaturated one
-TIER_COST = {"gpu": 0.0, "cpu": 0.5, "miss": 1.0}
+TIER_COST = {"gpu": 0.0, "cpu": 0.5, "free_slot": 0.75, "miss": 1.0}
 HOME_WEIGHT = 0.5  # an adapter held nowhere goes to its rendezvous-hash home unless that worker is busier
 RECENT_S = 5.0  # a worker we just sent an adapter to is treated as holding it until heartbeats show it
 
@@ -39,10 +39,21 @@ class WorkerView:
     def load(self) -> int:
         return max(self.beat.running + self.beat.waiting + len(self.sent), self.inflight)
 
-    def tier(self, key: str | None, now: float) -> str:
+    def tier(self, key: str | None, now: float, rank: int | None = None) -> str:
+        """Where the adapter is: gpu, cpu (a cheap copy), free_slot (a load needing no eviction), miss."""
         if key is None or key in self.beat.resident_adapters or now - self.recent.get(key, -1e9) < RECENT_S:
             return "gpu"
-        return "cpu" if key in self.beat.cpu_adapters else "miss"
+        if key in self.beat.cpu_adapters:
+            return "cpu"
+        return "free_slot" if rank is not None and self.free_slot(rank) else "miss"
+
+    def free_slot(self, rank: int) -> bool:
+        """Whether the smallest rank class that holds ``rank`` has a free slot on this worker."""
+        fitting = sorted(int(r) for r in self.beat.slots if int(r) >= rank)
+        if not fitting:
+            return False
+        used, total = self.beat.slots[str(fitting[0])]
+        return used < total
 
 
 @dataclass(slots=True)
@@ -83,7 +94,7 @@ class Fleet:
         for worker_id, v in self.workers.items():
             if worker_id in skip or v.beat.base_model != request.base_model or not self.has_room(v):
                 continue
-            tier = v.tier(key, now)
+            tier = v.tier(key, now, request.adapter.rank if request.adapter else None)
             home = HOME_WEIGHT * _spread(key, worker_id) if tier != "gpu" else 0.0
             saturated = v.load >= v.beat.max_running  # a busy holder spills its adapter to idle workers
             score = (saturated, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free,

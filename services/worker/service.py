@@ -26,7 +26,7 @@ from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AdapterEvent, AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, ReplyEnvelope, ReplyMessage,
+    AdapterEvent, AuditEnvelope, CompletionAudit, DispatchReply, RejectionAudit, InferRequest, ReplyEnvelope, ReplyMessage,
     WorkerControl, WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
@@ -116,9 +116,9 @@ async def run(settings: WorkerSettings) -> None:
         async def emit(reply_to: str, message: ReplyMessage) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
 
-        async def audit(event: CompletionAudit) -> None:
+        async def audit(event: CompletionAudit | RejectionAudit) -> None:
             try:
-                await js.publish(subjects.audit("completion", event.tenant_id), encode(AuditEnvelope(body=event)))
+                await js.publish(subjects.audit(event.kind, event.tenant_id), encode(AuditEnvelope(body=event)))
             except Exception as e:
                 log.warning("audit_publish_failed", request_id=event.request_id, error=str(e))
 

@@ -17,7 +17,7 @@ from services.worker.timing import Timing
 from shared import metrics
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
-    CompletionAudit, InferRequest, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
+    CompletionAudit, InferRequest, RejectionAudit, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
 )
 from shared.telemetry import tracer
 
@@ -25,7 +25,7 @@ log = structlog.get_logger("worker")
 _tracer = tracer("worker")
 
 Emit = Callable[[str, ReplyMessage], Awaitable[None]]
-Audit = Callable[[CompletionAudit], Awaitable[None]]
+Audit = Callable[[CompletionAudit | RejectionAudit], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -137,6 +137,9 @@ class RequestServer:
                 log.info("request_cancelled", request_id=rid, reason=error.code if error else "client")
             except LorafleetError as e:
                 await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=e.to_body()))
+                if isinstance(e, IntegrityError):  # an integrity refusal is an audit event of its own
+                    await self.audit(RejectionAudit(request_id=rid, tenant_id=job.request.tenant_id, service="worker",
+                                                    code=e.code, reason=e.message[:2000]))
             except Exception as e:
                 log.exception("request_failed", request_id=rid)
                 failure = ServiceUnavailable(f"worker failed while generating: {type(e).__name__}")

@@ -111,6 +111,13 @@ def test_other_tenant_cannot_use_or_see_the_adapter(running_stack, adapters):
     assert foreign.value.body["message"].replace("sea-poet", "X") == \
         missing.value.body["message"].replace("no-such-adapter", "X")
     assert "sea-poet" not in [m.id for m in other.models.list().data]
+    deadline, attempts = time.monotonic() + 10, []
+    while time.monotonic() < deadline and not attempts:
+        with sqlite3.connect(running_stack.db_path) as db:
+            attempts = db.execute("SELECT tenant_id FROM audit WHERE kind = 'rejection' AND body LIKE ?",
+                                  ("%tenant_isolation_attempt%",)).fetchall()
+        time.sleep(0.2)
+    assert attempts and {t for (t,) in attempts} == {"other"}  # the probe is audited; the unknown name is not
 
 
 async def _resident_everywhere(nats_url: str) -> set[str]:

@@ -2,6 +2,7 @@
 a broken version cannot pass the release gate, and a regressing canary is rolled back and audited."""
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,14 @@ from shared.bus import request
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
-    AdapterRecordsReply, ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, GetAdapterRequest,
-    TenantsReply, TrustedKeysReply, TrustKeyRequest,
+    AdapterRecordsReply,
+    ApiKeyCreatedReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    GetAdapterRequest,
+    TenantsReply,
+    TrustedKeysReply,
+    TrustKeyRequest,
 )
 
 pytestmark = pytest.mark.slow
@@ -154,12 +161,21 @@ def test_a_regressing_canary_is_rolled_back_and_audited(release: Release) -> Non
     assert not outcome.released and outcome.percent == 10
     assert outcome.reasons[0].startswith("quality")
     assert statuses == {1: "production", 2: "staging"}
-    store = AuditStore(release.db_path)
-    try:
-        rows = [r.body for r in store.query(kind="registry_change", adapter_id="sql-employees", limit=1000)]
-    finally:
-        store.close()
-    trail = [(b["version"], b["action"], b["actor"], b.get("reason") or "") for b in rows if b["version"] == 2]
+    trail = _audit_trail(release.db_path, "sql-employees", 2, until_action="rolled_back")
     assert (2, "promoted", "canary-test", "forced canary start") in trail
     rolled_back = [t for t in trail if t[1] == "rolled_back"]
     assert rolled_back and "regressed vs v1: quality" in rolled_back[-1][3]
+
+
+def _audit_trail(db_path: Path, adapter_id: str, version: int, until_action: str) -> list[tuple]:
+    """(version, action, actor, reason) of the version's registry changes, once ``until_action`` is indexed."""
+    deadline, trail = time.monotonic() + 15, []
+    while time.monotonic() < deadline and until_action not in {t[1] for t in trail}:
+        time.sleep(0.3)
+        store = AuditStore(db_path)
+        try:
+            rows = [r.body for r in store.query(kind="registry_change", adapter_id=adapter_id, limit=1000)]
+        finally:
+            store.close()
+        trail = [(b["version"], b["action"], b["actor"], b.get("reason") or "") for b in rows if b["version"] == version]
+    return trail

@@ -1,11 +1,12 @@
-"""The release gate and eval records: threshold, regression tolerance, required eval, audit of force."""
+"""The release gate (threshold, regression tolerance, required eval), eval records, preview resolution."""
 
 import pytest
 
 from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
 from services.registry.records import Catalog
-from shared.errors import Conflict, ReleaseGateFailed
+from services.registry.resolve import resolve
+from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
 from shared.schemas import AdapterRecord
 
 DIGEST = "0" * 64
@@ -58,3 +59,11 @@ def test_record_eval_keeps_status_and_refuses_revoked_versions() -> None:
     assert change.after.eval_results == {"score": 0.9, "threshold": 0.6}
     with pytest.raises(Conflict, match="revoked"):
         lifecycle.record_eval(catalog, "sql", 2, {"score": 0.9})
+
+
+def test_only_a_pinned_preview_reaches_a_staging_version() -> None:
+    catalog = Catalog([record(1, "production"), record(2)])
+    assert resolve(catalog, "base", "demo", "sql@2", "k", preview=True).adapter.version == 2
+    assert resolve(catalog, "base", "demo", "sql", "k", preview=True).adapter.version == 1
+    with pytest.raises(AdapterNotReleased):
+        resolve(catalog, "base", "demo", "sql@2", "k")

@@ -74,3 +74,13 @@ def test_prefetch_replicates_a_rising_adapter_and_evicts_cold_replicas_boundedly
     first = prefetcher.plan({"hot@1": 2.5, "cold@1": 0.0}, f)
     second = prefetcher.plan({"hot@1": 2.5, "cold@1": 0.0}, f)
     assert len(first) == len(second) == 1 and first != second  # not the same one tick after tick
+
+
+def test_a_free_slot_of_the_right_rank_class_beats_a_full_one():
+    full = beat("full").model_copy(update={"slots": {"8": [4, 4], "64": [0, 2]}})
+    free = beat("free", running=1).model_copy(update={"slots": {"8": [1, 4], "64": [2, 2]}})
+    f = fleet(full, free)
+    assert f.choose(req(adapter="new-a"), now=0) == "free"  # rank 8: only "free" loads without evicting
+    assert f.workers["full"].tier("new-a@1", 0, 8) == "miss"
+    assert f.workers["full"].tier("new-a@1", 0, 16) == "free_slot"  # rank 16 fits the empty rank-64 class
+    assert f.workers["free"].tier("new-a@1", 0, 16) == "miss"
