@@ -17,6 +17,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The embedded SmolLM2 as a safetensors directory (converted from its GGUF on first use)."""
+    from services.worker.model_loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_nats(free_port(), tmp_path_factory.mktemp("nats"))
     yield server

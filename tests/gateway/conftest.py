@@ -32,7 +32,6 @@ from tests.helpers.adapters import tiny_llama
 
 BASE = "tiny-llama"
 REPO = Path(__file__).resolve().parents[2]
-SMOLLM_DIR = REPO / ".lorafleet" / "models" / "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +49,8 @@ def tiny_base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_tokens() -> PromptTokens | None:
-    return PromptTokens.load(SMOLLM_DIR) if (SMOLLM_DIR / "tokenizer.json").is_file() else None
+def smol_tokens(smollm_dir: Path) -> PromptTokens:
+    return PromptTokens.load(smollm_dir)
 
 
 @dataclass

@@ -1,10 +1,8 @@
 """The gateway's torch-free token count equals the worker's (transformers' tokenizer + chat template)."""
 
-import pytest
 
 from services.gateway.prompt_tokens import PromptTokens
 from shared.schemas import ChatMessage
-from tests.gateway.conftest import SMOLLM_DIR
 
 CHATS = [
     [ChatMessage(role="user", content="What is the capital of France?")],
@@ -13,12 +11,11 @@ CHATS = [
 ]
 
 
-@pytest.mark.skipif(not (SMOLLM_DIR / "tokenizer.json").is_file(), reason="SmolLM2 is not in the model cache")
-def test_counts_match_transformers():
+def test_counts_match_transformers(smollm_dir):
     from transformers import AutoTokenizer
 
-    reference = AutoTokenizer.from_pretrained(SMOLLM_DIR)
-    counter = PromptTokens.load(SMOLLM_DIR)
+    reference = AutoTokenizer.from_pretrained(smollm_dir)
+    counter = PromptTokens.load(smollm_dir)
     for chat in CHATS:
         ids = reference.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
