@@ -1,0 +1,94 @@
+"""Audit events on the AUDIT stream and queries of the auditor's index."""
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from shared.schemas.base import Identifier, Message, RequestId
+from shared.schemas.registry import Actor, AdapterStatus
+
+
+# ---- audit -------------------------------------------------------------------------------
+
+
+class CompletionAudit(Message):
+    kind: Literal["completion"] = "completion"
+    ts: float = Field(default_factory=time.time)
+    request_id: RequestId
+    tenant_id: Identifier
+    base_model: str
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    adapter_rank: int | None = None
+    adapter_digest: str | None = None
+    cache_hit: bool
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    worker_id: Identifier
+    outcome: Literal["stop", "length", "cancelled", "error"]
+
+
+class RejectionAudit(Message):
+    kind: Literal["rejection"] = "rejection"
+    ts: float = Field(default_factory=time.time)
+    request_id: RequestId
+    tenant_id: Identifier
+    service: str
+    code: str
+    reason: str = Field(max_length=2000)
+
+
+class RegistryChangeAudit(Message):
+    kind: Literal["registry_change"] = "registry_change"
+    ts: float = Field(default_factory=time.time)
+    actor: Actor
+    tenant_id: Identifier
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    action: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
+    before: AdapterStatus | None = None
+    after: AdapterStatus
+    reason: str | None = Field(default=None, max_length=500)
+
+
+class ViolationAudit(Message):
+    """What the auditor's cross-check found wrong with a completion: served across tenants, or
+    with weights other than the registry's for that version."""
+
+    kind: Literal["violation"] = "violation"
+    ts: float = Field(default_factory=time.time)
+    violation: Literal["tenant_isolation", "integrity"]
+    request_id: RequestId
+    tenant_id: Identifier
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    detail: str = Field(max_length=2000)
+
+
+AuditEvent = Annotated[
+    CompletionAudit | RejectionAudit | RegistryChangeAudit | ViolationAudit, Field(discriminator="kind")
+]
+
+
+class AuditQueryRequest(Message):
+    """A query of the audit index; ``tenant_id`` scopes it (None only for platform operators)."""
+
+    tenant_id: Identifier | None = None
+    request_id: RequestId | None = None
+    adapter_id: Identifier | None = None
+    kind: str | None = Field(default=None, max_length=32)
+    since: float | None = None
+    until: float | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class AuditQueryReply(Message):
+    records: list[dict] = Field(default_factory=list)
+    intact: bool | None = Field(default=None, description="the hash chain verified, when asked")
+
+
+class AuditEnvelope(Message):
+    body: AuditEvent

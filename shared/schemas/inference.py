@@ -1,0 +1,135 @@
+"""Inference: a request, its dispatch, and what flows back on its reply inbox."""
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
+
+
+# ---- inference ---------------------------------------------------------------------------
+
+
+class ChatMessage(Message):
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=200_000)
+
+
+class SamplingParams(Message):
+    max_tokens: int = Field(default=128, ge=1, le=32_768)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1000, description="0 disables top-k")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=8)
+    ignore_eos: bool = False
+
+
+class ResolvedAdapter(Message):
+    """The exact adapter version a request was granted by the registry."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    rank: int = Field(ge=1, le=1024)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    storage_uri: str = Field(max_length=2048)
+    alpha: float = Field(gt=0)
+    use_rslora: bool = False
+
+
+class InferRequest(Message):
+    """One generation request, as submitted on ``lf.infer.submit.<tenant>``."""
+
+    request_id: RequestId
+    tenant_id: Identifier
+    model: str = Field(min_length=1, max_length=256, description="the name the client asked for")
+    base_model: str = Field(min_length=1, max_length=256)
+    adapter: ResolvedAdapter | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+    prompt: str | None = Field(default=None, max_length=400_000)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    reply_to: str = Field(
+        min_length=1, max_length=256, pattern=r"^_INBOX[._][A-Za-z0-9_.-]+$",
+        description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
+    )
+    priority: Literal["interactive", "batch"] = "interactive"
+    created_at: float = Field(default_factory=time.time)
+    timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    accept_deadline: float | None = Field(
+        default=None, description="epoch seconds after which the client no longer waits for a worker"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "InferRequest":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("exactly one of messages or prompt must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DispatchReply(Message):
+    """A worker's answer to ``lf.worker.<id>.dispatch``: it took the request, or why not."""
+
+    accepted: bool
+    worker_id: Identifier
+    error: ErrorBody | None = None
+
+
+class ServedBy(Message):
+    worker_id: Identifier
+    base_model: str
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    adapter_digest: str | None = None
+    cache_hit: bool = True
+
+
+class Usage(Message):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class ReplyAccepted(Message):
+    kind: Literal["accepted"] = "accepted"
+    request_id: RequestId
+    worker_id: Identifier
+    cache_hit: bool = Field(description="the adapter (or base model) was resident when the worker accepted")
+
+
+class ReplyToken(Message):
+    kind: Literal["token"] = "token"
+    request_id: RequestId
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+
+
+class ReplyFinal(Message):
+    kind: Literal["final"] = "final"
+    request_id: RequestId
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+    served_by: ServedBy
+    ttft_ms: float = Field(ge=0)
+    tpot_ms: float = Field(ge=0)
+
+
+class ReplyError(Message):
+    kind: Literal["error"] = "error"
+    request_id: RequestId
+    error: ErrorBody
+
+
+ReplyMessage = Annotated[ReplyAccepted | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")]
+
+
+class ReplyEnvelope(Message):
+    """What travels on a request's reply inbox; one wrapper so a consumer decodes one type."""
+
+    body: ReplyMessage
+
+

@@ -1,0 +1,56 @@
+"""Worker control and the heartbeats that tell who is alive."""
+
+import time
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from shared.schemas.base import Identifier, Message, RequestId
+
+
+# ---- worker control and liveness -----------------------------------------------------------
+
+
+class WorkerControl(Message):
+    action: Literal["prefetch", "evict", "pin", "unpin", "cancel"]
+    request_id: RequestId | None = None
+    adapter_id: Identifier | None = None
+    adapter_version: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _target(self) -> "WorkerControl":
+        if self.action == "cancel" and self.request_id is None:
+            raise ValueError("cancel needs request_id")
+        if self.action != "cancel" and self.adapter_id is None:
+            raise ValueError(f"{self.action} needs adapter_id")
+        return self
+
+
+class WorkerHeartbeat(Message):
+    worker_id: Identifier
+    base_model: str
+    ready: bool
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    max_running: int = Field(ge=1)
+    kv_blocks_free: int = Field(ge=0)
+    kv_blocks_total: int = Field(ge=0)
+    resident_adapters: list[str] = Field(default_factory=list)
+    cpu_adapters: list[str] = Field(
+        default_factory=list, description="adapter keys held verified in the worker's CPU tier (a cheap load)"
+    )
+    slots: dict[str, list[int]] = Field(default_factory=dict, description="rank class -> [slots used, slots]")
+    cache_hit_ratio: dict[str, float] = Field(default_factory=dict, description="tier -> share of adapter lookups")
+    load_ms_mean: dict[str, float] = Field(default_factory=dict, description="source tier -> mean adapter load ms")
+    ts: float = Field(default_factory=time.time)
+
+
+class ServiceHeartbeat(Message):
+    service: Literal["gateway", "scheduler", "worker", "registry", "auditor"]
+    instance_id: Identifier
+    ready: bool
+    detail: str = Field(default="", max_length=500)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
+    ts: float = Field(default_factory=time.time)
+
+

@@ -1,0 +1,201 @@
+"""Registry ops: resolve, adapter records, lifecycle events and requests, trusted keys."""
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from shared.schemas.base import Identifier, Message
+from shared.schemas.inference import ResolvedAdapter
+
+
+# ---- registry --------------------------------------------------------------------------------
+# Request-reply: a reply is the op's reply model, or an ErrorBody flagged by the
+# ``Lf-Error`` header (see shared/bus.py ``serve`` / ``request``).
+
+
+class ResolveRequest(Message):
+    tenant_id: Identifier
+    model: str = Field(min_length=1, max_length=256)
+    request_key: str = Field(min_length=1, max_length=256)
+    preview: bool = Field(default=False, description="a pinned model@version may be a staging version (pre-release eval)")
+
+
+class ModelInfo(Message):
+    id: str
+    owned_by: str
+    created: int
+    kind: Literal["base", "adapter"]
+
+
+class ResolveReply(Message):
+    base_model: str
+    adapter: ResolvedAdapter | None = None
+
+
+class ListModelsRequest(Message):
+    tenant_id: Identifier
+
+
+class ListModelsReply(Message):
+    models: list[ModelInfo] = Field(default_factory=list)
+
+
+AdapterStatus = Literal["staging", "canary", "production", "retired", "revoked"]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Actor = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$", description="who asked for a change")]
+Scope = Annotated[str, Field(pattern=r"^(\*|[A-Za-z0-9_-]{1,64})$")]
+TrafficPercent = Annotated[float, Field(gt=0, le=100, description="share of the adapter's requests, in percent")]
+
+
+class AdapterRecord(Message):
+    """One immutable adapter version plus its lifecycle state (status, traffic, aliases)."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1, description="immutable, strictly increasing per adapter")
+    tenant_id: Identifier = Field(description='owner tenant, or "shared"')
+    base_model: str = Field(min_length=1, max_length=256)
+    base_model_fingerprint: Sha256Hex
+    task_type: str = Field(min_length=1, max_length=64)
+    rank: int = Field(ge=1, le=1024)
+    alpha: float = Field(gt=0)
+    use_rslora: bool = False
+    target_modules: list[str] = Field(min_length=1, max_length=7)
+    files: dict[str, Sha256Hex] = Field(description="file name -> sha256: the signed manifest's content")
+    checksum: Sha256Hex = Field(description="sha256 of adapter_model.safetensors")
+    manifest_digest: Sha256Hex
+    signature: str | None = Field(default=None, max_length=200, description="base64 Ed25519; None only in dev mode")
+    signer: Identifier | None = None
+    storage_uri: str = Field(max_length=2048)
+    created_at: float = Field(default_factory=time.time)
+    status: AdapterStatus = "staging"
+    traffic_percent: float = Field(default=0.0, ge=0, le=100)
+    promoted_at: float | None = Field(default=None, description="when it last became production")
+    allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
+    aliases: list[Identifier] = Field(default_factory=list, max_length=16)
+    eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class AdapterEvent(Message):
+    """A lifecycle change, published on ``lf.adapter.event.<adapter_id>`` (stream ADAPTER_EVENTS)."""
+
+    kind: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    tenant_id: Identifier
+    status: AdapterStatus
+    traffic_percent: float = Field(ge=0, le=100)
+    actor: Actor
+    ts: float = Field(default_factory=time.time)
+
+
+class RegisterRequest(Message):
+    """Register a new version from exactly one source: an upload, inline files, or a trusted URI."""
+
+    adapter_id: Identifier
+    tenant_id: Identifier
+    task_type: str = Field(min_length=1, max_length=64)
+    version: int | None = Field(default=None, ge=1, description="None = next; a signed push names it")
+    upload_id: Identifier | None = Field(default=None, description="objects <upload_id>/<file> in the uploads bucket")
+    inline_files: dict[str, str] | None = Field(default=None, description="file name -> base64 content")
+    source_uri: str | None = Field(default=None, max_length=2048)
+    signature: str | None = Field(default=None, max_length=200)
+    signer: Identifier | None = None
+    aliases: list[Identifier] = Field(default_factory=list, max_length=16)
+    allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
+    eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+    actor: Actor
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RegisterRequest":
+        given = [s for s in (self.upload_id, self.inline_files, self.source_uri) if s is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of upload_id, inline_files or source_uri must be given")
+        if (self.signature is None) != (self.signer is None):
+            raise ValueError("signature and signer go together")
+        return self
+
+
+class PromoteRequest(Message):
+    """staging -> canary at ``traffic_percent`` (100 = straight to production)."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    traffic_percent: TrafficPercent = 1.0
+    force: bool = Field(default=False, description="skip the release gate (audited with the reason)")
+    reason: str | None = Field(default=None, max_length=500)
+    actor: Actor
+
+
+class RolloutRequest(Message):
+    """Move the canary's traffic share; 100 makes it production."""
+
+    adapter_id: Identifier
+    traffic_percent: TrafficPercent
+    actor: Actor
+
+
+class RollbackRequest(Message):
+    adapter_id: Identifier
+    reason: str | None = Field(default=None, max_length=500, description="why, for the audit trail")
+    actor: Actor
+
+
+class RecordEvalRequest(Message):
+    """An evaluation of one version: ``results`` holds score (and base_score, threshold, items)."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    results: dict[str, float] = Field(max_length=64)
+    actor: Actor
+
+    @model_validator(mode="after")
+    def _has_score(self) -> "RecordEvalRequest":
+        if not 0 <= self.results.get("score", -1) <= 1:
+            raise ValueError("results must hold a score in [0, 1]")
+        return self
+
+
+class RetireRequest(Message):
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    actor: Actor
+
+
+class RevokeRequest(Message):
+    """Security stop: the version (or every version when None) is never served again."""
+
+    adapter_id: Identifier
+    version: int | None = Field(default=None, ge=1)
+    actor: Actor
+
+
+class GetAdapterRequest(Message):
+    adapter_id: Identifier
+    version: int | None = Field(default=None, ge=1, description="None = every version")
+
+
+class ListAdaptersRequest(Message):
+    tenant_id: Identifier | None = Field(default=None, description="None = every tenant")
+
+
+class AdapterRecordsReply(Message):
+    """The records an op read or changed, oldest version first."""
+
+    records: list[AdapterRecord] = Field(default_factory=list)
+
+
+class TrustKeyRequest(Message):
+    signer: Identifier
+    public_key: str = Field(pattern=r"^[A-Za-z0-9+/]{43}=$", description="base64 raw Ed25519 public key")
+    actor: Actor
+
+
+class ListKeysRequest(Message):
+    pass
+
+
+class TrustedKeysReply(Message):
+    keys: dict[str, str] = Field(default_factory=dict, description="signer -> base64 public key")
+
+

@@ -1,0 +1,93 @@
+"""Tenants, quotas and API keys (registry ops; the gateway mirrors their KV bucket)."""
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from shared.schemas.base import Identifier, Message
+from shared.schemas.registry import Actor, Sha256Hex
+
+
+# ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
+
+ApiScope = Literal["inference", "admin", "platform_admin"]
+
+
+class TenantQuota(Message):
+    """A tenant's limits, as data for the scheduler; None = no limit of that kind."""
+
+    requests_per_min: int | None = Field(default=None, ge=1, le=10_000_000)
+    tokens_per_min: int | None = Field(default=None, ge=1, le=10_000_000_000)
+    max_concurrent: int | None = Field(default=None, ge=1, le=100_000)
+    max_gpu_adapter_slots: int | None = Field(default=None, ge=1, le=100_000)
+
+
+class TenantRecord(Message):
+    tenant_id: Identifier
+    created_at: float = Field(default_factory=time.time)
+    quota: TenantQuota = Field(default_factory=TenantQuota)
+
+
+class ApiKeyInfo(Message):
+    """An API key as listed: everything but the secret and its hash."""
+
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    tenant_id: Identifier
+    scopes: list[ApiScope] = Field(min_length=1, max_length=3)
+    created_at: float = Field(default_factory=time.time)
+    revoked: bool = False
+
+
+class ApiKeyRecord(ApiKeyInfo):
+    """As stored: ``sha256(salt || secret)``; the secret itself is shown once, at creation."""
+
+    salt: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    secret_sha256: Sha256Hex
+
+
+class CreateTenantRequest(Message):
+    tenant_id: Identifier
+    quota: TenantQuota = Field(default_factory=TenantQuota)
+    actor: Actor
+
+
+class ListTenantsRequest(Message):
+    tenant_id: Identifier | None = Field(default=None, description="None = every tenant")
+
+
+class TenantsReply(Message):
+    tenants: list[TenantRecord] = Field(default_factory=list)
+
+
+class SetQuotaRequest(Message):
+    tenant_id: Identifier
+    quota: TenantQuota
+    actor: Actor
+
+
+class CreateApiKeyRequest(Message):
+    tenant_id: Identifier
+    scopes: list[ApiScope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
+    actor: Actor
+
+
+class ApiKeyCreatedReply(Message):
+    key: str = Field(description="the bearer key, shown only in this reply")
+    info: ApiKeyInfo
+
+
+class RevokeApiKeyRequest(Message):
+    key_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+    tenant_id: Identifier | None = Field(default=None, description="when set, only a key of this tenant")
+    actor: Actor
+
+
+class ListApiKeysRequest(Message):
+    tenant_id: Identifier | None = Field(default=None, description="None = every tenant")
+
+
+class ApiKeysReply(Message):
+    keys: list[ApiKeyInfo] = Field(default_factory=list)
+
+
