@@ -103,12 +103,15 @@ class Dispatcher:
         if rid in self.inflight or await self.dispatched.seen(rid):
             await handle.ack()
             return
+        quota = self.quotas.of(request.tenant_id)
         try:
-            grant = await self.admission.admit(request, self.quotas.of(request.tenant_id))
+            grant = await self.admission.admit(request, quota)
         except QuotaExceeded as e:
             await self._refuse(request, e)
             await handle.term()
             return
+        if quota.max_gpu_adapter_slots is not None:  # the worker's cache enforces it at eviction time
+            request = request.model_copy(update={"tenant_gpu_slots": quota.max_gpu_adapter_slots})
         item = Queued(request, handle, grant)
         self.held[rid] = item
         self.queue.push(item)

@@ -88,7 +88,8 @@ class RequestServer:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")
             job.key = adapter_key(request.adapter.adapter_id, request.adapter.version)
-            job.lookup = self.cache.acquire(job.key, request.adapter.rank, request.tenant_id, request.priority)
+            job.lookup = self.cache.acquire(job.key, request.adapter.rank, request.tenant_id, request.priority,
+                                            request.tenant_gpu_slots)
         self._remember(request.request_id)
         self._jobs[request.request_id] = job
         await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,

@@ -57,6 +57,10 @@ class InferRequest(Message):
     priority: Literal["interactive", "batch"] = "interactive"
     created_at: float = Field(default_factory=time.time)
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    tenant_gpu_slots: int | None = Field(
+        default=None, ge=1, le=100_000,
+        description="the tenant's GPU adapter slot quota per rank class (set by the scheduler from its limits)",
+    )
     accept_deadline: float | None = Field(
         default=None, description="epoch seconds after which the client no longer waits for a worker"
     )

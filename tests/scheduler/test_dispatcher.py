@@ -40,10 +40,12 @@ class World:
     def __init__(self, settings: SchedulerSettings, redis) -> None:
         self.answers: dict[str, DispatchReply | LorafleetError] = {}
         self.dispatched: list[tuple[str, str]] = []
+        self.requests: dict[str, InferRequest] = {}
         self.errors: dict[str, str] = {}
 
         async def dispatch(worker_id: str, request: InferRequest, headers) -> DispatchReply:
             self.dispatched.append((worker_id, request.request_id))
+            self.requests[request.request_id] = request
             answer = self.answers.get(worker_id, DispatchReply(accepted=True, worker_id=worker_id))
             if isinstance(answer, LorafleetError):
                 raise answer
@@ -112,6 +114,15 @@ async def test_over_quota_is_answered_429_and_dropped(world):
     assert msg.acts == ["term"] and world.errors == {"r2": "quota_exceeded"}
     await world.finish("r1")
     assert (await world.submit("r3")).acts == ["ack"]
+
+
+async def test_the_tenants_gpu_slot_quota_travels_with_its_requests(world):
+    world.beat("w1")
+    await world.submit("r1")
+    assert world.requests["r1"].tenant_gpu_slots is None
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=2))
+    await world.submit("r2")
+    assert world.requests["r2"].tenant_gpu_slots == 2
 
 
 async def test_a_flooding_tenant_does_not_starve_a_quiet_one(world):

@@ -81,6 +81,19 @@ def test_tenant_over_quota_evicts_its_own_coldest_first() -> None:
     assert tier.victim(Entry("t1-c", 8, "t1"), 9.0, protected=protected) == entries[1]
 
 
+def test_the_tenants_own_slot_limit_tightens_the_configured_share() -> None:
+    tier = SlotTier({8: 4}, LruPolicy(), quota=CacheConfig(tenant_slot_share=1.0).slot_quota)
+    entries = [Entry("t2-a", 8, "t2"), Entry("t1-a", 8, "t1"), Entry("t2-b", 8, "t2")]
+    for now, entry in enumerate(entries):
+        tier.policy.touch(entry.key, now)
+        tier.reserve(8)
+        tier.commit(entry)
+    # by the config share t1 may hold all 4 slots: the coldest overall (t2-a) leaves
+    assert tier.victim(Entry("t1-b", 8, "t1"), 9.0, protected=lambda _: False) == entries[0]
+    # with its quota of 1 slot from the tenant's limits, t1 evicts its own adapter first
+    assert tier.victim(Entry("t1-b", 8, "t1", slot_limit=1), 9.0, protected=lambda _: False) == entries[1]
+
+
 def test_protected_entries_are_never_victims() -> None:
     tier = SlotTier({8: 2}, LruPolicy())
     for now, key in enumerate("AB"):

@@ -75,12 +75,14 @@ class CacheHierarchy:
     def close(self) -> None:
         self._loader.close()
 
-    def acquire(self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive") -> Lookup:
+    def acquire(self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive",
+                slot_limit: int | None = None) -> Lookup:
         """Count one request in flight on ``key`` and look it up; a miss starts (or joins) its load.
 
+        ``slot_limit``: the tenant's GPU slot quota per rank class; at it, the tenant evicts its own first.
         Each acquire needs one release. Raises AdapterRevoked while an invalidated version drains.
         """
-        entry = Entry(key, rank, tenant, slo)
+        entry = Entry(key, rank, tenant, slo, slot_limit)
         with self._lock:
             if self._revoked(key):
                 raise AdapterRevoked(f"adapter {key} was invalidated")

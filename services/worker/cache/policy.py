@@ -24,6 +24,7 @@ class Entry:
     rank: int
     tenant: str | None = None
     slo: Slo = "interactive"
+    slot_limit: int | None = None  # the tenant's quota from its limits; tighter than the config share wins
 
 
 class EvictionPolicy(ABC):

@@ -82,7 +82,10 @@ class SlotTier:
         candidates = [e for e in self._residents[rank_class].values() if not protected(e.key)]
         if self._quota is not None and incoming.tenant is not None:
             own = [e for e in self._residents[rank_class].values() if e.tenant == incoming.tenant]
-            if len(own) >= self._quota(incoming.tenant, self.slots[rank_class]):
+            quota = self._quota(incoming.tenant, self.slots[rank_class])
+            if incoming.slot_limit is not None:
+                quota = min(quota, incoming.slot_limit)
+            if len(own) >= quota:
                 own_candidates = [e for e in candidates if e.tenant == incoming.tenant]
                 candidates = own_candidates or candidates
         return self.policy.victim(candidates, now)
