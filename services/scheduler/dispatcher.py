@@ -18,7 +18,7 @@ from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
-from shared.errors import LorafleetError, QuotaExceeded, from_body
+from shared.errors import LorafleetError, QuotaExceeded, UpstreamTimeout, from_body
 from shared.schemas import CompletionAudit, DispatchReply, InferRequest, WorkerControl
 
 log = structlog.get_logger("scheduler")
@@ -148,6 +148,10 @@ class Dispatcher:
         request = item.request
         try:
             reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
+        except UpstreamTimeout as e:
+            # the worker may still accept it late: cancel it there before it can run in two places
+            await self.ports.control(worker_id, WorkerControl(action="cancel", request_id=request.request_id))
+            reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         except LorafleetError as e:
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         if reply.accepted:

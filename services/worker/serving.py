@@ -62,6 +62,7 @@ class RequestServer:
         self._stop_errors: dict[str, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(50)
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     def tokenize(self, request: InferRequest) -> list[int]:
         if request.messages is not None:
@@ -77,6 +78,8 @@ class RequestServer:
     async def accept(self, request: InferRequest) -> None:
         """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
         if request.request_id in self._recent:
+            if request.request_id in self._cancelled:
+                raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker before it arrived")
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
         if request.base_model != self.base_model:
@@ -101,7 +104,11 @@ class RequestServer:
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
         task = self.tasks.get(request_id)
-        if task is None:
+        if task is None:  # not here (yet): a dispatch that arrives late must not start it
+            self._remember(request_id)
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > 10_000:
+                self._cancelled.popitem(last=False)
             return False
         if error is not None:
             self._stop_errors[request_id] = error

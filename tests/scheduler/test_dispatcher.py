@@ -177,3 +177,20 @@ async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown
     assert orphan.acts == ["term"] and world.errors["o"] == "no_worker_available"
     await world.core.shutdown(1)
     assert kept.acts == ["nak"] and ("w1", "c") not in world.dispatched
+
+
+async def test_a_dispatch_that_times_out_is_withdrawn_from_that_worker(world):
+    from shared.errors import UpstreamTimeout
+
+    sent = []
+
+    async def control(worker_id, message):
+        sent.append((worker_id, message.action, message.request_id))
+
+    world.core.ports.control = control
+    world.beat("slow")
+    world.beat("w2", running=1)
+    world.answers["slow"] = UpstreamTimeout("no answer")
+    msg = await world.submit("r1")
+    assert ("slow", "cancel", "r1") in sent
+    assert msg.acts == ["ack"] and world.dispatched[-1] == ("w2", "r1")
