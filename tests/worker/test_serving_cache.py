@@ -1,0 +1,107 @@
+"""The worker's serving path with the cache hierarchy on the real engine: a cold adapter loads beside
+the running batch, whose tokens keep flowing (asserted by ordering, not timing)."""
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.worker.cache import CacheConfig, CacheHierarchy
+from services.worker.engine import AsyncEngine, EngineConfig
+from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from services.worker.model_loader import LoadedModel, load_model
+from services.worker.serving import RequestServer
+from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams
+from tests.helpers.adapters import make_peft_model
+
+DIGEST = "0" * 64
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def cold_adapter(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("cold") / "cold"
+    make_peft_model(loaded.model, rank=8, alpha=16, seed=3).save_pretrained(directory)
+    return directory
+
+
+class GatedStore:
+    """A real adapter read from disk, held at a gate so the test controls when the load finishes."""
+
+    def __init__(self, manager: AdapterManager, directory: Path):
+        self.manager, self.directory = manager, directory
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def __call__(self, key: str) -> AdapterWeights:
+        self.entered.set()
+        assert self.gate.wait(60)
+        return self.manager.read_adapter(self.directory)
+
+
+def request(loaded: LoadedModel, rid: str, adapter: bool = False) -> InferRequest:
+    resolved = ResolvedAdapter(adapter_id="cold", version=1, rank=8, digest=DIGEST, storage_uri="test://cold",
+                               alpha=16) if adapter else None
+    return InferRequest(request_id=rid, tenant_id="acme", model="m", base_model=loaded.name, adapter=resolved,
+                        prompt="Once upon a time", reply_to=f"_INBOX.{rid}",
+                        sampling=SamplingParams(max_tokens=48 if not adapter else 6, temperature=0, ignore_eos=True))
+
+
+async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(loaded, cold_adapter):
+    manager = AdapterManager(LoraConfig(rank_classes=(8,), memory_budget_bytes=2**24, max_slots_per_class=2,
+                                        target_modules=("q_proj", "v_proj")), ModelShapes.from_hf_config(loaded.model.config))
+    store = GatedStore(manager, cold_adapter)
+    cache = CacheHierarchy(manager, store, CacheConfig())
+    engine = AsyncEngine.from_loaded(loaded, EngineConfig(kv_cache_bytes=64 * 2**20, max_model_len=256,
+                                                          max_num_batched_tokens=256), adapter_manager=manager)
+    engine.start()
+    events: list[tuple[str, object]] = []  # (reply inbox, message) in arrival order
+
+    async def emit(reply_to: str, message) -> None:
+        events.append((reply_to, message))
+
+    async def audit(_) -> None:
+        return None
+
+    server = RequestServer(engine, loaded.tokenizer, "w1", loaded.name, emit, audit, max_waiting=16, cache=cache)
+
+    def tokens(rid: str) -> int:
+        return sum(1 for inbox, m in events if inbox == f"_INBOX.{rid}" and isinstance(m, ReplyToken))
+
+    async def until(condition, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
+    try:
+        for rid in ("base-a", "base-b"):
+            await server.accept(request(loaded, rid))
+        await until(lambda: tokens("base-a") >= 3 and tokens("base-b") >= 3)
+        await server.accept(request(loaded, "cold", adapter=True))
+        accepted = next(m for inbox, m in events if inbox == "_INBOX.cold" and isinstance(m, ReplyAccepted))
+        assert accepted.cache_hit is False
+        assert await asyncio.to_thread(store.entered.wait, 30)
+        before = tokens("base-a"), tokens("base-b")
+        await until(lambda: tokens("base-a") >= before[0] + 8 and tokens("base-b") >= before[1] + 8)
+        assert tokens("cold") == 0  # the batch ran 8+ steps while the adapter was still loading
+        store.gate.set()
+        await until(lambda: any(inbox == "_INBOX.cold" and isinstance(m, ReplyFinal) for inbox, m in events))
+        await until(lambda: not server.tasks)
+        finals = {inbox: m for inbox, m in events if isinstance(m, ReplyFinal)}
+        assert finals["_INBOX.cold"].usage.completion_tokens == 6
+        assert finals["_INBOX.cold"].served_by.cache_hit is False
+        assert finals["_INBOX.base-a"].usage.completion_tokens == 48
+        order = [inbox for inbox, m in events if isinstance(m, ReplyToken)]
+        first_cold = order.index("_INBOX.cold")
+        assert order[:first_cold].count("_INBOX.base-a") >= before[0] + 8
+        assert cache.stats().gpu_adapters == ["cold@1"]
+    finally:
+        store.gate.set()
+        cache.close()
+        engine.shutdown()
