@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import torch
