@@ -10,11 +10,12 @@ from shared.schemas import AdapterRecord
 from services.registry.records import record_key
 
 
-async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
+async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:
+    """A registry KV bucket (file storage, 5 revisions), created when missing."""
     return await js.create_key_value(config=KeyValueConfig(bucket=name, history=5, storage=StorageType.FILE))
 
 
-async def _load(kv: KeyValue) -> dict[str, bytes]:
+async def load_all(kv: KeyValue) -> dict[str, bytes]:
     """Every live key's value, streamed by one watcher (one round trip, not one per key)."""
     values: dict[str, bytes] = {}
     watcher = await kv.watchall(ignore_deletes=True)
@@ -35,18 +36,18 @@ class RecordsKV:
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> "RecordsKV":
-        records = await _bucket(js, subjects.REGISTRY_RECORDS_BUCKET)
-        signers = await _bucket(js, subjects.REGISTRY_SIGNERS_BUCKET)
+        records = await open_bucket(js, subjects.REGISTRY_RECORDS_BUCKET)
+        signers = await open_bucket(js, subjects.REGISTRY_SIGNERS_BUCKET)
         return cls(records, signers)
 
     async def load_records(self) -> list[AdapterRecord]:
-        return [AdapterRecord.model_validate_json(v) for v in (await _load(self._records)).values()]
+        return [AdapterRecord.model_validate_json(v) for v in (await load_all(self._records)).values()]
 
     async def put_record(self, record: AdapterRecord) -> None:
         await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
     async def load_signers(self) -> dict[str, str]:
-        return {k: v.decode() for k, v in (await _load(self._signers)).items()}
+        return {k: v.decode() for k, v in (await load_all(self._signers)).items()}
 
     async def put_signer(self, signer: str, public_key: str) -> None:
         await self._signers.put(signer, public_key.encode())
