@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -77,12 +78,13 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> di
     return {"wall_s": wall, "ttft_s": [ttft] * len(prompts), "tpot_s": [tpot] * len(prompts)}
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
+               adapters: Sequence[str | None] | None = None) -> dict[str, object]:
+    """One batch through the engine (each request with its adapter, or base), EOS ignored."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    mono_start = time.monotonic()
+    start, mono_start = time.perf_counter(), time.monotonic()
     for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", p, params))
+        engine.add_request(EngineRequest(f"r{i}", p, params, adapter=adapters[i] if adapters else None))
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     while engine.has_unfinished():
@@ -92,9 +94,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
                 done[out.request_id] = time.monotonic()
                 assert out.completion_tokens == new_tokens
     wall = time.perf_counter() - start
-    ttft = [first[r] - mono_start for r in first]
-    tpot = [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]
-    return {"wall_s": wall, "ttft_s": ttft, "tpot_s": tpot}
+    return {"wall_s": wall, "ttft_s": [first[r] - mono_start for r in first],
+            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]}
 
 
 def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
@@ -166,7 +167,7 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
     }
 
 
-def environment(threads: int, dtype: str) -> dict[str, object]:
+def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": dtype,
             "model": "SmolLM2-135M-Instruct", "python": platform.python_version(), "git_commit": commit or None}

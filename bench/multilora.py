@@ -23,7 +23,7 @@ from peft import PeftModel, get_peft_model
 from peft import __version__ as peft_version
 from transformers import PreTrainedModel
 
-from bench.engine import StepClock, chat_prompts, environment, summarise
+from bench.engine import StepClock, chat_prompts, environment, run_engine, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.model_loader import LoadedModel, load_model
@@ -72,24 +72,6 @@ def run_generate(model: PreTrainedModel, pad: int, prompts: list[list[int]], new
     ttft = clock.times[1] - start
     tpot = (clock.times[-1] - clock.times[1]) / max(1, new_tokens - 1)
     return {"wall_s": wall, "ttft_s": [ttft] * len(prompts), "tpot_s": [tpot] * len(prompts)}
-
-
-def run_engine(engine: LLMEngine, prompts: list[list[int]], adapters: Sequence[str | None], new_tokens: int) -> Run:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start, mono_start = time.perf_counter(), time.monotonic()
-    for i, (p, adapter) in enumerate(zip(prompts, adapters)):
-        engine.add_request(EngineRequest(f"r{i}", p, params, adapter=adapter))
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request_id, out.first_token_time)
-            if out.finished:
-                done[out.request_id] = time.monotonic()
-                assert out.completion_tokens == new_tokens
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft_s": [first[r] - mono_start for r in first],
-            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]}
 
 
 def random_weights(shapes: ModelShapes, rank: int, seed: int) -> AdapterWeights:
@@ -166,14 +148,14 @@ def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, r
     pefts = {k: peft_model(loaded.model, names[k], dirs[k]) for k in names}
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 2
     systems: dict[str, Callable[[], Run]] = {
-        "base": lambda: run_engine(engine, prompts, [None] * batch, new_tokens),
-        "multilora": lambda: run_engine(engine, prompts, names["qv"], new_tokens),
+        "base": lambda: run_engine(engine, prompts, new_tokens),
+        "multilora": lambda: run_engine(engine, prompts, new_tokens, names["qv"]),
         "peft": lambda: run_generate(pefts["qv"], pad, prompts, new_tokens, adapter_names=names["qv"]),
         "hf": lambda: run_generate(loaded.model, pad, prompts, new_tokens),
-        "multilora_all": lambda: run_engine(engine, prompts, names["all"], new_tokens),
+        "multilora_all": lambda: run_engine(engine, prompts, new_tokens, names["all"]),
         "peft_all": lambda: run_generate(pefts["all"], pad, prompts, new_tokens, adapter_names=names["all"]),
     }
-    run_engine(engine, prompts[:2], names["qv"][:1] + [None], 2)
+    run_engine(engine, prompts[:2], 2, names["qv"][:1] + [None])
     runs: dict[str, list[Run]] = {name: [] for name in systems}
     for _ in range(rounds):
         for name, system in systems.items():
