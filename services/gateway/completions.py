@@ -1,26 +1,28 @@
 """POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import structlog
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.auth import Principal, inference_caller
 from services.gateway.context import GatewayContext
+from services.gateway.disconnect import ClientDisconnected, unless_disconnected
 from services.gateway.errors_http import error_payload
 from services.gateway.inference import Submission, merged, submit_all
 from services.gateway.openai_format import ChunkWriter, full_response
 from services.gateway.openai_responses import (
-    INFERENCE_ERRORS, ChatCompletion, Completion, ModelList, SSE_RESPONSE, error_responses,
+    INFERENCE_ERRORS, ChatCompletion, Completion, Model, ModelList, SSE_RESPONSE, error_responses,
 )
 from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
-from shared.errors import InvalidRequest, LorafleetError, NoWorkerAvailable, ServiceUnavailable
+from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
-    ChatMessage, ListModelsReply, ListModelsRequest, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
+    ChatMessage, ListModelsReply, ListModelsRequest, ModelInfo, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
 )
 from shared.telemetry import tracer
 
@@ -28,6 +30,7 @@ router = APIRouter(tags=["inference"])
 _tracer = tracer("gateway")
 log = structlog.get_logger("gateway")
 Body = ChatCompletionRequest | CompletionRequest
+CLIENT_CLOSED = 499
 
 
 def _ctx(request: Request) -> GatewayContext:
@@ -56,6 +59,14 @@ async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
     if count > limit:
         raise InvalidRequest(f"the prompt has {count} tokens, over the limit of {limit}",
                              param="messages" if "messages" in inputs else "prompt")
+
+
+async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Response:
+    """The handler's response; a client gone before it is ready cancels the request downstream."""
+    try:
+        return await unless_disconnected(request, run)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it: the nginx convention, for the logs
 
 
 async def _run(ctx: GatewayContext, tenant: str, body: Body, inputs: dict,
@@ -136,7 +147,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
     if sum(len(m.content) for m in messages) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
-    return await _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes)
+    return await _answer(request, _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes))
 
 
 @router.post("/v1/completions", response_model=Completion,
@@ -146,15 +157,37 @@ async def completions(body: CompletionRequest, request: Request, caller: Princip
     ctx = _ctx(request)
     if len(body.prompt) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {ctx.settings.max_prompt_chars} characters", param="prompt")
-    return await _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes)
+    return await _answer(request, _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes))
+
+
+async def _models(ctx: GatewayContext, tenant: str) -> ListModelsReply:
+    return await bus_request(ctx.nc, subjects.registry("list"), ListModelsRequest(tenant_id=tenant),
+                             ListModelsReply, ctx.settings.registry_timeout_s)
+
+
+def _model_object(model: ModelInfo, model_id: str | None = None) -> dict:
+    return {"id": model_id or model.id, "object": "model", "created": model.created, "owned_by": model.owned_by}
 
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 503, 504))
 async def list_models(request: Request, caller: Principal = Depends(inference_caller)) -> dict:
     """The base model plus the released adapters this tenant may use."""
+    reply = await _models(_ctx(request), caller.tenant_id)
+    return {"object": "list", "data": [_model_object(m) for m in reply.models]}
+
+
+@router.get("/v1/models/{model}", response_model=Model, responses=error_responses(401, 403, 404, 503, 504))
+async def retrieve_model(model: str, request: Request, caller: Principal = Depends(inference_caller)) -> dict:
+    """One model this tenant may call: the base model, an adapter id or alias, or ``alias@version``.
+    A foreign or unknown adapter is the same 404 as on the inference routes (and is audited)."""
     ctx = _ctx(request)
-    reply = await bus_request(ctx.nc, subjects.registry("list"), ListModelsRequest(tenant_id=caller.tenant_id),
-                              ListModelsReply, ctx.settings.registry_timeout_s)
-    return {"object": "list", "data": [
-        {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in reply.models
-    ]}
+    resolved = await bus_request(
+        ctx.nc, subjects.registry("resolve"),
+        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}"),
+        ResolveReply, ctx.settings.registry_timeout_s,
+    )
+    listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
+    entry = listed.get(model) or listed.get(resolved.adapter.adapter_id if resolved.adapter else resolved.base_model)
+    if entry is None:  # released a moment ago, or retired since the resolve
+        raise ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")
+    return _model_object(entry, model)

@@ -78,7 +78,25 @@ async def test_client_disconnect_cancels_the_request_downstream(gateway, client)
         for _ in range(6):
             await anext(lines)
     request_id = gateway.worker.requests[-1].request_id
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 1  # before the 2 s request timeout would cancel it anyway
     while request_id not in gateway.worker.cancelled:
         assert time.monotonic() < deadline, "the worker was never told to cancel"
+        await asyncio.sleep(0.02)
+
+
+async def test_client_disconnect_cancels_a_non_streamed_request_downstream(gateway, client):
+    before = len(gateway.worker.requests)
+    call = asyncio.create_task(client.post("/v1/completions", json={"model": BASE, "prompt": "slow"}))
+    deadline = time.monotonic() + 5
+    while len(gateway.worker.requests) == before:  # accepted and generating on the worker
+        assert time.monotonic() < deadline, "the request never reached the worker"
+        await asyncio.sleep(0.02)
+    request_id = gateway.worker.requests[-1].request_id
+    await asyncio.sleep(0.1)
+    call.cancel()  # the client gives up: httpx closes the connection
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    deadline = time.monotonic() + 1  # well before the 2 s request timeout would cancel it anyway
+    while request_id not in gateway.worker.cancelled:
+        assert time.monotonic() < deadline, "the worker was not told to cancel when the client left"
         await asyncio.sleep(0.02)

@@ -45,7 +45,19 @@ async def test_own_adapter_is_served_with_its_headers(gateway, two_tenants):
     assert f'"adapter": "{ids[0]}"' in pinned.choices[0].text
 
 
+async def test_retrieve_model_answers_own_models_and_base(gateway, two_tenants):
+    _, key, ids = two_tenants["a"]
+    client = oai(gateway, key)
+    for model in (BASE, ids[0], f"{ids[1]}@1"):
+        found = await client.models.retrieve(model)
+        assert found.id == model and found.object == "model"
+    assert (await client.models.retrieve(ids[0])).owned_by == two_tenants["a"][0]
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve(f"{ids[0]}@7")
+
+
 INFERENCE = [
+    ("get", "/v1/models/{m}", None),
     ("post", "/v1/chat/completions", lambda m: {"model": m, "messages": [{"role": "user", "content": "x"}]}),
     ("post", "/v1/chat/completions", lambda m: {"model": f"{m}@1", "messages": [{"role": "user", "content": "x"}]}),
     ("post", "/v1/completions", lambda m: {"model": m, "prompt": "x", "stream": True}),
@@ -66,7 +78,7 @@ async def test_foreign_adapter_is_indistinguishable_from_a_missing_one(gateway, 
     missing = f"nothing-{uuid.uuid4().hex[:8]}"
     async with gateway.client(key) as c:
         for method, path, body in INFERENCE:
-            answers = [await c.request(method, path, json=body(m)) for m in (foreign, missing)]
+            answers = [await c.request(method, path.format(m=m), json=body and body(m)) for m in (foreign, missing)]
             assert [a.status_code for a in answers] == [404, 404]
             assert answers[0].text.replace(foreign, "M") == answers[1].text.replace(missing, "M")
         for method, path, body in ADMIN:
