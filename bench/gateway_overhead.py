@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import overhead_breakdown
 from services.cli.adapter_cmd import cli_connect
 from services.cli.infra import free_port, start_nats, start_redis
 from services.cli.stack import SERVICES, Stack, wait_ready
@@ -38,6 +39,7 @@ from shared.schemas import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
+SPANS = RESULTS.with_suffix(".spans.jsonl")
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [f"In one sentence, what is {t}?" for t in
            ("the sea", "a red fox", "a prime number", "the moon", "coffee", "rain", "a lighthouse", "bread")]
@@ -78,10 +80,13 @@ async def _stack_ttft(url: str, key: str, prompt: str) -> tuple[str, float]:
 def stack_phase(requests: int, warmup: int) -> tuple[list[float], list[float]]:
     """Client-side TTFTs, and per request that TTFT minus the worker's own TTFT for it."""
     root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
+    SPANS.parent.mkdir(parents=True, exist_ok=True)
+    SPANS.unlink(missing_ok=True)
     nats, redis = start_nats(free_port(), root / "nats"), start_redis(free_port(), root / "redis")
     port = free_port()
     env = {"LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
-           "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING"}
+           "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING",
+           "LF_TRACE_EXPORTER": f"file:{SPANS}"}
     if "LF_MODEL_CACHE" in os.environ:
         env["LF_MODEL_CACHE"] = os.environ["LF_MODEL_CACHE"]
     stack = Stack(env, root / "logs")
@@ -167,16 +172,20 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 requests per path instead of 200")
+    parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
     args = parser.parse_args()
     requests, warmup = (30, 5) if args.quick else (200, 10)
     stack, paired = stack_phase(requests, warmup)
-    engine = engine_phase(requests, warmup)
+    hops = overhead_breakdown.breakdown(SPANS)
+    print(overhead_breakdown.table(hops))
+    engine = stack if args.stack_only else engine_phase(requests, warmup)
     s, e = percentiles(stack), percentiles(engine)
     result = {
         "model": MODEL, "requests": requests, "machine": platform.machine(), "cpus": os.cpu_count(),
         "stack": s, "engine": e,
         "overhead_ms": {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]},
         "paired_overhead_ms": percentiles(paired),
+        "hops_ms": hops,
         "ratio_p50": s["p50"] / e["p50"],
         "load_avg_1m": os.getloadavg()[0],
         "raw_ms": {"stack": stack, "engine": engine, "paired": paired},
@@ -184,6 +193,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     markdown = table(result)
+    markdown += "\n\nWhere the time before the worker goes (from the services' spans):\n\n" + overhead_breakdown.table(hops)
     RESULTS.with_suffix(".md").write_text(f"# Gateway TTFT overhead ({MODEL})\n\n{markdown}\n")
     print(markdown)
 
