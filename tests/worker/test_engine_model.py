@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
+from services.worker.engine.linear import CpuLinear, LinearFactory
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
@@ -36,10 +37,11 @@ def _reference(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def _check_against_hf(model: PreTrainedModel, prompts: list[list[int]], tokenizer: object) -> None:
+def _check_against_hf(model: PreTrainedModel, prompts: list[list[int]], tokenizer: object,
+                      linear: CpuLinear = "torch") -> None:
     """Prefill two prompts, decode them while a third prefills in the same step, then decode all."""
     weights = load_weights(model, torch.float32, "cpu", 256)
-    forward = LlamaForward(weights)
+    forward = LlamaForward(weights, LinearFactory(linear, "cpu", torch.float32))
     cache = KVCache(weights.spec, 64, BLOCK, torch.float32, "cpu")
     blocks = BlockManager(64, BLOCK)
     seqs = [Sequence(EngineRequest(str(i), p), tokenizer) for i, p in enumerate(prompts)]
@@ -83,8 +85,9 @@ PROMPTS = [[5, 17, 42, 99, 3, 8, 250, 11, 7], [400, 2, 9], [33, 44, 55, 66, 77, 
         ),
     ],
 )
-def test_tiny_models_match_transformers(model: object) -> None:
-    _check_against_hf(model(), PROMPTS, tokenizer=None)
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
+def test_tiny_models_match_transformers(model: object, linear: CpuLinear) -> None:
+    _check_against_hf(model(), PROMPTS, tokenizer=None, linear=linear)
 
 
 def test_smollm2_matches_transformers() -> None:
@@ -96,7 +99,7 @@ def test_smollm2_matches_transformers() -> None:
         )
         for text in texts
     ]
-    _check_against_hf(loaded.model, prompts, loaded.tokenizer)
+    _check_against_hf(loaded.model, prompts, loaded.tokenizer, linear="auto")
 
 
 def test_unsupported_rope_type_is_refused() -> None:

@@ -5,6 +5,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.worker.engine.linear import CpuLinear
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +31,10 @@ class EngineConfig(BaseModel):
         default=2048, ge=16, le=2**20, description="most tokens (prefill + decode) in one forward pass"
     )
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
+    cpu_linear: CpuLinear = Field(
+        default="auto", description="CPU dense matmuls: auto (oneDNN-prepacked weights from 8 rows, F.linear below; "
+        "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
+    )
     num_threads: int | None = Field(
         default=None, ge=1, le=1024, description="torch intra-op threads (process-wide); None keeps torch's"
     )

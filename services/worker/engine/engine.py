@@ -10,6 +10,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.linear import LinearFactory
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sampler import sample
 from services.worker.engine.scheduler import Scheduler
@@ -44,7 +45,7 @@ class LLMEngine:
         self.cache = KVCache(spec, num_blocks, config.kv_block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(config, self.blocks, adapter_manager)
-        self.model = LlamaForward(weights)
+        self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
         self._seqs: dict[str, Sequence] = {}
 
     @classmethod

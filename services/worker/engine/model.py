@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from services.worker.engine.attention import AttentionMetadata, paged_attention, write_kv
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
 from services.worker.engine.rope import apply_rope
 from services.worker.engine.weights import ModelWeights
@@ -18,9 +19,16 @@ class LlamaForward:
     row stride = fused width); ``apply`` must add into them in place.
     """
 
-    def __init__(self, weights: ModelWeights):
+    def __init__(self, weights: ModelWeights, linear: LinearFactory | None = None):
         self.w = weights
         self.spec = weights.spec
+        make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
+        self.proj: list[dict[str, Linear]] = [
+            {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias),
+             "gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
+            for layer in weights.layers
+        ]
+        self.lm_head = make(weights.lm_head)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
@@ -42,9 +50,9 @@ class LlamaForward:
         rope = self.w.rope[positions]
         h = self.w.embed[input_ids]
         attn_out = h.new_empty(h.shape[0], s.q_size)
-        for i, layer in enumerate(self.w.layers):
+        for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj)):
             x = self._norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = proj["qkv"](x)
             if lora is not None:
                 lora.apply(i, "q_proj", x, qkv[:, :q_end])
                 lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
@@ -55,20 +63,20 @@ class LlamaForward:
             kv = cache.layer(i)
             write_kv(kv, k, v, meta.slot_mapping)
             a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out)
-            o = F.linear(a, layer.o, layer.o_bias)
+            o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
             h = h + o
             x = self._norm(h, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+            gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate_up[:, :inter])
                 lora.apply(i, "up_proj", x, gate_up[:, inter:])
             act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            d = F.linear(act, layer.down, layer.down_bias)
+            d = proj["down"](act)
             if lora is not None:
                 lora.apply(i, "down_proj", act, d)
             h = h + d
         h = self._norm(h[logits_indices], self.w.final_norm)
-        return F.linear(h, self.w.lm_head).float()
+        return self.lm_head(h).float()

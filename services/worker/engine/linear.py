@@ -1,0 +1,79 @@
+"""The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight for
+batched rows.
+
+On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
+project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
+blocked layout runs many-row matmuls (a decode step of many sequences, a prefill) 1.2-2.3x faster
+there (``python -m bench.linear_ops``); a single row is faster on ``F.linear``. So ``auto`` keeps
+both: the plain weight (which the transformers model shares) and a packed copy used from
+``min_rows`` rows up, at the price of holding the dense weights twice.
+
+The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits for
+CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
+weight is packed, else the engine stays on ``F.linear``.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+CpuLinear = Literal["auto", "torch", "onednn"]
+AUTO_MIN_ROWS = 8
+log = structlog.get_logger("engine")
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
+def onednn_usable(dtype: torch.dtype) -> bool:
+    """Whether prepacked oneDNN linears work here for ``dtype`` and agree with ``F.linear``."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 40, generator=generator)
+        bias = torch.randn(48, generator=generator)
+        x = torch.randn(9, 40, generator=generator)
+        got = _packed_linear(x, _pack(weight), bias)
+        return bool(torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
+    except (RuntimeError, AttributeError) as e:
+        log.warning("onednn_linear_unavailable", error=str(e))
+        return False
+
+
+@dataclass(slots=True)
+class Linear:
+    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of at least ``min_rows`` rows."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+    min_rows: int = AUTO_MIN_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] >= self.min_rows:
+            return _packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class LinearFactory:
+    """Builds every projection of one model under one policy (probed once)."""
+
+    def __init__(self, mode: CpuLinear, device: str, dtype: torch.dtype):
+        wanted = mode != "torch" and torch.device(device).type == "cpu"
+        self.pack = wanted and onednn_usable(dtype)
+        if wanted and not self.pack and mode == "onednn":
+            raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
+        self.min_rows = 1 if mode == "onednn" else AUTO_MIN_ROWS
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        packed = _pack(weight) if self.pack else None
+        return Linear(weight, bias, packed, self.min_rows)

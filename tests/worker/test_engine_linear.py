@@ -1,0 +1,58 @@
+"""The engine's dense projections: oneDNN-prepacked weights agree with F.linear, and the policy
+(which rows take which path, which dtypes may pack) is what the config asks for."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.linear import AUTO_MIN_ROWS, LinearFactory, onednn_usable
+
+
+def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(rows * 31 + out)
+    return (torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g) / inp**0.5,
+            torch.randn(out, generator=g) if bias else None)
+
+
+def test_onednn_is_usable_for_fp32_on_this_cpu_and_never_for_bf16():
+    assert onednn_usable(torch.float32)  # x86 torch builds ship oneDNN: the probe must find it
+    assert not onednn_usable(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, AUTO_MIN_ROWS - 1, AUTO_MIN_ROWS, 33, 200])
+@pytest.mark.parametrize("shape", [(832, 576), (576, 1536), (1000, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool):
+    x, weight, b = _case(rows, *shape, bias)
+    linear = LinearFactory("auto", "cpu", torch.float32)(weight, b)
+    assert linear.packed is not None
+    torch.testing.assert_close(linear(x), F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+def test_rows_choose_the_path(monkeypatch):
+    x_small, weight, _ = _case(AUTO_MIN_ROWS - 1, 64, 32, False)
+    x_big = torch.randn(AUTO_MIN_ROWS, 32)
+    linear = LinearFactory("auto", "cpu", torch.float32)(weight)
+    everything = LinearFactory("onednn", "cpu", torch.float32)(weight)  # (its probe runs a packed matmul too)
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr("services.worker.engine.linear._packed_linear",
+                        lambda x, packed, bias: spy(x, packed, bias, "none", [], ""))
+    linear(x_small)
+    linear(x_big)
+    assert calls == [AUTO_MIN_ROWS]
+    everything(x_small)
+    assert calls == [AUTO_MIN_ROWS, AUTO_MIN_ROWS - 1]
+
+
+def test_torch_mode_and_other_dtypes_never_pack():
+    _, weight, _ = _case(1, 64, 32, False)
+    assert LinearFactory("torch", "cpu", torch.float32)(weight).packed is None
+    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).packed is None
+    with pytest.raises(ValueError, match="not usable"):
+        LinearFactory("onednn", "cpu", torch.bfloat16)
