@@ -82,12 +82,18 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     """Publish the request and wait until a worker accepts it (else 503 within the bound)."""
     queue: asyncio.Queue = asyncio.Queue()
     inbox = nc.new_inbox()
+    request_id = request_fields["request_id"]
 
     async def on_reply(msg) -> None:
         try:
-            queue.put_nowait(decode(ReplyEnvelope, msg.data).body)
+            body = decode(ReplyEnvelope, msg.data).body
         except Exception as e:
             log.warning("bad_reply_message", error=str(e))
+            return
+        if body.request_id != request_id:  # whoever learnt this inbox cannot write into another stream
+            log.warning("foreign_reply_dropped", request_id=request_id, claimed=body.request_id)
+            return
+        queue.put_nowait(body)
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     accept_deadline = time.time() + accept_timeout_s

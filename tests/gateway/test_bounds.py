@@ -100,3 +100,19 @@ async def test_client_disconnect_cancels_a_non_streamed_request_downstream(gatew
     while request_id not in gateway.worker.cancelled:
         assert time.monotonic() < deadline, "the worker was not told to cancel when the client left"
         await asyncio.sleep(0.02)
+
+
+async def test_a_reply_naming_another_request_never_reaches_the_stream(gateway, client):
+    from shared.bus import encode
+    from shared.schemas import ReplyEnvelope, ReplyToken
+
+    async with client.stream("POST", "/v1/completions", json={"model": BASE, "prompt": "slow", "stream": True}) as r:
+        lines = r.aiter_lines()
+        await anext(lines)
+        inbox = gateway.worker.requests[-1].reply_to
+        forged = ReplyToken(request_id="someone-else", index=0, text=" INJECTED", token_ids=[1])
+        for _ in range(3):
+            await gateway.nc.publish(inbox, encode(ReplyEnvelope(body=forged)))
+        seen = [await anext(lines) for _ in range(20)]
+    assert any(" t" in line for line in seen)  # the real tokens flow
+    assert not any("INJECTED" in line for line in seen)
