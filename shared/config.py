@@ -3,9 +3,12 @@
 import os
 import socket
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+S = TypeVar("S", bound=BaseSettings)
 
 
 def _default_instance_id() -> str:
@@ -16,7 +19,7 @@ def _default_instance_id() -> str:
 class CommonSettings(BaseSettings):
     """What every service needs: where NATS and Redis are, logging, liveness timing."""
 
-    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore", allow_inf_nan=False)
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
@@ -135,4 +138,22 @@ class RegistrySettings(CommonSettings):
 
 
 class AuditorSettings(CommonSettings):
-    db_path: str = Field(default=".lorafleet/audit.sqlite3", description="SQLite index of the audit trail")
+    db_path: str = Field(default=".lorafleet/audit.sqlite3", min_length=1,  # SQLite takes "" as a throwaway database
+                         description="SQLite index of the audit trail")
+
+
+def load_settings(cls: type[S]) -> S:
+    """A service's settings, read once at start-up. A bad value ends the process (status 1) with one
+    line naming the environment variable, not a traceback; the value itself is not echoed (secrets)."""
+    try:
+        return cls()
+    except ValidationError as e:
+        problems = "; ".join(f"{_env_name(error['loc'])}: {error['msg']}" for error in e.errors())
+        raise SystemExit(f"invalid configuration: {problems}") from None
+    except SettingsError as e:
+        raise SystemExit(f"invalid configuration: {e}") from None
+
+
+def _env_name(loc: tuple) -> str:
+    names = [str(part).upper() for part in loc if isinstance(part, str)]  # list indices have no variable
+    return "LF_" + "__".join(names) if names else "settings"

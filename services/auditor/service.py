@@ -13,7 +13,7 @@ from services.auditor.store import AuditStore
 from services.worker.adapter_verify import fetch_record
 from shared import metrics, subjects
 from shared.bus import connect, decode, ensure_streams, serve, shutdown_event
-from shared.config import AuditorSettings
+from shared.config import AuditorSettings, load_settings
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
@@ -119,4 +119,4 @@ async def run(settings: AuditorSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(AuditorSettings()))
+    asyncio.run(run(load_settings(AuditorSettings)))

@@ -21,7 +21,8 @@ from shared.schemas import (
 )
 
 router = APIRouter(prefix="/admin/adapters", tags=["admin"])
-AdapterId = Path(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # Identifier's pattern: FastAPI drops an Annotated pattern under a Form() default
+AdapterId = Path(pattern=ID_PATTERN)
 CHANGE_ERRORS = error_responses(409, *ERRORS)
 
 
@@ -82,7 +83,7 @@ async def _read(upload: UploadFile, limit: int) -> bytes:
 @router.post("", response_model=AdapterRecordsReply, status_code=201, responses=CHANGE_ERRORS)
 async def push_adapter(
     request: Request,
-    adapter_id: Identifier = Form(), task_type: str = Form(min_length=1, max_length=64),
+    adapter_id: str = Form(pattern=ID_PATTERN), task_type: str = Form(min_length=1, max_length=64),
     adapter_config: UploadFile = File(description=CONFIG_FILE), adapter_model: UploadFile = File(description=WEIGHTS_FILE),
     tenant_id: Identifier | None = Form(default=None, description="default: the caller's tenant; 'shared' needs platform_admin"),
     version: int | None = Form(default=None, ge=1, description="the version a signature was made for"),

@@ -2,11 +2,16 @@
 
 import json
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised while the app reads the body. An HTTPException, because FastAPI's body parsing
+    re-raises those as they are and turns any other exception into a 400."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"request body exceeds {max_bytes} bytes")
 
 
 class BodyLimit:
@@ -31,7 +36,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:

@@ -44,5 +44,6 @@ async def on_validation_error(_: Request, err: RequestValidationError) -> JSONRe
 
 
 async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(err.status_code, "http_error")
+    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+    code = codes.get(err.status_code, "http_error")  # 400: a body FastAPI could not parse (e.g. nested too deep)
     return error_json(err.status_code, str(err.detail), "invalid_request_error", code)

@@ -28,6 +28,11 @@ class ChatMessageIn(_Body):
             for part in v:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts are supported")
+        for text in [v] if isinstance(v, str) else [part["text"] for part in v]:
+            try:  # plain str fields refuse lone surrogates themselves; this union does not
+                text.encode()
+            except UnicodeEncodeError:
+                raise ValueError("text must be valid Unicode (a lone surrogate is not)") from None
         return v
 
     def text(self) -> str:

@@ -13,7 +13,7 @@ from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from shared import subjects
 from shared.bus import connect, decode, ensure_streams, shutdown_event
-from shared.config import GatewaySettings
+from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.telemetry import setup_tracing
@@ -71,4 +71,4 @@ async def run(settings: GatewaySettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(GatewaySettings()))
+    asyncio.run(run(load_settings(GatewaySettings)))

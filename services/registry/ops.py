@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from shared import metrics, subjects
 from shared.access import may_use
-from shared.errors import ModelNotFound
+from shared.errors import LorafleetError, ModelNotFound
 from shared.adapter_format import read_adapter_dir
 from shared.schemas import (
     AdapterEvent,
@@ -122,26 +122,33 @@ class Registry:
         return TrustedKeysReply(keys=dict(self.trusted_keys))
 
     async def register(self, req: RegisterRequest) -> AdapterRecordsReply:
-        """Validate, verify, store, record; a refusal stores nothing (the upload is kept)."""
-        async with self._lock:
-            files = await self._read_source(req)
-            latest = self.catalog.latest(req.adapter_id)
-            version = req.version or (latest.version + 1 if latest else 1)
-            # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
-            change = await asyncio.to_thread(
-                admit,
-                self.catalog,
-                req,
-                files,
-                self._base,
-                self._policy,
-                self.trusted_keys,
-                self._approved.uri(req.adapter_id, version),
-            )
-            await self._approved.put(req.adapter_id, version, files)
-            await self._commit([change], req.actor)
-        if req.upload_id is not None:
-            await self._uploads.delete(req.upload_id)
+        """Validate, verify, store, record. A refusal stores nothing, drops the upload and is audited."""
+        try:
+            async with self._lock:
+                files = await self._read_source(req)
+                latest = self.catalog.latest(req.adapter_id)
+                version = req.version or (latest.version + 1 if latest else 1)
+                # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
+                change = await asyncio.to_thread(
+                    admit,
+                    self.catalog,
+                    req,
+                    files,
+                    self._base,
+                    self._policy,
+                    self.trusted_keys,
+                    self._approved.uri(req.adapter_id, version),
+                )
+                await self._approved.put(req.adapter_id, version, files)
+                await self._commit([change], req.actor)
+        except LorafleetError as e:
+            refusal = RejectionAudit(request_id=f"register.{req.adapter_id}", tenant_id=req.tenant_id,
+                                     service="registry", code=e.code, reason=f"push refused: {e.message}"[:2000])
+            await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=refusal))
+            raise
+        finally:
+            if req.upload_id is not None:
+                await self._uploads.delete(req.upload_id)
         return AdapterRecordsReply(records=[change.after])
 
     async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:

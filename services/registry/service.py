@@ -12,10 +12,11 @@ from pydantic import BaseModel
 from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.bus import connect, encode, ensure_streams, serve, shutdown_event
-from shared.config import RegistrySettings
+from shared.config import RegistrySettings, load_settings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.telemetry import setup_tracing
 from shared.metrics import QUALITY_SCORE, serve_metrics
 from shared.schemas import (
     GetAdapterRequest,
@@ -150,6 +151,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
 
 
 async def main() -> None:
-    settings = RegistrySettings()
+    settings = load_settings(RegistrySettings)
     configure_logging("registry", settings.log_level)
+    setup_tracing("registry", settings.trace_exporter)
     await run(settings, shutdown_event())

@@ -47,6 +47,8 @@ def trusted_source_dir(uri: str, trusted_dirs: tuple[Path, ...], remote_allow_li
         if any(uri.startswith(prefix) for prefix in remote_allow_list):
             raise ServiceUnavailable(f"{uri}: allow-listed, but this registry does not fetch remote sources")
         raise InvalidRequest(f"source {uri!r} is refused: only uploads and file:// trusted directories are admitted")
+    if parsed.netloc not in ("", "localhost"):
+        raise InvalidRequest(f"source {uri!r} is refused: a file:// source may not name a remote host")
     path = Path(os.path.realpath(parsed.path))
     for root in trusted_dirs:
         if path.is_relative_to(os.path.realpath(root)):

@@ -13,13 +13,14 @@ import structlog
 from services.scheduler.admission import Admission, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue, Priority
+from services.scheduler.grants import FetchRecord, Grants, IsolationAttempt
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
-from shared.errors import LorafleetError, QuotaExceeded, UpstreamTimeout, from_body
-from shared.schemas import CompletionAudit, DispatchReply, InferRequest, WorkerControl
+from shared.errors import Conflict, LorafleetError, QuotaExceeded, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.schemas import AdapterRecord, CompletionAudit, DispatchReply, InferRequest, WorkerControl
 
 log = structlog.get_logger("scheduler")
 
@@ -33,12 +34,17 @@ class Handle(Protocol):
     async def in_progress(self) -> None: ...
 
 
+async def _no_registry(adapter_id: str, version: int) -> AdapterRecord:
+    raise ServiceUnavailable("no registry to check the adapter against")
+
+
 @dataclass(slots=True)
 class Ports:
     dispatch: Callable[[str, InferRequest, dict[str, str] | None], Awaitable[DispatchReply]]
     reply_error: Callable[[str, str, LorafleetError], Awaitable[None]]
     record_rejection: Callable[[str, str, LorafleetError], Awaitable[None]]
     control: Callable[[str, WorkerControl], Awaitable[None]]
+    adapter_record: FetchRecord = _no_registry  # without a registry, every adapter request is refused
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +88,10 @@ class Dispatcher:
     inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
     tasks: set[asyncio.Task] = field(default_factory=set)
     early: dict[str, CompletionAudit] = field(default_factory=dict)  # ended before its dispatch reply came back
+    grants: Grants = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grants = Grants(self.ports.adapter_record)
 
     async def submit(self, subject: str, data: bytes, handle: Handle) -> None:
         """A submission from the work queue: refuse, drop, or admit and queue it."""
@@ -94,6 +104,13 @@ class Dispatcher:
             await handle.term()
             return
         rid = request.request_id
+        taken = self.held.get(rid) or self.inflight.get(rid)
+        if taken is not None and taken.request.tenant_id != request.tenant_id:
+            # another tenant's id: refused, and never answered on the owner's inbox
+            reply_to = None if request.reply_to == taken.request.reply_to else request.reply_to
+            await self._refuse_raw((request.tenant_id, rid, reply_to), Conflict(f"request id {rid} is in use"))
+            await handle.term()
+            return
         if rid in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
             self.held[rid].handle = handle
             return
@@ -102,6 +119,12 @@ class Dispatcher:
             return
         if rid in self.inflight or await self.dispatched.seen(rid):
             await handle.ack()
+            return
+        try:
+            await self.grants.check(request)
+        except LorafleetError as e:
+            await self._refuse(request, e)
+            await handle.term()
             return
         quota = self.quotas.of(request.tenant_id)
         try:
@@ -231,7 +254,7 @@ class Dispatcher:
         tenant, rid, reply_to = target
         metrics.REQUESTS.labels("scheduler", error.code).inc()
         if reply_to is not None:
-            await self.ports.reply_error(reply_to, rid, error)
+            await self.ports.reply_error(reply_to, rid, error.answer if isinstance(error, IsolationAttempt) else error)
         await self.ports.record_rejection(tenant, rid, error)
 
     async def shutdown(self, timeout_s: float) -> None:

@@ -1,11 +1,15 @@
 """Check a submission from the INFER work queue before the scheduler takes it."""
 
 import json
+import re
 
 from shared import subjects
 from shared.bus import decode
 from shared.errors import Forbidden, InvalidMessage
 from shared.schemas import InferRequest
+
+_INBOX = re.compile(r"_INBOX[._][A-Za-z0-9_.-]{1,250}")  # InferRequest.reply_to's pattern: no wildcard, space or CR/LF
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a RequestId may not hold
 
 
 def parse_submission(subject: str, data: bytes) -> InferRequest:
@@ -24,14 +28,15 @@ def parse_submission(subject: str, data: bytes) -> InferRequest:
 
 def refusal_target(subject: str, data: bytes) -> tuple[str, str, str | None]:
     """(tenant, request id, reply inbox or None) of a submission that failed its checks, best effort:
-    the inbox only when it is a gateway inbox, never one of another tenant."""
+    the inbox only when it is a gateway inbox or the submitting tenant's own, never another tenant's."""
     tenant = subject.rsplit(".", 1)[-1]
     try:
         raw = json.loads(data)
         rid, reply = raw.get("request_id"), raw.get("reply_to")
     except (ValueError, AttributeError):
         return tenant, "unknown", None
-    rid = rid[:128] if isinstance(rid, str) else "unknown"
-    if isinstance(reply, str) and reply.startswith("_INBOX.") and "*" not in reply and ">" not in reply:
+    rid = _UNSAFE.sub("-", rid)[:128] if isinstance(rid, str) and rid else "unknown"
+    inbox = isinstance(reply, str) and _INBOX.fullmatch(reply) is not None
+    if inbox and reply.startswith(("_INBOX.", f"_INBOX_{tenant}.")):
         return tenant, rid, reply
     return tenant, rid, None

@@ -1,0 +1,211 @@
+"""One real stack for the hostile-input suite: NATS, Redis, registry, auditor, scheduler, gateway and
+a single worker on a tiny random Llama, with two tenants that each own a released adapter.
+
+Every hostile case asserts the exact typed error, then that nothing changed (``Stack.snapshot``)
+and, where the platform audits the attempt, that the auditor's SQLite index holds the record."""
+
+import asyncio
+import base64
+import json
+import os
+import pickle
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from services.cli.infra import Server, free_port, start_nats, start_redis
+from services.cli.stack import Stack, wait_ready
+from shared import subjects
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.bus import connect, request
+from shared.schemas import (
+    AdapterRecordsReply, ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, CreateTenantRequest,
+    ListAdaptersRequest, ListApiKeysRequest, ListKeysRequest, ListTenantsRequest, PromoteRequest, RegisterRequest,
+    TenantsReply, TrustedKeysReply, TrustKeyRequest,
+)
+from shared.signing import KeyPair, generate_keypair
+from tests.helpers.adapters import save_peft_adapter, tiny_llama
+from tests.scheduler.conftest import make_tiny_model, wait_workers
+
+MODEL = "tiny-llama"
+WORKER = "w1"
+MAX_BODY = 65_536
+CONFIG_KEYS = {"key-demo": "demo", "key-other": "other"}
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple:
+        return os.system, ("id",)
+
+
+PICKLE = pickle.dumps(_RunsCode())  # runs os.system("id") when unpickled; only ever sent, never loaded here
+Files = dict[str, bytes]
+
+
+def adapter_files(directory: Path, **options: object) -> Files:
+    """A real PEFT adapter for the tiny base (its projections are 64 wide, like ``tiny_llama``'s)."""
+    save_peft_adapter(directory, tiny_llama(), **options)
+    return {name: (directory / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
+
+
+def inline(files: Files) -> dict[str, str]:
+    return {name: base64.b64encode(data).decode() for name, data in files.items()}
+
+
+@dataclass
+class Keys:
+    demo: str = "key-demo"
+    other: str = "key-other"
+    demo_admin: str = ""
+    platform: str = ""
+    revoked: str = ""
+
+
+@dataclass
+class HostileStack:
+    stack: Stack
+    nats: Server
+    gateway_url: str
+    db_path: Path
+    files: Files  # the adapter every tenant released, as pushed
+    trusted_dir: Path  # the registry admits file:// sources under it
+    signer: KeyPair = field(default_factory=generate_keypair)  # trusted as "release"
+    fingerprint: str = ""  # the registry's base model
+    keys: Keys = field(default_factory=Keys)
+    adapters: dict[str, str] = field(default_factory=dict)  # tenant -> its released adapter id
+
+    def client(self, key: str | None) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(base_url=self.gateway_url, headers=headers, timeout=30)
+
+    async def snapshot(self, nc: NATS) -> dict:
+        """Everything a hostile input must leave as it was: registry records, tenants, keys, trusted
+        signers, stored and uploaded objects, and the INFER stream (no request reached the queue)."""
+        js = nc.jetstream()
+        records = await request(nc, subjects.registry("adapters"), ListAdaptersRequest(), AdapterRecordsReply, 5)
+        tenants = await request(nc, subjects.registry("tenants"), ListTenantsRequest(), TenantsReply, 5)
+        keys = await request(nc, subjects.registry("api_keys"), ListApiKeysRequest(), ApiKeysReply, 5)
+        signers = await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, 5)
+        objects = {}
+        for bucket in (subjects.ADAPTER_STORE_BUCKET, subjects.ADAPTER_UPLOADS_BUCKET):
+            try:
+                listed = await (await js.object_store(bucket)).list(ignore_deletes=True)
+            except NotFoundError:  # an empty store
+                listed = []
+            objects[bucket] = sorted(o.name for o in listed)
+        infer = await js.stream_info(subjects.INFER_STREAM)
+        return {
+            "records": [r.model_dump(exclude={"created_at"}) for r in records.records],
+            "tenants": [t.tenant_id for t in tenants.tenants], "keys": [k.model_dump() for k in keys.keys],
+            "signers": signers.keys, "objects": objects, "infer_last_seq": infer.state.last_seq,
+        }
+
+    def audits(self, kind: str, tenant: str, since: float) -> list[dict]:
+        with sqlite3.connect(self.db_path) as db:
+            rows = db.execute("SELECT body FROM audit WHERE kind = ? AND tenant_id = ? AND ts >= ? ORDER BY pos",
+                              (kind, tenant, since)).fetchall()
+        return [json.loads(body) for (body,) in rows]
+
+    async def wait_audit(self, kind: str, tenant: str, since: float, timeout_s: float = 10, **match: object) -> dict:
+        """The first audit record of ``kind`` for ``tenant`` since ``since`` whose fields equal ``match``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for body in self.audits(kind, tenant, since):
+                if all(body.get(k) == v for k, v in match.items()):
+                    return body
+            assert time.monotonic() < deadline, f"no {kind} audit {match} for {tenant}"
+            await asyncio.sleep(0.1)
+
+    async def assert_alive(self) -> None:
+        """No process died, and the next good request is served."""
+        assert self.stack.dead() == {}
+        async with self.client(self.keys.demo) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+async def registry_call(nc: NATS, op: str, message, reply_type):
+    return await request(nc, subjects.registry(op), message, reply_type, 10)
+
+
+async def _seed(running: HostileStack) -> None:
+    nc = await connect(running.nats.url, "hostile-seed")
+    try:
+        for tenant in ("demo", "other"):
+            await registry_call(nc, "tenant_create", CreateTenantRequest(tenant_id=tenant, actor="test"), TenantsReply)
+            adapter_id = f"{tenant}-secret"
+            register = RegisterRequest(adapter_id=adapter_id, tenant_id=tenant, task_type="chat",
+                                       inline_files=inline(running.files), actor="test")
+            registered = await registry_call(nc, "register", register, AdapterRecordsReply)
+            running.fingerprint = registered.records[0].base_model_fingerprint
+            promote = PromoteRequest(adapter_id=adapter_id, version=1, traffic_percent=100, actor="test")
+            await registry_call(nc, "promote", promote, AdapterRecordsReply)
+            running.adapters[tenant] = adapter_id
+
+        async def key(tenant: str, scopes: list[str]) -> str:
+            message = CreateApiKeyRequest(tenant_id=tenant, scopes=scopes, actor="test")
+            return (await registry_call(nc, "api_key_create", message, ApiKeyCreatedReply)).key
+
+        running.keys.demo_admin = await key("demo", ["admin", "inference"])
+        running.keys.platform = await key("demo", ["platform_admin"])
+        running.keys.revoked = await key("demo", ["inference"])
+        trust = TrustKeyRequest(signer="release", public_key=running.signer.public_b64, actor="test")
+        await registry_call(nc, "trust_key", trust, TrustedKeysReply)
+    finally:
+        await nc.close()
+    async with running.client(running.keys.revoked) as c:
+        deadline = time.monotonic() + 10
+        while (await c.get("/v1/models")).status_code != 200:  # the gateway's key mirror caught up
+            assert time.monotonic() < deadline, "the gateway never saw the seeded keys"
+            await asyncio.sleep(0.1)
+    async with running.client(running.keys.demo_admin) as c:
+        key_id = running.keys.revoked.split("-")[1]
+        assert (await c.delete(f"/admin/keys/{key_id}")).status_code == 200
+
+
+@pytest.fixture(scope="session")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
+    root = tmp_path_factory.mktemp("hostile")
+    model_dir = make_tiny_model(root / MODEL)
+    nats = start_nats(free_port(), root / "nats")
+    redis = start_redis(free_port(), root / "redis")
+    port = free_port()
+    env = {
+        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
+        "LF_API_KEYS": json.dumps(CONFIG_KEYS), "LF_MODEL_DIR": str(model_dir), "LF_DB_PATH": str(root / "audit.db"),
+        "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false", "LF_MAX_BODY_BYTES": str(MAX_BODY),
+        "LF_MAX_RANK": "16", "LF_LIVENESS_TIMEOUT_S": "5", "LF_ACCEPT_TIMEOUT_S": "10", "LF_NO_WORKER_GRACE_S": "5",
+        "LF_ENGINE__MAX_NUM_SEQS": "4", "LF_ENGINE__NUM_THREADS": "1", "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_METRICS_PORT": "-1", "LF_WORKER_ID": WORKER, "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
+    }
+    (root / "trusted").mkdir()
+    stack = Stack(env, root / "logs")
+    running = HostileStack(stack, nats, f"http://127.0.0.1:{port}", root / "audit.db",
+                           adapter_files(root / "adapter", seed=1), root / "trusted")
+    try:
+        for name in ("registry", "auditor", "scheduler", "gateway", "worker"):
+            stack.start(name)
+        asyncio.run(wait_ready(nats.url, stack, ("registry", "auditor", "scheduler", "gateway"), 120))
+        asyncio.run(wait_workers(nats.url, {WORKER}, 120))
+        asyncio.run(_seed(running))
+        yield running
+    finally:
+        stack.stop_all(timeout_s=5)
+        redis.stop()
+        nats.stop()
+
+
+@pytest.fixture
+async def nc(hostile: HostileStack):
+    """An operator connection to the stack's NATS (no auth in this deployment)."""
+    client = await connect(hostile.nats.url, "hostile-test")
+    yield client
+    await client.close()
