@@ -11,7 +11,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
@@ -116,6 +116,26 @@ async def ensure_streams(js: JetStreamContext) -> None:
             continue
         if _drifted(config, info.config):
             await js.update_stream(config)
+
+
+FOLLOW_HEARTBEAT_S = 1.0  # an ordered consumer silent for two of these is rebuilt (after a server restart)
+
+
+async def follow(js: JetStreamContext, stream: str, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> None:
+    """Call ``cb`` with every message stored on ``subject`` from now on, across reconnects and server
+    restarts, and with none stored before.
+
+    An ordered consumer rebuilds itself after its last delivered message, or from the stream's first
+    one when it has delivered none: starting it at the newest stored message (dropped here) gives it
+    that position at once, so a rebuild never replays the stream's history."""
+    history_end = (await js.stream_info(stream)).state.last_seq
+
+    async def on_message(msg: Msg) -> None:
+        if msg.metadata.sequence.stream > history_end:
+            await cb(msg)
+
+    await js.subscribe(subject, stream=stream, cb=on_message, ordered_consumer=True,
+                       idle_heartbeat=FOLLOW_HEARTBEAT_S, deliver_policy=DeliverPolicy.LAST)
 
 
 def encode(message: BaseModel) -> bytes:

@@ -74,6 +74,8 @@ class Server:
     port: int
     proc: subprocess.Popen
     url: str
+    args: tuple[str, ...] = ()  # the command line, so that a stopped server starts again as it was
+    log_file: Path | None = None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.proc.poll() is None:
@@ -84,25 +86,35 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
 
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start a stopped server again on its port with its state directory (a restart, as an operator does)."""
+        if self.proc.poll() is None:
+            raise InfraError(f"{self.name} on port {self.port} is still running")
+        self.proc = _spawn(self.args, self.log_file)
+        wait_port(self.port, timeout_s, self.proc)
+
+
+def _spawn(args: tuple[str, ...], log_file: Path | None) -> subprocess.Popen:
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
 
 def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config: Path | None = None) -> Server:
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir)]
+    args = (nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir))
     if config is not None:
-        args += ["-c", str(config)]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        args += ("-c", str(config))
+    proc = _spawn(args, log_file)
     wait_port(port, 15, proc)
-    return Server("nats", port, proc, f"nats://127.0.0.1:{port}")
+    return Server("nats", port, proc, f"nats://127.0.0.1:{port}", args, log_file)
 
 
 def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Server:
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = [
+    args = (
         redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(state_dir),
         "--save", "", "--appendonly", "no", "--protected-mode", "yes",
-    ]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    )
+    proc = _spawn(args, log_file)
     wait_port(port, 15, proc)
-    return Server("redis", port, proc, f"redis://127.0.0.1:{port}/0")
+    return Server("redis", port, proc, f"redis://127.0.0.1:{port}/0", args, log_file)

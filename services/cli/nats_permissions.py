@@ -120,9 +120,9 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
             publish=(*common, *own["scheduler"], *inboxes, "lf.worker.*.dispatch", "lf.worker.*.control",
                      subjects.AUDIT_ALL, *_registry_ops(REGISTRY_READ_OPS),
                      *durable_consumer(subjects.INFER_STREAM, SCHEDULER_CONSUMER),
-                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM), *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
-            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.AUDIT_COMPLETION_ALL, subjects.SCHEDULER_CANCEL,
-                       *own["scheduler"]),
+                     *stream_reader(subjects.ADAPTER_EVENTS_STREAM), *stream_reader(subjects.AUDIT_STREAM),
+                     *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
+            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.SCHEDULER_CANCEL, *own["scheduler"]),
         ),
         "worker": Permissions(
             publish=(*common, *own["worker"], *inboxes, subjects.WORKER_HEARTBEAT, subjects.AUDIT_ALL,

@@ -80,6 +80,13 @@ class Fleet:
             del self.workers[w]
         return dead
 
+    def resume(self, now: float | None = None) -> None:
+        """This scheduler was itself cut off from the bus: what it did not hear says nothing about the
+        workers, so each one's silence counts from now."""
+        now = time.monotonic() if now is None else now
+        for view in self.workers.values():
+            view.seen_at = now
+
     def serves(self, base_model: str) -> bool:
         return any(v.beat.ready and v.beat.base_model == base_model for v in self.workers.values())
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -20,16 +21,17 @@ from services.scheduler.placement import Fleet
 from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.upkeep import Periods, Upkeep
+from services.worker.adapter_verify import fetch_record
 from shared import subjects
-from shared.bus import connect, decode, encode, ensure_streams, request, shutdown_event
-from shared.config import SchedulerSettings
-from shared.errors import LorafleetError
+from shared.bus import connect, decode, encode, ensure_streams, follow, request, shutdown_event
+from shared.config import SchedulerSettings, load_settings
+from shared.errors import LorafleetError, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, serve_metrics
 from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError,
+    AdapterRecord, AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError,
     WorkerControl, WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
@@ -43,10 +45,24 @@ _tracer = tracer("scheduler")
 
 def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports:
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
+        """The worker's answer. A wait that overlapped a lost connection says nothing about the worker (it may
+        have taken the request, only its reply lost, and withdrawing it would run it twice): the same worker
+        is asked again once connected, its accept being idempotent, until the request's accept deadline."""
         with continued(headers), _tracer.start_as_current_span(
                 "scheduler.place", attributes={"lf.request_id": req.request_id, "lf.worker_id": worker_id}):
-            return await request(nc, subjects.worker_dispatch(worker_id), req, DispatchReply,
-                                 settings.dispatch_timeout_s)
+            def expired() -> bool:
+                return req.accept_deadline is not None and time.time() > req.accept_deadline
+
+            while True:
+                reconnects = nc.stats["reconnects"]
+                try:
+                    return await request(nc, subjects.worker_dispatch(worker_id), req, DispatchReply,
+                                         settings.dispatch_timeout_s)
+                except UpstreamTimeout:
+                    if expired() or (nc.is_connected and nc.stats["reconnects"] == reconnects):
+                        raise
+                while not nc.is_connected and not expired():
+                    await asyncio.sleep(TICK_S)
 
     async def reply_error(reply_to: str, request_id: str, err: LorafleetError) -> None:
         await nc.publish(reply_to, encode(ReplyEnvelope(body=ReplyError(request_id=request_id, error=err.to_body()))))
@@ -62,7 +78,10 @@ def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports
     async def control(worker_id: str, message: WorkerControl) -> None:
         await nc.publish(subjects.worker_control(worker_id), encode(message))
 
-    return Ports(dispatch, reply_error, record_rejection, control)
+    async def adapter_record(adapter_id: str, version: int) -> AdapterRecord:
+        return await fetch_record(nc, adapter_id, version, settings.dispatch_timeout_s)
+
+    return Ports(dispatch, reply_error, record_rejection, control, adapter_record)
 
 
 async def _follow_quotas(js: JetStreamContext, quotas: Quotas) -> None:
@@ -137,12 +156,16 @@ async def run(settings: SchedulerSettings) -> None:
                 log.warning("bad_cancel", error=e.message)
 
         await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker)
-        await nc.subscribe(subjects.AUDIT_COMPLETION_ALL, cb=on_completion)
+        # through JetStream, so that a completion stored while this scheduler was cut off is not missed
+        # (it would hold its worker's capacity and its tenant's concurrency slot until swept)
+        await follow(js, subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, on_completion)
         await nc.subscribe(subjects.SCHEDULER_CANCEL, cb=on_cancel)
         psub = await js.pull_subscribe(
             subjects.INFER_SUBMIT_ALL, durable=CONSUMER, stream=subjects.INFER_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=5),
         )
+        # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
+        stack.push_async_callback(psub.unsubscribe)
         stop = shutdown_event()
 
         def status() -> tuple[bool, str]:
@@ -154,7 +177,7 @@ async def run(settings: SchedulerSettings) -> None:
             while True:
                 await asyncio.sleep(TICK_S)
                 try:
-                    await upkeep.tick()
+                    await upkeep.tick(connected=nc.is_connected)
                     QUEUE_DEPTH.labels("scheduler").set(len(core.held))
                 except Exception:
                     log.exception("upkeep_failed")
@@ -170,7 +193,9 @@ async def run(settings: SchedulerSettings) -> None:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                msgs = await psub.fetch(batch=min(room, 32), timeout=0.5)
+                # one at a time: nats-py's batch fetch, once its long poll has delivered a first
+                # message, waits out the poll for the rest, holding a lone request up to 0.5 s
+                msgs = await psub.fetch(batch=1, timeout=0.5)
             except (NatsTimeout, TimeoutError):
                 continue
             except Exception as e:
@@ -179,7 +204,8 @@ async def run(settings: SchedulerSettings) -> None:
                 continue
             for msg in msgs:
                 try:
-                    await core.submit(msg.subject, msg.data, msg)
+                    with continued(msg.headers), _tracer.start_as_current_span("scheduler.admit"):
+                        await core.submit(msg.subject, msg.data, msg)
                 except Exception:
                     log.exception("submission_crashed", subject=msg.subject)
                     await msg.nak(delay=1)
@@ -190,4 +216,4 @@ async def run(settings: SchedulerSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(SchedulerSettings()))
+    asyncio.run(run(load_settings(SchedulerSettings)))

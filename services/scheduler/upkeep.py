@@ -30,10 +30,18 @@ class Upkeep:
     _last_keep_alive: float = 0.0
     _last_renew: float = 0.0
     _last_heat: float = 0.0
+    _cut_off: bool = False
 
-    async def tick(self, now: float | None = None) -> None:
+    async def tick(self, now: float | None = None, connected: bool = True) -> None:
+        """``connected``: whether this scheduler hears the bus; while it does not, no worker is judged lost."""
         now = time.monotonic() if now is None else now
-        await self.fail_over(now)
+        if not connected:
+            self._cut_off = True
+        elif self._cut_off:
+            self._cut_off = False
+            self.core.fleet.resume(now)
+        else:
+            await self.fail_over(now)
         await self.sweep_queue(now)
         await self.sweep_inflight()
         if now - self._last_keep_alive >= self.periods.keep_alive_s:
@@ -59,7 +67,9 @@ class Upkeep:
             log.warning("worker_lost", worker_id=worker_id, requests=len(lost))
             metrics.WORKERS_LOST.labels("with_requests" if lost else "idle").inc()
             for rid in lost:
-                entry = core.inflight.pop(rid)
+                entry = core.inflight.pop(rid, None)
+                if entry is None:  # its completion arrived while an earlier error reply was being sent
+                    continue
                 error = WorkerLost(f"worker {worker_id} stopped while serving request {rid}; retry it")
                 await core.ports.reply_error(entry.request.reply_to, rid, error)
                 await core.ports.record_rejection(entry.request.tenant_id, rid, error)
@@ -79,8 +89,8 @@ class Upkeep:
         its tenant's concurrency slot."""
         core, wall = self.core, time.time()
         for rid, entry in list(core.inflight.items()):
-            if wall > entry.request.created_at + entry.request.timeout_s + 30:
-                core.inflight.pop(rid)
+            expired = wall > entry.request.created_at + entry.request.timeout_s + 30
+            if expired and core.inflight.pop(rid, None) is not None:  # unless it ended meanwhile
                 core.fleet.ended(entry.worker_id, rid)
                 log.info("inflight_expired", request_id=rid, worker_id=entry.worker_id)
                 await core.admission.release(entry.grant, None)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.api import DeliverPolicy
 from redis.exceptions import RedisError
 
 from services.worker.adapter_events import on_adapter_event
@@ -19,7 +18,8 @@ from services.worker.model_loader import load_model
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import metrics, subjects
-from shared.bus import connect, decode, encode, ensure_streams, reply_error, shutdown_event
+from shared.bus import connect, decode, encode, ensure_streams, follow, reply_error, shutdown_event
+from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.fingerprint import fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
@@ -32,6 +32,7 @@ from shared.schemas import (
 from shared.telemetry import continued, setup_tracing, tracer
 
 log = structlog.get_logger("worker")
+AUDIT_ATTEMPTS = 6  # with the publish timeout and the pauses between, about a minute of NATS outage
 
 
 async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings,
@@ -117,10 +118,17 @@ async def run(settings: WorkerSettings) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
 
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
-            try:
-                await js.publish(subjects.audit(event.kind, event.tenant_id), encode(AuditEnvelope(body=event)))
-            except Exception as e:
-                log.warning("audit_publish_failed", request_id=event.request_id, error=str(e))
+            """Publish until the AUDIT stream stores it (the scheduler frees the request's capacity on it);
+            the message id lets the stream drop a retry of a record it did store."""
+            subject, body = subjects.audit(event.kind, event.tenant_id), encode(AuditEnvelope(body=event))
+            headers = {"Nats-Msg-Id": f"{event.kind}.{settings.worker_id}.{event.request_id}"}
+            for attempt in range(1, AUDIT_ATTEMPTS + 1):
+                try:
+                    await js.publish(subject, body, headers=headers)
+                    return
+                except Exception as e:  # e.g. no ack while NATS restarts
+                    log.warning("audit_publish_failed", request_id=event.request_id, error=str(e), attempt=attempt)
+                    await asyncio.sleep(attempt)
 
         server = RequestServer(engine, loaded.tokenizer, settings.worker_id, loaded.name, emit, audit,
                                settings.max_waiting, cache, loader.digest_of)
@@ -152,8 +160,7 @@ async def run(settings: WorkerSettings) -> None:
             except LorafleetError as e:
                 log.warning("bad_adapter_event", error=e.message)
 
-        await js.subscribe(subjects.ADAPTER_EVENTS_ALL, cb=on_event, ordered_consumer=True,
-                           deliver_policy=DeliverPolicy.NEW)
+        await follow(js, subjects.ADAPTER_EVENTS_STREAM, subjects.ADAPTER_EVENTS_ALL, on_event)
         await nc.subscribe(subjects.worker_dispatch(settings.worker_id), cb=on_dispatch)
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)
         cache.start()
@@ -172,4 +179,4 @@ async def run(settings: WorkerSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(WorkerSettings()))
+    asyncio.run(run(load_settings(WorkerSettings)))

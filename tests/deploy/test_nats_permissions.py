@@ -13,6 +13,7 @@ from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES
+from shared.bus import follow
 
 JS_TIMEOUT = 1.0
 
@@ -61,6 +62,24 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
 async def test_only_the_registry_publishes_adapter_events(connect_as, user: str) -> None:
     client = await connect_as(user)
     assert await client.publish_refused(subjects.adapter_event("x"))
+
+
+@pytest.mark.parametrize(("user", "publisher", "stream", "followed", "subject"), [
+    ("scheduler", "gateway", subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, subjects.audit("completion", "a")),
+    ("worker", "registry", subjects.ADAPTER_EVENTS_STREAM, subjects.ADAPTER_EVENTS_ALL, subjects.adapter_event("tiny")),
+])
+async def test_the_scheduler_follows_completions_and_workers_follow_adapter_events(
+        connect_as, user: str, publisher: str, stream: str, followed: str, subject: str) -> None:
+    client = await connect_as(user)
+    received: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_message(msg) -> None:
+        received.put_nowait(msg.data)
+
+    await follow(client.nc.jetstream(timeout=5), stream, followed, on_message)
+    await (await connect_as(publisher)).nc.jetstream(timeout=5).publish(subject, b"{}")
+    assert await asyncio.wait_for(received.get(), 5) == b"{}"
+    assert client.errors == []
 
 
 async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_as) -> None:

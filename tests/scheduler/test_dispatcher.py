@@ -165,6 +165,36 @@ async def test_lost_worker_fails_its_accepted_requests_and_queued_ones_go_elsewh
     assert ("w2", "waiting") in world.dispatched and queued.acts == ["ack"] and queued.kept_alive == 1
 
 
+async def test_a_request_ending_while_its_lost_worker_is_failed_over_is_left_alone(world):
+    world.beat("w1")
+    await world.submit("a")
+    await world.submit("b")
+    world.core.fleet.workers["w1"].seen_at -= 10
+    answer = world.core.ports.reply_error
+
+    async def reply_error(reply_to: str, rid: str, err: LorafleetError) -> None:
+        await answer(reply_to, rid, err)
+        for other in {"a", "b"} - {rid}:
+            if other in world.core.inflight:  # its completion lands while this error is on its way
+                await world.finish(other)
+
+    world.core.ports.reply_error = reply_error
+    await world.upkeep.tick()
+    assert len(world.errors) == 1 and not world.core.inflight
+
+
+async def test_no_worker_is_judged_lost_while_the_scheduler_itself_is_cut_off(world):
+    world.beat("w1")
+    await world.submit("a")
+    world.core.fleet.workers["w1"].seen_at -= 10  # silent, but only because the bus was gone
+    await world.upkeep.tick(connected=False)
+    await world.upkeep.tick(connected=True)
+    assert world.errors == {} and "a" in world.core.inflight and "w1" in world.core.fleet.workers
+    world.core.fleet.workers["w1"].seen_at -= 10  # silent with the bus back: lost
+    await world.upkeep.tick()
+    assert world.errors == {"a": "worker_lost"}
+
+
 async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown_hands_back_the_rest(world):
     world.beat("w1", max_running=1)
     await world.submit("busy")
