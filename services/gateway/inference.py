@@ -34,7 +34,8 @@ class Submission:
     finished: bool = False
 
     async def events(self) -> AsyncIterator[ReplyToken | ReplyFinal]:
-        """Tokens then the final message; a remote error or the deadline raises a typed error."""
+        """Tokens then the final message; a remote error, a lost token or the deadline raises a typed error."""
+        relayed = 0  # tokens passed on so far: the reply stream must account for every one
         try:
             while True:
                 remaining = self._deadline - time.monotonic()
@@ -49,12 +50,24 @@ class Submission:
                     raise from_body(body.error)
                 if isinstance(body, ReplyAccepted):
                     continue
+                relayed = self._check_complete(body, relayed)
                 yield body
                 if isinstance(body, ReplyFinal):
                     self.finished = True
                     return
         finally:
             await self.close()
+
+    def _check_complete(self, body: ReplyToken | ReplyFinal, relayed: int) -> int:
+        """Tokens relayed after ``body``; a gap (a reply lost on the bus, e.g. while NATS reconnected)
+        fails the request rather than handing the client a text with a hole in it."""
+        if isinstance(body, ReplyToken):
+            if body.index + 1 - len(body.token_ids) != relayed:
+                raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost tokens; retry it")
+            return body.index + 1
+        if body.finish_reason != "cancelled" and body.usage.completion_tokens != relayed:
+            raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost its last tokens; retry it")
+        return relayed
 
     async def close(self) -> None:
         """Stop listening; if the request has not finished, cancel it on its worker."""

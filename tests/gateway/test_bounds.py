@@ -116,3 +116,22 @@ async def test_a_reply_naming_another_request_never_reaches_the_stream(gateway, 
         seen = [await anext(lines) for _ in range(20)]
     assert any(" t" in line for line in seen)  # the real tokens flow
     assert not any("INJECTED" in line for line in seen)
+
+
+async def test_a_gap_in_the_reply_stream_fails_the_request_instead_of_dropping_text(gateway, client):
+    from shared.bus import encode
+    from shared.schemas import ReplyEnvelope, ReplyToken
+
+    async with client.stream("POST", "/v1/completions", json={"model": BASE, "prompt": "slow", "stream": True}) as r:
+        lines = r.aiter_lines()
+        await anext(lines)
+        request = gateway.worker.requests[-1]
+        skipped = ReplyToken(request_id=request.request_id, index=450, text=" t450", token_ids=[450])
+        await gateway.nc.publish(request.reply_to, encode(ReplyEnvelope(body=skipped)))
+        rest = [line async for line in lines]
+    assert not any("t450" in line for line in rest)
+    assert any('"code": "service_unavailable"' in line and "lost tokens" in line for line in rest), rest[-3:]
+    deadline = time.monotonic() + 1
+    while request.request_id not in gateway.worker.cancelled:  # and the worker stops generating it
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
