@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps up test bench clean
+.PHONY: install system-deps up test bench soak clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ test: install system-deps
 bench: install
 	$(BIN)/python -m bench.engine --quick
 	$(BIN)/python -m bench.multilora --quick
+
+# 30 minutes of mixed load; every service's RSS and open files must stay flat after warm-up (not in `make test`).
+soak: install
+	$(BIN)/python -m bench.soak --minutes 30
 
 clean:
 	rm -rf .lorafleet bench/results .pytest_cache

@@ -1,0 +1,143 @@
+"""The stack a load run targets: nats-server, redis-server and the five services on loopback, a base
+model (the embedded SmolLM2 or a tiny random Llama), tenants with their API keys."""
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.cli.adapter_cmd import cli_connect
+from services.cli.infra import Server, free_port, start_nats, start_redis
+from services.cli.stack import SERVICES, Stack, wait_ready
+from services.worker.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
+from shared import subjects
+from shared.bus import request
+from shared.schemas import ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, TenantsReply
+
+ACTOR = "bench-load"
+TINY_MODEL = "tiny-llama"
+
+
+@dataclass(slots=True)
+class BenchStack:
+    root: Path
+    nats: Server
+    redis: Server
+    stack: Stack
+    url: str
+    model_dir: Path
+    model_name: str
+
+    def pids(self) -> dict[str, int]:
+        """Process id of every service and of nats-server and redis-server, by name."""
+        return {**{k: p.pid for k, p in self.stack.procs.items()}, "nats-server": self.nats.proc.pid,
+                "redis-server": self.redis.proc.pid}
+
+    def stop(self, keep_logs: bool = False) -> None:
+        self.stack.stop_all()
+        self.redis.stop()
+        self.nats.stop()
+        if not keep_logs:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def base_model_dir(kind: str) -> tuple[Path, str]:
+    """(directory, served name) of ``smollm2`` (embedded) or ``tiny`` (random 2-layer Llama, SmolLM2 tokenizer).
+
+    The tiny model is seeded, so it is made once into the model cache and reused."""
+    os.environ.setdefault("LF_MODEL_CACHE", str(default_cache_dir()))
+    if kind == "smollm2":
+        return resolve_model_dir(None), EMBEDDED_MODEL_NAME
+    target = Path(os.environ["LF_MODEL_CACHE"]) / TINY_MODEL
+    if not (target / "config.json").is_file():
+        from tests.scheduler.conftest import make_tiny_model
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}-", dir=target.parent)) / TINY_MODEL
+        staging.mkdir()
+        make_tiny_model(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another run made it meanwhile
+            pass
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    return target, TINY_MODEL
+
+
+def start_stack(kind: str, *, workers: int, request_timeout_s: float, ready_timeout_s: float = 600,
+                extra_env: dict[str, str] | None = None) -> BenchStack:
+    """Every process on free loopback ports; dev mode (unsigned adapters admitted), metrics off."""
+    model_dir, model_name = base_model_dir(kind)
+    root = Path(tempfile.mkdtemp(prefix="lf-load-"))
+    nats = start_nats(free_port(), root / "nats")
+    try:
+        redis = start_redis(free_port(), root / "redis")
+    except BaseException:
+        nats.stop()
+        raise
+    port = free_port()
+    env = {
+        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port), "LF_HOST": "127.0.0.1",
+        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING", "LF_METRICS_PORT": "-1",
+        "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false", "LF_REQUEST_TIMEOUT_S": str(request_timeout_s),
+        "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
+        **({} if kind == "smollm2" else {"LF_MODEL_DIR": str(model_dir)}),
+        **(extra_env or {}),
+    }
+    stack = Stack(env, root / "logs")
+    running = BenchStack(root, nats, redis, stack, f"http://127.0.0.1:{port}", model_dir, model_name)
+    try:
+        for name in SERVICES:
+            if name != "worker":
+                stack.start(name)
+        for i in range(workers):
+            stack.start("worker", {"LF_WORKER_ID": f"load-w{i}"}, key=f"worker-{i}" if workers > 1 else "worker")
+        asyncio.run(wait_ready(nats.url, stack, SERVICES, ready_timeout_s))
+    except BaseException:
+        running.stop(keep_logs=True)
+        raise
+    return running
+
+
+async def create_tenants(nats_url: str, tenants: list[str]) -> dict[str, str]:
+    """Create each tenant (no quota) and one inference key for it: tenant -> bearer key."""
+    nc = await cli_connect(nats_url)
+    keys = {}
+    try:
+        for tenant in tenants:
+            await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id=tenant, actor=ACTOR),
+                          TenantsReply, 10)
+            created = await request(nc, subjects.registry("api_key_create"),
+                                    CreateApiKeyRequest(tenant_id=tenant, actor=ACTOR), ApiKeyCreatedReply, 10)
+            keys[tenant] = created.key
+    finally:
+        await nc.drain()
+    return keys
+
+
+async def list_models(url: str, key: str) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        r = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+        return r.json()["data"]
+
+
+async def wait_keys(url: str, keys: dict[str, str], timeout_s: float = 30) -> None:
+    """Return once the gateway accepts every key (it mirrors new keys from the registry)."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(keys)
+    while pending:
+        for tenant, key in list(pending.items()):
+            try:
+                await list_models(url, key)
+                del pending[tenant]
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway at {url} does not accept the keys of {sorted(pending)}")
+        await asyncio.sleep(0.2)
