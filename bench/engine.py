@@ -110,18 +110,22 @@ def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
 
 
 def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int,
-               dtype: str = "float32") -> list[dict[str, object]]:
-    config = EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048,
-                          dtype=dtype)
-    engine = LLMEngine.from_loaded(loaded, config)
+               dtype: str = "float32", linear_split: bool = False) -> list[dict[str, object]]:
+    """``linear_split`` adds the engine on plain F.linear ("engine_f_linear"), interleaved with the rest."""
+    variants = {"engine": "auto", **({"engine_f_linear": "torch"} if linear_split else {})}
+    engines = {name: LLMEngine.from_loaded(loaded, EngineConfig(
+        kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, dtype=dtype,
+        cpu_linear=linear)) for name, linear in variants.items()}
     rows = []
     for batch in batches:
         prompts = chat_prompts(loaded, batch)
-        run_engine(engine, prompts[:1], 2)
-        runs: dict[str, list[dict[str, object]]] = {"hf": [], "engine": []}
+        for engine in engines.values():
+            run_engine(engine, prompts[:1], 2)
+        runs: dict[str, list[dict[str, object]]] = {"hf": [], **{name: [] for name in engines}}
         for _ in range(rounds):
             runs["hf"].append(run_hf(loaded, prompts, new_tokens))
-            runs["engine"].append(run_engine(engine, prompts, new_tokens))
+            for name, engine in engines.items():
+                runs[name].append(run_engine(engine, prompts, new_tokens))
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
         rows.append({
@@ -169,7 +173,8 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
 
 def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": dtype,
+    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": dtype, "cpu_linear": "auto",
+            "cpu": platform.processor() or platform.machine(),
             "model": "SmolLM2-135M-Instruct", "python": platform.python_version(), "git_commit": commit or None}
 
 
@@ -178,7 +183,7 @@ def table(rows: list[dict[str, object]], memory: dict[str, object]) -> str:
              "|---:|---|---:|---:|---:|---:|"]
     for row in rows:
         for name, s in row["systems"].items():
-            speed = f"{row['speedup_vs_hf']:.2f}x" if name == "engine" else "1.00x"
+            speed = f"{s['tok_s'] / row['systems']['hf']['tok_s']:.2f}x"
             lines.append(f"| {row['batch']} | {name} | {s['tok_s']:.1f} | {speed} | "
                          f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
                          f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
@@ -195,6 +200,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of both systems (bf16 uses this CPU's avx512_bf16 / AMX where present)")
+    parser.add_argument("--linear-split", action="store_true",
+                        help="also run the engine on plain F.linear, to separate the oneDNN matmuls' share")
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_probe:
@@ -207,7 +214,7 @@ def main() -> None:
     memory = json.loads(probe.stdout.strip().splitlines()[-1])
     loaded = load_model(dtype=getattr(torch, args.dtype))
     batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
-    rows = throughput(loaded, batches, new_tokens, rounds, args.dtype)
+    rows = throughput(loaded, batches, new_tokens, rounds, args.dtype, args.linear_split)
     result = {"environment": environment(args.threads, args.dtype), "quick": args.quick, "throughput": rows, "memory": memory,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "adapters": 0,
               "rank_mix": None}
