@@ -18,6 +18,7 @@ from nats.js.object_store import ObjectStore
 
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
+from shared.bus import read_object
 from shared.errors import InvalidRequest, ServiceUnavailable
 
 
@@ -71,7 +72,7 @@ class Uploads:
                 raise InvalidRequest(f"upload {upload_id!r} has no {name}") from None
             if info.size > limits.max_weights_bytes:
                 raise InvalidRequest(f"upload {upload_id!r}: {name} exceeds the size cap")
-            files[name] = (await self._store.get(f"{upload_id}/{name}")).data or b""
+            files[name] = await read_object(self._store, f"{upload_id}/{name}")
         return files
 
     async def delete(self, upload_id: str) -> None:

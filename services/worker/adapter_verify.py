@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from shared import signing, subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME
-from shared.bus import request
+from shared.bus import read_object, request
 from shared.errors import IntegrityError, ModelNotFound
 from shared.schemas import AdapterRecord, AdapterRecordsReply, GetAdapterRequest, ListKeysRequest, TrustedKeysReply
 
@@ -68,7 +68,7 @@ async def fetch_adapter_files(js: JetStreamContext, storage_uri: str) -> dict[st
         files: dict[str, bytes] = {}
         for name in ADAPTER_FILES:
             try:
-                files[name] = (await store.get(f"{prefix}/{name}")).data or b""
+                files[name] = await read_object(store, f"{prefix}/{name}")
             except NotFoundError:
                 raise IntegrityError(f"{storage_uri}: {name} is missing from the store") from None
         return files
