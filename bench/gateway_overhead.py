@@ -77,7 +77,7 @@ async def _stack_ttft(url: str, key: str, prompt: str) -> tuple[str, float]:
     raise RuntimeError("the stream ended without a content chunk")
 
 
-def stack_phase(requests: int, warmup: int) -> tuple[list[float], list[float]]:
+def stack_phase(requests: int, warmup: int, spans: bool = True) -> tuple[list[float], list[float]]:
     """Client-side TTFTs, and per request that TTFT minus the worker's own TTFT for it."""
     root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
     SPANS.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def stack_phase(requests: int, warmup: int) -> tuple[list[float], list[float]]:
     port = free_port()
     env = {"LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
            "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING",
-           "LF_TRACE_EXPORTER": f"file:{SPANS}"}
+           "LF_TRACE_EXPORTER": f"file:{SPANS}" if spans else "none"}
     if "LF_MODEL_CACHE" in os.environ:
         env["LF_MODEL_CACHE"] = os.environ["LF_MODEL_CACHE"]
     stack = Stack(env, root / "logs")
@@ -172,11 +172,13 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 requests per path instead of 200")
+    parser.add_argument("--no-spans", action="store_true",
+                        help="services export no spans (the tracing's own cost is out; no per-hop breakdown)")
     parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
     args = parser.parse_args()
     requests, warmup = (30, 5) if args.quick else (200, 10)
-    stack, paired = stack_phase(requests, warmup)
-    hops = overhead_breakdown.breakdown(SPANS)
+    stack, paired = stack_phase(requests, warmup, spans=not args.no_spans)
+    hops = {} if args.no_spans else overhead_breakdown.breakdown(SPANS)
     print(overhead_breakdown.table(hops))
     engine = stack if args.stack_only else engine_phase(requests, warmup)
     s, e = percentiles(stack), percentiles(engine)
