@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.linear import AUTO_MIN_ROWS, LinearFactory, onednn_usable
+from services.worker.engine.linear import AUTO_MAX_ROWS, AUTO_MIN_ROWS, LinearFactory, onednn_usable
 
 
 def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -32,6 +32,7 @@ def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bo
 def test_rows_choose_the_path(monkeypatch):
     x_small, weight, _ = _case(AUTO_MIN_ROWS - 1, 64, 32, False)
     x_big = torch.randn(AUTO_MIN_ROWS, 32)
+    x_prefill = torch.randn(AUTO_MAX_ROWS + 1, 32)
     linear = LinearFactory("auto", "cpu", torch.float32)(weight)
     everything = LinearFactory("onednn", "cpu", torch.float32)(weight)  # (its probe runs a packed matmul too)
     calls: list[int] = []
@@ -45,9 +46,11 @@ def test_rows_choose_the_path(monkeypatch):
                         lambda x, packed, bias: spy(x, packed, bias, "none", [], ""))
     linear(x_small)
     linear(x_big)
+    linear(x_prefill)
     assert calls == [AUTO_MIN_ROWS]
     everything(x_small)
-    assert calls == [AUTO_MIN_ROWS, AUTO_MIN_ROWS - 1]
+    everything(x_prefill)
+    assert calls == [AUTO_MIN_ROWS, AUTO_MIN_ROWS - 1, AUTO_MAX_ROWS + 1]
 
 
 def test_torch_mode_and_other_dtypes_never_pack():

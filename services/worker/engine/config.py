@@ -32,7 +32,7 @@ class EngineConfig(BaseModel):
     )
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
     cpu_linear: CpuLinear = Field(
-        default="auto", description="CPU dense matmuls: auto (oneDNN-prepacked weights from 8 rows, F.linear below; "
+        default="auto", description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "
         "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
     )
     num_threads: int | None = Field(

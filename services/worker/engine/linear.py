@@ -4,9 +4,9 @@ batched rows.
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
 blocked layout runs many-row matmuls (a decode step of many sequences, a prefill) 1.2-2.3x faster
-there (``python -m bench.linear_ops``); a single row is faster on ``F.linear``. So ``auto`` keeps
-both: the plain weight (which the transformers model shares) and a packed copy used from
-``min_rows`` rows up, at the price of holding the dense weights twice.
+there (decode steps of 8-128 rows); a single row, and a large prefill, are as fast or faster on
+``F.linear``. So ``auto`` keeps both: the plain weight (which the transformers model shares) and
+a packed copy used for 8 to 128 rows, at the price of holding the dense weights twice.
 
 The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits for
 CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
@@ -22,6 +22,10 @@ import torch.nn.functional as F
 
 CpuLinear = Literal["auto", "torch", "onednn"]
 AUTO_MIN_ROWS = 8
+# oneDNN builds (and caches) a primitive per input shape; bounding the packed path to decode-sized
+# steps bounds that cache (5 weight shapes x 121 row counts, under oneDNN's default 1,024 entries,
+# so it never churns) and the memory it holds. Larger steps (prefill) gain little from it anyway.
+AUTO_MAX_ROWS = 128
 log = structlog.get_logger("engine")
 
 
@@ -51,15 +55,16 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of at least ``min_rows`` rows."""
+    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of ``min_rows`` to ``max_rows`` rows."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
     min_rows: int = AUTO_MIN_ROWS
+    max_rows: int = AUTO_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.min_rows:
+        if self.packed is not None and self.min_rows <= x.shape[0] <= self.max_rows:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -72,8 +77,8 @@ class LinearFactory:
         self.pack = wanted and onednn_usable(dtype)
         if wanted and not self.pack and mode == "onednn":
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
-        self.min_rows = 1 if mode == "onednn" else AUTO_MIN_ROWS
+        self.min_rows, self.max_rows = (1, 2**31) if mode == "onednn" else (AUTO_MIN_ROWS, AUTO_MAX_ROWS)
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
-        return Linear(weight, bias, packed, self.min_rows)
+        return Linear(weight, bias, packed, self.min_rows, self.max_rows)
