@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.linear import AUTO_MAX_ROWS, AUTO_MIN_ROWS, LinearFactory, onednn_usable
+from services.worker.engine.linear import AUTO_MAX_ROWS, AUTO_MIN_ROWS, LinearFactory, onednn_usable, padded_rows
 
 
 def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -19,7 +19,7 @@ def test_onednn_is_usable_for_fp32_on_this_cpu_and_never_for_bf16():
     assert not onednn_usable(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [1, AUTO_MIN_ROWS - 1, AUTO_MIN_ROWS, 33, 200])
+@pytest.mark.parametrize("rows", [1, AUTO_MIN_ROWS - 1, AUTO_MIN_ROWS, 9, 33, 41, 127, 200])
 @pytest.mark.parametrize("shape", [(832, 576), (576, 1536), (1000, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool):
@@ -59,3 +59,15 @@ def test_torch_mode_and_other_dtypes_never_pack():
     assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).packed is None
     with pytest.raises(ValueError, match="not usable"):
         LinearFactory("onednn", "cpu", torch.bfloat16)
+
+
+def test_packed_row_counts_are_few_buckets_with_bounded_padding():
+    """oneDNN keeps a primitive (and its memory) per row count: the packed path runs at 12 row counts
+    over 8-128, never pads more than 25% past 32 rows (7 rows below), and never shrinks an input."""
+    buckets = {padded_rows(r) for r in range(AUTO_MIN_ROWS, AUTO_MAX_ROWS + 1)}
+    assert buckets == {8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128}
+    for rows in range(1, 5000):
+        padded = padded_rows(rows)
+        assert padded >= rows and padded_rows(padded) == padded
+        assert padded - rows <= (7 if rows <= 32 else rows // 4)
+    assert len({padded_rows(r) for r in range(1, 2049)}) == 4 + 4 * 6  # four per doubling past 32
