@@ -1,6 +1,6 @@
 """Paged attention over the KV cache: batched decode, per-sequence causal prefill."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,37 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor  # [num_decode * max_blocks] int64 padded block tables, flattened
     decode_mask: torch.Tensor  # [1, num_decode, 1, max_blocks * block_size] bool, True = attend
     prefill_bounds: list[tuple[int, int]]  # token [start, end) of each prefill
+    # Built on first use by the first layer, reused by the others (same step, same shapes).
+    _decode_bias: torch.Tensor | None = field(default=None, repr=False)
+    _decode_kv: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias (0 = attend, -inf = not): SDPA's CPU kernel runs a third faster
+        with it than with a boolean mask."""
+        if self._decode_bias is None or self._decode_bias.dtype != dtype:
+            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            self._decode_bias = bias.masked_fill_(~self.decode_mask, float("-inf"))
+        return self._decode_bias
+
+    def decode_kv(self, like: torch.Tensor, block_elems: int) -> torch.Tensor:
+        """Scratch for the decodes' gathered K/V: [2 * kv_heads, num_decode * max_blocks, block_elems]."""
+        shape = (like.shape[0] * like.shape[1], self.decode_blocks.numel(), block_elems)
+        if self._decode_kv is None or self._decode_kv.shape != shape or self._decode_kv.dtype != like.dtype:
+            self._decode_kv = like.new_empty(shape)
+        return self._decode_kv
+
+
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[j] = cache_j[blocks]`` for each (K or V, kv head) j, whole blocks at a time.
+
+    One dim-0 ``index_select`` per (K/V, head) row, each a run of block-sized memcpys: an
+    ``index_select`` along the cache's slot dimension takes torch's generic strided path instead,
+    2.4x slower on blocks in order and 6x on blocks scattered over the cache (as a long-running
+    worker's allocator leaves them)."""
+    rows = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], -1, block_size * kv_cache.shape[-1])
+    for j in range(rows.shape[0]):
+        torch.index_select(rows[j], 0, blocks, out=out[j])
+    return out
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -45,9 +76,10 @@ def paged_attention(
         # Heads sharing a KV head become that head's query rows: GQA without repeating K/V.
         dq = q[:n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
         length = meta.decode_mask.shape[-1]
-        blocks = kv_cache.view(2, kv_heads, -1, block_size, head_dim).index_select(2, meta.decode_blocks)
-        dk, dv = blocks.view(2, kv_heads, n, length, head_dim)
-        res = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_mask)
+        gathered = gather_blocks(kv_cache, meta.decode_blocks, block_size,
+                                 meta.decode_kv(kv_cache, block_size * head_dim))
+        dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
+        res = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_bias(q.dtype))
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     for start, end in meta.prefill_bounds:
         res = F.scaled_dot_product_attention(
