@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels import LoraIndex, add_lora, index_for
+from kernels.bags import add_lora_bags
 from kernels.reference import add_lora_gathered, add_lora_segments
 from services.worker.lora.metadata import LoraMetadata
 
@@ -51,6 +52,7 @@ def lora_forms(x: torch.Tensor, y: torch.Tensor, rank: int, rows: torch.Tensor) 
     index = index_for(rows)
     return {
         "gathered": lambda: add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row),
+        "bags": lambda: add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags),
         "segments": lambda: add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments),
         "dispatch": lambda: add_lora(x, y, a, b, scale, index, NO_WORKSPACE),
     }
@@ -135,7 +137,7 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def markdown(workloads: list[dict[str, object]], skew: dict[str, object], metadata: dict[str, float]) -> str:
-    forms = ["base", "gathered", "segments", "dispatch"]
+    forms = ["base", "gathered", "bags", "segments", "dispatch"]
     rows = [
         [str(w["workload"]), str(w["module"]), str(w["tokens"])]
         + [f"{w['us'][f]:.0f}" for f in forms]

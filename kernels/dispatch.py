@@ -1,17 +1,19 @@
 """One step's token -> row index for a rank class, and the op that picks Triton (CUDA) or torch (CPU)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kernels.bags import Bags, add_lora_bags, usable
 from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_segments
 
 # CUDA: BGMV re-reads a row's weights for every token, SGMV once per BLOCK_M tokens, so BGMV only
 # wins when segments are about one token long (decode).
 BGMV_MAX_MEAN_SEG_LEN = 1.5
-# CPU: the gathered bmm copies one weight row per token, the segment loop pays a few op launches
-# per segment. 32 tokens, rank 16, 576 x 576, 1 thread: gathered wins ~3x at 1 token per segment,
-# they tie at ~8, segments win ~4x at 16 and ~10x on prefill (bench/lora_ops.py).
+# CPU: the per-token forms (embedding bags for fp32, else the gathered bmm, which copies one weight
+# row per token) against the segment loop, which pays a few op launches per segment. 32 tokens,
+# rank 16, 576 x 576, 1 thread: gathered wins ~3x at 1 token per segment, they tie at ~8, segments
+# win ~4x at 16 and ~10x on prefill (bench/lora_ops.py).
 GATHER_MAX_MEAN_SEG_LEN = 4.0
 
 
@@ -25,6 +27,7 @@ class LoraIndex:
     seg_row: torch.Tensor  # [num_segments] int32, stack row of each segment
     max_seg_len: int
     segments: tuple[Segment, ...]  # host copy of the segments, for the CPU path
+    bags: Bags = field(default_factory=dict)  # the CPU bag path's indices, built once per step and width
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +89,9 @@ def add_lora(
     if n == 0:
         return
     if not x.is_cuda:
-        if index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN:
+        if index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN and usable(x, a, b):
+            add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags)
+        elif index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN:
             add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row)
         else:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)

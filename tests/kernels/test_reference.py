@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kernels import add_lora, find_segments, index_for, reference
+from kernels import add_lora, dispatch, find_segments, index_for, reference
+from kernels.bags import add_lora_bags
 from tests.kernels.conftest import DTYPES, RANKS, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
 
 
@@ -29,6 +30,13 @@ def test_both_forms_match_the_loop(spread: str, rank: int, dtype: torch.dtype, g
     torch.testing.assert_close(segmented.float(), expected, atol=atol, rtol=rtol)
     assert torch.equal(segmented[rows < 0], y[rows < 0])
 
+    if dtype == torch.float32:  # the CPU decode path; fp32 only (kernels/bags.py)
+        bagged = y.clone()
+        add_lora_bags(x, bagged, a, b, scale, index.token_idx, index.token_row, index.bags)
+        torch.testing.assert_close(bagged, expected, atol=atol, rtol=rtol)
+        assert torch.equal(bagged[rows < 0], y[rows < 0])
+        assert set(index.bags) == {in_features, rank}  # built once per width, reused by later calls
+
 
 def test_segments_mark_contiguous_runs_only() -> None:
     rows = torch.tensor([2, 2, 2, 0, 2, -1, 1, 1])
@@ -51,3 +59,18 @@ def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.
     expected[:, :24] = loop_lora(x, fused[:, :24], a, b, scale, token_rows)
     add_lora(x, fused[:, :24], a, b, scale, index_for(token_rows), torch.empty(0))
     torch.testing.assert_close(fused, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_dispatch_takes_the_bag_path_for_fp32_decode_and_the_gathered_one_for_half(monkeypatch, gen) -> None:
+    taken: list[str] = []
+    real_bags, real_gathered = dispatch.add_lora_bags, dispatch.add_lora_gathered
+    monkeypatch.setattr(dispatch, "add_lora_bags", lambda *a: (taken.append("bags"), real_bags(*a)))
+    monkeypatch.setattr(dispatch, "add_lora_gathered", lambda *a: (taken.append("gathered"), real_gathered(*a)))
+    rows = torch.arange(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, scale = make_weights(6, 32, 8, 24, dtype, gen)
+        x, y = torch.randn(6, 32, generator=gen).to(dtype), torch.randn(6, 24, generator=gen).to(dtype)
+        expected = loop_lora(x, y, a, b, scale, rows)
+        add_lora(x, y, a, b, scale, index_for(rows), torch.empty(0))
+        torch.testing.assert_close(y.float(), expected, atol=TOLERANCE[dtype][0], rtol=TOLERANCE[dtype][1])
+    assert taken == ["bags", "gathered"]
