@@ -25,6 +25,23 @@ def test_allocator_never_hands_out_more_than_it_has() -> None:
     assert len(set(allocator.allocate(4))) == 4
 
 
+def test_freed_blocks_are_reused_first_in_their_order_so_the_used_set_stays_small() -> None:
+    allocator = BlockAllocator(64)
+    assert allocator.allocate(3) == [0, 1, 2]
+    second = allocator.allocate(2)
+    assert second == [3, 4]
+    allocator.free([0, 1, 2])
+    assert allocator.allocate(3) == [0, 1, 2]  # a finished sequence's blocks, in its table's order
+    touched: set[int] = set()
+    held: list[list[int]] = []
+    for i in range(500):  # churn of sequences of 1-4 blocks, at most 3 at once
+        if len(held) == 3:
+            allocator.free(held.pop(i % 3))
+        held.append(allocator.allocate(1 + i % 4))
+        touched.update(held[-1])
+    assert len(touched) <= 3 + 2 + 3 * 4  # the peak in use (plus the two still held above), not all 64
+
+
 def test_block_table_grows_only_at_block_boundaries() -> None:
     manager = BlockManager(num_blocks=3, block_size=4)
     seq = Sequence(EngineRequest("r", [1, 2, 3, 4]), tokenizer=None)

@@ -1,6 +1,5 @@
 """Paged KV cache: fixed-size blocks, a free-list allocator and per-sequence block tables."""
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,11 +38,17 @@ class KVCache:
 
 
 class BlockAllocator:
-    """Free list of block ids; allocation never exceeds the cache."""
+    """Free list of block ids; allocation never exceeds the cache.
+
+    Last freed, first reused (a stack), each sequence's blocks handed back in their table order:
+    the blocks in use stay the fewest and the most recently touched ones, so a long-running worker
+    keeps its block tables in order (its decode gathers read memory in sequence), its working set
+    in the CPU caches, and its resident memory at the peak of what was in use, where a queue would
+    cycle through every block of the budget and scatter the tables over all of it."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # the next block is the last entry
 
     @property
     def num_free(self) -> int:
@@ -55,10 +60,10 @@ class BlockAllocator:
     def allocate(self, count: int) -> list[int]:
         if not self.can_allocate(count):
             raise RuntimeError(f"KV cache exhausted: {count} blocks asked, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        return [self._free.pop() for _ in range(count)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self._free.extend(reversed(blocks))
 
 
 class BlockManager:
