@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import time
+import uuid
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -23,7 +24,16 @@ from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.upkeep import Periods, Upkeep
 from services.worker.adapter_verify import fetch_record
 from shared import subjects
-from shared.bus import connect, decode, encode, ensure_streams, follow, request, shutdown_event
+from shared.audit_publish import publish_audit
+from shared.bus import (
+    connect,
+    decode,
+    encode,
+    ensure_streams,
+    follow,
+    request,
+    shutdown_event,
+)
 from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
@@ -31,8 +41,16 @@ from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, serve_metrics
 from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AdapterRecord, AuditEnvelope, CompletionAudit, DispatchReply, InferRequest, RejectionAudit, ReplyEnvelope, ReplyError,
-    WorkerControl, WorkerHeartbeat,
+    AdapterRecord,
+    AuditEnvelope,
+    CompletionAudit,
+    DispatchReply,
+    InferRequest,
+    RejectionAudit,
+    ReplyEnvelope,
+    ReplyError,
+    WorkerControl,
+    WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
 
@@ -44,6 +62,8 @@ _tracer = tracer("scheduler")
 
 
 def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports:
+    audits: set[asyncio.Task] = set()  # rejection records still being published
+
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
         """The worker's answer. A wait that overlapped a lost connection says nothing about the worker (it may
         have taken the request, only its reply lost, and withdrawing it would run it twice): the same worker
@@ -68,12 +88,12 @@ def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports
         await nc.publish(reply_to, encode(ReplyEnvelope(body=ReplyError(request_id=request_id, error=err.to_body()))))
 
     async def record_rejection(tenant: str, request_id: str, err: LorafleetError) -> None:
-        try:
-            event = RejectionAudit(request_id=request_id, tenant_id=subjects.token(tenant), service="scheduler",
-                                   code=err.code, reason=err.message)
-            await js.publish(subjects.audit("rejection", tenant), encode(AuditEnvelope(body=event)))
-        except Exception as e:
-            log.warning("audit_publish_failed", error=str(e))
+        """Audited beside the submission loop: a NATS outage retries it without holding admission up."""
+        event = RejectionAudit(request_id=request_id, tenant_id=subjects.token(tenant), service="scheduler",
+                               code=err.code, reason=err.message)
+        task = asyncio.create_task(publish_audit(js, event, f"rejection.scheduler.{uuid.uuid4().hex}"))
+        audits.add(task)
+        task.add_done_callback(audits.discard)
 
     async def control(worker_id: str, message: WorkerControl) -> None:
         await nc.publish(subjects.worker_control(worker_id), encode(message))

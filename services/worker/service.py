@@ -18,7 +18,16 @@ from services.worker.model_loader import load_model
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import metrics, subjects
-from shared.bus import connect, decode, encode, ensure_streams, follow, reply_error, shutdown_event
+from shared.audit_publish import publish_audit
+from shared.bus import (
+    connect,
+    decode,
+    encode,
+    ensure_streams,
+    follow,
+    reply_error,
+    shutdown_event,
+)
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.fingerprint import fingerprint_model_dir
@@ -26,13 +35,19 @@ from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
 from shared.schemas import (
-    AdapterEvent, AuditEnvelope, CompletionAudit, DispatchReply, RejectionAudit, InferRequest, ReplyEnvelope, ReplyMessage,
-    WorkerControl, WorkerHeartbeat,
+    AdapterEvent,
+    CompletionAudit,
+    DispatchReply,
+    InferRequest,
+    RejectionAudit,
+    ReplyEnvelope,
+    ReplyMessage,
+    WorkerControl,
+    WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
 
 log = structlog.get_logger("worker")
-AUDIT_ATTEMPTS = 6  # with the publish timeout and the pauses between, about a minute of NATS outage
 
 
 async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings,
@@ -118,17 +133,7 @@ async def run(settings: WorkerSettings) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
 
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
-            """Publish until the AUDIT stream stores it (the scheduler frees the request's capacity on it);
-            the message id lets the stream drop a retry of a record it did store."""
-            subject, body = subjects.audit(event.kind, event.tenant_id), encode(AuditEnvelope(body=event))
-            headers = {"Nats-Msg-Id": f"{event.kind}.{settings.worker_id}.{event.request_id}"}
-            for attempt in range(1, AUDIT_ATTEMPTS + 1):
-                try:
-                    await js.publish(subject, body, headers=headers)
-                    return
-                except Exception as e:  # e.g. no ack while NATS restarts
-                    log.warning("audit_publish_failed", request_id=event.request_id, error=str(e), attempt=attempt)
-                    await asyncio.sleep(attempt)
+            await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.request_id}")
 
         server = RequestServer(engine, loaded.tokenizer, settings.worker_id, loaded.name, emit, audit,
                                settings.max_waiting, cache, loader.digest_of)
