@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.url is not None:
         raise SystemExit("the soak samples the processes it starts: --url is not supported")
     target = open_target(config, WORKER_ENV)
+    started_env = environment(config, target)  # the commit the services started from, not the one at the end
     try:
         pids = target.stack.pids()
         primed_s = asyncio.run(prime(target, config.max_tokens))
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               "window_s": args.window_s, "primed_s": primed_s, "flat": flat, "lost": load["lost"],
               "processes": processes, "tolerance": {k: getattr(args, k) for k in TOLERANCE_ARGS},
               "worker_env": WORKER_ENV, "config": dataclasses.asdict(config), "load": load,
-              "registration": target.registration, "environment": environment(config, target),
+              "registration": target.registration, "environment": started_env,
               "samples": {n: [dataclasses.asdict(s) for s in v] for n, v in samples.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
