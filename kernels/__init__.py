@@ -1,7 +1,8 @@
 """LoRA ops: shrink (x @ A) and expand (@ B, scaled, added into y), per token's adapter row.
 
-``reference`` holds the plain-torch ops (the CPU path and the kernels' reference), ``bgmv`` and
-``sgmv`` the Triton kernels, ``dispatch`` the per-step index and the device-based choice.
+``reference`` holds the plain-torch ops (the kernels' reference, and the CPU path for prefill
+segments and half dtypes), ``bags`` the CPU fp32 decode path (embedding bags reading adapter rows in
+place), ``bgmv`` and ``sgmv`` the Triton kernels, ``dispatch`` the per-step index and the choice.
 """
 
 from kernels.dispatch import LoraIndex, add_lora, find_segments, index_for
