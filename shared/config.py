@@ -73,6 +73,11 @@ class GatewaySettings(CommonSettings):
     )
     request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
     registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
+    keep_alive_s: float = Field(
+        default=75.0, gt=0, le=3600,
+        description="how long an idle HTTP connection stays open; longer than clients' and load balancers' idle "
+        "timeouts (httpx 5 s, ALB/nginx 60 s), so nobody sends a request on a connection the gateway is closing",
+    )
 
 
 class SchedulerSettings(CommonSettings):

@@ -53,7 +53,8 @@ async def run(settings: GatewaySettings) -> None:
         stack.callback(watch.cancel)
         ctx = GatewayContext(settings, nc, js, cluster, keys, tokens)
         server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,
-                                               log_level="warning", lifespan="off"))
+                                               log_level="warning", lifespan="off",
+                                               timeout_keep_alive=settings.keep_alive_s))
         server.install_signal_handlers = lambda: None
         stop = shutdown_event()
         def health() -> tuple[bool, str]:

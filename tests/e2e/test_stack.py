@@ -1,6 +1,7 @@
 """End to end through the gateway with the official openai client, on the real SmolLM2 model."""
 
 import asyncio
+import socket
 import sqlite3
 import time
 
@@ -76,6 +77,19 @@ async def _direct_request(nats_url: str, tenant: str, **over) -> list:
         bodies.append(decode(ReplyEnvelope, msg.data).body)
     await nc.close()
     return bodies
+
+
+def test_an_idle_connection_outlives_client_keep_alive_expiry(running_stack):
+    """The gateway keeps idle connections longer than clients' pools do (httpx: 5 s). With uvicorn's
+    default 5 s, a request sent as the server closed its side was reset mid-flight (the soak saw one)."""
+    host, port = running_stack.gateway_url.removeprefix("http://").split(":")
+    request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for pause in (0.0, 6.5):
+            time.sleep(pause)
+            conn.sendall(request)
+            head = conn.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200"), head[:80]
 
 
 def test_direct_nats_client_is_served(running_stack):
