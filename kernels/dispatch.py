@@ -89,12 +89,12 @@ def add_lora(
     if n == 0:
         return
     if not x.is_cuda:
-        if index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN and usable(x, a, b):
-            add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags)
-        elif index.mean_seg_len <= GATHER_MAX_MEAN_SEG_LEN:
-            add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row)
-        else:
+        if index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
+        elif usable(x, a, b):
+            add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags)
+        else:
+            add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row)
         return
     # Imported on first CUDA use: a CPU worker never pays for importing Triton, and tests can set
     # TRITON_INTERPRET before the kernels are decorated.
