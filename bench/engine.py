@@ -82,6 +82,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
                adapters: Sequence[str | None] | None = None) -> dict[str, object]:
     """One batch through the engine (each request with its adapter, or base), EOS ignored."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.reset_prefix_cache()  # nothing carried over from an earlier round or batch
+    hits_before = engine.blocks.hit_tokens
     start, mono_start = time.perf_counter(), time.monotonic()
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, params, adapter=adapters[i] if adapters else None))
@@ -95,7 +97,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
                 assert out.completion_tokens == new_tokens
     wall = time.perf_counter() - start
     return {"wall_s": wall, "ttft_s": [first[r] - mono_start for r in first],
-            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first]}
+            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first],
+            "prefix_hit_tokens": engine.blocks.hit_tokens - hits_before, "prompt_tokens": sum(map(len, prompts))}
 
 
 def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
@@ -106,16 +109,21 @@ def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
         "ttft_ms": {k: v * 1e3 for k, v in percentiles(best["ttft_s"]).items()},
         "tpot_ms": {k: v * 1e3 for k, v in percentiles(best["tpot_s"]).items()},
         "rounds_wall_s": [r["wall_s"] for r in runs],
+        **({"prefix_hit_tokens": best["prefix_hit_tokens"], "prompt_tokens": best["prompt_tokens"]}
+           if "prefix_hit_tokens" in best else {}),
     }
 
 
 def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int,
                dtype: str = "float32", linear_split: bool = False) -> list[dict[str, object]]:
-    """``linear_split`` adds the engine on plain F.linear ("engine_f_linear"), interleaved with the rest."""
-    variants = {"engine": "auto", **({"engine_f_linear": "torch"} if linear_split else {})}
+    """Every round starts from an empty prefix cache: the engine shares only what one batch's own
+    prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
+    token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear")."""
+    variants = {"engine": ("auto", True), "engine_no_prefix_cache": ("auto", False),
+                **({"engine_f_linear": ("torch", True)} if linear_split else {})}
     engines = {name: LLMEngine.from_loaded(loaded, EngineConfig(
         kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, dtype=dtype,
-        cpu_linear=linear)) for name, linear in variants.items()}
+        cpu_linear=linear, enable_prefix_caching=prefix)) for name, (linear, prefix) in variants.items()}
     rows = []
     for batch in batches:
         prompts = chat_prompts(loaded, batch)
@@ -134,6 +142,7 @@ def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds:
             "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
             "systems": systems,
             "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
+            "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
             "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
         })
     return rows
@@ -188,6 +197,10 @@ def table(rows: list[dict[str, object]], memory: dict[str, object]) -> str:
                          f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
                          f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
     lines.append("")
+    for row in rows:
+        s = row["systems"]["engine"]
+        lines.append(f"batch {row['batch']}: the prefix cache shared {s['prefix_hit_tokens']} of {s['prompt_tokens']} "
+                     f"prompt tokens (a cold cache each round)")
     lines.append(f"Memory: {memory['num_seqs']} seqs x {memory['seq_len']} tokens (max {memory['max_concurrent']} "
                  f"concurrent): peak RSS {memory['peak_rss_mib']:.0f} MiB vs KV budget {memory['kv_budget_mib']:.0f} "
                  f"MiB + model {memory['model_mib']:.0f} MiB (RSS after load {memory['rss_after_load_mib']:.0f} MiB)")

@@ -52,8 +52,12 @@ log = structlog.get_logger("worker")
 
 async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings,
                              base_model: str) -> None:
+    counted = (0, 0)  # prefix-cache totals already added to the counters
     while True:
         stats, residency = server.engine.stats(), cache.stats()
+        metrics.PREFIX_QUERIED_TOKENS.inc(stats.prefix_queried_tokens - counted[0])
+        metrics.PREFIX_HIT_TOKENS.inc(stats.prefix_hit_tokens - counted[1])
+        counted = (stats.prefix_queried_tokens, stats.prefix_hit_tokens)
         metrics.RUNNING.set(stats.running)
         metrics.QUEUE_DEPTH.labels("worker").set(stats.waiting)
         metrics.KV_USAGE.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))

@@ -176,7 +176,10 @@ class RequestServer:
         request, rid = job.request, job.request.request_id
         pieces: list[str] = []
         outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
-        async for out in self.engine.generate(EngineRequest(rid, job.prompt_ids, request.sampling, adapter=job.key)):
+        # Cached prompt K/V is shared only within a tenant, and only for the exact adapter weights.
+        salt = f"{request.tenant_id}/{job.digest or ''}"
+        engine_request = EngineRequest(rid, job.prompt_ids, request.sampling, adapter=job.key, cache_salt=salt)
+        async for out in self.engine.generate(engine_request):
             if out.token_ids:
                 job.timing.token(out.completion_tokens)
             if out.text or out.token_ids:

@@ -60,5 +60,11 @@ def test_metrics_families_have_values_after_traffic(running_stack):
                    "kv_cache_usage_ratio", "running_requests"):
         assert family in worker, family
     assert 'ttft_ms_count{cache_hit="true"}' in worker
+    deadline = time.monotonic() + 10  # the prefix-cache counters are brought up to date at each heartbeat
+    while "prefix_cache_queried_tokens_total 0.0" in worker and time.monotonic() < deadline:
+        time.sleep(0.5)
+        worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics").text
+    assert "prefix_cache_hit_tokens_total" in worker
+    assert "prefix_cache_queried_tokens_total 0.0" not in worker and "prefix_cache_queried_tokens_total" in worker
     gateway = httpx.get(f"{running_stack.gateway_url}/metrics").text
     assert "admission_rejections_total" in gateway

@@ -95,10 +95,13 @@ def test_requests_joining_mid_flight_match_running_alone(
     assert [results[str(i)][0] for i in range(len(prompts))] == reference
 
 
+@pytest.mark.parametrize(("prefix_caching", "num_blocks"), [(False, 40), (True, 28)])
 def test_kv_exhaustion_queues_and_preempts_with_correct_tokens(
-    loaded: LoadedModel, prompts: list[list[int]], reference: list[list[int]]
+    loaded: LoadedModel, prompts: list[list[int]], reference: list[list[int]], prefix_caching: bool, num_blocks: int
 ) -> None:
-    engine = make_engine(loaded, kv_block_size=4, num_blocks=40)
+    """With prefix caching the shared chat-template blocks save room, so a smaller cache forces the
+    preemption; the recompute then finds its own published blocks."""
+    engine = make_engine(loaded, kv_block_size=4, num_blocks=num_blocks, enable_prefix_caching=prefix_caching)
     preempted = []
     schedule = engine.scheduler.schedule
 
@@ -113,7 +116,7 @@ def test_kv_exhaustion_queues_and_preempts_with_correct_tokens(
     results = run(engine)
     assert preempted, "the tiny cache should have forced a preemption"
     assert [results[str(i)][0] for i in range(len(prompts))] == reference
-    assert engine.blocks.allocator.num_free == 40
+    assert engine.blocks.allocator.num_free == num_blocks
 
 
 def test_request_larger_than_the_cache_is_rejected(loaded: LoadedModel, prompts: list[list[int]]) -> None:

@@ -22,6 +22,8 @@ class EngineStats:
     waiting: int
     kv_blocks_free: int
     kv_blocks_total: int
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit_tokens: int = 0  # of which found there (not recomputed)
 
 
 class EngineDead(RuntimeError):
@@ -141,6 +143,8 @@ class AsyncEngine:
             waiting=len(scheduler.waiting),
             kv_blocks_free=self.engine.blocks.allocator.num_free,
             kv_blocks_total=self.engine.num_blocks,
+            prefix_queried_tokens=self.engine.blocks.queried_tokens,
+            prefix_hit_tokens=self.engine.blocks.hit_tokens,
         )
 
     def _fail_all(self, error: Exception) -> None:

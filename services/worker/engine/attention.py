@@ -14,7 +14,10 @@ class AttentionMetadata:
     num_decode: int
     decode_blocks: torch.Tensor  # [num_decode * max_blocks] int64 padded block tables, flattened
     decode_mask: torch.Tensor  # [1, num_decode, 1, max_blocks * block_size] bool, True = attend
-    prefill_bounds: list[tuple[int, int]]  # token [start, end) of each prefill
+    prefill_bounds: list[tuple[int, int]]  # token [start, end) of each prefill's new tokens
+    # Per prefill: None when it starts from an empty cache, else (cache slots of its whole context,
+    # fp32 causal bias [new tokens, context]) for one that continues a shared cached prefix.
+    prefill_contexts: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
     # Built on first use by the first layer, reused by the others (same step, same shapes).
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _decode_kv: torch.Tensor | None = field(default=None, repr=False)
@@ -66,8 +69,8 @@ def paged_attention(
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
-    (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). Prefills start from an
-    empty cache, so they attend to their own fresh K/V; decodes gather their blocks from the cache.
+    (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
+    cache attends to its own fresh K/V; one past a cached prefix, and every decode, reads the cache.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
@@ -81,13 +84,15 @@ def paged_attention(
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
         res = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=meta.decode_bias(q.dtype))
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
-    for start, end in meta.prefill_bounds:
-        res = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1),
-            is_causal=True,
-            enable_gqa=kv_heads != heads,
-        )
+    contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
+    for (start, end), context in zip(meta.prefill_bounds, contexts):
+        pq = q[start:end].transpose(0, 1)
+        if context is None:
+            res = F.scaled_dot_product_attention(pq, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                                                 is_causal=True, enable_gqa=kv_heads != heads)
+        else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
+            slots, bias = context
+            pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
+            res = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=bias.to(q.dtype), enable_gqa=kv_heads != heads)
         out[start:end].view(end - start, heads, head_dim).copy_(res.transpose(0, 1))
     return out

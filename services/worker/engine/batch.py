@@ -34,15 +34,18 @@ def build_batch(decodes: list[Sequence], prefills: list[Sequence], block_size: i
     lengths = torch.tensor([seq.num_tokens for seq in decodes], dtype=torch.int64)
     mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lengths.unsqueeze(1)
     bounds = []
+    contexts: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for seq in prefills:
         start = len(ids)
-        n = seq.num_tokens
-        ids.extend(seq.token_ids)
-        positions.extend(range(n))
+        cached, n = seq.num_cached, seq.num_tokens
         table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(n))
-        adapters.extend([seq.slot] * n)
-        bounds.append((start, start + n))
+        ids.extend(seq.token_ids[cached:])
+        positions.extend(range(cached, n))
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        slots.extend(seq_slots[cached:])
+        adapters.extend([seq.slot] * (n - cached))
+        bounds.append((start, start + n - cached))
+        contexts.append(None if cached == 0 else _prefix_context(seq_slots, cached, device))
     last = list(range(len(decodes))) + [end - 1 for _, end in bounds]
 
     def tensor(values: list[int]) -> torch.Tensor:
@@ -54,6 +57,7 @@ def build_batch(decodes: list[Sequence], prefills: list[Sequence], block_size: i
         decode_blocks=tensor([b for row in tables for b in row]),
         decode_mask=mask.view(1, len(decodes), 1, max_blocks * block_size).to(device),
         prefill_bounds=bounds,
+        prefill_contexts=contexts,
     )
     return StepBatch(
         seqs=decodes + prefills,
@@ -63,3 +67,12 @@ def build_batch(decodes: list[Sequence], prefills: list[Sequence], block_size: i
         logits_indices=tensor(last),
         meta=meta,
     )
+
+
+def _prefix_context(slots: list[int], cached: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of a prefill's whole context and its causal bias: new token i (position
+    ``cached + i``) sees the shared prefix and the new tokens up to itself."""
+    n = len(slots)
+    rows = torch.arange(cached, n).unsqueeze(1)
+    bias = torch.zeros(n - cached, n).masked_fill_(torch.arange(n).unsqueeze(0) > rows, float("-inf"))
+    return torch.tensor(slots, dtype=torch.int64, device=device), bias.to(device)

@@ -35,6 +35,10 @@ class EngineConfig(BaseModel):
         default="auto", description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "
         "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
     )
+    enable_prefix_caching: bool = Field(
+        default=True, description="share the K/V of full prompt blocks between requests with the same tenant, "
+        "adapter and leading tokens (computed once, kept until their blocks are needed)",
+    )
     num_threads: int | None = Field(
         default=None, ge=1, le=1024, description="torch intra-op threads (process-wide); None keeps torch's"
     )

@@ -43,7 +43,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("kv_cache_bytes is too small for one KV block")
         self.cache = KVCache(spec, num_blocks, config.kv_block_size, config.torch_dtype, config.device)
-        self.blocks = BlockManager(num_blocks, config.kv_block_size)
+        self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, adapter_manager)
         self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
         self._seqs: dict[str, Sequence] = {}
@@ -92,6 +92,10 @@ class LLMEngine:
         seq.finish_reason = "abort"
         return self._output(seq, [], None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (blocks in use stay with their sequences)."""
+        self.blocks.allocator.clear_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -101,7 +105,12 @@ class LLMEngine:
         if plan.empty:
             return []
         batch = build_batch(plan.decodes, plan.prefills, self.config.kv_block_size, self.config.device)
-        logits = self._run(batch)
+        try:
+            logits = self._run(batch)
+        except BaseException:
+            self.blocks.rollback()
+            raise
+        self.blocks.commit()
         want_logprobs = any(seq.request.logprobs for seq in batch.seqs)
         tokens, logprobs = sample(logits, batch.seqs, want_logprobs)
         return self._postprocess(batch.seqs, tokens, logprobs)

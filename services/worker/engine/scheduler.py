@@ -77,7 +77,7 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
-            budget -= seq.num_tokens
+            budget -= seq.num_new_tokens  # a cached prefix costs nothing this step
             self.running.append(seq)
             out.prefills.append(seq)
         self.waiting.extendleft(reversed(skipped))

@@ -1,7 +1,9 @@
 """A request as the engine sees it, and the per-step output it yields."""
 
 import enum
+import hashlib
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,9 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None
     logprobs: bool = False
+    # Who may share this request's cached prompt K/V: only requests with the same salt and adapter
+    # (the worker passes tenant and adapter digest, so no tenant can time another's prompts).
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -52,6 +57,8 @@ class Sequence:
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached = 0
+        self.num_registered = 0  # leading blocks of block_table published to the prefix cache
+        self._block_hashes: list[bytes] = []
         self.block_table: list[int] = []
         self.status = Status.WAITING
         self.slot = -1
@@ -78,7 +85,25 @@ class Sequence:
         """Tokens this sequence feeds to the next forward pass: all of them on (re)prefill, else one."""
         return self.num_tokens - self.num_cached
 
+    def block_hashes(self, count: int, block_size: int) -> list[bytes]:
+        """Content digests of the first ``count`` full blocks, each chained to the one before it.
+
+        A digest names the block's tokens, every token before them, the adapter and the cache
+        salt: two blocks share K/V only when all four match. SHA-256, so a collision (which would
+        serve one request another's K/V) is not a practical concern."""
+        hashes = self._block_hashes
+        if not hashes and count:
+            root = f"{self.request.cache_salt or ''}\x00{self.request.adapter or ''}".encode()
+            hashes.append(hashlib.sha256(root + self._block_bytes(0, block_size)).digest())
+        while len(hashes) < count:
+            hashes.append(hashlib.sha256(hashes[-1] + self._block_bytes(len(hashes), block_size)).digest())
+        return hashes[:count]
+
+    def _block_bytes(self, index: int, block_size: int) -> bytes:
+        return array("q", self.token_ids[index * block_size:(index + 1) * block_size]).tobytes()
+
     def preempt(self) -> None:
         """Drop cached KV; the sequence re-prefills its prompt and output so far when readmitted."""
         self.num_cached = 0
+        self.num_registered = 0
         self.status = Status.WAITING
