@@ -63,21 +63,25 @@ async def _tenant_key(nats_url: str) -> str:
         await nc.drain()
 
 
-async def _stack_ttft(url: str, key: str, prompt: str) -> tuple[str, float]:
-    """(request id, client-side TTFT in ms) of one streamed chat request."""
+async def _stack_ttft(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float]:
+    """(request id, client-side TTFT in ms) of one streamed chat request, read to its end so the
+    request finishes (rather than being cancelled by the client leaving) before the next one."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
             "stream": True}
-    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
-        started = time.perf_counter()
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
-                    return r.headers["x-lorafleet-request-id"], (time.perf_counter() - started) * 1000
-    raise RuntimeError("the stream ended without a content chunk")
+    ttft = None
+    started = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                ttft = (time.perf_counter() - started) * 1000
+    if ttft is None:
+        raise RuntimeError("the stream ended without a content chunk")
+    return r.headers["x-lorafleet-request-id"], ttft
 
 
-def stack_phase(requests: int, warmup: int, spans: bool = True) -> tuple[list[float], list[float]]:
+def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float = 0.05
+                ) -> tuple[list[float], list[float]]:
     """Client-side TTFTs, and per request that TTFT minus the worker's own TTFT for it."""
     root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
     SPANS.parent.mkdir(parents=True, exist_ok=True)
@@ -108,9 +112,15 @@ def stack_phase(requests: int, warmup: int, spans: bool = True) -> tuple[list[fl
             key = await _tenant_key(nats.url)
             await asyncio.sleep(0.5)  # the gateway's key mirror picks the new key up
             url = f"http://127.0.0.1:{port}"
-            for i in range(warmup):
-                await _stack_ttft(url, key, PROMPTS[i % len(PROMPTS)])
-            timed = [await _stack_ttft(url, key, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+            timed = []
+            async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
+                for i in range(warmup + requests):
+                    # Each request starts once the last one's bookkeeping (its completion audit, the
+                    # scheduler's release) is done, as the in-process phase's requests do.
+                    await asyncio.sleep(settle_s)
+                    result = await _stack_ttft(client, url, PROMPTS[i % len(PROMPTS)])
+                    if i >= warmup:
+                        timed.append(result)
             await asyncio.sleep(1.0)  # the last completion records arrive
             await nc.drain()
             return [t for _, t in timed], [t - worker_ttft[rid] for rid, t in timed if rid in worker_ttft]
@@ -122,7 +132,7 @@ def stack_phase(requests: int, warmup: int, spans: bool = True) -> tuple[list[fl
         nats.stop()
 
 
-def engine_phase(requests: int, warmup: int) -> list[float]:
+def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[float]:
     from services.worker.engine import EngineRequest
     from services.worker.engine.async_engine import AsyncEngine
     from services.worker.model_loader import load_model
@@ -138,22 +148,34 @@ def engine_phase(requests: int, warmup: int) -> list[float]:
                                                    tokenize=True, return_dict=False)
         req = EngineRequest(request_id=f"bench-{i}", prompt_token_ids=list(ids),
                             sampling=SamplingParams(max_tokens=2, temperature=0))
-        started = time.perf_counter()
-        async for out in engine.generate(req):
-            if out.token_ids:
+        started, elapsed = time.perf_counter(), None
+        async for out in engine.generate(req):  # to the end, as the stack phase reads its streams
+            if out.token_ids and elapsed is None:
                 elapsed = (time.perf_counter() - started) * 1000
-                break
         return elapsed
 
     async def measure() -> list[float]:
-        for i in range(warmup):
-            await ttft(-1 - i, PROMPTS[i % len(PROMPTS)])
-        return [await ttft(i, PROMPTS[i % len(PROMPTS)]) for i in range(requests)]
+        timed = []
+        for i in range(warmup + requests):
+            await asyncio.sleep(settle_s)
+            elapsed = await ttft(i, PROMPTS[i % len(PROMPTS)])
+            if i >= warmup:
+                timed.append(elapsed)
+        return timed
 
     try:
         return asyncio.run(measure())
     finally:
         engine.shutdown()
+
+
+def _service_loop() -> str:
+    """The event loop the services run on (shared.event_loop picks uvloop where installed)."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def table(result: dict) -> str:
@@ -175,15 +197,18 @@ def main() -> None:
     parser.add_argument("--no-spans", action="store_true",
                         help="services export no spans (the tracing's own cost is out; no per-hop breakdown)")
     parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
+    parser.add_argument("--settle-ms", type=float, default=50.0,
+                        help="idle time before each request (0: back to back, overlapping the last one's bookkeeping)")
     args = parser.parse_args()
     requests, warmup = (30, 5) if args.quick else (200, 10)
-    stack, paired = stack_phase(requests, warmup, spans=not args.no_spans)
+    stack, paired = stack_phase(requests, warmup, spans=not args.no_spans, settle_s=args.settle_ms / 1000)
     hops = {} if args.no_spans else overhead_breakdown.breakdown(SPANS)
     print(overhead_breakdown.table(hops))
-    engine = stack if args.stack_only else engine_phase(requests, warmup)
+    engine = stack if args.stack_only else engine_phase(requests, warmup, args.settle_ms / 1000)
     s, e = percentiles(stack), percentiles(engine)
     result = {
-        "model": MODEL, "requests": requests, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "model": MODEL, "requests": requests, "settle_ms": args.settle_ms, "machine": platform.machine(),
+        "cpus": os.cpu_count(), "event_loop": _service_loop(),
         "stack": s, "engine": e,
         "overhead_ms": {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]},
         "paired_overhead_ms": percentiles(paired),

@@ -11,7 +11,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from services.auditor.crosscheck import check_completion
 from services.auditor.store import AuditStore
 from services.worker.adapter_verify import fetch_record
-from shared import metrics, subjects
+from shared import event_loop, metrics, subjects
 from shared.bus import connect, decode, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
@@ -119,4 +119,4 @@ async def run(settings: AuditorSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(load_settings(AuditorSettings)))
+    event_loop.run(run(load_settings(AuditorSettings)))

@@ -11,7 +11,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
-from shared import subjects
+from shared import event_loop, subjects
 from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
@@ -72,4 +72,4 @@ async def run(settings: GatewaySettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(load_settings(GatewaySettings)))
+    event_loop.run(run(load_settings(GatewaySettings)))

@@ -1,8 +1,7 @@
 """``python -m services.registry``: run the registry service until SIGTERM / SIGINT."""
 
-import asyncio
-
 from services.registry.service import main
+from shared import event_loop
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    event_loop.run(main())

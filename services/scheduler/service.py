@@ -23,7 +23,7 @@ from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.upkeep import Periods, Upkeep
 from services.worker.adapter_verify import fetch_record
-from shared import subjects
+from shared import event_loop, subjects
 from shared.audit_publish import publish_audit
 from shared.bus import (
     connect,
@@ -236,4 +236,4 @@ async def run(settings: SchedulerSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(load_settings(SchedulerSettings)))
+    event_loop.run(run(load_settings(SchedulerSettings)))

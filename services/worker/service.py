@@ -17,7 +17,7 @@ from services.worker.lora.manager import AdapterManager
 from services.worker.model_loader import load_model
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
-from shared import metrics, subjects
+from shared import event_loop, metrics, subjects
 from shared.audit_publish import publish_audit
 from shared.bus import (
     connect,
@@ -188,4 +188,4 @@ async def run(settings: WorkerSettings) -> None:
 
 
 def main() -> None:
-    asyncio.run(run(load_settings(WorkerSettings)))
+    event_loop.run(run(load_settings(WorkerSettings)))

@@ -1,0 +1,21 @@
+"""Every service's entry point: its main coroutine on uvloop (libuv), the asyncio loop the NATS
+and HTTP hops are fastest on, or on asyncio's own loop where uvloop is not installed."""
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows: uvloop is Unix-only
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def loop_name() -> str:
+    """The running loop's implementation, for the benchmarks' environment records."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
