@@ -13,6 +13,10 @@ from shared.errors import QuotaExceeded
 from shared.schemas import InferRequest, TenantQuota
 
 
+class AlreadyDispatched(Exception):
+    """The request was handed to a worker before (Redis remembers it): acknowledge, don't rerun."""
+
+
 @dataclass(slots=True)
 class Grant:
     """What admitting one request charged, so its end can give back what it did not use."""
@@ -45,19 +49,25 @@ class Admission:
         base = f"{self._prefix}quota:{tenant}:"
         return [base + "rpm", base + "tpm", base + "running"]
 
-    async def admit(self, request: InferRequest, quota: TenantQuota) -> Grant:
-        """Charge the request against its tenant's limits, or raise ``QuotaExceeded`` with retry_after_s."""
+    async def admit(self, request: InferRequest, quota: TenantQuota, dispatched_key: str | None = None) -> Grant:
+        """Charge the request against its tenant's limits, or raise ``QuotaExceeded`` with retry_after_s.
+
+        With ``dispatched_key`` (the request's dedupe marker) the same script first checks that no
+        worker took the request before, raising ``AlreadyDispatched`` if one did."""
         tenant, rid = request.tenant_id, request.request_id
         cost = sum(token_cost(request))
         args = [quota.requests_per_min or 0, quota.tokens_per_min or 0, quota.max_concurrent or 0, cost, rid,
                 self.lease_s]
-        ok, answer = await self.guard.call("admission", lambda: self._admit(keys=self._keys(tenant), args=args))
+        keys = self._keys(tenant) + ([dispatched_key] if dispatched_key else [])
+        ok, answer = await self.guard.call("admission", lambda: self._admit(keys=keys, args=args))
         if not ok:
             try:
                 return Grant(tenant, rid, quota, self.local.admit(tenant, rid, quota, cost), in_redis=False)
             except QuotaExceeded as e:
                 metrics.ADMISSION_REJECTIONS.labels("quota").inc()
                 raise e
+        if int(answer[0]) == 2:
+            raise AlreadyDispatched(rid)
         if int(answer[0]) != 1:
             metrics.ADMISSION_REJECTIONS.labels("quota").inc()
             raise QuotaExceeded(f"tenant {tenant} is over its {answer[1]} limit",

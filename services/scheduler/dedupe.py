@@ -28,6 +28,14 @@ class Dispatched:
             self._prefix + request_id, worker_id, nx=True, px=self._ttl_ms))
         return bool(set_now) if ok else first
 
+    def key(self, request_id: str) -> str:
+        """The Redis marker of ``request_id``: admission's script checks it in the same round trip."""
+        return self._prefix + request_id
+
+    def seen_here(self, request_id: str) -> bool:
+        """Taken by a worker through this scheduler (Redis knows of other schedulers' too)."""
+        return request_id in self._local
+
     async def seen(self, request_id: str) -> bool:
         if request_id in self._local:
             return True

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import structlog
 
-from services.scheduler.admission import Admission, Grant, token_cost
+from services.scheduler.admission import Admission, AlreadyDispatched, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue, Priority
 from services.scheduler.grants import FetchRecord, Grants, IsolationAttempt
@@ -117,18 +117,24 @@ class Dispatcher:
         if request.accept_deadline is not None and time.time() > request.accept_deadline:
             await handle.term()
             return
-        if rid in self.inflight or await self.dispatched.seen(rid):
+        if rid in self.inflight or self.dispatched.seen_here(rid):
             await handle.ack()
             return
         try:
             await self.grants.check(request)
         except LorafleetError as e:
+            if await self.dispatched.seen(rid):  # a redelivery of one already running: not refused under it
+                await handle.ack()
+                return
             await self._refuse(request, e)
             await handle.term()
             return
         quota = self.quotas.of(request.tenant_id)
         try:
-            grant = await self.admission.admit(request, quota)
+            grant = await self.admission.admit(request, quota, self.dispatched.key(rid))
+        except AlreadyDispatched:  # another scheduler (or this one before a restart) dispatched it
+            await handle.ack()
+            return
         except QuotaExceeded as e:
             await self._refuse(request, e)
             await handle.term()

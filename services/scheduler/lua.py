@@ -2,9 +2,12 @@
 
 ADMIT = """\
 -- Admit one request atomically, on Redis server time.
--- KEYS: requests/min bucket, tokens/min bucket, concurrency leases (zset request id -> expiry)
+-- KEYS: requests/min bucket, tokens/min bucket, concurrency leases (zset request id -> expiry),
+--       and optionally the request's dispatched marker (set once a worker took it)
 -- ARGV: rpm, tpm, max_concurrent (0 = no limit), token cost, request id, lease seconds
--- Returns {1, charged tokens} or {0, limit name, retry after seconds}.
+-- Returns {1, charged tokens}, {0, limit name, retry after seconds}, or {2} when the request was
+-- dispatched before (a redelivery: nothing is charged). One round trip for both checks.
+if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return {2} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])

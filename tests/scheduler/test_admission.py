@@ -4,7 +4,8 @@ import time
 import pytest
 
 from services.cli.infra import free_port
-from services.scheduler.admission import Admission, token_cost
+from services.scheduler.admission import Admission, AlreadyDispatched, token_cost
+from services.scheduler.dedupe import Dispatched
 from services.scheduler.limiter import LocalLimiter
 from services.scheduler.redis_guard import RedisGuard
 from shared.errors import QuotaExceeded
@@ -115,3 +116,20 @@ def test_local_limiter_matches_the_lua_semantics_on_its_own_clock():
         limiter.admit("t", "b", quota, 1)
     clock.now += 11  # the lease lapsed and a request refilled
     limiter.admit("t", "b", quota, 1)
+
+
+async def test_a_dispatched_request_is_recognised_in_the_same_round_trip_and_charged_nothing(redis_url):
+    redis = connect_redis(redis_url)
+    prefix = f"d{time.monotonic_ns()}:"
+    adm = Admission(redis, RedisGuard(), prefix, lease_s=1.0)
+    dispatched = Dispatched(redis, RedisGuard(), prefix, ttl_s=60)
+    quota = TenantQuota(requests_per_min=60, max_concurrent=1)
+    try:
+        await dispatched.mark("taken", "worker-1")
+        with pytest.raises(AlreadyDispatched):
+            await adm.admit(req("taken"), quota, dispatched.key("taken"))
+        grant = await adm.admit(req("fresh"), quota, dispatched.key("fresh"))  # nothing was charged above
+        assert grant.in_redis and grant.request_id == "fresh"
+        assert await redis.zcard(f"{prefix}quota:acme:running") == 1
+    finally:
+        await redis.aclose()

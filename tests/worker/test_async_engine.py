@@ -2,7 +2,10 @@
 
 import asyncio
 import contextlib
+import os
+import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +107,20 @@ async def test_too_large_request_raises(engine: AsyncEngine) -> None:
         async for _ in engine.generate(EngineRequest("big", [1] * 300)):
             pass
     assert engine.stats().kv_blocks_total == 64
+
+
+def _nice(tid: int) -> int:
+    """A thread's nice value, from Linux /proc (field 19 of its stat line)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
+
+
+async def test_the_step_loop_runs_at_the_configured_niceness_and_the_caller_does_not(
+        engine: AsyncEngine) -> None:
+    async for _ in engine.generate(request("n", 2)):
+        pass
+    caller = _nice(threading.get_native_id())  # the event loop's thread
+    assert engine.step_thread_id not in (None, threading.get_native_id())
+    # EngineConfig.compute_nice's default, never lowered if the process already ran nicer
+    assert _nice(engine.step_thread_id) == max(caller, 5)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == caller

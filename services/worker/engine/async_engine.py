@@ -1,9 +1,13 @@
 """Asyncio front of the engine: one background thread runs the step loop, outputs stream per request."""
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import structlog
+import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
@@ -14,6 +18,7 @@ from services.worker.model_loader import LoadedModel
 
 
 _IDLE_POLL_S = 0.005
+log = structlog.get_logger("engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self.step_thread_id: int | None = None  # the step loop's OS thread id, once it runs
         self._stats = EngineStats(0, 0, engine.blocks.allocator.num_free, engine.num_blocks)
 
     @classmethod
@@ -97,6 +103,8 @@ class AsyncEngine:
             self._wake.notify()
 
     def _loop(self) -> None:
+        self.step_thread_id = threading.get_native_id()
+        lower_priority(self.engine.config)
         while True:
             with self._wake:
                 while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished()):
@@ -155,6 +163,18 @@ class AsyncEngine:
             self.engine.abort(request_id)
             failure = error if isinstance(error, EngineDead) else EngineDead(f"engine step failed: {error!r}")
             _hand_off(loop, queue, failure)
+
+
+def lower_priority(config: EngineConfig) -> None:
+    """Renice the calling thread (before it runs any torch op, so the OpenMP threads it starts
+    inherit the value): on CPU the step loop's threads then give way to the processes' I/O."""
+    if config.compute_nice <= 0 or torch.device(config.device).type != "cpu" or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), config.compute_nice))
+    except OSError as e:  # e.g. a sandbox without the permission: run at normal priority
+        log.warning("compute_nice_unavailable", error=str(e))
 
 
 def _hand_off(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:

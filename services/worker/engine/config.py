@@ -43,6 +43,12 @@ class EngineConfig(BaseModel):
         default=None, ge=1, le=1024, description="torch intra-op threads (process-wide); None keeps torch's"
     )
 
+    compute_nice: int = Field(
+        default=5, ge=0, le=19, description="scheduling niceness of the step loop and its torch threads on CPU "
+        "(the process's event loop, which streams tokens, keeps its own): the busy compute threads yield the "
+        "cores at once to the latency-bound I/O, in the worker and in services sharing the machine; 0 = off",
+    )
+
     @model_validator(mode="after")
     def _prompt_fits_one_step(self) -> "EngineConfig":
         # A (re)prefill is never split across steps, so a full sequence must fit in one step.
