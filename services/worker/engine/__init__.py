@@ -1,4 +1,4 @@
-"""Continuous-batching inference engine with a paged KV cache and a per-token LoRA hook."""
+"""Continuous-batching inference engine with a paged, prefix-shared KV cache and a per-token LoRA hook."""
 
 from services.worker.engine.async_engine import AsyncEngine, EngineDead, EngineStats
 from services.worker.engine.config import EngineConfig
