@@ -52,8 +52,10 @@ async def run(settings: GatewaySettings) -> None:
         watch = asyncio.create_task(follow_keys(js, keys))
         stack.callback(watch.cancel)
         ctx = GatewayContext(settings, nc, js, cluster, keys, tokens)
+        # h11 even where httptools is installed: httptools answers a header holding a control byte
+        # with its own plain-text 400 before the app can give its typed, OpenAI-style error.
         server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,
-                                               log_level="warning", lifespan="off",
+                                               log_level="warning", lifespan="off", http="h11",
                                                timeout_keep_alive=settings.keep_alive_s))
         server.install_signal_handlers = lambda: None
         stop = shutdown_event()
