@@ -43,10 +43,9 @@ class BlockAllocator:
 
     Free blocks with no reusable content form a stack: last freed, first reused, each sequence's
     blocks handed back in their table order, so the blocks in use stay the fewest and the most
-    recently touched ones (block tables stay in order, the working set in the CPU caches, resident
-    memory at the peak of what was in use). A freed block whose content is published under a
-    digest stays findable until it is needed: it is taken only when the stack is empty, the least
-    recently freed first, and a sequence's tail blocks go before its prefix.
+    recently touched ones (block tables stay in order, the working set in the CPU caches). A freed
+    block whose content is published under a digest stays findable until it is needed: it is taken
+    only when the stack is empty, the least recently freed first, a sequence's tail before its head.
     """
 
     def __init__(self, num_blocks: int):
