@@ -15,7 +15,3 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(main)
     return uvloop.run(main)
 
-
-def loop_name() -> str:
-    """The running loop's implementation, for the benchmarks' environment records."""
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
