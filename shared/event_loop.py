@@ -1,5 +1,5 @@
-"""Every service's entry point: its main coroutine on uvloop (libuv), the asyncio loop the NATS
-and HTTP hops are fastest on, or on asyncio's own loop where uvloop is not installed."""
+"""Every service's entry point: its main coroutine on uvloop (libuv-based, the usual loop of
+production asyncio servers), or on asyncio's own loop where uvloop is not installed."""
 
 import asyncio
 from collections.abc import Coroutine
