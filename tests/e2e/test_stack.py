@@ -88,8 +88,27 @@ def test_an_idle_connection_outlives_client_keep_alive_expiry(running_stack):
         for pause in (0.0, 6.5):
             time.sleep(pause)
             conn.sendall(request)
-            head = conn.recv(65536)
+            head, body = _read_response(conn)
             assert head.startswith(b"HTTP/1.1 200"), head[:80]
+            assert body == b'{"status":"ok"}'
+
+
+def _read_response(conn: socket.socket) -> tuple[bytes, bytes]:
+    """One whole HTTP/1.1 response (headers, then Content-Length bytes of body): the server may
+    send them in separate writes, and a read must not leave the body for the next request."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, f"connection closed mid-response: {data[:80]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return head, body
 
 
 def test_direct_nats_client_is_served(running_stack):
