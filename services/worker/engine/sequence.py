@@ -93,8 +93,10 @@ class Sequence:
         serve one request another's K/V) is not a practical concern."""
         hashes = self._block_hashes
         if not hashes and count:
-            root = f"{self.request.cache_salt or ''}\x00{self.request.adapter or ''}".encode()
-            hashes.append(hashlib.sha256(root + self._block_bytes(0, block_size)).digest())
+            # The salt and adapter are hashed on their own first, so every block hashes a fixed
+            # 32-byte parent then its tokens: no string can pass for token bytes or the reverse.
+            root = hashlib.sha256(f"{self.request.cache_salt or ''}\x00{self.request.adapter or ''}".encode())
+            hashes.append(hashlib.sha256(root.digest() + self._block_bytes(0, block_size)).digest())
         while len(hashes) < count:
             hashes.append(hashlib.sha256(hashes[-1] + self._block_bytes(len(hashes), block_size)).digest())
         return hashes[:count]
