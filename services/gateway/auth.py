@@ -74,16 +74,18 @@ class ApiKeys:
         return self.principal(credentials.credentials.strip())
 
 
-def principal(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
+# The dependencies are ``async def`` although they never await: FastAPI runs a plain ``def``
+# dependency on its thread pool, two thread hand-offs per request for a dictionary lookup.
+async def principal(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
     """FastAPI dependency: the caller, authenticated (401 otherwise)."""
     return request.app.state.ctx.keys.authenticate(credentials)
 
 
-def inference_caller(caller: Principal = Depends(principal)) -> Principal:
+async def inference_caller(caller: Principal = Depends(principal)) -> Principal:
     caller.require("inference")
     return caller
 
 
-def admin_caller(caller: Principal = Depends(principal)) -> Principal:
+async def admin_caller(caller: Principal = Depends(principal)) -> Principal:
     caller.require("admin")
     return caller
