@@ -15,6 +15,7 @@ from services.worker.engine.async_engine import AsyncEngine
 from services.worker.lora.layout import ModelShapes
 from services.worker.lora.manager import AdapterManager
 from services.worker.model_loader import load_model
+from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import event_loop, metrics, subjects
@@ -139,7 +140,8 @@ async def run(settings: WorkerSettings) -> None:
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
             await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.request_id}")
 
-        server = RequestServer(engine, loaded.tokenizer, settings.worker_id, loaded.name, emit, audit,
+        prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
+        server = RequestServer(engine, prompts, settings.worker_id, loaded.name, emit, audit,
                                settings.max_waiting, cache, loader.digest_of)
 
         async def on_dispatch(msg) -> None:

@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
-from transformers import PreTrainedTokenizerBase
 
 from services.worker.cache.hierarchy import CacheHierarchy, Lookup, adapter_key
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
+from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
@@ -45,11 +45,11 @@ class Job:
 class RequestServer:
     """Accepts dispatched requests up to a waiting bound and runs each as a task on the engine."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: PreTrainedTokenizerBase, worker_id: str, base_model: str,
+    def __init__(self, engine: AsyncEngine, prompts: PromptIds, worker_id: str, base_model: str,
                  emit: Emit, audit: Audit, max_waiting: int, cache: CacheHierarchy | None = None,
                  digest_of: Callable[[str], str | None] = lambda _: None):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.prompts = prompts
         self.worker_id = worker_id
         self.base_model = base_model
         self.emit = emit
@@ -64,17 +64,6 @@ class RequestServer:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
 
-    def tokenize(self, request: InferRequest) -> list[int]:
-        if request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(
-                [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise InvalidRequest("the prompt is empty after tokenisation", param="prompt")
-        return list(ids)
-
     async def accept(self, request: InferRequest) -> None:
         """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
         if request.request_id in self._recent:
@@ -86,7 +75,7 @@ class RequestServer:
             raise InvalidRequest(f"this worker serves {self.base_model}, not {request.base_model}")
         if self.engine.stats().waiting >= self.max_waiting:
             raise ServiceUnavailable("worker queue is full")
-        job = Job(request, self.tokenize(request))
+        job = Job(request, self.prompts.encode(request.messages, request.prompt))
         if request.adapter is not None:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")

@@ -13,6 +13,7 @@ from services.worker.engine import AsyncEngine, EngineConfig
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.model_loader import LoadedModel, load_model
 from services.worker.serving import RequestServer
+from services.worker.prompt_ids import PromptIds
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams
 from tests.helpers.adapters import make_peft_model
 
@@ -68,7 +69,7 @@ async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(load
     async def audit(_) -> None:
         return None
 
-    server = RequestServer(engine, loaded.tokenizer, "w1", loaded.name, emit, audit, max_waiting=16, cache=cache)
+    server = RequestServer(engine, PromptIds.for_model(loaded.tokenizer, loaded.directory), "w1", loaded.name, emit, audit, max_waiting=16, cache=cache)
 
     def tokens(rid: str) -> int:
         return sum(1 for inbox, m in events if inbox == f"_INBOX.{rid}" and isinstance(m, ReplyToken))
