@@ -26,8 +26,8 @@ from shared.bus import connect, decode, request
 from shared.schemas import AdapterRecord, ResolveReply, ResolveRequest, ServiceHeartbeat
 from services.cli.infra import free_port, start_nats
 from services.registry.kv import RecordsKV
-from services.registry.records import Catalog
-from services.registry.resolve import resolve
+from shared.catalog import Catalog
+from shared.resolve import resolve
 from services.worker.model_loader import EMBEDDED_MODEL_NAME
 
 RESULTS = Path(__file__).parent / "results" / "registry_scale.json"

@@ -1,7 +1,8 @@
 """The in-memory catalog of adapter records: every version of every adapter, plus aliases.
 
-The service loads it from the KV bucket at start and writes every change through to KV
-before applying it here, so resolution never waits on storage.
+The registry loads it from its KV bucket at start and writes every change through to KV before
+applying it here, so resolution never waits on storage. Each gateway keeps a mirror of it,
+fed by a watch on the same bucket, to resolve requests without a registry round trip.
 """
 
 from collections.abc import Iterable, Iterator

@@ -140,6 +140,11 @@ class RegistrySettings(CommonSettings):
     release_max_regression: float = Field(
         default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
     )
+    gateway_sync_timeout_s: float = Field(
+        default=1.0, ge=0, le=60,
+        description="how long a catalog write waits for every live gateway's mirror to hold it (0 = no wait); "
+        "keep it under the gateways' registry_timeout_s, which bounds their admin calls",
+    )
 
 
 class AuditorSettings(CommonSettings):

@@ -8,8 +8,8 @@ from shared.access import SHARED_TENANT, may_use
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
 from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
 
-from services.registry.records import RELEASED, Catalog
-from services.registry.rollout import choose
+from shared.catalog import RELEASED, Catalog
+from shared.rollout import choose
 
 def not_found(model: str) -> ModelNotFound:
     return ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")

@@ -17,6 +17,7 @@ AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
+GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"  # CatalogSync: registry write -> every gateway's mirror
 SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
 
 REGISTRY_OPS = (

@@ -103,8 +103,10 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
             publish=(*common, *own["gateway"], subjects.INFER_SUBMIT_ALL, *_registry_ops(GATEWAY_REGISTRY_OPS),
                      "lf.worker.*.control", subjects.SCHEDULER_CANCEL, subjects.AUDITOR_QUERY, subjects.AUDIT_ALL,
                      *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
-                     *kv_read(subjects.REGISTRY_TENANTS_BUCKET)),
-            subscribe=("_INBOX.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
+                     *kv_read(subjects.REGISTRY_TENANTS_BUCKET), *kv_read(subjects.REGISTRY_RECORDS_BUCKET)),
+            subscribe=("_INBOX.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT,
+                       subjects.GATEWAY_CATALOG_SYNC),
+            allow_responses=True,  # its catalog-sync confirmations
         ),
         "registry": Permissions(
             publish=(*common, *own["registry"], subjects.ADAPTER_EVENTS_ALL, subjects.AUDIT_ALL,
@@ -112,8 +114,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                      *kv_write(subjects.REGISTRY_TENANTS_BUCKET),
                      *obj_write(subjects.ADAPTER_STORE_BUCKET), f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                      *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
-                     f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}"),
-            subscribe=("_INBOX.>", "lf.registry.>", *own["registry"]),
+                     f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}", subjects.GATEWAY_CATALOG_SYNC),
+            subscribe=("_INBOX.>", "lf.registry.>", subjects.SERVICE_HEARTBEAT_ALL),
             allow_responses=True,
         ),
         "scheduler": Permissions(

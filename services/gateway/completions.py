@@ -22,7 +22,7 @@ from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
-    ChatMessage, ListModelsReply, ListModelsRequest, ModelInfo, ReplyFinal, ResolveReply, ResolveRequest, SamplingParams,
+    ChatMessage, ListModelsReply, ListModelsRequest, ModelInfo, ReplyFinal, ResolveRequest, SamplingParams,
 )
 from shared.telemetry import tracer
 
@@ -87,11 +87,8 @@ async def _submit(ctx: GatewayContext, tenant: str, body: Body, request_id: str,
         raise NoWorkerAvailable("no worker is available")
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
-    resolved = await bus_request(
-        ctx.nc, subjects.registry("resolve"),
-        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview),
-        ResolveReply, ctx.settings.registry_timeout_s,
-    )
+    resolved = await ctx.resolver.resolve(
+        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview))
     fields = [dict(request_id=request_id if body.n == 1 else f"{request_id}.{i}", tenant_id=tenant,
                    model=body.model, base_model=resolved.base_model, adapter=resolved.adapter, sampling=sampling[i],
                    stream=body.stream, timeout_s=ctx.settings.request_timeout_s, **inputs) for i in range(body.n)]
@@ -181,11 +178,8 @@ async def retrieve_model(model: str, request: Request, caller: Principal = Depen
     """One model this tenant may call: the base model, an adapter id or alias, or ``alias@version``.
     A foreign or unknown adapter is the same 404 as on the inference routes (and is audited)."""
     ctx = _ctx(request)
-    resolved = await bus_request(
-        ctx.nc, subjects.registry("resolve"),
-        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}"),
-        ResolveReply, ctx.settings.registry_timeout_s,
-    )
+    resolved = await ctx.resolver.resolve(
+        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}"))
     listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
     entry = listed.get(model) or listed.get(resolved.adapter.adapter_id if resolved.adapter else resolved.base_model)
     if entry is None:  # released a moment ago, or retired since the resolve

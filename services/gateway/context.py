@@ -1,4 +1,4 @@
-"""What the gateway's routes share: settings, the NATS connection, the cluster view, API keys."""
+"""What the gateway's routes share: settings, the NATS connection, the cluster view, API keys, the resolver."""
 
 from dataclasses import dataclass
 
@@ -6,6 +6,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.gateway.auth import ApiKeys
+from services.gateway.catalog_mirror import Resolver
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from shared.config import GatewaySettings
@@ -18,4 +19,5 @@ class GatewayContext:
     js: JetStreamContext
     cluster: ClusterView
     keys: ApiKeys
+    resolver: Resolver
     prompt_tokens: PromptTokens | None = None  # None: prompts are bounded in characters only

@@ -7,6 +7,7 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
+from services.gateway.catalog_follow import start_resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.prompt_tokens import PromptTokens
@@ -51,7 +52,9 @@ async def run(settings: GatewaySettings) -> None:
         keys = ApiKeys(settings.api_keys)
         watch = asyncio.create_task(follow_keys(js, keys))
         stack.callback(watch.cancel)
-        ctx = GatewayContext(settings, nc, js, cluster, keys, tokens)
+        resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)
+        stack.callback(catalog_watch.cancel)
+        ctx = GatewayContext(settings, nc, js, cluster, keys, resolver, tokens)
         # h11 even where httptools is installed: httptools answers a header holding a control byte
         # with its own plain-text 400 before the app can give its typed, OpenAI-style error.
         server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,

@@ -12,7 +12,7 @@ from shared.errors import Conflict, IntegrityError
 from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest
 
-from services.registry.records import Catalog, Change
+from shared.catalog import Catalog, Change
 from shared.access import SHARED_TENANT
 
 

@@ -7,7 +7,7 @@ from nats.js.kv import KeyValue
 from shared import subjects
 from shared.schemas import AdapterRecord
 
-from services.registry.records import record_key
+from shared.catalog import record_key
 
 
 async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:
@@ -43,8 +43,9 @@ class RecordsKV:
     async def load_records(self) -> list[AdapterRecord]:
         return [AdapterRecord.model_validate_json(v) for v in (await load_all(self._records)).values()]
 
-    async def put_record(self, record: AdapterRecord) -> None:
-        await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
+    async def put_record(self, record: AdapterRecord) -> int:
+        """Store the record; returns the bucket revision of the write."""
+        return await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
     async def load_signers(self) -> dict[str, str]:
         return {k: v.decode() for k, v in (await load_all(self._signers)).items()}

@@ -11,7 +11,7 @@ import time
 from shared.errors import Conflict, ModelNotFound
 from shared.schemas import AdapterRecord, AdapterStatus
 
-from services.registry.records import Catalog, Change
+from shared.catalog import Catalog, Change
 
 
 def _record(catalog: Catalog, adapter_id: str, version: int) -> AdapterRecord:

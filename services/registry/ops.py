@@ -1,8 +1,8 @@
 """The registry's operations as plain async methods: the service maps one subject to each.
 
-Every change is written to KV first, then applied to the in-memory catalog, then announced
-(an AdapterEvent and a registry_change audit record), all under one lock so that lifecycle
-steps never interleave.
+Every change is written to KV first, then applied to the in-memory catalog, then confirmed by
+every live gateway's catalog mirror, then announced (an AdapterEvent and a registry_change audit
+record), all under one lock so that lifecycle steps never interleave.
 """
 
 import asyncio
@@ -45,11 +45,16 @@ from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
 from services.registry.kv import RecordsKV
-from services.registry.records import Catalog, Change
-from services.registry.resolve import list_models, resolve
+from shared.catalog import Catalog, Change
+from shared.resolve import list_models, resolve
 from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 
 Publish = Callable[[str, BaseModel], Awaitable[None]]
+SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
+
+
+async def _no_gateways(_: int) -> None:
+    return None
 
 
 class Registry:
@@ -67,6 +72,7 @@ class Registry:
         remote_allow_list: tuple[str, ...],
         publish: Publish,
         gate: GatePolicy = GatePolicy(),
+        sync_gateways: SyncGateways = _no_gateways,
     ) -> None:
         self.catalog = catalog
         self.trusted_keys = trusted_keys
@@ -79,6 +85,7 @@ class Registry:
         self._remote_allow_list = remote_allow_list
         self._publish = publish
         self._gate = gate
+        self._sync_gateways = sync_gateways
         self._lock = asyncio.Lock()
         self._started = int(time.time())
 
@@ -204,9 +211,12 @@ class Registry:
         return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs, self._remote_allow_list), limits)
 
     async def _commit(self, changes: list[Change], actor: str, reason: str | None = None) -> None:
+        revision = 0
         for change in changes:
-            await self._kv.put_record(change.after)
+            revision = max(revision, await self._kv.put_record(change.after))
         self.catalog.apply(changes)
+        if changes:  # the caller's next request, through any gateway, sees this write
+            await self._sync_gateways(revision)
         for change in changes:
             after = change.after
             event = AdapterEvent(

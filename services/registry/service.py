@@ -11,7 +11,8 @@ from pydantic import BaseModel
 
 from shared import subjects
 from shared.adapter_format import AdapterLimits
-from shared.bus import connect, encode, ensure_streams, serve, shutdown_event
+from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
+from shared.errors import LorafleetError
 from shared.config import RegistrySettings, load_settings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
@@ -24,6 +25,7 @@ from shared.schemas import (
     ListKeysRequest,
     ListModelsRequest,
     PromoteRequest,
+    ServiceHeartbeat,
     RecordEvalRequest,
     RegisterRequest,
     ResolveRequest,
@@ -42,9 +44,10 @@ from shared.schemas import (
 
 from services.evaluation.gate import GatePolicy
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.gateway_sync import GatewaySync
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
-from services.registry.records import Catalog
+from shared.catalog import Catalog
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
@@ -62,7 +65,8 @@ def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
     )
 
 
-async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIdentity) -> Registry:
+async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIdentity,
+                        gateways: GatewaySync) -> Registry:
     """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
     js = nc.jetstream()
     await ensure_streams(js)
@@ -90,6 +94,7 @@ async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIde
             min_score=settings.release_min_score,
             max_regression=settings.release_max_regression,
         ),
+        sync_gateways=gateways.wait,
     )
 
 
@@ -126,7 +131,16 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
     async with AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
         stack.push_async_callback(nc.drain)
-        registry = await open_registry(nc, settings, base)
+        gateways = GatewaySync(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
+
+        async def on_heartbeat(msg) -> None:
+            try:
+                gateways.on_heartbeat(decode(ServiceHeartbeat, msg.data))
+            except LorafleetError as e:
+                log.warning("bad_heartbeat", error=e.message)
+
+        await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
+        registry = await open_registry(nc, settings, base, gateways)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         await subscribe(nc, registry, await open_tenants(nc.jetstream()))

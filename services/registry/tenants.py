@@ -25,7 +25,7 @@ from shared.schemas import (
     TenantsReply,
 )
 
-from services.registry.resolve import SHARED_TENANT
+from shared.access import SHARED_TENANT
 
 Put = Callable[[str, bytes], Awaitable[None]]
 TENANT_PREFIX = "tenant."

@@ -33,6 +33,17 @@ class ResolveReply(Message):
     adapter: ResolvedAdapter | None = None
 
 
+class CatalogSync(Message):
+    """Registry -> every gateway, after a catalog write: answer once your mirror holds ``revision``."""
+
+    revision: int = Field(ge=0, description="the records bucket's revision of the write")
+
+
+class CatalogSynced(Message):
+    instance_id: Identifier
+    revision: int = Field(ge=0, description="the revision the gateway's mirror holds")
+
+
 class ListModelsRequest(Message):
     tenant_id: Identifier
 

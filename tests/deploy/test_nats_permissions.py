@@ -157,3 +157,28 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     await acme.nc.flush()
     await worker.nc.publish(inbox, b"token")
     assert await asyncio.wait_for(received, 2) == b"token"
+
+
+async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connect_as) -> None:
+    from services.gateway.catalog_follow import start_resolver
+    from services.registry.gateway_sync import GatewaySync
+    from shared.schemas import ServiceHeartbeat
+    from tests.helpers.records import make_record
+
+    registry = await connect_as("registry")
+    kv = await RecordsKV.open(registry.nc.jetstream(timeout=5))
+    gateway = await connect_as("gateway")
+    resolver, watch = await start_resolver(gateway.nc, "gw1", 2.0)
+    try:
+        await gateway.nc.flush()
+        revision = await kv.put_record(make_record("perm-sum", 1, "acme"))
+        sync = GatewaySync(registry.nc, liveness_timeout_s=5, timeout_s=3)
+        sync.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
+        assert await sync.wait(revision) == set()  # confirmed through the permission set
+        assert resolver.mirror.catalog.get("perm-sum", 1) is not None
+        assert registry.errors == [] and gateway.errors == []
+    finally:
+        watch.cancel()
+    assert await gateway.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
+    worker = await connect_as("worker")
+    assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)

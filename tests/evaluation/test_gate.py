@@ -4,8 +4,8 @@ import pytest
 
 from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
-from services.registry.records import Catalog
-from services.registry.resolve import resolve
+from shared.catalog import Catalog
+from shared.resolve import resolve
 from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
 from shared.schemas import AdapterRecord
 

@@ -15,6 +15,8 @@ import uvicorn
 from services.cli.infra import Server, free_port, start_nats
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
+from services.gateway.catalog_follow import start_resolver
+from services.gateway.catalog_mirror import Resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.prompt_tokens import PromptTokens
@@ -23,6 +25,7 @@ from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
 from shared.config import GatewaySettings, RegistrySettings
+from shared.heartbeat import publish_heartbeats
 from shared.errors import Unauthorized
 from shared.schemas import (
     ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, ServiceHeartbeat, TenantsReply, WorkerHeartbeat,
@@ -61,6 +64,7 @@ class Gateway:
     keys: ApiKeys
     cluster: ClusterView
     admin_key: str
+    resolver: Resolver
 
     async def tenant(self, name: str | None = None, scopes: tuple[str, ...] = ("inference",)) -> tuple[str, str]:
         """A new tenant and one key of it: (tenant_id, key)."""
@@ -113,18 +117,23 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     watch = asyncio.create_task(follow_keys(nc.jetstream(), keys))
     port = free_port()
     settings = gateway_settings(gw_nats.url, port=port)
-    app = create_app(GatewayContext(settings, nc, nc.jetstream(), cluster, keys, smol_tokens))
+    resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)
+    # as the service does: the registry learns of this gateway and waits for its mirror on each write
+    beating = asyncio.create_task(publish_heartbeats(nc, "gateway", settings.instance_id, 0.2, lambda: (True, "")))
+    app = create_app(GatewayContext(settings, nc, nc.jetstream(), cluster, keys, resolver, smol_tokens))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     server.install_signal_handlers = lambda: None
     serving = asyncio.create_task(server.serve())
     while not (server.started and keys.loaded):
         await asyncio.sleep(0.02)
-    gw = Gateway(f"http://127.0.0.1:{port}", nc, worker, keys, cluster, "")
+    gw = Gateway(f"http://127.0.0.1:{port}", nc, worker, keys, cluster, "", resolver)
     _, gw.admin_key = await gw.tenant(scopes=("platform_admin", "inference"))
     yield gw
     server.should_exit = True
     await serving
     watch.cancel()
+    catalog_watch.cancel()
+    beating.cancel()
     stop.set()
     await registry
     for task in worker.tasks:

@@ -5,12 +5,17 @@ import pytest
 
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
+from services.gateway.catalog_mirror import CatalogMirror, Resolver
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
 from shared.bus import connect
 from shared.config import GatewaySettings
 
 KEY = "test-key-acme"
+
+
+async def _never_asked(_):
+    raise AssertionError("a refused request reached model resolution")
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -18,7 +23,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 async def client(nats_url):
     settings = GatewaySettings(nats_url=nats_url, api_keys={KEY: "acme"}, max_body_bytes=4096)
     nc = await connect(nats_url, "test-gateway")
-    ctx = GatewayContext(settings, nc, nc.jetstream(), ClusterView(5.0), ApiKeys(settings.api_keys))
+    ctx = GatewayContext(settings, nc, nc.jetstream(), ClusterView(5.0), ApiKeys(settings.api_keys),
+                         Resolver(CatalogMirror(), _never_asked))
     transport = httpx.ASGITransport(app=create_app(ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c

@@ -33,7 +33,7 @@ def test_document_declares_bearer_auth_bodies_and_errors():
     from services.gateway.readiness import ClusterView
     from shared.config import GatewaySettings
 
-    doc = create_app(GatewayContext(GatewaySettings(), None, None, ClusterView(5), ApiKeys({}))).openapi()
+    doc = create_app(GatewayContext(GatewaySettings(), None, None, ClusterView(5), ApiKeys({}), None)).openapi()
     assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     for path, item in doc["paths"].items():
         for method, op in item.items():

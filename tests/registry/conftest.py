@@ -21,6 +21,7 @@ from shared.signing import KeyPair, generate_keypair
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from shared.schemas import AdapterRecord, ServiceHeartbeat
 from services.registry.service import run
+from tests.helpers import records
 
 TINY = {
     "model_type": "llama",
@@ -111,30 +112,7 @@ def policy() -> AdmissionPolicy:
 @pytest.fixture
 def make_record() -> Callable[..., AdapterRecord]:
     """An AdapterRecord with placeholder digests, for catalog-level tests that need no files."""
-
-    def make(
-        adapter_id: str = "summarize", version: int = 1, tenant_id: str = "acme", **fields: object
-    ) -> AdapterRecord:
-        digest = "0" * 64
-        values: dict = {
-            "adapter_id": adapter_id,
-            "version": version,
-            "tenant_id": tenant_id,
-            "base_model": "tiny-llama",
-            "base_model_fingerprint": digest,
-            "task_type": "summarization",
-            "rank": 8,
-            "alpha": 16.0,
-            "target_modules": ["q_proj", "v_proj"],
-            "files": {WEIGHTS_FILE: digest, CONFIG_FILE: digest},
-            "checksum": digest,
-            "manifest_digest": digest,
-            "storage_uri": f"nats-os://lf_adapter_store/{adapter_id}/{version}",
-            **fields,
-        }
-        return AdapterRecord(**values)
-
-    return make
+    return records.make_record
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from shared.errors import IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
 from shared.signing import KeyPair
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
-from services.registry.records import Catalog
+from shared.catalog import Catalog
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 
 Files = dict[str, bytes]

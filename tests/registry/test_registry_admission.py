@@ -10,7 +10,7 @@ from shared.errors import Conflict, IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
 from shared.signing import KeyPair
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
-from services.registry.records import Catalog
+from shared.catalog import Catalog
 
 URI = "nats-os://lf_adapter_store/summarize/1"
 Files = dict[str, bytes]

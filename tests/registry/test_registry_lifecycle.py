@@ -7,9 +7,9 @@ import pytest
 from shared.errors import Conflict
 from shared.schemas import AdapterRecord
 from services.registry import lifecycle
-from services.registry.records import Catalog
-from services.registry.resolve import resolve
-from services.registry.rollout import BUCKETS, bucket, in_canary
+from shared.catalog import Catalog
+from shared.resolve import resolve
+from shared.rollout import BUCKETS, bucket, in_canary
 
 KEYS = [f"req-{i}" for i in range(BUCKETS)]
 

@@ -6,8 +6,8 @@ import pytest
 
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
 from shared.schemas import AdapterRecord
-from services.registry.records import Catalog
-from services.registry.resolve import list_models, resolve
+from shared.catalog import Catalog
+from shared.resolve import list_models, resolve
 
 BASE = "tiny-llama"
 
