@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench import overhead_breakdown
+from bench.raw_http import RawStreamClient
 from services.cli.adapter_cmd import cli_connect
 from services.cli.infra import free_port, start_nats, start_redis
 from services.cli.stack import SERVICES, Stack, wait_ready
@@ -63,26 +64,53 @@ async def _tenant_key(nats_url: str) -> str:
         await nc.drain()
 
 
-async def _stack_ttft(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float]:
+def _first_content(data: str) -> bool:
+    """Whether an SSE chunk carries generated text (not the role-only opening chunk)."""
+    return 'data: {' in data and '"content": "' in data and '"content": ""' not in data
+
+
+def _chat_body(prompt: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
+            "stream": True}
+
+
+async def _httpx_ttft(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float]:
     """(request id, client-side TTFT in ms) of one streamed chat request, read to its end so the
     request finishes (rather than being cancelled by the client leaving) before the next one."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
-            "stream": True}
     ttft = None
     started = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=_chat_body(prompt)) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+            if ttft is None and _first_content(line):
                 ttft = (time.perf_counter() - started) * 1000
     if ttft is None:
         raise RuntimeError("the stream ended without a content chunk")
     return r.headers["x-lorafleet-request-id"], ttft
 
 
+async def _raw_ttft(client: RawStreamClient, prompt: str) -> tuple[str, float]:
+    """The same request through the minimal client (bench/raw_http.py)."""
+    first: list[float] = []
+
+    def on_chunk(chunk: bytes) -> None:
+        if not first and _first_content(chunk.decode(errors="replace")):
+            first.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    headers = await client.post_stream("/v1/chat/completions", _chat_body(prompt), on_chunk)
+    if not first:
+        raise RuntimeError("the stream ended without a content chunk")
+    return headers["x-lorafleet-request-id"], first[0]
+
+
+CLIENTS = ("raw", "httpx")
+
+
 def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float = 0.05
-                ) -> tuple[list[float], list[float]]:
-    """Client-side TTFTs, and per request that TTFT minus the worker's own TTFT for it."""
+                ) -> dict[str, tuple[list[float], list[float]]]:
+    """Per client (raw, httpx): client-side TTFTs, and per request that TTFT minus the worker's own
+    TTFT for it. The two clients take turns, request by request, in alternating order."""
     root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
     SPANS.parent.mkdir(parents=True, exist_ok=True)
     SPANS.unlink(missing_ok=True)
@@ -99,7 +127,7 @@ def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float 
             stack.start(name)
         asyncio.run(wait_ready(nats.url, stack, SERVICES, 600))
 
-        async def measure() -> tuple[list[float], list[float]]:
+        async def measure() -> dict[str, tuple[list[float], list[float]]]:
             nc = await cli_connect(nats.url)
             worker_ttft: dict[str, float] = {}
 
@@ -112,18 +140,24 @@ def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float 
             key = await _tenant_key(nats.url)
             await asyncio.sleep(0.5)  # the gateway's key mirror picks the new key up
             url = f"http://127.0.0.1:{port}"
-            timed = []
-            async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:
+            timed: dict[str, list[tuple[str, float]]] = {name: [] for name in CLIENTS}
+            auth = {"Authorization": f"Bearer {key}"}
+            raw = RawStreamClient("127.0.0.1", port, auth)
+            async with httpx.AsyncClient(timeout=60, headers=auth) as client:
                 for i in range(warmup + requests):
-                    # Each request starts once the last one's bookkeeping (its completion audit, the
-                    # scheduler's release) is done, as the in-process phase's requests do.
-                    await asyncio.sleep(settle_s)
-                    result = await _stack_ttft(client, url, PROMPTS[i % len(PROMPTS)])
-                    if i >= warmup:
-                        timed.append(result)
+                    for name in (CLIENTS if i % 2 == 0 else CLIENTS[::-1]):
+                        # Each request starts once the last one's bookkeeping (its completion audit, the
+                        # scheduler's release) is done, as the in-process phase's requests do.
+                        await asyncio.sleep(settle_s)
+                        prompt = PROMPTS[i % len(PROMPTS)]
+                        result = await (_raw_ttft(raw, prompt) if name == "raw" else _httpx_ttft(client, url, prompt))
+                        if i >= warmup:
+                            timed[name].append(result)
+            await raw.close()
             await asyncio.sleep(1.0)  # the last completion records arrive
             await nc.drain()
-            return [t for _, t in timed], [t - worker_ttft[rid] for rid, t in timed if rid in worker_ttft]
+            return {name: ([t for _, t in runs], [t - worker_ttft[rid] for rid, t in runs if rid in worker_ttft])
+                    for name, runs in timed.items()}
 
         return asyncio.run(measure())
     finally:
@@ -180,20 +214,25 @@ def _service_loop() -> str:
 
 def table(result: dict) -> str:
     rows = ["| path | TTFT p50 (ms) | TTFT p95 (ms) | n |", "|---|---:|---:|---:|"]
-    for name, label in (("stack", "full stack, client side"), ("engine", "AsyncEngine in-process")):
-        p = result[name]
-        rows.append(f"| {label} | {p['p50']:.2f} | {p['p95']:.2f} | {p['n']} |")
-    o = result["overhead_ms"]
-    rows.append(f"| unpaired difference (stack - engine) | {o['p50']:.2f} | {o['p95']:.2f} | |")
-    p = result["paired_overhead_ms"]
-    rows.append(f"| **paired overhead (client TTFT - worker TTFT)** | **{p['p50']:.2f}** | **{p['p95']:.2f}** "
-                f"| {p['n']} |")
+    for name in CLIENTS:
+        p = result["stack"][name]
+        rows.append(f"| full stack, {name} client | {p['p50']:.2f} | {p['p95']:.2f} | {p['n']} |")
+    e = result["engine"]
+    rows.append(f"| AsyncEngine in-process | {e['p50']:.2f} | {e['p95']:.2f} | {e['n']} |")
+    for name in CLIENTS:
+        o = result["overhead_ms"][name]
+        rows.append(f"| unpaired difference ({name} stack - engine) | {o['p50']:.2f} | {o['p95']:.2f} | |")
+    for name in CLIENTS:
+        p = result["paired_overhead_ms"][name]
+        bold = "**" if name == "raw" else ""
+        rows.append(f"| {bold}paired overhead, {name} client (client TTFT - worker TTFT){bold} | "
+                    f"{bold}{p['p50']:.2f}{bold} | {bold}{p['p95']:.2f}{bold} | {p['n']} |")
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="30 requests per path instead of 200")
+    parser.add_argument("--quick", action="store_true", help="30 requests per client and path instead of 200")
     parser.add_argument("--no-spans", action="store_true",
                         help="services export no spans (the tracing's own cost is out; no per-hop breakdown)")
     parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
@@ -201,21 +240,21 @@ def main() -> None:
                         help="idle time before each request (0: back to back, overlapping the last one's bookkeeping)")
     args = parser.parse_args()
     requests, warmup = (30, 5) if args.quick else (200, 10)
-    stack, paired = stack_phase(requests, warmup, spans=not args.no_spans, settle_s=args.settle_ms / 1000)
+    runs = stack_phase(requests, warmup, spans=not args.no_spans, settle_s=args.settle_ms / 1000)
     hops = {} if args.no_spans else overhead_breakdown.breakdown(SPANS)
     print(overhead_breakdown.table(hops))
-    engine = stack if args.stack_only else engine_phase(requests, warmup, args.settle_ms / 1000)
-    s, e = percentiles(stack), percentiles(engine)
+    engine = runs["raw"][0] if args.stack_only else engine_phase(requests, warmup, args.settle_ms / 1000)
+    stack = {name: percentiles(ttfts) for name, (ttfts, _) in runs.items()}
+    e = percentiles(engine)
     result = {
         "model": MODEL, "requests": requests, "settle_ms": args.settle_ms, "machine": platform.machine(),
         "cpus": os.cpu_count(), "event_loop": _service_loop(),
-        "stack": s, "engine": e,
-        "overhead_ms": {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]},
-        "paired_overhead_ms": percentiles(paired),
+        "stack": stack, "engine": e,
+        "overhead_ms": {name: {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]} for name, s in stack.items()},
+        "paired_overhead_ms": {name: percentiles(paired) for name, (_, paired) in runs.items()},
         "hops_ms": hops,
-        "ratio_p50": s["p50"] / e["p50"],
         "load_avg_1m": os.getloadavg()[0],
-        "raw_ms": {"stack": stack, "engine": engine, "paired": paired},
+        "raw_ms": {"engine": engine, **{name: {"stack": t, "paired": p} for name, (t, p) in runs.items()}},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))

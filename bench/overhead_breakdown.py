@@ -2,9 +2,9 @@
 
 Every service writes its OpenTelemetry spans to one JSON-lines file (``LF_TRACE_EXPORTER=file:``);
 spans of one request share a trace id (the context rides in NATS headers). On one machine the
-services share a clock, so the gaps between spans are the hops: gateway work before the resolve,
-the registry resolve, JetStream publish up to the scheduler's fetch, admission, the wait for a
-placement, the dispatch round trip to the worker, and the accept notice back to the gateway.
+services share a clock, so the gaps between spans are the hops: the gateway's checks and its
+resolve (from its catalog mirror), JetStream publish up to the scheduler's fetch, admission, the
+wait for a placement, the dispatch round trip to the worker, and the accept notice back to the gateway.
 """
 
 import json
@@ -12,13 +12,12 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-RESOLVE = "serve lf.registry.resolve"
 HTTP = "POST /v1/chat/completions"
+PUBLISH = "gateway.publish"
 HOPS = (
     ("HTTP in -> handler", HTTP, "start", "gateway.request", "start"),
-    ("gateway before resolve", "gateway.request", "start", RESOLVE, "start"),
-    ("registry resolve", RESOLVE, "start", RESOLVE, "end"),
-    ("publish -> scheduler fetch", RESOLVE, "end", "scheduler.admit", "start"),
+    ("handler -> publish (checks, resolve)", "gateway.request", "start", PUBLISH, "start"),
+    ("publish -> scheduler fetch", PUBLISH, "start", "scheduler.admit", "start"),
     ("scheduler admission", "scheduler.admit", "start", "scheduler.admit", "end"),
     ("queue -> placement", "scheduler.admit", "end", "scheduler.place", "start"),
     ("dispatch -> worker accept", "scheduler.place", "start", "worker.accept", "end"),

@@ -15,10 +15,11 @@ from shared.bus import decode, encode
 from shared.errors import (
     InternalError, LorafleetError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body,
 )
-from shared.telemetry import inject
+from shared.telemetry import inject, tracer
 from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
 
 log = structlog.get_logger("gateway.inference")
+_tracer = tracer("gateway")
 
 
 @dataclass(slots=True)
@@ -112,12 +113,13 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     accept_deadline = time.time() + accept_timeout_s
     request = InferRequest(reply_to=inbox, accept_deadline=accept_deadline, **request_fields)
     try:
-        await js.publish(
-            subjects.infer_submit(request.tenant_id),
-            encode(request),
-            headers=inject({"Nats-Msg-Id": request.request_id}),
-            timeout=accept_timeout_s,
-        )
+        with _tracer.start_as_current_span("gateway.publish"):
+            await js.publish(
+                subjects.infer_submit(request.tenant_id),
+                encode(request),
+                headers=inject({"Nats-Msg-Id": request.request_id}),
+                timeout=accept_timeout_s,
+            )
     except (NoStreamResponseError, TimeoutError) as e:
         await sub.unsubscribe()
         raise ServiceUnavailable(f"the request queue is not available ({type(e).__name__})") from None
