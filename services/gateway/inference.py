@@ -157,6 +157,13 @@ async def submit_all(nc: NATS, js: JetStreamContext, fields: list[dict], accept_
 async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken | ReplyFinal]]:
     """(choice index, event) from every submission as they arrive; the first error raises.
     Leaving early closes (cancels) every unfinished submission."""
+    if len(subs) == 1:  # one choice: its events as they come, without a relay task and queue per token
+        try:
+            async for event in subs[0].events():
+                yield 0, event
+        finally:
+            await subs[0].close()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, sub: Submission) -> None:

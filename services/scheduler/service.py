@@ -229,6 +229,7 @@ async def run(settings: SchedulerSettings) -> None:
                 except Exception:
                     log.exception("submission_crashed", subject=msg.subject)
                     await msg.nak(delay=1)
+            await asyncio.sleep(0)  # a dispatch just placed goes out before the next fetch is asked for
         for task in background:
             task.cancel()
         await core.shutdown(settings.dispatch_timeout_s + 1)

@@ -84,11 +84,13 @@ class RequestServer:
                                             request.tenant_gpu_slots)
         self._remember(request.request_id)
         self._jobs[request.request_id] = job
-        await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,
-                                                        cache_hit=job.cache_hit))
+        # the engine gets the request first; the accept notice (off the path to the first token)
+        # is queued on the connection before the task can emit anything, so it still arrives first
         task = asyncio.create_task(self._serve(job))
         self.tasks[request.request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request.request_id, None))
+        await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,
+                                                        cache_hit=job.cache_hit))
 
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""

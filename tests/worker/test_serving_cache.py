@@ -98,6 +98,8 @@ async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(load
         assert finals["_INBOX.cold"].usage.completion_tokens == 6
         assert finals["_INBOX.cold"].served_by.cache_hit is False
         assert finals["_INBOX.base-a"].usage.completion_tokens == 48
+        for inbox in ("_INBOX.base-a", "_INBOX.base-b", "_INBOX.cold"):  # each stream opens with its accept notice
+            assert isinstance(next(m for i, m in events if i == inbox), ReplyAccepted)
         order = [inbox for inbox, m in events if isinstance(m, ReplyToken)]
         first_cold = order.index("_INBOX.cold")
         assert order[:first_cold].count("_INBOX.base-a") >= before[0] + 8
