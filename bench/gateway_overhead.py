@@ -27,7 +27,10 @@ from pathlib import Path
 
 import httpx
 
+import torch
+
 from bench import overhead_breakdown
+from bench.cache_sim import git_commit
 from bench.raw_http import RawStreamClient
 from services.cli.adapter_cmd import cli_connect
 from services.cli.infra import free_port, start_nats, start_redis
@@ -232,14 +235,14 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="30 requests per client and path instead of 200")
+    parser.add_argument("--quick", action="store_true", help="20 requests per client and path instead of 200")
     parser.add_argument("--no-spans", action="store_true",
                         help="services export no spans (the tracing's own cost is out; no per-hop breakdown)")
     parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
     parser.add_argument("--settle-ms", type=float, default=50.0,
                         help="idle time before each request (0: back to back, overlapping the last one's bookkeeping)")
     args = parser.parse_args()
-    requests, warmup = (30, 5) if args.quick else (200, 10)
+    requests, warmup = (20, 3) if args.quick else (200, 10)
     runs = stack_phase(requests, warmup, spans=not args.no_spans, settle_s=args.settle_ms / 1000)
     hops = {} if args.no_spans else overhead_breakdown.breakdown(SPANS)
     print(overhead_breakdown.table(hops))
@@ -248,7 +251,7 @@ def main() -> None:
     e = percentiles(engine)
     result = {
         "model": MODEL, "requests": requests, "settle_ms": args.settle_ms, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "event_loop": _service_loop(),
+        "cpus": os.cpu_count(), "event_loop": _service_loop(), "torch": torch.__version__, "git_commit": git_commit(),
         "stack": stack, "engine": e,
         "overhead_ms": {name: {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]} for name, s in stack.items()},
         "paired_overhead_ms": {name: percentiles(paired) for name, (_, paired) in runs.items()},
