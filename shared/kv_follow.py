@@ -1,19 +1,36 @@
-"""Keep an in-memory mirror equal to a JetStream KV bucket: load it, then apply every change."""
+"""Keep an in-memory mirror equal to a JetStream KV bucket: load it, then apply every change.
+
+The watch's consumer lives on the server (nats-py does not re-create it if the server loses it,
+as across a nats-server restart), so the watch starts over after every reconnect, and is checked
+against the bucket itself: when no entry has come for ``check_s``, the bucket's last revision is
+read; if an entry the bucket held at the previous check has still not arrived, the watch has
+stalled and is started over. A mirror lags its bucket by at most about two check periods.
+"""
 
 import asyncio
 from collections.abc import Callable
 
 import structlog
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
+from shared import metrics
+
 log = structlog.get_logger("kv_follow")
 RETRY_S = 0.5
+CHECK_S = 5.0
+POLL_S = 0.25  # how often a quiet watch looks for a reconnect
 
 # (key, value or None for a delete/purge, revision = the entry's stream sequence)
 Apply = Callable[[str, bytes | None, int], None]
+
+
+class StaleWatch(Exception):
+    """The bucket holds an entry the watch has not delivered within a check period, or the
+    connection was re-established under the watch."""
 
 
 async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
@@ -25,28 +42,55 @@ async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
             await asyncio.sleep(RETRY_S)
 
 
-async def follow_bucket(js: JetStreamContext, name: str, apply: Apply, loaded: Callable[[], None]) -> None:
+async def _consume(nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: Callable[[], None],
+                   check_s: float) -> None:
+    reconnects = nc.stats["reconnects"]
+    watcher = await bucket.watchall()
+    seen, expected = 0, 0  # the newest revision applied; the bucket's last revision at the previous check
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + check_s
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(watcher.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, check_s))
+            if nc.stats["reconnects"] != reconnects:
+                raise StaleWatch(f"reconnected under the watch of {name}")
+            if not done:
+                if loop.time() >= next_check:
+                    if seen < expected:
+                        raise StaleWatch(f"revision {expected} of {name} not delivered within {check_s:g}s")
+                    expected = (await bucket.status()).stream_info.state.last_seq
+                    next_check = loop.time() + check_s
+                continue
+            entry, pending = pending.result(), None  # StopAsyncIteration: the watcher ended
+            next_check = loop.time() + check_s
+            if entry is None:
+                loaded()
+                log.info("kv_mirror_loaded", bucket=name)
+                continue
+            seen = max(seen, entry.revision or 0)
+            try:
+                apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value, entry.revision or 0)
+            except ValidationError as e:  # one bad entry must not stop the mirror
+                log.warning("bad_kv_entry", bucket=name, key=entry.key, error=str(e))
+    finally:
+        if pending is not None:
+            pending.cancel()
+        await watcher.stop()
+
+
+async def follow_bucket(nc: NATS, name: str, apply: Apply, loaded: Callable[[], None],
+                        check_s: float = CHECK_S) -> None:
     """Apply every entry of the bucket, call ``loaded`` once the initial values are in, then apply
-    every later change; runs until cancelled. A failed watch (e.g. across a reconnect) starts
-    over from the first entry, so ``apply`` must be idempotent."""
+    every later change; runs until cancelled. A failed or stalled watch starts over from the
+    first entry, so ``apply`` must be idempotent."""
     while True:
         try:
-            watcher = await (await _bucket(js, name)).watchall()
-            try:
-                async for entry in watcher:
-                    if entry is None:
-                        loaded()
-                        log.info("kv_mirror_loaded", bucket=name)
-                        continue
-                    try:
-                        apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value,
-                              entry.revision or 0)
-                    except ValidationError as e:  # one bad entry must not stop the mirror
-                        log.warning("bad_kv_entry", bucket=name, key=entry.key, error=str(e))
-            finally:
-                await watcher.stop()
+            await _consume(nc, await _bucket(nc.jetstream(), name), name, apply, loaded, check_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("kv_watch_failed", bucket=name, error=str(e))
+            metrics.KV_WATCH_RESTARTS.labels(name).inc()
+            log.warning("kv_watch_restarted", bucket=name, error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(RETRY_S)

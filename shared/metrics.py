@@ -30,6 +30,8 @@ QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adap
 REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])
 GATEWAY_RESOLVES = Counter("gateway_resolves", "model resolutions by where they were answered: the gateway's catalog "
                            "mirror or the registry", ["source"])
+KV_WATCH_RESTARTS = Counter("kv_watch_restarts", "mirror watches started over (failed, or stalled behind the bucket)",
+                            ["bucket"])
 GATEWAY_SYNC_TIMEOUTS = Counter("gateway_sync_timeouts", "catalog writes that a live gateway did not confirm in time")
 ADMISSION_REJECTIONS = Counter("admission_rejections", "requests refused before running", ["reason"])
 QUEUE_DEPTH = Gauge("queue_depth", "requests waiting", ["service"])

@@ -20,7 +20,7 @@ async def start_resolver(nc: NATS, instance_id: str, registry_timeout_s: float,
                          mirror: CatalogMirror | None = None) -> tuple[Resolver, asyncio.Task]:
     """The gateway's Resolver and the task that keeps its mirror current (cancel it to stop)."""
     mirror = mirror or CatalogMirror()
-    watch = asyncio.create_task(follow_bucket(nc.jetstream(), subjects.REGISTRY_RECORDS_BUCKET, mirror.apply,
+    watch = asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, mirror.apply,
                                               mirror.mark_loaded))
 
     async def on_sync(msg) -> None:

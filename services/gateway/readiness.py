@@ -5,8 +5,10 @@ from dataclasses import dataclass, field
 from shared.liveness import Liveness
 from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
 
-REQUIRED = ("scheduler", "registry")
-OPTIONAL = ("auditor",)
+REQUIRED = ("scheduler",)
+# the registry answers refusals, new models and the admin API; a gateway whose catalog mirror is
+# loaded serves every known model without it, so it is required only until then
+OPTIONAL = ("registry", "auditor")
 
 
 @dataclass(slots=True)
@@ -38,7 +40,7 @@ class ClusterView:
     def ready_workers(self) -> list[WorkerHeartbeat]:
         return [b for b in self.workers.alive().values() if b.ready]
 
-    def status(self) -> tuple[bool, dict[str, str]]:
+    def status(self, catalog_loaded: bool = False) -> tuple[bool, dict[str, str]]:
         """(ready, component -> "ok" | "missing" | "not ready: ...") for /readyz."""
         components: dict[str, str] = {}
         for name, live in self.services.items():
@@ -51,5 +53,7 @@ class ClusterView:
                 components[name] = "missing"
         workers = self.ready_workers()
         components["workers"] = f"{len(workers)} ready" if workers else "missing"
-        ready = all(components[name] == "ok" for name in REQUIRED) and bool(workers)
+        components["catalog"] = "mirrored" if catalog_loaded else "loading"
+        ready = all(components[name] == "ok" for name in REQUIRED) and bool(workers) and (
+            catalog_loaded or components["registry"] == "ok")
         return ready, components

@@ -50,7 +50,7 @@ async def run(settings: GatewaySettings) -> None:
         if settings.max_prompt_tokens:
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
         keys = ApiKeys(settings.api_keys)
-        watch = asyncio.create_task(follow_keys(js, keys))
+        watch = asyncio.create_task(follow_keys(nc, keys))
         stack.callback(watch.cancel)
         resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)
         stack.callback(catalog_watch.cancel)

@@ -4,6 +4,7 @@ the scheduler keeps no phantom requests, and adapter events flow again without h
 
 import asyncio
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,15 @@ async def test_adapter_events_reach_workers_after_a_restart_and_old_ones_are_not
 
     await restart_nats(fleet)
     await asyncio.to_thread(fleet.ready, 60)
-    await registry_call(url, "revoke", RevokeRequest(adapter_id="reef", actor="test"))
+    async with gateway(fleet.gateway_url) as client:
+        assert (await chat(client, "key-demo", "reef", max_tokens=4)).served
+        started = time.monotonic()
+        await registry_call(url, "revoke", RevokeRequest(adapter_id="reef", actor="test"))
+        # the gateway's catalog mirror followed the bucket across the restart: it confirmed the
+        # write at once (a stalled mirror would hold the revoke for the registry's 1 s sync bound)
+        assert time.monotonic() - started < 1.0
+        refused = await chat(client, "key-demo", "reef", max_tokens=4)
+        assert refused.status == 410 and refused.code == "adapter_revoked", refused.describe()
     async with WorkerBeats(url) as beats:
         for worker in WORKERS:  # the revocation arrives promptly, after whatever history a replay would bring
             beat = await beats.until(worker, lambda b: "reef@1" not in held(b), 8)

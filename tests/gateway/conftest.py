@@ -114,7 +114,7 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     cluster.on_worker(WorkerHeartbeat(worker_id=WORKER_ID, base_model=BASE, ready=True, running=0, waiting=0,
                                       max_running=8, kv_blocks_free=1, kv_blocks_total=1))
     keys = ApiKeys({"config-key": "configured"})
-    watch = asyncio.create_task(follow_keys(nc.jetstream(), keys))
+    watch = asyncio.create_task(follow_keys(nc, keys))
     port = free_port()
     settings = gateway_settings(gw_nats.url, port=port)
     resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)

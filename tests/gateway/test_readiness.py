@@ -1,0 +1,31 @@
+"""/readyz's verdict: the scheduler and a worker always; the registry only until the catalog mirror is loaded."""
+
+from services.gateway.readiness import ClusterView
+from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+
+
+def view(*services: str, worker: bool = True) -> ClusterView:
+    cluster = ClusterView(60)
+    for name in services:
+        cluster.on_service(ServiceHeartbeat(service=name, instance_id=f"{name}-1", ready=True))
+    if worker:
+        cluster.on_worker(WorkerHeartbeat(worker_id="w1", base_model="m", ready=True, running=0, waiting=0,
+                                          max_running=8, kv_blocks_free=1, kv_blocks_total=1))
+    return cluster
+
+
+def test_a_loaded_catalog_mirror_serves_without_the_registry():
+    ready, components = view("scheduler").status(catalog_loaded=True)
+    assert ready and components["registry"] == "missing" and components["catalog"] == "mirrored"
+
+
+def test_before_the_mirror_is_loaded_the_registry_is_required():
+    assert not view("scheduler").status(catalog_loaded=False)[0]
+    ready, components = view("scheduler", "registry").status(catalog_loaded=False)
+    assert ready and components["catalog"] == "loading"
+
+
+def test_scheduler_and_a_worker_are_always_required():
+    assert not view("registry").status(catalog_loaded=True)[0]
+    ready, components = view("scheduler", "registry", worker=False).status(catalog_loaded=True)
+    assert not ready and components["workers"] == "missing"

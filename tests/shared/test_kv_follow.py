@@ -1,0 +1,69 @@
+"""A KV mirror follows its bucket, and starts its watch over when the watch stalls (its server-side
+consumer gone) instead of serving a stale copy forever."""
+
+import asyncio
+import uuid
+
+from nats.js.api import KeyValueConfig
+
+from shared import metrics
+from shared.bus import connect
+from shared.kv_follow import follow_bucket
+
+
+async def _until(condition, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_mirror_loads_follows_and_recovers_from_a_lost_consumer(nats_url):
+    nc = await connect(nats_url, "kv-follow-test")
+    js = nc.jetstream()
+    name = f"follow_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name, history=5))
+    await kv.put("a", b"1")
+    mirror: dict[str, bytes | None] = {}
+    state = {"loaded": 0, "revision": 0}
+
+    def apply(key: str, value: bytes | None, revision: int) -> None:
+        mirror[key] = value
+        state["revision"] = max(state["revision"], revision)
+
+    follow = asyncio.create_task(follow_bucket(nc, name, apply, lambda: state.update(loaded=state["loaded"] + 1),
+                                               check_s=0.3))
+    try:
+        await _until(lambda: state["loaded"] == 1 and mirror == {"a": b"1"}, 5)
+        await kv.put("b", b"2")
+        await kv.delete("a")
+        await _until(lambda: mirror == {"a": None, "b": b"2"}, 5)
+
+        restarts = metrics.KV_WATCH_RESTARTS.labels(name)._value.get()
+        for info in await js.consumers_info(f"KV_{name}"):  # the watch's consumer disappears on the server
+            await js.delete_consumer(f"KV_{name}", info.name)
+        revision = await kv.put("c", b"3")
+        await _until(lambda: mirror.get("c") == b"3" and state["revision"] >= revision, 10)
+        # nats-py does not re-create the lost consumer (a watch would wait forever): the check restarted it
+        assert metrics.KV_WATCH_RESTARTS.labels(name)._value.get() > restarts
+    finally:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+        await nc.close()
+
+
+async def test_a_bucket_created_later_is_waited_for(nats_url):
+    nc = await connect(nats_url, "kv-follow-late")
+    js = nc.jetstream()
+    name = f"late_{uuid.uuid4().hex[:8]}"
+    mirror: dict[str, bytes | None] = {}
+    follow = asyncio.create_task(follow_bucket(nc, name, lambda k, v, r: mirror.__setitem__(k, v), lambda: None))
+    try:
+        await asyncio.sleep(0.3)
+        kv = await js.create_key_value(config=KeyValueConfig(bucket=name))
+        await kv.put("k", b"v")
+        await _until(lambda: mirror == {"k": b"v"}, 5)
+    finally:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+        await nc.close()
