@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import structlog
 from pydantic import BaseModel
 
 from shared import metrics, subjects
@@ -49,6 +50,7 @@ from shared.catalog import Catalog, Change
 from shared.resolve import list_models, resolve
 from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 
+log = structlog.get_logger("registry")
 Publish = Callable[[str, BaseModel], Awaitable[None]]
 SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
 
@@ -88,13 +90,23 @@ class Registry:
         self._sync_gateways = sync_gateways
         self._lock = asyncio.Lock()
         self._started = int(time.time())
+        self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
 
     async def resolve(self, req: ResolveRequest) -> ResolveReply:
         try:
             return resolve(self.catalog, self._base.name, req.tenant_id, req.model, req.request_key, req.preview)
         except ModelNotFound:
-            await self._audit_foreign_attempt(req)
+            # audited after the answer goes out: awaiting the audit's publish first would make a
+            # foreign adapter's 404 measurably slower than a missing one's, telling them apart
+            task = asyncio.create_task(self._audit_foreign_attempt(req))
+            self._audits.add(task)
+            task.add_done_callback(self._audit_done)
             raise
+
+    def _audit_done(self, task: asyncio.Task) -> None:
+        self._audits.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("isolation_audit_failed", error=str(task.exception()))
 
     async def _audit_foreign_attempt(self, req: ResolveRequest) -> None:
         """A tenant naming another tenant's adapter gets the plain 404, and the attempt is audited."""

@@ -1,0 +1,33 @@
+"""A foreign adapter's 404 leaves as fast as a missing one's: its isolation audit is published after."""
+
+import asyncio
+import time
+
+import pytest
+
+from services.registry.ops import Registry
+from shared.catalog import Catalog
+from shared.errors import ModelNotFound
+from shared.schemas import ResolveRequest
+from tests.helpers.records import make_record
+
+
+async def test_the_isolation_audit_does_not_delay_the_answer(base):
+    published: list[tuple[str, object]] = []
+
+    async def slow_publish(subject: str, message) -> None:
+        await asyncio.sleep(0.5)  # a JetStream publish waiting for its ack
+        published.append((subject, message))
+
+    catalog = Catalog([make_record("globex-sql", 1, "globex", status="production", traffic_percent=100)])
+    registry = Registry(catalog=catalog, trusted_keys={}, kv=None, approved=None, uploads=None, base=base,
+                        policy=None, trusted_dirs=(), remote_allow_list=(), publish=slow_publish)
+    for model in ("globex-sql", "nobody-sql"):
+        started = time.monotonic()
+        with pytest.raises(ModelNotFound):
+            await registry.resolve(ResolveRequest(tenant_id="acme", model=model, request_key="k"))
+        assert time.monotonic() - started < 0.2
+    await asyncio.sleep(0.7)
+    assert len(published) == 1  # the foreign attempt only, audited all the same
+    subject, envelope = published[0]
+    assert subject.endswith(".acme") and envelope.body.code == "tenant_isolation_attempt"
