@@ -64,6 +64,8 @@ class CatalogMirror:
             return True
         except TimeoutError:
             return False
+        finally:
+            self._waiters = [(r, f) for r, f in self._waiters if f is not future]
 
 
 class Resolver:

@@ -100,6 +100,7 @@ async def test_caught_up_waits_for_the_revision_and_gives_up_after_the_bound():
     mirror = loaded_mirror(SUM_V1)
     assert await mirror.caught_up(1, 0.01)
     assert not await mirror.caught_up(2, 0.05)
+    assert mirror._waiters == []  # a wait that gave up leaves nothing behind
     waiting = asyncio.create_task(mirror.caught_up(3, 5))
     await asyncio.sleep(0.01)
     mirror.apply("acme-sum.2", SUM_V2_CANARY.model_dump_json().encode(), 2)
