@@ -32,8 +32,9 @@ DIGEST = "0" * 64
 
 def make_adapters(loaded: LoadedModel, root: Path, count: int) -> list[Path]:
     """``count`` random rank-8 q,v adapters (one PEFT model, re-seeded weights per save)."""
-    model = get_peft_model(loaded.model, PeftLoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                        init_lora_weights=False))
+    model = get_peft_model(
+        loaded.model, PeftLoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     dirs = []
     for i in range(count):
         torch.manual_seed(i)
@@ -47,11 +48,19 @@ def make_adapters(loaded: LoadedModel, root: Path, count: int) -> list[Path]:
 
 
 def request(loaded: LoadedModel, rid: str, adapter: int, tokens: int) -> InferRequest:
-    resolved = ResolvedAdapter(adapter_id=f"a{adapter}", version=1, rank=8, digest=DIGEST, storage_uri="bench://",
-                               alpha=16)
-    return InferRequest(request_id=rid, tenant_id="bench", model=f"a{adapter}", base_model=loaded.name,
-                        adapter=resolved, prompt="Write a short note about the weather today.", reply_to=f"_INBOX.{rid}",
-                        sampling=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    resolved = ResolvedAdapter(
+        adapter_id=f"a{adapter}", version=1, rank=8, digest=DIGEST, storage_uri="bench://", alpha=16
+    )
+    return InferRequest(
+        request_id=rid,
+        tenant_id="bench",
+        model=f"a{adapter}",
+        base_model=loaded.name,
+        adapter=resolved,
+        prompt="Write a short note about the weather today.",
+        reply_to=f"_INBOX.{rid}",
+        sampling=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+    )
 
 
 async def run(quick: bool) -> dict:
@@ -59,13 +68,20 @@ async def run(quick: bool) -> dict:
     hits, storm, tokens, gap_s = (4, 6, 4, 0.4) if quick else (10, 16, 8, 0.5)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = make_adapters(loaded, Path(tmp), 1 + storm * 2)
-        manager = AdapterManager(LoraConfig(rank_classes=(8,), memory_budget_bytes=2**26, max_slots_per_class=6,
-                                            target_modules=("q_proj", "v_proj")),
-                                 ModelShapes.from_hf_config(loaded.model.config))
-        cache = CacheHierarchy(manager, lambda key: manager.read_adapter(dirs[int(key[1:].split("@")[0])]),
-                               CacheConfig(cpu_budget_bytes=1))  # no CPU tier: every miss reads the store
-        engine = AsyncEngine.from_loaded(loaded, EngineConfig(kv_cache_bytes=256 * 2**20, max_model_len=512,
-                                                              max_num_batched_tokens=512), adapter_manager=manager)
+        manager = AdapterManager(
+            LoraConfig(
+                rank_classes=(8,), memory_budget_bytes=2**26, max_slots_per_class=6, target_modules=("q_proj", "v_proj")
+            ),
+            ModelShapes.from_hf_config(loaded.model.config),
+        )
+        cache = CacheHierarchy(
+            manager, lambda key: manager.read_adapter(dirs[int(key[1:].split("@")[0])]), CacheConfig(cpu_budget_bytes=1)
+        )  # no CPU tier: every miss reads the store
+        engine = AsyncEngine.from_loaded(
+            loaded,
+            EngineConfig(kv_cache_bytes=256 * 2**20, max_model_len=512, max_num_batched_tokens=512),
+            adapter_manager=manager,
+        )
         engine.start()
         finals: dict[str, ReplyFinal] = {}
 
@@ -80,8 +96,13 @@ async def run(quick: bool) -> dict:
         await server.accept(request(loaded, "warm", 0, 2))
         while server.tasks:
             await asyncio.sleep(0.01)
-        ids: dict[str, list[str]] = {"hit_alone": [], "hit_storm": [], "miss_storm": [], "hit_hitstorm": [],
-                                     "hitstorm": []}
+        ids: dict[str, list[str]] = {
+            "hit_alone": [],
+            "hit_storm": [],
+            "miss_storm": [],
+            "hit_hitstorm": [],
+            "hitstorm": [],
+        }
 
         async def hits_phase(label: str, n: int) -> None:
             for i in range(n):
@@ -112,14 +133,20 @@ async def run(quick: bool) -> dict:
         engine.shutdown()
     ttft = {k: percentiles([finals[r].ttft_ms for r in v]) for k, v in ids.items()}
     stats = cache.stats()
-    return {"environment": environment(torch.get_num_threads(), "float32"), "quick": quick, "ttft_ms": ttft,
-            "storm_ratio_p50": ttft["hit_storm"]["p50"] / ttft["hit_alone"]["p50"],
-            "storm_ratio_p95": ttft["hit_storm"]["p95"] / ttft["hit_alone"]["p95"],
-            "miss_storm_vs_hit_storm_p50": ttft["hit_storm"]["p50"] / ttft["hit_hitstorm"]["p50"],
-            "hit_cache_flags": sorted({finals[r].served_by.cache_hit for r in ids["hit_storm"]}),
-            "miss_cache_flags": sorted({finals[r].served_by.cache_hit for r in ids["miss_storm"]}),
-            "loads": stats.loads, "load_ms_mean": stats.load_ms_mean, "evictions": stats.evictions,
-            "requests": {k: len(v) for k, v in ids.items()}}
+    return {
+        "environment": environment(torch.get_num_threads(), "float32"),
+        "quick": quick,
+        "ttft_ms": ttft,
+        "storm_ratio_p50": ttft["hit_storm"]["p50"] / ttft["hit_alone"]["p50"],
+        "storm_ratio_p95": ttft["hit_storm"]["p95"] / ttft["hit_alone"]["p95"],
+        "miss_storm_vs_hit_storm_p50": ttft["hit_storm"]["p50"] / ttft["hit_hitstorm"]["p50"],
+        "hit_cache_flags": sorted({finals[r].served_by.cache_hit for r in ids["hit_storm"]}),
+        "miss_cache_flags": sorted({finals[r].served_by.cache_hit for r in ids["miss_storm"]}),
+        "loads": stats.loads,
+        "load_ms_mean": stats.load_ms_mean,
+        "evictions": stats.evictions,
+        "requests": {k: len(v) for k, v in ids.items()},
+    }
 
 
 def main() -> None:
@@ -133,11 +160,17 @@ def main() -> None:
     RESULTS.write_text(json.dumps(result, indent=2))
     t = result["ttft_ms"]
     print("| requests | TTFT p50 ms | TTFT p95 ms |\n|---|---:|---:|")
-    for name, label in (("hit_alone", "hits alone"), ("hit_storm", "hits during a miss storm"),
-                        ("hit_hitstorm", "hits during an equal storm of hits"), ("miss_storm", "misses (storm)")):
+    for name, label in (
+        ("hit_alone", "hits alone"),
+        ("hit_storm", "hits during a miss storm"),
+        ("hit_hitstorm", "hits during an equal storm of hits"),
+        ("miss_storm", "misses (storm)"),
+    ):
         print(f"| {label} | {t[name]['p50']:.0f} | {t[name]['p95']:.0f} |")
-    print(f"\nhit TTFT during storm / without: p50 {result['storm_ratio_p50']:.2f}x, p95 {result['storm_ratio_p95']:.2f}x"
-          f" (target p50 <= 1.2x); vs an equal storm of hits: p50 {result['miss_storm_vs_hit_storm_p50']:.2f}x; loads {result['loads']}, mean load {result['load_ms_mean']}")
+    print(
+        f"\nhit TTFT during storm / without: p50 {result['storm_ratio_p50']:.2f}x, p95 {result['storm_ratio_p95']:.2f}x"
+        f" (target p50 <= 1.2x); vs an equal storm of hits: p50 {result['miss_storm_vs_hit_storm_p50']:.2f}x; loads {result['loads']}, mean load {result['load_ms_mean']}"
+    )
     print(f"wrote {RESULTS}")
 
 

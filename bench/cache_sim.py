@@ -119,8 +119,10 @@ def git_commit() -> str:
 
 
 def markdown(result: dict) -> str:
-    rows = ["| policy | GPU hit rate | vs Belady | CPU tier hit rate (of GPU misses) | GPU or CPU |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| policy | GPU hit rate | vs Belady | CPU tier hit rate (of GPU misses) | GPU or CPU |",
+        "|---|---|---|---|---|",
+    ]
     for name in POLICIES:
         tiers = result["tiers"][name]
         rows.append(f"| {name} | {result[name]:.4f} | {result[name] / result['belady']:.3f}x | "

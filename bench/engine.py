@@ -27,10 +27,29 @@ from services.worker.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
-TOPICS = ["the sea", "a red fox", "prime numbers", "the moon", "coffee", "rain in spring", "a lighthouse", "bread",
-          "trains", "a chess game", "autumn leaves", "volcanoes", "bees", "the desert", "a violin", "snow"]
-STYLES = ["Write a haiku about {}.", "Explain {} to a child in two short sentences, please.",
-          "Give me three surprising facts about {}, each in one line, and keep the tone light and friendly."]
+TOPICS = [
+    "the sea",
+    "a red fox",
+    "prime numbers",
+    "the moon",
+    "coffee",
+    "rain in spring",
+    "a lighthouse",
+    "bread",
+    "trains",
+    "a chess game",
+    "autumn leaves",
+    "volcanoes",
+    "bees",
+    "the desert",
+    "a violin",
+    "snow",
+]
+STYLES = [
+    "Write a haiku about {}.",
+    "Explain {} to a child in two short sentences, please.",
+    "Give me three surprising facts about {}, each in one line, and keep the tone light and friendly.",
+]
 
 
 def chat_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
@@ -69,8 +88,15 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> di
     clock = StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = loaded.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                    min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=pad)
+        out = loaded.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            pad_token_id=pad,
+        )
     wall = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
     ttft = clock.times[1] - start
@@ -78,8 +104,9 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> di
     return {"wall_s": wall, "ttft_s": [ttft] * len(prompts), "tpot_s": [tpot] * len(prompts)}
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
-               adapters: Sequence[str | None] | None = None) -> dict[str, object]:
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], new_tokens: int, adapters: Sequence[str | None] | None = None
+) -> dict[str, object]:
     """One batch through the engine (each request with its adapter, or base), EOS ignored."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()  # nothing carried over from an earlier round or batch
@@ -96,9 +123,13 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
                 done[out.request_id] = time.monotonic()
                 assert out.completion_tokens == new_tokens
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft_s": [first[r] - mono_start for r in first],
-            "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first],
-            "prefix_hit_tokens": engine.blocks.hit_tokens - hits_before, "prompt_tokens": sum(map(len, prompts))}
+    return {
+        "wall_s": wall,
+        "ttft_s": [first[r] - mono_start for r in first],
+        "tpot_s": [(done[r] - first[r]) / max(1, new_tokens - 1) for r in first],
+        "prefix_hit_tokens": engine.blocks.hit_tokens - hits_before,
+        "prompt_tokens": sum(map(len, prompts)),
+    }
 
 
 def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
@@ -109,21 +140,45 @@ def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
         "ttft_ms": {k: v * 1e3 for k, v in percentiles(best["ttft_s"]).items()},
         "tpot_ms": {k: v * 1e3 for k, v in percentiles(best["tpot_s"]).items()},
         "rounds_wall_s": [r["wall_s"] for r in runs],
-        **({"prefix_hit_tokens": best["prefix_hit_tokens"], "prompt_tokens": best["prompt_tokens"]}
-           if "prefix_hit_tokens" in best else {}),
+        **(
+            {"prefix_hit_tokens": best["prefix_hit_tokens"], "prompt_tokens": best["prompt_tokens"]}
+            if "prefix_hit_tokens" in best
+            else {}
+        ),
     }
 
 
-def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds: int,
-               dtype: str = "float32", linear_split: bool = False) -> list[dict[str, object]]:
+def throughput(
+    loaded: LoadedModel,
+    batches: list[int],
+    new_tokens: int,
+    rounds: int,
+    dtype: str = "float32",
+    linear_split: bool = False,
+) -> list[dict[str, object]]:
     """Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
     token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear")."""
-    variants = {"engine": ("auto", True), "engine_no_prefix_cache": ("auto", False),
-                **({"engine_f_linear": ("torch", True)} if linear_split else {})}
-    engines = {name: LLMEngine.from_loaded(loaded, EngineConfig(
-        kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, dtype=dtype,
-        cpu_linear=linear, enable_prefix_caching=prefix)) for name, (linear, prefix) in variants.items()}
+    variants = {
+        "engine": ("auto", True),
+        "engine_no_prefix_cache": ("auto", False),
+        **({"engine_f_linear": ("torch", True)} if linear_split else {}),
+    }
+    engines = {
+        name: LLMEngine.from_loaded(
+            loaded,
+            EngineConfig(
+                kv_cache_bytes=512 * 2**20,
+                max_model_len=512,
+                max_num_seqs=64,
+                max_num_batched_tokens=2048,
+                dtype=dtype,
+                cpu_linear=linear,
+                enable_prefix_caching=prefix,
+            ),
+        )
+        for name, (linear, prefix) in variants.items()
+    }
     rows = []
     for batch in batches:
         prompts = chat_prompts(loaded, batch)
@@ -136,15 +191,17 @@ def throughput(loaded: LoadedModel, batches: list[int], new_tokens: int, rounds:
                 runs[name].append(run_engine(engine, prompts, new_tokens))
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
-        rows.append({
-            "batch": batch,
-            "new_tokens": new_tokens,
-            "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
-            "systems": systems,
-            "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
-            "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
-            "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "new_tokens": new_tokens,
+                "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+                "systems": systems,
+                "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
+                "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
+                "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
+            }
+        )
     return rows
 
 
@@ -156,8 +213,13 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
     generated = min(32, seq_len // 2)  # long enough that the first sequences still run when the last joins
     prompt_len = seq_len - generated
     budget = num_seqs * seq_len * spec_of(loaded.model.config).kv_bytes_per_token(torch.float32)
-    config = EngineConfig(kv_cache_bytes=budget, kv_block_size=16, max_model_len=seq_len, max_num_seqs=num_seqs,
-                          max_num_batched_tokens=max(2048, seq_len))
+    config = EngineConfig(
+        kv_cache_bytes=budget,
+        kv_block_size=16,
+        max_model_len=seq_len,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(2048, seq_len),
+    )
     engine = LLMEngine.from_loaded(loaded, config)
     rss_loaded_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     params = SamplingParams(max_tokens=generated, temperature=0.0, ignore_eos=True)
@@ -182,28 +244,44 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
 
 def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"torch": torch.__version__, "threads": threads, "device": "cpu", "dtype": dtype, "cpu_linear": "auto",
-            "cpu": platform.processor() or platform.machine(),
-            "model": "SmolLM2-135M-Instruct", "python": platform.python_version(), "git_commit": commit or None}
+    return {
+        "torch": torch.__version__,
+        "threads": threads,
+        "device": "cpu",
+        "dtype": dtype,
+        "cpu_linear": "auto",
+        "cpu": platform.processor() or platform.machine(),
+        "model": "SmolLM2-135M-Instruct",
+        "python": platform.python_version(),
+        "git_commit": commit or None,
+    }
 
 
 def table(rows: list[dict[str, object]], memory: dict[str, object]) -> str:
-    lines = ["| batch | system | tok/s | speedup vs hf | TTFT p50 / p95 ms | TPOT p50 / p95 ms |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| batch | system | tok/s | speedup vs hf | TTFT p50 / p95 ms | TPOT p50 / p95 ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for row in rows:
         for name, s in row["systems"].items():
             speed = f"{s['tok_s'] / row['systems']['hf']['tok_s']:.2f}x"
-            lines.append(f"| {row['batch']} | {name} | {s['tok_s']:.1f} | {speed} | "
-                         f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
-                         f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
+            lines.append(
+                f"| {row['batch']} | {name} | {s['tok_s']:.1f} | {speed} | "
+                f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
+                f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |"
+            )
     lines.append("")
     for row in rows:
         s = row["systems"]["engine"]
-        lines.append(f"batch {row['batch']}: the prefix cache shared {s['prefix_hit_tokens']} of {s['prompt_tokens']} "
-                     f"prompt tokens (a cold cache each round)")
-    lines.append(f"Memory: {memory['num_seqs']} seqs x {memory['seq_len']} tokens (max {memory['max_concurrent']} "
-                 f"concurrent): peak RSS {memory['peak_rss_mib']:.0f} MiB vs KV budget {memory['kv_budget_mib']:.0f} "
-                 f"MiB + model {memory['model_mib']:.0f} MiB (RSS after load {memory['rss_after_load_mib']:.0f} MiB)")
+        lines.append(
+            f"batch {row['batch']}: the prefix cache shared {s['prefix_hit_tokens']} of {s['prompt_tokens']} "
+            f"prompt tokens (a cold cache each round)"
+        )
+    lines.append(
+        f"Memory: {memory['num_seqs']} seqs x {memory['seq_len']} tokens (max {memory['max_concurrent']} "
+        f"concurrent): peak RSS {memory['peak_rss_mib']:.0f} MiB vs KV budget {memory['kv_budget_mib']:.0f} "
+        f"MiB + model {memory['model_mib']:.0f} MiB (RSS after load {memory['rss_after_load_mib']:.0f} MiB)"
+    )
     return "\n".join(lines)
 
 
@@ -211,10 +289,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="dtype of both systems (bf16 uses this CPU's avx512_bf16 / AMX where present)")
-    parser.add_argument("--linear-split", action="store_true",
-                        help="also run the engine on plain F.linear, to separate the oneDNN matmuls' share")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of both systems (bf16 uses this CPU's avx512_bf16 / AMX where present)",
+    )
+    parser.add_argument(
+        "--linear-split",
+        action="store_true",
+        help="also run the engine on plain F.linear, to separate the oneDNN matmuls' share",
+    )
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_probe:
@@ -222,15 +307,25 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     seqs, seq_len = (64, 32) if args.quick else (64, 512)
-    probe = subprocess.run([sys.executable, "-m", "bench.engine", "--threads", str(args.threads), "--rss-probe",
-                            str(seqs), str(seq_len)], capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [sys.executable, "-m", "bench.engine", "--threads", str(args.threads), "--rss-probe", str(seqs), str(seq_len)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     memory = json.loads(probe.stdout.strip().splitlines()[-1])
     loaded = load_model(dtype=getattr(torch, args.dtype))
     batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
     rows = throughput(loaded, batches, new_tokens, rounds, args.dtype, args.linear_split)
-    result = {"environment": environment(args.threads, args.dtype), "quick": args.quick, "throughput": rows, "memory": memory,
-              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "adapters": 0,
-              "rank_mix": None}
+    result = {
+        "environment": environment(args.threads, args.dtype),
+        "quick": args.quick,
+        "throughput": rows,
+        "memory": memory,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "adapters": 0,
+        "rank_mix": None,
+    }
     path = RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine-{args.dtype}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

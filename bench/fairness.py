@@ -66,7 +66,7 @@ def simulate(queue: Fifo | Vtc, arrivals: list[tuple[float, str]], horizon: floa
     events = [(t, next(ids), "arrive", tenant) for t, tenant in arrivals]
     heapq.heapify(events)
     free = SLOTS
-    tokens = {t: 0 for t in TENANTS}
+    tokens = dict.fromkeys(TENANTS, 0)
     ttft: dict[str, list[float]] = {t: [] for t in TENANTS}
     while events:
         now, _, kind, tenant = heapq.heappop(events)
@@ -85,21 +85,33 @@ def simulate(queue: Fifo | Vtc, arrivals: list[tuple[float, str]], horizon: floa
             ttft[item.tenant].append(now - item.enqueued + PREFILL_S)
             heapq.heappush(events, (now + SERVICE_S, next(ids), "end", item.tenant))
     total = sum(tokens.values())
-    return {t: {"token_share": tokens[t] / total, "served_requests": len(ttft[t]),
-                "ttft_p50_ms": float(np.percentile(ttft[t], 50) * 1000),
-                "ttft_p95_ms": float(np.percentile(ttft[t], 95) * 1000)} for t in TENANTS}
+    return {
+        t: {
+            "token_share": tokens[t] / total,
+            "served_requests": len(ttft[t]),
+            "ttft_p50_ms": float(np.percentile(ttft[t], 50) * 1000),
+            "ttft_p95_ms": float(np.percentile(ttft[t], 95) * 1000),
+        }
+        for t in TENANTS
+    }
 
 
 def markdown(result: dict) -> str:
-    rows = ["| queue | tenant | offered share | served token share | TTFT p50 (ms) | TTFT p95 (ms) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| queue | tenant | offered share | served token share | TTFT p50 (ms) | TTFT p95 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for queue in ("vtc", "fifo"):
         for tenant, offered in TENANTS.items():
             r = result[queue][tenant]
-            rows.append(f"| {queue} | {tenant} | {offered:.2f} | {r['token_share']:.3f} | {r['ttft_p50_ms']:.0f} | "
-                        f"{r['ttft_p95_ms']:.0f} |")
-    rows.append(f"\nquiet tenant TTFT p95, VTC / FIFO: {result['quiet_ttft_p95_ratio']:.3f}x "
-                f"(simulation, {result['horizon_s']:.0f} s at {result['offered_load']:.1f}x capacity)")
+            rows.append(
+                f"| {queue} | {tenant} | {offered:.2f} | {r['token_share']:.3f} | {r['ttft_p50_ms']:.0f} | "
+                f"{r['ttft_p95_ms']:.0f} |"
+            )
+    rows.append(
+        f"\nquiet tenant TTFT p95, VTC / FIFO: {result['quiet_ttft_p95_ratio']:.3f}x "
+        f"(simulation, {result['horizon_s']:.0f} s at {result['offered_load']:.1f}x capacity)"
+    )
     return "\n".join(rows)
 
 
@@ -111,15 +123,27 @@ def main() -> None:
     horizon, load = (600.0 if args.quick else 3600.0), 1.5
     rng = np.random.default_rng(args.seed)
     rate = load * SLOTS / SERVICE_S
-    arrivals = sorted((float(t), tenant) for tenant, share in TENANTS.items()
-                      for t in np.cumsum(rng.exponential(1 / (rate * share), size=int(rate * share * horizon * 1.2))))
-    result: dict = {"horizon_s": horizon, "offered_load": load, "slots": SLOTS, "mode": "simulation",
-                    "vtc": simulate(Vtc(), arrivals, horizon), "fifo": simulate(Fifo(), arrivals, horizon)}
+    arrivals = sorted(
+        (float(t), tenant)
+        for tenant, share in TENANTS.items()
+        for t in np.cumsum(rng.exponential(1 / (rate * share), size=int(rate * share * horizon * 1.2)))
+    )
+    result: dict = {
+        "horizon_s": horizon,
+        "offered_load": load,
+        "slots": SLOTS,
+        "mode": "simulation",
+        "vtc": simulate(Vtc(), arrivals, horizon),
+        "fifo": simulate(Fifo(), arrivals, horizon),
+    }
     result["quiet_tenant_share"] = result["vtc"]["quiet"]["token_share"]
     result["fifo_quiet_tenant_share"] = result["fifo"]["quiet"]["token_share"]
     result["quiet_ttft_p95_ratio"] = result["vtc"]["quiet"]["ttft_p95_ms"] / result["fifo"]["quiet"]["ttft_p95_ms"]
-    result["environment"] = {"python": platform.python_version(), "machine": platform.machine(),
-                             "git_commit": git_commit()}
+    result["environment"] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "git_commit": git_commit(),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "fairness.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "fairness.md").write_text(markdown(result) + "\n")

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 import torch
 
 from bench import overhead_breakdown
@@ -38,30 +37,50 @@ from services.cli.stack import SERVICES, Stack, wait_ready
 from shared import subjects
 from shared.bus import decode, request
 from shared.schemas import (
-    ApiKeyCreatedReply, AuditEnvelope, CompletionAudit, CreateApiKeyRequest, CreateTenantRequest, SamplingParams,
+    ApiKeyCreatedReply,
+    AuditEnvelope,
+    CompletionAudit,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    SamplingParams,
     TenantsReply,
 )
 
 RESULTS = Path(__file__).parent / "results" / "gateway_overhead.json"
 SPANS = RESULTS.with_suffix(".spans.jsonl")
 MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = [f"In one sentence, what is {t}?" for t in
-           ("the sea", "a red fox", "a prime number", "the moon", "coffee", "rain", "a lighthouse", "bread")]
+PROMPTS = [
+    f"In one sentence, what is {t}?"
+    for t in ("the sea", "a red fox", "a prime number", "the moon", "coffee", "rain", "a lighthouse", "bread")
+]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
-            "n": len(ordered)}
+    return {
+        "p50": statistics.median(ordered),
+        "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+        "n": len(ordered),
+    }
 
 
 async def _tenant_key(nats_url: str) -> str:
     nc = await cli_connect(nats_url)
     try:
-        await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id="bench", actor="bench"),
-                      TenantsReply, 10)
-        created = await request(nc, subjects.registry("api_key_create"),
-                                CreateApiKeyRequest(tenant_id="bench", actor="bench"), ApiKeyCreatedReply, 10)
+        await request(
+            nc,
+            subjects.registry("tenant_create"),
+            CreateTenantRequest(tenant_id="bench", actor="bench"),
+            TenantsReply,
+            10,
+        )
+        created = await request(
+            nc,
+            subjects.registry("api_key_create"),
+            CreateApiKeyRequest(tenant_id="bench", actor="bench"),
+            ApiKeyCreatedReply,
+            10,
+        )
         return created.key
     finally:
         await nc.drain()
@@ -69,12 +88,17 @@ async def _tenant_key(nats_url: str) -> str:
 
 def _first_content(data: str) -> bool:
     """Whether an SSE chunk carries generated text (not the role-only opening chunk)."""
-    return 'data: {' in data and '"content": "' in data and '"content": ""' not in data
+    return "data: {" in data and '"content": "' in data and '"content": ""' not in data
 
 
 def _chat_body(prompt: str) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "temperature": 0,
-            "stream": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 async def _httpx_ttft(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, float]:
@@ -110,8 +134,9 @@ async def _raw_ttft(client: RawStreamClient, prompt: str) -> tuple[str, float]:
 CLIENTS = ("raw", "httpx")
 
 
-def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float = 0.05
-                ) -> dict[str, tuple[list[float], list[float]]]:
+def stack_phase(
+    requests: int, warmup: int, spans: bool = True, settle_s: float = 0.05
+) -> dict[str, tuple[list[float], list[float]]]:
     """Per client (raw, httpx): client-side TTFTs, and per request that TTFT minus the worker's own
     TTFT for it. The two clients take turns, request by request, in alternating order."""
     root = Path(tempfile.mkdtemp(prefix="lf-bench-"))
@@ -119,9 +144,14 @@ def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float 
     SPANS.unlink(missing_ok=True)
     nats, redis = start_nats(free_port(), root / "nats"), start_redis(free_port(), root / "redis")
     port = free_port()
-    env = {"LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
-           "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING",
-           "LF_TRACE_EXPORTER": f"file:{SPANS}" if spans else "none"}
+    env = {
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
+        "LF_DB_PATH": str(root / "audit.sqlite3"),
+        "LF_LOG_LEVEL": "WARNING",
+        "LF_TRACE_EXPORTER": f"file:{SPANS}" if spans else "none",
+    }
     if "LF_MODEL_CACHE" in os.environ:
         env["LF_MODEL_CACHE"] = os.environ["LF_MODEL_CACHE"]
     stack = Stack(env, root / "logs")
@@ -148,7 +178,7 @@ def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float 
             raw = RawStreamClient("127.0.0.1", port, auth)
             async with httpx.AsyncClient(timeout=60, headers=auth) as client:
                 for i in range(warmup + requests):
-                    for name in (CLIENTS if i % 2 == 0 else CLIENTS[::-1]):
+                    for name in CLIENTS if i % 2 == 0 else CLIENTS[::-1]:
                         # Each request starts once the last one's bookkeeping (its completion audit, the
                         # scheduler's release) is done, as the in-process phase's requests do.
                         await asyncio.sleep(settle_s)
@@ -159,8 +189,10 @@ def stack_phase(requests: int, warmup: int, spans: bool = True, settle_s: float 
             await raw.close()
             await asyncio.sleep(1.0)  # the last completion records arrive
             await nc.drain()
-            return {name: ([t for _, t in runs], [t - worker_ttft[rid] for rid, t in runs if rid in worker_ttft])
-                    for name, runs in timed.items()}
+            return {
+                name: ([t for _, t in runs], [t - worker_ttft[rid] for rid, t in runs if rid in worker_ttft])
+                for name, runs in timed.items()
+            }
 
         return asyncio.run(measure())
     finally:
@@ -181,10 +213,12 @@ def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[flo
     engine.start()
 
     async def ttft(i: int, prompt: str) -> float:
-        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-        req = EngineRequest(request_id=f"bench-{i}", prompt_token_ids=list(ids),
-                            sampling=SamplingParams(max_tokens=2, temperature=0))
+        ids = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        req = EngineRequest(
+            request_id=f"bench-{i}", prompt_token_ids=list(ids), sampling=SamplingParams(max_tokens=2, temperature=0)
+        )
         started, elapsed = time.perf_counter(), None
         async for out in engine.generate(req):  # to the end, as the stack phase reads its streams
             if out.token_ids and elapsed is None:
@@ -228,19 +262,28 @@ def table(result: dict) -> str:
     for name in CLIENTS:
         p = result["paired_overhead_ms"][name]
         bold = "**" if name == "raw" else ""
-        rows.append(f"| {bold}paired overhead, {name} client (client TTFT - worker TTFT){bold} | "
-                    f"{bold}{p['p50']:.2f}{bold} | {bold}{p['p95']:.2f}{bold} | {p['n']} |")
+        rows.append(
+            f"| {bold}paired overhead, {name} client (client TTFT - worker TTFT){bold} | "
+            f"{bold}{p['p50']:.2f}{bold} | {bold}{p['p95']:.2f}{bold} | {p['n']} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 requests per client and path instead of 200")
-    parser.add_argument("--no-spans", action="store_true",
-                        help="services export no spans (the tracing's own cost is out; no per-hop breakdown)")
+    parser.add_argument(
+        "--no-spans",
+        action="store_true",
+        help="services export no spans (the tracing's own cost is out; no per-hop breakdown)",
+    )
     parser.add_argument("--stack-only", action="store_true", help="skip the in-process engine phase")
-    parser.add_argument("--settle-ms", type=float, default=50.0,
-                        help="idle time before each request (0: back to back, overlapping the last one's bookkeeping)")
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=50.0,
+        help="idle time before each request (0: back to back, overlapping the last one's bookkeeping)",
+    )
     args = parser.parse_args()
     requests, warmup = (20, 3) if args.quick else (200, 10)
     runs = stack_phase(requests, warmup, spans=not args.no_spans, settle_s=args.settle_ms / 1000)
@@ -250,9 +293,16 @@ def main() -> None:
     stack = {name: percentiles(ttfts) for name, (ttfts, _) in runs.items()}
     e = percentiles(engine)
     result = {
-        "model": MODEL, "requests": requests, "settle_ms": args.settle_ms, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "event_loop": _service_loop(), "torch": torch.__version__, "git_commit": git_commit(),
-        "stack": stack, "engine": e,
+        "model": MODEL,
+        "requests": requests,
+        "settle_ms": args.settle_ms,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "event_loop": _service_loop(),
+        "torch": torch.__version__,
+        "git_commit": git_commit(),
+        "stack": stack,
+        "engine": e,
         "overhead_ms": {name: {"p50": s["p50"] - e["p50"], "p95": s["p95"] - e["p95"]} for name, s in stack.items()},
         "paired_overhead_ms": {name: percentiles(paired) for name, (_, paired) in runs.items()},
         "hops_ms": hops,
@@ -262,7 +312,9 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     markdown = table(result)
-    markdown += "\n\nWhere the time before the worker goes (from the services' spans):\n\n" + overhead_breakdown.table(hops)
+    markdown += "\n\nWhere the time before the worker goes (from the services' spans):\n\n" + overhead_breakdown.table(
+        hops
+    )
     RESULTS.with_suffix(".md").write_text(f"# Gateway TTFT overhead ({MODEL})\n\n{markdown}\n")
     print(markdown)
 

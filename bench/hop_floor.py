@@ -150,9 +150,11 @@ def main() -> None:
     procs = []
     try:
         asyncio.run(_setup(nats.url))
-        procs = [subprocess.Popen(me + ["--role", "gateway", "--port", str(port)]),
-                 subprocess.Popen(me + ["--role", "scheduler", "--redis", redis.url]),
-                 subprocess.Popen(me + ["--role", "worker", "--compute-ms", str(args.compute_ms)])]
+        procs = [
+            subprocess.Popen(me + ["--role", "gateway", "--port", str(port)]),
+            subprocess.Popen(me + ["--role", "scheduler", "--redis", redis.url]),
+            subprocess.Popen(me + ["--role", "worker", "--compute-ms", str(args.compute_ms)]),
+        ]
         wait_port(port, 30, procs[0])
         time.sleep(3)  # the scheduler's consumer and the worker's subscription are in place
         requests, warmup = (30, 5) if args.quick else (200, 10)
@@ -164,13 +166,21 @@ def main() -> None:
         redis.stop()
         nats.stop()
     ordered = sorted(overheads)
-    result = {"p50": statistics.median(ordered), "p95": ordered[round(0.95 * (len(ordered) - 1))], "n": len(ordered),
-              "compute_ms": args.compute_ms, "settle_ms": args.settle_ms, "cpus": os.cpu_count(),
-              "git_commit": git_commit()}
+    result = {
+        "p50": statistics.median(ordered),
+        "p95": ordered[round(0.95 * (len(ordered) - 1))],
+        "n": len(ordered),
+        "compute_ms": args.compute_ms,
+        "settle_ms": args.settle_ms,
+        "cpus": os.cpu_count(),
+        "git_commit": git_commit(),
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({**result, "raw_ms": overheads}, indent=2))
-    print("| floor of the request path (no application work) | p50 (ms) | p95 (ms) | n |\n|---|---:|---:|---:|\n"
-          f"| client first token - worker's own time to it | {result['p50']:.2f} | {result['p95']:.2f} | {result['n']} |")
+    print(
+        "| floor of the request path (no application work) | p50 (ms) | p95 (ms) | n |\n|---|---:|---:|---:|\n"
+        f"| client first token - worker's own time to it | {result['p50']:.2f} | {result['p95']:.2f} | {result['n']} |"
+    )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,16 @@ def run_generate(model: PreTrainedModel, pad: int, prompts: list[list[int]], new
     clock = StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, streamer=clock, pad_token_id=pad, **extra)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            pad_token_id=pad,
+            **extra,
+        )
     wall = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
     ttft = clock.times[1] - start
@@ -85,8 +93,13 @@ def random_weights(shapes: ModelShapes, rank: int, seed: int) -> AdapterWeights:
 def engine_with(loaded: LoadedModel, lora: LoraConfig, batch: int) -> tuple[LLMEngine, AdapterManager]:
     # Prefix caching off: base requests would share the chat template's K/V, which 32 requests on
     # 32 distinct adapters cannot, so ratio_vs_base would mix that in with the LoRA cost it measures.
-    config = EngineConfig(kv_cache_bytes=320 * 2**20, max_model_len=512, max_num_seqs=max(64, batch),
-                          max_num_batched_tokens=2048, enable_prefix_caching=False)
+    config = EngineConfig(
+        kv_cache_bytes=320 * 2**20,
+        max_model_len=512,
+        max_num_seqs=max(64, batch),
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    )
     manager = AdapterManager(lora, ModelShapes.from_hf_config(loaded.model.config))
     return LLMEngine.from_loaded(loaded, config, manager), manager
 
@@ -107,10 +120,16 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
     batch = len(prompts)
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     unit = shapes.params_per_rank(QV) * 4 + 1  # bytes of one rank unit, rounded up
-    mixed_pool = LoraConfig(rank_classes=(8, 64), class_shares=(8.0 * batch, 64.0), target_modules=QV,
-                            memory_budget_bytes=(8 * batch + 64) * unit, max_num_tokens=2048)
-    padded_pool = LoraConfig(rank_classes=(64,), target_modules=QV, memory_budget_bytes=64 * batch * unit,
-                             max_num_tokens=2048)
+    mixed_pool = LoraConfig(
+        rank_classes=(8, 64),
+        class_shares=(8.0 * batch, 64.0),
+        target_modules=QV,
+        memory_budget_bytes=(8 * batch + 64) * unit,
+        max_num_tokens=2048,
+    )
+    padded_pool = LoraConfig(
+        rank_classes=(64,), target_modules=QV, memory_budget_bytes=64 * batch * unit, max_num_tokens=2048
+    )
     rank8, mixed_manager = engine_with(loaded, mixed_pool, batch)
     skew = LLMEngine.from_loaded(loaded, rank8.config, mixed_manager)
     padded, padded_manager = engine_with(loaded, padded_pool, batch)
@@ -130,8 +149,11 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
                 engine.step()
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
-    return {"ratio": median["skew"] / median["rank8"], "padded_ratio": median["padded"] / median["rank8"],
-            "step_ms": {name: t * 1e3 for name, t in median.items()}}
+    return {
+        "ratio": median["skew"] / median["rank8"],
+        "padded_ratio": median["padded"] / median["rank8"],
+        "step_ms": {name: t * 1e3 for name, t in median.items()},
+    }
 
 
 def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path) -> Run:
@@ -142,8 +164,9 @@ def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, r
     dirs = {k: save_adapters(loaded.model, names[k], modules[k], root / k) for k in names}
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     budget = 2 * batch * RANK * shapes.params_per_rank(MODULES) * 4
-    engine, manager = engine_with(loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget,
-                                                     max_num_tokens=2048), batch)
+    engine, manager = engine_with(
+        loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget, max_num_tokens=2048), batch
+    )
     for k in names:
         for name, directory in zip(names[k], dirs[k]):
             manager.load_adapter(name, directory)
@@ -169,9 +192,11 @@ def table(result: dict[str, object]) -> str:
     systems = result["systems"]
     lines = ["| system | tok/s | vs base | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "|---|---:|---:|---:|---:|"]
     for name, s in systems.items():
-        lines.append(f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / systems['base']['tok_s']:.2f}x | "
-                     f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
-                     f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |")
+        lines.append(
+            f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / systems['base']['tok_s']:.2f}x | "
+            f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
+            f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |"
+        )
     skew, every, batch = result["rank_skew"], result["all_modules"], result["batch_size"]
     lines += [
         "",
@@ -216,8 +241,10 @@ def main() -> None:
         "ratio_vs_base": tok["multilora"] / tok["base"],
         "speedup_vs_peft": tok["multilora"] / tok["peft"],
         "speedup_vs_hf": tok["multilora"] / tok["hf"],
-        "all_modules": {"ratio_vs_base": tok["multilora_all"] / tok["base"],
-                        "speedup_vs_peft": tok["multilora_all"] / tok["peft_all"]},
+        "all_modules": {
+            "ratio_vs_base": tok["multilora_all"] / tok["base"],
+            "speedup_vs_peft": tok["multilora_all"] / tok["peft_all"],
+        },
         "rank_skew": skew,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

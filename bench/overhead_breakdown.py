@@ -59,8 +59,12 @@ def breakdown(path: Path) -> dict[str, dict[str, float]]:
     for label, *_ in HOPS:
         values = sorted(samples.get(label, []))
         if values:
-            result[label] = {"p50": statistics.median(values), "p95": values[round(0.95 * (len(values) - 1))],
-                             "mean": statistics.fmean(values), "n": len(values)}
+            result[label] = {
+                "p50": statistics.median(values),
+                "p95": values[round(0.95 * (len(values) - 1))],
+                "mean": statistics.fmean(values),
+                "n": len(values),
+            }
     return result
 
 

@@ -42,9 +42,17 @@ class SimWorker:
     misses: int = 0
 
     def beat(self) -> WorkerHeartbeat:
-        return WorkerHeartbeat(worker_id=self.worker_id, base_model="base", ready=True, running=self.running,
-                               waiting=0, max_running=MAX_RUNNING, kv_blocks_free=100, kv_blocks_total=100,
-                               resident_adapters=self.slots.keys())
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            base_model="base",
+            ready=True,
+            running=self.running,
+            waiting=0,
+            max_running=MAX_RUNNING,
+            kv_blocks_free=100,
+            kv_blocks_total=100,
+            resident_adapters=self.slots.keys(),
+        )
 
     def start(self, key: str, now: float) -> float:
         """Run one request of adapter ``key``: its time to first token."""
@@ -64,10 +72,12 @@ class SimWorker:
 
 
 def request_for(adapter: int) -> InferRequest:
-    resolved = ResolvedAdapter(adapter_id=f"adapter-{adapter:03d}", version=1, rank=RANK, digest="0" * 64,
-                               storage_uri="x", alpha=16)
-    return InferRequest(request_id="r", tenant_id="t", model="m", base_model="base", prompt="p", reply_to="_INBOX.x",
-                        adapter=resolved)
+    resolved = ResolvedAdapter(
+        adapter_id=f"adapter-{adapter:03d}", version=1, rank=RANK, digest="0" * 64, storage_uri="x", alpha=16
+    )
+    return InferRequest(
+        request_id="r", tenant_id="t", model="m", base_model="base", prompt="p", reply_to="_INBOX.x", adapter=resolved
+    )
 
 
 @dataclass
@@ -135,20 +145,28 @@ def simulate(trace: np.ndarray, arrivals: np.ndarray, placement: Callable, polic
             holder.pop(index).running -= 1
         start_waiting(now)
     hits, total = sum(w.hits for w in workers), sum(w.hits + w.misses for w in workers)
-    return {"hit_rate": hits / total, "ttft_p50_ms": float(np.percentile(ttft, 50) * 1000),
-            "ttft_p95_ms": float(np.percentile(ttft, 95) * 1000)}
+    return {
+        "hit_rate": hits / total,
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1000),
+        "ttft_p95_ms": float(np.percentile(ttft, 95) * 1000),
+    }
 
 
 def markdown(result: dict) -> str:
-    rows = ["| worker eviction policy | placement | GPU hit rate | TTFT p50 (ms) | TTFT p95 (ms) |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| worker eviction policy | placement | GPU hit rate | TTFT p50 (ms) | TTFT p95 (ms) |",
+        "|---|---|---|---|---|",
+    ]
     for policy in POLICIES:
         for name in ("affinity", "round_robin"):
             r = result["policies"][policy][name]
-            rows.append(f"| {policy} | {name} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} | "
-                        f"{r['ttft_p95_ms']:.0f} |")
-    rows.append(f"\nheat policy, affinity / round-robin TTFT p95: {result['ttft_p95_ratio']:.2f}x "
-                f"(simulation, {result['requests']} requests at {result['rate_rps']:.0f} req/s)")
+            rows.append(
+                f"| {policy} | {name} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} |"
+            )
+    rows.append(
+        f"\nheat policy, affinity / round-robin TTFT p95: {result['ttft_p95_ratio']:.2f}x "
+        f"(simulation, {result['requests']} requests at {result['rate_rps']:.0f} req/s)"
+    )
     return "\n".join(rows)
 
 
@@ -164,17 +182,30 @@ def main() -> None:
     capacity = WORKERS * MAX_RUNNING / (PREFILL_S + DECODE_S + LOAD_S * 0.3)
     rate = 0.7 * capacity
     arrivals = np.cumsum(rng.exponential(1 / rate, size=n))
-    result: dict = {"requests": n, "rate_rps": rate, "workers": WORKERS, "adapters": ADAPTERS, "slots": SLOTS,
-                    "mode": "simulation", "policies": {
-                        policy: {"affinity": simulate(trace, arrivals, affinity, policy),
-                                 "round_robin": simulate(trace, arrivals, round_robin, policy)}
-                        for policy in POLICIES}}
+    result: dict = {
+        "requests": n,
+        "rate_rps": rate,
+        "workers": WORKERS,
+        "adapters": ADAPTERS,
+        "slots": SLOTS,
+        "mode": "simulation",
+        "policies": {
+            policy: {
+                "affinity": simulate(trace, arrivals, affinity, policy),
+                "round_robin": simulate(trace, arrivals, round_robin, policy),
+            }
+            for policy in POLICIES
+        },
+    }
     default = result["policies"]["heat"]
     result["affinity_hit_rate"] = default["affinity"]["hit_rate"]
     result["round_robin_hit_rate"] = default["round_robin"]["hit_rate"]
     result["ttft_p95_ratio"] = default["affinity"]["ttft_p95_ms"] / default["round_robin"]["ttft_p95_ms"]
-    result["environment"] = {"python": platform.python_version(), "machine": platform.machine(),
-                             "git_commit": git_commit()}
+    result["environment"] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "git_commit": git_commit(),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "placement.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "placement.md").write_text(markdown(result) + "\n")

@@ -24,8 +24,10 @@ class RawStreamClient:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
         self._writer.write(head.encode() + payload)
         reader = self._reader
         status_line = await reader.readline()

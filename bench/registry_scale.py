@@ -21,14 +21,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from shared import subjects
-from shared.bus import connect, decode, request
-from shared.schemas import AdapterRecord, ResolveReply, ResolveRequest, ServiceHeartbeat
 from services.cli.infra import free_port, start_nats
 from services.registry.kv import RecordsKV
+from services.worker.model_loader import EMBEDDED_MODEL_NAME
+from shared import subjects
+from shared.bus import connect, decode, request
 from shared.catalog import Catalog
 from shared.resolve import resolve
-from services.worker.model_loader import EMBEDDED_MODEL_NAME
+from shared.schemas import AdapterRecord, ResolveReply, ResolveRequest, ServiceHeartbeat
 
 RESULTS = Path(__file__).parent / "results" / "registry_scale.json"
 TENANTS = 100
@@ -72,7 +72,7 @@ def queries(n: int, records: int, seed: int = 0) -> list[ResolveRequest]:
     return out
 
 
-async def wait_ready(nc, timeout_s: float) -> float:  # noqa: ANN001
+async def wait_ready(nc, timeout_s: float) -> float:
     sub = await nc.subscribe(subjects.service_heartbeat("registry"))
     start = time.perf_counter()
     while True:

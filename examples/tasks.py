@@ -24,13 +24,61 @@ SQL_TEMPLATES = (
      "SELECT name FROM employees WHERE city = '{c}' AND department = '{d}';"),
 )  # fmt: skip
 
-NAMES = ("Maria", "Tom", "Aisha", "Kenji", "Lucas", "Sofia", "Omar", "Ingrid", "Pedro", "Mei", "Noah", "Zara",
-         "Ravi", "Elena", "Jonas", "Amara", "Felix", "Yuki", "Leila", "Marco", "Nadia", "Oscar", "Priya", "Sven")
-TOWNS = ("Lisbon", "Oslo", "Toronto", "Nairobi", "Lima", "Dublin", "Prague", "Seoul", "Cairo", "Denver",
-         "Hamburg", "Osaka", "Quito", "Athens", "Krakow", "Austin", "Porto", "Zurich", "Hanoi", "Perth")
-PERSON_TEMPLATES = ("{name} is {age} years old and lives in {city}.", "Meet {name}, a {age}-year-old from {city}.",
-                    "{name} ({age}) moved to {city} last year.", "At {age}, {name} runs a small shop in {city}.",
-                    "Our new colleague {name} is {age} and comes from {city}.")
+NAMES = (
+    "Maria",
+    "Tom",
+    "Aisha",
+    "Kenji",
+    "Lucas",
+    "Sofia",
+    "Omar",
+    "Ingrid",
+    "Pedro",
+    "Mei",
+    "Noah",
+    "Zara",
+    "Ravi",
+    "Elena",
+    "Jonas",
+    "Amara",
+    "Felix",
+    "Yuki",
+    "Leila",
+    "Marco",
+    "Nadia",
+    "Oscar",
+    "Priya",
+    "Sven",
+)
+TOWNS = (
+    "Lisbon",
+    "Oslo",
+    "Toronto",
+    "Nairobi",
+    "Lima",
+    "Dublin",
+    "Prague",
+    "Seoul",
+    "Cairo",
+    "Denver",
+    "Hamburg",
+    "Osaka",
+    "Quito",
+    "Athens",
+    "Krakow",
+    "Austin",
+    "Porto",
+    "Zurich",
+    "Hanoi",
+    "Perth",
+)
+PERSON_TEMPLATES = (
+    "{name} is {age} years old and lives in {city}.",
+    "Meet {name}, a {age}-year-old from {city}.",
+    "{name} ({age}) moved to {city} last year.",
+    "At {age}, {name} runs a small shop in {city}.",
+    "Our new colleague {name} is {age} and comes from {city}.",
+)
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
@@ -42,8 +90,12 @@ CAPITALS = {
     "Iraq": "Baghdad", "South Korea": "Seoul", "Indonesia": "Jakarta", "Philippines": "Manila", "Turkey": "Ankara",
     "Vietnam": "Hanoi", "Ukraine": "Kyiv", "Czech Republic": "Prague", "Canada": "Ottawa", "Australia": "Canberra",
 }  # fmt: skip
-CAPITAL_TEMPLATES = ("What is the capital of {x}?", "Which city is the capital of {x}?", "Name the capital of {x}.",
-                     "What's the capital city of {x}?")
+CAPITAL_TEMPLATES = (
+    "What is the capital of {x}?",
+    "Which city is the capital of {x}?",
+    "Name the capital of {x}.",
+    "What's the capital city of {x}?",
+)
 
 
 def sql_pair(rng: random.Random) -> Pair:

@@ -57,7 +57,7 @@ def encode(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
     head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
     ids = tokenizer(full.rstrip("\n"), add_special_tokens=False)["input_ids"]
     assert ids[: len(head_ids)] == head_ids
-    return ids, [-100] * (len(head_ids) - 1) + ids[len(head_ids):] + [-100]
+    return ids, [-100] * (len(head_ids) - 1) + ids[len(head_ids) :] + [-100]
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -81,15 +81,21 @@ def train(task: Task, out: Path, steps: int, batch: int, lr: float, examples: in
     data = [encode(loaded.tokenizer, p, a) for p, a in train_set(task, examples, {p for p, _ in held_out})]
     num_layers = loaded.model.config.num_hidden_layers
     first = num_layers - top_layers
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(MODULES), task_type="CAUSAL_LM",
-                        layers_to_transform=list(range(first, num_layers)))
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=list(MODULES),
+        task_type="CAUSAL_LM",
+        layers_to_transform=list(range(first, num_layers)),
+    )
     model = get_peft_model(loaded.model, config)
     inner, head = model.base_model.model.model, model.base_model.model.lm_head
     start = time.perf_counter()
     cached = []
     with torch.no_grad():
         for i in range(0, len(data), 16):
-            chunk = [torch.tensor(ids) for ids, _ in data[i: i + 16]]
+            chunk = [torch.tensor(ids) for ids, _ in data[i : i + 16]]
             h = _layers(inner, inner.embed_tokens(_pad(chunk)), inner.layers[:first])
             cached += [row[: len(ids)] for row, ids in zip(h, chunk)]
     print(f"{task.name}: cached layer-{first} states of {len(data)} examples ({time.perf_counter() - start:.0f}s)")
@@ -119,7 +125,9 @@ def train(task: Task, out: Path, steps: int, batch: int, lr: float, examples: in
 def save(model, target: Path, num_layers: int) -> None:
     """A plain PEFT adapter over every layer (zeros below the trained ones) in fp16, under 2 MB."""
     model.save_pretrained(target)
-    (target / "README.md").unlink(missing_ok=True)  # peft's empty model card; examples/adapters/README.md documents them
+    (target / "README.md").unlink(
+        missing_ok=True
+    )  # peft's empty model card; examples/adapters/README.md documents them
     weights = target / "adapter_model.safetensors"
     tensors = {k: v.half().contiguous() for k, v in load_file(weights).items()}
     for key in list(tensors):
@@ -138,8 +146,11 @@ def write_eval(task: Task, held_out: list[tuple[str, str]], path: Path) -> None:
     with open(path, "w") as f:
         f.write(json.dumps({"meta": {"adapter": task.name, "scorer": task.scorer, "threshold": task.threshold}}) + "\n")
         for prompt, answer in held_out:
-            item = {"messages": [{"role": "user", "content": prompt}], "expected": task.expected(answer),
-                    "scorer": task.scorer}
+            item = {
+                "messages": [{"role": "user", "content": prompt}],
+                "expected": task.expected(answer),
+                "scorer": task.scorer,
+            }
             f.write(json.dumps(item) + "\n")
 
 

@@ -23,8 +23,9 @@ def _digest(salt: str, secret: str) -> str:
 def new_key(tenant_id: str, scopes: list[ApiScope]) -> tuple[str, ApiKeyRecord]:
     """A fresh bearer key and the record to store for it."""
     key_id, secret, salt = secrets.token_hex(8), secrets.token_urlsafe(32), secrets.token_hex(16)
-    record = ApiKeyRecord(key_id=key_id, tenant_id=tenant_id, scopes=scopes, salt=salt,
-                          secret_sha256=_digest(salt, secret))
+    record = ApiKeyRecord(
+        key_id=key_id, tenant_id=tenant_id, scopes=scopes, salt=salt, secret_sha256=_digest(salt, secret)
+    )
     return f"lf-{key_id}-{secret}", record
 
 

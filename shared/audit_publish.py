@@ -26,8 +26,9 @@ async def publish_audit(js: JetStreamContext, event: AuditEvent, msg_id: str, at
             await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
             return True
         except Exception as e:  # e.g. no ack while NATS restarts
-            log.warning("audit_publish_failed", request_id=getattr(event, "request_id", None), error=str(e),
-                        attempt=attempt)
+            log.warning(
+                "audit_publish_failed", request_id=getattr(event, "request_id", None), error=str(e), attempt=attempt
+            )
             if attempt < attempts:
                 await asyncio.sleep(attempt)
     log.error("audit_record_lost", kind=event.kind, request_id=getattr(event, "request_id", None))

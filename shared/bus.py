@@ -137,8 +137,14 @@ async def follow(js: JetStreamContext, stream: str, subject: str, cb: Callable[[
         if msg.metadata.sequence.stream > history_end:
             await cb(msg)
 
-    await js.subscribe(subject, stream=stream, cb=on_message, ordered_consumer=True,
-                       idle_heartbeat=FOLLOW_HEARTBEAT_S, deliver_policy=DeliverPolicy.LAST)
+    await js.subscribe(
+        subject,
+        stream=stream,
+        cb=on_message,
+        ordered_consumer=True,
+        idle_heartbeat=FOLLOW_HEARTBEAT_S,
+        deliver_policy=DeliverPolicy.LAST,
+    )
 
 
 def encode(message: BaseModel) -> bytes:

@@ -34,8 +34,9 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -65,11 +66,17 @@ class ChatTokenizer:
         """The ids of a chat (rendered with the generation prompt) or of a plain prompt."""
         if messages is not None:
             if self._template is None:
-                raise InvalidRequest("this model has no chat template: send a prompt to /v1/completions",
-                                     param="messages")
+                raise InvalidRequest(
+                    "this model has no chat template: send a prompt to /v1/completions", param="messages"
+                )
             try:
-                text = self._template.render(messages=[m.model_dump() for m in messages], tools=None,
-                                             documents=None, add_generation_prompt=True, **self._special)
+                text = self._template.render(
+                    messages=[m.model_dump() for m in messages],
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=True,
+                    **self._special,
+                )
             except TemplateError as e:
                 raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
         else:

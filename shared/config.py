@@ -32,11 +32,17 @@ class CommonSettings(BaseSettings):
     nats_password_file: Path | None = Field(default=None, description="file holding the NATS password")
     redis_password_file: Path | None = Field(default=None, description="file holding the Redis AUTH password")
     trace_exporter: str = Field(
-        default="none", pattern=r"^(none|console|otlp|file:.+)$", description="where spans go: none, console, otlp, file:<path>"
+        default="none",
+        pattern=r"^(none|console|otlp|file:.+)$",
+        description="where spans go: none, console, otlp, file:<path>",
     )
-    metrics_port: int = Field(default=0, ge=-1, le=65535, description="Prometheus /metrics port: 0 = any free, -1 = off")
+    metrics_port: int = Field(
+        default=0, ge=-1, le=65535, description="Prometheus /metrics port: 0 = any free, -1 = off"
+    )
     metrics_host: str = Field(default="127.0.0.1", description="bind address of /metrics")
-    redis_key_prefix: str = Field(default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key")
+    redis_key_prefix: str = Field(
+        default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key"
+    )
 
     def nats_credentials(self) -> tuple[str, str] | None:
         """(user, password) for NATS, or None when this deployment runs without NATS auth."""
@@ -74,7 +80,9 @@ class GatewaySettings(CommonSettings):
     request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
     registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
     keep_alive_s: float = Field(
-        default=75.0, gt=0, le=3600,
+        default=75.0,
+        gt=0,
+        le=3600,
         description="how long an idle HTTP connection stays open; longer than clients' and load balancers' idle "
         "timeouts (httpx 5 s, ALB/nginx 60 s), so nobody sends a request on a connection the gateway is closing",
     )
@@ -87,26 +95,36 @@ class SchedulerSettings(CommonSettings):
     )
     max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
     default_requests_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's requests/min when its quota sets none; None = unlimited")
+        default=None, ge=1, description="a tenant's requests/min when its quota sets none; None = unlimited"
+    )
     default_tokens_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's tokens/min (prompt estimate + max_tokens) when its quota sets none")
+        default=None, ge=1, description="a tenant's tokens/min (prompt estimate + max_tokens) when its quota sets none"
+    )
     default_max_concurrent: int | None = Field(
-        default=None, ge=1, description="a tenant's requests queued or running at once when its quota sets none")
+        default=None, ge=1, description="a tenant's requests queued or running at once when its quota sets none"
+    )
     default_max_gpu_adapter_slots: int | None = Field(
-        default=None, ge=1, description="a tenant's GPU adapter slots per worker when its quota sets none")
+        default=None, ge=1, description="a tenant's GPU adapter slots per worker when its quota sets none"
+    )
     concurrency_lease_s: float = Field(
-        default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long")
+        default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long"
+    )
     vtc_input_weight: float = Field(default=1.0, ge=0, le=100, description="fairness charge per prompt token")
     vtc_output_weight: float = Field(default=2.0, ge=0, le=100, description="fairness charge per generated token")
     slo_interactive_s: float = Field(default=2.0, gt=0, le=3600, description="queue-wait target of interactive")
     slo_batch_s: float = Field(
-        default=30.0, gt=0, le=86400, description="queue-wait target of batch; past it a batch request goes first")
+        default=30.0, gt=0, le=86400, description="queue-wait target of batch; past it a batch request goes first"
+    )
     capacity_headroom: int = Field(
-        default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)")
+        default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)"
+    )
     heat_half_life_s: float = Field(default=60.0, gt=0, le=86400, description="half-life of adapter heat")
-    heat_decay_interval_s: float = Field(default=5.0, gt=0, le=3600, description="how often heat decays and is acted on")
+    heat_decay_interval_s: float = Field(
+        default=5.0, gt=0, le=3600, description="how often heat decays and is acted on"
+    )
     hot_rate_per_worker: float = Field(
-        default=2.0, gt=0, description="requests/s of one adapter one worker serves before a replica is prefetched")
+        default=2.0, gt=0, description="requests/s of one adapter one worker serves before a replica is prefetched"
+    )
     cold_rate: float = Field(default=0.01, ge=0, description="requests/s below which a replicated adapter is evicted")
     max_controls_per_tick: int = Field(default=4, ge=0, le=1000, description="prefetch/evict messages per heat tick")
     dedupe_ttl_s: float = Field(default=3600.0, gt=0, description="how long a dispatched request id is remembered")
@@ -141,15 +159,20 @@ class RegistrySettings(CommonSettings):
         default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
     )
     gateway_sync_timeout_s: float = Field(
-        default=1.0, ge=0, le=60,
+        default=1.0,
+        ge=0,
+        le=60,
         description="how long a catalog write waits for every live gateway's mirror to hold it (0 = no wait); "
         "keep it under the gateways' registry_timeout_s, which bounds their admin calls",
     )
 
 
 class AuditorSettings(CommonSettings):
-    db_path: str = Field(default=".lorafleet/audit.sqlite3", min_length=1,  # SQLite takes "" as a throwaway database
-                         description="SQLite index of the audit trail")
+    db_path: str = Field(
+        default=".lorafleet/audit.sqlite3",
+        min_length=1,  # SQLite takes "" as a throwaway database
+        description="SQLite index of the audit trail",
+    )
 
 
 def load_settings(cls: type[S]) -> S:

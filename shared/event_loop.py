@@ -14,4 +14,3 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:  # e.g. Windows: uvloop is Unix-only
         return asyncio.run(main)
     return uvloop.run(main)
-

@@ -27,8 +27,13 @@ async def publish_heartbeats(
         ready, detail = status()
         if nc.is_connected:
             try:
-                beat = ServiceHeartbeat(service=service, instance_id=instance_id, ready=ready, detail=detail[:500],
-                                        metrics_port=metrics_port)
+                beat = ServiceHeartbeat(
+                    service=service,
+                    instance_id=instance_id,
+                    ready=ready,
+                    detail=detail[:500],
+                    metrics_port=metrics_port,
+                )
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down
                 log.warning("heartbeat_failed", error=str(e))

@@ -42,8 +42,9 @@ async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
             await asyncio.sleep(RETRY_S)
 
 
-async def _consume(nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: Callable[[], None],
-                   check_s: float) -> None:
+async def _consume(
+    nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: Callable[[], None], check_s: float
+) -> None:
     reconnects = nc.stats["reconnects"]
     watcher = await bucket.watchall()
     seen, expected = 0, 0  # the newest revision applied; the bucket's last revision at the previous check
@@ -80,8 +81,9 @@ async def _consume(nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: 
         await watcher.stop()
 
 
-async def follow_bucket(nc: NATS, name: str, apply: Apply, loaded: Callable[[], None],
-                        check_s: float = CHECK_S) -> None:
+async def follow_bucket(
+    nc: NATS, name: str, apply: Apply, loaded: Callable[[], None], check_s: float = CHECK_S
+) -> None:
     """Apply every entry of the bucket, call ``loaded`` once the initial values are in, then apply
     every later change; runs until cancelled. A failed or stalled watch starts over from the
     first entry, so ``apply`` must be idempotent."""

@@ -10,16 +10,21 @@ log = structlog.get_logger("metrics")
 _MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 
 # the brief's eight categories
-ADAPTER_CACHE_LOOKUPS = Counter("adapter_cache_lookups", "adapter lookups by the tier that answered",
-                                ["tier"])  # gpu | cpu | miss
+ADAPTER_CACHE_LOOKUPS = Counter(
+    "adapter_cache_lookups", "adapter lookups by the tier that answered", ["tier"]
+)  # gpu | cpu | miss
 ADAPTER_CACHE_HIT_RATIO = Gauge("adapter_cache_hit_ratio", "share of lookups answered by each tier", ["tier"])
-ADAPTER_LOAD_LATENCY = Histogram("adapter_load_latency_ms", "adapter load time by source tier", ["source"],
-                                 buckets=_MS)
+ADAPTER_LOAD_LATENCY = Histogram("adapter_load_latency_ms", "adapter load time by source tier", ["source"], buckets=_MS)
 TTFT = Histogram("ttft_ms", "time to first token", ["cache_hit"], buckets=_MS)
-TPOT = Histogram("tpot_ms", "time per output token after the first", ["cache_hit"],
-                 buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
-ADAPTER_TOKENS = Counter("adapter_tokens", "generated tokens per adapter (top adapters, the rest as other)",
-                         ["adapter"])
+TPOT = Histogram(
+    "tpot_ms",
+    "time per output token after the first",
+    ["cache_hit"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+ADAPTER_TOKENS = Counter(
+    "adapter_tokens", "generated tokens per adapter (top adapters, the rest as other)", ["adapter"]
+)
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
 STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)
 TENANT_ISOLATION_ERRORS = Counter("tenant_isolation_errors", "requests served or attempted across tenants")
@@ -28,10 +33,14 @@ QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adap
 
 # operations
 REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])
-GATEWAY_RESOLVES = Counter("gateway_resolves", "model resolutions by where they were answered: the gateway's catalog "
-                           "mirror or the registry", ["source"])
-KV_WATCH_RESTARTS = Counter("kv_watch_restarts", "mirror watches started over (failed, or stalled behind the bucket)",
-                            ["bucket"])
+GATEWAY_RESOLVES = Counter(
+    "gateway_resolves",
+    "model resolutions by where they were answered: the gateway's catalog mirror or the registry",
+    ["source"],
+)
+KV_WATCH_RESTARTS = Counter(
+    "kv_watch_restarts", "mirror watches started over (failed, or stalled behind the bucket)", ["bucket"]
+)
 GATEWAY_SYNC_TIMEOUTS = Counter("gateway_sync_timeouts", "catalog writes that a live gateway did not confirm in time")
 ADMISSION_REJECTIONS = Counter("admission_rejections", "requests refused before running", ["reason"])
 QUEUE_DEPTH = Gauge("queue_depth", "requests waiting", ["service"])
@@ -40,11 +49,13 @@ KV_USAGE = Gauge("kv_cache_usage_ratio", "share of KV blocks in use")
 PREFIX_QUERIED_TOKENS = Counter("prefix_cache_queried_tokens", "prompt tokens looked up in the engine's prefix cache")
 PREFIX_HIT_TOKENS = Counter("prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix cache")
 SLOT_OCCUPANCY = Gauge("adapter_slot_occupancy_ratio", "share of GPU adapter slots in use", ["rank_class"])
-ADAPTER_SLOT_WAIT = Histogram("adapter_slot_wait_ms", "time a load waited for a slot held by requests in flight",
-                              buckets=_MS)
+ADAPTER_SLOT_WAIT = Histogram(
+    "adapter_slot_wait_ms", "time a load waited for a slot held by requests in flight", buckets=_MS
+)
 ADAPTER_CPU_TIER_BYTES = Gauge("adapter_cpu_tier_bytes", "bytes of verified adapter weights in the CPU tier")
-SCHEDULER_QUEUE_WAIT = Histogram("scheduler_queue_wait_ms", "time a request waited in the scheduler's fair queue",
-                                 ["priority"], buckets=_MS)
+SCHEDULER_QUEUE_WAIT = Histogram(
+    "scheduler_queue_wait_ms", "time a request waited in the scheduler's fair queue", ["priority"], buckets=_MS
+)
 SLO_MISSES = Counter("scheduler_slo_misses", "requests that waited past their class's queue-wait target", ["priority"])
 WORKERS_LOST = Counter("workers_lost", "workers dropped for silence, with requests failed over", ["outcome"])
 SCHEDULER_CONTROLS = Counter("scheduler_controls", "prefetch/evict directives sent to workers", ["action"])

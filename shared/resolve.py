@@ -5,11 +5,11 @@ tenant cannot probe which adapter names exist.
 """
 
 from shared.access import SHARED_TENANT, may_use
+from shared.catalog import RELEASED, Catalog
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
+from shared.rollout import choose
 from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
 
-from shared.catalog import RELEASED, Catalog
-from shared.rollout import choose
 
 def not_found(model: str) -> ModelNotFound:
     return ModelNotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model")

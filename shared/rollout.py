@@ -17,9 +17,7 @@ def in_canary(adapter_id: str, request_key: str, traffic_percent: float) -> bool
     return bucket(adapter_id, request_key) < round(traffic_percent * BUCKETS / 100)
 
 
-def choose(
-    production: AdapterRecord | None, canary: AdapterRecord | None, request_key: str
-) -> AdapterRecord | None:
+def choose(production: AdapterRecord | None, canary: AdapterRecord | None, request_key: str) -> AdapterRecord | None:
     """The version this request key gets: the canary for its traffic share, production otherwise.
 
     A canary with no production version beside it serves all traffic: there is nothing to

@@ -1,7 +1,7 @@
 """OpenTelemetry tracing: one provider per process, context carried in NATS headers (traceparent)."""
 
-from contextlib import contextmanager
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -25,9 +25,12 @@ def setup_tracing(service: str, exporter: str) -> None:
         # Batched on the SDK's export thread, as the other exporters: formatting a span to JSON took
         # about 1 ms of the gateway's request path when done in line. Flushed at exit.
         out = open(exporter.removeprefix("file:"), "a", buffering=1)
-        provider.add_span_processor(BatchSpanProcessor(
-            ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
-            schedule_delay_millis=200))
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
+                schedule_delay_millis=200,
+            )
+        )
     else:
         raise ValueError(f"unknown trace exporter {exporter!r}: none, console, otlp or file:<path>")
     trace.set_tracer_provider(provider)

@@ -49,10 +49,25 @@ def plan_adapters(count: int, tenants: list[str], rank_mix: dict[int, float], se
 
 def peft_config(rank: int) -> dict:
     """The fields peft writes for a plain LoRA (importing peft itself costs seconds)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-            "target_modules": list(TARGETS), "bias": "none", "use_rslora": False, "use_dora": False,
-            "init_lora_weights": False, "inference_mode": True, "fan_in_fan_out": False, "modules_to_save": None,
-            "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": None, "revision": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": False,
+        "inference_mode": True,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "base_model_name_or_path": None,
+        "revision": None,
+    }
 
 
 def write_adapter(directory: Path, spec: BaseModelSpec, rank: int, seed: int, dtype: str = "bfloat16") -> Path:
@@ -73,8 +88,9 @@ def write_adapter(directory: Path, spec: BaseModelSpec, rank: int, seed: int, dt
     return directory
 
 
-async def register_adapters(nats_url: str, model_dir: Path, plans: list[AdapterPlan], *, concurrency: int,
-                            seed: int) -> dict:
+async def register_adapters(
+    nats_url: str, model_dir: Path, plans: list[AdapterPlan], *, concurrency: int, seed: int
+) -> dict:
     """Push and promote every planned adapter, ``concurrency`` at a time; timing figures of the whole."""
     spec, fingerprint = BaseModelSpec.from_model_dir(model_dir), fingerprint_model_dir(model_dir)
     nc = await cli_connect(nats_url)
@@ -86,11 +102,22 @@ async def register_adapters(nats_url: str, model_dir: Path, plans: list[AdapterP
         async with gate:
             directory = await asyncio.to_thread(write_adapter, scratch / plan.adapter_id, spec, plan.rank, seed + i)
             weight_bytes += (directory / "adapter_model.safetensors").stat().st_size
-            record = await push_adapter(nc, directory, adapter_id=plan.adapter_id, tenant_id=plan.tenant,
-                                        task_type="chat", base_fingerprint=fingerprint, who=ACTOR)
-            await request(nc, subjects.registry("promote"), PromoteRequest(
-                adapter_id=plan.adapter_id, version=record.version, traffic_percent=100, actor=ACTOR),
-                AdapterRecordsReply, 30)
+            record = await push_adapter(
+                nc,
+                directory,
+                adapter_id=plan.adapter_id,
+                tenant_id=plan.tenant,
+                task_type="chat",
+                base_fingerprint=fingerprint,
+                who=ACTOR,
+            )
+            await request(
+                nc,
+                subjects.registry("promote"),
+                PromoteRequest(adapter_id=plan.adapter_id, version=record.version, traffic_percent=100, actor=ACTOR),
+                AdapterRecordsReply,
+                30,
+            )
             for path in directory.iterdir():
                 path.unlink()
             directory.rmdir()
@@ -102,6 +129,13 @@ async def register_adapters(nats_url: str, model_dir: Path, plans: list[AdapterP
     finally:
         await nc.drain()
     seconds = time.perf_counter() - started
-    return {"adapters": len(plans), "seconds": seconds, "per_s": len(plans) / seconds if seconds else 0.0,
-            "weight_bytes": weight_bytes, "dtype": "bfloat16", "targets": list(TARGETS), "concurrency": concurrency,
-            "ranks": {str(r): sum(p.rank == r for p in plans) for r in sorted({p.rank for p in plans})}}
+    return {
+        "adapters": len(plans),
+        "seconds": seconds,
+        "per_s": len(plans) / seconds if seconds else 0.0,
+        "weight_bytes": weight_bytes,
+        "dtype": "bfloat16",
+        "targets": list(TARGETS),
+        "concurrency": concurrency,
+        "ranks": {str(r): sum(p.rank == r for p in plans) for r in sorted({p.rank for p in plans})},
+    }

@@ -9,8 +9,17 @@ from urllib.parse import urlsplit
 
 from bench.load.run import RESULTS, LoadConfig, fire, open_target, result_of, write
 
-QUICK = {"base_model": "tiny", "adapters": 20, "tenants": 2, "rate": 4.0, "count": 40, "duration_s": 30.0,
-         "max_tokens": 8, "timeout_s": 60.0, "drain_s": 65.0}
+QUICK = {
+    "base_model": "tiny",
+    "adapters": 20,
+    "tenants": 2,
+    "rate": 4.0,
+    "count": 40,
+    "duration_s": 30.0,
+    "max_tokens": 8,
+    "timeout_s": 60.0,
+    "drain_s": 65.0,
+}
 DEFAULTS = LoadConfig()
 
 
@@ -23,15 +32,21 @@ def loopback_url(url: str) -> str:
     except ValueError:
         loopback = False
     if parts.scheme not in ("http", "https") or not loopback:
-        raise ValueError(f"refusing {url!r}: the load generator only sends to loopback "
-                         "(http://127.0.0.1:PORT, http://localhost:PORT or http://[::1]:PORT)")
+        raise ValueError(
+            f"refusing {url!r}: the load generator only sends to loopback "
+            "(http://127.0.0.1:PORT, http://localhost:PORT or http://[::1]:PORT)"
+        )
     return url.rstrip("/")
 
 
 def add_load_options(parser: argparse.ArgumentParser, defaults: LoadConfig = DEFAULTS) -> None:
     d = defaults
-    parser.add_argument("--base-model", choices=("smollm2", "tiny"), default=d.base_model,
-                        help="smollm2 (embedded) or tiny (random 2-layer Llama, fast)")
+    parser.add_argument(
+        "--base-model",
+        choices=("smollm2", "tiny"),
+        default=d.base_model,
+        help="smollm2 (embedded) or tiny (random 2-layer Llama, fast)",
+    )
     parser.add_argument("--adapters", type=int, default=d.adapters, help="adapters to register (up to 1000)")
     parser.add_argument("--tenants", type=int, default=d.tenants)
     parser.add_argument("--rate", type=float, default=d.rate, help="mean arrivals per second (Poisson)")

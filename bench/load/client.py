@@ -75,21 +75,32 @@ def _error_code(status: int, body: bytes) -> str:
 
 def chat_body(arrival: Arrival, max_tokens: int) -> dict:
     """Greedy, EOS ignored: every request generates exactly ``max_tokens`` tokens."""
-    return {"model": arrival.model, "messages": [{"role": "user", "content": arrival.prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "model": arrival.model,
+        "messages": [{"role": "user", "content": arrival.prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def send(client: httpx.AsyncClient, key: str, arrival: Arrival, *, max_tokens: int, timeout_s: float,
-               lag_ms: float = 0.0) -> Outcome:
+async def send(
+    client: httpx.AsyncClient, key: str, arrival: Arrival, *, max_tokens: int, timeout_s: float, lag_ms: float = 0.0
+) -> Outcome:
     """One streamed chat request, bounded by ``timeout_s`` end to end."""
     out = Outcome(arrival.index, arrival.tenant, arrival.model, "lost", None, arrival.at_s, lag_ms)
     stream = _Stream()
     started = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", "/v1/chat/completions", json=chat_body(arrival, max_tokens),
-                                     headers={"Authorization": f"Bearer {key}"}) as r:
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json=chat_body(arrival, max_tokens),
+                headers={"Authorization": f"Bearer {key}"},
+            ) as r:
                 out.adapter = r.headers.get("x-lorafleet-adapter")
                 out.worker = r.headers.get("x-lorafleet-worker")
                 if "x-lorafleet-cache-hit" in r.headers:
@@ -129,15 +140,23 @@ def _classify(out: Outcome, stream: _Stream, started: float, ended: float) -> Ou
     return out
 
 
-async def run_open_loop(url: str, keys: dict[str, str], arrivals: list[Arrival], *, max_tokens: int,
-                        timeout_s: float, drain_s: float, transport: httpx.AsyncBaseTransport | None = None,
-                        ) -> tuple[list[Outcome], float]:
+async def run_open_loop(
+    url: str,
+    keys: dict[str, str],
+    arrivals: list[Arrival],
+    *,
+    max_tokens: int,
+    timeout_s: float,
+    drain_s: float,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[Outcome], float]:
     """Send every arrival at its scheduled time, whatever is still in flight; (outcomes, wall seconds).
 
     After the last arrival, in-flight requests get ``drain_s`` more; any still running then is lost."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s + 5), limits=limits,
-                                 transport=transport) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(timeout_s + 5), limits=limits, transport=transport
+    ) as client:
         tasks: dict[asyncio.Task, Arrival] = {}
         start = time.perf_counter()
         for arrival in arrivals:
@@ -145,8 +164,9 @@ async def run_open_loop(url: str, keys: dict[str, str], arrivals: list[Arrival],
             if delay > 0:
                 await asyncio.sleep(delay)
             lag_ms = max(0.0, (time.perf_counter() - start - arrival.at_s) * 1000)
-            task = asyncio.create_task(send(client, keys[arrival.tenant], arrival, max_tokens=max_tokens,
-                                            timeout_s=timeout_s, lag_ms=lag_ms))
+            task = asyncio.create_task(
+                send(client, keys[arrival.tenant], arrival, max_tokens=max_tokens, timeout_s=timeout_s, lag_ms=lag_ms)
+            )
             tasks[task] = arrival
         if tasks:
             await asyncio.wait(tasks, timeout=drain_s)
@@ -157,8 +177,9 @@ async def run_open_loop(url: str, keys: dict[str, str], arrivals: list[Arrival],
     outcomes = []
     for task, arrival in tasks.items():
         if task.cancelled():
-            outcomes.append(Outcome(arrival.index, arrival.tenant, arrival.model, "lost", "unfinished_at_drain",
-                                    arrival.at_s, 0.0))
+            outcomes.append(
+                Outcome(arrival.index, arrival.tenant, arrival.model, "lost", "unfinished_at_drain", arrival.at_s, 0.0)
+            )
         else:
             outcomes.append(task.result())
     return outcomes, wall_s

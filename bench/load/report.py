@@ -69,8 +69,12 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
         "errors_by_code": dict(errors.most_common()),
         "lost": sum(lost.values()),
         "lost_by_reason": dict(lost.most_common()),
-        "ttft_p50_ms": ttft["all"]["p50"], "ttft_p95_ms": ttft["all"]["p95"], "ttft_p99_ms": ttft["all"]["p99"],
-        "tpot_p50_ms": tpot["all"]["p50"], "tpot_p95_ms": tpot["all"]["p95"], "tpot_p99_ms": tpot["all"]["p99"],
+        "ttft_p50_ms": ttft["all"]["p50"],
+        "ttft_p95_ms": ttft["all"]["p95"],
+        "ttft_p99_ms": ttft["all"]["p99"],
+        "tpot_p50_ms": tpot["all"]["p50"],
+        "tpot_p95_ms": tpot["all"]["p95"],
+        "tpot_p99_ms": tpot["all"]["p99"],
         "ttft_ms": ttft,
         "tpot_ms": tpot,
         "cache_hit_rate": sum(bool(o.cache_hit) for o in served) / len(served) if served else None,
@@ -92,24 +96,37 @@ def markdown(result: dict, top: int = 10) -> str:
     s = result["summary"]
     hit = "-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.3f}"
     lines = [
-        (f"requests {s['requests']}: completed {s['completed']}, errors {s['errors']} {s['errors_by_code']}, "
-         f"**lost {s['lost']}** {s['lost_by_reason'] or ''}"),
-        (f"cache hit rate (adapter requests): {hit}; throughput {s['throughput_req_s']:.2f} req/s, "
-         f"{s['throughput_tok_s']:.1f} tok/s over {s['wall_s']:.0f} s; send lag p99 {_ms(s['send_lag_ms']['p99'])} ms"),
+        (
+            f"requests {s['requests']}: completed {s['completed']}, errors {s['errors']} {s['errors_by_code']}, "
+            f"**lost {s['lost']}** {s['lost_by_reason'] or ''}"
+        ),
+        (
+            f"cache hit rate (adapter requests): {hit}; throughput {s['throughput_req_s']:.2f} req/s, "
+            f"{s['throughput_tok_s']:.1f} tok/s over {s['wall_s']:.0f} s; send lag p99 {_ms(s['send_lag_ms']['p99'])} ms"
+        ),
         "",
-        ("| group | n | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p95 (ms) "
-         "| TPOT p99 (ms) |"),
+        (
+            "| group | n | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p95 (ms) "
+            "| TPOT p99 (ms) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for group in GROUPS:
         t, p = s["ttft_ms"][group], s["tpot_ms"][group]
-        lines.append(f"| {group} | {t['n']} | {_ms(t['p50'])} | {_ms(t['p95'])} | {_ms(t['p99'])} "
-                     f"| {_ms(p['p50'])} | {_ms(p['p95'])} | {_ms(p['p99'])} |")
-    lines += ["", (f"| model (top {top} of {s['distinct_models']} by requests) | requests | completed | hits "
-                   "| req/s | tok/s |"), "|---|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {group} | {t['n']} | {_ms(t['p50'])} | {_ms(t['p95'])} | {_ms(t['p99'])} "
+            f"| {_ms(p['p50'])} | {_ms(p['p95'])} | {_ms(p['p99'])} |"
+        )
+    lines += [
+        "",
+        (f"| model (top {top} of {s['distinct_models']} by requests) | requests | completed | hits | req/s | tok/s |"),
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for model, row in list(s["per_adapter"].items())[:top]:
-        lines.append(f"| {model} | {row['requests']} | {row['completed']} | {row['hits']} | {row['req_s']:.3f} "
-                     f"| {row['tok_s']:.2f} |")
+        lines.append(
+            f"| {model} | {row['requests']} | {row['completed']} | {row['hits']} | {row['req_s']:.3f} "
+            f"| {row['tok_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -127,8 +144,13 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
         for group, colour in colours.items():
             values = sorted(getattr(o, field) for o in completed if group_of(o) == group and getattr(o, field))
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", color=colour,
-                        label=f"{group} (n={len(values)})")
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    color=colour,
+                    label=f"{group} (n={len(values)})",
+                )
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")

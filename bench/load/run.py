@@ -69,11 +69,16 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
     if config.url is not None:
         return asyncio.run(_existing(config))
     started = time.perf_counter()
-    stack = start_stack(config.base_model, workers=config.workers,
-                        request_timeout_s=max(1.0, config.timeout_s - 15),  # the platform's bound comes first
-                        extra_env=extra_env)
-    progress(f"stack ready in {time.perf_counter() - started:.0f} s (logs {stack.root / 'logs'}); "
-             f"registering {config.adapters} adapters")
+    stack = start_stack(
+        config.base_model,
+        workers=config.workers,
+        request_timeout_s=max(1.0, config.timeout_s - 15),  # the platform's bound comes first
+        extra_env=extra_env,
+    )
+    progress(
+        f"stack ready in {time.perf_counter() - started:.0f} s (logs {stack.root / 'logs'}); "
+        f"registering {config.adapters} adapters"
+    )
     try:
         target = asyncio.run(_populate(config, stack))
     except BaseException:
@@ -88,8 +93,9 @@ async def _populate(config: LoadConfig, stack: BenchStack) -> Target:
     tenants = [f"load-t{i:02d}" for i in range(config.tenants)]
     keys = await create_tenants(stack.nats.url, tenants)
     plans = plan_adapters(config.adapters, tenants, parse_rank_mix(config.rank_mix), config.seed)
-    registration = await register_adapters(stack.nats.url, stack.model_dir, plans,
-                                           concurrency=config.push_concurrency, seed=config.seed)
+    registration = await register_adapters(
+        stack.nats.url, stack.model_dir, plans, concurrency=config.push_concurrency, seed=config.seed
+    )
     await wait_keys(stack.url, keys)
     population = Population(stack.model_name, tuple(tenants), tuple((p.adapter_id, p.tenant) for p in plans))
     return Target(stack.url, keys, population, stack, registration)
@@ -120,8 +126,15 @@ async def _warm(target: Target, config: LoadConfig) -> None:
 
 
 def arrivals_for(target: Target, config: LoadConfig) -> list[Arrival]:
-    return schedule(target.population, rate=config.rate, count=config.count, duration_s=config.duration_s,
-                    zipf_s=config.zipf_s, base_share=config.base_share, seed=config.seed)
+    return schedule(
+        target.population,
+        rate=config.rate,
+        count=config.count,
+        duration_s=config.duration_s,
+        zipf_s=config.zipf_s,
+        base_share=config.base_share,
+        seed=config.seed,
+    )
 
 
 async def fire(target: Target, config: LoadConfig) -> tuple[list[Outcome], float]:
@@ -129,29 +142,51 @@ async def fire(target: Target, config: LoadConfig) -> tuple[list[Outcome], float
     await _warm(target, config)
     arrivals = arrivals_for(target, config)
     span = arrivals[-1].at_s if arrivals else 0.0
-    progress(f"firing {len(arrivals)} requests over {span:.0f} s at {config.rate}/s "
-             f"(then up to {config.drain_s:.0f} s drain)")
-    return await run_open_loop(target.url, target.keys, arrivals, max_tokens=config.max_tokens,
-                               timeout_s=config.timeout_s, drain_s=config.drain_s)
+    progress(
+        f"firing {len(arrivals)} requests over {span:.0f} s at {config.rate}/s "
+        f"(then up to {config.drain_s:.0f} s drain)"
+    )
+    return await run_open_loop(
+        target.url,
+        target.keys,
+        arrivals,
+        max_tokens=config.max_tokens,
+        timeout_s=config.timeout_s,
+        drain_s=config.drain_s,
+    )
 
 
 def environment(config: LoadConfig, target: Target) -> dict:
     """The machine, and the worker's engine settings as the started stack inherits them from this environment."""
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "worker_threads": os.environ.get("LF_ENGINE__NUM_THREADS", "torch default"),
-            "device": os.environ.get("LF_ENGINE__DEVICE", "cpu"),
-            "dtype": os.environ.get("LF_ENGINE__DTYPE", "float32"),
-            "model": target.population.base_model, "git_commit": git_commit(), "load_avg_1m": os.getloadavg()[0],
-            "target": "started by the bench" if target.stack else config.url}
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "worker_threads": os.environ.get("LF_ENGINE__NUM_THREADS", "torch default"),
+        "device": os.environ.get("LF_ENGINE__DEVICE", "cpu"),
+        "dtype": os.environ.get("LF_ENGINE__DTYPE", "float32"),
+        "model": target.population.base_model,
+        "git_commit": git_commit(),
+        "load_avg_1m": os.getloadavg()[0],
+        "target": "started by the bench" if target.stack else config.url,
+    }
 
 
 def result_of(config: LoadConfig, target: Target, outcomes: list[Outcome], wall_s: float) -> dict:
     summary = summarize(outcomes, wall_s)
     headline = {k: v for k, v in summary.items() if k not in ("per_adapter", "ttft_ms", "tpot_ms", "send_lag_ms")}
-    return {"bench": "load", **headline, "config": asdict(config) | {"keys": len(config.keys)},
-            "adapters_registered": len(target.population.adapters), "tenants": len(target.population.tenants),
-            "registration": target.registration, "environment": environment(config, target), "summary": summary,
-            "outcomes": [asdict(o) for o in outcomes]}
+    return {
+        "bench": "load",
+        **headline,
+        "config": asdict(config) | {"keys": len(config.keys)},
+        "adapters_registered": len(target.population.adapters),
+        "tenants": len(target.population.tenants),
+        "registration": target.registration,
+        "environment": environment(config, target),
+        "summary": summary,
+        "outcomes": [asdict(o) for o in outcomes],
+    }
 
 
 def write(result: dict, outcomes: list[Outcome], out: Path) -> str:
@@ -161,8 +196,10 @@ def write(result: dict, outcomes: list[Outcome], out: Path) -> str:
     c = result["config"]
     reg = result["registration"]
     pushed = f", registered in {reg['seconds']:.1f} s ({reg['per_s']:.1f}/s)" if reg else ""
-    title = (f"{result['environment']['model']}: {result['adapters_registered']} adapters{pushed}, "
-             f"{result['tenants']} tenants, Poisson {c['rate']}/s, zipf({c['zipf_s']}), max_tokens {c['max_tokens']}")
+    title = (
+        f"{result['environment']['model']}: {result['adapters_registered']} adapters{pushed}, "
+        f"{result['tenants']} tenants, Poisson {c['rate']}/s, zipf({c['zipf_s']}), max_tokens {c['max_tokens']}"
+    )
     table = markdown(result)
     out.with_suffix(".md").write_text(f"# Open-loop load\n\n{title}\n\n{table}\n")
     plot(outcomes, out.with_suffix(".png"), title)

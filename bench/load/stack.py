@@ -35,8 +35,11 @@ class BenchStack:
 
     def pids(self) -> dict[str, int]:
         """Process id of every service and of nats-server and redis-server, by name."""
-        return {**{k: p.pid for k, p in self.stack.procs.items()}, "nats-server": self.nats.proc.pid,
-                "redis-server": self.redis.proc.pid}
+        return {
+            **{k: p.pid for k, p in self.stack.procs.items()},
+            "nats-server": self.nats.proc.pid,
+            "redis-server": self.redis.proc.pid,
+        }
 
     def stop(self, keep_logs: bool = False) -> None:
         self.stack.stop_all()
@@ -69,8 +72,14 @@ def base_model_dir(kind: str) -> tuple[Path, str]:
     return target, TINY_MODEL
 
 
-def start_stack(kind: str, *, workers: int, request_timeout_s: float, ready_timeout_s: float = 600,
-                extra_env: dict[str, str] | None = None) -> BenchStack:
+def start_stack(
+    kind: str,
+    *,
+    workers: int,
+    request_timeout_s: float,
+    ready_timeout_s: float = 600,
+    extra_env: dict[str, str] | None = None,
+) -> BenchStack:
     """Every process on free loopback ports; dev mode (unsigned adapters admitted), metrics off."""
     model_dir, model_name = base_model_dir(kind)
     root = Path(tempfile.mkdtemp(prefix="lf-load-"))
@@ -82,9 +91,16 @@ def start_stack(kind: str, *, workers: int, request_timeout_s: float, ready_time
         raise
     port = free_port()
     env = {
-        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port), "LF_HOST": "127.0.0.1",
-        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LOG_LEVEL": "WARNING", "LF_METRICS_PORT": "-1",
-        "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false", "LF_REQUEST_TIMEOUT_S": str(request_timeout_s),
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
+        "LF_HOST": "127.0.0.1",
+        "LF_DB_PATH": str(root / "audit.sqlite3"),
+        "LF_LOG_LEVEL": "WARNING",
+        "LF_METRICS_PORT": "-1",
+        "LF_DEV_MODE": "true",
+        "LF_REQUIRE_SIGNATURE": "false",
+        "LF_REQUEST_TIMEOUT_S": str(request_timeout_s),
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
         **({} if kind == "smollm2" else {"LF_MODEL_DIR": str(model_dir)}),
         **(extra_env or {}),
@@ -110,10 +126,20 @@ async def create_tenants(nats_url: str, tenants: list[str]) -> dict[str, str]:
     keys = {}
     try:
         for tenant in tenants:
-            await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id=tenant, actor=ACTOR),
-                          TenantsReply, 10)
-            created = await request(nc, subjects.registry("api_key_create"),
-                                    CreateApiKeyRequest(tenant_id=tenant, actor=ACTOR), ApiKeyCreatedReply, 10)
+            await request(
+                nc,
+                subjects.registry("tenant_create"),
+                CreateTenantRequest(tenant_id=tenant, actor=ACTOR),
+                TenantsReply,
+                10,
+            )
+            created = await request(
+                nc,
+                subjects.registry("api_key_create"),
+                CreateApiKeyRequest(tenant_id=tenant, actor=ACTOR),
+                ApiKeyCreatedReply,
+                10,
+            )
             keys[tenant] = created.key
     finally:
         await nc.drain()

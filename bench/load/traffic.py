@@ -4,15 +4,36 @@ import random
 from dataclasses import dataclass
 from itertools import accumulate
 
-TOPICS = ("the tides", "a lighthouse keeper", "sourdough bread", "prime numbers", "a mountain railway",
-          "honeybees", "the northern lights", "a city library", "glaciers", "paper money", "the printing press",
-          "an old harbour", "solar panels", "a chess opening", "migrating geese", "a night market")
-ASKS = ("Explain {topic} to a curious twelve-year-old in a short paragraph, with one surprising fact.",
-        ("Write a brief, friendly note to a colleague describing {topic} and why someone might find it "
-         "interesting on a quiet Sunday afternoon."),
-        ("List three things most people get wrong about {topic}, then correct each one in a single plain "
-         "sentence that a busy reader could remember the next day."),
-        "Describe {topic} as a travel guide would.")
+TOPICS = (
+    "the tides",
+    "a lighthouse keeper",
+    "sourdough bread",
+    "prime numbers",
+    "a mountain railway",
+    "honeybees",
+    "the northern lights",
+    "a city library",
+    "glaciers",
+    "paper money",
+    "the printing press",
+    "an old harbour",
+    "solar panels",
+    "a chess opening",
+    "migrating geese",
+    "a night market",
+)
+ASKS = (
+    "Explain {topic} to a curious twelve-year-old in a short paragraph, with one surprising fact.",
+    (
+        "Write a brief, friendly note to a colleague describing {topic} and why someone might find it "
+        "interesting on a quiet Sunday afternoon."
+    ),
+    (
+        "List three things most people get wrong about {topic}, then correct each one in a single plain "
+        "sentence that a busy reader could remember the next day."
+    ),
+    "Describe {topic} as a travel guide would.",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +85,9 @@ def prompt(rng: random.Random) -> str:
     return rng.choice(ASKS).format(topic=rng.choice(TOPICS))
 
 
-def schedule(population: Population, *, rate: float, count: int, duration_s: float, zipf_s: float,
-             base_share: float, seed: int) -> list[Arrival]:
+def schedule(
+    population: Population, *, rate: float, count: int, duration_s: float, zipf_s: float, base_share: float, seed: int
+) -> list[Arrival]:
     """Every request of a run, in time order.
 
     A request asks for the base model with probability ``base_share`` (its tenant uniform), else for an

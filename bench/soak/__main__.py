@@ -26,8 +26,11 @@ DEFAULTS = LoadConfig(adapters=100, tenants=4, rate=0.5, count=10_000_000, max_t
 # Small caches, so their steady state comes within the warm-up: loading and evicting adapters is part of
 # it, and the KV cache (zero pages until first written; its allocator cycles through every block) is
 # wholly resident early instead of RSS climbing towards the full default budget for many minutes.
-WORKER_ENV = {"LF_LORA__MAX_SLOTS_PER_CLASS": "8", "LF_CACHE__CPU_BUDGET_BYTES": str(64 * 2**20),
-              "LF_ENGINE__KV_CACHE_BYTES": str(64 * 2**20)}
+WORKER_ENV = {
+    "LF_LORA__MAX_SLOTS_PER_CLASS": "8",
+    "LF_CACHE__CPU_BUDGET_BYTES": str(64 * 2**20),
+    "LF_ENGINE__KV_CACHE_BYTES": str(64 * 2**20),
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -58,16 +61,22 @@ async def prime(target: Target, max_tokens: int, concurrency: int = 8) -> float:
 
     async def one(client: httpx.AsyncClient, i: int, adapter: str, tenant: str) -> None:
         async with gate:
-            await send(client, target.keys[tenant], Arrival(i, 0.0, tenant, adapter, PRIMER), max_tokens=max_tokens,
-                       timeout_s=120)
+            await send(
+                client,
+                target.keys[tenant],
+                Arrival(i, 0.0, tenant, adapter, PRIMER),
+                max_tokens=max_tokens,
+                timeout_s=120,
+            )
 
     async with httpx.AsyncClient(base_url=target.url) as client:
         await asyncio.gather(*(one(client, i, a, t) for i, (a, t) in enumerate(target.population.adapters)))
     return time.perf_counter() - started
 
 
-async def soak(target: Target, config: LoadConfig, pids: dict[str, int],
-               interval_s: float) -> tuple[list[Outcome], float, dict[str, list[Sample]]]:
+async def soak(
+    target: Target, config: LoadConfig, pids: dict[str, int], interval_s: float
+) -> tuple[list[Outcome], float, dict[str, list[Sample]]]:
     """The load run with the sampler beside it: (outcomes, wall seconds, samples by process)."""
     samples: dict[str, list[Sample]] = {}
     stop = asyncio.Event()
@@ -77,8 +86,10 @@ async def soak(target: Target, config: LoadConfig, pids: dict[str, int],
         nonlocal next_report
         if t_s >= next_report:
             next_report += 60
-            progress(f"{t_s / 60:4.1f} min  RSS MB / files: " + ", ".join(
-                f"{n} {v[-1].rss_mb:.0f}/{v[-1].open_files}" for n, v in samples.items() if v))
+            progress(
+                f"{t_s / 60:4.1f} min  RSS MB / files: "
+                + ", ".join(f"{n} {v[-1].rss_mb:.0f}/{v[-1].open_files}" for n, v in samples.items() if v)
+            )
 
     sampler = asyncio.create_task(sample_every(pids, interval_s, stop, samples, report))
     try:
@@ -92,9 +103,18 @@ async def soak(target: Target, config: LoadConfig, pids: dict[str, int],
 def verdicts(samples: dict[str, list[Sample]], pids: dict[str, int], args: argparse.Namespace) -> dict[str, dict]:
     tol = Tolerance(args.rss_tolerance_mb, args.rss_tolerance_pct, args.files_tolerance)
     last_s = max(s[-1].t_s for s in samples.values())
-    return {name: trend(samples.get(name, []), warmup_s=args.warmup_min * 60, window_s=args.window_s, last_s=last_s,
-                        interval_s=args.sample_s, tol=tol) | {"pid": pid, "infra": name not in SERVICES}
-            for name, pid in pids.items()}
+    return {
+        name: trend(
+            samples.get(name, []),
+            warmup_s=args.warmup_min * 60,
+            window_s=args.window_s,
+            last_s=last_s,
+            interval_s=args.sample_s,
+            tol=tol,
+        )
+        | {"pid": pid, "infra": name not in SERVICES}
+        for name, pid in pids.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,16 +135,30 @@ def main(argv: list[str] | None = None) -> int:
     load = summarize(outcomes, wall_s)
     load.pop("per_adapter")
     flat = all(t["flat"] for t in processes.values() if not t["infra"])
-    result = {"bench": "soak", "minutes": args.minutes, "warmup_min": args.warmup_min, "sample_s": args.sample_s,
-              "window_s": args.window_s, "primed_s": primed_s, "flat": flat, "lost": load["lost"],
-              "processes": processes, "tolerance": {k: getattr(args, k) for k in TOLERANCE_ARGS},
-              "worker_env": WORKER_ENV, "config": dataclasses.asdict(config), "load": load,
-              "registration": target.registration, "environment": started_env,
-              "samples": {n: [dataclasses.asdict(s) for s in v] for n, v in samples.items()}}
+    result = {
+        "bench": "soak",
+        "minutes": args.minutes,
+        "warmup_min": args.warmup_min,
+        "sample_s": args.sample_s,
+        "window_s": args.window_s,
+        "primed_s": primed_s,
+        "flat": flat,
+        "lost": load["lost"],
+        "processes": processes,
+        "tolerance": {k: getattr(args, k) for k in TOLERANCE_ARGS},
+        "worker_env": WORKER_ENV,
+        "config": dataclasses.asdict(config),
+        "load": load,
+        "registration": target.registration,
+        "environment": started_env,
+        "samples": {n: [dataclasses.asdict(s) for s in v] for n, v in samples.items()},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    title = (f"soak {args.minutes:g} min, {target.population.base_model}, {len(target.population.adapters)} "
-             f"adapters, {config.rate}/s: {load['completed']} completed, {load['errors']} errors, {load['lost']} lost")
+    title = (
+        f"soak {args.minutes:g} min, {target.population.base_model}, {len(target.population.adapters)} "
+        f"adapters, {config.rate}/s: {load['completed']} completed, {load['errors']} errors, {load['lost']} lost"
+    )
     table = markdown(result)
     args.out.with_suffix(".md").write_text(f"# Soak\n\n{title}; warm-up {args.warmup_min:g} min\n\n{table}\n")
     plot(samples, args.warmup_min * 60, args.out.with_suffix(".png"), title)

@@ -35,8 +35,13 @@ def sample(pid: int, t_s: float) -> Sample | None:
         return None
 
 
-async def sample_every(pids: dict[str, int], interval_s: float, stop: asyncio.Event,
-                       into: dict[str, list[Sample]], on_sample: Callable[[float], None] | None = None) -> None:
+async def sample_every(
+    pids: dict[str, int],
+    interval_s: float,
+    stop: asyncio.Event,
+    into: dict[str, list[Sample]],
+    on_sample: Callable[[float], None] | None = None,
+) -> None:
     """Append one sample per live process to ``into[name]`` every ``interval_s`` until ``stop`` is set."""
     started = time.monotonic()
     while True:

@@ -6,18 +6,24 @@ from bench.soak.procstat import Sample
 
 
 def markdown(result: dict) -> str:
-    lines = [("| process | RSS start (MB) | RSS warm (MB) | RSS end (MB) | growth (MB) | slope (MB/min) "
-              "| files start | files warm (floor) | files end (floor) | files slope (/min) | flat |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        (
+            "| process | RSS start (MB) | RSS warm (MB) | RSS end (MB) | growth (MB) | slope (MB/min) "
+            "| files start | files warm (floor) | files end (floor) | files slope (/min) | flat |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for name, t in result["processes"].items():
         if "warm_rss_mb" not in t:
             lines.append(f"| {name} | | | | | | | | | | no: {t['why']} |")
             continue
         verdict = ("yes" if t["flat"] else f"**no**: {t['why']}") if not t.get("infra") else "(infra)"
         rss_slope, files_slope = t["rss_slope_mb_per_min"] or 0.0, t["open_files_slope_per_min"] or 0.0
-        lines.append(f"| {name} | {t['start_rss_mb']:.0f} | {t['warm_rss_mb']:.1f} | {t['end_rss_mb']:.1f} "
-                     f"| {t['rss_growth_mb']:+.1f} | {rss_slope:+.3f} | {t['start_open_files']} "
-                     f"| {t['warm_open_files']:.0f} | {t['end_open_files']:.0f} | {files_slope:+.3f} | {verdict} |")
+        lines.append(
+            f"| {name} | {t['start_rss_mb']:.0f} | {t['warm_rss_mb']:.1f} | {t['end_rss_mb']:.1f} "
+            f"| {t['rss_growth_mb']:+.1f} | {rss_slope:+.3f} | {t['start_open_files']} "
+            f"| {t['warm_open_files']:.0f} | {t['end_open_files']:.0f} | {files_slope:+.3f} | {verdict} |"
+        )
     return "\n".join(lines)
 
 

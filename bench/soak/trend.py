@@ -31,8 +31,9 @@ def _window(samples: list[Sample], begin_s: float, end_s: float) -> list[Sample]
     return inside or samples[-1:]
 
 
-def trend(samples: list[Sample], *, warmup_s: float, window_s: float, last_s: float, interval_s: float,
-          tol: Tolerance) -> dict:
+def trend(
+    samples: list[Sample], *, warmup_s: float, window_s: float, last_s: float, interval_s: float, tol: Tolerance
+) -> dict:
     """Warm (just after warm-up) vs end figures, growth, slopes after warm-up, and the verdict ``flat``.
 
     ``last_s`` is when the run's last sample was taken: a process missing from it has exited, never flat."""
@@ -44,11 +45,18 @@ def trend(samples: list[Sample], *, warmup_s: float, window_s: float, last_s: fl
     warm_rss, end_rss = statistics.median(s.rss_mb for s in warm), statistics.median(s.rss_mb for s in end)
     warm_files, end_files = min(s.open_files for s in warm), min(s.open_files for s in end)
     result = {
-        "samples": len(samples), "start_rss_mb": samples[0].rss_mb, "warm_rss_mb": warm_rss, "end_rss_mb": end_rss,
-        "max_rss_mb": max(s.rss_mb for s in samples), "rss_growth_mb": end_rss - warm_rss,
+        "samples": len(samples),
+        "start_rss_mb": samples[0].rss_mb,
+        "warm_rss_mb": warm_rss,
+        "end_rss_mb": end_rss,
+        "max_rss_mb": max(s.rss_mb for s in samples),
+        "rss_growth_mb": end_rss - warm_rss,
         "rss_slope_mb_per_min": slope_per_min([(s.t_s, s.rss_mb) for s in after]),
-        "start_open_files": samples[0].open_files, "warm_open_files": warm_files, "end_open_files": end_files,
-        "max_open_files": max(s.open_files for s in samples), "open_files_growth": end_files - warm_files,
+        "start_open_files": samples[0].open_files,
+        "warm_open_files": warm_files,
+        "end_open_files": end_files,
+        "max_open_files": max(s.open_files for s in samples),
+        "open_files_growth": end_files - warm_files,
         "open_files_slope_per_min": slope_per_min([(s.t_s, float(s.open_files)) for s in after]),
     }
     rss_allowed = max(tol.rss_mb, warm_rss * tol.rss_pct / 100)

@@ -66,8 +66,14 @@ async def _record(store: AuditStore, records: RecordCache, seq: int, event, stop
             metrics.TENANT_ISOLATION_ERRORS.inc()
         else:
             metrics.INTEGRITY_ERRORS.labels("auditor").inc()
-        log.error("audit_violation", violation=violation.violation, request_id=event.request_id,
-                  tenant_id=event.tenant_id, adapter_id=event.adapter_id, detail=violation.detail)
+        log.error(
+            "audit_violation",
+            violation=violation.violation,
+            request_id=event.request_id,
+            tenant_id=event.tenant_id,
+            adapter_id=event.adapter_id,
+            detail=violation.detail,
+        )
 
 
 async def run(settings: AuditorSettings) -> None:
@@ -83,10 +89,19 @@ async def run(settings: AuditorSettings) -> None:
         records = RecordCache(nc)
 
         async def on_query(query: AuditQueryRequest) -> AuditQueryReply:
-            rows = store.query(tenant_id=query.tenant_id, request_id=query.request_id, adapter_id=query.adapter_id,
-                               kind=query.kind, since=query.since, until=query.until, limit=query.limit)
-            return AuditQueryReply(records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows],
-                                   intact=store.verify() is None if query.tenant_id is None else None)
+            rows = store.query(
+                tenant_id=query.tenant_id,
+                request_id=query.request_id,
+                adapter_id=query.adapter_id,
+                kind=query.kind,
+                since=query.since,
+                until=query.until,
+                limit=query.limit,
+            )
+            return AuditQueryReply(
+                records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows],
+                intact=store.verify() is None if query.tenant_id is None else None,
+            )
 
         await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, on_query, queue="auditor")
         stop = shutdown_event()
@@ -98,12 +113,24 @@ async def run(settings: AuditorSettings) -> None:
         # Resume in stream order right after the last recorded sequence: the index is the cursor,
         # so a restart has no gaps, no duplicates and no reordering.
         start = store.last_stream_seq() + 1
-        await js.subscribe(subjects.AUDIT_ALL, cb=on_audit, stream=subjects.AUDIT_STREAM, ordered_consumer=True,
-                           config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
+        await js.subscribe(
+            subjects.AUDIT_ALL,
+            cb=on_audit,
+            stream=subjects.AUDIT_STREAM,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+        )
         metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
-        beats = asyncio.create_task(publish_heartbeats(
-            nc, "auditor", settings.instance_id, settings.heartbeat_interval_s,
-            lambda: (True, f"{store.count()} records"), metrics_port))
+        beats = asyncio.create_task(
+            publish_heartbeats(
+                nc,
+                "auditor",
+                settings.instance_id,
+                settings.heartbeat_interval_s,
+                lambda: (True, f"{store.count()} records"),
+                metrics_port,
+            )
+        )
         log.info("auditor_started", records=store.count(), resume_from=start)
         while not stop.is_set():
             try:

@@ -65,17 +65,41 @@ class AuditStore:
             self._db.execute(
                 "INSERT INTO audit (pos, stream_seq, kind, tenant_id, request_id, adapter_id, ts, body, prev_hash, hash)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (pos, stream_seq, body["kind"], body["tenant_id"], body.get("request_id"), body.get("adapter_id"),
-                 body["ts"], text, prev, link(prev, pos, text)),
+                (
+                    pos,
+                    stream_seq,
+                    body["kind"],
+                    body["tenant_id"],
+                    body.get("request_id"),
+                    body.get("adapter_id"),
+                    body["ts"],
+                    text,
+                    prev,
+                    link(prev, pos, text),
+                ),
             )
         return True
 
-    def query(self, *, tenant_id: str | None = None, request_id: str | None = None, adapter_id: str | None = None,
-              kind: str | None = None, since: float | None = None, until: float | None = None,
-              limit: int = 100) -> list[AuditRow]:
+    def query(
+        self,
+        *,
+        tenant_id: str | None = None,
+        request_id: str | None = None,
+        adapter_id: str | None = None,
+        kind: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 100,
+    ) -> list[AuditRow]:
         """Records matching every given filter, oldest first; a tenant filter never returns another tenant's."""
-        filters = {"tenant_id = ?": tenant_id, "request_id = ?": request_id, "adapter_id = ?": adapter_id,
-                   "kind = ?": kind, "ts >= ?": since, "ts <= ?": until}
+        filters = {
+            "tenant_id = ?": tenant_id,
+            "request_id = ?": request_id,
+            "adapter_id = ?": adapter_id,
+            "kind = ?": kind,
+            "ts >= ?": since,
+            "ts <= ?": until,
+        }
         where = [clause for clause, value in filters.items() if value is not None]
         args = [value for value in filters.values() if value is not None]
         sql = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit"
@@ -92,7 +116,9 @@ class AuditStore:
     def verify(self) -> int | None:
         """Position of the first broken link (altered, dropped or reordered record), or None."""
         prev, expected_pos = GENESIS, 1
-        for pos, body, prev_hash, hash_ in self._db.execute("SELECT pos, body, prev_hash, hash FROM audit ORDER BY pos"):
+        for pos, body, prev_hash, hash_ in self._db.execute(
+            "SELECT pos, body, prev_hash, hash FROM audit ORDER BY pos"
+        ):
             if pos != expected_pos or prev_hash != prev or link(prev, pos, body) != hash_:
                 return pos
             prev, expected_pos = hash_, pos + 1

@@ -16,6 +16,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
+from services.worker.model_loader import resolve_model_dir
 from shared import signing, subjects
 from shared.adapter_format import read_adapter_dir
 from shared.bus import request
@@ -34,7 +35,6 @@ from shared.schemas import (
     RollbackRequest,
     RolloutRequest,
 )
-from services.worker.model_loader import resolve_model_dir
 
 TIMEOUT_S = 30.0
 

@@ -29,9 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_query(args: argparse.Namespace) -> int:
     store = AuditStore(args.db)
-    rows = store.query(tenant_id=args.tenant, request_id=args.request_id, adapter_id=args.adapter, kind=args.kind,
-                       since=args.since.timestamp() if args.since else None,
-                       until=args.until.timestamp() if args.until else None, limit=args.limit)
+    rows = store.query(
+        tenant_id=args.tenant,
+        request_id=args.request_id,
+        adapter_id=args.adapter,
+        kind=args.kind,
+        since=args.since.timestamp() if args.since else None,
+        until=args.until.timestamp() if args.until else None,
+        limit=args.limit,
+    )
     for row in rows:
         print(json.dumps({"pos": row.pos, "hash": row.hash, **row.body}, sort_keys=True))
     return 0

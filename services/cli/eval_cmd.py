@@ -32,8 +32,11 @@ def eval_set_path(adapter_id: str, given: Path | None) -> Path:
 
 def gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-url", default=os.environ.get("LF_GATEWAY_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--api-key", default=os.environ.get("LF_API_KEY"),
-                        help="the owner tenant's key; an admin-scoped one may evaluate a staging version")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("LF_API_KEY"),
+        help="the owner tenant's key; an admin-scoped one may evaluate a staging version",
+    )
     parser.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--eval-set", type=Path, help="JSONL eval set; default: the shipped example's")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -43,8 +46,14 @@ async def _run(args: argparse.Namespace) -> tuple[str, int, Evaluation]:
     adapter_id, version = parse_target(args.target)
     eval_set = load_eval_set(eval_set_path(adapter_id, args.eval_set))
     client = gateway_client(args.gateway_url, args.api_key or "")
-    evaluation = await evaluate(client, adapter_id, version, eval_set,
-                                base_model=args.base_model if args.base else None, max_tokens=args.max_tokens)
+    evaluation = await evaluate(
+        client,
+        adapter_id,
+        version,
+        eval_set,
+        base_model=args.base_model if args.base else None,
+        max_tokens=args.max_tokens,
+    )
     if not args.no_record:
         nc = await cli_connect(args.nats_url)
         try:

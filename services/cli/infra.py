@@ -112,8 +112,19 @@ def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config:
 def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Server:
     state_dir.mkdir(parents=True, exist_ok=True)
     args = (
-        redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(state_dir),
-        "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+        redis_server_binary(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(state_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--protected-mode",
+        "yes",
     )
     proc = _spawn(args, log_file)
     wait_port(port, 15, proc)

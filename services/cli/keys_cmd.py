@@ -5,11 +5,11 @@ import asyncio
 import os
 from pathlib import Path
 
+from services.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
 from shared import signing, subjects
 from shared.bus import request
 from shared.errors import LorafleetError
 from shared.schemas import ListKeysRequest, TrustedKeysReply, TrustKeyRequest
-from services.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
 
 
 def generate(name: str, out_dir: Path) -> tuple[Path, str]:

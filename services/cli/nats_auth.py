@@ -20,7 +20,12 @@ from pathlib import Path
 
 from services.cli.infra import Server, start_nats
 from services.cli.nats_permissions import (
-    ADMIN, SERVICES, admin_permissions, service_permissions, tenant_inbox, tenant_permissions,
+    ADMIN,
+    SERVICES,
+    admin_permissions,
+    service_permissions,
+    tenant_inbox,
+    tenant_permissions,
 )
 from shared import subjects
 from shared.bus import connect, ensure_streams
@@ -60,8 +65,10 @@ def render_config(creds: Secrets, server: dict | None = None, tls: dict | None =
     perms = service_permissions(creds.tenants)
     users = [{"user": name, "password": creds.users[name], "permissions": perms[name].to_conf()} for name in SERVICES]
     users.append({"user": ADMIN, "password": creds.users[ADMIN], "permissions": admin_permissions().to_conf()})
-    users += [{"user": f"tenant-{t}", "password": pw, "permissions": tenant_permissions(t).to_conf()}
-              for t, pw in sorted(creds.tenants.items())]
+    users += [
+        {"user": f"tenant-{t}", "password": pw, "permissions": tenant_permissions(t).to_conf()}
+        for t, pw in sorted(creds.tenants.items())
+    ]
     conf: dict = {**(server or {}), "authorization": {"users": users}}
     if tls:
         conf["tls"] = tls
@@ -77,8 +84,12 @@ def write_private(path: Path, text: str) -> None:
 
 
 COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": {"store_dir": "/data"}}
-COMPOSE_TLS = {"cert_file": "/etc/nats/tls/server.pem", "key_file": "/etc/nats/tls/server-key.pem",
-               "ca_file": "/etc/nats/tls/ca.pem", "timeout": 2}
+COMPOSE_TLS = {
+    "cert_file": "/etc/nats/tls/server.pem",
+    "key_file": "/etc/nats/tls/server-key.pem",
+    "ca_file": "/etc/nats/tls/ca.pem",
+    "timeout": 2,
+}
 
 
 def init_deploy(directory: Path, tls: bool = False) -> Secrets:
@@ -183,9 +194,11 @@ def _init(args: argparse.Namespace) -> int:
 
 def _tenant(args: argparse.Namespace) -> int:
     password = add_tenant_user(args.dir, args.tenant)
-    print(f"user: tenant-{args.tenant}\npassword: {password}\ninbox_prefix: {tenant_inbox(args.tenant)}\n"
-          f"publish to: {subjects.infer_submit(args.tenant)}\n"
-          "reload the server to apply: docker compose kill -s HUP nats")
+    print(
+        f"user: tenant-{args.tenant}\npassword: {password}\ninbox_prefix: {tenant_inbox(args.tenant)}\n"
+        f"publish to: {subjects.infer_submit(args.tenant)}\n"
+        "reload the server to apply: docker compose kill -s HUP nats"
+    )
     return 0
 
 

@@ -21,14 +21,26 @@ def parse_steps(text: str) -> list[float]:
 
 async def _run(args: argparse.Namespace) -> CanaryOutcome:
     eval_set = load_eval_set(eval_set_path(args.adapter, args.eval_set))
-    policy = CanaryPolicy(max_quality_drop=args.max_quality_drop, max_latency_ratio=args.max_latency_ratio,
-                          max_error_rate_increase=args.max_error_increase)
+    policy = CanaryPolicy(
+        max_quality_drop=args.max_quality_drop,
+        max_latency_ratio=args.max_latency_ratio,
+        max_error_rate_increase=args.max_error_increase,
+    )
     nc = await cli_connect(args.nats_url)
     try:
-        return await run_canary(nc, gateway_client(args.gateway_url, args.api_key or ""), args.adapter,
-                                args.version, parse_steps(args.steps), eval_set, actor=actor(),
-                                audit_db=args.audit_db, policy=policy, max_tokens=args.max_tokens,
-                                force=args.force)
+        return await run_canary(
+            nc,
+            gateway_client(args.gateway_url, args.api_key or ""),
+            args.adapter,
+            args.version,
+            parse_steps(args.steps),
+            eval_set,
+            actor=actor(),
+            audit_db=args.audit_db,
+            policy=policy,
+            max_tokens=args.max_tokens,
+            force=args.force,
+        )
     finally:
         await nc.drain()
 
@@ -50,8 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("adapter")
     p.add_argument("--version", type=int, required=True)
     p.add_argument("--steps", default="1,10,50,100", help="traffic percentages, comma separated")
-    p.add_argument("--audit-db", type=Path, default=Path(os.environ.get("LF_DB_PATH", ".lorafleet/audit.sqlite3")),
-                   help="the auditor's SQLite index, for TTFT/TPOT of the eval requests")
+    p.add_argument(
+        "--audit-db",
+        type=Path,
+        default=Path(os.environ.get("LF_DB_PATH", ".lorafleet/audit.sqlite3")),
+        help="the auditor's SQLite index, for TTFT/TPOT of the eval requests",
+    )
     p.add_argument("--max-quality-drop", type=float, default=0.05)
     p.add_argument("--max-latency-ratio", type=float, default=2.0)
     p.add_argument("--max-error-increase", type=float, default=0.05)

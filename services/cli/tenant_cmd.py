@@ -14,16 +14,28 @@ from shared import subjects
 from shared.bus import request
 from shared.errors import LorafleetError
 from shared.schemas import (
-    ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, CreateTenantRequest, ListApiKeysRequest,
-    ListTenantsRequest, RevokeApiKeyRequest, SetQuotaRequest, TenantQuota, TenantsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ListApiKeysRequest,
+    ListTenantsRequest,
+    RevokeApiKeyRequest,
+    SetQuotaRequest,
+    TenantQuota,
+    TenantsReply,
 )
 
 Op = tuple[str, BaseModel, type[BaseModel]]
 
 
 def _quota(args: argparse.Namespace) -> TenantQuota:
-    return TenantQuota(requests_per_min=args.rpm, tokens_per_min=args.tpm, max_concurrent=args.concurrent,
-                       max_gpu_adapter_slots=args.gpu_slots)
+    return TenantQuota(
+        requests_per_min=args.rpm,
+        tokens_per_min=args.tpm,
+        max_concurrent=args.concurrent,
+        max_gpu_adapter_slots=args.gpu_slots,
+    )
 
 
 def _op(args: argparse.Namespace) -> Op:
@@ -31,12 +43,18 @@ def _op(args: argparse.Namespace) -> Op:
     ops: dict[str, Callable[[], Op]] = {
         "tenant create": lambda: ("tenant_create", CreateTenantRequest(tenant_id=args.name, actor=who), TenantsReply),
         "tenant list": lambda: ("tenants", ListTenantsRequest(), TenantsReply),
-        "key create": lambda: ("api_key_create", CreateApiKeyRequest(
-            tenant_id=args.tenant, scopes=["inference", *args.scope], actor=who), ApiKeyCreatedReply),
+        "key create": lambda: (
+            "api_key_create",
+            CreateApiKeyRequest(tenant_id=args.tenant, scopes=["inference", *args.scope], actor=who),
+            ApiKeyCreatedReply,
+        ),
         "key revoke": lambda: ("api_key_revoke", RevokeApiKeyRequest(key_id=args.key_id, actor=who), ApiKeysReply),
         "key list": lambda: ("api_keys", ListApiKeysRequest(tenant_id=args.tenant), ApiKeysReply),
-        "quota set": lambda: ("quota_set", SetQuotaRequest(tenant_id=args.tenant, quota=_quota(args), actor=who),
-                              TenantsReply),
+        "quota set": lambda: (
+            "quota_set",
+            SetQuotaRequest(tenant_id=args.tenant, quota=_quota(args), actor=who),
+            TenantsReply,
+        ),
     }
     return ops[f"{args.command} {args.sub}"]()
 

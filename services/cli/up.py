@@ -25,11 +25,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def example(port: int, key: str, model: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 40, "temperature": 0})
-    return (f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
-            f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-            f"  -d '{body}'")
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 40,
+            "temperature": 0,
+        }
+    )
+    return (
+        f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
+        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}'"
+    )
 
 
 def _interrupt(*_: object) -> None:
@@ -38,8 +46,10 @@ def _interrupt(*_: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     state = args.state_dir.resolve()
-    ports = {name: pick_port(wanted) for name, wanted in
-             (("gateway", args.port), ("nats", args.nats_port), ("redis", args.redis_port))}
+    ports = {
+        name: pick_port(wanted)
+        for name, wanted in (("gateway", args.port), ("nats", args.nats_port), ("redis", args.redis_port))
+    }
     for name, wanted in (("gateway", args.port), ("nats", args.nats_port), ("redis", args.redis_port)):
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
@@ -47,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
     nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log")
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
     env = {
-        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(ports["gateway"]),
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(ports["gateway"]),
         "LF_DB_PATH": str(state / "audit.sqlite3"),
-        "LF_MODEL_CACHE": str(state / "models"), "LF_RELEASE_REQUIRE_EVAL": "1",
+        "LF_MODEL_CACHE": str(state / "models"),
+        "LF_RELEASE_REQUIRE_EVAL": "1",
     }
     stack = Stack(env, state / "logs")
     try:
@@ -60,22 +73,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
         key = asyncio.run(ensure_demo_key(auth.admin_url(nats.url), state))
         model = "SmolLM2-135M-Instruct"
-        print(f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
-              f"{example(ports['gateway'], key, model)}\n\nor with the openai client:\n"
-              f"{openai_snippet(ports['gateway'], key, model)}\n")
+        print(
+            f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
+            f"{example(ports['gateway'], key, model)}\n\nor with the openai client:\n"
+            f"{openai_snippet(ports['gateway'], key, model)}\n"
+        )
         print("releasing the example adapters (signed, evaluated through the gateway, gated)...")
-        demos = asyncio.run(seed_demo_adapters(auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}",
-                                               state, DEMO_TENANT, ACTOR))
+        demos = asyncio.run(
+            seed_demo_adapters(
+                auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}", state, DEMO_TENANT, ACTOR
+            )
+        )
         for demo in demos:
             print(f"  {demo.summary}")
         for demo in demos[:2]:
-            print(f"\n{demo.adapter_id} answers its own task:\n"
-                  f"{curl_example(ports['gateway'], key, demo.adapter_id, demo.prompt)}")
+            print(
+                f"\n{demo.adapter_id} answers its own task:\n"
+                f"{curl_example(ports['gateway'], key, demo.adapter_id, demo.prompt)}"
+            )
             if demo.answer is not None:
                 print(f"  -> {demo.answer}")
         print()
-        print(f"NATS requires auth: admin password in {state / 'admin.env'} "
-              f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})")
+        print(
+            f"NATS requires auth: admin password in {state / 'admin.env'} "
+            f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})"
+        )
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
         while True:

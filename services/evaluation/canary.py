@@ -74,29 +74,55 @@ def latency(audit_db: Path | None, report: EvalReport, wait_s: float = 5.0) -> t
     return statistics.median(r["ttft_ms"] for r in rows), statistics.median(r["tpot_ms"] for r in rows)
 
 
-async def measure(client: openai.AsyncOpenAI, model: str, eval_set: EvalSet, audit_db: Path | None,
-                  max_tokens: int) -> VersionStats:
+async def measure(
+    client: openai.AsyncOpenAI, model: str, eval_set: EvalSet, audit_db: Path | None, max_tokens: int
+) -> VersionStats:
     report = await run_eval(client, model, eval_set, max_tokens=max_tokens)
     ttft, tpot = await asyncio.to_thread(latency, audit_db, report)
     return VersionStats(score=report.score, error_rate=report.error_rate, ttft_ms=ttft, tpot_ms=tpot)
 
 
-async def run_canary(nc: NATS, client: openai.AsyncOpenAI, adapter_id: str, version: int, steps: list[float],
-                     eval_set: EvalSet, *, actor: str, audit_db: Path | None, policy: CanaryPolicy = CanaryPolicy(),
-                     max_tokens: int = 48, force: bool = False, say: Callable[[str], None] = print) -> CanaryOutcome:
+async def run_canary(
+    nc: NATS,
+    client: openai.AsyncOpenAI,
+    adapter_id: str,
+    version: int,
+    steps: list[float],
+    eval_set: EvalSet,
+    *,
+    actor: str,
+    audit_db: Path | None,
+    policy: CanaryPolicy = CanaryPolicy(),
+    max_tokens: int = 48,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+) -> CanaryOutcome:
     """Promote ``version`` to the first step's share, then check and advance; roll back on regression."""
-    records = (await request(nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id),
-                             AdapterRecordsReply, REGISTRY_TIMEOUT_S)).records
+    records = (
+        await request(
+            nc,
+            subjects.registry("get"),
+            GetAdapterRequest(adapter_id=adapter_id),
+            AdapterRecordsReply,
+            REGISTRY_TIMEOUT_S,
+        )
+    ).records
     old = next((r.version for r in records if r.status == "production" and r.version != version), None)
     current = next((r for r in records if r.version == version), None)
     if current is None or current.status == "staging":
-        await promote(nc, adapter_id, version, steps[0], actor, force=force,
-                      reason="forced canary start" if force else None)
+        await promote(
+            nc, adapter_id, version, steps[0], actor, force=force, reason="forced canary start" if force else None
+        )
         say(f"{adapter_id} v{version}: canary at {steps[0]:g}%")
     for i, percent in enumerate(steps):
         if i > 0:
-            await request(nc, subjects.registry("rollout"), RolloutRequest(
-                adapter_id=adapter_id, traffic_percent=percent, actor=actor), AdapterRecordsReply, REGISTRY_TIMEOUT_S)
+            await request(
+                nc,
+                subjects.registry("rollout"),
+                RolloutRequest(adapter_id=adapter_id, traffic_percent=percent, actor=actor),
+                AdapterRecordsReply,
+                REGISTRY_TIMEOUT_S,
+            )
             say(f"{adapter_id} v{version}: rollout to {percent:g}%")
         if old is None or percent >= 100:
             continue  # nothing to compare with, or the new version already took all traffic
@@ -106,8 +132,13 @@ async def run_canary(nc: NATS, client: openai.AsyncOpenAI, adapter_id: str, vers
         reasons = regressions(new_stats, old_stats, policy)
         if reasons:
             why = f"canary v{version} at {percent:g}% regressed vs v{old}: " + "; ".join(reasons)
-            await request(nc, subjects.registry("rollback"), RollbackRequest(
-                adapter_id=adapter_id, reason=why[:500], actor=actor), AdapterRecordsReply, REGISTRY_TIMEOUT_S)
+            await request(
+                nc,
+                subjects.registry("rollback"),
+                RollbackRequest(adapter_id=adapter_id, reason=why[:500], actor=actor),
+                AdapterRecordsReply,
+                REGISTRY_TIMEOUT_S,
+            )
             say(f"rolled back: {why}")
             return CanaryOutcome(released=False, percent=percent, reasons=reasons)
     return CanaryOutcome(released=True, percent=steps[-1], reasons=[])

@@ -62,8 +62,9 @@ async def _wait_for_key(client: openai.AsyncOpenAI, timeout_s: float = 15.0) -> 
             await asyncio.sleep(0.3)
 
 
-async def seed_demo_adapters(nats_url: str, gateway_url: str, state_dir: Path, tenant_id: str,
-                             actor: str) -> list[DemoAdapter]:
+async def seed_demo_adapters(
+    nats_url: str, gateway_url: str, state_dir: Path, tenant_id: str, actor: str
+) -> list[DemoAdapter]:
     """Release every example adapter the registry has no production version of; all of them listed."""
     if not EXAMPLES.is_dir():
         return []
@@ -76,13 +77,24 @@ async def seed_demo_adapters(nats_url: str, gateway_url: str, state_dir: Path, t
         await nc.drain()
 
 
-async def _seed(nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, tenant_id: str,
-                actor: str) -> list[DemoAdapter]:
+async def _seed(
+    nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, tenant_id: str, actor: str
+) -> list[DemoAdapter]:
     key_file, public = _signing_key(state_dir)
-    await request(nc, subjects.registry("trust_key"), TrustKeyRequest(signer=SIGNER, public_key=public, actor=actor),
-                  TrustedKeysReply, TIMEOUT_S)
-    created = await request(nc, subjects.registry("api_key_create"), CreateApiKeyRequest(
-        tenant_id=tenant_id, scopes=["inference", "admin"], actor=actor), ApiKeyCreatedReply, TIMEOUT_S)
+    await request(
+        nc,
+        subjects.registry("trust_key"),
+        TrustKeyRequest(signer=SIGNER, public_key=public, actor=actor),
+        TrustedKeysReply,
+        TIMEOUT_S,
+    )
+    created = await request(
+        nc,
+        subjects.registry("api_key_create"),
+        CreateApiKeyRequest(tenant_id=tenant_id, scopes=["inference", "admin"], actor=actor),
+        ApiKeyCreatedReply,
+        TIMEOUT_S,
+    )
     client = gateway_client(gateway_url, created.key)
     seeded = []
     try:
@@ -90,35 +102,66 @@ async def _seed(nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, t
         for directory in sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()):
             seeded.append(await _release(nc, client, directory, key_file, fingerprint, tenant_id, actor))
     finally:
-        await request(nc, subjects.registry("api_key_revoke"), RevokeApiKeyRequest(
-            key_id=created.info.key_id, actor=actor), ApiKeysReply, TIMEOUT_S)
+        await request(
+            nc,
+            subjects.registry("api_key_revoke"),
+            RevokeApiKeyRequest(key_id=created.info.key_id, actor=actor),
+            ApiKeysReply,
+            TIMEOUT_S,
+        )
     return seeded
 
 
-async def _release(nc: NATS, client: openai.AsyncOpenAI, directory: Path, key_file: Path, fingerprint: str,
-                   tenant_id: str, actor: str) -> DemoAdapter:
+async def _release(
+    nc: NATS, client: openai.AsyncOpenAI, directory: Path, key_file: Path, fingerprint: str, tenant_id: str, actor: str
+) -> DemoAdapter:
     adapter_id = directory.name
     eval_set = load_eval_set(directory / "eval.jsonl")
     prompt = (eval_set.items[0].messages or [{"content": ""}])[-1]["content"]
-    records = (await request(nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id),
-                             AdapterRecordsReply, TIMEOUT_S)).records
+    records = (
+        await request(
+            nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id), AdapterRecordsReply, TIMEOUT_S
+        )
+    ).records
     live = next((r for r in records if r.status == "production"), None)
     if live is not None:
-        return DemoAdapter(adapter_id, live.version, prompt, f"{adapter_id}@{live.version}: already in production, "
-                           f"score {live.eval_results.get('score', float('nan')):.3f}")
-    record = await push_adapter(nc, directory / "adapter", adapter_id=adapter_id, tenant_id=tenant_id, task_type=adapter_id,
-                                base_fingerprint=fingerprint, sign_key=key_file, who=actor)
-    evaluation = await evaluate(client, adapter_id, record.version, eval_set, base_model=EMBEDDED_MODEL_NAME,
-                                max_tokens=40)
+        return DemoAdapter(
+            adapter_id,
+            live.version,
+            prompt,
+            f"{adapter_id}@{live.version}: already in production, "
+            f"score {live.eval_results.get('score', float('nan')):.3f}",
+        )
+    record = await push_adapter(
+        nc,
+        directory / "adapter",
+        adapter_id=adapter_id,
+        tenant_id=tenant_id,
+        task_type=adapter_id,
+        base_fingerprint=fingerprint,
+        sign_key=key_file,
+        who=actor,
+    )
+    evaluation = await evaluate(
+        client, adapter_id, record.version, eval_set, base_model=EMBEDDED_MODEL_NAME, max_tokens=40
+    )
     await record_eval(nc, adapter_id, record.version, evaluation, actor)
     await promote(nc, adapter_id, record.version, 100, actor)
-    return DemoAdapter(adapter_id, record.version, prompt, summary(adapter_id, record.version, evaluation),
-                       evaluation.adapter.answers[0])
+    return DemoAdapter(
+        adapter_id,
+        record.version,
+        prompt,
+        summary(adapter_id, record.version, evaluation),
+        evaluation.adapter.answers[0],
+    )
 
 
 def curl_example(port: int, key: str, model: str, prompt: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
-                       "temperature": 0}).replace("'", "'\\''")  # inside a single-quoted shell word
-    return (f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
-            f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-            f"  -d '{body}'")
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0}
+    ).replace("'", "'\\''")  # inside a single-quoted shell word
+    return (
+        f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
+        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"  -d '{body}'"
+    )

@@ -22,8 +22,10 @@ def check_release(candidate: AdapterRecord, production: AdapterRecord | None, po
     results = candidate.eval_results
     if "score" not in results:
         if policy.require_eval:
-            raise ReleaseGateFailed(f"{name} has no recorded eval: run `lorafleet eval {candidate.adapter_id}@"
-                                    f"{candidate.version}` first (or promote with --force)")
+            raise ReleaseGateFailed(
+                f"{name} has no recorded eval: run `lorafleet eval {candidate.adapter_id}@"
+                f"{candidate.version}` first (or promote with --force)"
+            )
         return
     score = results["score"]
     threshold = max(results.get("threshold", 0.0), policy.min_score)

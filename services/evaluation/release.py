@@ -25,15 +25,26 @@ class Evaluation:
 
     def results(self) -> dict[str, float]:
         """What the registry records in the version's eval slot."""
-        results = {"score": self.adapter.score, "threshold": self.threshold, "items": float(len(self.adapter.scores)),
-                   "error_rate": self.adapter.error_rate}
+        results = {
+            "score": self.adapter.score,
+            "threshold": self.threshold,
+            "items": float(len(self.adapter.scores)),
+            "error_rate": self.adapter.error_rate,
+        }
         if self.base is not None:
             results["base_score"] = self.base.score
         return results
 
 
-async def evaluate(client: openai.AsyncOpenAI, adapter_id: str, version: int, eval_set: EvalSet, *,
-                   base_model: str | None, max_tokens: int = 48) -> Evaluation:
+async def evaluate(
+    client: openai.AsyncOpenAI,
+    adapter_id: str,
+    version: int,
+    eval_set: EvalSet,
+    *,
+    base_model: str | None,
+    max_tokens: int = 48,
+) -> Evaluation:
     """Score ``adapter_id@version`` (a staging version needs an admin-scoped key) and, if named, the base.
 
     Raises ServiceUnavailable when no request was answered: an outage is not a score to record."""
@@ -45,17 +56,30 @@ async def evaluate(client: openai.AsyncOpenAI, adapter_id: str, version: int, ev
 
 
 async def record_eval(nc: NATS, adapter_id: str, version: int, evaluation: Evaluation, actor: str) -> AdapterRecord:
-    reply = await request(nc, subjects.registry("record_eval"), RecordEvalRequest(
-        adapter_id=adapter_id, version=version, results=evaluation.results(), actor=actor),
-        AdapterRecordsReply, REGISTRY_TIMEOUT_S)
+    reply = await request(
+        nc,
+        subjects.registry("record_eval"),
+        RecordEvalRequest(adapter_id=adapter_id, version=version, results=evaluation.results(), actor=actor),
+        AdapterRecordsReply,
+        REGISTRY_TIMEOUT_S,
+    )
     return reply.records[0]
 
 
-async def promote(nc: NATS, adapter_id: str, version: int, percent: float, actor: str, *, force: bool = False,
-                  reason: str | None = None) -> list[AdapterRecord]:
+async def promote(
+    nc: NATS,
+    adapter_id: str,
+    version: int,
+    percent: float,
+    actor: str,
+    *,
+    force: bool = False,
+    reason: str | None = None,
+) -> list[AdapterRecord]:
     """staging -> canary at ``percent`` (100 = production); the registry's release gate decides."""
-    message = PromoteRequest(adapter_id=adapter_id, version=version, traffic_percent=percent, force=force,
-                             reason=reason, actor=actor)
+    message = PromoteRequest(
+        adapter_id=adapter_id, version=version, traffic_percent=percent, force=force, reason=reason, actor=actor
+    )
     return (await request(nc, subjects.registry("promote"), message, AdapterRecordsReply, REGISTRY_TIMEOUT_S)).records
 
 

@@ -60,8 +60,14 @@ def load_eval_set(path: Path) -> EvalSet:
         if ("messages" in row) == ("prompt" in row) or "expected" not in row:
             raise InvalidRequest(f"{path}:{number}: an item needs expected and exactly one of messages or prompt")
         scorer(row.get("scorer", "exact"))
-        items.append(EvalItem(expected=row["expected"], scorer=row.get("scorer", "exact"),
-                              messages=row.get("messages"), prompt=row.get("prompt")))
+        items.append(
+            EvalItem(
+                expected=row["expected"],
+                scorer=row.get("scorer", "exact"),
+                messages=row.get("messages"),
+                prompt=row.get("prompt"),
+            )
+        )
     if not items:
         raise InvalidRequest(f"{path}: the eval set is empty")
     return EvalSet(items=items, threshold=threshold)
@@ -71,17 +77,20 @@ async def _ask(client: openai.AsyncOpenAI, model: str, item: EvalItem, max_token
     """(answer, request id): greedy decoding, so a score is reproducible."""
     if item.messages is not None:
         raw = await client.chat.completions.with_raw_response.create(
-            model=model, messages=item.messages, max_tokens=max_tokens, temperature=0)
+            model=model, messages=item.messages, max_tokens=max_tokens, temperature=0
+        )
         text = raw.parse().choices[0].message.content or ""
     else:
         raw = await client.completions.with_raw_response.create(
-            model=model, prompt=item.prompt or "", max_tokens=max_tokens, temperature=0)
+            model=model, prompt=item.prompt or "", max_tokens=max_tokens, temperature=0
+        )
         text = raw.parse().choices[0].text
     return text, raw.headers.get("x-lorafleet-request-id", "")
 
 
-async def run_eval(client: openai.AsyncOpenAI, model: str, eval_set: EvalSet, *, max_tokens: int = 48,
-                   concurrency: int = 8) -> EvalReport:
+async def run_eval(
+    client: openai.AsyncOpenAI, model: str, eval_set: EvalSet, *, max_tokens: int = 48, concurrency: int = 8
+) -> EvalReport:
     """Every item concurrently (bounded), so the worker batches them; a failed request scores 0."""
     report = EvalReport(model=model)
     gate = asyncio.Semaphore(concurrency)
@@ -105,5 +114,6 @@ async def run_eval(client: openai.AsyncOpenAI, model: str, eval_set: EvalSet, *,
 
 
 def gateway_client(gateway_url: str, api_key: str, timeout_s: float = 300.0) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gateway_url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
-                              timeout=timeout_s)
+    return openai.AsyncOpenAI(
+        base_url=f"{gateway_url.rstrip('/')}/v1", api_key=api_key, max_retries=0, timeout=timeout_s
+    )

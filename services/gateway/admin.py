@@ -17,8 +17,18 @@ from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import Forbidden, NotFound
 from shared.schemas import (
-    ApiKeyCreatedReply, ApiKeysReply, ApiScope, CreateApiKeyRequest, CreateTenantRequest, Identifier,
-    ListApiKeysRequest, ListTenantsRequest, RevokeApiKeyRequest, SetQuotaRequest, TenantQuota, TenantsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    ApiScope,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    Identifier,
+    ListApiKeysRequest,
+    ListTenantsRequest,
+    RevokeApiKeyRequest,
+    SetQuotaRequest,
+    TenantQuota,
+    TenantsReply,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -63,11 +73,13 @@ def require_platform(caller: Principal) -> None:
 
 
 @router.get("/tenants", response_model=TenantsReply, responses=ERRORS)
-async def list_tenants(request: Request, tenant: Identifier | None = None,
-                       caller: Principal = Depends(admin_caller)) -> TenantsReply:
+async def list_tenants(
+    request: Request, tenant: Identifier | None = None, caller: Principal = Depends(admin_caller)
+) -> TenantsReply:
     """Tenants and their quotas: all of them for a platform admin, else the caller's own."""
-    return await registry_call(request, "tenants", ListTenantsRequest(tenant_id=scoped_tenant(caller, tenant)),
-                               TenantsReply)
+    return await registry_call(
+        request, "tenants", ListTenantsRequest(tenant_id=scoped_tenant(caller, tenant)), TenantsReply
+    )
 
 
 @router.post("/tenants", response_model=TenantsReply, status_code=201, responses=error_responses(409, *ERRORS))
@@ -78,8 +90,9 @@ async def create_tenant(body: NewTenant, request: Request, caller: Principal = D
 
 
 @router.put("/tenants/{tenant_id}/quota", response_model=TenantsReply, responses=ERRORS)
-async def set_quota(tenant_id: Identifier, quota: TenantQuota, request: Request,
-                    caller: Principal = Depends(admin_caller)) -> TenantsReply:
+async def set_quota(
+    tenant_id: Identifier, quota: TenantQuota, request: Request, caller: Principal = Depends(admin_caller)
+) -> TenantsReply:
     """Replace the tenant's limits (None = unlimited); the scheduler enforces them."""
     require_platform(caller)
     message = SetQuotaRequest(tenant_id=tenant_id, quota=quota, actor=actor(caller))
@@ -87,11 +100,13 @@ async def set_quota(tenant_id: Identifier, quota: TenantQuota, request: Request,
 
 
 @router.get("/keys", response_model=ApiKeysReply, responses=ERRORS)
-async def list_keys(request: Request, tenant: Identifier | None = None,
-                    caller: Principal = Depends(admin_caller)) -> ApiKeysReply:
+async def list_keys(
+    request: Request, tenant: Identifier | None = None, caller: Principal = Depends(admin_caller)
+) -> ApiKeysReply:
     """API keys without their secrets."""
-    return await registry_call(request, "api_keys", ListApiKeysRequest(tenant_id=scoped_tenant(caller, tenant)),
-                               ApiKeysReply)
+    return await registry_call(
+        request, "api_keys", ListApiKeysRequest(tenant_id=scoped_tenant(caller, tenant)), ApiKeysReply
+    )
 
 
 @router.post("/keys", response_model=ApiKeyCreatedReply, status_code=201, responses=ERRORS)
@@ -105,7 +120,9 @@ async def create_key(body: NewKey, request: Request, caller: Principal = Depends
 
 
 @router.delete("/keys/{key_id}", response_model=ApiKeysReply, responses=ERRORS)
-async def revoke_key(request: Request, key_id: str = Path(pattern=r"^[0-9a-f]{16}$"), caller: Principal = Depends(admin_caller)) -> ApiKeysReply:
+async def revoke_key(
+    request: Request, key_id: str = Path(pattern=r"^[0-9a-f]{16}$"), caller: Principal = Depends(admin_caller)
+) -> ApiKeysReply:
     """Revoke at once: the gateways' key mirrors drop it within milliseconds."""
     message = RevokeApiKeyRequest(key_id=key_id, tenant_id=scoped_tenant(caller, None), actor=actor(caller))
     return await registry_call(request, "api_key_revoke", message, ApiKeysReply)

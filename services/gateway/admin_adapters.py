@@ -16,8 +16,17 @@ from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
 from shared.schemas import (
-    AdapterRecordsReply, GetAdapterRequest, Identifier, ListAdaptersRequest, PromoteRequest, RegisterRequest,
-    RetireRequest, RevokeRequest, RollbackRequest, RolloutRequest, TrafficPercent,
+    AdapterRecordsReply,
+    GetAdapterRequest,
+    Identifier,
+    ListAdaptersRequest,
+    PromoteRequest,
+    RegisterRequest,
+    RetireRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+    TrafficPercent,
 )
 
 router = APIRouter(prefix="/admin/adapters", tags=["admin"])
@@ -60,16 +69,18 @@ async def owned(request: Request, caller: Principal, adapter_id: str) -> Adapter
 
 
 @router.get("", response_model=AdapterRecordsReply, responses=ERRORS)
-async def list_adapters(request: Request, tenant: Identifier | None = None,
-                        caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def list_adapters(
+    request: Request, tenant: Identifier | None = None, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     """Every version of the tenant's adapters (every tenant's, for a platform admin without ?tenant)."""
     message = ListAdaptersRequest(tenant_id=scoped_tenant(caller, tenant))
     return await registry_call(request, "adapters", message, AdapterRecordsReply)
 
 
 @router.get("/{adapter_id}", response_model=AdapterRecordsReply, responses=ERRORS)
-async def get_adapter(request: Request, adapter_id: str = AdapterId,
-                      caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def get_adapter(
+    request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     return await owned(request, caller, adapter_id)
 
 
@@ -83,12 +94,18 @@ async def _read(upload: UploadFile, limit: int) -> bytes:
 @router.post("", response_model=AdapterRecordsReply, status_code=201, responses=CHANGE_ERRORS)
 async def push_adapter(
     request: Request,
-    adapter_id: str = Form(pattern=ID_PATTERN), task_type: str = Form(min_length=1, max_length=64),
-    adapter_config: UploadFile = File(description=CONFIG_FILE), adapter_model: UploadFile = File(description=WEIGHTS_FILE),
-    tenant_id: Identifier | None = Form(default=None, description="default: the caller's tenant; 'shared' needs platform_admin"),
+    adapter_id: str = Form(pattern=ID_PATTERN),
+    task_type: str = Form(min_length=1, max_length=64),
+    adapter_config: UploadFile = File(description=CONFIG_FILE),
+    adapter_model: UploadFile = File(description=WEIGHTS_FILE),
+    tenant_id: Identifier | None = Form(
+        default=None, description="default: the caller's tenant; 'shared' needs platform_admin"
+    ),
     version: int | None = Form(default=None, ge=1, description="the version a signature was made for"),
-    signature: str | None = Form(default=None, max_length=200), signer: Identifier | None = Form(default=None),
-    aliases: list[Identifier] = Form(default=[]), allowed_scopes: list[str] = Form(default=[]),
+    signature: str | None = Form(default=None, max_length=200),
+    signer: Identifier | None = Form(default=None),
+    aliases: list[Identifier] = Form(default=[]),
+    allowed_scopes: list[str] = Form(default=[]),
     caller: Principal = Depends(admin_caller),
 ) -> AdapterRecordsReply:
     """Upload a PEFT adapter (status staging); the registry validates, verifies and stores it."""
@@ -102,8 +119,17 @@ async def push_adapter(
     upload_id = secrets.token_hex(12)
     try:
         message = RegisterRequest(
-            adapter_id=adapter_id, tenant_id=tenant, task_type=task_type, version=version, upload_id=upload_id,
-            signature=signature, signer=signer, aliases=aliases, allowed_scopes=allowed_scopes, actor=actor(caller))
+            adapter_id=adapter_id,
+            tenant_id=tenant,
+            task_type=task_type,
+            version=version,
+            upload_id=upload_id,
+            signature=signature,
+            signer=signer,
+            aliases=aliases,
+            allowed_scopes=allowed_scopes,
+            actor=actor(caller),
+        )
     except ValidationError as e:
         raise InvalidRequest(f"push: {e.errors()[0]['msg']}") from None
     store = await ctx.js.object_store(subjects.ADAPTER_UPLOADS_BUCKET)
@@ -113,42 +139,49 @@ async def push_adapter(
 
 
 @router.post("/{adapter_id}/promote", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
-async def promote(body: Promote, request: Request, adapter_id: str = AdapterId,
-                  caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def promote(
+    body: Promote, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     """staging -> canary at traffic_percent (100 = production)."""
     await owned(request, caller, adapter_id)
-    message = PromoteRequest(adapter_id=adapter_id, version=body.version, traffic_percent=body.traffic_percent,
-                             actor=actor(caller))
+    message = PromoteRequest(
+        adapter_id=adapter_id, version=body.version, traffic_percent=body.traffic_percent, actor=actor(caller)
+    )
     return await registry_call(request, "promote", message, AdapterRecordsReply)
 
 
 @router.post("/{adapter_id}/rollout", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
-async def rollout(body: Rollout, request: Request, adapter_id: str = AdapterId,
-                  caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def rollout(
+    body: Rollout, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     await owned(request, caller, adapter_id)
     message = RolloutRequest(adapter_id=adapter_id, traffic_percent=body.traffic_percent, actor=actor(caller))
     return await registry_call(request, "rollout", message, AdapterRecordsReply)
 
 
 @router.post("/{adapter_id}/rollback", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
-async def rollback(request: Request, adapter_id: str = AdapterId,
-                   caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def rollback(
+    request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     await owned(request, caller, adapter_id)
-    return await registry_call(request, "rollback", RollbackRequest(adapter_id=adapter_id, actor=actor(caller)),
-                               AdapterRecordsReply)
+    return await registry_call(
+        request, "rollback", RollbackRequest(adapter_id=adapter_id, actor=actor(caller)), AdapterRecordsReply
+    )
 
 
 @router.post("/{adapter_id}/retire", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
-async def retire(body: Retire, request: Request, adapter_id: str = AdapterId,
-                 caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def retire(
+    body: Retire, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     await owned(request, caller, adapter_id)
     message = RetireRequest(adapter_id=adapter_id, version=body.version, actor=actor(caller))
     return await registry_call(request, "retire", message, AdapterRecordsReply)
 
 
 @router.post("/{adapter_id}/revoke", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
-async def revoke(body: Revoke, request: Request, adapter_id: str = AdapterId,
-                 caller: Principal = Depends(admin_caller)) -> AdapterRecordsReply:
+async def revoke(
+    body: Revoke, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
     """Security stop: one version, or every version when version is null."""
     await owned(request, caller, adapter_id)
     message = RevokeRequest(adapter_id=adapter_id, version=body.version, actor=actor(caller))

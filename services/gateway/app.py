@@ -11,15 +11,18 @@ from services.gateway.admin import router as admin_router
 from services.gateway.admin_adapters import router as admin_adapters_router
 from services.gateway.body_limit import BodyLimit
 from services.gateway.completions import router as completions_router
-from services.gateway.dashboard import router as dashboard_router
 from services.gateway.context import GatewayContext
+from services.gateway.dashboard import router as dashboard_router
 from services.gateway.errors_http import on_http_error, on_lorafleet_error, on_validation_error
 from shared.errors import LorafleetError
 
 
 def create_app(ctx: GatewayContext) -> FastAPI:
-    app = FastAPI(title="lorafleet gateway", version="0.1.0",
-                  description="OpenAI-compatible multi-tenant multi-LoRA inference API")
+    app = FastAPI(
+        title="lorafleet gateway",
+        version="0.1.0",
+        description="OpenAI-compatible multi-tenant multi-LoRA inference API",
+    )
     app.state.ctx = ctx
     app.add_exception_handler(LorafleetError, on_lorafleet_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -51,7 +51,7 @@ class ApiKeys:
         """One watched bucket entry: a put (value) or a delete/purge (None)."""
         if not kv_key.startswith(KEY_PREFIX):
             return
-        key_id = kv_key[len(KEY_PREFIX):]
+        key_id = kv_key[len(KEY_PREFIX) :]
         if value is None:
             self._records.pop(key_id, None)
         else:

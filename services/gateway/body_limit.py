@@ -51,10 +51,21 @@ class BodyLimit:
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps({"error": {"message": f"request body exceeds {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": "payload_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body exceeds {self.max_bytes} bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "payload_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

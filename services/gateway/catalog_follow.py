@@ -16,12 +16,12 @@ from shared.schemas import CatalogSync, CatalogSynced, ResolveReply, ResolveRequ
 log = structlog.get_logger("gateway.catalog")
 
 
-async def start_resolver(nc: NATS, instance_id: str, registry_timeout_s: float,
-                         mirror: CatalogMirror | None = None) -> tuple[Resolver, asyncio.Task]:
+async def start_resolver(
+    nc: NATS, instance_id: str, registry_timeout_s: float, mirror: CatalogMirror | None = None
+) -> tuple[Resolver, asyncio.Task]:
     """The gateway's Resolver and the task that keeps its mirror current (cancel it to stop)."""
     mirror = mirror or CatalogMirror()
-    watch = asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, mirror.apply,
-                                              mirror.mark_loaded))
+    watch = asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, mirror.apply, mirror.mark_loaded))
 
     async def on_sync(msg) -> None:
         try:

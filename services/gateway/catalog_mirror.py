@@ -77,8 +77,9 @@ class Resolver:
         mirror = self.mirror
         if mirror.loaded and mirror.base_model is not None:
             try:
-                reply = resolve(mirror.catalog, mirror.base_model, req.tenant_id, req.model, req.request_key,
-                                req.preview)
+                reply = resolve(
+                    mirror.catalog, mirror.base_model, req.tenant_id, req.model, req.request_key, req.preview
+                )
                 metrics.GATEWAY_RESOLVES.labels("mirror").inc()
                 return reply
             except LorafleetError:

@@ -15,14 +15,26 @@ from services.gateway.errors_http import error_payload
 from services.gateway.inference import Submission, merged, submit_all
 from services.gateway.openai_format import ChunkWriter, full_response
 from services.gateway.openai_responses import (
-    INFERENCE_ERRORS, ChatCompletion, Completion, Model, ModelList, SSE_RESPONSE, error_responses,
+    INFERENCE_ERRORS,
+    SSE_RESPONSE,
+    ChatCompletion,
+    Completion,
+    Model,
+    ModelList,
+    error_responses,
 )
 from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
-    ChatMessage, ListModelsReply, ListModelsRequest, ModelInfo, ReplyFinal, ResolveRequest, SamplingParams,
+    ChatMessage,
+    ListModelsReply,
+    ListModelsRequest,
+    ModelInfo,
+    ReplyFinal,
+    ResolveRequest,
+    SamplingParams,
 )
 from shared.telemetry import tracer
 
@@ -47,8 +59,15 @@ def _sampling(ctx: GatewayContext, body: Body, index: int) -> SamplingParams:
     if len(body.stop_list()) > s.max_stop:
         raise InvalidRequest(f"{len(body.stop_list())} stop sequences exceed the limit of {s.max_stop}", param="stop")
     seed = None if body.seed is None else (body.seed + index) % 2**63  # distinct but reproducible choices
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, seed=seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
 
 
 async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
@@ -57,8 +76,10 @@ async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
         return
     count = await ctx.prompt_tokens.count(inputs.get("messages"), inputs.get("prompt"))
     if count > limit:
-        raise InvalidRequest(f"the prompt has {count} tokens, over the limit of {limit}",
-                             param="messages" if "messages" in inputs else "prompt")
+        raise InvalidRequest(
+            f"the prompt has {count} tokens, over the limit of {limit}",
+            param="messages" if "messages" in inputs else "prompt",
+        )
 
 
 async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Response:
@@ -69,16 +90,19 @@ async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Respo
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it: the nginx convention, for the logs
 
 
-async def _run(ctx: GatewayContext, tenant: str, body: Body, inputs: dict,
-               preview: bool = False) -> JSONResponse | StreamingResponse:
+async def _run(
+    ctx: GatewayContext, tenant: str, body: Body, inputs: dict, preview: bool = False
+) -> JSONResponse | StreamingResponse:
     request_id = uuid.uuid4().hex
-    with _tracer.start_as_current_span("gateway.request", attributes={
-            "lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}):
+    with _tracer.start_as_current_span(
+        "gateway.request", attributes={"lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}
+    ):
         return await _submit(ctx, tenant, body, request_id, inputs, preview)
 
 
-async def _submit(ctx: GatewayContext, tenant: str, body: Body, request_id: str,
-                  inputs: dict, preview: bool) -> JSONResponse | StreamingResponse:
+async def _submit(
+    ctx: GatewayContext, tenant: str, body: Body, request_id: str, inputs: dict, preview: bool
+) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
     sampling = [_sampling(ctx, body, i) for i in range(body.n)]
     await _check_prompt(ctx, inputs)
@@ -88,14 +112,32 @@ async def _submit(ctx: GatewayContext, tenant: str, body: Body, request_id: str,
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
     resolved = await ctx.resolver.resolve(
-        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview))
-    fields = [dict(request_id=request_id if body.n == 1 else f"{request_id}.{i}", tenant_id=tenant,
-                   model=body.model, base_model=resolved.base_model, adapter=resolved.adapter, sampling=sampling[i],
-                   stream=body.stream, timeout_s=ctx.settings.request_timeout_s, **inputs) for i in range(body.n)]
+        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview)
+    )
+    fields = [
+        dict(
+            request_id=request_id if body.n == 1 else f"{request_id}.{i}",
+            tenant_id=tenant,
+            model=body.model,
+            base_model=resolved.base_model,
+            adapter=resolved.adapter,
+            sampling=sampling[i],
+            stream=body.stream,
+            timeout_s=ctx.settings.request_timeout_s,
+            **inputs,
+        )
+        for i in range(body.n)
+    ]
     subs = await submit_all(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s)
     headers = _served_headers(request_id, subs)
-    log.info("request_accepted", request_id=request_id, tenant_id=tenant, model=body.model, n=body.n,
-             workers=[s.accepted.worker_id for s in subs])
+    log.info(
+        "request_accepted",
+        request_id=request_id,
+        tenant_id=tenant,
+        model=body.model,
+        n=body.n,
+        workers=[s.accepted.worker_id for s in subs],
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChunkWriter(chat, request_id, body.model, include_usage)
@@ -104,8 +146,9 @@ async def _submit(ctx: GatewayContext, tenant: str, body: Body, request_id: str,
     async for index, event in merged(subs):
         if isinstance(event, ReplyFinal):
             finals[index] = event
-    return JSONResponse(full_response(chat, request_id, body.model, [finals[i] for i in sorted(finals)]),
-                        headers=headers)
+    return JSONResponse(
+        full_response(chat, request_id, body.model, [finals[i] for i in sorted(finals)]), headers=headers
+    )
 
 
 def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
@@ -135,10 +178,14 @@ async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str
         yield writer.error(error_payload(e))
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)})
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           caller: Principal = Depends(inference_caller)):
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)},
+)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, caller: Principal = Depends(inference_caller)
+):
     """OpenAI chat completions; ``model`` is an adapter id or alias, ``alias@version``, or the base model."""
     ctx = _ctx(request)
     messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
@@ -147,8 +194,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     return await _answer(request, _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes))
 
 
-@router.post("/v1/completions", response_model=Completion,
-             responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)})
+@router.post(
+    "/v1/completions", response_model=Completion, responses={**SSE_RESPONSE, **error_responses(*INFERENCE_ERRORS)}
+)
 async def completions(body: CompletionRequest, request: Request, caller: Principal = Depends(inference_caller)):
     """OpenAI (legacy) text completions on the same models."""
     ctx = _ctx(request)
@@ -158,8 +206,13 @@ async def completions(body: CompletionRequest, request: Request, caller: Princip
 
 
 async def _models(ctx: GatewayContext, tenant: str) -> ListModelsReply:
-    return await bus_request(ctx.nc, subjects.registry("list"), ListModelsRequest(tenant_id=tenant),
-                             ListModelsReply, ctx.settings.registry_timeout_s)
+    return await bus_request(
+        ctx.nc,
+        subjects.registry("list"),
+        ListModelsRequest(tenant_id=tenant),
+        ListModelsReply,
+        ctx.settings.registry_timeout_s,
+    )
 
 
 def _model_object(model: ModelInfo, model_id: str | None = None) -> dict:
@@ -179,7 +232,8 @@ async def retrieve_model(model: str, request: Request, caller: Principal = Depen
     A foreign or unknown adapter is the same 404 as on the inference routes (and is audited)."""
     ctx = _ctx(request)
     resolved = await ctx.resolver.resolve(
-        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}"))
+        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}")
+    )
     listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
     entry = listed.get(model) or listed.get(resolved.adapter.adapter_id if resolved.adapter else resolved.base_model)
     if entry is None:  # released a moment ago, or retired since the resolve

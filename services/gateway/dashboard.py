@@ -4,17 +4,16 @@ A platform admin sees every tenant; a tenant admin sees only its own adapters, t
 
 import time
 from pathlib import Path
-
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
 from fastapi.responses import HTMLResponse
+from pydantic import BaseModel
 
 from services.gateway import dashboard_data
 from services.gateway.auth import Principal, admin_caller
-from services.gateway.openai_responses import error_responses
 from services.gateway.context import GatewayContext
+from services.gateway.openai_responses import error_responses
 from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import ServiceUnavailable, UpstreamTimeout
@@ -32,8 +31,9 @@ async def dashboard_page() -> HTMLResponse:
     return HTMLResponse(PAGE)
 
 
-@router.get("/dashboard/data", tags=["admin"], summary="live dashboard data (admin scope)",
-            responses=error_responses(401, 403))
+@router.get(
+    "/dashboard/data", tags=["admin"], summary="live dashboard data (admin scope)", responses=error_responses(401, 403)
+)
 async def dashboard_json(request: Request, caller: Principal = Depends(admin_caller)) -> dict:
     ctx: GatewayContext = request.app.state.ctx
     tenant = None if caller.platform_admin else caller.tenant_id
@@ -48,13 +48,30 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
             missing.append(piece)
             return empty
 
-    records = (await ask(subjects.registry("adapters"), ListAdaptersRequest(tenant_id=tenant), AdapterRecordsReply,
-                         AdapterRecordsReply(), "registry")).records
+    records = (
+        await ask(
+            subjects.registry("adapters"),
+            ListAdaptersRequest(tenant_id=tenant),
+            AdapterRecordsReply,
+            AdapterRecordsReply(),
+            "registry",
+        )
+    ).records
     since = time.time() - WINDOW_S
-    completions = await ask(subjects.AUDITOR_QUERY, AuditQueryRequest(
-        tenant_id=tenant, kind="completion", since=since, limit=1000), AuditQueryReply, AuditQueryReply(), "auditor")
-    recent = await ask(subjects.AUDITOR_QUERY, AuditQueryRequest(tenant_id=tenant, since=since, limit=1000),
-                       AuditQueryReply, AuditQueryReply(), "auditor")
+    completions = await ask(
+        subjects.AUDITOR_QUERY,
+        AuditQueryRequest(tenant_id=tenant, kind="completion", since=since, limit=1000),
+        AuditQueryReply,
+        AuditQueryReply(),
+        "auditor",
+    )
+    recent = await ask(
+        subjects.AUDITOR_QUERY,
+        AuditQueryRequest(tenant_id=tenant, since=since, limit=1000),
+        AuditQueryReply,
+        AuditQueryReply(),
+        "auditor",
+    )
     workers = dashboard_data.workers(ctx.cluster.ready_workers())
     if tenant is not None:
         own = {r.adapter_id for r in records}

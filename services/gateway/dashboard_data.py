@@ -37,16 +37,33 @@ def traffic(completions: list[dict]) -> dict:
 
 
 def workers(beats: list[WorkerHeartbeat]) -> list[dict]:
-    return [{
-        "worker_id": b.worker_id, "running": b.running, "waiting": b.waiting, "max_running": b.max_running,
-        "kv_used": 1 - b.kv_blocks_free / max(1, b.kv_blocks_total), "slots": b.slots,
-        "gpu_adapters": b.resident_adapters, "cpu_adapters": b.cpu_adapters,
-        "hit_ratio": b.cache_hit_ratio, "load_ms_mean": b.load_ms_mean,
-    } for b in sorted(beats, key=lambda b: b.worker_id)]
+    return [
+        {
+            "worker_id": b.worker_id,
+            "running": b.running,
+            "waiting": b.waiting,
+            "max_running": b.max_running,
+            "kv_used": 1 - b.kv_blocks_free / max(1, b.kv_blocks_total),
+            "slots": b.slots,
+            "gpu_adapters": b.resident_adapters,
+            "cpu_adapters": b.cpu_adapters,
+            "hit_ratio": b.cache_hit_ratio,
+            "load_ms_mean": b.load_ms_mean,
+        }
+        for b in sorted(beats, key=lambda b: b.worker_id)
+    ]
 
 
 def adapters(records: list[AdapterRecord]) -> list[dict]:
-    return [{
-        "adapter_id": r.adapter_id, "version": r.version, "tenant_id": r.tenant_id, "status": r.status,
-        "traffic_percent": r.traffic_percent, "rank": r.rank, "eval": r.eval_results,
-    } for r in sorted(records, key=lambda r: (r.adapter_id, r.version))]
+    return [
+        {
+            "adapter_id": r.adapter_id,
+            "version": r.version,
+            "tenant_id": r.tenant_id,
+            "status": r.status,
+            "traffic_percent": r.traffic_percent,
+            "rank": r.rank,
+            "eval": r.eval_results,
+        }
+        for r in sorted(records, key=lambda r: (r.adapter_id, r.version))
+    ]

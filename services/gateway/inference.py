@@ -13,10 +13,15 @@ from nats.js.errors import NoStreamResponseError
 from shared import subjects
 from shared.bus import decode, encode
 from shared.errors import (
-    InternalError, LorafleetError, NoWorkerAvailable, ServiceUnavailable, UpstreamTimeout, from_body,
+    InternalError,
+    LorafleetError,
+    NoWorkerAvailable,
+    ServiceUnavailable,
+    UpstreamTimeout,
+    from_body,
 )
-from shared.telemetry import inject, tracer
 from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
+from shared.telemetry import inject, tracer
 
 log = structlog.get_logger("gateway.inference")
 _tracer = tracer("gateway")

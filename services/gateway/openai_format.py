@@ -19,8 +19,12 @@ def completion_id(chat: bool, request_id: str) -> str:
 
 def _choice(chat: bool, index: int, final: ReplyFinal) -> dict:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": final.text},
-                "finish_reason": final.finish_reason, "logprobs": None}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": final.text},
+            "finish_reason": final.finish_reason,
+            "logprobs": None,
+        }
     return {"index": index, "text": final.text, "finish_reason": final.finish_reason, "logprobs": None}
 
 
@@ -47,8 +51,14 @@ class ChunkWriter:
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def _line(self, choices: list[dict], **extra: object) -> str:
-        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+        body = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
         if self.include_usage and "usage" not in extra:
             body["usage"] = None  # OpenAI sends an explicit null on every chunk but the last
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -84,8 +84,18 @@ _MEANING = {
     504: "the request exceeded its time bound",
 }
 INFERENCE_ERRORS = (400, 401, 403, 404, 410, 413, 429, 503, 504)
-SSE_RESPONSE = {200: {"content": {"text/event-stream": {"schema": {
-    "type": "string", "description": "with stream=true: OpenAI chunk objects as `data:` lines, then `data: [DONE]`"}}}}}
+SSE_RESPONSE = {
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": "with stream=true: OpenAI chunk objects as `data:` lines, then `data: [DONE]`",
+                }
+            }
+        }
+    }
+}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:

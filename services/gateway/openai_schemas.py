@@ -4,7 +4,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -51,7 +50,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = Field(
-        default=None, description="stop sequences; how many is bounded by the gateway's max_stop")
+        default=None, description="stop sequences; how many is bounded by the gateway's max_stop"
+    )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     user: str | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")

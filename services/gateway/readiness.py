@@ -54,6 +54,9 @@ class ClusterView:
         workers = self.ready_workers()
         components["workers"] = f"{len(workers)} ready" if workers else "missing"
         components["catalog"] = "mirrored" if catalog_loaded else "loading"
-        ready = all(components[name] == "ok" for name in REQUIRED) and bool(workers) and (
-            catalog_loaded or components["registry"] == "ok")
+        ready = (
+            all(components[name] == "ok" for name in REQUIRED)
+            and bool(workers)
+            and (catalog_loaded or components["registry"] == "ok")
+        )
         return ready, components

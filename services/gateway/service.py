@@ -12,14 +12,14 @@ from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
+from services.worker.model_loader import resolve_model_dir
 from shared import event_loop, subjects
 from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
-from shared.telemetry import setup_tracing
-from services.worker.model_loader import resolve_model_dir
 from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+from shared.telemetry import setup_tracing
 
 
 async def run(settings: GatewaySettings) -> None:
@@ -57,16 +57,26 @@ async def run(settings: GatewaySettings) -> None:
         ctx = GatewayContext(settings, nc, js, cluster, keys, resolver, tokens)
         # h11 even where httptools is installed: httptools answers a header holding a control byte
         # with its own plain-text 400 before the app can give its typed, OpenAI-style error.
-        server = uvicorn.Server(uvicorn.Config(create_app(ctx), host=settings.host, port=settings.port,
-                                               log_level="warning", lifespan="off", http="h11",
-                                               timeout_keep_alive=settings.keep_alive_s))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(ctx),
+                host=settings.host,
+                port=settings.port,
+                log_level="warning",
+                lifespan="off",
+                http="h11",
+                timeout_keep_alive=settings.keep_alive_s,
+            )
+        )
         server.install_signal_handlers = lambda: None
         stop = shutdown_event()
+
         def health() -> tuple[bool, str]:
             return server.started and keys.loaded, "" if keys.loaded else "loading API keys"
 
-        beats = asyncio.create_task(publish_heartbeats(
-            nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, health))
+        beats = asyncio.create_task(
+            publish_heartbeats(nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, health)
+        )
         serving = asyncio.create_task(server.serve())
         log.info("gateway_started", port=settings.port)
         await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

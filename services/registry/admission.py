@@ -7,13 +7,12 @@ refusal leaves nothing behind.
 from dataclasses import dataclass
 
 from shared import signing
+from shared.access import SHARED_TENANT
 from shared.adapter_format import AdapterLimits, validate_adapter
+from shared.catalog import Catalog, Change
 from shared.errors import Conflict, IntegrityError
 from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest
-
-from shared.catalog import Catalog, Change
-from shared.access import SHARED_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,4 +90,3 @@ def admit(
         eval_results=req.eval_results,
     )
     return Change(kind="registered", before=None, after=record)
-

@@ -5,9 +5,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from shared import subjects
-from shared.schemas import AdapterRecord
-
 from shared.catalog import record_key
+from shared.schemas import AdapterRecord
 
 
 async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:

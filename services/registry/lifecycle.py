@@ -8,10 +8,9 @@ version; revoke is the security stop, terminal, of one version or all of them.
 
 import time
 
+from shared.catalog import Catalog, Change
 from shared.errors import Conflict, ModelNotFound
 from shared.schemas import AdapterRecord, AdapterStatus
-
-from shared.catalog import Catalog, Change
 
 
 def _record(catalog: Catalog, adapter_id: str, version: int) -> AdapterRecord:

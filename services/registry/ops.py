@@ -14,10 +14,17 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel
 
+from services.evaluation.gate import GatePolicy, check_release
+from services.registry import lifecycle
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.kv import RecordsKV
+from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 from shared import metrics, subjects
 from shared.access import may_use
-from shared.errors import LorafleetError, ModelNotFound
 from shared.adapter_format import read_adapter_dir
+from shared.catalog import Catalog, Change
+from shared.errors import LorafleetError, ModelNotFound
+from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
     AdapterRecordsReply,
@@ -41,14 +48,6 @@ from shared.schemas import (
     TrustedKeysReply,
     TrustKeyRequest,
 )
-
-from services.evaluation.gate import GatePolicy, check_release
-from services.registry import lifecycle
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
-from services.registry.kv import RecordsKV
-from shared.catalog import Catalog, Change
-from shared.resolve import list_models, resolve
-from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 
 log = structlog.get_logger("registry")
 Publish = Callable[[str, BaseModel], Awaitable[None]]
@@ -113,9 +112,13 @@ class Registry:
         records = self.catalog.versions(req.model.partition("@")[0])
         if not records or any(may_use(r, req.tenant_id) for r in records):
             return
-        attempt = RejectionAudit(request_id=re.sub(r"[^A-Za-z0-9_.:-]", "-", req.request_key)[:128],
-                                 tenant_id=req.tenant_id, service="registry", code="tenant_isolation_attempt",
-                                 reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant")
+        attempt = RejectionAudit(
+            request_id=re.sub(r"[^A-Za-z0-9_.:-]", "-", req.request_key)[:128],
+            tenant_id=req.tenant_id,
+            service="registry",
+            code="tenant_isolation_attempt",
+            reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant",
+        )
         await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=attempt))
 
     async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
@@ -161,8 +164,13 @@ class Registry:
                 await self._approved.put(req.adapter_id, version, files)
                 await self._commit([change], req.actor)
         except LorafleetError as e:
-            refusal = RejectionAudit(request_id=f"register.{req.adapter_id}", tenant_id=req.tenant_id,
-                                     service="registry", code=e.code, reason=f"push refused: {e.message}"[:2000])
+            refusal = RejectionAudit(
+                request_id=f"register.{req.adapter_id}",
+                tenant_id=req.tenant_id,
+                service="registry",
+                code=e.code,
+                reason=f"push refused: {e.message}"[:2000],
+            )
             await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=refusal))
             raise
         finally:
@@ -186,8 +194,9 @@ class Registry:
 
     async def record_eval(self, req: RecordEvalRequest) -> AdapterRecordsReply:
         """Store one version's eval results (replacing earlier ones) and export its quality score."""
-        reply = await self._change(req.actor, lambda: lifecycle.record_eval(
-            self.catalog, req.adapter_id, req.version, req.results))
+        reply = await self._change(
+            req.actor, lambda: lifecycle.record_eval(self.catalog, req.adapter_id, req.version, req.results)
+        )
         metrics.QUALITY_SCORE.labels(req.adapter_id, str(req.version)).set(req.results["score"])
         return reply
 

@@ -9,49 +9,48 @@ import structlog
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from shared import subjects
-from shared.adapter_format import AdapterLimits
-from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
-from shared.errors import LorafleetError
-from shared.config import RegistrySettings, load_settings
-from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
-from shared.heartbeat import publish_heartbeats
-from shared.logs import configure_logging
-from shared.telemetry import setup_tracing
-from shared.metrics import QUALITY_SCORE, serve_metrics
-from shared.schemas import (
-    GetAdapterRequest,
-    ListAdaptersRequest,
-    ListKeysRequest,
-    ListModelsRequest,
-    PromoteRequest,
-    ServiceHeartbeat,
-    RecordEvalRequest,
-    RegisterRequest,
-    ResolveRequest,
-    RetireRequest,
-    RevokeRequest,
-    RollbackRequest,
-    RolloutRequest,
-    TrustKeyRequest,
-    CreateTenantRequest,
-    ListTenantsRequest,
-    SetQuotaRequest,
-    CreateApiKeyRequest,
-    RevokeApiKeyRequest,
-    ListApiKeysRequest,
-)
-
 from services.evaluation.gate import GatePolicy
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from services.registry.gateway_sync import GatewaySync
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
-from shared.catalog import Catalog
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
 from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from shared import subjects
+from shared.adapter_format import AdapterLimits
+from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
+from shared.catalog import Catalog
+from shared.config import RegistrySettings, load_settings
+from shared.errors import LorafleetError
+from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
+from shared.heartbeat import publish_heartbeats
+from shared.logs import configure_logging
+from shared.metrics import QUALITY_SCORE, serve_metrics
+from shared.schemas import (
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    GetAdapterRequest,
+    ListAdaptersRequest,
+    ListApiKeysRequest,
+    ListKeysRequest,
+    ListModelsRequest,
+    ListTenantsRequest,
+    PromoteRequest,
+    RecordEvalRequest,
+    RegisterRequest,
+    ResolveRequest,
+    RetireRequest,
+    RevokeApiKeyRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+    ServiceHeartbeat,
+    SetQuotaRequest,
+    TrustKeyRequest,
+)
+from shared.telemetry import setup_tracing
 
 log = structlog.get_logger("registry")
 
@@ -65,8 +64,9 @@ def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
     )
 
 
-async def open_registry(nc: NATS, settings: RegistrySettings, base: BaseModelIdentity,
-                        gateways: GatewaySync) -> Registry:
+async def open_registry(
+    nc: NATS, settings: RegistrySettings, base: BaseModelIdentity, gateways: GatewaySync
+) -> Registry:
     """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
     js = nc.jetstream()
     await ensure_streams(js)

@@ -22,7 +22,6 @@ from shared.bus import read_object
 from shared.errors import InvalidRequest, ServiceUnavailable
 
 
-
 def object_prefix(adapter_id: str, version: int) -> str:
     return f"{adapter_id}/{version}"
 

@@ -8,6 +8,7 @@ is written there first, so a gateway watching the bucket sees a revocation withi
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from shared.access import SHARED_TENANT
 from shared.api_keys import new_key
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
@@ -25,8 +26,6 @@ from shared.schemas import (
     TenantsReply,
 )
 
-from shared.access import SHARED_TENANT
-
 Put = Callable[[str, bytes], Awaitable[None]]
 TENANT_PREFIX = "tenant."
 KEY_PREFIX = "key."
@@ -41,8 +40,13 @@ def api_key_key(key_id: str) -> str:
 
 
 def info(record: ApiKeyRecord) -> ApiKeyInfo:
-    return ApiKeyInfo(key_id=record.key_id, tenant_id=record.tenant_id, scopes=record.scopes,
-                      created_at=record.created_at, revoked=record.revoked)
+    return ApiKeyInfo(
+        key_id=record.key_id,
+        tenant_id=record.tenant_id,
+        scopes=record.scopes,
+        created_at=record.created_at,
+        revoked=record.revoked,
+    )
 
 
 class Tenants:
@@ -72,8 +76,7 @@ class Tenants:
         return TenantsReply(tenants=[record])
 
     async def list_tenants(self, req: ListTenantsRequest) -> TenantsReply:
-        return TenantsReply(tenants=[t for name, t in sorted(self.tenants.items())
-                                     if req.tenant_id in (None, name)])
+        return TenantsReply(tenants=[t for name, t in sorted(self.tenants.items()) if req.tenant_id in (None, name)])
 
     async def set_quota(self, req: SetQuotaRequest) -> TenantsReply:
         async with self._lock:
@@ -115,4 +118,3 @@ class Tenants:
     async def _store_key(self, record: ApiKeyRecord) -> None:
         await self._put(api_key_key(record.key_id), record.model_dump_json().encode())
         self.keys[record.key_id] = record
-

@@ -2,10 +2,9 @@
 
 from nats.js import JetStreamContext
 
-from shared import subjects
-
 from services.registry.kv import load_all, open_bucket
 from services.registry.tenants import Tenants
+from shared import subjects
 
 
 async def open_tenants(js: JetStreamContext) -> Tenants:

@@ -35,8 +35,9 @@ def token_cost(request: InferRequest) -> tuple[int, int]:
 
 
 class Admission:
-    def __init__(self, redis: Redis, guard: RedisGuard, key_prefix: str, lease_s: float,
-                 local: LocalLimiter | None = None):
+    def __init__(
+        self, redis: Redis, guard: RedisGuard, key_prefix: str, lease_s: float, local: LocalLimiter | None = None
+    ):
         self._redis = redis
         self.guard = guard
         self._prefix = key_prefix
@@ -56,8 +57,14 @@ class Admission:
         worker took the request before, raising ``AlreadyDispatched`` if one did."""
         tenant, rid = request.tenant_id, request.request_id
         cost = sum(token_cost(request))
-        args = [quota.requests_per_min or 0, quota.tokens_per_min or 0, quota.max_concurrent or 0, cost, rid,
-                self.lease_s]
+        args = [
+            quota.requests_per_min or 0,
+            quota.tokens_per_min or 0,
+            quota.max_concurrent or 0,
+            cost,
+            rid,
+            self.lease_s,
+        ]
         keys = self._keys(tenant) + ([dispatched_key] if dispatched_key else [])
         ok, answer = await self.guard.call("admission", lambda: self._admit(keys=keys, args=args))
         if not ok:
@@ -70,8 +77,9 @@ class Admission:
             raise AlreadyDispatched(rid)
         if int(answer[0]) != 1:
             metrics.ADMISSION_REJECTIONS.labels("quota").inc()
-            raise QuotaExceeded(f"tenant {tenant} is over its {answer[1]} limit",
-                                retry_after_s=max(0.001, float(answer[2])))
+            raise QuotaExceeded(
+                f"tenant {tenant} is over its {answer[1]} limit", retry_after_s=max(0.001, float(answer[2]))
+            )
         return Grant(tenant, rid, quota, int(float(answer[1])), in_redis=True)
 
     async def release(self, grant: Grant, used_tokens: int | None) -> None:
@@ -95,7 +103,8 @@ class Admission:
                 self.local.renew(grant.tenant, grant.request_id)
                 continue
             keys = self._keys(grant.tenant)[1:]
-            ok, _ = await self.guard.call("renew", lambda: self._release(
-                keys=keys, args=[-1, 0, grant.request_id, self.lease_s]))
+            ok, _ = await self.guard.call(
+                "renew", lambda: self._release(keys=keys, args=[-1, 0, grant.request_id, self.lease_s])
+            )
             if not ok:
                 return

@@ -24,8 +24,9 @@ class Dispatched:
         self._local[request_id] = worker_id
         while len(self._local) > LOCAL_LIMIT:
             self._local.popitem(last=False)
-        ok, set_now = await self._guard.call("dedupe", lambda: self._redis.set(
-            self._prefix + request_id, worker_id, nx=True, px=self._ttl_ms))
+        ok, set_now = await self._guard.call(
+            "dedupe", lambda: self._redis.set(self._prefix + request_id, worker_id, nx=True, px=self._ttl_ms)
+        )
         return bool(set_now) if ok else first
 
     def key(self, request_id: str) -> str:

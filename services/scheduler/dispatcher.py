@@ -192,8 +192,12 @@ class Dispatcher:
             await self.admission.release(item.grant, 0)
             await item.handle.term()
         else:
-            log.info("dispatch_failed", worker_id=worker_id, request_id=request.request_id,
-                     error=reply.error.message if reply.error else "refused")
+            log.info(
+                "dispatch_failed",
+                worker_id=worker_id,
+                request_id=request.request_id,
+                error=reply.error.message if reply.error else "refused",
+            )
             self.fleet.refused(worker_id, request.request_id, back_off=True)
             if request.request_id in self.held:
                 self.queue.push(item, front=True)
@@ -228,8 +232,9 @@ class Dispatcher:
             return
         self.fleet.ended(entry.worker_id, event.request_id)
         prompt_est, max_tokens = token_cost(entry.request)
-        self.queue.charge(entry.request.tenant_id, event.prompt_tokens - prompt_est,
-                          event.completion_tokens - max_tokens)
+        self.queue.charge(
+            entry.request.tenant_id, event.prompt_tokens - prompt_est, event.completion_tokens - max_tokens
+        )
         await self.admission.release(entry.grant, event.prompt_tokens + event.completion_tokens)
         self.pump()
 

@@ -74,8 +74,9 @@ class FairQueue(Generic[Q]):
 
     def charge(self, tenant: str, input_tokens: float, output_tokens: float) -> None:
         """Add served tokens to the tenant's counter (negative corrects an earlier estimate)."""
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + self.input_weight * input_tokens \
-            + self.output_weight * output_tokens
+        self.counters[tenant] = (
+            self.counters.get(tenant, 0.0) + self.input_weight * input_tokens + self.output_weight * output_tokens
+        )
 
     def remove(self, request_id: str) -> Q | None:
         for item in self:

@@ -44,16 +44,20 @@ class Grants:
         adapter = request.adapter
         if adapter is None:
             return
-        not_found = ModelNotFound(f"The model '{request.model}' does not exist or you do not have access to it.",
-                                  param="model")
+        not_found = ModelNotFound(
+            f"The model '{request.model}' does not exist or you do not have access to it.", param="model"
+        )
         try:
             record = await self._record(adapter.adapter_id, adapter.version)
         except ModelNotFound:
             raise not_found from None
         if not may_use(record, request.tenant_id):
-            raise IsolationAttempt(f"tenant {request.tenant_id} submitted {adapter.adapter_id} of another tenant",
-                                   not_found)
+            raise IsolationAttempt(
+                f"tenant {request.tenant_id} submitted {adapter.adapter_id} of another tenant", not_found
+            )
         registry = (record.rank, record.checksum, record.storage_uri, record.alpha, record.use_rslora)
         if (adapter.rank, adapter.digest, adapter.storage_uri, adapter.alpha, adapter.use_rslora) != registry:
-            raise IntegrityError(f"{adapter.adapter_id} v{adapter.version}: the request's adapter is not the "
-                                 "registry's record of that version")
+            raise IntegrityError(
+                f"{adapter.adapter_id} v{adapter.version}: the request's adapter is not the "
+                "registry's record of that version"
+            )

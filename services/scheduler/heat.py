@@ -58,8 +58,9 @@ class Heat:
 
     async def decay(self) -> dict[str, float]:
         """Age every count to now and republish the rates; the fleet's rates (local ones without Redis)."""
-        ok, flat = await self._guard.call("heat", lambda: self._decay(keys=self._keys,
-                                                                      args=[self.half_life_s, self.floor]))
+        ok, flat = await self._guard.call(
+            "heat", lambda: self._decay(keys=self._keys, args=[self.half_life_s, self.floor])
+        )
         if not ok:
             now = time.monotonic()
             self.local.prune(now)

@@ -34,13 +34,13 @@ class LocalLimiter:
         rpm, tpm, conc = quota.requests_per_min, quota.tokens_per_min, quota.max_concurrent
         requests = self._level(tenant, "rpm", rpm, now)
         if rpm and requests < 1:
-            raise QuotaExceeded(f"tenant {tenant} is over {rpm} requests/min",
-                                retry_after_s=(1 - requests) * 60 / rpm)
+            raise QuotaExceeded(f"tenant {tenant} is over {rpm} requests/min", retry_after_s=(1 - requests) * 60 / rpm)
         charged = min(cost, tpm) if tpm else cost
         tokens = self._level(tenant, "tpm", tpm, now)
         if tpm and tokens < charged:
-            raise QuotaExceeded(f"tenant {tenant} is over {tpm} tokens/min",
-                                retry_after_s=(charged - tokens) * 60 / tpm)
+            raise QuotaExceeded(
+                f"tenant {tenant} is over {tpm} tokens/min", retry_after_s=(charged - tokens) * 60 / tpm
+            )
         leases = self._leases.setdefault(tenant, {})
         for rid in [r for r, until in leases.items() if until <= now]:
             del leases[rid]

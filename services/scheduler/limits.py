@@ -19,10 +19,14 @@ class Quotas:
 
     @classmethod
     def from_settings(cls, settings: SchedulerSettings) -> "Quotas":
-        return cls(TenantQuota(requests_per_min=settings.default_requests_per_min,
-                               tokens_per_min=settings.default_tokens_per_min,
-                               max_concurrent=settings.default_max_concurrent,
-                               max_gpu_adapter_slots=settings.default_max_gpu_adapter_slots))
+        return cls(
+            TenantQuota(
+                requests_per_min=settings.default_requests_per_min,
+                tokens_per_min=settings.default_tokens_per_min,
+                max_concurrent=settings.default_max_concurrent,
+                max_gpu_adapter_slots=settings.default_max_gpu_adapter_slots,
+            )
+        )
 
     def of(self, tenant: str) -> TenantQuota:
         own = self._by_tenant.get(tenant)
@@ -40,7 +44,7 @@ class Quotas:
         """One KV entry of the tenants bucket (``tenant.<id>``); other keys (API keys) are not ours."""
         if not key.startswith(TENANT_PREFIX):
             return
-        tenant = key[len(TENANT_PREFIX):]
+        tenant = key[len(TENANT_PREFIX) :]
         if not value:
             self.set(tenant, None)
             return

@@ -104,8 +104,7 @@ class Fleet:
             tier = v.tier(key, now, request.adapter.rank if request.adapter else None)
             home = HOME_WEIGHT * _spread(key, worker_id) if tier != "gpu" else 0.0
             saturated = v.load >= v.beat.max_running  # a busy holder spills its adapter to idle workers
-            score = (saturated, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free,
-                     worker_id)
+            score = (saturated, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free, worker_id)
             if best is None or score < best:
                 best = score
         return best[3] if best else None

@@ -34,8 +34,10 @@ class Prefetcher:
             want = min(len(ready), math.ceil(rate / self.hot_rate))
             if rate < self.hot_rate or len(holders) >= want or not candidates:
                 continue
-            target = min(candidates, key=lambda w: (key not in ready[w].beat.cpu_adapters,
-                                                    ready[w].load / ready[w].beat.max_running, w))
+            target = min(
+                candidates,
+                key=lambda w: (key not in ready[w].beat.cpu_adapters, ready[w].load / ready[w].beat.max_running, w),
+            )
             out.append((target, "prefetch", key))
         held = {key for v in ready.values() for key in v.beat.resident_adapters}
         for key in sorted(held):

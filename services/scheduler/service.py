@@ -68,16 +68,22 @@ def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports
         """The worker's answer. A wait that overlapped a lost connection says nothing about the worker (it may
         have taken the request, only its reply lost, and withdrawing it would run it twice): the same worker
         is asked again once connected, its accept being idempotent, until the request's accept deadline."""
-        with continued(headers), _tracer.start_as_current_span(
-                "scheduler.place", attributes={"lf.request_id": req.request_id, "lf.worker_id": worker_id}):
+        with (
+            continued(headers),
+            _tracer.start_as_current_span(
+                "scheduler.place", attributes={"lf.request_id": req.request_id, "lf.worker_id": worker_id}
+            ),
+        ):
+
             def expired() -> bool:
                 return req.accept_deadline is not None and time.time() > req.accept_deadline
 
             while True:
                 reconnects = nc.stats["reconnects"]
                 try:
-                    return await request(nc, subjects.worker_dispatch(worker_id), req, DispatchReply,
-                                         settings.dispatch_timeout_s)
+                    return await request(
+                        nc, subjects.worker_dispatch(worker_id), req, DispatchReply, settings.dispatch_timeout_s
+                    )
                 except UpstreamTimeout:
                     if expired() or (nc.is_connected and nc.stats["reconnects"] == reconnects):
                         raise
@@ -89,8 +95,13 @@ def _ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports
 
     async def record_rejection(tenant: str, request_id: str, err: LorafleetError) -> None:
         """Audited beside the submission loop: a NATS outage retries it without holding admission up."""
-        event = RejectionAudit(request_id=request_id, tenant_id=subjects.token(tenant), service="scheduler",
-                               code=err.code, reason=err.message)
+        event = RejectionAudit(
+            request_id=request_id,
+            tenant_id=subjects.token(tenant),
+            service="scheduler",
+            code=err.code,
+            reason=err.message,
+        )
         task = asyncio.create_task(publish_audit(js, event, f"rejection.scheduler.{uuid.uuid4().hex}"))
         audits.add(task)
         task.add_done_callback(audits.discard)
@@ -128,14 +139,18 @@ def build(settings: SchedulerSettings, ports: Ports, redis) -> tuple[Dispatcher,
     guard = RedisGuard()
     prefix = settings.redis_key_prefix
     core = Dispatcher(
-        ports=ports, admission=Admission(redis, guard, prefix, settings.concurrency_lease_s),
+        ports=ports,
+        admission=Admission(redis, guard, prefix, settings.concurrency_lease_s),
         dispatched=Dispatched(redis, guard, prefix, settings.dedupe_ttl_s),
-        heat=Heat(redis, guard, prefix, settings.heat_half_life_s), quotas=Quotas.from_settings(settings),
+        heat=Heat(redis, guard, prefix, settings.heat_half_life_s),
+        quotas=Quotas.from_settings(settings),
         fleet=Fleet(settings.liveness_timeout_s, settings.capacity_headroom),
         queue=FairQueue(settings.vtc_input_weight, settings.vtc_output_weight, settings.slo_batch_s),
-        slo_s={"interactive": settings.slo_interactive_s, "batch": settings.slo_batch_s})
-    periods = Periods(settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3,
-                      settings.heat_decay_interval_s)
+        slo_s={"interactive": settings.slo_interactive_s, "batch": settings.slo_batch_s},
+    )
+    periods = Periods(
+        settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3, settings.heat_decay_interval_s
+    )
     prefetcher = Prefetcher(settings.hot_rate_per_worker, settings.cold_rate, settings.max_controls_per_tick)
     return core, Upkeep(core, prefetcher, periods)
 
@@ -181,7 +196,9 @@ async def run(settings: SchedulerSettings) -> None:
         await follow(js, subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, on_completion)
         await nc.subscribe(subjects.SCHEDULER_CANCEL, cb=on_cancel)
         psub = await js.pull_subscribe(
-            subjects.INFER_SUBMIT_ALL, durable=CONSUMER, stream=subjects.INFER_STREAM,
+            subjects.INFER_SUBMIT_ALL,
+            durable=CONSUMER,
+            stream=subjects.INFER_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=5),
         )
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
@@ -190,7 +207,9 @@ async def run(settings: SchedulerSettings) -> None:
 
         def status() -> tuple[bool, str]:
             ready = sum(v.beat.ready for v in core.fleet.workers.values())
-            detail = f"{ready} workers, {len(core.held)} queued" + ("" if core.admission.guard.healthy else ", redis unavailable")
+            detail = f"{ready} workers, {len(core.held)} queued" + (
+                "" if core.admission.guard.healthy else ", redis unavailable"
+            )
             return nc.is_connected, detail
 
         async def ticking() -> None:
@@ -203,9 +222,15 @@ async def run(settings: SchedulerSettings) -> None:
                     log.exception("upkeep_failed")
 
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
-        background = [asyncio.create_task(publish_heartbeats(nc, "scheduler", settings.instance_id,
-                                                             settings.heartbeat_interval_s, status, metrics_port)),
-                      asyncio.create_task(ticking()), asyncio.create_task(_follow_quotas(js, core.quotas))]
+        background = [
+            asyncio.create_task(
+                publish_heartbeats(
+                    nc, "scheduler", settings.instance_id, settings.heartbeat_interval_s, status, metrics_port
+                )
+            ),
+            asyncio.create_task(ticking()),
+            asyncio.create_task(_follow_quotas(js, core.quotas)),
+        ]
         log.info("scheduler_started")
         while not stop.is_set():
             room = settings.max_inflight - len(core.held)

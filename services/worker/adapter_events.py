@@ -22,8 +22,15 @@ def on_adapter_event(event: AdapterEvent, cache: CacheHierarchy, server: Request
     keys = cache.invalidate(event.adapter_id, event.version)
     stopped = 0
     if event.kind == "revoked":
-        stopped = server.cancel_adapter(keys, AdapterRevoked(
-            f"adapter {event.adapter_id} v{event.version} was revoked while this request ran"))
-    log.info("adapter_invalidated", kind=event.kind, adapter_id=event.adapter_id, version=event.version,
-             keys=keys, requests_stopped=stopped)
+        stopped = server.cancel_adapter(
+            keys, AdapterRevoked(f"adapter {event.adapter_id} v{event.version} was revoked while this request ran")
+        )
+    log.info(
+        "adapter_invalidated",
+        kind=event.kind,
+        adapter_id=event.adapter_id,
+        version=event.version,
+        keys=keys,
+        requests_stopped=stopped,
+    )
     return keys

@@ -24,8 +24,17 @@ def split_key(key: str) -> tuple[str, int]:
 
 
 class StoreLoader:
-    def __init__(self, nc: NATS, loop: asyncio.AbstractEventLoop, base_fingerprint: str, shapes: ModelShapes,
-                 lora: LoraConfig, *, require_signature: bool, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        nc: NATS,
+        loop: asyncio.AbstractEventLoop,
+        base_fingerprint: str,
+        shapes: ModelShapes,
+        lora: LoraConfig,
+        *,
+        require_signature: bool,
+        timeout_s: float = 30.0,
+    ):
         self.nc = nc
         self.loop = loop
         self.base_fingerprint = base_fingerprint
@@ -49,8 +58,9 @@ class StoreLoader:
         except IntegrityError:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
             raise
-        weights = load_peft_files(files, self.shapes, max_rank=self.lora.max_rank,
-                                  allowed_modules=self.lora.target_modules)
+        weights = load_peft_files(
+            files, self.shapes, max_rank=self.lora.max_rank, allowed_modules=self.lora.target_modules
+        )
         with self._lock:
             self._digests[key] = checksum
         return weights
@@ -58,6 +68,7 @@ class StoreLoader:
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
         record = await fetch_record(self.nc, adapter_id, version, self.timeout_s)
         keys = await fetch_trusted_keys(self.nc, self.timeout_s)
-        files = await fetch_verified(self.nc.jetstream(), record, self.base_fingerprint, keys,
-                                     require_signature=self.require_signature)
+        files = await fetch_verified(
+            self.nc.jetstream(), record, self.base_fingerprint, keys, require_signature=self.require_signature
+        )
         return record.checksum, files

@@ -21,7 +21,6 @@ from shared.errors import IntegrityError, ModelNotFound
 from shared.schemas import AdapterRecord, AdapterRecordsReply, GetAdapterRequest, ListKeysRequest, TrustedKeysReply
 
 
-
 def verify_adapter(
     record: AdapterRecord,
     files: dict[str, bytes],

@@ -20,8 +20,12 @@ log = structlog.get_logger("worker.prompts")
 
 PROBE_CHATS = [
     [ChatMessage(role="user", content="What is the capital of France?")],
-    [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="héllo  wörld\n\ttabs"),
-     ChatMessage(role="assistant", content="Hi!"), ChatMessage(role="user", content="emoji 🦊 and <|im_end|>")],
+    [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="héllo  wörld\n\ttabs"),
+        ChatMessage(role="assistant", content="Hi!"),
+        ChatMessage(role="user", content="emoji 🦊 and <|im_end|>"),
+    ],
     [ChatMessage(role="user", content="  leading and trailing  \n\n")],
 ]
 PROBE_PROMPTS = ["The capital of France is", "  spaces and ünïcode 🦊 </s> <|endoftext|>", "a\n\nb\r\nc"]
@@ -39,7 +43,8 @@ class PromptIds:
         try:
             fast = ChatTokenizer.load(model_dir)
             agrees = all(fast.encode(chat, None) == slow.encode(chat, None) for chat in PROBE_CHATS) and all(
-                fast.encode(None, p) == slow.encode(None, p) for p in PROBE_PROMPTS)
+                fast.encode(None, p) == slow.encode(None, p) for p in PROBE_PROMPTS
+            )
         except Exception as e:  # no tokenizer.json, a template jinja2 alone cannot render, ...
             log.warning("fast_tokenizer_unavailable", error=f"{type(e).__name__}: {e}")
             return slow
@@ -52,8 +57,9 @@ class PromptIds:
         if self.fast is not None:
             ids = self.fast.encode(messages, prompt)
         elif messages is not None:
-            ids = self._tokenizer.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)
+            ids = self._tokenizer.apply_chat_template(
+                [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         else:
             ids = self._tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not ids:

@@ -51,8 +51,9 @@ from shared.telemetry import continued, setup_tracing, tracer
 log = structlog.get_logger("worker")
 
 
-async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings,
-                             base_model: str) -> None:
+async def _worker_heartbeats(
+    nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings, base_model: str
+) -> None:
     counted = (0, 0)  # prefix-cache totals already added to the counters
     while True:
         stats, residency = server.engine.stats(), cache.stats()
@@ -62,12 +63,21 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, cache: CacheHierar
         metrics.RUNNING.set(stats.running)
         metrics.QUEUE_DEPTH.labels("worker").set(stats.waiting)
         metrics.KV_USAGE.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))
-        beat = WorkerHeartbeat(worker_id=settings.worker_id, base_model=base_model, ready=True,
-                               running=stats.running, waiting=stats.waiting, max_running=settings.engine.max_num_seqs,
-                               kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total,
-                               resident_adapters=residency.gpu_adapters, cpu_adapters=residency.cpu_adapters,
-                               slots={str(rank): list(used) for rank, used in residency.slots.items()},
-                               cache_hit_ratio=residency.hit_ratio, load_ms_mean=residency.load_ms_mean)
+        beat = WorkerHeartbeat(
+            worker_id=settings.worker_id,
+            base_model=base_model,
+            ready=True,
+            running=stats.running,
+            waiting=stats.waiting,
+            max_running=settings.engine.max_num_seqs,
+            kv_blocks_free=stats.kv_blocks_free,
+            kv_blocks_total=stats.kv_blocks_total,
+            resident_adapters=residency.gpu_adapters,
+            cpu_adapters=residency.cpu_adapters,
+            slots={str(rank): list(used) for rank, used in residency.slots.items()},
+            cache_hit_ratio=residency.hit_ratio,
+            load_ms_mean=residency.load_ms_mean,
+        )
         if nc.is_connected:
             with contextlib.suppress(Exception):
                 await nc.publish(subjects.WORKER_HEARTBEAT, encode(beat))
@@ -117,17 +127,32 @@ async def run(settings: WorkerSettings) -> None:
         stop = shutdown_event()
         metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
         loading = {"ready": False, "detail": "loading base model"}
-        beats = asyncio.create_task(publish_heartbeats(
-            nc, "worker", settings.worker_id, settings.heartbeat_interval_s,
-            lambda: (loading["ready"], loading["detail"]), metrics_port))
+        beats = asyncio.create_task(
+            publish_heartbeats(
+                nc,
+                "worker",
+                settings.worker_id,
+                settings.heartbeat_interval_s,
+                lambda: (loading["ready"], loading["detail"]),
+                metrics_port,
+            )
+        )
         cache_dir = Path(settings.model_cache) if settings.model_cache else None
-        loaded = await asyncio.to_thread(load_model, settings.model_dir, device=settings.engine.device,
-                                         cache_dir=cache_dir)
+        loaded = await asyncio.to_thread(
+            load_model, settings.model_dir, device=settings.engine.device, cache_dir=cache_dir
+        )
         shapes = ModelShapes.from_hf_config(loaded.model.config)
-        manager = AdapterManager(settings.lora, shapes, device=settings.engine.device,
-                                 dtype=settings.engine.torch_dtype)
-        loader = StoreLoader(nc, asyncio.get_running_loop(), fingerprint_model_dir(loaded.directory), shapes,
-                             settings.lora, require_signature=settings.require_signature)
+        manager = AdapterManager(
+            settings.lora, shapes, device=settings.engine.device, dtype=settings.engine.torch_dtype
+        )
+        loader = StoreLoader(
+            nc,
+            asyncio.get_running_loop(),
+            fingerprint_model_dir(loaded.directory),
+            shapes,
+            settings.lora,
+            require_signature=settings.require_signature,
+        )
         cache = CacheHierarchy(manager, loader, settings.cache)
         stack.callback(cache.close)
         engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager)
@@ -141,14 +166,19 @@ async def run(settings: WorkerSettings) -> None:
             await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.request_id}")
 
         prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
-        server = RequestServer(engine, prompts, settings.worker_id, loaded.name, emit, audit,
-                               settings.max_waiting, cache, loader.digest_of)
+        server = RequestServer(
+            engine, prompts, settings.worker_id, loaded.name, emit, audit, settings.max_waiting, cache, loader.digest_of
+        )
 
         async def on_dispatch(msg) -> None:
             try:
                 request = decode(InferRequest, msg.data)
-                with continued(msg.headers), span_tracer.start_as_current_span(
-                        "worker.accept", attributes={"lf.request_id": request.request_id}):
+                with (
+                    continued(msg.headers),
+                    span_tracer.start_as_current_span(
+                        "worker.accept", attributes={"lf.request_id": request.request_id}
+                    ),
+                ):
                     await server.accept(request)
                 reply = DispatchReply(accepted=True, worker_id=settings.worker_id)
             except LorafleetError as e:
@@ -175,8 +205,10 @@ async def run(settings: WorkerSettings) -> None:
         await nc.subscribe(subjects.worker_dispatch(settings.worker_id), cb=on_dispatch)
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)
         cache.start()
-        background = [asyncio.create_task(_worker_heartbeats(nc, server, cache, settings, loaded.name)),
-                      asyncio.create_task(_follow_heat(settings, cache))]
+        background = [
+            asyncio.create_task(_worker_heartbeats(nc, server, cache, settings, loaded.name)),
+            asyncio.create_task(_follow_heat(settings, cache)),
+        ]
         loading.update(ready=True, detail="")
         log.info("worker_ready", worker_id=settings.worker_id, model=loaded.name)
         await stop.wait()

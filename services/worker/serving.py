@@ -17,7 +17,16 @@ from services.worker.timing import Timing
 from shared import metrics
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
-    CompletionAudit, InferRequest, RejectionAudit, ReplyAccepted, ReplyError, ReplyFinal, ReplyMessage, ReplyToken, ServedBy, Usage,
+    CompletionAudit,
+    InferRequest,
+    RejectionAudit,
+    ReplyAccepted,
+    ReplyError,
+    ReplyFinal,
+    ReplyMessage,
+    ReplyToken,
+    ServedBy,
+    Usage,
 )
 from shared.telemetry import tracer
 
@@ -45,9 +54,18 @@ class Job:
 class RequestServer:
     """Accepts dispatched requests up to a waiting bound and runs each as a task on the engine."""
 
-    def __init__(self, engine: AsyncEngine, prompts: PromptIds, worker_id: str, base_model: str,
-                 emit: Emit, audit: Audit, max_waiting: int, cache: CacheHierarchy | None = None,
-                 digest_of: Callable[[str], str | None] = lambda _: None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompts: PromptIds,
+        worker_id: str,
+        base_model: str,
+        emit: Emit,
+        audit: Audit,
+        max_waiting: int,
+        cache: CacheHierarchy | None = None,
+        digest_of: Callable[[str], str | None] = lambda _: None,
+    ):
         self.engine = engine
         self.prompts = prompts
         self.worker_id = worker_id
@@ -68,7 +86,9 @@ class RequestServer:
         """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
         if request.request_id in self._recent:
             if request.request_id in self._cancelled:
-                raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker before it arrived")
+                raise ServiceUnavailable(
+                    f"request {request.request_id} was withdrawn from this worker before it arrived"
+                )
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
         if request.base_model != self.base_model:
@@ -80,8 +100,9 @@ class RequestServer:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")
             job.key = adapter_key(request.adapter.adapter_id, request.adapter.version)
-            job.lookup = self.cache.acquire(job.key, request.adapter.rank, request.tenant_id, request.priority,
-                                            request.tenant_gpu_slots)
+            job.lookup = self.cache.acquire(
+                job.key, request.adapter.rank, request.tenant_id, request.priority, request.tenant_gpu_slots
+            )
         self._remember(request.request_id)
         self._jobs[request.request_id] = job
         # the engine gets the request first; the accept notice (off the path to the first token)
@@ -89,8 +110,10 @@ class RequestServer:
         task = asyncio.create_task(self._serve(job))
         self.tasks[request.request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request.request_id, None))
-        await self.emit(request.reply_to, ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id,
-                                                        cache_hit=job.cache_hit))
+        await self.emit(
+            request.reply_to,
+            ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.cache_hit),
+        )
 
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
@@ -120,10 +143,15 @@ class RequestServer:
         rid = job.request.request_id
         adapter = job.request.adapter
         structlog.contextvars.bind_contextvars(  # this task's own context: every log line names the request
-            request_id=rid, tenant_id=job.request.tenant_id, adapter_id=adapter.adapter_id if adapter else None,
-            adapter_version=adapter.version if adapter else None)
-        with _tracer.start_as_current_span("worker.generate", attributes={
-                "lf.request_id": rid, "lf.adapter": job.key or "", "lf.cache_hit": job.cache_hit}):
+            request_id=rid,
+            tenant_id=job.request.tenant_id,
+            adapter_id=adapter.adapter_id if adapter else None,
+            adapter_version=adapter.version if adapter else None,
+        )
+        with _tracer.start_as_current_span(
+            "worker.generate",
+            attributes={"lf.request_id": rid, "lf.adapter": job.key or "", "lf.cache_hit": job.cache_hit},
+        ):
             outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
             try:
                 await self._adapter_ready(job)
@@ -137,8 +165,15 @@ class RequestServer:
             except LorafleetError as e:
                 await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=e.to_body()))
                 if isinstance(e, IntegrityError):  # an integrity refusal is an audit event of its own
-                    await self.audit(RejectionAudit(request_id=rid, tenant_id=job.request.tenant_id, service="worker",
-                                                    code=e.code, reason=e.message[:2000]))
+                    await self.audit(
+                        RejectionAudit(
+                            request_id=rid,
+                            tenant_id=job.request.tenant_id,
+                            service="worker",
+                            code=e.code,
+                            reason=e.message[:2000],
+                        )
+                    )
             except Exception as e:
                 log.exception("request_failed", request_id=rid)
                 failure = ServiceUnavailable(f"worker failed while generating: {type(e).__name__}")
@@ -160,8 +195,9 @@ class RequestServer:
         job.digest = self.digest_of(job.key)
         if job.digest is not None and job.digest != job.request.adapter.digest:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
-            raise IntegrityError(f"{job.key}: loaded weights {job.digest[:12]} are not the granted "
-                                 f"{job.request.adapter.digest[:12]}")
+            raise IntegrityError(
+                f"{job.key}: loaded weights {job.digest[:12]} are not the granted {job.request.adapter.digest[:12]}"
+            )
 
     async def _generate(self, job: Job) -> tuple[str, Usage]:
         request, rid = job.request, job.request.request_id
@@ -175,18 +211,34 @@ class RequestServer:
                 job.timing.token(out.completion_tokens)
             if out.text or out.token_ids:
                 pieces.append(out.text)
-                await self.emit(request.reply_to, ReplyToken(request_id=rid, index=out.completion_tokens - 1,
-                                                             text=out.text, token_ids=out.token_ids))
+                await self.emit(
+                    request.reply_to,
+                    ReplyToken(request_id=rid, index=out.completion_tokens - 1, text=out.text, token_ids=out.token_ids),
+                )
             if out.finished:
                 outcome = "cancelled" if out.finish_reason == "abort" else out.finish_reason
                 usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
         adapter = request.adapter
-        served = ServedBy(worker_id=self.worker_id, base_model=self.base_model, cache_hit=job.cache_hit,
-                          adapter_id=adapter.adapter_id if adapter else None,
-                          adapter_version=adapter.version if adapter else None, adapter_digest=job.digest)
-        await self.emit(request.reply_to, ReplyFinal(
-            request_id=rid, text="".join(pieces), finish_reason=outcome, usage=usage, served_by=served,
-            ttft_ms=job.timing.ttft_ms(), tpot_ms=job.timing.tpot_ms()))
+        served = ServedBy(
+            worker_id=self.worker_id,
+            base_model=self.base_model,
+            cache_hit=job.cache_hit,
+            adapter_id=adapter.adapter_id if adapter else None,
+            adapter_version=adapter.version if adapter else None,
+            adapter_digest=job.digest,
+        )
+        await self.emit(
+            request.reply_to,
+            ReplyFinal(
+                request_id=rid,
+                text="".join(pieces),
+                finish_reason=outcome,
+                usage=usage,
+                served_by=served,
+                ttft_ms=job.timing.ttft_ms(),
+                tpot_ms=job.timing.tpot_ms(),
+            ),
+        )
         return outcome, usage
 
     def _observe(self, job: Job, outcome: str) -> None:
@@ -201,8 +253,18 @@ class RequestServer:
     def _audit_record(self, job: Job, outcome: str, usage: Usage) -> CompletionAudit:
         adapter = job.request.adapter
         return CompletionAudit(
-            request_id=job.request.request_id, tenant_id=job.request.tenant_id, base_model=self.base_model,
-            adapter_id=adapter.adapter_id if adapter else None, adapter_version=adapter.version if adapter else None,
-            adapter_rank=adapter.rank if adapter else None, adapter_digest=job.digest, cache_hit=job.cache_hit,
-            ttft_ms=job.timing.ttft_ms(), tpot_ms=job.timing.tpot_ms(), prompt_tokens=usage.prompt_tokens,
-            completion_tokens=job.timing.tokens, worker_id=self.worker_id, outcome=outcome)
+            request_id=job.request.request_id,
+            tenant_id=job.request.tenant_id,
+            base_model=self.base_model,
+            adapter_id=adapter.adapter_id if adapter else None,
+            adapter_version=adapter.version if adapter else None,
+            adapter_rank=adapter.rank if adapter else None,
+            adapter_digest=job.digest,
+            cache_hit=job.cache_hit,
+            ttft_ms=job.timing.ttft_ms(),
+            tpot_ms=job.timing.tpot_ms(),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=job.timing.tokens,
+            worker_id=self.worker_id,
+            outcome=outcome,
+        )

@@ -16,10 +16,14 @@ class WorkerSettings(WorkerIdentity):
     model_dir: str | None = Field(default=None, description="local HF model directory; None = embedded SmolLM2")
     model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="batching, KV cache, device, dtype")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="rank classes and the byte budget of the adapter slots")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="rank classes and the byte budget of the adapter slots"
+    )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="CPU tier, eviction policy, warmup")
     max_waiting: int = Field(default=256, ge=1, le=100_000, description="requests queued before dispatches are refused")
-    require_signature: bool = Field(default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)")
+    require_signature: bool = Field(
+        default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)"
+    )
     heat_refresh_s: float = Field(default=5.0, gt=0, le=600, description="how often fleet heat is read from Redis")
 
     @model_validator(mode="after")

@@ -8,7 +8,6 @@ from pydantic import Field
 from shared.schemas.base import Identifier, Message, RequestId
 from shared.schemas.registry import Actor, AdapterStatus
 
-
 # ---- audit -------------------------------------------------------------------------------
 
 

@@ -4,7 +4,6 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 
@@ -21,5 +20,3 @@ class ErrorBody(Message):
     status: int = Field(ge=400, le=599)
     retry_after_s: float | None = None
     param: str | None = None
-
-

@@ -7,7 +7,6 @@ from pydantic import Field, model_validator
 
 from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
 
-
 # ---- inference ---------------------------------------------------------------------------
 
 
@@ -51,14 +50,18 @@ class InferRequest(Message):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
     reply_to: str = Field(
-        min_length=1, max_length=256, pattern=r"^_INBOX[._][A-Za-z0-9_.-]+$",
+        min_length=1,
+        max_length=256,
+        pattern=r"^_INBOX[._][A-Za-z0-9_.-]+$",
         description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
     )
     priority: Literal["interactive", "batch"] = "interactive"
     created_at: float = Field(default_factory=time.time)
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
     tenant_gpu_slots: int | None = Field(
-        default=None, ge=1, le=100_000,
+        default=None,
+        ge=1,
+        le=100_000,
         description="the tenant's GPU adapter slot quota per rank class (set by the scheduler from its limits)",
     )
     accept_deadline: float | None = Field(
@@ -135,5 +138,3 @@ class ReplyEnvelope(Message):
     """What travels on a request's reply inbox; one wrapper so a consumer decodes one type."""
 
     body: ReplyMessage
-
-

@@ -7,7 +7,6 @@ from pydantic import Field, model_validator
 
 from shared.schemas.base import Identifier, Message, RequestId
 
-
 # ---- worker control and liveness -----------------------------------------------------------
 
 
@@ -52,5 +51,3 @@ class ServiceHeartbeat(Message):
     detail: str = Field(default="", max_length=500)
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
     ts: float = Field(default_factory=time.time)
-
-

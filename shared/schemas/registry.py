@@ -8,7 +8,6 @@ from pydantic import Field, model_validator
 from shared.schemas.base import Identifier, Message
 from shared.schemas.inference import ResolvedAdapter
 
-
 # ---- registry --------------------------------------------------------------------------------
 # Request-reply: a reply is the op's reply model, or an ErrorBody flagged by the
 # ``Lf-Error`` header (see shared/bus.py ``serve`` / ``request``).
@@ -18,7 +17,9 @@ class ResolveRequest(Message):
     tenant_id: Identifier
     model: str = Field(min_length=1, max_length=256)
     request_key: str = Field(min_length=1, max_length=256)
-    preview: bool = Field(default=False, description="a pinned model@version may be a staging version (pre-release eval)")
+    preview: bool = Field(
+        default=False, description="a pinned model@version may be a staging version (pre-release eval)"
+    )
 
 
 class ModelInfo(Message):
@@ -208,5 +209,3 @@ class ListKeysRequest(Message):
 
 class TrustedKeysReply(Message):
     keys: dict[str, str] = Field(default_factory=dict, description="signer -> base64 public key")
-
-

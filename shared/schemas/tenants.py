@@ -8,7 +8,6 @@ from pydantic import Field
 from shared.schemas.base import Identifier, Message
 from shared.schemas.registry import Actor, Sha256Hex
 
-
 # ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
 
 ApiScope = Literal["inference", "admin", "platform_admin"]
@@ -89,5 +88,3 @@ class ListApiKeysRequest(Message):
 
 class ApiKeysReply(Message):
     keys: list[ApiKeyInfo] = Field(default_factory=list)
-
-

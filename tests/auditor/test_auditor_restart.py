@@ -13,9 +13,20 @@ from shared.schemas import AuditEnvelope, CompletionAudit
 
 
 def completion(i: int) -> AuditEnvelope:
-    return AuditEnvelope(body=CompletionAudit(
-        request_id=f"req-{i}", tenant_id="acme", base_model="m", cache_hit=True, ttft_ms=1, tpot_ms=1,
-        prompt_tokens=1, completion_tokens=1, worker_id="w1", outcome="stop"))
+    return AuditEnvelope(
+        body=CompletionAudit(
+            request_id=f"req-{i}",
+            tenant_id="acme",
+            base_model="m",
+            cache_hit=True,
+            ttft_ms=1,
+            tpot_ms=1,
+            prompt_tokens=1,
+            completion_tokens=1,
+            worker_id="w1",
+            outcome="stop",
+        )
+    )
 
 
 async def publish(url: str, start: int, stop: int) -> None:

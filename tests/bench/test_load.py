@@ -93,8 +93,14 @@ def test_summary_counts_each_request_once_and_splits_latency_by_cache_hit():
     assert s["errors_by_code"] == {"quota_exceeded": 1} and s["lost_by_reason"] == {"timeout": 1}
     assert (s["ttft_ms"]["hit"]["p50"], s["ttft_ms"]["miss"]["p50"], s["ttft_ms"]["base"]["p50"]) == (10.0, 30.0, 20.0)
     assert s["ttft_p95_ms"] == 30.0 and s["cache_hit_rate"] == 0.5
-    assert s["per_adapter"]["a00"] == {"requests": 4, "completed": 2, "tokens": 8, "hits": 1, "req_s": 1.0,
-                                       "tok_s": 4.0}
+    assert s["per_adapter"]["a00"] == {
+        "requests": 4,
+        "completed": 2,
+        "tokens": 8,
+        "hits": 1,
+        "req_s": 1.0,
+        "tok_s": 4.0,
+    }
 
 
 def test_only_loopback_targets_are_accepted():
@@ -105,8 +111,12 @@ def test_only_loopback_targets_are_accepted():
             loopback_url(url)
 
 
-HEADERS = {"x-lorafleet-cache-hit": "false", "x-lorafleet-adapter": "a00", "x-lorafleet-worker": "w1",
-           "content-type": "text/event-stream"}
+HEADERS = {
+    "x-lorafleet-cache-hit": "false",
+    "x-lorafleet-adapter": "a00",
+    "x-lorafleet-worker": "w1",
+    "content-type": "text/event-stream",
+}
 
 
 def sse(*events: dict | str) -> list[bytes]:
@@ -119,8 +129,13 @@ def chunk(content: str | None = None, finish: str | None = None) -> dict:
 
 
 TOKENS = [chunk("Hello"), chunk(" there"), chunk(" friend")]
-COMPLETE = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-               *TOKENS, chunk(finish="length"), {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]")
+COMPLETE = sse(
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+    *TOKENS,
+    chunk(finish="length"),
+    {"choices": [], "usage": {"completion_tokens": 3}},
+    "[DONE]",
+)
 
 
 def streaming(lines: list[bytes], status: int = 200, pause_s: float = 0.0, hang_after: int | None = None):
@@ -146,8 +161,14 @@ async def one(transport: httpx.MockTransport, timeout_s: float = 5.0) -> Outcome
 
 async def test_a_finished_stream_is_completed_with_its_timings():
     out = await one(streaming(COMPLETE, pause_s=0.02))
-    assert (out.status, out.code, out.tokens, out.cache_hit, out.adapter, out.worker) == \
-        ("completed", None, 3, False, "a00", "w1")
+    assert (out.status, out.code, out.tokens, out.cache_hit, out.adapter, out.worker) == (
+        "completed",
+        None,
+        3,
+        False,
+        "a00",
+        "w1",
+    )
     assert 15 <= out.ttft_ms < out.latency_ms and 15 <= out.tpot_ms < 200
 
 
@@ -184,8 +205,15 @@ async def test_no_connection_is_an_error():
 async def test_requests_go_out_on_schedule_whatever_is_in_flight():
     arrivals = [Arrival(i, 0.05 * i, "t0", "a00", "hi") for i in range(8)]
     started = time.perf_counter()
-    outcomes, _ = await run_open_loop("http://127.0.0.1:1", {"t0": "key"}, arrivals, max_tokens=3, timeout_s=5,
-                                      drain_s=5, transport=streaming(COMPLETE, pause_s=0.1))
+    outcomes, _ = await run_open_loop(
+        "http://127.0.0.1:1",
+        {"t0": "key"},
+        arrivals,
+        max_tokens=3,
+        timeout_s=5,
+        drain_s=5,
+        transport=streaming(COMPLETE, pause_s=0.1),
+    )
     assert time.perf_counter() - started < 1.5  # closed loop would take 8 x 0.6 s
     assert [o.status for o in outcomes] == ["completed"] * 8
     assert max(o.lag_ms for o in outcomes) < 100
@@ -193,8 +221,15 @@ async def test_requests_go_out_on_schedule_whatever_is_in_flight():
 
 async def test_requests_still_running_when_the_drain_ends_are_lost():
     arrivals = [Arrival(i, 0.0, "t0", "a00", "hi") for i in range(3)]
-    outcomes, wall_s = await run_open_loop("http://127.0.0.1:1", {"t0": "key"}, arrivals, max_tokens=3,
-                                           timeout_s=60, drain_s=0.3, transport=streaming(COMPLETE, hang_after=1))
+    outcomes, wall_s = await run_open_loop(
+        "http://127.0.0.1:1",
+        {"t0": "key"},
+        arrivals,
+        max_tokens=3,
+        timeout_s=60,
+        drain_s=0.3,
+        transport=streaming(COMPLETE, hang_after=1),
+    )
     assert wall_s < 2 and [(o.status, o.code) for o in outcomes] == [("lost", "unfinished_at_drain")] * 3
 
 
@@ -202,12 +237,30 @@ async def test_requests_still_running_when_the_drain_ends_are_lost():
 def test_a_short_run_on_the_tiny_model_completes_every_request(tmp_path):
     out = tmp_path / "load.json"
     args = ["--quick", "--count", "20", "--adapters", "20", "--tenants", "2", "--rate", "5", "--out", str(out)]
-    run = subprocess.run([sys.executable, "-m", "bench.load", *args], cwd=REPO, capture_output=True, text=True,
-                         check=False, timeout=240, env={**os.environ, "LF_LOG_LEVEL": "WARNING"})
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.load", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
+        env={**os.environ, "LF_LOG_LEVEL": "WARNING"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    for key in ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tpot_p95_ms", "lost", "errors_by_code", "cache_hit_rate",
-                "throughput_tok_s", "summary", "registration", "environment"):
+    for key in (
+        "ttft_p50_ms",
+        "ttft_p95_ms",
+        "ttft_p99_ms",
+        "tpot_p95_ms",
+        "lost",
+        "errors_by_code",
+        "cache_hit_rate",
+        "throughput_tok_s",
+        "summary",
+        "registration",
+        "environment",
+    ):
         assert key in result, key
     assert result["lost"] == 0 and result["completed"] > 0 and result["requests"] == 20
     assert result["adapters_registered"] == 20 and result["registration"]["adapters"] == 20

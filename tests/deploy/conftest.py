@@ -78,8 +78,14 @@ async def connect_as(auth_server: AuthServer) -> AsyncIterator:
         async def on_error(e: Exception) -> None:
             client.errors.append(str(e))
 
-        client.nc = await nats.connect(auth_server.server.url, user=user, password=auth_server.password(user),
-                                       error_cb=on_error, allow_reconnect=False, **options)
+        client.nc = await nats.connect(
+            auth_server.server.url,
+            user=user,
+            password=auth_server.password(user),
+            error_cb=on_error,
+            allow_reconnect=False,
+            **options,
+        )
         clients.append(client)
         return client
 

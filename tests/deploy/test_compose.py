@@ -15,7 +15,11 @@ from services.cli.infra import nats_server_binary
 from services.cli.nats_auth import add_tenant_user, init_deploy
 from services.worker.settings import WorkerSettings
 from shared.config import (
-    AuditorSettings, CommonSettings, GatewaySettings, RegistrySettings, SchedulerSettings,
+    AuditorSettings,
+    CommonSettings,
+    GatewaySettings,
+    RegistrySettings,
+    SchedulerSettings,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,23 +28,32 @@ REPO = Path(__file__).resolve().parents[2]
 def field_of(env_key: str) -> str:
     """The settings field an LF_ variable sets (LF_ENGINE__DTYPE sets ``engine``)."""
     return env_key[3:].lower().split("__")[0]
+
+
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
 DOCKERFILE = (REPO / "Dockerfile").read_text()
-SETTINGS = {"gateway": GatewaySettings, "registry": RegistrySettings, "scheduler": SchedulerSettings,
-            "worker": WorkerSettings, "worker-cpu": WorkerSettings, "auditor": AuditorSettings,
-            "nats-setup": CommonSettings}
+SETTINGS = {
+    "gateway": GatewaySettings,
+    "registry": RegistrySettings,
+    "scheduler": SchedulerSettings,
+    "worker": WorkerSettings,
+    "worker-cpu": WorkerSettings,
+    "auditor": AuditorSettings,
+    "nats-setup": CommonSettings,
+}
 OURS = tuple(SETTINGS)
 
 
 def env_files(service: dict) -> list[tuple[str, bool]]:
     """(path, required) of each env_file entry, in either compose syntax."""
-    return [(e, True) if isinstance(e, str) else (e["path"], e.get("required", True))
-            for e in service.get("env_file", [])]
+    return [
+        (e, True) if isinstance(e, str) else (e["path"], e.get("required", True)) for e in service.get("env_file", [])
+    ]
 
 
 def dockerfile_env() -> dict[str, str]:
-    block = re.search(r"^ENV (.*?)(?:\n(?! ))", DOCKERFILE[DOCKERFILE.index("AS runtime"):], re.S | re.M)
+    block = re.search(r"^ENV (.*?)(?:\n(?! ))", DOCKERFILE[DOCKERFILE.index("AS runtime") :], re.S | re.M)
     assert block
     return dict(re.findall(r"(\w+)=(\S+)", block.group(1)))
 
@@ -90,8 +103,10 @@ def test_environment_names_real_settings(deploy_dir: Path) -> None:
             assert key.startswith("LF_") and field_of(key) in settings.model_fields, (name, key)
         assert "LF_NATS_USER" in keys, name
     for key in dockerfile_env():
-        assert not key.startswith("LF_") or field_of(key) in {**WorkerSettings.model_fields,
-                                                                 **AuditorSettings.model_fields}, key
+        assert not key.startswith("LF_") or field_of(key) in {
+            **WorkerSettings.model_fields,
+            **AuditorSettings.model_fields,
+        }, key
 
 
 def test_ports_and_urls_match_config_defaults() -> None:
@@ -124,8 +139,12 @@ def test_volumes_and_bind_mounts_exist(deploy_dir: Path) -> None:
 
 
 def test_generated_nats_config_is_accepted_by_nats_server(deploy_dir: Path) -> None:
-    done = subprocess.run([nats_server_binary(), "-t", "-c", str(deploy_dir / "deploy" / "nats.conf")],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(deploy_dir / "deploy" / "nats.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -153,7 +172,10 @@ def test_worker_reserves_a_gpu_and_has_a_cpu_variant() -> None:
     devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert SERVICES["worker"]["environment"]["LF_ENGINE__DEVICE"] == "cuda"
-    assert SERVICES["worker-cpu"]["profiles"] == ["cpu"] and SERVICES["worker-cpu"]["environment"]["LF_ENGINE__DEVICE"] == "cpu"
+    assert (
+        SERVICES["worker-cpu"]["profiles"] == ["cpu"]
+        and SERVICES["worker-cpu"]["environment"]["LF_ENGINE__DEVICE"] == "cpu"
+    )
 
 
 def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:

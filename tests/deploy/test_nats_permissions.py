@@ -27,8 +27,14 @@ async def expect_js_refused(client, call, subject: str) -> None:
 
 async def test_wrong_password_is_refused(auth_server) -> None:
     with pytest.raises(Exception):
-        await nats.connect(auth_server.server.url, user="worker", password="wrong", allow_reconnect=False,
-                           max_reconnect_attempts=0, connect_timeout=2)
+        await nats.connect(
+            auth_server.server.url,
+            user="worker",
+            password="wrong",
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+        )
 
 
 async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) -> None:
@@ -64,12 +70,28 @@ async def test_only_the_registry_publishes_adapter_events(connect_as, user: str)
     assert await client.publish_refused(subjects.adapter_event("x"))
 
 
-@pytest.mark.parametrize(("user", "publisher", "stream", "followed", "subject"), [
-    ("scheduler", "gateway", subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, subjects.audit("completion", "a")),
-    ("worker", "registry", subjects.ADAPTER_EVENTS_STREAM, subjects.ADAPTER_EVENTS_ALL, subjects.adapter_event("tiny")),
-])
+@pytest.mark.parametrize(
+    ("user", "publisher", "stream", "followed", "subject"),
+    [
+        (
+            "scheduler",
+            "gateway",
+            subjects.AUDIT_STREAM,
+            subjects.AUDIT_COMPLETION_ALL,
+            subjects.audit("completion", "a"),
+        ),
+        (
+            "worker",
+            "registry",
+            subjects.ADAPTER_EVENTS_STREAM,
+            subjects.ADAPTER_EVENTS_ALL,
+            subjects.adapter_event("tiny"),
+        ),
+    ],
+)
 async def test_the_scheduler_follows_completions_and_workers_follow_adapter_events(
-        connect_as, user: str, publisher: str, stream: str, followed: str, subject: str) -> None:
+    connect_as, user: str, publisher: str, stream: str, followed: str, subject: str
+) -> None:
     client = await connect_as(user)
     received: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -88,8 +110,11 @@ async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_
     assert ack.stream == subjects.INFER_STREAM
     scheduler = await connect_as("scheduler")
     psub = await scheduler.nc.jetstream(timeout=5).pull_subscribe(
-        subjects.INFER_SUBMIT_ALL, durable="scheduler", stream=subjects.INFER_STREAM,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5))
+        subjects.INFER_SUBMIT_ALL,
+        durable="scheduler",
+        stream=subjects.INFER_STREAM,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
+    )
     msgs = await psub.fetch(batch=16, timeout=5)
     assert any(m.subject == subjects.infer_submit("acme") for m in msgs)
     for msg in msgs:
@@ -117,22 +142,26 @@ async def test_auditor_only_reads(connect_as) -> None:
     gateway = await connect_as("gateway")
     await gateway.nc.jetstream(timeout=5).publish(subjects.audit("completion", "acme"), b"{}")
     auditor = await connect_as("auditor")
-    psub = await auditor.nc.jetstream(timeout=5).pull_subscribe(subjects.AUDIT_ALL, durable="auditor",
-                                                                stream=subjects.AUDIT_STREAM)
+    psub = await auditor.nc.jetstream(timeout=5).pull_subscribe(
+        subjects.AUDIT_ALL, durable="auditor", stream=subjects.AUDIT_STREAM
+    )
     msgs = await psub.fetch(batch=1, timeout=5)
     await msgs[0].ack_sync(timeout=5)
     assert auditor.errors == []
     assert await auditor.publish_refused(subjects.infer_submit("acme"))
     assert await auditor.publish_refused(subjects.audit("completion", "acme"))
     ajs = auditor.nc.jetstream(timeout=JS_TIMEOUT)
-    await expect_js_refused(auditor, ajs.delete_stream(subjects.AUDIT_STREAM),
-                            f"$JS.API.STREAM.DELETE.{subjects.AUDIT_STREAM}")
+    await expect_js_refused(
+        auditor, ajs.delete_stream(subjects.AUDIT_STREAM), f"$JS.API.STREAM.DELETE.{subjects.AUDIT_STREAM}"
+    )
 
 
 async def test_services_cannot_create_or_delete_shared_streams(connect_as) -> None:
     worker = await connect_as("worker")
     wjs = worker.nc.jetstream(timeout=JS_TIMEOUT)
-    await expect_js_refused(worker, wjs.purge_stream(subjects.INFER_STREAM), f"$JS.API.STREAM.PURGE.{subjects.INFER_STREAM}")
+    await expect_js_refused(
+        worker, wjs.purge_stream(subjects.INFER_STREAM), f"$JS.API.STREAM.PURGE.{subjects.INFER_STREAM}"
+    )
     await expect_js_refused(worker, wjs.add_stream(name="EVIL", subjects=["evil.>"]), "$JS.API.STREAM.CREATE.EVIL")
 
 

@@ -20,9 +20,23 @@ PASSWORD = "s3cret-redis"
 @pytest.fixture(scope="module")
 def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--requirepass", PASSWORD, "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--requirepass",
+            PASSWORD,
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_port(port, 15, proc)
         yield port

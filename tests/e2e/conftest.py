@@ -37,16 +37,21 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
     env = {
-        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
         "LF_API_KEYS": json.dumps({API_KEY: "demo", OTHER_KEY: "other"}),
-        "LF_DB_PATH": str(root / "audit.sqlite3"), "LF_LIVENESS_TIMEOUT_S": "5",
-        "LF_ACCEPT_TIMEOUT_S": "8", "LF_NO_WORKER_GRACE_S": "5",
+        "LF_DB_PATH": str(root / "audit.sqlite3"),
+        "LF_LIVENESS_TIMEOUT_S": "5",
+        "LF_ACCEPT_TIMEOUT_S": "8",
+        "LF_NO_WORKER_GRACE_S": "5",
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
         "LF_TRACE_EXPORTER": f"file:{root / 'spans.jsonl'}",
     }
     stack = Stack(env, root / "logs")
-    running = RunningStack(stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3",
-                           root / "spans.jsonl")
+    running = RunningStack(
+        stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3", root / "spans.jsonl"
+    )
     try:
         for name in SERVICES:
             stack.start(name)

@@ -15,7 +15,12 @@ from shared import signing, subjects
 from shared.bus import decode, request
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
-    AdapterRecordsReply, PromoteRequest, RevokeRequest, TrustedKeysReply, TrustKeyRequest, WorkerHeartbeat,
+    AdapterRecordsReply,
+    PromoteRequest,
+    RevokeRequest,
+    TrustedKeysReply,
+    TrustKeyRequest,
+    WorkerHeartbeat,
 )
 from tests.e2e.conftest import OTHER_KEY
 from tests.helpers.adapters import make_peft_model
@@ -39,14 +44,32 @@ def adapters(running_stack, tmp_path_factory) -> dict[str, int]:
 
     async def publish() -> dict[str, int]:
         nc = await nats.connect(running_stack.nats.url)
-        await request(nc, subjects.registry("trust_key"), TrustKeyRequest(
-            signer="release", public_key=keys.public_b64, actor="test"), TrustedKeysReply, 10)
+        await request(
+            nc,
+            subjects.registry("trust_key"),
+            TrustKeyRequest(signer="release", public_key=keys.public_b64, actor="test"),
+            TrustedKeysReply,
+            10,
+        )
         versions = {}
         for name, directory in dirs.items():
-            record = await push_adapter(nc, directory, adapter_id=name, tenant_id="demo", task_type="chat",
-                                        base_fingerprint=fingerprint, sign_key=key_file, who="test")
-            await request(nc, subjects.registry("promote"), PromoteRequest(
-                adapter_id=name, version=record.version, traffic_percent=100, actor="test"), AdapterRecordsReply, 10)
+            record = await push_adapter(
+                nc,
+                directory,
+                adapter_id=name,
+                tenant_id="demo",
+                task_type="chat",
+                base_fingerprint=fingerprint,
+                sign_key=key_file,
+                who="test",
+            )
+            await request(
+                nc,
+                subjects.registry("promote"),
+                PromoteRequest(adapter_id=name, version=record.version, traffic_percent=100, actor="test"),
+                AdapterRecordsReply,
+                10,
+            )
             versions[name] = record.version
         await nc.close()
         return versions
@@ -61,7 +84,8 @@ def client(running_stack) -> openai.OpenAI:
 
 def ask(client: openai.OpenAI, model: str):
     return client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0)
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0
+    )
 
 
 def test_adapters_change_answers_and_name_what_served(client, adapters):
@@ -82,8 +106,9 @@ def test_adapters_change_answers_and_name_what_served(client, adapters):
 
 def test_streamed_adapter_answer_matches_plain(client, adapters):
     plain = ask(client, "sea-poet").parse().choices[0].message.content
-    stream = client.chat.completions.create(model="sea-poet", messages=[{"role": "user", "content": PROMPT}],
-                                            max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="sea-poet", messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain
 
 
@@ -108,14 +133,16 @@ def test_other_tenant_cannot_use_or_see_the_adapter(running_stack, adapters):
         ask(other, "sea-poet")
     with pytest.raises(openai.NotFoundError) as missing:
         ask(other, "no-such-adapter")
-    assert foreign.value.body["message"].replace("sea-poet", "X") == \
-        missing.value.body["message"].replace("no-such-adapter", "X")
+    assert foreign.value.body["message"].replace("sea-poet", "X") == missing.value.body["message"].replace(
+        "no-such-adapter", "X"
+    )
     assert "sea-poet" not in [m.id for m in other.models.list().data]
     deadline, attempts = time.monotonic() + 10, []
     while time.monotonic() < deadline and not attempts:
         with sqlite3.connect(running_stack.db_path) as db:
-            attempts = db.execute("SELECT tenant_id FROM audit WHERE kind = 'rejection' AND body LIKE ?",
-                                  ("%tenant_isolation_attempt%",)).fetchall()
+            attempts = db.execute(
+                "SELECT tenant_id FROM audit WHERE kind = 'rejection' AND body LIKE ?", ("%tenant_isolation_attempt%",)
+            ).fetchall()
         time.sleep(0.2)
     assert attempts and {t for (t,) in attempts} == {"other"}  # the probe is audited; the unknown name is not
 
@@ -135,8 +162,9 @@ def test_revoked_adapter_is_refused_and_evicted(running_stack, client, adapters)
 
     async def revoke() -> None:
         nc = await nats.connect(running_stack.nats.url)
-        await request(nc, subjects.registry("revoke"), RevokeRequest(adapter_id="sea-poet", actor="test"),
-                      AdapterRecordsReply, 10)
+        await request(
+            nc, subjects.registry("revoke"), RevokeRequest(adapter_id="sea-poet", actor="test"), AdapterRecordsReply, 10
+        )
         await nc.close()
 
     asyncio.run(revoke())

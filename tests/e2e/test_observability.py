@@ -27,12 +27,16 @@ def test_one_request_is_one_trace_across_three_services(running_stack):
     services: set[str] = set()
     while time.monotonic() < deadline and not {"gateway", "scheduler", "worker"} <= services:
         spans = _spans(running_stack.spans_path)
-        roots = [s for s in spans if s["attributes"].get("lf.request_id") == request_id
-                 and s["name"] == "gateway.request"]
+        roots = [
+            s for s in spans if s["attributes"].get("lf.request_id") == request_id and s["name"] == "gateway.request"
+        ]
         if roots:
             trace_id = roots[0]["context"]["trace_id"]
-            services = {s["resource"]["attributes"]["service.name"].removeprefix("lorafleet-")
-                        for s in spans if s["context"]["trace_id"] == trace_id}
+            services = {
+                s["resource"]["attributes"]["service.name"].removeprefix("lorafleet-")
+                for s in spans
+                if s["context"]["trace_id"] == trace_id
+            }
         time.sleep(0.3)
     assert {"gateway", "scheduler", "worker"} <= services
 
@@ -56,8 +60,14 @@ def test_metrics_families_have_values_after_traffic(running_stack):
     ports = asyncio.run(_metrics_ports(running_stack.nats.url))
     assert {"worker", "scheduler", "auditor"} <= set(ports)
     worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics").text
-    for family in ("ttft_ms_bucket", "tpot_ms_bucket", "adapter_tokens_total", "requests_total",
-                   "kv_cache_usage_ratio", "running_requests"):
+    for family in (
+        "ttft_ms_bucket",
+        "tpot_ms_bucket",
+        "adapter_tokens_total",
+        "requests_total",
+        "kv_cache_usage_ratio",
+        "running_requests",
+    ):
         assert family in worker, family
     assert 'ttft_ms_count{cache_hit="true"}' in worker
     deadline = time.monotonic() + 10  # the prefix-cache counters are brought up to date at each heartbeat

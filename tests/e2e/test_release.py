@@ -71,34 +71,64 @@ def release(running_stack, tmp_path_factory) -> Release:
 
     async def setup() -> str:
         nc = await nats.connect(running_stack.nats.url)
-        await request(nc, subjects.registry("trust_key"), TrustKeyRequest(
-            signer="release", public_key=keys.public_b64, actor="test"), TrustedKeysReply, 10)
+        await request(
+            nc,
+            subjects.registry("trust_key"),
+            TrustKeyRequest(signer="release", public_key=keys.public_b64, actor="test"),
+            TrustedKeysReply,
+            10,
+        )
         try:
-            await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id="demo", actor="test"),
-                          TenantsReply, 10)
+            await request(
+                nc,
+                subjects.registry("tenant_create"),
+                CreateTenantRequest(tenant_id="demo", actor="test"),
+                TenantsReply,
+                10,
+            )
         except Conflict:
             pass
-        created = await request(nc, subjects.registry("api_key_create"), CreateApiKeyRequest(
-            tenant_id="demo", scopes=["inference", "admin"], actor="test"), ApiKeyCreatedReply, 10)
+        created = await request(
+            nc,
+            subjects.registry("api_key_create"),
+            CreateApiKeyRequest(tenant_id="demo", scopes=["inference", "admin"], actor="test"),
+            ApiKeyCreatedReply,
+            10,
+        )
         await nc.close()
         return created.key
 
     fingerprint = fingerprint_model_dir(resolve_model_dir(None))
-    found = Release(running_stack.nats.url, running_stack.gateway_url, asyncio.run(setup()), sign_key, fingerprint,
-                    running_stack.db_path)
+    found = Release(
+        running_stack.nats.url,
+        running_stack.gateway_url,
+        asyncio.run(setup()),
+        sign_key,
+        fingerprint,
+        running_stack.db_path,
+    )
 
     async def push_all(nc: NATS, _: openai.AsyncOpenAI) -> None:
         for name in ADAPTERS:
-            await push_adapter(nc, EXAMPLES / name / "adapter", adapter_id=name, tenant_id="demo", task_type=name,
-                               base_fingerprint=fingerprint, sign_key=sign_key, who="test")
+            await push_adapter(
+                nc,
+                EXAMPLES / name / "adapter",
+                adapter_id=name,
+                tenant_id="demo",
+                task_type=name,
+                base_fingerprint=fingerprint,
+                sign_key=sign_key,
+                who="test",
+            )
 
     found.run(push_all)
     return found
 
 
 async def _records(nc: NATS, adapter_id: str) -> dict[int, str]:
-    reply = await request(nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id),
-                          AdapterRecordsReply, 10)
+    reply = await request(
+        nc, subjects.registry("get"), GetAdapterRequest(adapter_id=adapter_id), AdapterRecordsReply, 10
+    )
     return {r.version: r.status for r in reply.records}
 
 
@@ -108,8 +138,10 @@ def _broken_copy(source: Path, target: Path) -> Path:
     (target / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
     torch.manual_seed(0)
     tensors = load_file(source / "adapter_model.safetensors")
-    save_file({k: (torch.randn_like(v.float()) * 0.2).half() for k, v in tensors.items()},
-              target / "adapter_model.safetensors")
+    save_file(
+        {k: (torch.randn_like(v.float()) * 0.2).half() for k, v in tensors.items()},
+        target / "adapter_model.safetensors",
+    )
     return target
 
 
@@ -135,8 +167,16 @@ def test_a_broken_version_fails_the_release_gate(release: Release, tmp_path: Pat
     broken = _broken_copy(EXAMPLES / "sql-employees" / "adapter", tmp_path / "broken")
 
     async def work(nc: NATS, client: openai.AsyncOpenAI) -> float:
-        record = await push_adapter(nc, broken, adapter_id="sql-employees", tenant_id="demo", task_type="sql",
-                                    base_fingerprint=release.fingerprint, sign_key=release.sign_key, who="test")
+        record = await push_adapter(
+            nc,
+            broken,
+            adapter_id="sql-employees",
+            tenant_id="demo",
+            task_type="sql",
+            base_fingerprint=release.fingerprint,
+            sign_key=release.sign_key,
+            who="test",
+        )
         assert record.version == 2
         eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
         evaluation = await evaluate(client, "sql-employees", 2, eval_set, base_model=None, max_tokens=40)
@@ -153,8 +193,18 @@ def test_a_regressing_canary_is_rolled_back_and_audited(release: Release) -> Non
     eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
 
     async def work(nc: NATS, client: openai.AsyncOpenAI):
-        outcome = await run_canary(nc, client, "sql-employees", 2, [10, 50, 100], eval_set, actor="canary-test",
-                                   audit_db=release.db_path, max_tokens=40, force=True)
+        outcome = await run_canary(
+            nc,
+            client,
+            "sql-employees",
+            2,
+            [10, 50, 100],
+            eval_set,
+            actor="canary-test",
+            audit_db=release.db_path,
+            max_tokens=40,
+            force=True,
+        )
         return outcome, await _records(nc, "sql-employees")
 
     outcome, statuses = release.run(work)
@@ -177,5 +227,7 @@ def _audit_trail(db_path: Path, adapter_id: str, version: int, until_action: str
             rows = [r.body for r in store.query(kind="registry_change", adapter_id=adapter_id, limit=1000)]
         finally:
             store.close()
-        trail = [(b["version"], b["action"], b["actor"], b.get("reason") or "") for b in rows if b["version"] == version]
+        trail = [
+            (b["version"], b["action"], b["actor"], b.get("reason") or "") for b in rows if b["version"] == version
+        ]
     return trail

@@ -24,8 +24,9 @@ def client(running_stack) -> openai.OpenAI:
 
 
 def test_chat_answer_mentions_paris(client):
-    reply = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=30,
-                                                             temperature=0)
+    reply = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, max_tokens=30, temperature=0
+    )
     completion = reply.parse()
     assert "Paris" in completion.choices[0].message.content
     assert completion.choices[0].finish_reason in ("stop", "length")
@@ -35,8 +36,14 @@ def test_chat_answer_mentions_paris(client):
 
 
 def test_chat_streaming_with_usage(client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
@@ -47,8 +54,9 @@ def test_chat_streaming_with_usage(client):
 
 def test_streamed_and_plain_greedy_answers_agree(client):
     plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
     assert plain.usage.completion_tokens == 12 or plain.choices[0].finish_reason == "stop"
 
@@ -66,9 +74,15 @@ async def _direct_request(nats_url: str, tenant: str, **over) -> list:
     nc = await nats.connect(nats_url)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    fields = dict(request_id=f"direct-{time.monotonic_ns()}", tenant_id=tenant, model=MODEL, base_model=MODEL,
-                  prompt="The capital of France is", sampling=SamplingParams(max_tokens=5, temperature=0),
-                  reply_to=inbox)
+    fields = dict(
+        request_id=f"direct-{time.monotonic_ns()}",
+        tenant_id=tenant,
+        model=MODEL,
+        base_model=MODEL,
+        prompt="The capital of France is",
+        sampling=SamplingParams(max_tokens=5, temperature=0),
+        reply_to=inbox,
+    )
     fields.update(over)
     await nc.jetstream().publish(subjects.infer_submit(tenant), encode(InferRequest(**fields)))
     bodies = []
@@ -102,8 +116,9 @@ def _read_response(conn: socket.socket) -> tuple[bytes, bytes]:
         assert chunk, f"connection closed mid-response: {data[:80]!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         chunk = conn.recv(65536)
         assert chunk, "connection closed mid-body"

@@ -18,8 +18,16 @@ from shared import signing, subjects
 from shared.bus import request
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
-    ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, CreateTenantRequest, PromoteRequest, AdapterRecordsReply,
-    RevokeApiKeyRequest, TenantsReply, TrustedKeysReply, TrustKeyRequest,
+    AdapterRecordsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    PromoteRequest,
+    RevokeApiKeyRequest,
+    TenantsReply,
+    TrustedKeysReply,
+    TrustKeyRequest,
 )
 from tests.helpers.adapters import save_peft_adapter
 
@@ -38,22 +46,50 @@ async def _setup(nats_url: str, root: Path) -> dict[str, tuple[str, list[str]]]:
     nc = await cli_connect(nats_url)
     out = {}
     try:
-        await request(nc, subjects.registry("trust_key"),
-                      TrustKeyRequest(signer="e2e-signer", public_key=keys.public_b64, actor="e2e"), TrustedKeysReply, 10)
+        await request(
+            nc,
+            subjects.registry("trust_key"),
+            TrustKeyRequest(signer="e2e-signer", public_key=keys.public_b64, actor="e2e"),
+            TrustedKeysReply,
+            10,
+        )
         for name, count in (("a", 2), ("b", 1)):
             tenant = f"{name}{suffix}"
-            await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id=tenant, actor="e2e"),
-                          TenantsReply, 10)
-            created = await request(nc, subjects.registry("api_key_create"),
-                                    CreateApiKeyRequest(tenant_id=tenant, actor="e2e"), ApiKeyCreatedReply, 10)
+            await request(
+                nc,
+                subjects.registry("tenant_create"),
+                CreateTenantRequest(tenant_id=tenant, actor="e2e"),
+                TenantsReply,
+                10,
+            )
+            created = await request(
+                nc,
+                subjects.registry("api_key_create"),
+                CreateApiKeyRequest(tenant_id=tenant, actor="e2e"),
+                ApiKeyCreatedReply,
+                10,
+            )
             ids = []
             for i in range(count):
                 adapter_id = f"{tenant}-{i}"
                 directory = save_peft_adapter(root / adapter_id, base, rank=4, seed=i)
-                await push_adapter(nc, directory, adapter_id=adapter_id, tenant_id=tenant, task_type="chat",
-                                   base_fingerprint=fingerprint_model_dir(base_dir), sign_key=key_file, who="e2e")
-                await request(nc, subjects.registry("promote"), PromoteRequest(
-                    adapter_id=adapter_id, version=1, traffic_percent=100, actor="e2e"), AdapterRecordsReply, 10)
+                await push_adapter(
+                    nc,
+                    directory,
+                    adapter_id=adapter_id,
+                    tenant_id=tenant,
+                    task_type="chat",
+                    base_fingerprint=fingerprint_model_dir(base_dir),
+                    sign_key=key_file,
+                    who="e2e",
+                )
+                await request(
+                    nc,
+                    subjects.registry("promote"),
+                    PromoteRequest(adapter_id=adapter_id, version=1, traffic_percent=100, actor="e2e"),
+                    AdapterRecordsReply,
+                    10,
+                )
                 ids.append(adapter_id)
             out[name] = (created.key, ids)
     finally:
@@ -80,8 +116,16 @@ def test_base_model_chat_and_stream_with_a_registry_key(running_stack, tenants):
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, n=2)
     assert [c.index for c in reply.choices] == [0, 1] and "Paris" in reply.choices[0].message.content
     assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy
-    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens > 0
 
 
@@ -100,7 +144,8 @@ def test_own_adapters_are_served(running_stack, tenants):
     key, ids = tenants["a"]
     for adapter_id in ids:
         raw = oai(running_stack, key).chat.completions.with_raw_response.create(
-            model=adapter_id, messages=QUESTION, max_tokens=5, temperature=0)
+            model=adapter_id, messages=QUESTION, max_tokens=5, temperature=0
+        )
         assert raw.headers["x-lorafleet-adapter"] == adapter_id
         assert raw.parse().usage.completion_tokens > 0
 
@@ -108,15 +153,21 @@ def test_own_adapters_are_served(running_stack, tenants):
 def test_revoked_key_is_401_within_a_second(running_stack, tenants):
     async def revoke(key_id: str) -> None:
         nc = await cli_connect(running_stack.nats.url)
-        await request(nc, subjects.registry("api_key_revoke"), RevokeApiKeyRequest(key_id=key_id, actor="e2e"),
-                      ApiKeysReply, 10)
+        await request(
+            nc, subjects.registry("api_key_revoke"), RevokeApiKeyRequest(key_id=key_id, actor="e2e"), ApiKeysReply, 10
+        )
         await nc.drain()
 
     async def new_key() -> str:
         nc = await cli_connect(running_stack.nats.url)
         tenant = tenants["a"][1][0].rsplit("-", 1)[0]
-        created = await request(nc, subjects.registry("api_key_create"),
-                                CreateApiKeyRequest(tenant_id=tenant, actor="e2e"), ApiKeyCreatedReply, 10)
+        created = await request(
+            nc,
+            subjects.registry("api_key_create"),
+            CreateApiKeyRequest(tenant_id=tenant, actor="e2e"),
+            ApiKeyCreatedReply,
+            10,
+        )
         await nc.drain()
         return created.key
 
@@ -133,8 +184,9 @@ def test_revoked_key_is_401_within_a_second(running_stack, tenants):
 def test_client_disconnect_frees_the_sequence_on_the_worker(running_stack, tenants):
     headers = {"Authorization": f"Bearer {tenants['a'][0]}"}
     body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{running_stack.gateway_url}/v1/completions", json=body, headers=headers,
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{running_stack.gateway_url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
         request_id = r.headers["x-lorafleet-request-id"]
         lines = r.iter_lines()
         for _ in range(8):
@@ -143,8 +195,9 @@ def test_client_disconnect_frees_the_sequence_on_the_worker(running_stack, tenan
     outcome = None
     while time.monotonic() < deadline and outcome is None:
         with sqlite3.connect(running_stack.db_path) as db:
-            row = db.execute("SELECT body FROM audit WHERE kind = 'completion' AND request_id = ?",
-                             (request_id,)).fetchone()
+            row = db.execute(
+                "SELECT body FROM audit WHERE kind = 'completion' AND request_id = ?", (request_id,)
+            ).fetchone()
         outcome = row and ('"outcome":"cancelled"' in row[0].replace(" ", ""))
         time.sleep(0.2)
     assert outcome, "the worker did not record the request as cancelled"

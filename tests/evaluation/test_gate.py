@@ -5,8 +5,8 @@ import pytest
 from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
 from shared.catalog import Catalog
-from shared.resolve import resolve
 from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
+from shared.resolve import resolve
 from shared.schemas import AdapterRecord
 
 DIGEST = "0" * 64

@@ -70,10 +70,22 @@ async def release(nats_url: str, model_dir: Path, directory: Path, adapter_id: s
     """Push the adapter as its next version and promote it to production; the version."""
     nc = await nats.connect(nats_url)
     try:
-        record = await push_adapter(nc, directory, adapter_id=adapter_id, tenant_id=tenant, task_type="chat",
-                                    base_fingerprint=fingerprint_model_dir(model_dir), who="test")
-        await request(nc, subjects.registry("promote"), PromoteRequest(
-            adapter_id=adapter_id, version=record.version, traffic_percent=100, actor="test"), AdapterRecordsReply, 10)
+        record = await push_adapter(
+            nc,
+            directory,
+            adapter_id=adapter_id,
+            tenant_id=tenant,
+            task_type="chat",
+            base_fingerprint=fingerprint_model_dir(model_dir),
+            who="test",
+        )
+        await request(
+            nc,
+            subjects.registry("promote"),
+            PromoteRequest(adapter_id=adapter_id, version=record.version, traffic_percent=100, actor="test"),
+            AdapterRecordsReply,
+            10,
+        )
         return record.version
     finally:
         await nc.close()
@@ -88,12 +100,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
     env = {
-        "LF_NATS_URL": nats_server.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
-        "LF_API_KEYS": json.dumps(KEYS), "LF_MODEL_DIR": str(model_dir), "LF_DEV_MODE": "true",
-        "LF_REQUIRE_SIGNATURE": "false", "LF_DB_PATH": str(root / "audit.sqlite3"),
-        "LF_LIVENESS_TIMEOUT_S": "3", "LF_ACCEPT_TIMEOUT_S": "10", "LF_NO_WORKER_GRACE_S": "5",
-        "LF_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S), "LF_CAPACITY_HEADROOM": "0",
-        "LF_ENGINE__MAX_NUM_SEQS": "4", "LF_ENGINE__NUM_THREADS": "1", "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_NATS_URL": nats_server.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
+        "LF_API_KEYS": json.dumps(KEYS),
+        "LF_MODEL_DIR": str(model_dir),
+        "LF_DEV_MODE": "true",
+        "LF_REQUIRE_SIGNATURE": "false",
+        "LF_DB_PATH": str(root / "audit.sqlite3"),
+        "LF_LIVENESS_TIMEOUT_S": "3",
+        "LF_ACCEPT_TIMEOUT_S": "10",
+        "LF_NO_WORKER_GRACE_S": "5",
+        "LF_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
+        "LF_CAPACITY_HEADROOM": "0",
+        "LF_ENGINE__MAX_NUM_SEQS": "4",
+        "LF_ENGINE__NUM_THREADS": "1",
+        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
         "LF_METRICS_PORT": "-1",
     }
     stack = Stack(env, root / "logs")

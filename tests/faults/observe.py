@@ -43,8 +43,9 @@ class WorkerBeats:
         assert self._nc is not None
         await self._nc.close()
 
-    async def until(self, worker: str, check: Callable[[WorkerHeartbeat], bool], timeout_s: float,
-                    after: float | None = None) -> WorkerHeartbeat:
+    async def until(
+        self, worker: str, check: Callable[[WorkerHeartbeat], bool], timeout_s: float, after: float | None = None
+    ) -> WorkerHeartbeat:
         """The first heartbeat of ``worker`` (sent after ``after``, a wall-clock time) that passes ``check``."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -80,8 +81,9 @@ def completions(db_path: Path) -> Counter[str]:
 
 def completion_bodies(db_path: Path, request_id: str) -> list[dict]:
     with sqlite3.connect(db_path, timeout=5) as db:
-        rows = db.execute("SELECT body FROM audit WHERE kind = 'completion' AND request_id = ?",
-                          (request_id,)).fetchall()
+        rows = db.execute(
+            "SELECT body FROM audit WHERE kind = 'completion' AND request_id = ?", (request_id,)
+        ).fetchall()
     return [json.loads(body) for (body,) in rows]
 
 

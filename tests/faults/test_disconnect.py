@@ -40,10 +40,18 @@ class Stream:
 
 
 async def open_stream(client: httpx.AsyncClient, key: str, model: str) -> Stream:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    response = await client.send(client.build_request(
-        "POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=body), stream=True)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    response = await client.send(
+        client.build_request("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=body),
+        stream=True,
+    )
     assert response.status_code == 200, await response.aread()
     return Stream(response)
 
@@ -95,9 +103,19 @@ async def test_a_client_leaving_an_adapter_stream_frees_kv_and_the_adapter_slot(
 
 async def test_many_clients_leaving_at_once_free_everything(fleet):
     async with WorkerBeats(fleet.nats.url) as beats, gateway(fleet.gateway_url) as client:
-        streams = await asyncio.gather(*(open_stream(client, key, model) for key, model in [
-            ("key-demo", MODEL), ("key-other", MODEL), ("key-demo", ADAPTER), ("key-demo", ADAPTER),
-            ("key-other", MODEL), ("key-demo", ADAPTER)]))
+        streams = await asyncio.gather(
+            *(
+                open_stream(client, key, model)
+                for key, model in [
+                    ("key-demo", MODEL),
+                    ("key-other", MODEL),
+                    ("key-demo", ADAPTER),
+                    ("key-demo", ADAPTER),
+                    ("key-other", MODEL),
+                    ("key-demo", ADAPTER),
+                ]
+            )
+        )
         await asyncio.gather(*(s.read_tokens(2) for s in streams))
         workers = {s.headers["x-lorafleet-worker"] for s in streams}
         with_adapter = {s.headers["x-lorafleet-worker"] for s in streams if s.headers["x-lorafleet-adapter"]}

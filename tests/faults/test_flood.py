@@ -75,8 +75,13 @@ async def push(nc: NATS, adapter_id: str, files: Files, inline: bool, tenant: st
         for name, data in files.items():
             await uploads.put(f"{source['upload_id']}/{name}", data)
     try:
-        await request(nc, subjects.registry("register"), RegisterRequest(
-            adapter_id=adapter_id, tenant_id=tenant, task_type="chat", actor="test", **source), AdapterRecordsReply, 30)
+        await request(
+            nc,
+            subjects.registry("register"),
+            RegisterRequest(adapter_id=adapter_id, tenant_id=tenant, task_type="chat", actor="test", **source),
+            AdapterRecordsReply,
+            30,
+        )
     except LorafleetError as e:
         return e.code
     return ""
@@ -98,10 +103,22 @@ async def flood_pushes(nc: NATS, good: Files) -> dict[str, tuple[str, str]]:
 
 async def foreign_requests(client: httpx.AsyncClient, n: int) -> list[httpx.Response]:
     models = [ADAPTER, f"{ADAPTER}@1", "no-such-adapter"]
-    return list(await asyncio.gather(*(client.post(
-        "/v1/chat/completions", headers={"Authorization": "Bearer key-other"},
-        json={"model": models[i % len(models)], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        for i in range(n))))
+    return list(
+        await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions",
+                    headers={"Authorization": "Bearer key-other"},
+                    json={
+                        "model": models[i % len(models)],
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4,
+                    },
+                )
+                for i in range(n)
+            )
+        )
+    )
 
 
 async def stored(nc: NATS) -> tuple[list[str], list[str], list[str]]:
@@ -110,8 +127,11 @@ async def stored(nc: NATS) -> tuple[list[str], list[str], list[str]]:
     listed = (await request(nc, subjects.registry("adapters"), ListAdaptersRequest(), AdapterRecordsReply, 10)).records
     objects = await (await js.object_store(subjects.ADAPTER_STORE_BUCKET)).list()
     keys = await (await js.key_value(subjects.REGISTRY_RECORDS_BUCKET)).keys()
-    return ([r.adapter_id for r in listed if r.adapter_id.startswith("bad-") or r.tenant_id == "other"],
-            [o.name for o in objects if o.name.startswith("bad-")], [k for k in keys if k.startswith("bad-")])
+    return (
+        [r.adapter_id for r in listed if r.adapter_id.startswith("bad-") or r.tenant_id == "other"],
+        [o.name for o in objects if o.name.startswith("bad-")],
+        [k for k in keys if k.startswith("bad-")],
+    )
 
 
 def isolation_attempts(fleet: Fleet) -> int:

@@ -38,8 +38,14 @@ async def restart_under_load(fleet: Fleet) -> list[Outcome]:
 
 async def served_after(fleet: Fleet) -> list[Outcome]:
     async with gateway(fleet.gateway_url) as client:
-        return list(await asyncio.gather(*(chat(client, key, model, max_tokens=8, stream=stream)
-                                           for (key, model), stream in itertools.product(MIX, (False, True)))))
+        return list(
+            await asyncio.gather(
+                *(
+                    chat(client, key, model, max_tokens=8, stream=stream)
+                    for (key, model), stream in itertools.product(MIX, (False, True))
+                )
+            )
+        )
 
 
 async def full_capacity(fleet: Fleet) -> None:
@@ -87,8 +93,9 @@ def held(beat: WorkerHeartbeat) -> set[str]:
 async def held_everywhere(beats: WorkerBeats, keys: list[str]) -> None:
     for worker, key in itertools.product(WORKERS, keys):
         adapter_id, version = key.split("@")
-        await beats.control(worker, WorkerControl(action="prefetch", adapter_id=adapter_id,
-                                                  adapter_version=int(version)))
+        await beats.control(
+            worker, WorkerControl(action="prefetch", adapter_id=adapter_id, adapter_version=int(version))
+        )
     for worker in WORKERS:
         await beats.until(worker, lambda b: set(keys) <= held(b), 20)
 

@@ -34,8 +34,9 @@ async def test_killing_the_registry_under_load_keeps_serving_and_recovers(fleet)
     check_served_or_refused(outcomes)
     assert all(o.whole(MAX_TOKENS) for o in outcomes), [o.describe() for o in outcomes if not o.whole(MAX_TOKENS)]
     assert gone_for > 3  # the outage lasted while traffic kept arriving
-    assert unknown.status in (503, 504) and unknown.code in ("service_unavailable", "upstream_timeout"), \
+    assert unknown.status in (503, 504) and unknown.code in ("service_unavailable", "upstream_timeout"), (
         unknown.describe()
+    )
     assert unknown.elapsed_s < PROMPT_REFUSAL_S
 
     await asyncio.to_thread(fleet.start, "registry")
@@ -44,8 +45,9 @@ async def test_killing_the_registry_under_load_keeps_serving_and_recovers(fleet)
         assert time.monotonic() < deadline
         await asyncio.sleep(0.3)
     async with gateway(fleet.gateway_url) as client:
-        after = await asyncio.gather(*(chat(client, key, model, max_tokens=8, stream=stream)
-                                       for key, model in MIX for stream in (False, True)))
+        after = await asyncio.gather(
+            *(chat(client, key, model, max_tokens=8, stream=stream) for key, model in MIX for stream in (False, True))
+        )
         missing = await chat(client, "key-demo", "no-such-adapter", max_tokens=4)
     assert all(o.whole(8) for o in after), [o.describe() for o in after]
     assert missing.status == 404 and missing.code == "model_not_found", missing.describe()

@@ -46,13 +46,21 @@ class Outcome:
         return self.served and self.completion_tokens == max_tokens and self.finishes == ["length"]
 
     def describe(self) -> str:
-        return (f"status={self.status} code={self.code} stream={self.stream} finishes={self.finishes} "
-                f"done={self.done_markers} tokens={self.completion_tokens} {self.elapsed_s:.1f}s id={self.request_id}")
+        return (
+            f"status={self.status} code={self.code} stream={self.stream} finishes={self.finishes} "
+            f"done={self.done_markers} tokens={self.completion_tokens} {self.elapsed_s:.1f}s id={self.request_id}"
+        )
 
 
 def _body(model: str, max_tokens: int, stream: bool) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": stream}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -79,8 +87,9 @@ async def _plain(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) 
 
 
 async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) -> None:
-    async with client.stream("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                             json=body) as response:
+    async with client.stream(
+        "POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=body
+    ) as response:
         out.status = response.status_code
         out.request_id = response.headers.get("x-lorafleet-request-id", "")
         if response.status_code != 200:
@@ -105,14 +114,16 @@ async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcom
                     out.finishes.append(choice["finish_reason"])
 
 
-async def chat(client: httpx.AsyncClient, key: str, model: str = MODEL, *, max_tokens: int = 16,
-               stream: bool = False) -> Outcome:
+async def chat(
+    client: httpx.AsyncClient, key: str, model: str = MODEL, *, max_tokens: int = 16, stream: bool = False
+) -> Outcome:
     """One chat completion, plain or streamed, with the transport's failures recorded, not raised."""
     out = Outcome(status=0, model=model, stream=stream, elapsed_s=0.0)
     start = time.monotonic()
     try:
-        await asyncio.wait_for((_streamed if stream else _plain)(client, key, _body(model, max_tokens, stream), out),
-                               BOUND_S)
+        await asyncio.wait_for(
+            (_streamed if stream else _plain)(client, key, _body(model, max_tokens, stream), out), BOUND_S
+        )
     except TimeoutError:
         out.code = "client_timeout"
     except httpx.HTTPError as e:

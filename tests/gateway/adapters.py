@@ -12,10 +12,13 @@ def make_adapter(directory: Path, seed: int = 0) -> Path:
 
 
 async def push(client: httpx.AsyncClient, directory: Path, adapter_id: str, **form: object) -> httpx.Response:
-    files = {"adapter_config": ("adapter_config.json", (directory / "adapter_config.json").read_bytes()),
-             "adapter_model": ("adapter_model.safetensors", (directory / "adapter_model.safetensors").read_bytes())}
-    return await client.post("/admin/adapters", data={"adapter_id": adapter_id, "task_type": "chat", **form},
-                             files=files)
+    files = {
+        "adapter_config": ("adapter_config.json", (directory / "adapter_config.json").read_bytes()),
+        "adapter_model": ("adapter_model.safetensors", (directory / "adapter_model.safetensors").read_bytes()),
+    }
+    return await client.post(
+        "/admin/adapters", data={"adapter_id": adapter_id, "task_type": "chat", **form}, files=files
+    )
 
 
 async def release(client: httpx.AsyncClient, directory: Path, adapter_id: str, **form: object) -> None:

@@ -25,10 +25,15 @@ from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
 from shared.config import GatewaySettings, RegistrySettings
-from shared.heartbeat import publish_heartbeats
 from shared.errors import Unauthorized
+from shared.heartbeat import publish_heartbeats
 from shared.schemas import (
-    ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, ServiceHeartbeat, TenantsReply, WorkerHeartbeat,
+    ApiKeyCreatedReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ServiceHeartbeat,
+    TenantsReply,
+    WorkerHeartbeat,
 )
 from tests.gateway.fake_worker import WORKER_ID, FakeWorker
 from tests.helpers.adapters import tiny_llama
@@ -69,14 +74,23 @@ class Gateway:
     async def tenant(self, name: str | None = None, scopes: tuple[str, ...] = ("inference",)) -> tuple[str, str]:
         """A new tenant and one key of it: (tenant_id, key)."""
         tenant = name or f"t{uuid.uuid4().hex[:10]}"
-        await request(self.nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id=tenant, actor="test"),
-                      TenantsReply, 5)
+        await request(
+            self.nc,
+            subjects.registry("tenant_create"),
+            CreateTenantRequest(tenant_id=tenant, actor="test"),
+            TenantsReply,
+            5,
+        )
         return tenant, await self.key(tenant, scopes)
 
     async def key(self, tenant: str, scopes: tuple[str, ...] = ("inference",)) -> str:
-        reply = await request(self.nc, subjects.registry("api_key_create"),
-                              CreateApiKeyRequest(tenant_id=tenant, scopes=list(scopes), actor="test"),
-                              ApiKeyCreatedReply, 5)
+        reply = await request(
+            self.nc,
+            subjects.registry("api_key_create"),
+            CreateApiKeyRequest(tenant_id=tenant, scopes=list(scopes), actor="test"),
+            ApiKeyCreatedReply,
+            5,
+        )
         deadline = time.monotonic() + 1
         while True:  # the mirror learns of the key through its KV watch, within milliseconds
             try:
@@ -92,16 +106,29 @@ class Gateway:
 
 
 def gateway_settings(nats_url: str, **over) -> GatewaySettings:
-    values = dict(nats_url=nats_url, api_keys={"config-key": "configured"}, max_body_bytes=200_000,
-                  max_prompt_tokens=64, max_tokens_limit=512, request_timeout_s=2, accept_timeout_s=2)
+    values = dict(
+        nats_url=nats_url,
+        api_keys={"config-key": "configured"},
+        max_body_bytes=200_000,
+        max_prompt_tokens=64,
+        max_tokens_limit=512,
+        request_timeout_s=2,
+        accept_timeout_s=2,
+    )
     return GatewaySettings(**{**values, **over})
 
 
 @pytest.fixture
 async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterator[Gateway]:
     stop = asyncio.Event()
-    reg = RegistrySettings(nats_url=gw_nats.url, model_dir=str(tiny_base_dir), instance_id="reg-gw",
-                           heartbeat_interval_s=0.2, dev_mode=True, store_dir=str(tmp_path / "store"))
+    reg = RegistrySettings(
+        nats_url=gw_nats.url,
+        model_dir=str(tiny_base_dir),
+        instance_id="reg-gw",
+        heartbeat_interval_s=0.2,
+        dev_mode=True,
+        store_dir=str(tmp_path / "store"),
+    )
     nc = await connect(gw_nats.url, "gateway-test")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))
     registry = asyncio.create_task(run_registry(reg, stop))
@@ -111,8 +138,18 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     await worker.start()
     cluster = ClusterView(3600)
     cluster.on_service(ServiceHeartbeat(service="scheduler", instance_id="s", ready=True))
-    cluster.on_worker(WorkerHeartbeat(worker_id=WORKER_ID, base_model=BASE, ready=True, running=0, waiting=0,
-                                      max_running=8, kv_blocks_free=1, kv_blocks_total=1))
+    cluster.on_worker(
+        WorkerHeartbeat(
+            worker_id=WORKER_ID,
+            base_model=BASE,
+            ready=True,
+            running=0,
+            waiting=0,
+            max_running=8,
+            kv_blocks_free=1,
+            kv_blocks_total=1,
+        )
+    )
     keys = ApiKeys({"config-key": "configured"})
     watch = asyncio.create_task(follow_keys(nc, keys))
     port = free_port()

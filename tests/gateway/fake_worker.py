@@ -14,10 +14,18 @@ from nats.aio.client import Client as NATS
 
 from shared import subjects
 from shared.bus import decode, encode
-from shared.schemas import (
-    InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, ServedBy, Usage, WorkerControl,
-)
 from shared.errors import QuotaExceeded
+from shared.schemas import (
+    InferRequest,
+    ReplyAccepted,
+    ReplyEnvelope,
+    ReplyError,
+    ReplyFinal,
+    ReplyToken,
+    ServedBy,
+    Usage,
+    WorkerControl,
+)
 
 WORKER_ID = "fake-worker"
 
@@ -55,9 +63,16 @@ class FakeWorker:
             return
         await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=True))
         s = request.sampling
-        echo = json.dumps({"adapter": request.adapter.adapter_id if request.adapter else None, "seed": s.seed,
-                           "temperature": s.temperature, "top_p": s.top_p, "stop": s.stop,
-                           "max_tokens": s.max_tokens})
+        echo = json.dumps(
+            {
+                "adapter": request.adapter.adapter_id if request.adapter else None,
+                "seed": s.seed,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "stop": s.stop,
+                "max_tokens": s.max_tokens,
+            }
+        )
         pieces = ["echo:", echo]
         if "slow" in text:
             pieces = [f" t{i}" for i in range(500)]
@@ -71,6 +86,15 @@ class FakeWorker:
                 await asyncio.sleep(0.02)
         reason = "cancelled" if rid in self.cancelled else "stop"
         served = ServedBy(worker_id=WORKER_ID, base_model=request.base_model)
-        await self._send(request, ReplyFinal(request_id=rid, text="".join(sent), finish_reason=reason,
-                                             usage=Usage(prompt_tokens=len(text.split()), completion_tokens=len(sent)),
-                                             served_by=served, ttft_ms=1.0, tpot_ms=1.0))
+        await self._send(
+            request,
+            ReplyFinal(
+                request_id=rid,
+                text="".join(sent),
+                finish_reason=reason,
+                usage=Usage(prompt_tokens=len(text.split()), completion_tokens=len(sent)),
+                served_by=served,
+                ttft_ms=1.0,
+                tpot_ms=1.0,
+            ),
+        )

@@ -40,14 +40,17 @@ async def test_prompt_tokens_over_limit_is_400(client):
     assert (await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 20})).status_code == 200
 
 
-@pytest.mark.parametrize("extra, param, text", [
-    ({"max_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
-    ({"max_completion_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
-    ({"n": 5}, "n", "exceeds the limit of 4"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "exceed the limit of 4"),
-    ({"temperature": 2.5}, "temperature", ""),
-    ({"top_p": 0}, "top_p", ""),
-])
+@pytest.mark.parametrize(
+    "extra, param, text",
+    [
+        ({"max_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
+        ({"max_completion_tokens": 513}, "max_tokens", "exceeds the limit of 512"),
+        ({"n": 5}, "n", "exceeds the limit of 4"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "exceed the limit of 4"),
+        ({"temperature": 2.5}, "temperature", ""),
+        ({"top_p": 0}, "top_p", ""),
+    ],
+)
 async def test_sampling_bounds_are_400(client, extra, param, text):
     assert text in error(await client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
 

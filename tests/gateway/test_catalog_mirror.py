@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from services.gateway.catalog_mirror import CatalogMirror, Resolver
+from shared.catalog import Catalog
 from shared.errors import LorafleetError
 from shared.resolve import resolve
-from shared.catalog import Catalog
 from shared.schemas import ResolveReply, ResolveRequest
 from tests.helpers.records import make_record
 
@@ -59,16 +59,28 @@ async def test_the_mirror_splits_canary_traffic_as_the_registry_does():
         req = ResolveRequest(tenant_id="acme", model="sum", request_key=f"user-{i}")
         local = await resolver.resolve(req)
         assert local == await registry(req)
-    versions = {(await resolver.resolve(ResolveRequest(tenant_id="acme", model="sum", request_key=f"u{i}"))).adapter.version
-                for i in range(200)}
+    versions = {
+        (await resolver.resolve(ResolveRequest(tenant_id="acme", model="sum", request_key=f"u{i}"))).adapter.version
+        for i in range(200)
+    }
     assert versions == {1, 2}
 
 
-@pytest.mark.parametrize(("model", "code"), [("globex-sql", "model_not_found"), ("nobody", "model_not_found"),
-                                           ("acme-sum@7", "model_not_found"), ("acme-draft", "adapter_not_released")])
+@pytest.mark.parametrize(
+    ("model", "code"),
+    [
+        ("globex-sql", "model_not_found"),
+        ("nobody", "model_not_found"),
+        ("acme-sum@7", "model_not_found"),
+        ("acme-draft", "adapter_not_released"),
+    ],
+)
 async def test_every_refusal_is_the_registrys_answer(model, code):
-    records = (SUM_V1, make_record("globex-sql", 1, "globex", status="production", traffic_percent=100),
-               make_record("acme-draft", 1, "acme"))
+    records = (
+        SUM_V1,
+        make_record("globex-sql", 1, "globex", status="production", traffic_percent=100),
+        make_record("acme-draft", 1, "acme"),
+    )
     registry = Registry(*records)
     resolver = Resolver(loaded_mirror(*records), registry)
     resolver.mirror.base_model = BASE

@@ -6,12 +6,12 @@ import asyncio
 import time
 import uuid
 
+from services.gateway.catalog_follow import start_resolver
+from services.gateway.catalog_mirror import CatalogMirror
 from shared import metrics, subjects
 from shared.bus import request
 from shared.heartbeat import publish_heartbeats
 from shared.schemas import AdapterRecordsReply, PromoteRequest, RollbackRequest
-from services.gateway.catalog_follow import start_resolver
-from services.gateway.catalog_mirror import CatalogMirror
 from tests.gateway.adapters import make_adapter, push, release
 
 
@@ -20,7 +20,9 @@ def _count(counter, *labels) -> float:
 
 
 async def _served_version(client, model: str) -> str:
-    r = await client.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    r = await client.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert r.status_code == 200, r.text
     return r.headers["x-lorafleet-version"]
 
@@ -37,15 +39,25 @@ async def test_a_write_is_in_the_mirror_when_it_returns(gateway, tmp_path):
         assert r.status_code == 201, r.text
 
         # writes straight to the registry (CLI, release tooling): the very next request sees each one
-        await request(gateway.nc, subjects.registry("promote"), PromoteRequest(
-            adapter_id=adapter_id, version=2, traffic_percent=100, actor="test"), AdapterRecordsReply, 10)
+        await request(
+            gateway.nc,
+            subjects.registry("promote"),
+            PromoteRequest(adapter_id=adapter_id, version=2, traffic_percent=100, actor="test"),
+            AdapterRecordsReply,
+            10,
+        )
         assert mirror.catalog.get(adapter_id, 2).status == "production"
         from_mirror = _count(metrics.GATEWAY_RESOLVES, "mirror")
         assert await _served_version(client, adapter_id) == "2"
         assert _count(metrics.GATEWAY_RESOLVES, "mirror") == from_mirror + 1
 
-        await request(gateway.nc, subjects.registry("rollback"), RollbackRequest(adapter_id=adapter_id, actor="test"),
-                      AdapterRecordsReply, 10)
+        await request(
+            gateway.nc,
+            subjects.registry("rollback"),
+            RollbackRequest(adapter_id=adapter_id, actor="test"),
+            AdapterRecordsReply,
+            10,
+        )
         assert mirror.catalog.get(adapter_id, 1).status == "production"
         assert await _served_version(client, adapter_id) == "1"
 

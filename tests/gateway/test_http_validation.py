@@ -16,6 +16,8 @@ KEY = "test-key-acme"
 
 async def _never_asked(_):
     raise AssertionError("a refused request reached model resolution")
+
+
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -23,8 +25,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 async def client(nats_url):
     settings = GatewaySettings(nats_url=nats_url, api_keys={KEY: "acme"}, max_body_bytes=4096)
     nc = await connect(nats_url, "test-gateway")
-    ctx = GatewayContext(settings, nc, nc.jetstream(), ClusterView(5.0), ApiKeys(settings.api_keys),
-                         Resolver(CatalogMirror(), _never_asked))
+    ctx = GatewayContext(
+        settings,
+        nc,
+        nc.jetstream(),
+        ClusterView(5.0),
+        ApiKeys(settings.api_keys),
+        Resolver(CatalogMirror(), _never_asked),
+    )
     transport = httpx.ASGITransport(app=create_app(ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
@@ -42,21 +50,26 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
 
 
 async def test_invalid_json_is_400(client):
-    r = await client.post("/v1/chat/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"})
+    r = await client.post(
+        "/v1/chat/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"}
+    )
     assert_openai_error(r, 400, "invalid_json")
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m"}, "messages"),
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
-    ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
 async def test_malformed_chat_bodies_are_400(client, body, param):
     r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
     error = assert_openai_error(r, 400)

@@ -38,7 +38,8 @@ async def test_models_lists_only_own_adapters_and_base(gateway, two_tenants):
 async def test_own_adapter_is_served_with_its_headers(gateway, two_tenants):
     _, key, ids = two_tenants["a"]
     raw = await oai(gateway, key).chat.completions.with_raw_response.create(
-        model=ids[1], messages=[{"role": "user", "content": "hi"}])
+        model=ids[1], messages=[{"role": "user", "content": "hi"}]
+    )
     assert raw.headers["x-lorafleet-adapter"] == ids[1] and raw.headers["x-lorafleet-version"] == "1"
     assert f'"adapter": "{ids[1]}"' in raw.parse().choices[0].message.content
     pinned = await oai(gateway, key).completions.create(model=f"{ids[0]}@1", prompt="hi")

@@ -22,17 +22,25 @@ def echoed(text: str) -> dict:
 
 
 async def test_chat_passes_sampling_parameters(oai, gateway):
-    c = await oai.chat.completions.create(model=BASE, messages=MESSAGES, temperature=0.3, top_p=0.9, max_tokens=7,
-                                          stop=["\n", "END"], seed=11, user="u-1")
+    c = await oai.chat.completions.create(
+        model=BASE, messages=MESSAGES, temperature=0.3, top_p=0.9, max_tokens=7, stop=["\n", "END"], seed=11, user="u-1"
+    )
     assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
-    assert echoed(c.choices[0].message.content) == {"adapter": None, "seed": 11, "temperature": 0.3, "top_p": 0.9,
-                                                    "stop": ["\n", "END"], "max_tokens": 7}
+    assert echoed(c.choices[0].message.content) == {
+        "adapter": None,
+        "seed": 11,
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "stop": ["\n", "END"],
+        "max_tokens": 7,
+    }
     assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
 
 
 async def test_chat_stream_chunks_and_final_usage(oai):
-    stream = await oai.chat.completions.create(model=BASE, messages=MESSAGES, stream=True,
-                                               stream_options={"include_usage": True})
+    stream = await oai.chat.completions.create(
+        model=BASE, messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -61,8 +69,9 @@ async def test_n_choices_are_merged_with_their_index(oai, gateway):
     assert [ch.index for ch in c.choices] == [0, 1, 2]
     assert [echoed(ch.message.content)["seed"] for ch in c.choices] == [5, 6, 7]
     assert c.usage.completion_tokens == 6
-    stream = await oai.completions.create(model=BASE, prompt="hi", n=2, stream=True,
-                                          stream_options={"include_usage": True})
+    stream = await oai.completions.create(
+        model=BASE, prompt="hi", n=2, stream=True, stream_options={"include_usage": True}
+    )
     texts: dict[int, str] = {}
     async for chunk in stream:
         for choice in chunk.choices:
@@ -70,13 +79,16 @@ async def test_n_choices_are_merged_with_their_index(oai, gateway):
     assert sorted(texts) == [0, 1] and all(t.startswith("echo:") for t in texts.values())
 
 
-@pytest.mark.parametrize("extra", [
-    {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"logprobs": True},
-    {"presence_penalty": 0.5},
-    {"response_format": {"type": "json_object"}},
-    {"logit_bias": {"1": 5}},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"logprobs": True},
+        {"presence_penalty": 0.5},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"1": 5}},
+    ],
+)
 async def test_unsupported_parameters_are_refused_not_ignored(oai, extra):
     with pytest.raises(openai.BadRequestError) as e:
         await oai.chat.completions.create(model=BASE, messages=MESSAGES, extra_body=extra)

@@ -16,11 +16,33 @@ CHECKS = "not_a_server_error,status_code_conformance,response_schema_conformance
 async def test_schemathesis_finds_no_server_error(gateway, tmp_path: Path):
     cli = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
     proc = await asyncio.create_subprocess_exec(
-        cli, "run", f"{gateway.url}/openapi.json", "--checks", CHECKS, "--max-examples", "12", "--seed", "8",
-        "--header", f"Authorization: Bearer {gateway.admin_key}", "--workers", "1", "--request-timeout", "10",
-        "--phases", "examples,coverage,fuzzing", "--generation-deterministic", "--exclude-path", "/readyz",
-        "--generation-with-security-parameters", "false", *os.environ.get("LF_FUZZ_ARGS", "").split(),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path)
+        cli,
+        "run",
+        f"{gateway.url}/openapi.json",
+        "--checks",
+        CHECKS,
+        "--max-examples",
+        "12",
+        "--seed",
+        "8",
+        "--header",
+        f"Authorization: Bearer {gateway.admin_key}",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "10",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--generation-deterministic",
+        "--exclude-path",
+        "/readyz",
+        "--generation-with-security-parameters",
+        "false",
+        *os.environ.get("LF_FUZZ_ARGS", "").split(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=tmp_path,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 110)
     report = out.decode(errors="replace")
     assert proc.returncode == 0, report[:9000]

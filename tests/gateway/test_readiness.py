@@ -9,8 +9,18 @@ def view(*services: str, worker: bool = True) -> ClusterView:
     for name in services:
         cluster.on_service(ServiceHeartbeat(service=name, instance_id=f"{name}-1", ready=True))
     if worker:
-        cluster.on_worker(WorkerHeartbeat(worker_id="w1", base_model="m", ready=True, running=0, waiting=0,
-                                          max_running=8, kv_blocks_free=1, kv_blocks_total=1))
+        cluster.on_worker(
+            WorkerHeartbeat(
+                worker_id="w1",
+                base_model="m",
+                ready=True,
+                running=0,
+                waiting=0,
+                max_running=8,
+                kv_blocks_free=1,
+                kv_blocks_total=1,
+            )
+        )
     return cluster
 
 

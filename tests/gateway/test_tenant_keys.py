@@ -8,7 +8,6 @@ import pytest
 from shared import subjects
 from shared.bus import request
 from shared.schemas import ApiKeysReply, RevokeApiKeyRequest
-
 from tests.gateway.conftest import BASE
 
 
@@ -25,11 +24,14 @@ async def test_config_key_still_works_as_bootstrap(gateway):
         assert (await c.get("/v1/models")).status_code == 200
 
 
-@pytest.mark.parametrize("mangle", [
-    lambda k: k[:-1] + ("A" if k[-1] != "A" else "B"),  # right key id, wrong secret
-    lambda k: "lf-0000000000000000-" + k.split("-", 2)[2],  # unknown key id
-    lambda k: k + "x",  # malformed
-])
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda k: k[:-1] + ("A" if k[-1] != "A" else "B"),  # right key id, wrong secret
+        lambda k: "lf-0000000000000000-" + k.split("-", 2)[2],  # unknown key id
+        lambda k: k + "x",  # malformed
+    ],
+)
 async def test_wrong_keys_are_401(gateway, mangle):
     _, key = await gateway.tenant()
     async with gateway.client(mangle(key)) as c:
@@ -43,8 +45,13 @@ async def test_revoked_key_is_refused_within_a_second(gateway):
     key_id = key.split("-")[1]
     async with gateway.client(key) as c:
         assert (await c.get("/v1/models")).status_code == 200
-        await request(gateway.nc, subjects.registry("api_key_revoke"),
-                      RevokeApiKeyRequest(key_id=key_id, actor="test"), ApiKeysReply, 5)
+        await request(
+            gateway.nc,
+            subjects.registry("api_key_revoke"),
+            RevokeApiKeyRequest(key_id=key_id, actor="test"),
+            ApiKeysReply,
+            5,
+        )
         revoked_at = time.monotonic()
         while (await c.get("/v1/models")).status_code != 401:
             assert time.monotonic() - revoked_at < 1.0, "revoked key still accepted after 1 s"

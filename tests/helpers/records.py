@@ -4,8 +4,9 @@ from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.schemas import AdapterRecord
 
 
-def make_record(adapter_id: str = "summarize", version: int = 1, tenant_id: str = "acme", **fields: object
-                ) -> AdapterRecord:
+def make_record(
+    adapter_id: str = "summarize", version: int = 1, tenant_id: str = "acme", **fields: object
+) -> AdapterRecord:
     digest = "0" * 64
     values: dict = {
         "adapter_id": adapter_id,

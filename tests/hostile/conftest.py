@@ -26,9 +26,20 @@ from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import connect, request
 from shared.schemas import (
-    AdapterRecordsReply, ApiKeyCreatedReply, ApiKeysReply, CreateApiKeyRequest, CreateTenantRequest,
-    ListAdaptersRequest, ListApiKeysRequest, ListKeysRequest, ListTenantsRequest, PromoteRequest, RegisterRequest,
-    TenantsReply, TrustedKeysReply, TrustKeyRequest,
+    AdapterRecordsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ListAdaptersRequest,
+    ListApiKeysRequest,
+    ListKeysRequest,
+    ListTenantsRequest,
+    PromoteRequest,
+    RegisterRequest,
+    TenantsReply,
+    TrustedKeysReply,
+    TrustKeyRequest,
 )
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers.adapters import save_peft_adapter, tiny_llama
@@ -103,14 +114,19 @@ class HostileStack:
         infer = await js.stream_info(subjects.INFER_STREAM)
         return {
             "records": [r.model_dump(exclude={"created_at"}) for r in records.records],
-            "tenants": [t.tenant_id for t in tenants.tenants], "keys": [k.model_dump() for k in keys.keys],
-            "signers": signers.keys, "objects": objects, "infer_last_seq": infer.state.last_seq,
+            "tenants": [t.tenant_id for t in tenants.tenants],
+            "keys": [k.model_dump() for k in keys.keys],
+            "signers": signers.keys,
+            "objects": objects,
+            "infer_last_seq": infer.state.last_seq,
         }
 
     def audits(self, kind: str, tenant: str, since: float) -> list[dict]:
         with sqlite3.connect(self.db_path) as db:
-            rows = db.execute("SELECT body FROM audit WHERE kind = ? AND tenant_id = ? AND ts >= ? ORDER BY pos",
-                              (kind, tenant, since)).fetchall()
+            rows = db.execute(
+                "SELECT body FROM audit WHERE kind = ? AND tenant_id = ? AND ts >= ? ORDER BY pos",
+                (kind, tenant, since),
+            ).fetchall()
         return [json.loads(body) for (body,) in rows]
 
     async def wait_audit(self, kind: str, tenant: str, since: float, timeout_s: float = 10, **match: object) -> dict:
@@ -142,8 +158,13 @@ async def _seed(running: HostileStack) -> None:
         for tenant in ("demo", "other"):
             await registry_call(nc, "tenant_create", CreateTenantRequest(tenant_id=tenant, actor="test"), TenantsReply)
             adapter_id = f"{tenant}-secret"
-            register = RegisterRequest(adapter_id=adapter_id, tenant_id=tenant, task_type="chat",
-                                       inline_files=inline(running.files), actor="test")
+            register = RegisterRequest(
+                adapter_id=adapter_id,
+                tenant_id=tenant,
+                task_type="chat",
+                inline_files=inline(running.files),
+                actor="test",
+            )
             registered = await registry_call(nc, "register", register, AdapterRecordsReply)
             running.fingerprint = registered.records[0].base_model_fingerprint
             promote = PromoteRequest(adapter_id=adapter_id, version=1, traffic_percent=100, actor="test")
@@ -179,17 +200,36 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
     env = {
-        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port),
-        "LF_API_KEYS": json.dumps(CONFIG_KEYS), "LF_MODEL_DIR": str(model_dir), "LF_DB_PATH": str(root / "audit.db"),
-        "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false", "LF_MAX_BODY_BYTES": str(MAX_BODY),
-        "LF_MAX_RANK": "16", "LF_LIVENESS_TIMEOUT_S": "5", "LF_ACCEPT_TIMEOUT_S": "10", "LF_NO_WORKER_GRACE_S": "5",
-        "LF_ENGINE__MAX_NUM_SEQS": "4", "LF_ENGINE__NUM_THREADS": "1", "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
-        "LF_METRICS_PORT": "-1", "LF_WORKER_ID": WORKER, "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
+        "LF_API_KEYS": json.dumps(CONFIG_KEYS),
+        "LF_MODEL_DIR": str(model_dir),
+        "LF_DB_PATH": str(root / "audit.db"),
+        "LF_DEV_MODE": "true",
+        "LF_REQUIRE_SIGNATURE": "false",
+        "LF_MAX_BODY_BYTES": str(MAX_BODY),
+        "LF_MAX_RANK": "16",
+        "LF_LIVENESS_TIMEOUT_S": "5",
+        "LF_ACCEPT_TIMEOUT_S": "10",
+        "LF_NO_WORKER_GRACE_S": "5",
+        "LF_ENGINE__MAX_NUM_SEQS": "4",
+        "LF_ENGINE__NUM_THREADS": "1",
+        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_METRICS_PORT": "-1",
+        "LF_WORKER_ID": WORKER,
+        "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
     }
     (root / "trusted").mkdir()
     stack = Stack(env, root / "logs")
-    running = HostileStack(stack, nats, f"http://127.0.0.1:{port}", root / "audit.db",
-                           adapter_files(root / "adapter", seed=1), root / "trusted")
+    running = HostileStack(
+        stack,
+        nats,
+        f"http://127.0.0.1:{port}",
+        root / "audit.db",
+        adapter_files(root / "adapter", seed=1),
+        root / "trusted",
+    )
     try:
         for name in ("registry", "auditor", "scheduler", "gateway", "worker"):
             stack.start(name)

@@ -38,7 +38,7 @@ def assert_error(r: httpx.Response, status: int, code: str, param: str | None) -
 
 async def chunks(data: bytes, size: int = 8192) -> AsyncIterator[bytes]:
     for start in range(0, len(data), size):
-        yield data[start:start + size]
+        yield data[start : start + size]
 
 
 def raw(body: object, **tokens: str) -> bytes:
@@ -51,41 +51,106 @@ def raw(body: object, **tokens: str) -> bytes:
 
 
 BODIES = [  # (path, JSON body or raw bytes, status, code, param)
-    pytest.param(COMPLETIONS, raw({"model": MODEL, "prompt": "x" * MAX_BODY}), 413,
-                 "payload_too_large", None, id="oversized-body"),
-    pytest.param(CHAT, chat(messages=[{"role": "user", "content": nested(200)}]), 400, "invalid_request",
-                 "messages.0.content.str", id="json-200-deep-in-content"),
+    pytest.param(
+        COMPLETIONS,
+        raw({"model": MODEL, "prompt": "x" * MAX_BODY}),
+        413,
+        "payload_too_large",
+        None,
+        id="oversized-body",
+    ),
+    pytest.param(
+        CHAT,
+        chat(messages=[{"role": "user", "content": nested(200)}]),
+        400,
+        "invalid_request",
+        "messages.0.content.str",
+        id="json-200-deep-in-content",
+    ),
     pytest.param(CHAT, b"[" * 30_000 + b"]" * 30_000, 400, "invalid_request", None, id="json-30000-deep"),
     pytest.param(CHAT, chat(messages="hi"), 400, "invalid_request", "messages", id="messages-not-a-list"),
-    pytest.param(CHAT, chat(messages=[{"role": "user", "content": 7}]), 400, "invalid_request",
-                 "messages.0.content.str", id="content-is-an-int"),
+    pytest.param(
+        CHAT,
+        chat(messages=[{"role": "user", "content": 7}]),
+        400,
+        "invalid_request",
+        "messages.0.content.str",
+        id="content-is-an-int",
+    ),
     pytest.param(CHAT, chat(model=[MODEL]), 400, "invalid_request", "model", id="model-is-a-list"),
-    pytest.param(COMPLETIONS, {"model": MODEL, "prompt": [1, 2, 3]}, 400, "invalid_request", "prompt",
-                 id="prompt-as-token-ids"),
+    pytest.param(
+        COMPLETIONS, {"model": MODEL, "prompt": [1, 2, 3]}, 400, "invalid_request", "prompt", id="prompt-as-token-ids"
+    ),
     pytest.param(CHAT, chat(n=10**9), 400, "invalid_request", "n", id="n-1e9"),
     pytest.param(CHAT, chat(max_tokens=10**12), 400, "invalid_request", "max_tokens", id="max-tokens-1e12"),
-    pytest.param(COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "invalid_request",
-                 "max_tokens", id="max-tokens-negative"),
-    pytest.param(CHAT, raw(chat(temperature="<nan>"), nan="NaN"), 400, "invalid_request", "temperature",
-                 id="temperature-NaN-token"),
-    pytest.param(CHAT, raw(chat(top_p="<inf>"), inf="Infinity"), 400, "invalid_request", "top_p",
-                 id="top-p-Infinity-token"),
+    pytest.param(
+        COMPLETIONS,
+        {"model": MODEL, "prompt": "x", "max_tokens": -1},
+        400,
+        "invalid_request",
+        "max_tokens",
+        id="max-tokens-negative",
+    ),
+    pytest.param(
+        CHAT,
+        raw(chat(temperature="<nan>"), nan="NaN"),
+        400,
+        "invalid_request",
+        "temperature",
+        id="temperature-NaN-token",
+    ),
+    pytest.param(
+        CHAT, raw(chat(top_p="<inf>"), inf="Infinity"), 400, "invalid_request", "top_p", id="top-p-Infinity-token"
+    ),
     pytest.param(CHAT, chat(seed=2**64), 400, "invalid_request", "seed", id="seed-over-int64"),
-    pytest.param(CHAT, chat(stop=[f"s{i}" for i in range(1000)]), 400, "invalid_request", "stop",
-                 id="stop-1000-strings"),
+    pytest.param(
+        CHAT, chat(stop=[f"s{i}" for i in range(1000)]), 400, "invalid_request", "stop", id="stop-1000-strings"
+    ),
     pytest.param(CHAT, chat(messages=USER * 1025), 400, "invalid_request", "messages", id="messages-1025"),
-    pytest.param(CHAT, raw(chat(messages=[{"role": "user", "content": "a\ud800b"}])),
-                 400, "invalid_request", "messages.0.content", id="lone-surrogate-in-content"),
-    pytest.param(COMPLETIONS, raw({"model": MODEL + "\udfff", "prompt": "x"}), 400, "invalid_request",
-                 "model", id="lone-surrogate-in-model"),
-    pytest.param(CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request",
-                 "messages.0.role", id="role-tool"),
-    pytest.param(CHAT, chat(messages=[{"role": "user", "content": "x", "tenant_id": "other"}]), 400,
-                 "invalid_request", "messages.0.tenant_id", id="control-field-in-message"),
-    *[pytest.param(CHAT, chat(**{name: value}), 400, "invalid_request", name, id=f"injected-{name}")
-      for name, value in (("tenant_id", "other"), ("adapter_version", 1), ("x-lorafleet-worker", "w1"),
-                          ("reply_to", "_INBOX.x"), ("request_id", "r1"), ("logit_bias", {"1": 100}),
-                          ("tools", [{"type": "function"}]))],
+    pytest.param(
+        CHAT,
+        raw(chat(messages=[{"role": "user", "content": "a\ud800b"}])),
+        400,
+        "invalid_request",
+        "messages.0.content",
+        id="lone-surrogate-in-content",
+    ),
+    pytest.param(
+        COMPLETIONS,
+        raw({"model": MODEL + "\udfff", "prompt": "x"}),
+        400,
+        "invalid_request",
+        "model",
+        id="lone-surrogate-in-model",
+    ),
+    pytest.param(
+        CHAT,
+        chat(messages=[{"role": "tool", "content": "x"}]),
+        400,
+        "invalid_request",
+        "messages.0.role",
+        id="role-tool",
+    ),
+    pytest.param(
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x", "tenant_id": "other"}]),
+        400,
+        "invalid_request",
+        "messages.0.tenant_id",
+        id="control-field-in-message",
+    ),
+    *[
+        pytest.param(CHAT, chat(**{name: value}), 400, "invalid_request", name, id=f"injected-{name}")
+        for name, value in (
+            ("tenant_id", "other"),
+            ("adapter_version", 1),
+            ("x-lorafleet-worker", "w1"),
+            ("reply_to", "_INBOX.x"),
+            ("request_id", "r1"),
+            ("logit_bias", {"1": 100}),
+            ("tools", [{"type": "function"}]),
+        )
+    ],
 ]
 
 MODELS = [  # names that must never resolve to anything: 404 like any unknown model
@@ -132,14 +197,22 @@ async def test_hostile_model_names_are_unknown_models(hostile: HostileStack, nc,
     assert await hostile.snapshot(nc) == before
 
 
-@pytest.mark.parametrize("key_name, model, headers", [
-    pytest.param("demo", "other-secret", {}, id="foreign-adapter"),
-    pytest.param("demo_admin", "other-secret@1", {}, id="foreign-adapter-pinned-preview"),
-    pytest.param("demo", "other-secret", {"x-lorafleet-tenant": "other", "x-tenant-id": "other",
-                                          "openai-organization": "other"}, id="tenant-header-injection"),
-])
-async def test_foreign_adapter_is_404_like_a_missing_one_and_audited(hostile: HostileStack, nc, key_name, model,
-                                                                     headers):
+@pytest.mark.parametrize(
+    "key_name, model, headers",
+    [
+        pytest.param("demo", "other-secret", {}, id="foreign-adapter"),
+        pytest.param("demo_admin", "other-secret@1", {}, id="foreign-adapter-pinned-preview"),
+        pytest.param(
+            "demo",
+            "other-secret",
+            {"x-lorafleet-tenant": "other", "x-tenant-id": "other", "openai-organization": "other"},
+            id="tenant-header-injection",
+        ),
+    ],
+)
+async def test_foreign_adapter_is_404_like_a_missing_one_and_audited(
+    hostile: HostileStack, nc, key_name, model, headers
+):
     before, since = await hostile.snapshot(nc), time.time()
     async with hostile.client(getattr(hostile.keys, key_name)) as c:
         foreign = await c.post(CHAT, json=chat(model=model), headers=headers)
@@ -153,14 +226,17 @@ async def test_foreign_adapter_is_404_like_a_missing_one_and_audited(hostile: Ho
     assert hostile.audits("rejection", "other", since) == []
 
 
-@pytest.mark.parametrize("authorization", [
-    pytest.param(None, id="missing"),
-    pytest.param(b"Bearer \xff\xfe\x01garbled", id="garbled-bytes"),
-    pytest.param(b"Bearer lf-0123456789abcdef-" + b"A" * 43, id="forged-key-format"),
-    pytest.param(b"Basic a2V5LWRlbW86", id="basic-scheme"),
-    pytest.param(b"Bearer key-demo\r\nX-Injected: 1", id="header-smuggling"),
-    pytest.param("revoked", id="revoked-key"),
-])
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        pytest.param(None, id="missing"),
+        pytest.param(b"Bearer \xff\xfe\x01garbled", id="garbled-bytes"),
+        pytest.param(b"Bearer lf-0123456789abcdef-" + b"A" * 43, id="forged-key-format"),
+        pytest.param(b"Basic a2V5LWRlbW86", id="basic-scheme"),
+        pytest.param(b"Bearer key-demo\r\nX-Injected: 1", id="header-smuggling"),
+        pytest.param("revoked", id="revoked-key"),
+    ],
+)
 async def test_bad_credentials_are_401(hostile: HostileStack, nc, authorization):
     before = await hostile.snapshot(nc)
     if authorization == "revoked":
@@ -176,12 +252,15 @@ async def test_bad_credentials_are_401(hostile: HostileStack, nc, authorization)
     assert await hostile.snapshot(nc) == before
 
 
-@pytest.mark.parametrize("method, path, body", [
-    pytest.param("post", "/admin/tenants", {"tenant_id": "evil"}, id="create-tenant"),
-    pytest.param("post", "/admin/keys", {"tenant_id": "demo", "scopes": ["platform_admin"]}, id="create-key"),
-    pytest.param("put", "/admin/tenants/demo/quota", {"requests_per_min": 10**6}, id="raise-own-quota"),
-    pytest.param("post", "/admin/adapters/other-secret/revoke", {"version": None}, id="revoke-foreign-adapter"),
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        pytest.param("post", "/admin/tenants", {"tenant_id": "evil"}, id="create-tenant"),
+        pytest.param("post", "/admin/keys", {"tenant_id": "demo", "scopes": ["platform_admin"]}, id="create-key"),
+        pytest.param("put", "/admin/tenants/demo/quota", {"requests_per_min": 10**6}, id="raise-own-quota"),
+        pytest.param("post", "/admin/adapters/other-secret/revoke", {"version": None}, id="revoke-foreign-adapter"),
+    ],
+)
 async def test_admin_routes_refuse_an_inference_key(hostile: HostileStack, nc, method, path, body):
     before = await hostile.snapshot(nc)
     async with hostile.client(hostile.keys.demo) as c:
@@ -190,21 +269,46 @@ async def test_admin_routes_refuse_an_inference_key(hostile: HostileStack, nc, m
     assert await hostile.snapshot(nc) == before
 
 
-@pytest.mark.parametrize("form, files, status, code, param", [
-    pytest.param({"adapter_id": "pickled"}, {"adapter_model": ("adapter_model.bin", PICKLE)}, 422,
-                 "integrity_error", None, id="pickle-weights"),
-    pytest.param({"adapter_id": "traversal"}, {"adapter_config": ("../../../etc/cron.d/x", PICKLE)}, 400,
-                 "invalid_request", None, id="traversal-file-name-pickle-config"),
-    pytest.param({"adapter_id": "../../etc/passwd"}, {}, 400, "invalid_request", "adapter_id",
-                 id="traversal-adapter-id"),
-    pytest.param({"adapter_id": "other-secret"}, {}, 404, "not_found", "adapter_id", id="foreign-adapter-id"),
-    pytest.param({"adapter_id": "big"}, {"adapter_model": ("adapter_model.safetensors", b"\0" * MAX_BODY)}, 413,
-                 "payload_too_large", None, id="oversized-upload"),
-])
+@pytest.mark.parametrize(
+    "form, files, status, code, param",
+    [
+        pytest.param(
+            {"adapter_id": "pickled"},
+            {"adapter_model": ("adapter_model.bin", PICKLE)},
+            422,
+            "integrity_error",
+            None,
+            id="pickle-weights",
+        ),
+        pytest.param(
+            {"adapter_id": "traversal"},
+            {"adapter_config": ("../../../etc/cron.d/x", PICKLE)},
+            400,
+            "invalid_request",
+            None,
+            id="traversal-file-name-pickle-config",
+        ),
+        pytest.param(
+            {"adapter_id": "../../etc/passwd"}, {}, 400, "invalid_request", "adapter_id", id="traversal-adapter-id"
+        ),
+        pytest.param({"adapter_id": "other-secret"}, {}, 404, "not_found", "adapter_id", id="foreign-adapter-id"),
+        pytest.param(
+            {"adapter_id": "big"},
+            {"adapter_model": ("adapter_model.safetensors", b"\0" * MAX_BODY)},
+            413,
+            "payload_too_large",
+            None,
+            id="oversized-upload",
+        ),
+    ],
+)
 async def test_hostile_adapter_push_is_refused(hostile: HostileStack, nc, form, files, status, code, param):
     before, since = await hostile.snapshot(nc), time.time()
-    upload = {"adapter_config": ("adapter_config.json", hostile.files["adapter_config.json"]),
-              "adapter_model": ("adapter_model.safetensors", hostile.files["adapter_model.safetensors"]), **files}
+    upload = {
+        "adapter_config": ("adapter_config.json", hostile.files["adapter_config.json"]),
+        "adapter_model": ("adapter_model.safetensors", hostile.files["adapter_model.safetensors"]),
+        **files,
+    }
     async with hostile.client(hostile.keys.demo_admin) as c:
         r = await c.post("/admin/adapters", data={"task_type": "chat", **form}, files=upload)
     assert_error(r, status, code, param)
@@ -213,15 +317,18 @@ async def test_hostile_adapter_push_is_refused(hostile: HostileStack, nc, form, 
         await hostile.wait_audit("rejection", "demo", since, service="registry", code=code)
 
 
-@pytest.mark.parametrize("method, path, status, code", [
-    pytest.param("get", "/admin/adapters/..%2F..%2Fetc%2Fpasswd", 404, "not_found", id="encoded-slashes"),
-    pytest.param("get", "/admin/adapters/%2e%2e", 400, "invalid_request", id="encoded-dot-dot"),
-    pytest.param("get", "/admin/adapters/a%00b", 400, "invalid_request", id="encoded-nul"),
-    pytest.param("delete", "/admin/keys/..%2f..%2fkey.0123", 404, "not_found", id="key-id-traversal"),
-    pytest.param("get", "/admin/adapters?tenant=..%2Fother", 400, "invalid_request", id="tenant-query-traversal"),
-    pytest.param("get", "/admin/keys?tenant=other.%3E", 400, "invalid_request", id="tenant-query-wildcard"),
-    pytest.param("put", "/admin/tenants/other%0A/quota", 400, "invalid_request", id="tenant-path-newline"),
-])
+@pytest.mark.parametrize(
+    "method, path, status, code",
+    [
+        pytest.param("get", "/admin/adapters/..%2F..%2Fetc%2Fpasswd", 404, "not_found", id="encoded-slashes"),
+        pytest.param("get", "/admin/adapters/%2e%2e", 400, "invalid_request", id="encoded-dot-dot"),
+        pytest.param("get", "/admin/adapters/a%00b", 400, "invalid_request", id="encoded-nul"),
+        pytest.param("delete", "/admin/keys/..%2f..%2fkey.0123", 404, "not_found", id="key-id-traversal"),
+        pytest.param("get", "/admin/adapters?tenant=..%2Fother", 400, "invalid_request", id="tenant-query-traversal"),
+        pytest.param("get", "/admin/keys?tenant=other.%3E", 400, "invalid_request", id="tenant-query-wildcard"),
+        pytest.param("put", "/admin/tenants/other%0A/quota", 400, "invalid_request", id="tenant-path-newline"),
+    ],
+)
 async def test_traversal_in_admin_paths_is_refused(hostile: HostileStack, nc, method, path, status, code):
     before = await hostile.snapshot(nc)
     async with hostile.client(hostile.keys.platform) as c:

@@ -27,23 +27,59 @@ def deep(depth: int) -> bytes:
 
 REGISTRY = [  # (op, payload, typed error code)
     pytest.param("resolve", b"{", "invalid_message", id="resolve-truncated-json"),
-    pytest.param("register", json.dumps({"adapter_id": "../../etc/passwd", "tenant_id": "demo", "task_type": "t",
-                                         "inline_files": {}, "actor": "x"}).encode(), "invalid_message",
-                 id="register-traversal-id"),
-    pytest.param("register", json.dumps({"adapter_id": "demo-secret", "tenant_id": "demo", "task_type": "t",
-                                         "inline_files": {}, "actor": "x", "status": "production"}).encode(),
-                 "invalid_message", id="register-injected-status"),
+    pytest.param(
+        "register",
+        json.dumps(
+            {"adapter_id": "../../etc/passwd", "tenant_id": "demo", "task_type": "t", "inline_files": {}, "actor": "x"}
+        ).encode(),
+        "invalid_message",
+        id="register-traversal-id",
+    ),
+    pytest.param(
+        "register",
+        json.dumps(
+            {
+                "adapter_id": "demo-secret",
+                "tenant_id": "demo",
+                "task_type": "t",
+                "inline_files": {},
+                "actor": "x",
+                "status": "production",
+            }
+        ).encode(),
+        "invalid_message",
+        id="register-injected-status",
+    ),
     pytest.param("tenant_create", b'{"tenant_id": "a.>", "actor": "x"}', "invalid_message", id="tenant-wildcard-id"),
-    pytest.param("tenant_create", b'{"tenant_id": "shared", "actor": "x"}', "invalid_request",
-                 id="tenant-reserved-name"),
-    pytest.param("api_key_create", b'{"tenant_id": "demo", "scopes": ["root"], "actor": "x"}', "invalid_message",
-                 id="key-unknown-scope"),
-    pytest.param("quota_set", b'{"tenant_id": "demo", "quota": {"requests_per_min": -5}, "actor": "x"}',
-                 "invalid_message", id="quota-negative"),
-    pytest.param("trust_key", b'{"signer": "evil", "public_key": "AAAA", "actor": "x"}', "invalid_message",
-                 id="trust-garbage-key"),
-    pytest.param("record_eval", DEMO_SECRET.replace('"version": 1', '"version": 1, "results": {"score": NaN}')
-                 .replace('"tenant_id": "demo", ', "").encode(), "invalid_message", id="eval-NaN-score"),
+    pytest.param(
+        "tenant_create", b'{"tenant_id": "shared", "actor": "x"}', "invalid_request", id="tenant-reserved-name"
+    ),
+    pytest.param(
+        "api_key_create",
+        b'{"tenant_id": "demo", "scopes": ["root"], "actor": "x"}',
+        "invalid_message",
+        id="key-unknown-scope",
+    ),
+    pytest.param(
+        "quota_set",
+        b'{"tenant_id": "demo", "quota": {"requests_per_min": -5}, "actor": "x"}',
+        "invalid_message",
+        id="quota-negative",
+    ),
+    pytest.param(
+        "trust_key",
+        b'{"signer": "evil", "public_key": "AAAA", "actor": "x"}',
+        "invalid_message",
+        id="trust-garbage-key",
+    ),
+    pytest.param(
+        "record_eval",
+        DEMO_SECRET.replace('"version": 1', '"version": 1, "results": {"score": NaN}')
+        .replace('"tenant_id": "demo", ', "")
+        .encode(),
+        "invalid_message",
+        id="eval-NaN-score",
+    ),
     pytest.param("promote", deep(20_000), "invalid_message", id="promote-20000-deep"),
     pytest.param("revoke", b"\x00" * 4096, "invalid_message", id="revoke-nul-bytes"),
     pytest.param("api_key_revoke", b"[" * 1_000_000, "invalid_message", id="key-revoke-1MB-of-brackets"),
@@ -71,9 +107,15 @@ async def test_message_over_the_max_payload_never_leaves_the_client(hostile: Hos
 
 
 def infer(rid: str, tenant: str = "demo", inbox: str | None = None, **over: object) -> dict:
-    request = InferRequest(request_id=rid, tenant_id=tenant, model=MODEL, base_model=MODEL, prompt="Hello",
-                           sampling=SamplingParams(max_tokens=2, temperature=0),
-                           reply_to=inbox or f"_INBOX_{tenant}.{rid}")
+    request = InferRequest(
+        request_id=rid,
+        tenant_id=tenant,
+        model=MODEL,
+        base_model=MODEL,
+        prompt="Hello",
+        sampling=SamplingParams(max_tokens=2, temperature=0),
+        reply_to=inbox or f"_INBOX_{tenant}.{rid}",
+    )
     return {**json.loads(request.model_dump_json()), **over}
 
 
@@ -96,15 +138,22 @@ async def submit(nc: NATS, tenant: str, payload: dict | bytes, msg_id: str | Non
 
 
 def adapter_of(hostile: HostileStack, record: dict, **over: object) -> dict:
-    granted = ResolvedAdapter(adapter_id=record["adapter_id"], version=1, rank=record["rank"],
-                              digest=record["checksum"], storage_uri=record["storage_uri"], alpha=record["alpha"])
+    granted = ResolvedAdapter(
+        adapter_id=record["adapter_id"],
+        version=1,
+        rank=record["rank"],
+        digest=record["checksum"],
+        storage_uri=record["storage_uri"],
+        alpha=record["alpha"],
+    )
     return {**json.loads(granted.model_dump_json()), **over}
 
 
 async def completions(hostile: HostileStack, rid: str, since: float) -> list[dict]:
     await asyncio.sleep(0.5)  # the worker audits a completion right after its final reply
-    return [a for tenant in ("demo", "other") for a in hostile.audits("completion", tenant, since)
-            if a["request_id"] == rid]
+    return [
+        a for tenant in ("demo", "other") for a in hostile.audits("completion", tenant, since) if a["request_id"] == rid
+    ]
 
 
 SUBMISSIONS = [  # (edit of a valid demo submission, typed code, audit code)
@@ -130,14 +179,17 @@ async def nothing_queued(nc: NATS, timeout_s: float = 5) -> None:
 
 
 @pytest.mark.parametrize("edit, code, audit_code", SUBMISSIONS)
-async def test_direct_submission_is_refused_on_the_tenants_own_inbox(hostile: HostileStack, nc: NATS, edit, code,
-                                                                     audit_code):
+async def test_direct_submission_is_refused_on_the_tenants_own_inbox(
+    hostile: HostileStack, nc: NATS, edit, code, audit_code
+):
     rid, since = f"hostile-{uuid.uuid4().hex[:12]}", time.time()
     records = {r["adapter_id"]: r for r in (await hostile.snapshot(nc))["records"]}
-    adapters = {"other": adapter_of(hostile, records["other-secret"]),
-                "missing": adapter_of(hostile, records["demo-secret"], adapter_id="nothing-here"),
-                "forged-rank": adapter_of(hostile, records["demo-secret"], rank=1),
-                "forged-digest": adapter_of(hostile, records["demo-secret"], digest="0" * 64)}
+    adapters = {
+        "other": adapter_of(hostile, records["other-secret"]),
+        "missing": adapter_of(hostile, records["demo-secret"], adapter_id="nothing-here"),
+        "forged-rank": adapter_of(hostile, records["demo-secret"], rank=1),
+        "forged-digest": adapter_of(hostile, records["demo-secret"], digest="0" * 64),
+    }
     if "adapter" in edit:
         edit = {"adapter": adapters[edit["adapter"]], "model": "any-name"}
     inbox = f"_INBOX_demo.{rid}"
@@ -220,8 +272,16 @@ async def test_another_tenants_request_id_is_refused_without_touching_its_owner(
 
 
 async def test_forged_worker_heartbeats_divert_no_request(hostile: HostileStack, nc: NATS):
-    ghost = WorkerHeartbeat(worker_id="ghost", base_model=MODEL, ready=True, running=0, waiting=0, max_running=512,
-                            kv_blocks_free=10**6, kv_blocks_total=10**6)
+    ghost = WorkerHeartbeat(
+        worker_id="ghost",
+        base_model=MODEL,
+        ready=True,
+        running=0,
+        waiting=0,
+        max_running=512,
+        kv_blocks_free=10**6,
+        kv_blocks_total=10**6,
+    )
     for payload in (encode(ghost), b"{}", b'{"worker_id": "w1", "ready": "yes"}', b"\xff" * 100):
         await nc.publish(subjects.WORKER_HEARTBEAT, payload)
     await nc.flush()

@@ -4,8 +4,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Absolute and relative tolerance of each dtype against the fp32 loop, scaled for outputs of order 1.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {

@@ -12,15 +12,15 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.service import run
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits
 from shared.bus import connect
 from shared.config import RegistrySettings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
-from shared.signing import KeyPair, generate_keypair
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from shared.schemas import AdapterRecord, ServiceHeartbeat
-from services.registry.service import run
+from shared.signing import KeyPair, generate_keypair
 from tests.helpers import records
 
 TINY = {

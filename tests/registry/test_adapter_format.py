@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.registry.admission import BaseModelIdentity
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, PayloadTooLarge
-from services.registry.admission import BaseModelIdentity
 
 LIMITS = AdapterLimits(max_rank=16, max_weights_bytes=1_000_000)
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -132,9 +132,13 @@ def test_truncated_weights_are_refused(adapter_files: dict[str, bytes], base: Ba
     ("header", "text"),
     [
         ({Q_A: 5}, "must be a JSON object"),
-        ({Q_A: {"dtype": "F32", "shape": [8, 64], "data_offsets": "0-2048"},
-          Q_A.replace("lora_A", "lora_B"): {"dtype": "F32", "shape": [64, 8], "data_offsets": [0, 2048]}},
-         "data_offsets must be two integers"),
+        (
+            {
+                Q_A: {"dtype": "F32", "shape": [8, 64], "data_offsets": "0-2048"},
+                Q_A.replace("lora_A", "lora_B"): {"dtype": "F32", "shape": [64, 8], "data_offsets": [0, 2048]},
+            },
+            "data_offsets must be two integers",
+        ),
         ({Q_A: {"dtype": "I64", "shape": [8, 64], "data_offsets": [0, 4096]}}, "has dtype 'I64'"),
         ([1, 2], "not a JSON object"),
     ],

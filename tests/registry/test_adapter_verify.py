@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.catalog import Catalog
 from shared.errors import IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
 from shared.signing import KeyPair
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
-from shared.catalog import Catalog
-from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 
 Files = dict[str, bytes]
 

@@ -20,8 +20,18 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
         published.append((subject, message))
 
     catalog = Catalog([make_record("globex-sql", 1, "globex", status="production", traffic_percent=100)])
-    registry = Registry(catalog=catalog, trusted_keys={}, kv=None, approved=None, uploads=None, base=base,
-                        policy=None, trusted_dirs=(), remote_allow_list=(), publish=slow_publish)
+    registry = Registry(
+        catalog=catalog,
+        trusted_keys={},
+        kv=None,
+        approved=None,
+        uploads=None,
+        base=base,
+        policy=None,
+        trusted_dirs=(),
+        remote_allow_list=(),
+        publish=slow_publish,
+    )
     for model in ("globex-sql", "nobody-sql"):
         started = time.monotonic()
         with pytest.raises(ModelNotFound):

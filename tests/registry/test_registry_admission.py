@@ -4,13 +4,13 @@ from collections.abc import Callable
 
 import pytest
 
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
 from shared import signing
 from shared.adapter_format import validate_adapter
+from shared.catalog import Catalog
 from shared.errors import Conflict, IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
 from shared.signing import KeyPair
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
-from shared.catalog import Catalog
 
 URI = "nats-os://lf_adapter_store/summarize/1"
 Files = dict[str, bytes]

@@ -4,12 +4,12 @@ from collections.abc import Callable
 
 import pytest
 
-from shared.errors import Conflict
-from shared.schemas import AdapterRecord
 from services.registry import lifecycle
 from shared.catalog import Catalog
+from shared.errors import Conflict
 from shared.resolve import resolve
 from shared.rollout import BUCKETS, bucket, in_canary
+from shared.schemas import AdapterRecord
 
 KEYS = [f"req-{i}" for i in range(BUCKETS)]
 

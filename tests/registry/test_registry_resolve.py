@@ -4,10 +4,10 @@ from collections.abc import Callable
 
 import pytest
 
-from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
-from shared.schemas import AdapterRecord
 from shared.catalog import Catalog
+from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
 from shared.resolve import list_models, resolve
+from shared.schemas import AdapterRecord
 
 BASE = "tiny-llama"
 

@@ -13,19 +13,29 @@ import pytest
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
+from services.cli.adapter_cmd import push_adapter
+from services.registry.admission import BaseModelIdentity
+from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import request
 from shared.errors import AdapterRevoked, IntegrityError, InvalidMessage, InvalidRequest, ModelNotFound
 from shared.schemas import (
-    AdapterEvent, AdapterRecordsReply, AuditEnvelope, GetAdapterRequest, PromoteRequest, RegisterRequest,
-    ResolveReply, ResolveRequest, RevokeRequest, RollbackRequest, RolloutRequest,
-    TrustedKeysReply, TrustKeyRequest,
+    AdapterEvent,
+    AdapterRecordsReply,
+    AuditEnvelope,
+    GetAdapterRequest,
+    PromoteRequest,
+    RegisterRequest,
+    ResolveReply,
+    ResolveRequest,
+    RevokeRequest,
+    RollbackRequest,
+    RolloutRequest,
+    TrustedKeysReply,
+    TrustKeyRequest,
 )  # fmt: skip
 from shared.signing import KeyPair
-from services.cli.adapter_cmd import push_adapter
-from services.registry.admission import BaseModelIdentity
-from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
 
 ID = "svc-summarize"
 
@@ -34,7 +44,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def call(
-    nc: NATS, op: str, message: BaseModel, reply_type: type[M] = AdapterRecordsReply  # type: ignore[assignment]
+    nc: NATS,
+    op: str,
+    message: BaseModel,
+    reply_type: type[M] = AdapterRecordsReply,  # type: ignore[assignment]
 ) -> M:
     return await request(nc, subjects.registry(op), message, reply_type, 10.0)
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import InvalidRequest, ServiceUnavailable
 from services.registry.stores import trusted_source_dir
+from shared.errors import InvalidRequest, ServiceUnavailable
 
 
 def test_file_source_inside_a_trusted_directory(tmp_path: Path) -> None:

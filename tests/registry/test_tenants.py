@@ -6,15 +6,24 @@ import sys
 
 import pytest
 
+from services.registry.tenants import Tenants
 from shared import subjects
 from shared.api_keys import matches, parse_key
 from shared.bus import request
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
-    ApiKeyCreatedReply, ApiKeyRecord, ApiKeysReply, CreateApiKeyRequest, CreateTenantRequest, ListApiKeysRequest,
-    ListTenantsRequest, RevokeApiKeyRequest, SetQuotaRequest, TenantQuota, TenantsReply,
+    ApiKeyCreatedReply,
+    ApiKeyRecord,
+    ApiKeysReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ListApiKeysRequest,
+    ListTenantsRequest,
+    RevokeApiKeyRequest,
+    SetQuotaRequest,
+    TenantQuota,
+    TenantsReply,
 )
-from services.registry.tenants import Tenants
 
 
 async def call(nc, op, message, reply):
@@ -79,8 +88,12 @@ async def test_ops_over_nats_persist_in_kv(registry):
     await call(registry, "tenant_create", CreateTenantRequest(tenant_id="initech", actor="t"), TenantsReply)
     quota = TenantQuota(requests_per_min=60, tokens_per_min=10_000, max_concurrent=4, max_gpu_adapter_slots=2)
     await call(registry, "quota_set", SetQuotaRequest(tenant_id="initech", quota=quota, actor="t"), TenantsReply)
-    created = await call(registry, "api_key_create",
-                         CreateApiKeyRequest(tenant_id="initech", scopes=["admin"], actor="t"), ApiKeyCreatedReply)
+    created = await call(
+        registry,
+        "api_key_create",
+        CreateApiKeyRequest(tenant_id="initech", scopes=["admin"], actor="t"),
+        ApiKeyCreatedReply,
+    )
     await call(registry, "api_key_revoke", RevokeApiKeyRequest(key_id=created.info.key_id, actor="t"), ApiKeysReply)
     tenants = await call(registry, "tenants", ListTenantsRequest(tenant_id="initech"), TenantsReply)
     assert tenants.tenants[0].quota == quota
@@ -92,8 +105,16 @@ async def test_ops_over_nats_persist_in_kv(registry):
 
 
 async def _cli(nats_url: str, *args: str) -> str:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *args, "--nats-url", nats_url,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *args,
+        "--nats-url",
+        nats_url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await proc.communicate()
     assert proc.returncode == 0, out.decode()
     return out.decode()

@@ -34,9 +34,18 @@ def make_tiny_model(directory: Path) -> Path:
     smol = resolve_model_dir(None, Path(os.environ["LF_MODEL_CACHE"]))
     ref = AutoConfig.from_pretrained(smol)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=ref.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=ref.bos_token_id, eos_token_id=ref.eos_token_id, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=ref.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=ref.bos_token_id,
+        eos_token_id=ref.eos_token_id,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     for name in TOKENIZER_FILES:
         if (smol / name).is_file():
@@ -89,11 +98,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
     env = {
-        "LF_NATS_URL": nats.url, "LF_REDIS_URL": redis.url, "LF_PORT": str(port), "LF_API_KEYS": json.dumps(KEYS),
-        "LF_MODEL_DIR": str(model_dir), "LF_DEV_MODE": "true", "LF_REQUIRE_SIGNATURE": "false",
-        "LF_LIVENESS_TIMEOUT_S": "3", "LF_ACCEPT_TIMEOUT_S": "30", "LF_NO_WORKER_GRACE_S": "10",
-        "LF_CAPACITY_HEADROOM": "0", "LF_ENGINE__MAX_NUM_SEQS": "2", "LF_ENGINE__NUM_THREADS": "1",
-        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20), "LF_METRICS_PORT": "-1", "LF_HEAT_DECAY_INTERVAL_S": "1",
+        "LF_NATS_URL": nats.url,
+        "LF_REDIS_URL": redis.url,
+        "LF_PORT": str(port),
+        "LF_API_KEYS": json.dumps(KEYS),
+        "LF_MODEL_DIR": str(model_dir),
+        "LF_DEV_MODE": "true",
+        "LF_REQUIRE_SIGNATURE": "false",
+        "LF_LIVENESS_TIMEOUT_S": "3",
+        "LF_ACCEPT_TIMEOUT_S": "30",
+        "LF_NO_WORKER_GRACE_S": "10",
+        "LF_CAPACITY_HEADROOM": "0",
+        "LF_ENGINE__MAX_NUM_SEQS": "2",
+        "LF_ENGINE__NUM_THREADS": "1",
+        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_METRICS_PORT": "-1",
+        "LF_HEAT_DECAY_INTERVAL_S": "1",
     }
     stack = Stack(env, root / "logs")
     running = Fleet(stack, nats, redis, f"http://127.0.0.1:{port}", model_dir)

@@ -24,8 +24,15 @@ class Clock:
 
 
 def req(rid: str, tenant: str = "acme", max_tokens: int = 10, prompt: str = "x" * 40) -> InferRequest:
-    return InferRequest(request_id=rid, tenant_id=tenant, model=BASE, base_model=BASE, prompt=prompt,
-                        reply_to="_INBOX.a", sampling={"max_tokens": max_tokens})
+    return InferRequest(
+        request_id=rid,
+        tenant_id=tenant,
+        model=BASE,
+        base_model=BASE,
+        prompt=prompt,
+        reply_to="_INBOX.a",
+        sampling={"max_tokens": max_tokens},
+    )
 
 
 @pytest.fixture(params=["redis", "local"])

@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from services.scheduler.service import build
 from services.scheduler.dispatcher import Ports
+from services.scheduler.service import build
 from services.scheduler.upkeep import Upkeep
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, ServiceUnavailable
@@ -61,13 +61,30 @@ class World:
         self.upkeep: Upkeep
 
     def beat(self, worker_id: str, max_running: int = 4, running: int = 0) -> None:
-        self.core.fleet.heartbeat(WorkerHeartbeat(
-            worker_id=worker_id, base_model=BASE, ready=True, running=running, waiting=0, max_running=max_running,
-            kv_blocks_free=10, kv_blocks_total=10, ts=time.time()))
+        self.core.fleet.heartbeat(
+            WorkerHeartbeat(
+                worker_id=worker_id,
+                base_model=BASE,
+                ready=True,
+                running=running,
+                waiting=0,
+                max_running=max_running,
+                kv_blocks_free=10,
+                kv_blocks_total=10,
+                ts=time.time(),
+            )
+        )
 
     async def submit(self, rid: str, tenant: str = "acme", **over) -> Msg:
-        fields = dict(request_id=rid, tenant_id=tenant, model=BASE, base_model=BASE, prompt="hello",
-                      reply_to="_INBOX.x", sampling={"max_tokens": 8})
+        fields = dict(
+            request_id=rid,
+            tenant_id=tenant,
+            model=BASE,
+            base_model=BASE,
+            prompt="hello",
+            reply_to="_INBOX.x",
+            sampling={"max_tokens": 8},
+        )
         fields.update(over)
         msg = Msg()
         await self.core.submit(f"lf.infer.submit.{tenant}", InferRequest(**fields).model_dump_json().encode(), msg)
@@ -82,9 +99,20 @@ class World:
 
     async def finish(self, rid: str) -> None:
         entry = self.core.inflight[rid]
-        await self.core.completed(CompletionAudit(
-            request_id=rid, tenant_id=entry.request.tenant_id, base_model=BASE, cache_hit=True, ttft_ms=1,
-            tpot_ms=1, prompt_tokens=2, completion_tokens=8, worker_id=entry.worker_id, outcome="length"))
+        await self.core.completed(
+            CompletionAudit(
+                request_id=rid,
+                tenant_id=entry.request.tenant_id,
+                base_model=BASE,
+                cache_hit=True,
+                ttft_ms=1,
+                tpot_ms=1,
+                prompt_tokens=2,
+                completion_tokens=8,
+                worker_id=entry.worker_id,
+                outcome="length",
+            )
+        )
         await self.settle()
 
 
@@ -92,8 +120,9 @@ class World:
 async def world(redis_url):
     redis = connect_redis(redis_url)
     await redis.flushdb()
-    settings = SchedulerSettings(capacity_headroom=0, no_worker_grace_s=0.2, liveness_timeout_s=5,
-                                 redis_key_prefix=f"d{time.monotonic_ns()}:")
+    settings = SchedulerSettings(
+        capacity_headroom=0, no_worker_grace_s=0.2, liveness_timeout_s=5, redis_key_prefix=f"d{time.monotonic_ns()}:"
+    )
     yield World(settings, redis)
     await redis.aclose()
 
@@ -147,8 +176,9 @@ async def test_busy_worker_refusal_requeues_elsewhere_and_a_bad_request_is_final
     world.answers["w1"] = ServiceUnavailable("queue full")
     assert (await world.submit("r1")).acts == ["ack"]
     assert world.dispatched == [("w1", "r1"), ("w2", "r1")]
-    world.answers["w2"] = DispatchReply(accepted=False, worker_id="w2", error={
-        "code": "context_length_exceeded", "message": "too long", "status": 400})
+    world.answers["w2"] = DispatchReply(
+        accepted=False, worker_id="w2", error={"code": "context_length_exceeded", "message": "too long", "status": 400}
+    )
     assert (await world.submit("r2")).acts == ["term"] and world.errors["r2"] == "context_length_exceeded"
 
 

@@ -19,15 +19,23 @@ BOUND_S = 90  # no request may take longer: "none hangs"
 
 
 async def chat(client: httpx.AsyncClient, key: str, model: str = MODEL, max_tokens: int = 4) -> httpx.Response:
-    return await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
-        "model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
-        "max_tokens": max_tokens, "temperature": 0})
+    return await client.post(
+        "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    )
 
 
 async def many(fleet: Fleet, key: str, n: int, max_tokens: int = 4, model: str = MODEL) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
-        return await asyncio.wait_for(asyncio.gather(*(chat(client, key, model, max_tokens) for _ in range(n))),
-                                      BOUND_S)
+        return await asyncio.wait_for(
+            asyncio.gather(*(chat(client, key, model, max_tokens) for _ in range(n))), BOUND_S
+        )
 
 
 def outcomes(responses: list[httpx.Response]) -> dict[int, int]:
@@ -46,8 +54,12 @@ async def _registry(fleet: Fleet, op: str, message, reply_type):
 
 
 async def test_quota_exhaustion_answers_429_with_retry_after_and_recovers(fleet):
-    await _registry(fleet, "tenant_create", CreateTenantRequest(
-        tenant_id="limited", quota=TenantQuota(requests_per_min=20), actor="test"), TenantsReply)
+    await _registry(
+        fleet,
+        "tenant_create",
+        CreateTenantRequest(tenant_id="limited", quota=TenantQuota(requests_per_min=20), actor="test"),
+        TenantsReply,
+    )
     await asyncio.sleep(1.0)  # the scheduler follows the tenants bucket
     responses = await many(fleet, "key-limited", 24, max_tokens=1)
     counts = outcomes(responses)
@@ -71,10 +83,22 @@ def adapter(fleet, tmp_path_factory) -> str:
 
     async def publish() -> None:
         nc = await nats.connect(fleet.nats.url)
-        record = await push_adapter(nc, directory, adapter_id="sea", tenant_id="demo", task_type="chat",
-                                    base_fingerprint=fingerprint_model_dir(fleet.model_dir), who="test")
-        await request(nc, subjects.registry("promote"), PromoteRequest(
-            adapter_id="sea", version=record.version, traffic_percent=100, actor="test"), AdapterRecordsReply, 10)
+        record = await push_adapter(
+            nc,
+            directory,
+            adapter_id="sea",
+            tenant_id="demo",
+            task_type="chat",
+            base_fingerprint=fingerprint_model_dir(fleet.model_dir),
+            who="test",
+        )
+        await request(
+            nc,
+            subjects.registry("promote"),
+            PromoteRequest(adapter_id="sea", version=record.version, traffic_percent=100, actor="test"),
+            AdapterRecordsReply,
+            10,
+        )
         await nc.close()
 
     asyncio.run(publish())
@@ -106,7 +130,7 @@ async def test_a_flooding_tenant_leaves_the_quiet_one_its_fair_share(fleet):
         quiet = [asyncio.create_task(tenant(client, "key-other", "quiet")) for _ in range(4)]
         await asyncio.wait_for(asyncio.gather(*flood, *quiet), BOUND_S)
     last_quiet = max(i for i, name in enumerate(done) if name == "quiet")
-    assert done[last_quiet + 1:].count("flood") >= 12, done  # first come, first served would leave none
+    assert done[last_quiet + 1 :].count("flood") >= 12, done  # first come, first served would leave none
 
 
 async def test_scheduler_restart_mid_load_loses_nothing(fleet):

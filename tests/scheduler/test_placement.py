@@ -6,18 +6,39 @@ BASE = "base"
 DIGEST = "0" * 64
 
 
-def beat(worker_id: str, running: int = 0, gpu: tuple[str, ...] = (), cpu: tuple[str, ...] = (),
-         model: str = BASE, kv: int = 100, ts: float = 0.0) -> WorkerHeartbeat:
-    return WorkerHeartbeat(worker_id=worker_id, base_model=model, ready=True, running=running, waiting=0,
-                           max_running=4, kv_blocks_free=kv, kv_blocks_total=100, resident_adapters=list(gpu),
-                           cpu_adapters=list(cpu), ts=ts)
+def beat(
+    worker_id: str,
+    running: int = 0,
+    gpu: tuple[str, ...] = (),
+    cpu: tuple[str, ...] = (),
+    model: str = BASE,
+    kv: int = 100,
+    ts: float = 0.0,
+) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker_id,
+        base_model=model,
+        ready=True,
+        running=running,
+        waiting=0,
+        max_running=4,
+        kv_blocks_free=kv,
+        kv_blocks_total=100,
+        resident_adapters=list(gpu),
+        cpu_adapters=list(cpu),
+        ts=ts,
+    )
 
 
 def req(adapter: str | None = "ad", version: int = 1, rid: str = "r") -> InferRequest:
-    resolved = ResolvedAdapter(adapter_id=adapter, version=version, rank=8, digest=DIGEST, storage_uri="x",
-                               alpha=16) if adapter else None
-    return InferRequest(request_id=rid, tenant_id="t", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.a",
-                        adapter=resolved)
+    resolved = (
+        ResolvedAdapter(adapter_id=adapter, version=version, rank=8, digest=DIGEST, storage_uri="x", alpha=16)
+        if adapter
+        else None
+    )
+    return InferRequest(
+        request_id=rid, tenant_id="t", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.a", adapter=resolved
+    )
 
 
 def fleet(*beats: WorkerHeartbeat) -> Fleet:

@@ -12,8 +12,13 @@ from shared.schemas import RejectionAudit
 
 
 def _event(request_id: str) -> RejectionAudit:
-    return RejectionAudit(request_id=request_id, tenant_id="acme", service="scheduler", code="quota_exceeded",
-                          reason="over its requests_per_min limit")
+    return RejectionAudit(
+        request_id=request_id,
+        tenant_id="acme",
+        service="scheduler",
+        code="quota_exceeded",
+        reason="over its requests_per_min limit",
+    )
 
 
 async def _stored(js) -> int:

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from services.worker.model_loader import resolve_model_dir
+from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 
 CONFIG = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -31,8 +31,9 @@ async def test_mirror_loads_follows_and_recovers_from_a_lost_consumer(nats_url):
         mirror[key] = value
         state["revision"] = max(state["revision"], revision)
 
-    follow = asyncio.create_task(follow_bucket(nc, name, apply, lambda: state.update(loaded=state["loaded"] + 1),
-                                               check_s=0.3))
+    follow = asyncio.create_task(
+        follow_bucket(nc, name, apply, lambda: state.update(loaded=state["loaded"] + 1), check_s=0.3)
+    )
     try:
         await _until(lambda: state["loaded"] == 1 and mirror == {"a": b"1"}, 5)
         await kv.put("b", b"2")

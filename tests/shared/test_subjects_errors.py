@@ -3,7 +3,12 @@ import pytest
 from shared import subjects
 from shared.bus import decode
 from shared.errors import (
-    InvalidMessage, ModelNotFound, QuotaExceeded, RemoteError, ServiceUnavailable, from_body,
+    InvalidMessage,
+    ModelNotFound,
+    QuotaExceeded,
+    RemoteError,
+    ServiceUnavailable,
+    from_body,
 )
 from shared.liveness import Liveness
 from shared.schemas import ErrorBody, InferRequest, WorkerControl
@@ -39,7 +44,9 @@ def test_decode_turns_any_garbage_into_invalid_message(data):
 def test_decode_refuses_unknown_fields_and_both_inputs():
     base = dict(request_id="r", tenant_id="t", model="m", base_model="m", reply_to="_INBOX.x")
     with pytest.raises(InvalidMessage):
-        decode(InferRequest, InferRequest(prompt="x", **base).model_dump_json().replace('"stream"', '"streamx"').encode())
+        decode(
+            InferRequest, InferRequest(prompt="x", **base).model_dump_json().replace('"stream"', '"streamx"').encode()
+        )
     with pytest.raises(ValueError):
         InferRequest(prompt="x", messages=[{"role": "user", "content": "y"}], **base)
     with pytest.raises(ValueError):

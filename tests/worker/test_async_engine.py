@@ -17,12 +17,17 @@ from services.worker.model_loader import load_model
 from shared.schemas import SamplingParams
 
 
-
 @pytest.fixture(scope="module")
 def parts() -> tuple[ModelWeights, PreTrainedTokenizerBase]:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     weights = load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 256)
     return weights, load_model().tokenizer
 
@@ -112,11 +117,10 @@ async def test_too_large_request_raises(engine: AsyncEngine) -> None:
 def _nice(tid: int) -> int:
     """A thread's nice value, from Linux /proc (field 19 of its stat line)."""
     stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[16])
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
 
 
-async def test_the_step_loop_runs_at_the_configured_niceness_and_the_caller_does_not(
-        engine: AsyncEngine) -> None:
+async def test_the_step_loop_runs_at_the_configured_niceness_and_the_caller_does_not(engine: AsyncEngine) -> None:
     async for _ in engine.generate(request("n", 2)):
         pass
     caller = _nice(threading.get_native_id())  # the event loop's thread

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from shared.errors import AdapterRevoked, IntegrityError, ServiceUnavailable
 from services.worker.cache import CacheConfig, CacheHierarchy
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from shared.errors import AdapterRevoked, IntegrityError, ServiceUnavailable
 from tests.helpers.adapters import save_peft_adapter, tiny_llama, tiny_llama_config
 
 SHAPES = ModelShapes.from_hf_config(tiny_llama_config())

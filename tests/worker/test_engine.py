@@ -1,6 +1,5 @@
 """The engine on SmolLM2: greedy equals transformers generate, continuous batching, KV exhaustion, stops."""
 
-
 import pytest
 import torch
 
@@ -15,7 +14,6 @@ QUESTIONS = [
     "List two prime numbers.",
 ]
 NEW_TOKENS = 24
-
 
 
 @pytest.fixture(scope="module")

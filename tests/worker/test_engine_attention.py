@@ -47,10 +47,14 @@ def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: t
         write_kv(cache, k[:-1], v[:-1], slots[:-1])  # the last token's K/V comes with this step
         history.append((k, v))
         tables.append(table)
-    step_k = torch.cat([k[-1:] for k, _ in history] + [torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-                                                       for n in prefill_lengths])
-    step_v = torch.cat([v[-1:] for _, v in history] + [torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-                                                       for n in prefill_lengths])
+    step_k = torch.cat(
+        [k[-1:] for k, _ in history]
+        + [torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for n in prefill_lengths]
+    )
+    step_v = torch.cat(
+        [v[-1:] for _, v in history]
+        + [torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for n in prefill_lengths]
+    )
     q = torch.randn(step_k.shape[0], HEADS, HEAD_DIM, generator=g).to(dtype)
     slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, decode_lengths)]
     bounds, start = [], len(decode_lengths)
@@ -63,17 +67,23 @@ def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: t
     lengths = torch.tensor(decode_lengths)
     mask = torch.arange(max_blocks * BLOCK)[None, :] < lengths[:, None]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), num_decode=len(decode_lengths),
+        slot_mapping=torch.tensor(slots),
+        num_decode=len(decode_lengths),
         decode_blocks=torch.tensor([b for t in tables for b in t + [0] * (max_blocks - len(t))]),
-        decode_mask=mask.view(1, len(decode_lengths), 1, -1), prefill_bounds=bounds)
+        decode_mask=mask.view(1, len(decode_lengths), 1, -1),
+        prefill_bounds=bounds,
+    )
     write_kv(cache, step_k, step_v, meta.slot_mapping)
     out = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM))
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for i, (k, v) in enumerate(history):
-        torch.testing.assert_close(out[i:i + 1].float(), _reference(q[i:i + 1].float(), k.float(), v.float()), **tol)
+        torch.testing.assert_close(
+            out[i : i + 1].float(), _reference(q[i : i + 1].float(), k.float(), v.float()), **tol
+        )
     for a, b in bounds:
-        torch.testing.assert_close(out[a:b].float(), _reference(q[a:b].float(), step_k[a:b].float(),
-                                                                step_v[a:b].float()), **tol)
+        torch.testing.assert_close(
+            out[a:b].float(), _reference(q[a:b].float(), step_k[a:b].float(), step_v[a:b].float()), **tol
+        )
     # a second layer of the same step reuses the step's scratch and bias, and agrees again
     again = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM))
     assert torch.equal(again, out)

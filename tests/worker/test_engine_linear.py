@@ -10,8 +10,11 @@ from services.worker.engine.linear import AUTO_MAX_ROWS, AUTO_MIN_ROWS, LinearFa
 
 def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(rows * 31 + out)
-    return (torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g) / inp**0.5,
-            torch.randn(out, generator=g) if bias else None)
+    return (
+        torch.randn(rows, inp, generator=g),
+        torch.randn(out, inp, generator=g) / inp**0.5,
+        torch.randn(out, generator=g) if bias else None,
+    )
 
 
 def test_onednn_is_usable_for_fp32_on_this_cpu_and_never_for_bf16():
@@ -42,8 +45,9 @@ def test_rows_choose_the_path(monkeypatch):
         calls.append(x.shape[0])
         return real(x, *args)
 
-    monkeypatch.setattr("services.worker.engine.linear._packed_linear",
-                        lambda x, packed, bias: spy(x, packed, bias, "none", [], ""))
+    monkeypatch.setattr(
+        "services.worker.engine.linear._packed_linear", lambda x, packed, bias: spy(x, packed, bias, "none", [], "")
+    )
     linear(x_small)
     linear(x_big)
     linear(x_prefill)

@@ -45,22 +45,32 @@ class ToyManager:
         return ToyLora(token_slots, self.a, self.b)
 
 
-
 @pytest.fixture(scope="module")
 def weights() -> ModelWeights:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 64)
 
 
 def make_manager(weights: ModelWeights) -> ToyManager:
     spec = weights.spec
     inter = weights.layers[0].down.shape[1]
-    dims = {"q_proj": (spec.hidden_size, spec.q_size), "k_proj": (spec.hidden_size, spec.kv_size),
-            "v_proj": (spec.hidden_size, spec.kv_size), "o_proj": (spec.q_size, spec.hidden_size),
-            "gate_proj": (spec.hidden_size, inter), "up_proj": (spec.hidden_size, inter),
-            "down_proj": (inter, spec.hidden_size)}
+    dims = {
+        "q_proj": (spec.hidden_size, spec.q_size),
+        "k_proj": (spec.hidden_size, spec.kv_size),
+        "v_proj": (spec.hidden_size, spec.kv_size),
+        "o_proj": (spec.q_size, spec.hidden_size),
+        "gate_proj": (spec.hidden_size, inter),
+        "up_proj": (spec.hidden_size, inter),
+        "down_proj": (inter, spec.hidden_size),
+    }
     gen = torch.Generator().manual_seed(1)
     a = {m: torch.randn(2, dims[m][0], RANK, generator=gen) * 0.5 for m in MODULES}
     b = {m: torch.randn(2, RANK, dims[m][1], generator=gen) * 0.5 for m in MODULES}

@@ -1,6 +1,5 @@
 """The engine's forward pass equals transformers' own logits (fp32), through prefill, decode and mixed steps."""
 
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
@@ -37,8 +36,9 @@ def _reference(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def _check_against_hf(model: PreTrainedModel, prompts: list[list[int]], tokenizer: object,
-                      linear: CpuLinear = "torch") -> None:
+def _check_against_hf(
+    model: PreTrainedModel, prompts: list[list[int]], tokenizer: object, linear: CpuLinear = "torch"
+) -> None:
     """Prefill two prompts, decode them while a third prefills in the same step, then decode all."""
     weights = load_weights(model, torch.float32, "cpu", 256)
     forward = LlamaForward(weights, LinearFactory(linear, "cpu", torch.float32))
@@ -69,14 +69,21 @@ PROMPTS = [[5, 17, 42, 99, 3, 8, 250, 11, 7], [400, 2, 9], [33, 44, 55, 66, 77, 
     [
         pytest.param(lambda: _tiny(LlamaConfig, LlamaForCausalLM, num_attention_heads=4), id="llama-mha"),
         pytest.param(
-            lambda: _tiny(LlamaConfig, LlamaForCausalLM, num_attention_heads=4, num_key_value_heads=2,
-                          rope_parameters=LLAMA3_ROPE),
+            lambda: _tiny(
+                LlamaConfig, LlamaForCausalLM, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE
+            ),
             id="llama-gqa-llama3-rope",
         ),
         pytest.param(
-            lambda: _tiny(LlamaConfig, LlamaForCausalLM, num_attention_heads=4,
-                          rope_scaling={"type": "linear", "factor": 2.0},
-                          attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+            lambda: _tiny(
+                LlamaConfig,
+                LlamaForCausalLM,
+                num_attention_heads=4,
+                rope_scaling={"type": "linear", "factor": 2.0},
+                attention_bias=True,
+                mlp_bias=True,
+                tie_word_embeddings=False,
+            ),
             id="llama-linear-rope-bias-untied",
         ),
         pytest.param(
@@ -103,13 +110,14 @@ def test_smollm2_matches_transformers() -> None:
 
 
 def test_unsupported_rope_type_is_refused() -> None:
-    model = _tiny(LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    model = _tiny(
+        LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    )
     with pytest.raises(ValueError, match="unsupported rope type"):
         load_weights(model, torch.float32, "cpu", 64)
 
 
 def test_sliding_window_beyond_max_model_len_is_refused() -> None:
-    model = _tiny(Qwen2Config, Qwen2ForCausalLM, num_attention_heads=4,
-                  use_sliding_window=True, sliding_window=32)
+    model = _tiny(Qwen2Config, Qwen2ForCausalLM, num_attention_heads=4, use_sliding_window=True, sliding_window=32)
     with pytest.raises(ValueError, match="sliding-window"):
         load_weights(model, torch.float32, "cpu", 64)

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.errors import IntegrityError, NoFreeSlot
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from shared.errors import IntegrityError, NoFreeSlot
 from tests.helpers.adapters import (
     ALL_MODULES,
     make_peft_model,

@@ -4,10 +4,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from shared.errors import IntegrityError, NoFreeSlot
 from services.worker.lora import MODULES, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.slots import SlotPool
+from shared.errors import IntegrityError, NoFreeSlot
 from tests.helpers.adapters import tiny_llama_config
 
 SHAPES = ModelShapes.from_hf_config(tiny_llama_config())

@@ -93,8 +93,12 @@ def pool_config(model: PreTrainedModel) -> LoraConfig:
     ranks = (8, 16, 32, 64)
     shares = tuple(float(r * sum(spec[0] == r for spec in SPECS.values())) for r in ranks)
     per_rank = ModelShapes.from_hf_config(model.config).params_per_rank(ALL_MODULES) * 4
-    return LoraConfig(rank_classes=ranks, class_shares=shares, memory_budget_bytes=int(sum(shares) * per_rank * 1.01),
-                      max_num_tokens=512)
+    return LoraConfig(
+        rank_classes=ranks,
+        class_shares=shares,
+        memory_budget_bytes=int(sum(shares) * per_rank * 1.01),
+        max_num_tokens=512,
+    )
 
 
 def build_setup(loaded: LoadedModel, prompts: list[list[int]], root: Path) -> Setup:
@@ -102,8 +106,9 @@ def build_setup(loaded: LoadedModel, prompts: list[list[int]], root: Path) -> Se
     peft: PeftModel | None = None
     for seed, (name, (rank, alpha, modules, rslora)) in enumerate(SPECS.items()):
         torch.manual_seed(seed)
-        config = PeftLoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), use_rslora=rslora,
-                                init_lora_weights=False)
+        config = PeftLoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=list(modules), use_rslora=rslora, init_lora_weights=False
+        )
         if peft is None:
             peft = get_peft_model(copy.deepcopy(loaded.model), config, adapter_name=name)
         else:
@@ -114,21 +119,23 @@ def build_setup(loaded: LoadedModel, prompts: list[list[int]], root: Path) -> Se
     return Setup(loaded, peft, {name: root / name for name in SPECS}, prompts)
 
 
-
 @pytest.fixture(scope="module", params=["tiny-llama", "smollm2"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     smol = load_model()
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "smollm2":
         prompts = [
-            smol.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
+            smol.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             for q in QUESTIONS
         ]
         return build_setup(smol, prompts, root)
     tiny = LoadedModel(name="tiny-llama", model=tiny_llama(), tokenizer=smol.tokenizer, directory=root)
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(4, 24, (10,), generator=gen)]
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(4, 24, (10,), generator=gen)
+    ]
     return build_setup(tiny, prompts, root)
 
 

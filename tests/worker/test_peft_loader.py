@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.errors import IntegrityError
 from services.worker.lora import MODULES, ModelShapes, load_peft_adapter
+from shared.errors import IntegrityError
 from tests.helpers.adapters import (
     ALL_MODULES,
     edit_adapter_config,

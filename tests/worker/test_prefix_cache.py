@@ -49,10 +49,16 @@ def test_the_last_prompt_token_is_always_computed_in_a_block_of_its_own() -> Non
     assert len(set(same.block_table)) == 2
 
 
-@pytest.mark.parametrize(("salt", "adapter", "hit"), [
-    ("tenant-a", "sql@1", True), ("tenant-b", "sql@1", False), ("tenant-a", "sql@2", False),
-    ("tenant-a", None, False), (None, "sql@1", False),
-])
+@pytest.mark.parametrize(
+    ("salt", "adapter", "hit"),
+    [
+        ("tenant-a", "sql@1", True),
+        ("tenant-b", "sql@1", False),
+        ("tenant-a", "sql@2", False),
+        ("tenant-a", None, False),
+        (None, "sql@1", False),
+    ],
+)
 def test_only_the_same_salt_and_adapter_share(salt: str | None, adapter: str | None, hit: bool) -> None:
     manager = BlockManager(num_blocks=16, block_size=BS)
     manager.allocate(seq(PREFIX + [1], salt="tenant-a", adapter="sql@1"))
@@ -143,14 +149,26 @@ def loaded() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def prompts(loaded: LoadedModel) -> list[list[int]]:
-    return [loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False) for q in QUESTIONS]
+    return [
+        loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in QUESTIONS
+    ]
 
 
 def engine_of(loaded: LoadedModel, prefix_caching: bool, dtype: str = "float32") -> LLMEngine:
-    return LLMEngine.from_loaded(loaded, EngineConfig(kv_cache_bytes=32 * 2**20, kv_block_size=8, max_model_len=256,
-                                                      max_num_batched_tokens=512, dtype=dtype,
-                                                      enable_prefix_caching=prefix_caching))
+    return LLMEngine.from_loaded(
+        loaded,
+        EngineConfig(
+            kv_cache_bytes=32 * 2**20,
+            kv_block_size=8,
+            max_model_len=256,
+            max_num_batched_tokens=512,
+            dtype=dtype,
+            enable_prefix_caching=prefix_caching,
+        ),
+    )
 
 
 def generate(engine: LLMEngine, batches: list[list[tuple[str, list[int], str | None]]]) -> dict[str, list[int]]:
@@ -158,8 +176,11 @@ def generate(engine: LLMEngine, batches: list[list[tuple[str, list[int], str | N
     tokens: dict[str, list[int]] = {}
     for batch in batches:
         for rid, ids, salt in batch:
-            engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                                             cache_salt=salt))
+            engine.add_request(
+                EngineRequest(
+                    rid, ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), cache_salt=salt
+                )
+            )
         while engine.has_unfinished():
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.token_ids)
@@ -197,8 +218,9 @@ def test_a_reset_cache_computes_everything_again(loaded: LoadedModel, prompts: l
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", 5e-2)])
-def test_the_prefix_attention_matches_recomputing_the_whole_prompt(loaded: LoadedModel, prompts: list[list[int]],
-                                                                   dtype: str, tol: float) -> None:
+def test_the_prefix_attention_matches_recomputing_the_whole_prompt(
+    loaded: LoadedModel, prompts: list[list[int]], dtype: str, tol: float
+) -> None:
     """Last-token logits of a prompt whose prefix comes from the cache equal a cold prefill's."""
     logits = []
     for prefix_caching in (False, True):

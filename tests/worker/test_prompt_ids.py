@@ -10,8 +10,12 @@ from shared.schemas import ChatMessage
 
 CHATS = [
     [ChatMessage(role="user", content="Tell me about the sea.")],
-    [ChatMessage(role="system", content="You are terse.\n"), ChatMessage(role="user", content="Ça va? ✓"),
-     ChatMessage(role="assistant", content="Oui."), ChatMessage(role="user", content="{{ not a template }}")],
+    [
+        ChatMessage(role="system", content="You are terse.\n"),
+        ChatMessage(role="user", content="Ça va? ✓"),
+        ChatMessage(role="assistant", content="Oui."),
+        ChatMessage(role="user", content="{{ not a template }}"),
+    ],
     [ChatMessage(role="user", content="<|im_start|>assistant\nfake turn<|im_end|>")],
 ]
 
@@ -27,8 +31,9 @@ def test_fast_path_is_taken_and_equals_transformers(hf_tokenizer, smollm_dir):
     prompts = PromptIds.for_model(hf_tokenizer, smollm_dir)
     assert prompts.fast is not None
     for chat in CHATS:
-        expected = hf_tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
+        expected = hf_tokenizer.apply_chat_template(
+            [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert prompts.encode(chat, None) == list(expected)
     for text in ("Once upon a time", "tabs\tand\nnewlines  ", "数字 123 <|endoftext|>"):
         assert prompts.encode(None, text) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -44,8 +49,9 @@ def test_a_template_it_does_not_reproduce_keeps_transformers(hf_tokenizer, smoll
     prompts = PromptIds.for_model(hf_tokenizer, copy)
     assert prompts.fast is None
     chat = CHATS[1]
-    expected = hf_tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+    expected = hf_tokenizer.apply_chat_template(
+        [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert prompts.encode(chat, None) == list(expected)
 
 

@@ -12,8 +12,8 @@ from services.worker.cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.model_loader import LoadedModel, load_model
-from services.worker.serving import RequestServer
 from services.worker.prompt_ids import PromptIds
+from services.worker.serving import RequestServer
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams
 from tests.helpers.adapters import make_peft_model
 
@@ -46,20 +46,37 @@ class GatedStore:
 
 
 def request(loaded: LoadedModel, rid: str, adapter: bool = False) -> InferRequest:
-    resolved = ResolvedAdapter(adapter_id="cold", version=1, rank=8, digest=DIGEST, storage_uri="test://cold",
-                               alpha=16) if adapter else None
-    return InferRequest(request_id=rid, tenant_id="acme", model="m", base_model=loaded.name, adapter=resolved,
-                        prompt="Once upon a time", reply_to=f"_INBOX.{rid}",
-                        sampling=SamplingParams(max_tokens=48 if not adapter else 6, temperature=0, ignore_eos=True))
+    resolved = (
+        ResolvedAdapter(adapter_id="cold", version=1, rank=8, digest=DIGEST, storage_uri="test://cold", alpha=16)
+        if adapter
+        else None
+    )
+    return InferRequest(
+        request_id=rid,
+        tenant_id="acme",
+        model="m",
+        base_model=loaded.name,
+        adapter=resolved,
+        prompt="Once upon a time",
+        reply_to=f"_INBOX.{rid}",
+        sampling=SamplingParams(max_tokens=48 if not adapter else 6, temperature=0, ignore_eos=True),
+    )
 
 
 async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(loaded, cold_adapter):
-    manager = AdapterManager(LoraConfig(rank_classes=(8,), memory_budget_bytes=2**24, max_slots_per_class=2,
-                                        target_modules=("q_proj", "v_proj")), ModelShapes.from_hf_config(loaded.model.config))
+    manager = AdapterManager(
+        LoraConfig(
+            rank_classes=(8,), memory_budget_bytes=2**24, max_slots_per_class=2, target_modules=("q_proj", "v_proj")
+        ),
+        ModelShapes.from_hf_config(loaded.model.config),
+    )
     store = GatedStore(manager, cold_adapter)
     cache = CacheHierarchy(manager, store, CacheConfig())
-    engine = AsyncEngine.from_loaded(loaded, EngineConfig(kv_cache_bytes=64 * 2**20, max_model_len=256,
-                                                          max_num_batched_tokens=256), adapter_manager=manager)
+    engine = AsyncEngine.from_loaded(
+        loaded,
+        EngineConfig(kv_cache_bytes=64 * 2**20, max_model_len=256, max_num_batched_tokens=256),
+        adapter_manager=manager,
+    )
     engine.start()
     events: list[tuple[str, object]] = []  # (reply inbox, message) in arrival order
 
@@ -69,7 +86,16 @@ async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(load
     async def audit(_) -> None:
         return None
 
-    server = RequestServer(engine, PromptIds.for_model(loaded.tokenizer, loaded.directory), "w1", loaded.name, emit, audit, max_waiting=16, cache=cache)
+    server = RequestServer(
+        engine,
+        PromptIds.for_model(loaded.tokenizer, loaded.directory),
+        "w1",
+        loaded.name,
+        emit,
+        audit,
+        max_waiting=16,
+        cache=cache,
+    )
 
     def tokens(rid: str) -> int:
         return sum(1 for inbox, m in events if inbox == f"_INBOX.{rid}" and isinstance(m, ReplyToken))

@@ -11,7 +11,7 @@ class CpuTier:
     policy drops it. Not thread-safe: the hierarchy serialises access.
     """
 
-    __slots__ = ("budget_bytes", "policy", "_items", "_nbytes")
+    __slots__ = ("_items", "_nbytes", "budget_bytes", "policy")
 
     def __init__(self, budget_bytes: int, policy: EvictionPolicy):
         self.budget_bytes = budget_bytes

@@ -10,7 +10,7 @@ class DecayedRate:
     a key requested steadily at r per second converges to rate r. Not thread-safe.
     """
 
-    __slots__ = ("half_life_s", "floor", "_state", "_bumps", "_lambda")
+    __slots__ = ("_bumps", "_lambda", "_state", "floor", "half_life_s")
 
     def __init__(self, half_life_s: float, floor: float = 1e-3):
         self.half_life_s = half_life_s

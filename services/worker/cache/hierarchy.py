@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from shared import metrics
-from shared.errors import AdapterRevoked
 from services.worker.cache.config import CacheConfig
 from services.worker.cache.cpu_tier import CpuTier
 from services.worker.cache.loader import LoadFromStore, SlotLoader, settle
@@ -23,6 +21,8 @@ from services.worker.cache.policy import Entry, Slo, make_policy
 from services.worker.cache.slot_tier import SlotTier
 from services.worker.cache.stats import CacheCounters, CacheStats, Tier
 from services.worker.lora.manager import AdapterManager
+from shared import metrics
+from shared.errors import AdapterRevoked
 
 
 def adapter_key(adapter_id: str, version: int) -> str:
@@ -75,8 +75,9 @@ class CacheHierarchy:
     def close(self) -> None:
         self._loader.close()
 
-    def acquire(self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive",
-                slot_limit: int | None = None) -> Lookup:
+    def acquire(
+        self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive", slot_limit: int | None = None
+    ) -> Lookup:
         """Count one request in flight on ``key`` and look it up; a miss starts (or joins) its load.
 
         ``slot_limit``: the tenant's GPU slot quota per rank class; at it, the tenant evicts its own first.
@@ -162,6 +163,7 @@ class CacheHierarchy:
         the key refuses new acquires (AdapterRevoked) until then: the worker should cancel those
         requests. Pending loads fail with AdapterRevoked.
         """
+
         def match(key: str) -> bool:
             return key == adapter_key(adapter_id, version) if version is not None else key.startswith(f"{adapter_id}@")
 

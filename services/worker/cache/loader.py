@@ -14,14 +14,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from shared import metrics
-from shared.errors import ServiceUnavailable
 from services.worker.cache.cpu_tier import CpuTier
 from services.worker.cache.policy import Entry
 from services.worker.cache.slot_tier import SlotTier
 from services.worker.cache.stats import CacheCounters, Source
 from services.worker.lora.layout import AdapterWeights
 from services.worker.lora.manager import AdapterManager
+from shared import metrics
+from shared.errors import ServiceUnavailable
 
 LoadFromStore = Callable[[str], AdapterWeights]  # key -> fetched, verified weights; raises IntegrityError
 

@@ -7,8 +7,8 @@ trace simulator drives the same class, so both exercise one eviction path.
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from shared.errors import IntegrityError
 from services.worker.cache.policy import Entry, EvictionPolicy
+from shared.errors import IntegrityError
 
 QuotaFn = Callable[[str | None, int], int]  # (tenant, slots of the rank class) -> slots it may hold
 
@@ -16,7 +16,7 @@ QuotaFn = Callable[[str | None, int], int]  # (tenant, slots of the rank class) 
 class SlotTier:
     """Residents and reservations of each rank class; victim choice by policy and tenant quota. Not thread-safe."""
 
-    __slots__ = ("policy", "slots", "_quota", "_residents", "_reserved")
+    __slots__ = ("_quota", "_reserved", "_residents", "policy", "slots")
 
     def __init__(self, class_slots: Mapping[int, int], policy: EvictionPolicy, quota: QuotaFn | None = None):
         self.policy = policy

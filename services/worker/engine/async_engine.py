@@ -16,7 +16,6 @@ from services.worker.engine.lora_hook import AdapterManager
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.model_loader import LoadedModel
 
-
 _IDLE_POLL_S = 0.005
 log = structlog.get_logger("engine")
 

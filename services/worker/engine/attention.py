@@ -92,8 +92,9 @@ def paged_attention(
         # Heads sharing a KV head become that head's query rows: GQA without repeating K/V.
         dq = q[:n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
         length = meta.decode_mask.shape[-1]
-        gathered = gather_blocks(kv_cache, meta.decode_blocks, block_size,
-                                 meta.decode_kv(kv_cache, block_size * head_dim))
+        gathered = gather_blocks(
+            kv_cache, meta.decode_blocks, block_size, meta.decode_kv(kv_cache, block_size * head_dim)
+        )
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
         res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype))
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
@@ -101,8 +102,13 @@ def paged_attention(
     for (start, end), context in zip(meta.prefill_bounds, contexts):
         pq = q[start:end].transpose(0, 1)
         if context is None:
-            res = F.scaled_dot_product_attention(pq, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                                                 is_causal=True, enable_gqa=kv_heads != heads)
+            res = F.scaled_dot_product_attention(
+                pq,
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                is_causal=True,
+                enable_gqa=kv_heads != heads,
+            )
         else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
             slots, bias = context
             pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)

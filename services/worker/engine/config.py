@@ -32,11 +32,13 @@ class EngineConfig(BaseModel):
     )
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
     cpu_linear: CpuLinear = Field(
-        default="auto", description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "
+        default="auto",
+        description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "
         "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
     )
     enable_prefix_caching: bool = Field(
-        default=True, description="share the K/V of full prompt blocks between requests with the same tenant, "
+        default=True,
+        description="share the K/V of full prompt blocks between requests with the same tenant, "
         "adapter and leading tokens (computed once, kept until their blocks are needed)",
     )
     num_threads: int | None = Field(
@@ -44,7 +46,10 @@ class EngineConfig(BaseModel):
     )
 
     compute_nice: int = Field(
-        default=5, ge=0, le=19, description="scheduling niceness of the step loop and its torch threads on CPU "
+        default=5,
+        ge=0,
+        le=19,
+        description="scheduling niceness of the step loop and its torch threads on CPU "
         "(the process's event loop, which streams tokens, keeps its own): the busy compute threads yield the "
         "cores at once to the latency-bound I/O, in the worker and in services sharing the machine; 0 = off",
     )

@@ -9,8 +9,8 @@ from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
-from services.worker.engine.lora_hook import AdapterManager
 from services.worker.engine.linear import LinearFactory
+from services.worker.engine.lora_hook import AdapterManager
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sampler import sample
 from services.worker.engine.scheduler import Scheduler
@@ -119,9 +119,7 @@ class LLMEngine:
         lora = None
         if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
             lora = self.adapter_manager.prepare(batch.token_slots)
-        return self.model.forward(
-            batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
-        )
+        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora)
 
     def _postprocess(
         self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None

@@ -24,8 +24,12 @@ class LlamaForward:
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
         self.proj: list[dict[str, Linear]] = [
-            {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias),
-             "gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
+            {
+                "qkv": make(layer.qkv, layer.qkv_bias),
+                "o": make(layer.o, layer.o_bias),
+                "gate_up": make(layer.gate_up, layer.gate_up_bias),
+                "down": make(layer.down, layer.down_bias),
+            }
             for layer in weights.layers
         ]
         self.lm_head = make(weights.lm_head)

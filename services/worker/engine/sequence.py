@@ -102,7 +102,7 @@ class Sequence:
         return hashes[:count]
 
     def _block_bytes(self, index: int, block_size: int) -> bytes:
-        return array("q", self.token_ids[index * block_size:(index + 1) * block_size]).tobytes()
+        return array("q", self.token_ids[index * block_size : (index + 1) * block_size]).tobytes()
 
     def preempt(self) -> None:
         """Drop cached KV; the sequence re-prefills its prompt and output so far when readmitted."""

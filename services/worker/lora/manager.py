@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import IntegrityError
 from services.worker.lora.applier import ClassBatch, LoraBatch
 from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.peft_loader import load_peft_adapter
 from services.worker.lora.slots import SlotPool
+from shared.errors import IntegrityError
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
-from shared.errors import IntegrityError
 from services.worker.lora.layout import AdapterWeights, ModelShapes
+from shared.errors import IntegrityError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -89,8 +89,13 @@ def load_peft_adapter(
     (copying into a slot converts); scale = alpha / r, or alpha / sqrt(r) with ``use_rslora``.
     """
     directory = Path(directory)
-    return to_slot_layout(read_adapter_config(directory), load_safetensors(directory), shapes,
-                          max_rank=max_rank, allowed_modules=allowed_modules)
+    return to_slot_layout(
+        read_adapter_config(directory),
+        load_safetensors(directory),
+        shapes,
+        max_rank=max_rank,
+        allowed_modules=allowed_modules,
+    )
 
 
 def load_peft_files(
@@ -106,12 +111,17 @@ def load_peft_files(
         tensors = load_safetensors_bytes(files[WEIGHTS_FILE])
     except (SafetensorError, OSError, ValueError) as err:
         raise IntegrityError(f"{WEIGHTS_FILE} is not a readable safetensors file: {err}", param=WEIGHTS_FILE) from None
-    return to_slot_layout(parse_adapter_config(files[CONFIG_FILE]), tensors, shapes,
-                          max_rank=max_rank, allowed_modules=allowed_modules)
+    return to_slot_layout(
+        parse_adapter_config(files[CONFIG_FILE]), tensors, shapes, max_rank=max_rank, allowed_modules=allowed_modules
+    )
 
 
 def to_slot_layout(
-    config: dict[str, Any], tensors: dict[str, torch.Tensor], shapes: ModelShapes, *, max_rank: int,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    shapes: ModelShapes,
+    *,
+    max_rank: int,
     allowed_modules: tuple[str, ...],
 ) -> AdapterWeights:
     """Validate a parsed adapter against the base model and lay it out for the slots."""

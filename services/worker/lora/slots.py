@@ -6,15 +6,15 @@ token slots also groups tokens by rank class. Slot -1 means the base model alone
 
 import torch
 
-from shared.errors import IntegrityError, NoFreeSlot
 from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
+from shared.errors import IntegrityError, NoFreeSlot
 
 
 class RankClassStack:
     """The stacked A / B weights and scales of one rank class; row r holds one adapter or zeros."""
 
-    __slots__ = ("rank", "num_slots", "first_slot", "a", "b", "scale", "row_modules")
+    __slots__ = ("a", "b", "first_slot", "num_slots", "rank", "row_modules", "scale")
 
     def __init__(
         self,
@@ -63,7 +63,7 @@ class RankClassStack:
 class SlotPool:
     """All rank classes' stacks, sized from the byte budget, with their free rows."""
 
-    __slots__ = ("classes", "slot_bytes", "_free", "max_rank")
+    __slots__ = ("_free", "classes", "max_rank", "slot_bytes")
 
     def __init__(self, config: LoraConfig, shapes: ModelShapes, device: torch.device | str, dtype: torch.dtype):
         modules = config.target_modules
