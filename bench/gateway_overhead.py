@@ -31,9 +31,9 @@ import torch
 from bench import overhead_breakdown
 from bench.cache_sim import git_commit
 from bench.raw_http import RawStreamClient
-from services.cli.adapter_cmd import cli_connect
-from services.cli.infra import free_port, start_nats, start_redis
-from services.cli.stack import SERVICES, Stack, wait_ready
+from lorafleet.cli.adapter_cmd import cli_connect
+from lorafleet.cli.infra import free_port, start_nats, start_redis
+from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared import subjects
 from shared.bus import decode, request
 from shared.schemas import (
@@ -204,7 +204,7 @@ def stack_phase(
 def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[float]:
     from services.worker.engine import EngineRequest
     from services.worker.engine.async_engine import AsyncEngine
-    from services.worker.model_loader import load_model
+    from services.worker.engine.loader import load_model
     from services.worker.settings import WorkerSettings
 
     settings = WorkerSettings()

@@ -141,7 +141,7 @@ def main() -> None:
         return event_loop.run(worker(args.nats, args.compute_ms))
 
     from bench.cache_sim import git_commit
-    from services.cli.infra import free_port, start_nats, start_redis, wait_port
+    from lorafleet.cli.infra import free_port, start_nats, start_redis, wait_port
 
     root = Path(tempfile.mkdtemp(prefix="lf-floor-"))
     nats, redis = start_nats(free_port(), root / "nats"), start_redis(free_port(), root / "redis")

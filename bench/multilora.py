@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 
 from bench.engine import StepClock, chat_prompts, environment, run_engine, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
-from services.worker.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "multilora.json"

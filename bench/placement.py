@@ -22,9 +22,9 @@ import numpy as np
 from bench.cache_sim import git_commit
 from services.scheduler.placement import Fleet
 from services.worker.cache.config import CacheConfig
-from services.worker.cache.heat import DecayedRate
 from services.worker.cache.policy import Entry, make_policy
 from services.worker.cache.slot_tier import SlotTier
+from shared.decay import DecayedRate
 from shared.schemas import InferRequest, ResolvedAdapter, WorkerHeartbeat
 
 RESULTS = Path(__file__).parent / "results"

@@ -21,10 +21,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from services.cli.infra import free_port, start_nats
+from lorafleet.cli.infra import free_port, start_nats
 from services.registry.kv import RecordsKV
-from services.worker.model_loader import EMBEDDED_MODEL_NAME
 from shared import subjects
+from shared.base_model import EMBEDDED_MODEL_NAME
 from shared.bus import connect, decode, request
 from shared.catalog import Catalog
 from shared.resolve import resolve

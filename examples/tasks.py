@@ -5,7 +5,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.evaluation.scorers import SQL_ROWS
+from lorafleet.evaluation.scorers import SQL_ROWS
 
 Pair = tuple[str, str]
 

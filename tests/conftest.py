@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The embedded SmolLM2 as a safetensors directory (converted from its GGUF on first use)."""
-    from services.worker.model_loader import resolve_model_dir
+    from shared.base_model import resolve_model_dir
 
     return resolve_model_dir(None)
 

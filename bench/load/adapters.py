@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.cli.adapter_cmd import cli_connect, push_adapter
+from lorafleet.cli.adapter_cmd import cli_connect, push_adapter
 from shared import subjects
 from shared.bus import request
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.adapter_cmd import cli_connect
-from services.cli.infra import Server, free_port, start_nats, start_redis
-from services.cli.stack import SERVICES, Stack, wait_ready
-from services.worker.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
+from bench.tiny_model import make_tiny_model
+from lorafleet.cli.adapter_cmd import cli_connect
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared import subjects
+from shared.base_model import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from shared.bus import request
 from shared.schemas import ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, TenantsReply
 
@@ -58,8 +59,6 @@ def base_model_dir(kind: str) -> tuple[Path, str]:
         return resolve_model_dir(None), EMBEDDED_MODEL_NAME
     target = Path(os.environ["LF_MODEL_CACHE"]) / TINY_MODEL
     if not (target / "config.json").is_file():
-        from tests.scheduler.conftest import make_tiny_model
-
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}-", dir=target.parent)) / TINY_MODEL
         staging.mkdir()

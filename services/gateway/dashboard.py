@@ -15,6 +15,7 @@ from services.gateway.auth import Principal, admin_caller
 from services.gateway.context import GatewayContext
 from services.gateway.openai_responses import error_responses
 from shared import subjects
+from shared.adapter_keys import adapter_of_key
 from shared.bus import request as bus_request
 from shared.errors import ServiceUnavailable, UpstreamTimeout
 from shared.schemas import AdapterRecordsReply, AuditQueryReply, AuditQueryRequest, ListAdaptersRequest
@@ -76,8 +77,8 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
     if tenant is not None:
         own = {r.adapter_id for r in records}
         for w in workers:
-            w["gpu_adapters"] = [k for k in w["gpu_adapters"] if k.rpartition("@")[0] in own]
-            w["cpu_adapters"] = [k for k in w["cpu_adapters"] if k.rpartition("@")[0] in own]
+            w["gpu_adapters"] = [k for k in w["gpu_adapters"] if adapter_of_key(k) in own]
+            w["cpu_adapters"] = [k for k in w["cpu_adapters"] if adapter_of_key(k) in own]
     return {
         "traffic": dashboard_data.traffic(completions.records),
         "workers": workers,

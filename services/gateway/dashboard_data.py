@@ -3,6 +3,7 @@
 import math
 from collections import defaultdict
 
+from shared.adapter_keys import adapter_key
 from shared.schemas import AdapterRecord, WorkerHeartbeat
 
 
@@ -22,7 +23,7 @@ def traffic(completions: list[dict]) -> dict:
         ttft[bool(c["cache_hit"])].append(c["ttft_ms"])
         tenants[c["tenant_id"]]["requests"] += 1
         tenants[c["tenant_id"]]["tokens"] += c["completion_tokens"]
-        name = f"{c['adapter_id']}@{c['adapter_version']}" if c.get("adapter_id") else "base"
+        name = adapter_key(c["adapter_id"], c["adapter_version"]) if c.get("adapter_id") else "base"
         adapters[name] += c["completion_tokens"]
     lookups = len(ttft[True]) + len(ttft[False])
     return {

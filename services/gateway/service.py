@@ -12,8 +12,8 @@ from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
-from services.worker.model_loader import resolve_model_dir
 from shared import event_loop, subjects
+from shared.base_model import resolve_model_dir
 from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats

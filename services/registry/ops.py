@@ -14,9 +14,9 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel
 
-from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.gate import GatePolicy, check_release
 from services.registry.kv import RecordsKV
 from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 from shared import metrics, subjects

@@ -9,17 +9,17 @@ import structlog
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from services.evaluation.gate import GatePolicy
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
-from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared import subjects
 from shared.adapter_format import AdapterLimits
+from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
 from shared.catalog import Catalog
 from shared.config import RegistrySettings, load_settings

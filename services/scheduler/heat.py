@@ -1,18 +1,17 @@
 """Per-adapter request heat shared through Redis: decayed counts, published as rates.
 
-``<prefix>heat:count`` holds decayed request counts; every decay tick a Lua script multiplies
-them by 2^(-dt/half_life) on Redis time and rewrites ``<prefix>heat`` as rates (requests/s),
+``HeatKeys.counts`` holds decayed request counts; every decay tick a Lua script multiplies
+them by 2^(-dt/half_life) on Redis time and rewrites ``HeatKeys.rates`` as rates (requests/s),
 the zset the workers' cache policy reads. Several schedulers add into the same counts. While
-Redis is away the same decayed rates are kept in-process (the worker cache's ``DecayedRate``)."""
+Redis is away the same decayed rates are kept in-process (``shared.decay.DecayedRate``, as the workers' heat policy keeps them)."""
 
 import time
 
 from redis.asyncio import Redis
 
 from services.scheduler.redis_guard import RedisGuard
-from services.worker.cache.heat import DecayedRate
-
-HEAT_KEY = "heat"
+from shared.adapter_keys import HeatKeys
+from shared.decay import DecayedRate
 
 DECAY = """\
 local t = redis.call('TIME')
@@ -46,7 +45,8 @@ class Heat:
         self._guard = guard
         self.half_life_s = half_life_s
         self.floor = floor
-        self._keys = [f"{key_prefix}{HEAT_KEY}:count", f"{key_prefix}{HEAT_KEY}", f"{key_prefix}{HEAT_KEY}:at"]
+        keys = HeatKeys.under(key_prefix)
+        self._keys = [keys.counts, keys.rates, keys.decayed_at]  # KEYS[1..3] of DECAY
         self._decay = redis.register_script(DECAY)
         self.local = DecayedRate(half_life_s, floor)
 

@@ -6,6 +6,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from shared.adapter_keys import adapter_key
 from shared.schemas import InferRequest, WorkerHeartbeat
 
 # residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
@@ -16,7 +17,7 @@ RECENT_S = 5.0  # a worker we just sent an adapter to is treated as holding it u
 
 
 def adapter_key_of(request: InferRequest) -> str | None:
-    return f"{request.adapter.adapter_id}@{request.adapter.version}" if request.adapter else None
+    return adapter_key(request.adapter.adapter_id, request.adapter.version) if request.adapter else None
 
 
 def _spread(key: str | None, worker_id: str) -> float:

@@ -6,16 +6,19 @@ import math
 from dataclasses import dataclass, field
 
 from services.scheduler.placement import Fleet
+from shared.adapter_keys import parse_adapter_key
+from shared.errors import InvalidRequest
 from shared.schemas import WorkerControl
 
 Directive = tuple[str, WorkerControl]  # (worker id, control message)
 
 
 def _control(action: str, key: str) -> WorkerControl | None:
-    adapter_id, _, version = key.rpartition("@")
-    if not adapter_id or not version.isdigit():
+    try:
+        adapter_id, version = parse_adapter_key(key)
+    except InvalidRequest:
         return None
-    return WorkerControl(action=action, adapter_id=adapter_id, adapter_version=int(version))
+    return WorkerControl(action=action, adapter_id=adapter_id, adapter_version=version)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,6 @@ from services.scheduler.placement import Fleet
 from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.upkeep import Periods, Upkeep
-from services.worker.adapter_verify import fetch_record
 from shared import event_loop, subjects
 from shared.audit_publish import publish_audit
 from shared.bus import (
@@ -40,6 +39,7 @@ from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, serve_metrics
 from shared.redis_conn import connect_redis
+from shared.registry_client import fetch_record
 from shared.schemas import (
     AdapterRecord,
     AuditEnvelope,

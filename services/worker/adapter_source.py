@@ -8,19 +8,14 @@ import threading
 
 from nats.aio.client import Client as NATS
 
-from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
+from services.worker.adapter_verify import fetch_verified
 from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.peft_loader import load_peft_files
 from shared import metrics
-from shared.errors import IntegrityError, InvalidRequest
-
-
-def split_key(key: str) -> tuple[str, int]:
-    adapter_id, _, version = key.rpartition("@")
-    if not adapter_id or not version.isdigit():
-        raise InvalidRequest(f"adapter key {key!r} is not <adapter_id>@<version>")
-    return adapter_id, int(version)
+from shared.adapter_keys import parse_adapter_key
+from shared.errors import IntegrityError
+from shared.registry_client import fetch_record, fetch_trusted_keys
 
 
 class StoreLoader:
@@ -51,7 +46,7 @@ class StoreLoader:
             return self._digests.get(key)
 
     def __call__(self, key: str) -> AdapterWeights:
-        adapter_id, version = split_key(key)
+        adapter_id, version = parse_adapter_key(key)
         future = asyncio.run_coroutine_threadsafe(self._fetch(adapter_id, version), self.loop)
         try:
             checksum, files = future.result(self.timeout_s)

@@ -10,15 +10,14 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from shared import signing, subjects
+from shared import signing
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME
-from shared.bus import read_object, request
-from shared.errors import IntegrityError, ModelNotFound
-from shared.schemas import AdapterRecord, AdapterRecordsReply, GetAdapterRequest, ListKeysRequest, TrustedKeysReply
+from shared.bus import read_object
+from shared.errors import IntegrityError
+from shared.schemas import AdapterRecord
 
 
 def verify_adapter(
@@ -99,17 +98,3 @@ async def fetch_verified(
     files = await fetch_adapter_files(js, record.storage_uri)
     verify_adapter(record, files, base_fingerprint, trusted_keys, require_signature=require_signature)
     return files
-
-
-async def fetch_record(nc: NATS, adapter_id: str, version: int, timeout_s: float) -> AdapterRecord:
-    """The registry's record of one version (what a ResolvedAdapter names), via ``lf.registry.get``."""
-    message = GetAdapterRequest(adapter_id=adapter_id, version=version)
-    records = (await request(nc, subjects.registry("get"), message, AdapterRecordsReply, timeout_s)).records
-    if not records:
-        raise ModelNotFound(f"the registry has no {adapter_id} v{version}")
-    return records[0]
-
-
-async def fetch_trusted_keys(nc: NATS, timeout_s: float) -> dict[str, str]:
-    """The registry's trusted signers (signer -> base64 Ed25519 public key), via ``lf.registry.keys``."""
-    return (await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, timeout_s)).keys

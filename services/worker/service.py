@@ -12,13 +12,14 @@ from services.worker.adapter_events import on_adapter_event
 from services.worker.adapter_source import StoreLoader
 from services.worker.cache.hierarchy import CacheHierarchy
 from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.loader import load_model
 from services.worker.lora.layout import ModelShapes
 from services.worker.lora.manager import AdapterManager
-from services.worker.model_loader import load_model
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import event_loop, metrics, subjects
+from shared.adapter_keys import HeatKeys, adapter_key
 from shared.audit_publish import publish_audit
 from shared.bus import (
     connect,
@@ -90,7 +91,7 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
     try:
         while True:
             try:
-                scores = await redis.zrange(f"{settings.redis_key_prefix}heat", 0, -1, withscores=True)
+                scores = await redis.zrange(HeatKeys.under(settings.redis_key_prefix).rates, 0, -1, withscores=True)
                 cache.update_heat(dict(scores))
             except (RedisError, OSError):
                 metrics.REDIS_FALLBACKS.labels("heat_read").inc()
@@ -100,7 +101,7 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
 
 
 def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
-    key = f"{control.adapter_id}@{control.adapter_version}" if control.adapter_id else None
+    key = adapter_key(control.adapter_id, control.adapter_version) if control.adapter_id else None
     if control.action == "cancel":
         server.cancel(control.request_id)
     elif key is None or control.adapter_version is None:

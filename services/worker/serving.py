@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.worker.cache.hierarchy import CacheHierarchy, Lookup, adapter_key
+from services.worker.cache.hierarchy import CacheHierarchy, Lookup
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
 from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
+from shared.adapter_keys import adapter_key
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.schemas import (
     CompletionAudit,

@@ -5,8 +5,8 @@ import time
 
 import nats
 
+from lorafleet.cli.stack import Stack
 from services.auditor.store import AuditStore
-from services.cli.stack import Stack
 from shared import subjects
 from shared.bus import encode, ensure_streams
 from shared.schemas import AuditEnvelope, CompletionAudit

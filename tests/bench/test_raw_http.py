@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.raw_http import RawStreamClient
-from services.cli.infra import free_port
+from lorafleet.cli.infra import free_port
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.cli.infra import Server, free_port, start_nats
-from services.cli.nats_auth import Secrets, render_config, setup_streams, write_private
-from services.cli.nats_permissions import ADMIN
+from lorafleet.cli.infra import Server, free_port, start_nats
+from lorafleet.cli.nats_auth import Secrets, render_config, setup_streams, write_private
+from lorafleet.cli.nats_permissions import ADMIN
 
 TENANTS = ("acme", "globex")
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from services.cli.healthcheck import build_parser
-from services.cli.infra import nats_server_binary
-from services.cli.nats_auth import add_tenant_user, init_deploy
+from lorafleet.cli.healthcheck import build_parser
+from lorafleet.cli.infra import nats_server_binary
+from lorafleet.cli.nats_auth import add_tenant_user, init_deploy
 from services.worker.settings import WorkerSettings
 from shared.config import (
     AuditorSettings,
@@ -84,7 +84,7 @@ def test_health_checks_probe_real_endpoints_and_services() -> None:
     assert path and path.group(2) in routes and int(path.group(1)) == GatewaySettings().port
     for name in ("registry", "scheduler", "worker", "worker-cpu", "auditor"):
         test = SERVICES[name]["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "services.cli.healthcheck"], name
+        assert test[:4] == ["CMD", "python", "-m", "lorafleet.cli.healthcheck"], name
         assert build_parser().parse_args(test[4:]).service == name.removesuffix("-cpu")
     for name in (*OURS, "nats", "redis"):
         if name != "nats-setup":

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.cli.healthcheck import instance_matcher, ready_heartbeat
+from lorafleet.cli.healthcheck import instance_matcher, ready_heartbeat
 from shared.bus import connect
 from shared.heartbeat import publish_heartbeats
 

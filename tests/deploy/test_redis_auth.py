@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 
-from services.cli.infra import free_port, redis_server_binary, wait_port
+from lorafleet.cli.infra import free_port, redis_server_binary, wait_port
 from services.scheduler.heat import Heat
 from services.scheduler.redis_guard import RedisGuard
 from shared.config import CommonSettings

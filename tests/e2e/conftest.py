@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.infra import Server, free_port, start_nats, start_redis
-from services.cli.stack import SERVICES, Stack, wait_ready
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 
 API_KEY = "e2e-key-demo"
 OTHER_KEY = "e2e-key-other"

@@ -9,8 +9,8 @@ import nats
 import openai
 import pytest
 
-from services.cli.adapter_cmd import push_adapter
-from services.worker.model_loader import load_model
+from lorafleet.cli.adapter_cmd import push_adapter
+from services.worker.engine.loader import load_model
 from shared import signing, subjects
 from shared.bus import decode, request
 from shared.fingerprint import fingerprint_model_dir

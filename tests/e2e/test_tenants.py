@@ -12,9 +12,9 @@ import openai
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.cli.adapter_cmd import cli_connect, push_adapter
-from services.worker.model_loader import resolve_model_dir
+from lorafleet.cli.adapter_cmd import cli_connect, push_adapter
 from shared import signing, subjects
+from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (

@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.cli.release_cmd import parse_steps
-from services.evaluation.canary import CanaryPolicy, VersionStats, regressions
+from lorafleet.cli.release_cmd import parse_steps
+from lorafleet.evaluation.canary import CanaryPolicy, VersionStats, regressions
 from shared.errors import InvalidRequest
 
 OLD = VersionStats(score=0.8, error_rate=0.0, ttft_ms=100.0, tpot_ms=20.0)

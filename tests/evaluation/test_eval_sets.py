@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.evaluation.runner import load_eval_set
+from lorafleet.evaluation.runner import load_eval_set
 from shared.adapter_format import WEIGHTS_FILE, read_adapter_dir
 from shared.errors import InvalidRequest
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.evaluation.scorers import answer_format, exact, json_fields, scorer, sql_exec
+from lorafleet.evaluation.scorers import answer_format, exact, json_fields, scorer, sql_exec
 from shared.errors import InvalidRequest
 
 SQL = "SELECT name FROM employees WHERE department = 'Legal';"

@@ -11,14 +11,15 @@ import nats
 import pytest
 from pydantic import BaseModel
 
-from services.cli.adapter_cmd import push_adapter
-from services.cli.infra import Server, free_port, start_nats, start_redis
-from services.cli.stack import Stack, wait_ready
+from bench.tiny_model import make_tiny_model
+from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
 from shared.bus import request
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import AdapterRecordsReply, PromoteRequest
-from tests.scheduler.conftest import MODEL, make_tiny_model, wait_workers
+from tests.scheduler.conftest import MODEL, wait_workers
 
 KEYS = {"key-demo": "demo", "key-other": "other"}
 WORKERS = ("w1", "w2")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from services.cli.infra import Server, free_port, start_nats
+from lorafleet.cli.infra import Server, free_port, start_nats
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.catalog_follow import start_resolver

@@ -1,6 +1,6 @@
 """The gateway's NATS user may call exactly the registry ops its routes use, and read the key bucket."""
 
-from services.cli.nats_permissions import service_permissions
+from lorafleet.cli.nats_permissions import service_permissions
 from shared import subjects
 
 

@@ -20,8 +20,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
-from services.cli.infra import Server, free_port, start_nats, start_redis
-from services.cli.stack import Stack, wait_ready
+from bench.tiny_model import make_tiny_model
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import connect, request
@@ -43,7 +44,7 @@ from shared.schemas import (
 )
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers.adapters import save_peft_adapter, tiny_llama
-from tests.scheduler.conftest import make_tiny_model, wait_workers
+from tests.scheduler.conftest import wait_workers
 
 MODEL = "tiny-llama"
 WORKER = "w1"

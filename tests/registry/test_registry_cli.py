@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.cli import adapter_cmd, keys_cmd
+from lorafleet.cli import adapter_cmd, keys_cmd
 
 
 async def lorafleet(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -13,13 +13,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from services.cli.adapter_cmd import push_adapter
+from lorafleet.cli.adapter_cmd import push_adapter
 from services.registry.admission import BaseModelIdentity
-from services.worker.adapter_verify import fetch_record, fetch_trusted_keys, fetch_verified
+from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import request
 from shared.errors import AdapterRevoked, IntegrityError, InvalidMessage, InvalidRequest, ModelNotFound
+from shared.registry_client import fetch_record, fetch_trusted_keys
 from shared.schemas import (
     AdapterEvent,
     AdapterRecordsReply,

@@ -108,7 +108,7 @@ async def _cli(nats_url: str, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "lorafleet.cli",
         *args,
         "--nats-url",
         nats_url,
@@ -134,7 +134,7 @@ async def test_cli_manages_tenants_keys_and_quotas(registry, nats_url):
 
 
 async def test_up_reuses_the_demo_key_until_it_is_revoked(registry, nats_url, tmp_path):
-    from services.cli.demo_tenant import ensure_demo_key
+    from lorafleet.cli.demo_tenant import ensure_demo_key
 
     first = await ensure_demo_key(nats_url, tmp_path)
     assert await ensure_demo_key(nats_url, tmp_path) == first

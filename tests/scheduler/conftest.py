@@ -3,8 +3,6 @@ three workers, so scheduling is tested end to end in seconds."""
 
 import asyncio
 import json
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.infra import Server, free_port, start_nats, start_redis
-from services.cli.stack import Stack, wait_ready
+from bench.tiny_model import make_tiny_model
+from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
 from shared.bus import connect, decode
 from shared.schemas import WorkerHeartbeat
@@ -21,40 +20,6 @@ from shared.schemas import WorkerHeartbeat
 MODEL = "tiny-llama"
 KEYS = {"key-demo": "demo", "key-other": "other", "key-limited": "limited"}
 WORKERS = ("w1", "w2", "w3")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-
-
-def make_tiny_model(directory: Path) -> Path:
-    """A random 2-layer, 64-wide Llama with the SmolLM2 tokenizer (so every service tokenises alike)."""
-    import torch
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
-
-    from services.worker.model_loader import resolve_model_dir
-
-    smol = resolve_model_dir(None, Path(os.environ["LF_MODEL_CACHE"]))
-    ref = AutoConfig.from_pretrained(smol)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=ref.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=ref.bos_token_id,
-        eos_token_id=ref.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        if (smol / name).is_file():
-            shutil.copy(smol / name, directory / name)
-    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
-    if "chat_template" not in tokenizer_config:  # the gateway reads the template from here
-        tokenizer_config["chat_template"] = (smol / "chat_template.jinja").read_text()
-        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return directory
 
 
 async def wait_workers(nats_url: str, workers: set[str], timeout_s: float) -> None:

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from services.cli.infra import free_port
+from lorafleet.cli.infra import free_port
 from services.scheduler.admission import Admission, AlreadyDispatched, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.limiter import LocalLimiter

@@ -8,7 +8,7 @@ import httpx
 import nats
 import pytest
 
-from services.cli.adapter_cmd import push_adapter
+from lorafleet.cli.adapter_cmd import push_adapter
 from shared import subjects
 from shared.bus import request
 from shared.fingerprint import fingerprint_model_dir

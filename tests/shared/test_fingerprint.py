@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.worker.model_loader import resolve_model_dir
+from shared.base_model import resolve_model_dir
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 
 CONFIG = {

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from services.worker.engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, RequestTooLarge
+from services.worker.engine.loader import load_model
 from services.worker.engine.weights import ModelWeights, load_weights
-from services.worker.model_loader import load_model
 from shared.schemas import SamplingParams
 
 

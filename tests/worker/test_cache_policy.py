@@ -6,9 +6,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.worker.cache import CacheConfig, CpuTier, DecayedRate, Entry, HeatPolicy, LfuPolicy, LruPolicy, SlotTier
+from services.worker.cache import CacheConfig, CpuTier, Entry, HeatPolicy, LfuPolicy, LruPolicy, SlotTier
 from services.worker.cache.policy import EvictionPolicy
 from services.worker.lora import AdapterWeights
+from shared.decay import DecayedRate
 
 SHIFT = "AAAABCA" + "DEDEDEDEDE"  # A hot, a two-key scan, then A goes cold and D, E rise
 

@@ -7,10 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import CpuLinear, LinearFactory
+from services.worker.engine.loader import load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
-from services.worker.model_loader import load_model
 
 BLOCK = 4
 

@@ -6,8 +6,8 @@ import torch
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.kv_cache import BlockAllocator, BlockManager
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.sequence import Sequence
-from services.worker.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 
 BS = 4

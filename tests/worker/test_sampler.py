@@ -5,9 +5,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.detokenizer import IncrementalDetokenizer
+from services.worker.engine.loader import load_model
 from services.worker.engine.sampler import sample
 from services.worker.engine.sequence import EngineRequest, Sequence
-from services.worker.model_loader import load_model
 from shared.schemas import SamplingParams
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from services.worker.cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
-from services.worker.model_loader import LoadedModel, load_model
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams

@@ -2,8 +2,7 @@
 
 from services.worker.cache.config import CacheConfig
 from services.worker.cache.cpu_tier import CpuTier
-from services.worker.cache.heat import DecayedRate
-from services.worker.cache.hierarchy import CacheHierarchy, Lookup, adapter_key
+from services.worker.cache.hierarchy import CacheHierarchy, Lookup
 from services.worker.cache.loader import LoadFromStore
 from services.worker.cache.policy import Entry, EvictionPolicy, HeatPolicy, LfuPolicy, LruPolicy, make_policy
 from services.worker.cache.slot_tier import SlotTier
@@ -14,7 +13,6 @@ __all__ = [
     "CacheHierarchy",
     "CacheStats",
     "CpuTier",
-    "DecayedRate",
     "Entry",
     "EvictionPolicy",
     "HeatPolicy",
@@ -23,6 +21,5 @@ __all__ = [
     "Lookup",
     "LruPolicy",
     "SlotTier",
-    "adapter_key",
     "make_policy",
 ]

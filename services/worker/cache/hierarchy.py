@@ -22,12 +22,8 @@ from services.worker.cache.slot_tier import SlotTier
 from services.worker.cache.stats import CacheCounters, CacheStats, Tier
 from services.worker.lora.manager import AdapterManager
 from shared import metrics
+from shared.adapter_keys import adapter_key, adapter_of_key
 from shared.errors import AdapterRevoked
-
-
-def adapter_key(adapter_id: str, version: int) -> str:
-    """The cache key of one adapter version, as the scheduler's heat counters name it."""
-    return f"{adapter_id}@{version}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +161,7 @@ class CacheHierarchy:
         """
 
         def match(key: str) -> bool:
-            return key == adapter_key(adapter_id, version) if version is not None else key.startswith(f"{adapter_id}@")
+            return key == adapter_key(adapter_id, version) if version is not None else adapter_of_key(key) == adapter_id
 
         with self._lock:
             keys = {key for key in self._cpu.keys() if match(key)}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.worker.cache.config import CacheConfig, PolicyName
-from services.worker.cache.heat import DecayedRate
+from shared.decay import DecayedRate
 
 Slo = Literal["interactive", "batch"]
 

@@ -12,9 +12,9 @@ import torch
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.errors import DuplicateRequest
+from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import AdapterManager
 from services.worker.engine.sequence import EngineRequest, RequestOutput
-from services.worker.model_loader import LoadedModel
 
 _IDLE_POLL_S = 0.005
 log = structlog.get_logger("engine")

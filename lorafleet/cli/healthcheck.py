@@ -1,4 +1,4 @@
-"""``python -m services.cli.healthcheck <service>``: exit 0 only if this container's instance of
+"""``python -m lorafleet.cli.healthcheck <service>``: exit 0 only if this container's instance of
 ``<service>`` published a ready heartbeat recently (a compose / Kubernetes health probe).
 
 The instance is ``LF_WORKER_ID`` (workers) or ``LF_INSTANCE_ID`` when set; otherwise any instance
@@ -49,7 +49,7 @@ async def ready_heartbeat(service: str, match: str, exact: bool, timeout_s: floa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck")
+    parser = argparse.ArgumentParser(prog="python -m lorafleet.cli.healthcheck")
     parser.add_argument("service", choices=("gateway", "registry", "scheduler", "worker", "auditor"))
     parser.add_argument("--any", action="store_true", help="accept any ready instance of the service")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a heartbeat")

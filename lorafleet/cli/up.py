@@ -6,11 +6,11 @@ import json
 import signal
 from pathlib import Path
 
-from services.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
-from services.cli.infra import pick_port, start_redis
-from services.cli.nats_auth import start_secured_nats
-from services.cli.stack import SERVICES, Stack, wait_ready
-from services.evaluation.demo import curl_example, seed_demo_adapters
+from lorafleet.cli.demo import curl_example, seed_demo_adapters
+from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
+from lorafleet.cli.infra import pick_port, start_redis
+from lorafleet.cli.nats_auth import start_secured_nats
+from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared.errors import LorafleetError
 
 

@@ -16,9 +16,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from services.worker.model_loader import resolve_model_dir
 from shared import signing, subjects
 from shared.adapter_format import read_adapter_dir
+from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.config import CommonSettings
 from shared.errors import LorafleetError, ServiceUnavailable

@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.evaluation.gate import GatePolicy, check_release
 from services.registry import lifecycle
+from services.registry.gate import GatePolicy, check_release
 from shared.catalog import Catalog
 from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
 from shared.resolve import resolve

@@ -3,7 +3,7 @@ kept in the state dir (mode 0600); a key the registry no longer knows, or revoke
 
 from pathlib import Path
 
-from services.cli.adapter_cmd import TIMEOUT_S, cli_connect
+from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect
 from shared import subjects
 from shared.api_keys import parse_key
 from shared.bus import request

@@ -9,12 +9,12 @@ from pathlib import Path
 import openai
 from nats.aio.client import Client as NATS
 
-from services.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
-from services.cli.keys_cmd import generate
-from services.evaluation.release import evaluate, promote, record_eval, summary
-from services.evaluation.runner import gateway_client, load_eval_set
-from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
+from lorafleet.cli.keys_cmd import generate
+from lorafleet.evaluation.release import evaluate, promote, record_eval, summary
+from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared import subjects
+from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.errors import Unauthorized
 from shared.fingerprint import fingerprint_model_dir

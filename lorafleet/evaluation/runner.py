@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from services.evaluation.scorers import scorer
+from lorafleet.evaluation.scorers import scorer
 from shared.errors import InvalidRequest
 
 

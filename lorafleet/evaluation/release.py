@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import openai
 from nats.aio.client import Client as NATS
 
-from services.evaluation.runner import EvalReport, EvalSet, run_eval
+from lorafleet.evaluation.runner import EvalReport, EvalSet, run_eval
 from shared import subjects
 from shared.bus import request
 from shared.errors import ServiceUnavailable

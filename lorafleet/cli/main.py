@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from services.cli import adapter_cmd, audit_cmd, eval_cmd, keys_cmd, nats_auth, release_cmd, tenant_cmd, up
+from lorafleet.cli import adapter_cmd, audit_cmd, eval_cmd, keys_cmd, nats_auth, release_cmd, tenant_cmd, up
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,10 +6,10 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.cli.adapter_cmd import actor, cli_connect
-from services.evaluation.release import Evaluation, evaluate, record_eval, summary
-from services.evaluation.runner import gateway_client, load_eval_set
-from services.worker.model_loader import EMBEDDED_MODEL_NAME
+from lorafleet.cli.adapter_cmd import actor, cli_connect
+from lorafleet.evaluation.release import Evaluation, evaluate, record_eval, summary
+from lorafleet.evaluation.runner import gateway_client, load_eval_set
+from shared.base_model import EMBEDDED_MODEL_NAME
 from shared.errors import InvalidRequest, LorafleetError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"

@@ -1,4 +1,4 @@
-"""Exponentially decayed request rates: the heat the scheduler publishes and the heat policy scores by."""
+"""Exponentially decayed request rates: the heat the scheduler publishes and the workers' heat policy scores by."""
 
 import math
 

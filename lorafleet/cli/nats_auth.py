@@ -1,13 +1,13 @@
 """NATS auth: generate passwords and a nats-server config, add tenant users, create the streams.
 
-``python -m services.cli.nats_auth init --dir deploy`` writes, for ``compose.yaml``:
+``python -m lorafleet.cli.nats_auth init --dir deploy`` writes, for ``compose.yaml``:
   deploy/secrets/nats-users.json   every password (0600), kept across runs
   deploy/nats.conf                 the server config with one user per service (0600)
   deploy/secrets/<service>.env     LF_NATS_USER / LF_NATS_PASSWORD (+ Redis URL) per container (0600)
   deploy/secrets/redis.env         REDIS_PASSWORD for the redis container (0600)
 ``tenant-user <tenant>`` adds a direct-NATS user for one tenant; ``setup`` creates the shared
 streams as the admin. ``start_secured_nats`` runs the same model for ``lorafleet up`` and tests.
-Permissions themselves live in services/cli/nats_permissions.py.
+Permissions themselves live in lorafleet/cli/nats_permissions.py.
 """
 
 import argparse
@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cli.infra import Server, start_nats
-from services.cli.nats_permissions import (
+from lorafleet.cli.infra import Server, start_nats
+from lorafleet.cli.nats_permissions import (
     ADMIN,
     SERVICES,
     admin_permissions,
@@ -210,7 +210,7 @@ def _setup(_: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.cli.nats_auth")
+    parser = argparse.ArgumentParser(prog="python -m lorafleet.cli.nats_auth")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["nats", *(argv if argv is not None else sys.argv[1:])])
     sys.exit(args.func(args))

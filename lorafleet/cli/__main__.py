@@ -1,0 +1,3 @@
+from lorafleet.cli.main import main
+
+main()

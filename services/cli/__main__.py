@@ -1,3 +1,0 @@
-from services.cli.main import main
-
-main()

@@ -1,0 +1,39 @@
+"""Load the base model for the engine: the HF model and tokenizer of a resolved directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
+
+if TYPE_CHECKING:  # torch and transformers load lazily
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    directory: Path
+
+
+def load_model(
+    model_dir: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    directory = resolve_model_dir(model_dir, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    name = EMBEDDED_MODEL_NAME if model_dir is None else directory.name
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, directory=directory)
