@@ -3,6 +3,7 @@ cross-checking completions against the registry, answering tenant-scoped queries
 
 import asyncio
 import contextlib
+from functools import partial
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -10,13 +11,13 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.auditor.crosscheck import check_completion
 from services.auditor.store import AuditStore
-from services.worker.adapter_verify import fetch_record
 from shared import event_loop, metrics, subjects
 from shared.bus import connect, decode, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.registry_client import fetch_record
 from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
 from shared.telemetry import setup_tracing
 
@@ -76,6 +77,24 @@ async def _record(store: AuditStore, records: RecordCache, seq: int, event, stop
         )
 
 
+async def answer_query(store: AuditStore, query: AuditQueryRequest) -> AuditQueryReply:
+    """The records a query names; a platform-wide query (no tenant) also proves the whole chain."""
+    rows = store.query(
+        tenant_id=query.tenant_id,
+        request_id=query.request_id,
+        adapter_id=query.adapter_id,
+        kind=query.kind,
+        since=query.since,
+        until=query.until,
+        limit=query.limit,
+    )
+    reply = AuditQueryReply(records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows])
+    if query.tenant_id is None:
+        broken = store.verify()
+        reply = reply.model_copy(update={"intact": broken is None, "broken_at": broken, "count": store.count()})
+    return reply
+
+
 async def run(settings: AuditorSettings) -> None:
     configure_logging("auditor", settings.log_level)
     setup_tracing("auditor", settings.trace_exporter)
@@ -88,22 +107,7 @@ async def run(settings: AuditorSettings) -> None:
         await ensure_streams(js)
         records = RecordCache(nc)
 
-        async def on_query(query: AuditQueryRequest) -> AuditQueryReply:
-            rows = store.query(
-                tenant_id=query.tenant_id,
-                request_id=query.request_id,
-                adapter_id=query.adapter_id,
-                kind=query.kind,
-                since=query.since,
-                until=query.until,
-                limit=query.limit,
-            )
-            return AuditQueryReply(
-                records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows],
-                intact=store.verify() is None if query.tenant_id is None else None,
-            )
-
-        await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, on_query, queue="auditor")
+        await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, partial(answer_query, store), queue="auditor")
         stop = shutdown_event()
         queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
 

@@ -86,7 +86,9 @@ class AuditQueryRequest(Message):
 
 class AuditQueryReply(Message):
     records: list[dict] = Field(default_factory=list)
-    intact: bool | None = Field(default=None, description="the hash chain verified, when asked")
+    intact: bool | None = Field(default=None, description="the hash chain verified (platform-wide queries only)")
+    broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
+    count: int | None = Field(default=None, description="records in the index (platform-wide queries only)")
 
 
 class AuditEnvelope(Message):

@@ -15,13 +15,13 @@ import torch
 from nats.aio.client import Client as NATS
 from safetensors.torch import load_file, save_file
 
+from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.evaluation.canary import run_canary
+from lorafleet.evaluation.release import evaluate, promote, record_eval
+from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from services.auditor.store import AuditStore
-from services.cli.adapter_cmd import push_adapter
-from services.evaluation.canary import run_canary
-from services.evaluation.release import evaluate, promote, record_eval
-from services.evaluation.runner import gateway_client, load_eval_set
-from services.worker.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared import signing, subjects
+from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.fingerprint import fingerprint_model_dir
@@ -201,7 +201,6 @@ def test_a_regressing_canary_is_rolled_back_and_audited(release: Release) -> Non
             [10, 50, 100],
             eval_set,
             actor="canary-test",
-            audit_db=release.db_path,
             max_tokens=40,
             force=True,
         )
