@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps up test bench soak clean
+.PHONY: install system-deps up test lint bench soak clean
 
 install: $(STAMP)
 
@@ -26,6 +26,14 @@ $(STAMP): pyproject.toml
 
 up: install
 	$(BIN)/lorafleet up
+
+# ruff (lint + format check), the import contracts between services, mypy (strict for shared/, kernels/,
+# the engine and the LoRA layer). .ci/run runs it before the tests.
+lint: install
+	$(BIN)/ruff check --output-format concise .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: install system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
