@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps up test lint bench soak clean
+.PHONY: install system-deps up test test-fast lint bench soak clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ lint: install
 
 test: install system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests that need no process besides pytest and no embedded model (markers set in tests/conftest.py),
+# in under 2 minutes; LF_TEST_TIER=fast fails any of them that starts a process or reads the model cache.
+test-fast: install
+	LF_TEST_TIER=fast $(BIN)/python -m pytest -q -m "not servers and not model and not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m bench.engine --quick

@@ -1,7 +1,9 @@
 """Fixtures: real nats-server and redis-server processes on free ports, the base model cache."""
 
+import inspect
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,99 @@ def own_nats(tmp_path: Path) -> Iterator[Server]:
     server = start_nats(free_port(), tmp_path / "nats")
     yield server
     server.stop()
+
+
+# Test tiers: `make test-fast` runs `-m "not servers and not model and not slow"`, the tests that need
+# no process besides pytest and no embedded model. A test is marked from the fixtures it uses
+# (``item.fixturenames`` is their transitive closure) or, when it starts a process itself, from
+# PROCESS_TESTS. A fixture is named alone (any definition of that name) or as "file::name" (that
+# definition only). Under LF_TEST_TIER=fast (`make test-fast`) a test that starts a process or reads
+# the model cache fails, so one missing from these lists cannot slip into the fast tier.
+SERVER_FIXTURES = frozenset(
+    {
+        "nats_server",  # nats_url
+        "redis_server",  # redis_url
+        "own_nats",
+        "gw_nats",  # tests/gateway: the gateway fixture's registry
+        "auth_server",  # tests/deploy: nats-server with the generated permissions
+        "fleet",  # tests/scheduler, tests/faults: the stack's processes
+        "hostile",  # tests/hostile
+        "running_stack",  # tests/e2e
+        "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
+    }
+)
+MODEL_FIXTURES = frozenset(
+    {
+        "smollm_dir",
+        "tests/worker/test_engine.py::loaded",  # load_model(): the embedded SmolLM2
+        "tests/worker/test_prefix_cache.py::loaded",
+        "tests/worker/test_serving_cache.py::loaded",
+        "tests/worker/test_async_engine.py::parts",
+        "tests/worker/test_sampler.py::tokenizer",
+        "tests/worker/test_multilora_engine.py::setup",  # its tokenizer, in both parameters
+    }
+)
+PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or a whole file) -> what it starts
+    "tests/bench/test_hop_floor.py": "the bare pipeline's processes",
+    "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
+    "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
+    "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
+}
+MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
+    "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_reads_headers_only",
+    "tests/worker/test_engine_model.py::test_smollm2_matches_transformers",
+)
+
+
+def _listed(nodeid: str, prefixes: Iterable[str]) -> bool:
+    return any(nodeid == p or nodeid.startswith(p + ("::" if p.endswith(".py") else "[")) for p in prefixes)
+
+
+def _fixtures(item: pytest.Item) -> set[str]:
+    """Every fixture the test uses, as "name" and as "file::name" of the definition in force."""
+    found = set(getattr(item, "fixturenames", ()))
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in list(found):
+        for fixturedef in definitions.get(name, ())[-1:]:
+            path = Path(inspect.getfile(fixturedef.func)).resolve()
+            if path.is_relative_to(REPO):
+                found.add(f"{path.relative_to(REPO).as_posix()}::{name}")
+    return found
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = _fixtures(item)
+        if fixtures & SERVER_FIXTURES or _listed(item.nodeid, PROCESS_TESTS):
+            item.add_marker(pytest.mark.servers)
+        if fixtures & MODEL_FIXTURES or _listed(item.nodeid, MODEL_TESTS):
+            item.add_marker(pytest.mark.model)
+
+
+_running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast
+
+
+def _fast_tier_guard(event: str, args: tuple) -> None:
+    if not _running:
+        return
+    if event in ("subprocess.Popen", "os.posix_spawn", "os.system", "os.exec", "os.spawn"):
+        what = f"starts a process ({event} {str(args[:2])[:120]})"
+    elif event == "open" and isinstance(args[0], str) and args[0].startswith(os.environ["LF_MODEL_CACHE"]):
+        what = f"reads the model cache ({args[0]})"
+    else:
+        return
+    raise RuntimeError(f"{_running[0]} {what}: not a fast-tier test; list it in tests/conftest.py")
+
+
+if os.environ.get("LF_TEST_TIER") == "fast":
+    sys.addaudithook(_fast_tier_guard)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> object:
+    """Setup, call and teardown of one test (module and session fixtures are set up in its setup)."""
+    _running[:] = [item.nodeid] if os.environ.get("LF_TEST_TIER") == "fast" else []
+    try:
+        return (yield)
+    finally:
+        _running.clear()

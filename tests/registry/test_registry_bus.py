@@ -1,0 +1,239 @@
+"""The registry's op table, wired by ``services.registry.service.subscribe`` exactly as the service
+wires it, on the in-memory bus: typed replies, typed refusals, the isolation audit, and the
+read-your-writes barrier with the gateways (``GatewaySync``). No server process."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from pydantic import BaseModel
+
+from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.gate import GatePolicy
+from services.registry.gateway_sync import GatewaySync
+from services.registry.ops import Registry
+from services.registry.service import subscribe
+from services.registry.tenants import Tenants
+from shared import subjects
+from shared.adapter_format import AdapterLimits
+from shared.bus import ERROR_HEADER, decode, encode, request
+from shared.catalog import Catalog
+from shared.errors import (
+    AdapterNotReleased,
+    Conflict,
+    InvalidMessage,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    ReleaseGateFailed,
+    from_body,
+)
+from shared.memory_bus import MemoryBus
+from shared.schemas import (
+    AdapterRecordsReply,
+    ApiKeyCreatedReply,
+    ApiKeysReply,
+    AuditEnvelope,
+    CatalogSync,
+    CatalogSynced,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    ErrorBody,
+    GetAdapterRequest,
+    ListApiKeysRequest,
+    PromoteRequest,
+    RecordEvalRequest,
+    RejectionAudit,
+    ResolveReply,
+    ResolveRequest,
+    RevokeApiKeyRequest,
+    ServiceHeartbeat,
+    TenantsReply,
+)
+from tests.helpers.records import make_record
+
+SYNC_TIMEOUT_S = 0.3
+
+
+class RecordsKVStub:
+    """What the ops write through to KV: the records bucket's revision grows with every put."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self.signers: dict[str, str] = {}
+
+    async def put_record(self, record) -> int:
+        self.records.append(record)
+        return len(self.records)
+
+    async def put_signer(self, signer: str, public_key: str) -> None:
+        self.signers[signer] = public_key
+
+
+@dataclass
+class Wired:
+    bus: MemoryBus
+    nc: NATS  # a client of the registry's, as the gateway or the CLI would be
+    registry: Registry
+    kv: RecordsKVStub
+    gateways: GatewaySync
+    tenant_writes: dict[str, bytes] = field(default_factory=dict)
+    published: list[tuple[str, BaseModel]] = field(default_factory=list)
+
+    async def call(self, op: str, message: BaseModel, reply: type[BaseModel]):
+        return await request(self.nc, subjects.registry(op), message, reply, 5)
+
+
+@pytest.fixture
+async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
+    bus = MemoryBus(seed=0)
+    service_nc = bus.connect("registry")
+    kv = RecordsKVStub()
+    gateways = GatewaySync(service_nc, liveness_timeout_s=60, timeout_s=SYNC_TIMEOUT_S)
+    catalog = Catalog(
+        [
+            make_record("sea", 1, "demo", status="production", traffic_percent=100, eval_results={"score": 0.9}),
+            make_record("sea", 2, "demo"),
+        ]
+    )
+    wired = Wired(bus, bus.connect("client"), None, kv, gateways)  # type: ignore[arg-type]
+
+    async def publish(subject: str, message: BaseModel) -> None:
+        wired.published.append((subject, message))
+
+    async def put(key: str, value: bytes) -> None:
+        wired.tenant_writes[key] = value
+
+    wired.registry = Registry(
+        catalog=catalog,
+        trusted_keys={},
+        kv=kv,  # type: ignore[arg-type]
+        approved=None,  # type: ignore[arg-type]  # only register reaches the stores
+        uploads=None,  # type: ignore[arg-type]
+        base=base,
+        policy=AdmissionPolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
+        trusted_dirs=(),
+        remote_allow_list=(),
+        publish=publish,
+        gate=GatePolicy(require_eval=True),
+        sync_gateways=gateways.wait,
+    )
+    await subscribe(service_nc, wired.registry, Tenants({}, put))
+    yield wired
+    await wired.nc.close()
+    await service_nc.drain()
+    assert bus.errors == []
+
+
+async def test_every_op_is_served(wired: Wired) -> None:
+    assert sorted(wired.bus.subjects()) == sorted(subjects.registry(op) for op in subjects.REGISTRY_OPS)
+
+
+async def test_tenants_and_keys_answer_typed_replies_and_refusals(wired: Wired) -> None:
+    created = await wired.call("tenant_create", CreateTenantRequest(tenant_id="acme", actor="t"), TenantsReply)
+    assert [t.tenant_id for t in created.tenants] == ["acme"]
+    assert "tenant.acme" in wired.tenant_writes  # written through before the reply
+    with pytest.raises(Conflict, match="tenant 'acme' already exists"):
+        await wired.call("tenant_create", CreateTenantRequest(tenant_id="acme", actor="t"), TenantsReply)
+    with pytest.raises(InvalidRequest) as reserved:
+        await wired.call("tenant_create", CreateTenantRequest(tenant_id="shared", actor="t"), TenantsReply)
+    assert (type(reserved.value), reserved.value.param) == (InvalidRequest, "tenant_id")
+    with pytest.raises(NotFound) as missing:
+        await wired.call("api_key_create", CreateApiKeyRequest(tenant_id="nobody", actor="t"), ApiKeyCreatedReply)
+    assert missing.value.param == "tenant_id"
+
+    key = await wired.call("api_key_create", CreateApiKeyRequest(tenant_id="acme", actor="t"), ApiKeyCreatedReply)
+    listed = await wired.call("api_keys", ListApiKeysRequest(tenant_id="acme"), ApiKeysReply)
+    assert [k.key_id for k in listed.keys] == [key.info.key_id]
+    assert key.key not in listed.model_dump_json()  # the secret is in the create reply only
+    with pytest.raises(NotFound):  # another tenant's key answers as a missing one
+        await wired.call(
+            "api_key_revoke", RevokeApiKeyRequest(key_id=key.info.key_id, tenant_id="other", actor="t"), ApiKeysReply
+        )
+    revoked = await wired.call("api_key_revoke", RevokeApiKeyRequest(key_id=key.info.key_id, actor="t"), ApiKeysReply)
+    assert revoked.keys[0].revoked
+
+
+class LooseTenant(BaseModel):
+    tenant_id: str
+    actor: str = "t"
+
+
+async def test_bad_input_is_refused_before_any_handler(wired: Wired) -> None:
+    with pytest.raises(InvalidMessage, match="CreateTenantRequest: tenant_id: String should match pattern"):
+        await wired.call("tenant_create", LooseTenant(tenant_id="no spaces allowed"), TenantsReply)
+    for body in (b"not json", b"{}", b"[1]"):
+        reply = await wired.nc.request(subjects.registry("tenant_create"), body, timeout=5)
+        assert reply.headers == {ERROR_HEADER: "invalid_message"}
+        error = from_body(decode(ErrorBody, reply.data))
+        assert type(error) is InvalidMessage and error.message.startswith("CreateTenantRequest: ")
+    assert wired.tenant_writes == {}
+
+
+async def test_resolve_keeps_tenants_apart_and_audits_the_attempt(wired: Wired) -> None:
+    own = await wired.call("resolve", ResolveRequest(tenant_id="demo", model="sea", request_key="r1"), ResolveReply)
+    assert own.adapter is not None and (own.adapter.adapter_id, own.adapter.version) == ("sea", 1)
+    base = await wired.call(
+        "resolve", ResolveRequest(tenant_id="other", model=wired.registry._base.name, request_key="r2"), ResolveReply
+    )
+    assert base.adapter is None
+    with pytest.raises(AdapterNotReleased):  # a pinned staging version is not served without preview
+        await wired.call("resolve", ResolveRequest(tenant_id="demo", model="sea@2", request_key="r3"), ResolveReply)
+
+    answers = []
+    for model in ("sea", "no-such-adapter"):
+        with pytest.raises(ModelNotFound) as refused:
+            await wired.call("resolve", ResolveRequest(tenant_id="other", model=model, request_key="r4"), ResolveReply)
+        answers.append((type(refused.value), refused.value.status))
+    assert answers[0] == answers[1] == (ModelNotFound, 404)  # foreign and missing look alike
+    for _ in range(100):  # the isolation audit is published after the answer
+        if wired.published:
+            break
+        await asyncio.sleep(0.01)
+    [(subject, envelope)] = wired.published
+    assert subject == subjects.audit("rejection", "other")
+    assert isinstance(envelope, AuditEnvelope) and isinstance(envelope.body, RejectionAudit)
+    assert envelope.body.code == "tenant_isolation_attempt"
+
+
+async def test_the_release_gate_refuses_then_promotion_waits_for_the_gateways(wired: Wired) -> None:
+    promote = PromoteRequest(adapter_id="sea", version=2, traffic_percent=100, actor="t")
+    with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
+        await wired.call("promote", promote, AdapterRecordsReply)
+    assert wired.kv.records == [] and wired.published == []  # a refusal changes nothing
+
+    # one live gateway that confirms every sync, as catalog_follow's on_sync does once its mirror caught up
+    syncs: list[int] = []
+    gateway = wired.bus.connect("gateway")
+
+    async def on_sync(msg: Msg) -> None:
+        syncs.append(decode(CatalogSync, msg.data).revision)
+        await gateway.publish(msg.reply, encode(CatalogSynced(instance_id="gw1", revision=syncs[-1])))
+
+    await gateway.subscribe(subjects.GATEWAY_CATALOG_SYNC, cb=on_sync)
+    wired.gateways.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
+
+    evaluated = RecordEvalRequest(adapter_id="sea", version=2, results={"score": 0.95, "threshold": 0.5}, actor="t")
+    await wired.call("record_eval", evaluated, AdapterRecordsReply)
+    promoted = await wired.call("promote", promote, AdapterRecordsReply)
+    assert [(r.version, r.status) for r in promoted.records] == [(1, "retired"), (2, "production")]
+    assert syncs == [1, 3]  # each write's records revision, confirmed before its reply
+    [current] = (await wired.call("get", GetAdapterRequest(adapter_id="sea", version=2), AdapterRecordsReply)).records
+    assert current.status == "production"
+    kinds = [m.kind for s, m in wired.published if s.startswith("lf.adapter.event.")]  # type: ignore[attr-defined]
+    assert kinds == ["evaluated", "retired", "promoted"]
+    assert wired.bus.subjects().count(subjects.GATEWAY_CATALOG_SYNC) == 1  # no sync inbox left behind
+
+
+async def test_a_silent_gateway_delays_a_write_by_the_bound_only(wired: Wired) -> None:
+    wired.gateways.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="ghost", ready=True))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await wired.gateways.wait(7) == {"ghost"}
+    assert loop.time() - started >= SYNC_TIMEOUT_S
+    evaluated = RecordEvalRequest(adapter_id="sea", version=2, results={"score": 0.95}, actor="t")
+    reply = await wired.call("record_eval", evaluated, AdapterRecordsReply)  # the write stands
+    assert reply.records[0].eval_results["score"] == 0.95

@@ -1,0 +1,108 @@
+"""The scheduler's bus ports (``services.scheduler.service._ports``: dispatch to a worker, error
+replies, worker control, registry records) against fake workers on the in-memory bus: the
+worker's typed refusals, no worker, a silent worker. No server process."""
+
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.msg import Msg
+
+from services.scheduler.dispatcher import Ports
+from services.scheduler.service import _ports
+from shared import subjects
+from shared.bus import decode, serve
+from shared.config import SchedulerSettings
+from shared.errors import ModelNotFound, NoFreeSlot, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
+from shared.memory_bus import MemoryBus
+from shared.schemas import (
+    AdapterRecordsReply,
+    DispatchReply,
+    GetAdapterRequest,
+    InferRequest,
+    ReplyEnvelope,
+    ReplyError,
+    WorkerControl,
+)
+from tests.helpers.records import make_record
+
+DISPATCH_TIMEOUT_S = 0.2
+
+
+def infer_request(request_id: str = "req-1") -> InferRequest:
+    return InferRequest(
+        request_id=request_id,
+        tenant_id="demo",
+        model="tiny-llama",
+        base_model="tiny-llama",
+        prompt="Hello",
+        reply_to="_INBOX.gateway.1",
+    )
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[MemoryBus, Ports]]:
+    bus = MemoryBus(seed=0)
+    nc = bus.connect("scheduler")
+    yield bus, _ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S))  # type: ignore[arg-type]
+    await nc.close()
+    assert bus.errors == []
+
+
+async def test_dispatch_gets_the_workers_answer_or_its_typed_refusal(wired: tuple[MemoryBus, Ports]) -> None:
+    bus, ports = wired
+    taken: list[str] = []
+
+    async def accept(req: InferRequest) -> DispatchReply:
+        if req.request_id == "full":
+            raise NoFreeSlot("every rank-8 slot is taken")
+        taken.append(req.request_id)
+        return DispatchReply(accepted=True, worker_id="w1")
+
+    await serve(bus.connect("w1"), subjects.worker_dispatch("w1"), InferRequest, accept)
+    reply = await ports.dispatch("w1", infer_request(), {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+    assert (reply.accepted, reply.worker_id, taken) == (True, "w1", ["req-1"])
+    with pytest.raises(NoFreeSlot, match="rank-8"):  # a subclass of ServiceUnavailable, kept as itself
+        await ports.dispatch("w1", infer_request("full"), None)
+
+
+async def test_dispatch_to_a_missing_or_silent_worker(wired: tuple[MemoryBus, Ports]) -> None:
+    bus, ports = wired
+    with pytest.raises(ServiceUnavailable, match=r"nothing serves lf\.worker\.gone\.dispatch"):
+        await ports.dispatch("gone", infer_request(), None)
+    asked: list[Msg] = []
+
+    async def hang(msg: Msg) -> None:
+        asked.append(msg)
+
+    await bus.connect("w2").subscribe(subjects.worker_dispatch("w2"), cb=hang)
+    # connected all along, no reconnect meanwhile: the timeout says the worker is stuck, so it is raised
+    with pytest.raises(UpstreamTimeout):
+        await ports.dispatch("w2", infer_request(), None)
+    assert len(asked) == 1
+
+
+async def test_error_replies_and_controls_reach_their_subjects(wired: tuple[MemoryBus, Ports]) -> None:
+    bus, ports = wired
+    listener = bus.connect("gateway")
+    inbox = await listener.subscribe("_INBOX.gateway.1")
+    controls = await listener.subscribe(f"{subjects.PREFIX}.worker.*.control")
+    await ports.reply_error("_INBOX.gateway.1", "req-1", QuotaExceeded("tenant demo is over its quota"))
+    await ports.control("w3", WorkerControl(action="cancel", request_id="req-1"))
+    body = decode(ReplyEnvelope, (await inbox.next_msg()).data).body
+    assert isinstance(body, ReplyError) and (body.request_id, body.error.code) == ("req-1", "quota_exceeded")
+    msg = await controls.next_msg()
+    assert msg.subject == subjects.worker_control("w3")
+    assert decode(WorkerControl, msg.data) == WorkerControl(action="cancel", request_id="req-1")
+
+
+async def test_adapter_records_come_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:
+    bus, ports = wired
+
+    async def get(req: GetAdapterRequest) -> AdapterRecordsReply:
+        matching = req.adapter_id == "sea" and req.version == 2
+        return AdapterRecordsReply(records=[make_record("sea", 2, "demo")] if matching else [])
+
+    await serve(bus.connect("registry"), subjects.registry("get"), GetAdapterRequest, get)
+    assert (await ports.adapter_record("sea", 2)).tenant_id == "demo"
+    with pytest.raises(ModelNotFound, match="no sea v3"):
+        await ports.adapter_record("sea", 3)
