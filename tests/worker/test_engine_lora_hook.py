@@ -23,6 +23,10 @@ class ToyLora:
     a: dict[str, torch.Tensor]  # module -> [num_slots, in, rank]
     b: dict[str, torch.Tensor]  # module -> [num_slots, rank, out]
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (next(iter(self.a.values())).shape[-1],)
+
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         mask = self.slots >= 0
         index = self.slots.clamp(min=0)

@@ -162,7 +162,7 @@ def test_mixed_batch_matches_peft_request_by_request(setup: Setup) -> None:
     names: list[str | None] = [*SPECS, None]
     requests = [request(i, name, setup) for i, name in enumerate(names)]
     out = run(setup.engine(), {0: requests})
-    for i, (req, name) in enumerate(zip(requests, names)):
+    for i, (req, name) in enumerate(zip(requests, names, strict=True)):
         assert out[req.request_id] == setup.reference(i, name), req.request_id
     base = run(setup.engine(), {0: [request(i, None, setup) for i in range(len(SPECS))]})
     changed = [name for i, name in enumerate(SPECS) if out[f"p{i}-{name}"] != base[f"p{i}-base"]]
@@ -184,8 +184,32 @@ def test_adapters_joining_mid_flight_match_solo_runs(setup: Setup) -> None:
     names: list[str | None] = [*SPECS, None]
     joins = [0, 0, 2, 2, 5, 5, 9, 9, NEW_TOKENS + 3, 1]
     arrivals: dict[int, list[EngineRequest]] = {}
-    for i, (name, step) in enumerate(zip(names, joins)):
+    for i, (name, step) in enumerate(zip(names, joins, strict=True)):
         arrivals.setdefault(step, []).append(request(i, name, setup))
     out = run(setup.engine(), arrivals)
     for i, name in enumerate(names):
         assert out[request(i, name, setup).request_id] == setup.reference(i, name), name
+
+
+def _step_counts() -> dict[str, float]:
+    """engine_step_time_ms_count by rank_mix, scraped from the exposition text."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            if sample.name == "engine_step_time_ms_count":
+                counts[sample.labels["rank_mix"]] = sample.value
+    return counts
+
+
+def test_each_step_is_timed_under_its_rank_mix(setup: Setup) -> None:
+    before = _step_counts()
+    run(setup.engine(), {0: [request(0, "a8-all", setup), request(1, "a64-qv", setup)]})
+    run(setup.engine(), {0: [request(2, None, setup)]})
+    after = _step_counts()
+    grew = {mix: after[mix] - before.get(mix, 0.0) for mix in after if after[mix] > before.get(mix, 0.0)}
+    assert grew.get("r8+r64", 0) >= 1, grew  # the two adapters' steps, both classes in one batch
+    assert grew.get("base", 0) == NEW_TOKENS, grew  # the base request alone: one step per token

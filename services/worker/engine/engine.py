@@ -11,12 +11,18 @@ from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
-from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.lora_hook import AdapterManager, LoraHook
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sampler import sample
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
+from shared import metrics
+
+
+def rank_mix(lora: LoraHook | None) -> str:
+    """A step's rank-mix label: ``base`` (no adapter token), ``r16``, or the classes joined, ``r8+r64``."""
+    return "+".join(f"r{rank}" for rank in lora.ranks) if lora is not None else "base"
 
 
 class LLMEngine:
@@ -101,32 +107,38 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the forward pass, sample and detokenise."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
         batch = build_batch(plan.decodes, plan.prefills, self.config.kv_block_size, self.config.device)
         try:
-            logits = self._run(batch)
+            logits, lora = self._run(batch)
         except BaseException:
             self.blocks.rollback()
             raise
         self.blocks.commit()
         want_logprobs = any(seq.request.logprobs for seq in batch.seqs)
         tokens, logprobs = sample(logits, batch.seqs, want_logprobs)
-        return self._postprocess(batch.seqs, tokens, logprobs)
+        outputs = self._postprocess(batch.seqs, tokens, logprobs)
+        metrics.STEP_TIME.labels(rank_mix(lora)).observe((time.perf_counter() - started) * 1000)
+        return outputs
 
-    def _run(self, batch: StepBatch) -> torch.Tensor:
+    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None]:
         lora = None
         if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
             lora = self.adapter_manager.prepare(batch.token_slots)
-        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora)
+        logits = self.model.forward(
+            batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
+        )
+        return logits, lora
 
     def _postprocess(
         self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None
     ) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             seq.num_cached = seq.num_tokens
             seq.token_ids.append(token)
             if seq.first_token_time is None:

@@ -18,6 +18,11 @@ class LoraHook(Protocol):
         """
         ...
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The rank classes this step's tokens read, ascending (what ``engine_step_time_ms`` is labelled by)."""
+        ...
+
 
 class AdapterManager(Protocol):
     """Maps adapter names to resident slots and builds each step's LoRA state."""

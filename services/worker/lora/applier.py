@@ -30,6 +30,10 @@ class LoraBatch:
     def __init__(self, classes: list[ClassBatch]):
         self.classes = classes
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(part.stack.rank for part in self.classes)
+
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += scale * (x @ A[slot]) @ B[slot] per token, in place. x: [num_tokens, in]; y: [num_tokens, out]."""
         for part in self.classes:
