@@ -12,8 +12,8 @@ import triton.language as tl
 from kernels.reference import check_expand, check_shrink
 
 
-@triton.jit
-def _bgmv_shrink_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _bgmv_shrink_kernel(  # type: ignore[no-untyped-def]  # Triton gives parameter annotations its own meaning
     x_ptr, a_ptr, idx_ptr, row_ptr, h_ptr,
     in_features, rank,
     stride_x, stride_a,
@@ -34,8 +34,8 @@ def _bgmv_shrink_kernel(
     tl.store(h_ptr + i * rank + offs_r, acc, mask=offs_r < rank)
 
 
-@triton.jit
-def _bgmv_expand_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _bgmv_expand_kernel(  # type: ignore[no-untyped-def]  # Triton gives parameter annotations its own meaning
     h_ptr, b_ptr, scale_ptr, idx_ptr, row_ptr, y_ptr,
     rank, out_features,
     stride_b, stride_y,

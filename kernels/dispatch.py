@@ -48,7 +48,7 @@ def find_segments(token_idx: torch.Tensor, token_row: torch.Tensor) -> tuple[Seg
     first = token_idx[starts.long()]
     contiguous = token_idx[(ends - 1).long()] - first == counts - 1
     first = torch.where(contiguous, first, torch.full_like(first, -1))
-    return tuple(zip(starts.tolist(), ends.tolist(), rows.tolist(), first.tolist()))
+    return tuple(zip(starts.tolist(), ends.tolist(), rows.tolist(), first.tolist(), strict=True))
 
 
 def index_for(token_rows: torch.Tensor, device: torch.device | str = "cpu") -> LoraIndex:

@@ -15,8 +15,8 @@ from kernels.reference import check_expand, check_shrink
 BLOCK_M = 16
 
 
-@triton.jit
-def _sgmv_shrink_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _sgmv_shrink_kernel(  # type: ignore[no-untyped-def]  # Triton gives parameter annotations its own meaning
     x_ptr, a_ptr, idx_ptr, seg_start_ptr, seg_row_ptr, h_ptr,
     in_features, rank,
     stride_x, stride_a,
@@ -46,8 +46,8 @@ def _sgmv_shrink_kernel(
     tl.store(h_ptr + offs_m[:, None] * rank + offs_r[None, :], acc, mask=h_mask)
 
 
-@triton.jit
-def _sgmv_expand_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _sgmv_expand_kernel(  # type: ignore[no-untyped-def]  # Triton gives parameter annotations its own meaning
     h_ptr, b_ptr, scale_ptr, idx_ptr, seg_start_ptr, seg_row_ptr, y_ptr,
     rank, out_features,
     stride_b, stride_y,

@@ -12,6 +12,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,8 @@ ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 OBJECT_STORE_SCHEME = "nats-os"  # storage URIs nats-os://<bucket>/<adapter_id>/<version>
 IGNORED_IN_DIR = frozenset({"README.md"})  # the model card peft writes; never uploaded
 ALLOWED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-_FLOAT_BITS = {  # dtype -> (little-endian word, exponent mask, bytes per value)
+# dtype -> (little-endian word, exponent mask, bytes per value)
+_FLOAT_BITS: dict[str, tuple[np.dtype[np.unsignedinteger[Any]], int, int]] = {
     "F32": (np.dtype("<u4"), 0x7F800000, 4),
     "F16": (np.dtype("<u2"), 0x7C00, 2),
     "BF16": (np.dtype("<u2"), 0x7F80, 2),
@@ -196,7 +198,7 @@ def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]
     return len(header)
 
 
-def _header(raw: bytes) -> dict[str, dict]:
+def _header(raw: bytes) -> dict[str, dict[str, Any]]:
     """Parse and bound-check the safetensors header: tensor name -> {dtype, shape, data_offsets}."""
     if len(raw) < 8:
         raise IntegrityError(f"{WEIGHTS_FILE}: too short to be a safetensors file")
@@ -217,7 +219,7 @@ def _header(raw: bytes) -> dict[str, dict]:
     return header
 
 
-def _check_data(raw: bytes, header: dict[str, dict], data_start: int) -> None:
+def _check_data(raw: bytes, header: dict[str, dict[str, Any]], data_start: int) -> None:
     """Every tensor's bytes lie in the file, with no gap or overlap, and hold finite values.
 
     A float is NaN or Inf exactly when all its exponent bits are set, so the check reads the

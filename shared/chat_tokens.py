@@ -35,7 +35,11 @@ def _raise(message: str) -> None:
 
 
 def _tojson(
-    value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

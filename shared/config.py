@@ -187,6 +187,6 @@ def load_settings(cls: type[S]) -> S:
         raise SystemExit(f"invalid configuration: {e}") from None
 
 
-def _env_name(loc: tuple) -> str:
+def _env_name(loc: tuple[int | str, ...]) -> str:
     names = [str(part).upper() for part in loc if isinstance(part, str)]  # list indices have no variable
     return "LF_" + "__".join(names) if names else "settings"

@@ -10,8 +10,9 @@ _BY_CODE: dict[str, type["LorafleetError"]] = {}
 class LorafleetError(Exception):
     """Base of every error that crosses a service boundary."""
 
-    status: ClassVar[int] = 500
-    code: ClassVar[str] = "internal_error"
+    # per-class defaults; an instance may carry its own (RemoteError keeps the remote's)
+    status: int = 500
+    code: str = "internal_error"
     error_type: ClassVar[str] = "server_error"
 
     def __init_subclass__(cls, **kwargs: object) -> None:

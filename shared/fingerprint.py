@@ -10,6 +10,7 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.errors import IntegrityError
 from shared.signing import canonical_json
@@ -28,7 +29,7 @@ class BaseModelSpec:
     vocab: int
 
     @classmethod
-    def from_config(cls, config: dict) -> "BaseModelSpec":
+    def from_config(cls, config: dict[str, Any]) -> "BaseModelSpec":
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -63,7 +64,7 @@ class BaseModelSpec:
         }
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     """The JSON header of a safetensors file (tensor name -> dtype/shape/offsets), metadata removed."""
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -72,7 +73,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES:
             raise IntegrityError(f"{path.name}: safetensors header of {length} bytes is too large")
-        header = json.loads(f.read(length))
+        header: dict[str, dict[str, Any]] = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return header
 
@@ -81,7 +82,7 @@ def fingerprint_model_dir(path: str | Path) -> str:
     """sha256 over canonical JSON of the architecture and every tensor's name, shape and dtype."""
     directory = Path(path)
     spec = BaseModelSpec.from_model_dir(directory)
-    tensors: list[list] = []
+    tensors: list[list[Any]] = []  # [name, dtype, shape]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise IntegrityError(f"{directory}: no safetensors weights to fingerprint")

@@ -50,10 +50,11 @@ async def _consume(
     seen, expected = 0, 0  # the newest revision applied; the bucket's last revision at the previous check
     loop = asyncio.get_running_loop()
     next_check = loop.time() + check_s
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[KeyValue.Entry | None] | None = None
     try:
         while True:
-            pending = pending or asyncio.ensure_future(watcher.__anext__())
+            # nats-py leaves KeyWatcher unannotated; __anext__ yields an Entry, or None once loaded
+            pending = pending or asyncio.ensure_future(watcher.__anext__())  # type: ignore[no-untyped-call]
             done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, check_s))
             if nc.stats["reconnects"] != reconnects:
                 raise StaleWatch(f"reconnected under the watch of {name}")
@@ -78,7 +79,7 @@ async def _consume(
     finally:
         if pending is not None:
             pending.cancel()
-        await watcher.stop()
+        await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves KeyWatcher unannotated
 
 
 async def follow_bucket(

@@ -4,9 +4,10 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 
-def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger:
+def configure_logging(service: str, level: str = "INFO") -> FilteringBoundLogger:
     logging.basicConfig(stream=sys.stderr, level=level, format="%(message)s")
     structlog.configure(
         processors=[
@@ -20,4 +21,6 @@ def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.Bou
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger(service=service)
+    # the wrapper class configured above: a filtering bound logger, not structlog.stdlib's
+    log: FilteringBoundLogger = structlog.get_logger(service=service)
+    return log

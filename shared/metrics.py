@@ -59,6 +59,10 @@ SCHEDULER_QUEUE_WAIT = Histogram(
 SLO_MISSES = Counter("scheduler_slo_misses", "requests that waited past their class's queue-wait target", ["priority"])
 WORKERS_LOST = Counter("workers_lost", "workers dropped for silence, with requests failed over", ["outcome"])
 SCHEDULER_CONTROLS = Counter("scheduler_controls", "prefetch/evict directives sent to workers", ["action"])
+SCHEDULER_DISPATCHES = Counter("scheduler_dispatches", "requests a worker accepted from this scheduler", ["worker"])
+SCHEDULER_WORKER_INFLIGHT = Gauge(
+    "scheduler_worker_inflight", "requests this scheduler placed on a worker that have not ended", ["worker"]
+)
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 
 

@@ -8,8 +8,9 @@ from shared.errors import ModelNotFound
 from shared.schemas import AdapterRecord, AdapterRecordsReply, GetAdapterRequest, ListKeysRequest, TrustedKeysReply
 
 
-async def fetch_record(nc: NATS, adapter_id: str, version: int, timeout_s: float) -> AdapterRecord:
-    """The registry's record of one version (what a ResolvedAdapter names), via ``lf.registry.get``."""
+async def fetch_record(nc: NATS, adapter_id: str, version: int | None, timeout_s: float) -> AdapterRecord:
+    """The registry's record of one version (what a ResolvedAdapter names), via ``lf.registry.get``;
+    a version of None asks for every version and answers the first."""
     message = GetAdapterRequest(adapter_id=adapter_id, version=version)
     records = (await request(nc, subjects.registry("get"), message, AdapterRecordsReply, timeout_s)).records
     if not records:

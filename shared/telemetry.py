@@ -24,7 +24,8 @@ def setup_tracing(service: str, exporter: str) -> None:
     elif exporter.startswith("file:"):
         # Batched on the SDK's export thread, as the other exporters: formatting a span to JSON took
         # about 1 ms of the gateway's request path when done in line. Flushed at exit.
-        out = open(exporter.removeprefix("file:"), "a", buffering=1)
+        # open for the process's lifetime: the exporter thread writes to it until exit
+        out = open(exporter.removeprefix("file:"), "a", buffering=1)  # noqa: SIM115
         provider.add_span_processor(
             BatchSpanProcessor(
                 ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),

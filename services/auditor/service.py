@@ -31,9 +31,9 @@ class RecordCache:
     def __init__(self, nc: NATS, timeout_s: float = 5.0):
         self._nc = nc
         self._timeout_s = timeout_s
-        self._records: dict[tuple[str, int], AdapterRecord | None] = {}
+        self._records: dict[tuple[str, int | None], AdapterRecord | None] = {}
 
-    async def get(self, adapter_id: str, version: int) -> AdapterRecord | None:
+    async def get(self, adapter_id: str, version: int | None) -> AdapterRecord | None:
         key = (adapter_id, version)
         if key not in self._records:
             try:

@@ -105,7 +105,10 @@ class AuditStore:
         sql = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit"
         sql += (" WHERE " + " AND ".join(where)) if where else ""
         rows = self._db.execute(sql + " ORDER BY pos LIMIT ?", [*args, limit])
-        return [AuditRow(*r[:5], json.loads(r[5]), r[6]) for r in rows]
+        return [
+            AuditRow(pos, stream_seq, kind, tenant, request, json.loads(body), hash_)
+            for pos, stream_seq, kind, tenant, request, body, hash_ in rows
+        ]
 
     def by_request(self, request_id: str, tenant_id: str | None = None) -> list[AuditRow]:
         return self.query(request_id=request_id, tenant_id=tenant_id)

@@ -29,11 +29,13 @@ from shared.schemas import (
     SetQuotaRequest,
     TenantQuota,
     TenantsReply,
+    default_key_scopes,
 )
 
 M = TypeVar("M", bound=BaseModel)
 router = APIRouter(prefix="/admin", tags=["admin"])
-ERRORS = error_responses(400, 401, 403, 404, 413, 503, 504)
+ERROR_STATUSES = (400, 401, 403, 404, 413, 503, 504)
+ERRORS = error_responses(*ERROR_STATUSES)
 
 
 class NewTenant(BaseModel):
@@ -45,7 +47,7 @@ class NewTenant(BaseModel):
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant_id: Identifier | None = Field(default=None, description="default: the caller's tenant")
-    scopes: list[ApiScope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
+    scopes: list[ApiScope] = Field(default_factory=default_key_scopes, min_length=1, max_length=3)
 
 
 def actor(caller: Principal) -> str:
@@ -82,7 +84,7 @@ async def list_tenants(
     )
 
 
-@router.post("/tenants", response_model=TenantsReply, status_code=201, responses=error_responses(409, *ERRORS))
+@router.post("/tenants", response_model=TenantsReply, status_code=201, responses=error_responses(409, *ERROR_STATUSES))
 async def create_tenant(body: NewTenant, request: Request, caller: Principal = Depends(admin_caller)) -> TenantsReply:
     require_platform(caller)
     message = CreateTenantRequest(tenant_id=body.tenant_id, quota=body.quota, actor=actor(caller))

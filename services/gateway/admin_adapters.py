@@ -9,7 +9,7 @@ import secrets
 from fastapi import APIRouter, Depends, File, Form, Path, Request, UploadFile
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.gateway.admin import ERRORS, actor, registry_call, scoped_tenant
+from services.gateway.admin import ERROR_STATUSES, ERRORS, actor, registry_call, scoped_tenant
 from services.gateway.auth import Principal, admin_caller
 from services.gateway.openai_responses import error_responses
 from shared import subjects
@@ -32,7 +32,7 @@ from shared.schemas import (
 router = APIRouter(prefix="/admin/adapters", tags=["admin"])
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # Identifier's pattern: FastAPI drops an Annotated pattern under a Form() default
 AdapterId = Path(pattern=ID_PATTERN)
-CHANGE_ERRORS = error_responses(409, *ERRORS)
+CHANGE_ERRORS = error_responses(409, *ERROR_STATUSES)
 
 
 class Promote(BaseModel):

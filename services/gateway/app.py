@@ -24,9 +24,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         description="OpenAI-compatible multi-tenant multi-LoRA inference API",
     )
     app.state.ctx = ctx
-    app.add_exception_handler(LorafleetError, on_lorafleet_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Starlette types every handler as taking Exception; it calls each with the class it is registered for
+    app.add_exception_handler(LorafleetError, on_lorafleet_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     app.include_router(completions_router)
     app.include_router(admin_router)
@@ -49,7 +50,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         ready = ready and ctx_.nc.is_connected
         return JSONResponse({"ready": ready, "components": components}, status_code=200 if ready else 503)
 
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented override
     return app
 
 

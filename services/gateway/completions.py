@@ -142,10 +142,9 @@ async def _submit(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = ChunkWriter(chat, request_id, body.model, include_usage)
         return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
-    finals: dict[int, ReplyFinal] = {}
-    async for index, event in merged(subs):
-        if isinstance(event, ReplyFinal):
-            finals[index] = event
+    finals: dict[int, ReplyFinal] = {
+        index: event async for index, event in merged(subs) if isinstance(event, ReplyFinal)
+    }
     return JSONResponse(
         full_response(chat, request_id, body.model, [finals[i] for i in sorted(finals)]), headers=headers
     )

@@ -1,12 +1,14 @@
 """Submit an InferRequest on JetStream and relay its reply stream, with bounded waits."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError
 
@@ -25,6 +27,7 @@ from shared.telemetry import inject, tracer
 
 log = structlog.get_logger("gateway.inference")
 _tracer = tracer("gateway")
+_Reply = ReplyAccepted | ReplyToken | ReplyFinal | ReplyError  # a ReplyEnvelope's body
 
 
 @dataclass(slots=True)
@@ -33,8 +36,8 @@ class Submission:
 
     request: InferRequest
     accepted: ReplyAccepted
-    _queue: asyncio.Queue
-    _sub: object
+    _queue: asyncio.Queue[_Reply]
+    _sub: Subscription
     _nc: NATS
     _deadline: float
     finished: bool = False
@@ -84,10 +87,8 @@ class Submission:
                 await self._nc.publish(subjects.worker_control(self.accepted.worker_id), encode(cancel))
             except Exception as e:
                 log.warning("cancel_publish_failed", request_id=self.request.request_id, error=str(e))
-        try:
+        with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
-        except Exception:
-            pass
 
 
 async def _cancel_queued(nc: NATS, request_id: str) -> None:
@@ -99,7 +100,7 @@ async def _cancel_queued(nc: NATS, request_id: str) -> None:
 
 async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float) -> Submission:
     """Publish the request and wait until a worker accepts it (else 503 within the bound)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[_Reply] = asyncio.Queue()
     inbox = nc.new_inbox()
     request_id = request_fields["request_id"]
 
@@ -169,7 +170,8 @@ async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken 
         finally:
             await subs[0].close()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # (choice, event); an error ends that choice, and None marks its end
+    queue: asyncio.Queue[tuple[int, ReplyToken | ReplyFinal | LorafleetError | None]] = asyncio.Queue()
 
     async def pump(index: int, sub: Submission) -> None:
         try:
@@ -184,13 +186,13 @@ async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken 
     try:
         running = len(subs)
         while running:
-            index, event = await queue.get()
-            if event is None:
+            index, item = await queue.get()
+            if item is None:
                 running -= 1
-            elif isinstance(event, LorafleetError):
-                raise event
+            elif isinstance(item, LorafleetError):
+                raise item
             else:
-                yield index, event
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

@@ -1,6 +1,6 @@
 """Response models for the OpenAPI document: OpenAI's response shapes and its error JSON."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -84,7 +84,7 @@ _MEANING = {
     504: "the request exceeded its time bound",
 }
 INFERENCE_ERRORS = (400, 401, 403, 404, 410, 413, 429, 503, 504)
-SSE_RESPONSE = {
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {
             "text/event-stream": {
@@ -98,6 +98,6 @@ SSE_RESPONSE = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict]:
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries, each an OpenAI error JSON."""
     return {s: {"model": ErrorResponse, "description": _MEANING[s]} for s in statuses}

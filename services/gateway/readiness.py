@@ -15,7 +15,7 @@ OPTIONAL = ("registry", "auditor")
 class ClusterView:
     timeout_s: float
     services: dict[str, Liveness[ServiceHeartbeat]] = field(default_factory=dict)
-    workers: Liveness[WorkerHeartbeat] | None = None
+    workers: Liveness[WorkerHeartbeat] = field(init=False)
 
     def __post_init__(self) -> None:
         self.workers = Liveness(self.timeout_s)

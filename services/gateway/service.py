@@ -65,10 +65,10 @@ async def run(settings: GatewaySettings) -> None:
                 log_level="warning",
                 lifespan="off",
                 http="h11",
-                timeout_keep_alive=settings.keep_alive_s,
+                # annotated int, but uvicorn only hands it to loop.call_later, which takes seconds as a float
+                timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
             )
         )
-        server.install_signal_handlers = lambda: None
         stop = shutdown_event()
 
         def health() -> tuple[bool, str]:

@@ -2,11 +2,14 @@
 
 import asyncio
 import gc
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
 from services.registry.admission import AdmissionPolicy, BaseModelIdentity
@@ -54,6 +57,10 @@ from shared.telemetry import setup_tracing
 
 log = structlog.get_logger("registry")
 
+M = TypeVar("M", bound=BaseModel)
+# an op's request model and its handler; _op checks that the handler takes that model
+Handler = tuple[type[BaseModel], Callable[[Any], Awaitable[BaseModel]]]
+
 
 def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
     cache = Path(settings.model_cache) if settings.model_cache else None
@@ -98,28 +105,33 @@ async def open_registry(
     )
 
 
-async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list:
+def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> Handler:
+    """One op's request model and handler, checked to fit each other."""
+    return request_type, handler
+
+
+async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
-    handlers: dict[str, tuple[type[BaseModel], object]] = {
-        "resolve": (ResolveRequest, registry.resolve),
-        "list": (ListModelsRequest, registry.list_models),
-        "register": (RegisterRequest, registry.register),
-        "promote": (PromoteRequest, registry.promote),
-        "rollout": (RolloutRequest, registry.rollout),
-        "rollback": (RollbackRequest, registry.rollback),
-        "retire": (RetireRequest, registry.retire),
-        "revoke": (RevokeRequest, registry.revoke),
-        "get": (GetAdapterRequest, registry.get),
-        "adapters": (ListAdaptersRequest, registry.adapters),
-        "trust_key": (TrustKeyRequest, registry.trust_key),
-        "keys": (ListKeysRequest, registry.keys),
-        "record_eval": (RecordEvalRequest, registry.record_eval),
-        "tenant_create": (CreateTenantRequest, tenants.create_tenant),
-        "tenants": (ListTenantsRequest, tenants.list_tenants),
-        "quota_set": (SetQuotaRequest, tenants.set_quota),
-        "api_key_create": (CreateApiKeyRequest, tenants.create_key),
-        "api_key_revoke": (RevokeApiKeyRequest, tenants.revoke_key),
-        "api_keys": (ListApiKeysRequest, tenants.list_keys),
+    handlers: dict[str, Handler] = {
+        "resolve": _op(ResolveRequest, registry.resolve),
+        "list": _op(ListModelsRequest, registry.list_models),
+        "register": _op(RegisterRequest, registry.register),
+        "promote": _op(PromoteRequest, registry.promote),
+        "rollout": _op(RolloutRequest, registry.rollout),
+        "rollback": _op(RollbackRequest, registry.rollback),
+        "retire": _op(RetireRequest, registry.retire),
+        "revoke": _op(RevokeRequest, registry.revoke),
+        "get": _op(GetAdapterRequest, registry.get),
+        "adapters": _op(ListAdaptersRequest, registry.adapters),
+        "trust_key": _op(TrustKeyRequest, registry.trust_key),
+        "keys": _op(ListKeysRequest, registry.keys),
+        "record_eval": _op(RecordEvalRequest, registry.record_eval),
+        "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),
+        "tenants": _op(ListTenantsRequest, tenants.list_tenants),
+        "quota_set": _op(SetQuotaRequest, tenants.set_quota),
+        "api_key_create": _op(CreateApiKeyRequest, tenants.create_key),
+        "api_key_revoke": _op(RevokeApiKeyRequest, tenants.revoke_key),
+        "api_keys": _op(ListApiKeysRequest, tenants.list_keys),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     return [await serve(nc, subjects.registry(op), model, handler) for op, (model, handler) in handlers.items()]

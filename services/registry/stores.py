@@ -7,6 +7,7 @@ local trusted directory (``file:///dir/<id>/<version>``); workers read the same 
 
 import base64
 import binascii
+import contextlib
 import os
 from pathlib import Path
 from urllib.parse import urlparse
@@ -69,6 +70,7 @@ class Uploads:
                 info = await self._store.get_info(f"{upload_id}/{name}")
             except NotFoundError:
                 raise InvalidRequest(f"upload {upload_id!r} has no {name}") from None
+            assert info.size is not None, "the server reports the size of every stored object"
             if info.size > limits.max_weights_bytes:
                 raise InvalidRequest(f"upload {upload_id!r}: {name} exceeds the size cap")
             files[name] = await read_object(self._store, f"{upload_id}/{name}")
@@ -76,10 +78,8 @@ class Uploads:
 
     async def delete(self, upload_id: str) -> None:
         for name in ADAPTER_FILES:
-            try:
+            with contextlib.suppress(NotFoundError):
                 await self._store.delete(f"{upload_id}/{name}")
-            except NotFoundError:
-                pass
 
 
 class ApprovedStore:

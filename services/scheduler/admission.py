@@ -2,6 +2,7 @@
 (one atomic Lua script each way), or in-process while Redis is unavailable."""
 
 from dataclasses import dataclass
+from functools import partial
 
 from redis.asyncio import Redis
 
@@ -30,7 +31,10 @@ class Grant:
 
 def token_cost(request: InferRequest) -> tuple[int, int]:
     """(prompt tokens estimated at 4 characters a token, max_tokens): what admission charges up front."""
-    chars = len(request.prompt) if request.prompt is not None else sum(len(m.content) + 8 for m in request.messages)
+    if request.prompt is not None:
+        chars = len(request.prompt)
+    else:  # an InferRequest carries exactly one of prompt and messages
+        chars = sum(len(m.content) + 8 for m in request.messages or ())
     return max(1, chars // 4), request.sampling.max_tokens
 
 
@@ -57,7 +61,7 @@ class Admission:
         worker took the request before, raising ``AlreadyDispatched`` if one did."""
         tenant, rid = request.tenant_id, request.request_id
         cost = sum(token_cost(request))
-        args = [
+        args: list[int | float | str] = [
             quota.requests_per_min or 0,
             quota.tokens_per_min or 0,
             quota.max_concurrent or 0,
@@ -73,6 +77,7 @@ class Admission:
             except QuotaExceeded as e:
                 metrics.ADMISSION_REJECTIONS.labels("quota").inc()
                 raise e
+        assert answer is not None, "the script answers a list when Redis is up"
         if int(answer[0]) == 2:
             raise AlreadyDispatched(rid)
         if int(answer[0]) != 1:
@@ -90,7 +95,7 @@ class Admission:
             self.local.release(grant.tenant, grant.request_id, refund, grant.quota)
             return
         keys = self._keys(grant.tenant)[1:]
-        args = [refund, grant.quota.tokens_per_min or 0, grant.request_id, self.lease_s]
+        args: list[int | float | str] = [refund, grant.quota.tokens_per_min or 0, grant.request_id, self.lease_s]
         await self.guard.call("release", lambda: self._release(keys=keys, args=args))
 
     async def renew(self, grants: list[Grant]) -> None:
@@ -103,8 +108,7 @@ class Admission:
                 self.local.renew(grant.tenant, grant.request_id)
                 continue
             keys = self._keys(grant.tenant)[1:]
-            ok, _ = await self.guard.call(
-                "renew", lambda: self._release(keys=keys, args=[-1, 0, grant.request_id, self.lease_s])
-            )
+            args: list[int | float | str] = [-1, 0, grant.request_id, self.lease_s]
+            ok, _ = await self.guard.call("renew", partial(self._release, keys=keys, args=args))
             if not ok:
                 return

@@ -149,15 +149,16 @@ class Dispatcher:
     def pump(self) -> None:
         """Start a dispatch for every queued request a worker has room for, in fair order."""
         now = time.monotonic()
+        chosen: dict[str, str] = {}  # request id -> the worker placeable() found for it, this round
+
+        def placeable(item: Queued) -> bool:
+            worker = self.fleet.choose(item.request, now=now)
+            if worker is not None:
+                chosen[item.request_id] = worker
+            return worker is not None
+
         while True:
-            chosen: dict[str, str] = {}
-
-            def placeable(item: Queued) -> bool:
-                worker = self.fleet.choose(item.request, now=now)
-                if worker is not None:
-                    chosen[item.request_id] = worker
-                return worker is not None
-
+            chosen.clear()
             item = self.queue.pop(now, placeable)
             if item is None:
                 return
@@ -208,6 +209,7 @@ class Dispatcher:
         self.held.pop(rid, None)
         self.inflight[rid] = Inflight(request, worker_id, item.grant)
         self.fleet.accepted(worker_id)
+        metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
         self.queue.charge(request.tenant_id, *token_cost(request))
         waited = time.monotonic() - item.enqueued
         metrics.SCHEDULER_QUEUE_WAIT.labels(request.priority).observe(waited * 1000)

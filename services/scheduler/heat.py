@@ -65,4 +65,5 @@ class Heat:
             now = time.monotonic()
             self.local.prune(now)
             return self.local.snapshot(now)
+        assert flat is not None, "the script answers a list when Redis is up"
         return {flat[i]: float(flat[i + 1]) for i in range(0, len(flat), 2)}

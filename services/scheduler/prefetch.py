@@ -4,6 +4,7 @@ evicted from all but one. At most ``limit`` directives a tick, and never the sam
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.scheduler.placement import Fleet
 from shared.adapter_keys import parse_adapter_key
@@ -11,9 +12,11 @@ from shared.errors import InvalidRequest
 from shared.schemas import WorkerControl
 
 Directive = tuple[str, WorkerControl]  # (worker id, control message)
+Action = Literal["prefetch", "evict"]
+Planned = tuple[str, Action, str]  # (worker id, action, adapter key)
 
 
-def _control(action: str, key: str) -> WorkerControl | None:
+def _control(action: Action, key: str) -> WorkerControl | None:
     try:
         adapter_id, version = parse_adapter_key(key)
     except InvalidRequest:
@@ -26,10 +29,10 @@ class Prefetcher:
     hot_rate: float
     cold_rate: float
     limit: int
-    _last: set[tuple[str, str, str]] = field(default_factory=set)  # (worker, action, key) sent last tick
+    _last: set[Planned] = field(default_factory=set)  # sent last tick
 
     def plan(self, rates: dict[str, float], fleet: Fleet) -> list[Directive]:
-        out: list[Directive] = []
+        out: list[Planned] = []
         ready = {w: v for w, v in fleet.workers.items() if v.beat.ready}
         for key, rate in sorted(rates.items(), key=lambda kv: -kv[1]):
             holders = [w for w in fleet.holders(key) if w in ready]

@@ -8,6 +8,7 @@ tokenizer it does not reproduce keeps transformers' path.
 """
 
 from pathlib import Path
+from typing import cast
 
 import structlog
 from transformers import PreTrainedTokenizerBase
@@ -57,8 +58,13 @@ class PromptIds:
         if self.fast is not None:
             ids = self.fast.encode(messages, prompt)
         elif messages is not None:
-            ids = self._tokenizer.apply_chat_template(
-                [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+            # transformers types every form of the result at once; one chat, tokenized, without a
+            # dict, is a flat list of ids
+            ids = cast(
+                list[int],
+                self._tokenizer.apply_chat_template(
+                    [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+                ),
             )
         else:
             ids = self._tokenizer(prompt, add_special_tokens=False)["input_ids"]

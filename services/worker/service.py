@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import TypedDict, cast
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -52,6 +53,13 @@ from shared.telemetry import continued, setup_tracing, tracer
 log = structlog.get_logger("worker")
 
 
+class _Readiness(TypedDict):
+    """What the service heartbeat reports while the worker starts, serves and drains."""
+
+    ready: bool
+    detail: str
+
+
 async def _worker_heartbeats(
     nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings, base_model: str
 ) -> None:
@@ -92,7 +100,9 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
         while True:
             try:
                 scores = await redis.zrange(HeatKeys.under(settings.redis_key_prefix).rates, 0, -1, withscores=True)
-                cache.update_heat(dict(scores))
+                # redis-py types zrange for every option at once; withscores and decoded responses
+                # give (member, score) pairs
+                cache.update_heat(dict(cast(list[tuple[str, float]], scores)))
             except (RedisError, OSError):
                 metrics.REDIS_FALLBACKS.labels("heat_read").inc()
             await asyncio.sleep(settings.heat_refresh_s)
@@ -101,12 +111,14 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
 
 
 def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
-    key = adapter_key(control.adapter_id, control.adapter_version) if control.adapter_id else None
     if control.action == "cancel":
+        assert control.request_id is not None, "WorkerControl validates that a cancel names its request"
         server.cancel(control.request_id)
-    elif key is None or control.adapter_version is None:
+        return
+    if not control.adapter_id or control.adapter_version is None:
         raise InvalidMessage(f"{control.action} needs adapter_id and adapter_version")
-    elif control.action == "prefetch":
+    key = adapter_key(control.adapter_id, control.adapter_version)
+    if control.action == "prefetch":
         cache.prefetch(key)
     elif control.action == "evict":
         cache.evict(key)
@@ -127,7 +139,7 @@ async def run(settings: WorkerSettings) -> None:
         await ensure_streams(js)
         stop = shutdown_event()
         metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
-        loading = {"ready": False, "detail": "loading base model"}
+        loading: _Readiness = {"ready": False, "detail": "loading base model"}
         beats = asyncio.create_task(
             publish_heartbeats(
                 nc,
@@ -210,10 +222,10 @@ async def run(settings: WorkerSettings) -> None:
             asyncio.create_task(_worker_heartbeats(nc, server, cache, settings, loaded.name)),
             asyncio.create_task(_follow_heat(settings, cache)),
         ]
-        loading.update(ready=True, detail="")
+        loading.update({"ready": True, "detail": ""})
         log.info("worker_ready", worker_id=settings.worker_id, model=loaded.name)
         await stop.wait()
-        loading.update(ready=False, detail="draining")
+        loading.update({"ready": False, "detail": "draining"})
         for task in background:
             task.cancel()
         if server.tasks:

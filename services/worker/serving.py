@@ -190,14 +190,16 @@ class RequestServer:
         """Wait alone for this request's adapter, then check it is the exact version granted."""
         if job.lookup is None:
             return
+        granted = job.request.adapter
+        assert job.key is not None and granted is not None, "submit sets the key and lookup of an adapter request"
         if not job.lookup.hit:
             with _tracer.start_as_current_span("worker.adapter_load", attributes={"lf.tier": job.lookup.tier}):
                 await asyncio.wrap_future(job.lookup.ready)
         job.digest = self.digest_of(job.key)
-        if job.digest is not None and job.digest != job.request.adapter.digest:
+        if job.digest is not None and job.digest != granted.digest:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
             raise IntegrityError(
-                f"{job.key}: loaded weights {job.digest[:12]} are not the granted {job.request.adapter.digest[:12]}"
+                f"{job.key}: loaded weights {job.digest[:12]} are not the granted {granted.digest[:12]}"
             )
 
     async def _generate(self, job: Job) -> tuple[str, Usage]:
@@ -217,6 +219,7 @@ class RequestServer:
                     ReplyToken(request_id=rid, index=out.completion_tokens - 1, text=out.text, token_ids=out.token_ids),
                 )
             if out.finished:
+                assert out.finish_reason is not None, "a finished output names its reason"
                 outcome = "cancelled" if out.finish_reason == "abort" else out.finish_reason
                 usage = Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
         adapter = request.adapter

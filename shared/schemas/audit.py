@@ -1,7 +1,7 @@
 """Audit events on the AUDIT stream and queries of the auditor's index."""
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -85,7 +85,7 @@ class AuditQueryRequest(Message):
 
 
 class AuditQueryReply(Message):
-    records: list[dict] = Field(default_factory=list)
+    records: list[dict[str, Any]] = Field(default_factory=list)
     intact: bool | None = Field(default=None, description="the hash chain verified (platform-wide queries only)")
     broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
     count: int | None = Field(default=None, description="records in the index (platform-wide queries only)")

@@ -13,6 +13,11 @@ from shared.schemas.registry import Actor, Sha256Hex
 ApiScope = Literal["inference", "admin", "platform_admin"]
 
 
+def default_key_scopes() -> list[ApiScope]:
+    """The scopes of a new API key when the request names none."""
+    return ["inference"]
+
+
 class TenantQuota(Message):
     """A tenant's limits, as data for the scheduler; None = no limit of that kind."""
 
@@ -67,7 +72,7 @@ class SetQuotaRequest(Message):
 
 class CreateApiKeyRequest(Message):
     tenant_id: Identifier
-    scopes: list[ApiScope] = Field(default_factory=lambda: ["inference"], min_length=1, max_length=3)
+    scopes: list[ApiScope] = Field(default_factory=default_key_scopes, min_length=1, max_length=3)
     actor: Actor
 
 

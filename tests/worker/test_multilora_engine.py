@@ -208,7 +208,8 @@ def _step_counts() -> dict[str, float]:
 def test_each_step_is_timed_under_its_rank_mix(setup: Setup) -> None:
     before = _step_counts()
     run(setup.engine(), {0: [request(0, "a8-all", setup), request(1, "a64-qv", setup)]})
-    run(setup.engine(), {0: [request(2, None, setup)]})
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    run(setup.engine(), {0: [EngineRequest("timed-base", setup.prompts[2], params)]})
     after = _step_counts()
     grew = {mix: after[mix] - before.get(mix, 0.0) for mix in after if after[mix] > before.get(mix, 0.0)}
     assert grew.get("r8+r64", 0) >= 1, grew  # the two adapters' steps, both classes in one batch

@@ -164,11 +164,12 @@ class CacheHierarchy:
             return key == adapter_key(adapter_id, version) if version is not None else adapter_of_key(key) == adapter_id
 
         with self._lock:
-            keys = {key for key in self._cpu.keys() if match(key)}
+            # the tiers are not mappings: keys() is their only iteration
+            keys = {key for key in self._cpu.keys() if match(key)}  # noqa: SIM118
             for key in keys:
                 self._cpu.remove(key)
                 self._counters.evicted("cpu", "invalidated")
-            for key in [key for key in self._slots.keys() if match(key)]:
+            for key in [key for key in self._slots.keys() if match(key)]:  # noqa: SIM118
                 keys.add(key)
                 if self._refs[key] > 0:
                     self._draining.add(key)

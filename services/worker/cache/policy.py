@@ -41,7 +41,7 @@ class EvictionPolicy(ABC):
         """Drop every trace of ``key`` (its version was invalidated)."""
         self._last.pop(key, None)
 
-    def update_heat(self, heat: Mapping[str, float]) -> None:
+    def update_heat(self, heat: Mapping[str, float]) -> None:  # noqa: B027  # a no-op default, not abstract
         """Fleet-wide decayed request rates (adapter key -> requests/s); ignored by policies without heat."""
 
     @abstractmethod

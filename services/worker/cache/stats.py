@@ -1,6 +1,6 @@
 """Cache counters per tier, mirrored into the Prometheus families, and the snapshot heartbeats carry."""
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,7 +38,7 @@ class CacheCounters:
 
     lookups: Counter[str] = field(default_factory=Counter)
     loads: Counter[str] = field(default_factory=Counter)
-    load_ms: Counter[str] = field(default_factory=Counter)
+    load_ms: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # source -> total ms
     evictions: Counter[str] = field(default_factory=Counter)
     slot_waits: int = 0
     slot_wait_ms: float = 0.0

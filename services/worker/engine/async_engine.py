@@ -1,6 +1,7 @@
 """Asyncio front of the engine: one background thread runs the step loop, outputs stream per request."""
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ from services.worker.engine.sequence import EngineRequest, RequestOutput
 
 _IDLE_POLL_S = 0.005
 log = structlog.get_logger("engine")
+# one request's outputs, handed from the step thread to the caller's event loop; an exception ends it
+_Outputs = asyncio.Queue[RequestOutput | BaseException]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,7 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._adds: list[EngineRequest] = []
         self._aborts: list[str] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
         self.step_thread_id: int | None = None  # the step loop's OS thread id, once it runs
@@ -73,7 +76,7 @@ class AsyncEngine:
         Raises RequestTooLarge (or DuplicateRequest) before the first output. Leaving the
         iterator early, or cancelling the task consuming it, aborts the request.
         """
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: _Outputs = asyncio.Queue()
         with self._wake:
             if self._stopping:
                 raise EngineDead("the engine is shut down")
@@ -176,8 +179,7 @@ def lower_priority(config: EngineConfig) -> None:
         log.warning("compute_nice_unavailable", error=str(e))
 
 
-def _hand_off(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:
-    try:
+def _hand_off(loop: asyncio.AbstractEventLoop, queue: _Outputs, item: RequestOutput | BaseException) -> None:
+    # RuntimeError: the consumer's event loop is closed, nobody is listening any more
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(queue.put_nowait, item)
-    except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-        pass

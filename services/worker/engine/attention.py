@@ -99,7 +99,7 @@ def paged_attention(
         res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype))
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
-    for (start, end), context in zip(meta.prefill_bounds, contexts):
+    for (start, end), context in zip(meta.prefill_bounds, contexts, strict=True):
         pq = q[start:end].transpose(0, 1)
         if context is None:
             res = F.scaled_dot_product_attention(

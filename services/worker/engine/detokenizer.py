@@ -1,5 +1,8 @@
 """Incremental detokenisation with stop strings: text deltas never split a character or leak a stop."""
 
+from collections.abc import Callable
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 _WINDOW = 5
@@ -20,7 +23,8 @@ class IncrementalDetokenizer:
 
     def update(self) -> bool:
         """Decode what the newest tokens completed; True when the text now contains a stop string."""
-        decode = self._tokenizer.decode
+        # transformers types decode as str | list[str]; one flat list of ids decodes to one str
+        decode = cast(Callable[..., str], self._tokenizer.decode)
         prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
         new_text = decode(self._ids[self._prefix :], skip_special_tokens=True)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

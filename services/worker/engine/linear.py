@@ -46,17 +46,20 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     padded = padded_rows(rows)
     if padded != rows:
         x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # torch.ops resolves its operators at run time, so mypy sees Any
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if padded != rows else out
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    return packed
 
 
 def onednn_usable(dtype: torch.dtype) -> bool:
     """Whether prepacked oneDNN linears work here for ``dtype`` and agree with ``F.linear``."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    # torch leaves torch.backends.mkldnn.is_available unannotated
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     try:
         generator = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ def load_model(
     dtype = dtype or torch.float32
     directory = resolve_model_dir(model_dir, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    # PreTrainedModel.to is functools.wraps(Module.to), whose stub mypy does not bind to the instance
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     name = EMBEDDED_MODEL_NAME if model_dir is None else directory.name
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, directory=directory)

@@ -54,7 +54,7 @@ class LlamaForward:
         rope = self.w.rope[positions]
         h = self.w.embed[input_ids]
         attn_out = h.new_empty(h.shape[0], s.q_size)
-        for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj)):
+        for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj, strict=True)):
             x = self._norm(h, layer.input_norm)
             qkv = proj["qkv"](x)
             if lora is not None:

@@ -22,11 +22,14 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 def inverse_frequencies(params: dict[str, Any], head_dim: int, max_model_len: int) -> torch.Tensor:
     """fp32 [head_dim // 2] inverse frequencies, scaled as the config's rope type says."""
     rope_type = params["rope_type"]
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq: torch.Tensor = 1.0 / (
+        params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    )
     if rope_type == "default":
         return inv_freq.float()
     if rope_type == "linear":
-        return (inv_freq / params["factor"]).float()
+        factor: float = params["factor"]
+        return (inv_freq / factor).float()
     if rope_type == "dynamic":
         # Dynamic NTK only changes frequencies beyond the original context, so it equals default below it.
         original = params.get("original_max_position_embeddings") or 0

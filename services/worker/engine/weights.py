@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
@@ -54,7 +54,7 @@ class ModelWeights:
     rope: torch.Tensor  # [max_model_len, 2, head_dim]
 
 
-def _fuse(modules: list[torch.nn.Module], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(modules: list[torch.nn.Linear], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate projections row-wise; rebind the modules' parameters as views of the result.
 
     Rebinding keeps the transformers model usable while the weights are held only once in memory.
@@ -64,7 +64,10 @@ def _fuse(modules: list[torch.nn.Module], dtype: torch.dtype, device: str) -> tu
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat(
-            [b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0]) for m, b in zip(modules, biases)]
+            [
+                b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
+                for m, b in zip(modules, biases, strict=True)
+            ]
         ).to(device=device, dtype=dtype)
     if weight.dtype == modules[0].weight.dtype and weight.device == modules[0].weight.device:
         start = 0
@@ -77,12 +80,12 @@ def _fuse(modules: list[torch.nn.Module], dtype: torch.dtype, device: str) -> tu
     return weight, bias
 
 
-def _single(module: torch.nn.Module, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _single(module: torch.nn.Linear, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = module.bias.detach().to(device=device, dtype=dtype) if module.bias is not None else None
     return module.weight.detach().to(device=device, dtype=dtype), bias
 
 
-def spec_of(config: object) -> ModelSpec:
+def spec_of(config: PreTrainedConfig) -> ModelSpec:
     heads = config.num_attention_heads
     return ModelSpec(
         num_layers=config.num_hidden_layers,
@@ -127,7 +130,7 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
             )
         )
     embed = model.model.embed_tokens.weight.detach().to(device=device, dtype=dtype)
-    head = model.get_output_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()  # type: ignore[no-untyped-call]  # unannotated in transformers
     lm_head = embed if head.data_ptr() == model.model.embed_tokens.weight.data_ptr() else head.to(device, dtype)
     inv_freq = inverse_frequencies(rope_parameters(config), spec.head_dim, max_model_len)
     return ModelWeights(

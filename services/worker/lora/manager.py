@@ -119,7 +119,7 @@ class AdapterManager:
         with self._lock:
             classes = tuple(
                 RankClassStats(c.rank, c.num_slots, self.pool.free_slots(c.rank), size)
-                for c, size in zip(self.pool.classes, self.pool.slot_bytes)
+                for c, size in zip(self.pool.classes, self.pool.slot_bytes, strict=True)
             )
             return PoolStats(resident=dict(self._slots), classes=classes)
 
@@ -130,7 +130,7 @@ class AdapterManager:
         """
         indexes = self._metadata.fill(token_slots)
         classes = []
-        for stack, index, workspace in zip(self.pool.classes, indexes, self._workspaces):
+        for stack, index, workspace in zip(self.pool.classes, indexes, self._workspaces, strict=True):
             if index is not None:
                 modules = frozenset().union(*(stack.row_modules[row] for _, _, row, _ in index.segments))
                 classes.append(ClassBatch(stack, index, modules, workspace))

@@ -42,7 +42,19 @@ class LoraMetadata:
         sizes = (max_tokens, max_tokens, max_tokens + num_classes, max_tokens)
         host = [torch.zeros(size, dtype=INDEX_DTYPE, pin_memory=pin) for size in sizes]
         dev = host if not pin else [torch.zeros_like(t, device=device) for t in host]
-        return cls(*host, *dev, first_slots=torch.tensor(class_first_slots))
+        host_idx, host_row, host_seg_start, host_seg_row = host
+        token_idx, token_row, seg_start, seg_row = dev
+        return cls(
+            host_idx=host_idx,
+            host_row=host_row,
+            host_seg_start=host_seg_start,
+            host_seg_row=host_seg_row,
+            token_idx=token_idx,
+            token_row=token_row,
+            seg_start=seg_start,
+            seg_row=seg_row,
+            first_slots=torch.tensor(class_first_slots),
+        )
 
     def fill(self, token_slots: torch.Tensor) -> list[LoraIndex | None]:
         """Refill the buffers for a step's token_slots ([num_tokens], -1 = base): one index per rank
@@ -53,7 +65,7 @@ class LoraMetadata:
         bounds = torch.searchsorted(sorted_slots, self.first_slots).tolist()
         if bounds[-1] != sorted_slots.shape[0] or (bounds[0] and sorted_slots[0] < -1):
             valid = f"[-1, {int(self.first_slots[-1])})"
-            raise ValueError(f"token slots must lie in {valid}, got {token_slots.unique().tolist()}")
+            raise ValueError(f"token slots must lie in {valid}, got {torch.unique(token_slots).tolist()}")
         lo = bounds[0]
         first_slots = self.first_slots.tolist()
         n = bounds[-1] - lo
@@ -78,7 +90,9 @@ class LoraMetadata:
         self.num_tokens, self.num_segments = n, len(rows)
         if self.token_idx is not self.host_idx:
             # Blocking: the next step rewrites these host buffers, which must not race this copy.
-            for dst, src in zip((self.token_idx, self.token_row, self.seg_start, self.seg_row), self._host()):
+            for dst, src in zip(
+                (self.token_idx, self.token_row, self.seg_start, self.seg_row), self._host(), strict=True
+            ):
                 dst[: src.shape[0]].copy_(src)
         return self._indexes(bounds, per_class)
 

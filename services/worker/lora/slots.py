@@ -29,13 +29,14 @@ class RankClassStack:
         self.rank = rank
         self.num_slots = num_slots
         self.first_slot = first_slot
-        zeros = dict(device=device, dtype=dtype)
         dims = shapes.dims
         self.a: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, in, rank]
-            {m: torch.zeros(num_slots, dims[m][0], rank, **zeros) for m in modules} for _ in range(shapes.num_layers)
+            {m: torch.zeros(num_slots, dims[m][0], rank, device=device, dtype=dtype) for m in modules}
+            for _ in range(shapes.num_layers)
         ]
         self.b: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, rank, out]
-            {m: torch.zeros(num_slots, rank, dims[m][1], **zeros) for m in modules} for _ in range(shapes.num_layers)
+            {m: torch.zeros(num_slots, rank, dims[m][1], device=device, dtype=dtype) for m in modules}
+            for _ in range(shapes.num_layers)
         ]
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
         self.row_modules: list[frozenset[str]] = [frozenset()] * num_slots  # host: modules each row targets
@@ -52,7 +53,7 @@ class RankClassStack:
 
     def reset_slot(self, row: int) -> None:
         """Zero a row, so a stale index into it adds nothing."""
-        for layer_a, layer_b in zip(self.a, self.b):
+        for layer_a, layer_b in zip(self.a, self.b, strict=True):
             for module in layer_a:
                 layer_a[module][row].zero_()
                 layer_b[module][row].zero_()
@@ -72,7 +73,7 @@ class SlotPool:
             raise ValueError(f"the base model has no projection {sorted(unknown)}")
         elem = torch.empty(0, dtype=dtype).element_size()
         classes, slot_bytes, first = [], [], 0
-        for rank, budget in zip(config.rank_classes, config.class_budgets()):
+        for rank, budget in zip(config.rank_classes, config.class_budgets(), strict=True):
             size = rank * shapes.params_per_rank(modules) * elem
             count = min(config.max_slots_per_class, budget // size)
             if count < 1:
