@@ -19,10 +19,11 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from bench.engine import environment, percentiles
-from services.worker.cache import CacheConfig, CacheHierarchy
+from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
+from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from shared.schemas import InferRequest, ReplyFinal, ResolvedAdapter, SamplingParams
 
@@ -41,7 +42,7 @@ def make_adapters(loaded: LoadedModel, root: Path, count: int) -> list[Path]:
         for name, p in model.named_parameters():
             if "lora_" in name:
                 torch.nn.init.normal_(p, std=0.02)
-        model.save_pretrained(root / f"a{i}")
+        model.save_pretrained(str(root / f"a{i}"))
         dirs.append(root / f"a{i}")
     model.unload()
     return dirs
@@ -61,6 +62,12 @@ def request(loaded: LoadedModel, rid: str, adapter: int, tokens: int) -> InferRe
         reply_to=f"_INBOX.{rid}",
         sampling=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
     )
+
+
+async def drain(server: RequestServer) -> None:
+    """Wait until every request the server accepted has finished (its task removes itself when done)."""
+    while server.tasks:
+        await asyncio.wait(list(server.tasks.values()))
 
 
 async def run(quick: bool) -> dict:
@@ -92,10 +99,10 @@ async def run(quick: bool) -> dict:
         async def audit(_) -> None:
             return None
 
-        server = RequestServer(engine, loaded.tokenizer, "bench", loaded.name, emit, audit, 1024, cache)
+        prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)  # as the worker tokenises
+        server = RequestServer(engine, prompts, "bench", loaded.name, emit, audit, 1024, cache)
         await server.accept(request(loaded, "warm", 0, 2))
-        while server.tasks:
-            await asyncio.sleep(0.01)
+        await drain(server)
         ids: dict[str, list[str]] = {
             "hit_alone": [],
             "hit_storm": [],
@@ -105,7 +112,7 @@ async def run(quick: bool) -> dict:
         }
 
         async def hits_phase(label: str, n: int) -> None:
-            for i in range(n):
+            for _ in range(n):
                 rid = f"{label}-{len(ids[label])}"
                 ids[label].append(rid)
                 await server.accept(request(loaded, rid, 0, tokens))
@@ -113,22 +120,19 @@ async def run(quick: bool) -> dict:
 
         for round_ in range(2):
             await hits_phase("hit_alone", hits)
-            while server.tasks:
-                await asyncio.sleep(0.01)
+            await drain(server)
             for j in range(storm):
                 rid = f"miss-{round_}-{j}"
                 ids["miss_storm"].append(rid)
                 await server.accept(request(loaded, rid, 1 + round_ * storm + j, tokens))
             await hits_phase("hit_storm", hits)
-            while server.tasks:
-                await asyncio.sleep(0.01)
+            await drain(server)
             for j in range(storm):
                 rid = f"hitstorm-{round_}-{j}"
                 ids["hitstorm"].append(rid)
                 await server.accept(request(loaded, rid, 0, tokens))
             await hits_phase("hit_hitstorm", hits)
-            while server.tasks:
-                await asyncio.sleep(0.01)
+            await drain(server)
         cache.close()
         engine.shutdown()
     ttft = {k: percentiles([finals[r].ttft_ms for r in v]) for k, v in ids.items()}

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.cache.config import CacheConfig, PolicyName
-from services.worker.cache.cpu_tier import CpuTier
-from services.worker.cache.policy import Entry, make_policy
-from services.worker.cache.slot_tier import SlotTier
+from services.worker.adapter_cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.cpu_tier import CpuTier
+from services.worker.adapter_cache.policy import Entry, make_policy
+from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.lora.layout import AdapterWeights
 from shared.decay import DecayedRate
 
@@ -162,8 +162,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     requests = 20_000 if args.quick else 100_000
-    workload = dict(adapters=1000, requests=requests, alpha=1.1, shift_every=10_000, shift=50,
-                    gpu_slots=64, cpu_entries=256, seed=args.seed)  # fmt: skip
+    workload = {"adapters": 1000, "requests": requests, "alpha": 1.1, "shift_every": 10_000, "shift": 50,
+                "gpu_slots": 64, "cpu_entries": 256, "seed": args.seed}  # fmt: skip
     trace = zipf_trace(1000, requests, 1.1, 10_000, 50, args.seed)
     config = CacheConfig()
     started = time.perf_counter()

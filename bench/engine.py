@@ -17,8 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NotRequired, TypedDict, cast
 
 import torch
+from transformers import GenerationMixin, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
@@ -27,6 +29,40 @@ from services.worker.engine.weights import spec_of
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
+
+
+class Run(TypedDict):
+    """One round of one system: its wall time, and each request's TTFT and TPOT."""
+
+    wall_s: float
+    ttft_s: list[float]
+    tpot_s: list[float]
+    prefix_hit_tokens: NotRequired[int]  # the engine's alone
+    prompt_tokens: NotRequired[int]
+
+
+class Summary(TypedDict):
+    """A system's best round of several."""
+
+    tok_s: float
+    wall_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    rounds_wall_s: list[float]
+    prefix_hit_tokens: NotRequired[int]
+    prompt_tokens: NotRequired[int]
+
+
+class ThroughputRow(TypedDict):
+    batch: int
+    new_tokens: int
+    prompt_tokens: list[int]
+    systems: dict[str, Summary]
+    speedup_vs_hf: float
+    speedup_vs_hf_no_prefix_cache: float
+    tpot_ratio_vs_hf: float
+
+
 TOPICS = [
     "the sea",
     "a red fox",
@@ -52,14 +88,18 @@ STYLES = [
 ]
 
 
+def chat_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """One user message in the model's chat template, as token ids."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    # typed as the union of every mode's result: one chat, tokenised, without a dict, is its id list
+    return cast(list[int], ids)
+
+
 def chat_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
     texts = [STYLES[i % len(STYLES)].format(TOPICS[i % len(TOPICS)]) for i in range(count)]
-    return [
-        loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for t in texts
-    ]
+    return [chat_ids(loaded.tokenizer, t) for t in texts]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -80,15 +120,17 @@ class StepClock(BaseStreamer):
         pass
 
 
-def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> dict[str, object]:
+def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> Run:
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 2
+    model = loaded.model
+    assert isinstance(model, GenerationMixin)  # a causal LM's class mixes generate in; PreTrainedModel's has none
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     clock = StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = loaded.model.generate(
+        out = model.generate(
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=new_tokens,
@@ -106,7 +148,7 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> di
 
 def run_engine(
     engine: LLMEngine, prompts: list[list[int]], new_tokens: int, adapters: Sequence[str | None] | None = None
-) -> dict[str, object]:
+) -> Run:
     """One batch through the engine (each request with its adapter, or base), EOS ignored."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()  # nothing carried over from an earlier round or batch
@@ -118,7 +160,8 @@ def run_engine(
     done: dict[str, float] = {}
     while engine.has_unfinished():
         for out in engine.step():
-            first.setdefault(out.request_id, out.first_token_time)
+            if out.first_token_time is not None:  # set from the request's first token on
+                first.setdefault(out.request_id, out.first_token_time)
             if out.finished:
                 done[out.request_id] = time.monotonic()
                 assert out.completion_tokens == new_tokens
@@ -132,20 +175,19 @@ def run_engine(
     }
 
 
-def summarise(runs: list[dict[str, object]], tokens: int) -> dict[str, object]:
+def summarise(runs: list[Run], tokens: int) -> Summary:
     best = min(runs, key=lambda r: r["wall_s"])
-    return {
+    summary: Summary = {
         "tok_s": tokens / best["wall_s"],
         "wall_s": best["wall_s"],
         "ttft_ms": {k: v * 1e3 for k, v in percentiles(best["ttft_s"]).items()},
         "tpot_ms": {k: v * 1e3 for k, v in percentiles(best["tpot_s"]).items()},
         "rounds_wall_s": [r["wall_s"] for r in runs],
-        **(
-            {"prefix_hit_tokens": best["prefix_hit_tokens"], "prompt_tokens": best["prompt_tokens"]}
-            if "prefix_hit_tokens" in best
-            else {}
-        ),
     }
+    if "prefix_hit_tokens" in best:
+        summary["prefix_hit_tokens"] = best["prefix_hit_tokens"]
+        summary["prompt_tokens"] = best["prompt_tokens"]
+    return summary
 
 
 def throughput(
@@ -155,7 +197,7 @@ def throughput(
     rounds: int,
     dtype: str = "float32",
     linear_split: bool = False,
-) -> list[dict[str, object]]:
+) -> list[ThroughputRow]:
     """Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
     token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear")."""
@@ -179,12 +221,12 @@ def throughput(
         )
         for name, (linear, prefix) in variants.items()
     }
-    rows = []
+    rows: list[ThroughputRow] = []
     for batch in batches:
         prompts = chat_prompts(loaded, batch)
         for engine in engines.values():
             run_engine(engine, prompts[:1], 2)
-        runs: dict[str, list[dict[str, object]]] = {"hf": [], **{name: [] for name in engines}}
+        runs: dict[str, list[Run]] = {"hf": [], **{name: [] for name in engines}}
         for _ in range(rounds):
             runs["hf"].append(run_hf(loaded, prompts, new_tokens))
             for name, engine in engines.items():
@@ -257,7 +299,7 @@ def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
     }
 
 
-def table(rows: list[dict[str, object]], memory: dict[str, object]) -> str:
+def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
     lines = [
         "| batch | system | tok/s | speedup vs hf | TTFT p50 / p95 ms | TPOT p50 / p95 ms |",
         "|---:|---|---:|---:|---:|---:|",
@@ -303,7 +345,8 @@ def main() -> None:
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_probe:
-        print(json.dumps(rss_probe(*args.rss_probe, args.threads)))
+        num_seqs, seq_len = args.rss_probe
+        print(json.dumps(rss_probe(num_seqs, seq_len, args.threads)))
         return
     torch.set_num_threads(args.threads)
     seqs, seq_len = (64, 32) if args.quick else (64, 512)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.cache_sim import git_commit
-from services.scheduler.fairness import FairQueue
+from services.scheduler.fairness import FairQueue, Priority
 
 RESULTS = Path(__file__).parent / "results"
 SLOTS, SERVICE_S, PREFILL_S = 8, 1.0, 0.05
@@ -33,7 +33,7 @@ class Item:
     tenant: str
     enqueued: float
     request_id: str
-    priority: str = "interactive"
+    priority: Priority = "interactive"
 
 
 class Fifo:

@@ -202,6 +202,7 @@ def stack_phase(
 
 
 def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[float]:
+    from bench.engine import chat_ids
     from services.worker.engine import EngineRequest
     from services.worker.engine.async_engine import AsyncEngine
     from services.worker.engine.loader import load_model
@@ -213,16 +214,16 @@ def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[flo
     engine.start()
 
     async def ttft(i: int, prompt: str) -> float:
-        ids = loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        ids = chat_ids(loaded.tokenizer, prompt)
         req = EngineRequest(
-            request_id=f"bench-{i}", prompt_token_ids=list(ids), sampling=SamplingParams(max_tokens=2, temperature=0)
+            request_id=f"bench-{i}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=2, temperature=0)
         )
         started, elapsed = time.perf_counter(), None
         async for out in engine.generate(req):  # to the end, as the stack phase reads its streams
             if out.token_ids and elapsed is None:
                 elapsed = (time.perf_counter() - started) * 1000
+        if elapsed is None:
+            raise RuntimeError(f"request {req.request_id} ended without a token")
         return elapsed
 
     async def measure() -> list[float]:

@@ -39,9 +39,9 @@ async def gateway(nats_url: str, port: int) -> None:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while line := await reader.readline():
             inbox = nc.new_inbox()
-            done = asyncio.get_running_loop().create_future()
+            done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
-            async def on_token(msg) -> None:
+            async def on_token(msg, done: asyncio.Future[bytes] = done) -> None:
                 if not done.done():
                     done.set_result(msg.data)
 
@@ -151,9 +151,9 @@ def main() -> None:
     try:
         asyncio.run(_setup(nats.url))
         procs = [
-            subprocess.Popen(me + ["--role", "gateway", "--port", str(port)]),
-            subprocess.Popen(me + ["--role", "scheduler", "--redis", redis.url]),
-            subprocess.Popen(me + ["--role", "worker", "--compute-ms", str(args.compute_ms)]),
+            subprocess.Popen([*me, "--role", "gateway", "--port", str(port)]),
+            subprocess.Popen([*me, "--role", "scheduler", "--redis", redis.url]),
+            subprocess.Popen([*me, "--role", "worker", "--compute-ms", str(args.compute_ms)]),
         ]
         wait_port(port, 30, procs[0])
         time.sleep(3)  # the scheduler's consumer and the worker's subscription are in place

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -43,8 +44,26 @@ def time_peers(peers: dict[str, Callable[[], object]], rounds: int, iters: int) 
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+class WorkloadRow(TypedDict):
+    workload: str
+    module: str
+    tokens: int
+    us: dict[str, float]
+    ratio_vs_base: dict[str, float]
+
+
+class RankSkew(TypedDict):
+    us: dict[str, float]
+    skew_vs_uniform: float
+    padded_vs_uniform: float
+
+
 def stack(rows: int, rank: int, in_f: int, out_f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.randn(rows, in_f, rank) * 0.02, torch.randn(rows, rank, out_f) * 0.02, torch.full((rows,), 2.0)
+
+
+def base_form(x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
+    return lambda: torch.nn.functional.linear(x, w)
 
 
 def lora_forms(x: torch.Tensor, y: torch.Tensor, rank: int, rows: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -58,13 +77,13 @@ def lora_forms(x: torch.Tensor, y: torch.Tensor, rank: int, rows: torch.Tensor) 
     }
 
 
-def bench_workloads(rounds: int, iters: int) -> list[dict[str, object]]:
+def bench_workloads(rounds: int, iters: int) -> list[WorkloadRow]:
     workloads = {"decode": torch.arange(32), "prefill": torch.arange(4).repeat_interleave(128)}
-    rows_out = []
+    rows_out: list[WorkloadRow] = []
     for workload, rows in workloads.items():
         for module, (in_f, out_f) in SHAPES.items():
             x, y, w = torch.randn(rows.shape[0], in_f), torch.zeros(rows.shape[0], out_f), torch.randn(out_f, in_f)
-            peers = {"base": lambda: torch.nn.functional.linear(x, w), **lora_forms(x, y, 16, rows)}
+            peers = {"base": base_form(x, w), **lora_forms(x, y, 16, rows)}
             us = time_peers(peers, rounds, iters)
             ratios = {k: v / us["base"] for k, v in us.items() if k != "base"}
             rows_out.append(
@@ -73,7 +92,7 @@ def bench_workloads(rounds: int, iters: int) -> list[dict[str, object]]:
     return rows_out
 
 
-def bench_rank_skew(rounds: int, iters: int) -> dict[str, object]:
+def bench_rank_skew(rounds: int, iters: int) -> RankSkew:
     """One projection (q_proj), 32 decode tokens, each on its own adapter, computed per rank class."""
     in_f, out_f = SHAPES["q_proj"]
     x, y = torch.randn(32, in_f), torch.zeros(32, out_f)
@@ -136,7 +155,7 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def markdown(workloads: list[dict[str, object]], skew: dict[str, object], metadata: dict[str, float]) -> str:
+def markdown(workloads: list[WorkloadRow], skew: RankSkew, metadata: dict[str, float]) -> str:
     forms = ["base", "gathered", "bags", "segments", "dispatch"]
     rows = [
         [str(w["workload"]), str(w["module"]), str(w["tokens"])]

@@ -16,14 +16,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from peft import __version__ as peft_version
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 
-from bench.engine import StepClock, chat_prompts, environment, run_engine, summarise
+from bench.engine import Run, StepClock, Summary, chat_prompts, environment, run_engine, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
@@ -32,7 +33,33 @@ from shared.schemas import SamplingParams
 RESULTS = Path(__file__).parent / "results" / "multilora.json"
 QV = ("q_proj", "v_proj")
 RANK = 16
-Run = dict[str, object]
+
+
+class RankSkew(TypedDict):
+    ratio: float
+    padded_ratio: float
+    step_ms: dict[str, float]
+
+
+class Result(TypedDict):
+    environment: dict[str, object]
+    quick: bool
+    batch_size: int
+    new_tokens: int
+    prompt_tokens: list[int]
+    adapters: int
+    rank_mix: dict[str, int]
+    target_modules: list[str]
+    systems: dict[str, Summary]
+    tok_s: dict[str, float]
+    ttft_ms: dict[str, dict[str, float]]
+    tpot_ms: dict[str, dict[str, float]]
+    ratio_vs_base: float
+    speedup_vs_peft: float
+    speedup_vs_hf: float
+    all_modules: dict[str, float]
+    rank_skew: RankSkew
+    peak_rss_mb: float
 
 
 def save_adapters(model: PreTrainedModel, names: list[str], modules: Sequence[str], root: Path) -> list[Path]:
@@ -46,19 +73,24 @@ def save_adapters(model: PreTrainedModel, names: list[str], modules: Sequence[st
         else:
             peft.add_adapter(name, config)
     assert peft is not None
-    peft.save_pretrained(root, selected_adapters=names)
+    peft.save_pretrained(str(root), selected_adapters=names)
     return [root / name for name in names]
 
 
 def peft_model(model: PreTrainedModel, names: list[str], dirs: list[Path]) -> PeftModel:
     """One PeftModel on a copy of the base holding every adapter, added through load_adapter."""
     peft = PeftModel.from_pretrained(copy.deepcopy(model), dirs[0], adapter_name=names[0])
-    for name, directory in zip(names[1:], dirs[1:]):
+    for name, directory in zip(names[1:], dirs[1:], strict=True):
         peft.load_adapter(directory, adapter_name=name)
     return peft.eval()
 
 
-def run_generate(model: PreTrainedModel, pad: int, prompts: list[list[int]], new_tokens: int, **extra: object) -> Run:
+def run_generate(
+    model: PreTrainedModel | PeftModel, pad: int, prompts: list[list[int]], new_tokens: int, **extra: object
+) -> Run:
+    assert isinstance(
+        model, GenerationMixin | PeftModel
+    )  # a causal LM's class mixes generate in; PreTrainedModel's has none
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -107,12 +139,12 @@ def engine_with(loaded: LoadedModel, lora: LoraConfig, batch: int) -> tuple[LLME
 def start_decode(engine: LLMEngine, prompts: list[list[int]], adapters: list[str], steps: int) -> None:
     """Queue a batch and run its prefill step, leaving ``steps`` full decode steps."""
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    for i, (p, adapter) in enumerate(zip(prompts, adapters)):
+    for i, (p, adapter) in enumerate(zip(prompts, adapters, strict=True)):
         engine.add_request(EngineRequest(f"d{i}", p, params, adapter=adapter))
     engine.step()
 
 
-def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds: int) -> dict[str, float]:
+def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds: int) -> RankSkew:
     """Median decode step: 31 rank-8 + 1 rank-64, and all rank-8 padded into a rank-64 pool, over 32 rank-8.
 
     The three batches run in three engines stepped in turn, so machine noise hits them alike.
@@ -138,7 +170,7 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
         mixed_manager.load_adapter(name, random_weights(shapes, 8, i))
         padded_manager.load_adapter(name, random_weights(shapes, 8, i))
     mixed_manager.load_adapter("s64", random_weights(shapes, 64, batch))
-    cases = {"rank8": (rank8, names), "skew": (skew, names[:-1] + ["s64"]), "padded": (padded, names)}
+    cases = {"rank8": (rank8, names), "skew": (skew, [*names[:-1], "s64"]), "padded": (padded, names)}
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for engine, adapters in cases.values():
@@ -156,7 +188,9 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
     }
 
 
-def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path) -> Run:
+def throughput(
+    loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path
+) -> dict[str, Summary]:
     """All six runs interleaved per round: base, multilora, peft, hf, then the all-seven-projection pair."""
     batch = len(prompts)
     names = {"qv": [f"qv{i}" for i in range(batch)], "all": [f"all{i}" for i in range(batch)]}
@@ -168,7 +202,7 @@ def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, r
         loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget, max_num_tokens=2048), batch
     )
     for k in names:
-        for name, directory in zip(names[k], dirs[k]):
+        for name, directory in zip(names[k], dirs[k], strict=True):
             manager.load_adapter(name, directory)
     pefts = {k: peft_model(loaded.model, names[k], dirs[k]) for k in names}
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 2
@@ -180,7 +214,7 @@ def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, r
         "multilora_all": lambda: run_engine(engine, prompts, new_tokens, names["all"]),
         "peft_all": lambda: run_generate(pefts["all"], pad, prompts, new_tokens, adapter_names=names["all"]),
     }
-    run_engine(engine, prompts[:2], 2, names["qv"][:1] + [None])
+    run_engine(engine, prompts[:2], 2, [*names["qv"][:1], None])
     runs: dict[str, list[Run]] = {name: [] for name in systems}
     for _ in range(rounds):
         for name, system in systems.items():
@@ -188,7 +222,7 @@ def throughput(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, r
     return {name: summarise(r, batch * new_tokens) for name, r in runs.items()}
 
 
-def table(result: dict[str, object]) -> str:
+def table(result: Result) -> str:
     systems = result["systems"]
     lines = ["| system | tok/s | vs base | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "|---|---:|---:|---:|---:|"]
     for name, s in systems.items():
@@ -225,7 +259,7 @@ def main() -> None:
         systems = throughput(loaded, prompts, new_tokens, rounds, Path(root))
     skew = rank_skew(loaded, prompts, skew_steps, rounds)
     tok = {name: s["tok_s"] for name, s in systems.items()}
-    result = {
+    result: Result = {
         "environment": {**environment(args.threads), "peft": peft_version},
         "quick": args.quick,
         "batch_size": batch,

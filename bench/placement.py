@@ -21,14 +21,14 @@ import numpy as np
 
 from bench.cache_sim import git_commit
 from services.scheduler.placement import Fleet
-from services.worker.cache.config import CacheConfig
-from services.worker.cache.policy import Entry, make_policy
-from services.worker.cache.slot_tier import SlotTier
+from services.worker.adapter_cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.policy import Entry, make_policy
+from services.worker.adapter_cache.slot_tier import SlotTier
 from shared.decay import DecayedRate
 from shared.schemas import InferRequest, ResolvedAdapter, WorkerHeartbeat
 
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("heat", "lru")  # heat: the workers' default; lru: without fleet heat
+POLICIES: tuple[PolicyName, ...] = ("heat", "lru")  # heat: the workers' default; lru: without fleet heat
 RANK, SLOTS, MAX_RUNNING, WORKERS, ADAPTERS = 16, 16, 8, 3, 300
 LOAD_S, PREFILL_S, DECODE_S = 0.25, 0.03, 0.4  # adapter load on a miss; per-request compute
 
@@ -65,10 +65,17 @@ class SimWorker:
         entry = Entry(key, RANK)
         if self.slots.free(RANK) == 0:
             victim = self.slots.victim(entry, now, protected=lambda _: False)
+            assert victim is not None, "a full tier with nothing protected always has a victim"
             self.slots.remove(victim.key)
         self.slots.reserve(RANK)
         self.slots.commit(entry)
         return LOAD_S + PREFILL_S
+
+
+def key_of(request: InferRequest) -> str:
+    """The cache key of the request's adapter (every simulated request names one)."""
+    assert request.adapter is not None
+    return f"{request.adapter.adapter_id}@1"
 
 
 def request_for(adapter: int) -> InferRequest:
@@ -107,7 +114,7 @@ def round_robin(sim: Simulation, request: InferRequest, now: float) -> SimWorker
     return None
 
 
-def simulate(trace: np.ndarray, arrivals: np.ndarray, placement: Callable, policy: str) -> dict[str, float]:
+def simulate(trace: np.ndarray, arrivals: np.ndarray, placement: Callable, policy: PolicyName) -> dict[str, float]:
     config = CacheConfig()
     workers = [SimWorker(f"w{i}", SlotTier({RANK: SLOTS}, make_policy(policy, config))) for i in range(WORKERS)]
     sim = Simulation(workers, placement)
@@ -126,8 +133,7 @@ def simulate(trace: np.ndarray, arrivals: np.ndarray, placement: Callable, polic
             if worker is None:
                 return
             queue.popleft()
-            key = f"{requests[index].adapter.adapter_id}@1"
-            first = worker.start(key, now)
+            first = worker.start(key_of(requests[index]), now)
             ttft.append(now - arrived + first)
             holder[index] = worker
             heapq.heappush(events, (now + first + DECODE_S, index, 1, "end"))
@@ -139,7 +145,7 @@ def simulate(trace: np.ndarray, arrivals: np.ndarray, placement: Callable, polic
                 w.slots.policy.update_heat(heat.snapshot(now))
             next_heat = now + 5.0
         if kind == "arrive":
-            heat.bump(f"{requests[index].adapter.adapter_id}@1", now)
+            heat.bump(key_of(requests[index]), now)
             queue.append((index, now))
         else:
             holder.pop(index).running -= 1

@@ -21,7 +21,7 @@ class RawStreamClient:
     async def post_stream(self, path: str, body: dict, on_chunk: Callable[[bytes], None]) -> dict[str, str]:
         """Send the request, call ``on_chunk`` with each body chunk as it arrives, read to the end;
         returns the response headers (lower-cased). Raises on a non-200 status."""
-        if self._writer is None:
+        if self._reader is None or self._writer is None:  # the two are set together
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps(body).encode()
         head = (

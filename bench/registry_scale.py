@@ -14,7 +14,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,7 +92,7 @@ async def measure(nats_url: str, n_records: int, n_resolves: int) -> dict:
     gc.freeze()  # the bench's own copy of the records must not add GC pauses to the timings
 
     env = {**os.environ, "LF_NATS_URL": nats_url, "LF_INSTANCE_ID": "bench-registry", "LF_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.registry"], env=env)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.registry", env=env)
     try:
         start_s = await wait_ready(nc, 300)
         rss_loaded = rss_mb(proc.pid)
@@ -120,7 +119,7 @@ async def measure(nats_url: str, n_records: int, n_resolves: int) -> dict:
         rss_after = rss_mb(proc.pid)
     finally:
         proc.terminate()
-        proc.wait(10)
+        await asyncio.wait_for(proc.wait(), 10)
         await nc.drain()
         gc.unfreeze()
 

@@ -97,7 +97,7 @@ def train(task: Task, out: Path, steps: int, batch: int, lr: float, examples: in
         for i in range(0, len(data), 16):
             chunk = [torch.tensor(ids) for ids, _ in data[i : i + 16]]
             h = _layers(inner, inner.embed_tokens(_pad(chunk)), inner.layers[:first])
-            cached += [row[: len(ids)] for row, ids in zip(h, chunk)]
+            cached += [row[: len(ids)] for row, ids in zip(h, chunk, strict=True)]
     print(f"{task.name}: cached layer-{first} states of {len(data)} examples ({time.perf_counter() - start:.0f}s)")
     labels = [torch.tensor(y) for _, y in data]
     params = [p for p in model.parameters() if p.requires_grad]

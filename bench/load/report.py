@@ -159,7 +159,7 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
     for group, colour in colours.items():
         points = [(o.at_s, o.ttft_ms) for o in completed if group_of(o) == group]
         if points:
-            axes[2].scatter(*zip(*points), s=8, color=colour, label=group)
+            axes[2].scatter(*zip(*points, strict=True), s=8, color=colour, label=group)
     axes[2].set_yscale("log")
     axes[2].set_xlabel("scheduled at (s)")
     axes[2].set_ylabel("TTFT (ms)")

@@ -67,7 +67,7 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
     """The already running stack at ``config.url``, or a fresh one (services get ``extra_env``) with
     tenants and adapters registered."""
     if config.url is not None:
-        return asyncio.run(_existing(config))
+        return asyncio.run(_existing(config, config.url))
     started = time.perf_counter()
     stack = start_stack(
         config.base_model,
@@ -85,6 +85,7 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
         stack.stop(keep_logs=True)
         raise
     reg = target.registration
+    assert reg is not None  # _populate registers the adapters
     progress(f"registered {reg['adapters']} adapters ({reg['weight_bytes'] / 2**20:.0f} MiB) in {reg['seconds']:.1f} s")
     return target
 
@@ -101,18 +102,20 @@ async def _populate(config: LoadConfig, stack: BenchStack) -> Target:
     return Target(stack.url, keys, population, stack, registration)
 
 
-async def _existing(config: LoadConfig) -> Target:
+async def _existing(config: LoadConfig, url: str) -> Target:
     """Tenants are the given keys; each one's adapters are what /v1/models lists for it."""
     keys = {f"key-{i}": key for i, key in enumerate(config.keys)}
     owners: dict[str, str] = {}
-    base = None
+    base: str | None = None
     for tenant, key in keys.items():
-        models = await list_models(config.url, key)
+        models = await list_models(url, key)
         base = base or models[0]["id"]
         for model in models[1:]:
             owners.setdefault(model["id"], tenant)
+    if base is None:
+        raise ValueError("a running target needs at least one key")
     adapters = tuple(sorted(owners.items()))[: config.adapters]
-    return Target(config.url, keys, Population(base, tuple(keys), adapters))
+    return Target(url, keys, Population(base, tuple(keys), adapters))
 
 
 async def _warm(target: Target, config: LoadConfig) -> None:

@@ -2,6 +2,7 @@
 model (the embedded SmolLM2 or a tiny random Llama), tenants with their API keys."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -63,10 +64,8 @@ def base_model_dir(kind: str) -> tuple[Path, str]:
         staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}-", dir=target.parent)) / TINY_MODEL
         staging.mkdir()
         make_tiny_model(staging)
-        try:
+        with contextlib.suppress(OSError):  # another run made it meanwhile
             os.replace(staging, target)
-        except OSError:  # another run made it meanwhile
-            pass
         shutil.rmtree(staging.parent, ignore_errors=True)
     return target, TINY_MODEL
 

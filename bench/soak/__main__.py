@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     target = open_target(config, WORKER_ENV)
     started_env = environment(config, target)  # the commit the services started from, not the one at the end
     try:
+        assert target.stack is not None  # without --url, open_target started the stack
         pids = target.stack.pids()
         primed_s = asyncio.run(prime(target, config.max_tokens))
         progress(f"primed {len(target.population.adapters)} adapters in {primed_s:.0f} s")

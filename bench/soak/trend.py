@@ -44,27 +44,28 @@ def trend(
     end = _window(after, after[-1].t_s - window_s, after[-1].t_s)
     warm_rss, end_rss = statistics.median(s.rss_mb for s in warm), statistics.median(s.rss_mb for s in end)
     warm_files, end_files = min(s.open_files for s in warm), min(s.open_files for s in end)
+    rss_growth, files_growth = end_rss - warm_rss, end_files - warm_files
     result = {
         "samples": len(samples),
         "start_rss_mb": samples[0].rss_mb,
         "warm_rss_mb": warm_rss,
         "end_rss_mb": end_rss,
         "max_rss_mb": max(s.rss_mb for s in samples),
-        "rss_growth_mb": end_rss - warm_rss,
+        "rss_growth_mb": rss_growth,
         "rss_slope_mb_per_min": slope_per_min([(s.t_s, s.rss_mb) for s in after]),
         "start_open_files": samples[0].open_files,
         "warm_open_files": warm_files,
         "end_open_files": end_files,
         "max_open_files": max(s.open_files for s in samples),
-        "open_files_growth": end_files - warm_files,
+        "open_files_growth": files_growth,
         "open_files_slope_per_min": slope_per_min([(s.t_s, float(s.open_files)) for s in after]),
     }
     rss_allowed = max(tol.rss_mb, warm_rss * tol.rss_pct / 100)
     problems = []
     if samples[-1].t_s < last_s - 1.5 * interval_s:
         problems.append(f"last sampled at {samples[-1].t_s:.0f} s of {last_s:.0f} s: it exited")
-    if result["rss_growth_mb"] > rss_allowed:
-        problems.append(f"RSS grew {result['rss_growth_mb']:.1f} MB after warm-up (allowed {rss_allowed:.1f})")
-    if result["open_files_growth"] > tol.open_files:
-        problems.append(f"open files grew by {result['open_files_growth']:.0f} (allowed {tol.open_files})")
+    if rss_growth > rss_allowed:
+        problems.append(f"RSS grew {rss_growth:.1f} MB after warm-up (allowed {rss_allowed:.1f})")
+    if files_growth > tol.open_files:
+        problems.append(f"open files grew by {files_growth:.0f} (allowed {tol.open_files})")
     return result | {"flat": not problems, "why": "; ".join(problems)}

@@ -88,7 +88,7 @@ async def push_adapter(
     if sign_key is not None:
         digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         manifest = signing.manifest_bytes(digests, adapter_id, version, tenant_id, base_fingerprint)
-        signature = signing.sign(manifest, signing.load_private_key(sign_key.read_bytes()))
+        signature = signing.sign(manifest, signing.load_private_key(await asyncio.to_thread(sign_key.read_bytes)))
         signer = sign_key.stem
     upload_id = secrets.token_hex(12)
     uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)

@@ -96,11 +96,12 @@ async def _seed(
         TIMEOUT_S,
     )
     client = gateway_client(gateway_url, created.key)
-    seeded = []
     try:
         await _wait_for_key(client)
-        for directory in sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()):
-            seeded.append(await _release(nc, client, directory, key_file, fingerprint, tenant_id, actor))
+        seeded = [
+            await _release(nc, client, directory, key_file, fingerprint, tenant_id, actor)
+            for directory in sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file())
+        ]
     finally:
         await request(
             nc,

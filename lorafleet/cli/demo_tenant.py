@@ -1,6 +1,7 @@
 """The demo tenant of ``lorafleet up`` and its inference key, made through the registry once and
 kept in the state dir (mode 0600); a key the registry no longer knows, or revoked, is replaced."""
 
+import contextlib
 from pathlib import Path
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect
@@ -32,7 +33,7 @@ async def ensure_demo_key(nats_url: str, state_dir: Path) -> str:
         parsed = parse_key(saved)
         if parsed and any(k.key_id == parsed[0] and not k.revoked for k in known.keys):
             return saved
-        try:
+        with contextlib.suppress(Conflict):
             await request(
                 nc,
                 subjects.registry("tenant_create"),
@@ -40,8 +41,6 @@ async def ensure_demo_key(nats_url: str, state_dir: Path) -> str:
                 TenantsReply,
                 TIMEOUT_S,
             )
-        except Conflict:
-            pass
         created = await request(
             nc,
             subjects.registry("api_key_create"),

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error ({e.code}): {e.message}")
         return 1
     if args.verbose:
-        for answer, score in zip(evaluation.adapter.answers, evaluation.adapter.scores):
+        for answer, score in zip(evaluation.adapter.answers, evaluation.adapter.scores, strict=True):
             print(f"  [{score:.0f}] {answer!r}")
     print(summary(adapter_id, version, evaluation) + ("" if args.no_record else " (recorded)"))
     return 0

@@ -1,5 +1,6 @@
 """Start the embedded infrastructure: nats-server (JetStream) and redis-server, on chosen ports."""
 
+import os
 import shutil
 import socket
 import subprocess
@@ -37,7 +38,8 @@ def wait_port(port: int, timeout_s: float, proc: subprocess.Popen | None = None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise InfraError(f"process {proc.args[0]} exited with {proc.returncode} before listening on {port}")
+            program = proc.args if isinstance(proc.args, str | bytes | os.PathLike) else proc.args[0]
+            raise InfraError(f"process {os.fsdecode(program)} exited with {proc.returncode} before listening on {port}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -95,13 +97,15 @@ class Server:
 
 
 def _spawn(args: tuple[str, ...], log_file: Path | None) -> subprocess.Popen:
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    if not log_file:
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_file, "ab") as out:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config: Path | None = None) -> Server:
     state_dir.mkdir(parents=True, exist_ok=True)
-    args = (nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir))
+    args: tuple[str, ...] = (nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir))
     if config is not None:
         args += ("-c", str(config))
     proc = _spawn(args, log_file)

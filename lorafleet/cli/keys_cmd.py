@@ -24,13 +24,18 @@ def generate(name: str, out_dir: Path) -> tuple[Path, str]:
     return private, keys.public_b64
 
 
+def _public_key(value: str) -> str:
+    """The base64 public key given inline, or read from the ``.pub`` file it names."""
+    if Path(value).is_file():
+        return Path(value).read_text().strip()
+    return value
+
+
 async def _registry_keys(args: argparse.Namespace) -> dict[str, str]:
     nc = await cli_connect(args.nats_url)
     try:
         if args.keys_cmd == "trust":
-            key = args.public_key
-            if Path(key).is_file():
-                key = Path(key).read_text().strip()
+            key = await asyncio.to_thread(_public_key, args.public_key)
             message = TrustKeyRequest(signer=args.name, public_key=key, actor=actor())
             reply = await request(nc, subjects.registry("trust_key"), message, TrustedKeysReply, TIMEOUT_S)
         else:

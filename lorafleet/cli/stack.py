@@ -28,14 +28,14 @@ class Stack:
         key = key or name
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
-        log = open(self.log_dir / f"{key}.log", "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.log_dir / f"{key}.log", "ab") as log:  # the child holds its own copy of the descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[key] = proc
         return proc
 

@@ -9,8 +9,10 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from lorafleet.evaluation.scorers import scorer
 from shared.errors import InvalidRequest
@@ -76,16 +78,17 @@ def load_eval_set(path: Path) -> EvalSet:
 async def _ask(client: openai.AsyncOpenAI, model: str, item: EvalItem, max_tokens: int) -> tuple[str, str]:
     """(answer, request id): greedy decoding, so a score is reproducible."""
     if item.messages is not None:
-        raw = await client.chat.completions.with_raw_response.create(
-            model=model, messages=item.messages, max_tokens=max_tokens, temperature=0
+        messages = cast("list[ChatCompletionMessageParam]", item.messages)  # the eval set's JSON, as the API takes it
+        chat = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0
         )
-        text = raw.parse().choices[0].message.content or ""
+        text, headers = chat.parse().choices[0].message.content or "", chat.headers
     else:
-        raw = await client.completions.with_raw_response.create(
+        completion = await client.completions.with_raw_response.create(
             model=model, prompt=item.prompt or "", max_tokens=max_tokens, temperature=0
         )
-        text = raw.parse().choices[0].text
-    return text, raw.headers.get("x-lorafleet-request-id", "")
+        text, headers = completion.parse().choices[0].text, completion.headers
+    return text, headers.get("x-lorafleet-request-id", "")
 
 
 async def run_eval(

@@ -15,8 +15,8 @@ import structlog
 from pydantic import BaseModel
 
 from services.registry import lifecycle
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
 from services.registry.gate import GatePolicy, check_release
+from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.registry.kv import RecordsKV
 from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 from shared import metrics, subjects
@@ -68,7 +68,7 @@ class Registry:
         approved: ApprovedStore,
         uploads: Uploads,
         base: BaseModelIdentity,
-        policy: AdmissionPolicy,
+        policy: IntakePolicy,
         trusted_dirs: tuple[Path, ...],
         remote_allow_list: tuple[str, ...],
         publish: Publish,

@@ -12,9 +12,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
+from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
 from services.registry.stores import Uploads, open_approved_store, open_object_store
@@ -89,7 +89,7 @@ async def open_registry(
         approved=await open_approved_store(js, settings.store_dir),
         uploads=Uploads(await open_object_store(js, subjects.ADAPTER_UPLOADS_BUCKET)),
         base=base,
-        policy=AdmissionPolicy(
+        policy=IntakePolicy(
             limits=AdapterLimits(max_rank=settings.max_rank, max_weights_bytes=settings.max_adapter_bytes),
             dev_mode=settings.dev_mode,
         ),

@@ -87,7 +87,8 @@ class Dispatcher:
     held: dict[str, Queued] = field(default_factory=dict)  # queued or being dispatched, by request id
     inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
     tasks: set[asyncio.Task] = field(default_factory=set)
-    early: dict[str, CompletionAudit] = field(default_factory=dict)  # ended before its dispatch reply came back
+    # request id -> worker id -> its run's completion, seen while the request was still held here
+    early: dict[str, dict[str, CompletionAudit]] = field(default_factory=dict)
     grants: Grants = field(init=False)
 
     def __post_init__(self) -> None:
@@ -189,6 +190,7 @@ class Dispatcher:
         elif reply.error is not None and reply.error.status < 500:
             self.fleet.refused(worker_id, request.request_id, back_off=False)
             self.held.pop(request.request_id, None)
+            self.early.pop(request.request_id, None)
             await self._refuse(request, from_body(reply.error))
             await self.admission.release(item.grant, 0)
             await item.handle.term()
@@ -216,22 +218,31 @@ class Dispatcher:
         if waited > self.slo_s[request.priority]:
             metrics.SLO_MISSES.labels(request.priority).inc()
         log.info("dispatched", request_id=rid, worker_id=worker_id, tenant=request.tenant_id)
-        await item.handle.ack()
-        await self.dispatched.mark(rid, worker_id)
-        key = adapter_key_of(request)
-        if key is not None:
-            await self.heat.bump(key)
-        if rid in self.early:
-            await self.completed(self.early.pop(rid))
+        ended = self.early.pop(rid, {}).get(worker_id)  # other workers' runs of it were withdrawn
+        try:
+            await item.handle.ack()
+            await self.dispatched.mark(rid, worker_id)
+            key = adapter_key_of(request)
+            if key is not None:
+                await self.heat.bump(key)
+        finally:  # a failed ack must not leave a run that already ended holding its worker
+            if ended is not None:
+                await self.completed(ended)
 
     async def completed(self, event: CompletionAudit) -> None:
         """A worker finished a request: free its concurrency slot, refund its unused tokens, and
-        correct its tenant's fairness counter from the estimate to what it really used."""
-        entry = self.inflight.pop(event.request_id, None)
+        correct its tenant's fairness counter from the estimate to what it really used. Only the
+        run on the worker that took it ends it: a run withdrawn from another worker (its dispatch
+        timed out, or the bus dropped its reply) may end there before or after."""
+        rid = event.request_id
+        entry = self.inflight.get(rid)
         if entry is None:
-            if event.request_id in self.held:
-                self.early[event.request_id] = event
+            if rid in self.held:
+                self.early.setdefault(rid, {})[event.worker_id] = event
             return
+        if entry.worker_id != event.worker_id:
+            return
+        del self.inflight[rid]
         self.fleet.ended(entry.worker_id, event.request_id)
         prompt_est, max_tokens = token_cost(entry.request)
         self.queue.charge(
@@ -246,6 +257,7 @@ class Dispatcher:
         if item is None:
             return False
         self.held.pop(request_id, None)
+        self.early.pop(request_id, None)
         await self.admission.release(item.grant, 0)
         await item.handle.term()
         log.info("queued_request_cancelled", request_id=request_id)
@@ -255,6 +267,7 @@ class Dispatcher:
         """Take ``item`` out of the scheduler: answer ``error`` (None = the client is gone) and terminate it."""
         self.queue.remove(item.request_id)
         self.held.pop(item.request_id, None)
+        self.early.pop(item.request_id, None)
         if error is not None:
             await self._refuse(item.request, error)
         await self.admission.release(item.grant, 0)
@@ -277,3 +290,4 @@ class Dispatcher:
         for item in list(self.held.values()):
             await item.handle.nak()
         self.held.clear()
+        self.early.clear()

@@ -3,7 +3,7 @@ running requests stop; a rolled-back or retired version leaves the idle tiers.""
 
 import structlog
 
-from services.worker.cache.hierarchy import CacheHierarchy
+from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.serving import RequestServer
 from shared.errors import AdapterRevoked
 from shared.schemas import AdapterEvent

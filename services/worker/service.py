@@ -9,9 +9,9 @@ import structlog
 from nats.aio.client import Client as NATS
 from redis.exceptions import RedisError
 
+from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_events import on_adapter_event
 from services.worker.adapter_source import StoreLoader
-from services.worker.cache.hierarchy import CacheHierarchy
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.loader import load_model
 from services.worker.lora.layout import ModelShapes

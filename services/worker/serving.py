@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.worker.cache.hierarchy import CacheHierarchy, Lookup
+from services.worker.adapter_cache.hierarchy import CacheHierarchy, Lookup
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
 from services.worker.prompt_ids import PromptIds

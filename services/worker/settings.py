@@ -4,7 +4,7 @@
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.worker.cache.config import CacheConfig
+from services.worker.adapter_cache.config import CacheConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.lora.config import LoraConfig
 from shared.config import WorkerIdentity

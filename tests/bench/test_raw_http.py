@@ -34,7 +34,7 @@ async def server():
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(uv.serve())
-    while not uv.started:
+    while not uv.started:  # noqa: ASYNC110 - uvicorn exposes only a flag, no event, for its start
         await asyncio.sleep(0.01)
     yield port, connections
     uv.should_exit = True

@@ -13,7 +13,7 @@ TOL = Tolerance(rss_mb=20, rss_pct=2, open_files=4)
 
 def series(rss: list[float], files: list[int] | None = None, every_s: float = 10.0) -> list[Sample]:
     files = files or [10] * len(rss)
-    return [Sample(i * every_s, r, f) for i, (r, f) in enumerate(zip(rss, files))]
+    return [Sample(i * every_s, r, f) for i, (r, f) in enumerate(zip(rss, files, strict=True))]
 
 
 def verdict(samples: list[Sample], last_s: float | None = None) -> dict:

@@ -26,7 +26,7 @@ async def expect_js_refused(client, call, subject: str) -> None:
 
 
 async def test_wrong_password_is_refused(auth_server) -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         await nats.connect(
             auth_server.server.url,
             user="worker",

@@ -2,6 +2,7 @@
 a broken version cannot pass the release gate, and a regressing canary is rolled back and audited."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def release(running_stack, tmp_path_factory) -> Release:
             TrustedKeysReply,
             10,
         )
-        try:
+        with contextlib.suppress(Conflict):
             await request(
                 nc,
                 subjects.registry("tenant_create"),
@@ -86,8 +87,6 @@ def release(running_stack, tmp_path_factory) -> Release:
                 TenantsReply,
                 10,
             )
-        except Conflict:
-            pass
         created = await request(
             nc,
             subjects.registry("api_key_create"),

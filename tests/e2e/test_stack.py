@@ -1,6 +1,7 @@
 """End to end through the gateway with the official openai client, on the real SmolLM2 model."""
 
 import asyncio
+import contextlib
 import socket
 import sqlite3
 import time
@@ -74,15 +75,15 @@ async def _direct_request(nats_url: str, tenant: str, **over) -> list:
     nc = await nats.connect(nats_url)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    fields = dict(
-        request_id=f"direct-{time.monotonic_ns()}",
-        tenant_id=tenant,
-        model=MODEL,
-        base_model=MODEL,
-        prompt="The capital of France is",
-        sampling=SamplingParams(max_tokens=5, temperature=0),
-        reply_to=inbox,
-    )
+    fields = {
+        "request_id": f"direct-{time.monotonic_ns()}",
+        "tenant_id": tenant,
+        "model": MODEL,
+        "base_model": MODEL,
+        "prompt": "The capital of France is",
+        "sampling": SamplingParams(max_tokens=5, temperature=0),
+        "reply_to": inbox,
+    }
     fields.update(over)
     await nc.jetstream().publish(subjects.infer_submit(tenant), encode(InferRequest(**fields)))
     bodies = []
@@ -155,10 +156,8 @@ async def _publish_garbage(nats_url: str) -> None:
             continue
     for worker_id in workers:
         for payload in (b"", b"{}", b"not json", b'{"action": "cancel"}'):
-            try:
+            with contextlib.suppress(nats.errors.TimeoutError):
                 await nc.request(subjects.worker_dispatch(worker_id), payload, timeout=2)
-            except nats.errors.TimeoutError:
-                pass
             await nc.publish(subjects.worker_control(worker_id), payload)
     await nc.close()
 

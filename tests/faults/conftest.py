@@ -122,8 +122,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     stack = Stack(env, root / "logs")
     running = Fleet(stack, nats_server, redis, f"http://127.0.0.1:{port}", model_dir, root / "audit.sqlite3")
     try:
-        for name in SERVICES:
-            stack.start(name)
+        for name in SERVICES:  # the scheduler's /metrics on, for tests/faults/observe.py to scrape
+            stack.start(name, {"LF_METRICS_PORT": "0"} if name == "scheduler" else None)
         for worker in WORKERS:
             stack.start("worker", {"LF_WORKER_ID": worker}, key=worker)
         running.ready(180)

@@ -98,7 +98,7 @@ async def flood_pushes(nc: NATS, good: Files) -> dict[str, tuple[str, str]]:
     expected["sea"] = "conflict"  # tenant other pushing a valid adapter under tenant demo's id
     pushes.append(push(nc, ADAPTER, good, inline=True, tenant="other"))
     answers = await asyncio.gather(*pushes)
-    return {adapter_id: (code, answer) for (adapter_id, code), answer in zip(expected.items(), answers)}
+    return {adapter_id: (code, answer) for (adapter_id, code), answer in zip(expected.items(), answers, strict=True)}
 
 
 async def foreign_requests(client: httpx.AsyncClient, n: int) -> list[httpx.Response]:

@@ -106,15 +106,15 @@ class Gateway:
 
 
 def gateway_settings(nats_url: str, **over) -> GatewaySettings:
-    values = dict(
-        nats_url=nats_url,
-        api_keys={"config-key": "configured"},
-        max_body_bytes=200_000,
-        max_prompt_tokens=64,
-        max_tokens_limit=512,
-        request_timeout_s=2,
-        accept_timeout_s=2,
-    )
+    values = {
+        "nats_url": nats_url,
+        "api_keys": {"config-key": "configured"},
+        "max_body_bytes": 200_000,
+        "max_prompt_tokens": 64,
+        "max_tokens_limit": 512,
+        "request_timeout_s": 2,
+        "accept_timeout_s": 2,
+    }
     return GatewaySettings(**{**values, **over})
 
 
@@ -159,9 +159,8 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     beating = asyncio.create_task(publish_heartbeats(nc, "gateway", settings.instance_id, 0.2, lambda: (True, "")))
     app = create_app(GatewayContext(settings, nc, nc.jetstream(), cluster, keys, resolver, smol_tokens))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None
     serving = asyncio.create_task(server.serve())
-    while not (server.started and keys.loaded):
+    while not (server.started and keys.loaded):  # noqa: ASYNC110  # uvicorn and the key watch set plain flags
         await asyncio.sleep(0.02)
     gw = Gateway(f"http://127.0.0.1:{port}", nc, worker, keys, cluster, "", resolver)
     _, gw.admin_key = await gw.tenant(scopes=("platform_admin", "inference"))

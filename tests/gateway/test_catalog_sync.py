@@ -28,7 +28,7 @@ async def _served_version(client, model: str) -> str:
 
 
 async def test_a_write_is_in_the_mirror_when_it_returns(gateway, tmp_path):
-    tenant, key = await gateway.tenant(scopes=("admin", "inference"))
+    _tenant, key = await gateway.tenant(scopes=("admin", "inference"))
     adapter_id = f"sync-{uuid.uuid4().hex[:6]}"
     mirror = gateway.resolver.mirror
     async with gateway.client(key) as client:
@@ -84,6 +84,14 @@ async def test_a_gateway_that_never_confirms_delays_writes_by_the_bound_only(gat
 class SlowMirror(CatalogMirror):
     """A mirror whose watch delivers every entry 300 ms late."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = asyncio.Event()  # set with ``loaded``
+
+    def mark_loaded(self) -> None:
+        super().mark_loaded()
+        self.ready.set()
+
     def apply(self, key: str, value: bytes | None, revision: int) -> None:
         asyncio.get_running_loop().call_later(0.3, super().apply, key, value, revision)
 
@@ -95,8 +103,7 @@ async def test_a_write_waits_for_a_slow_mirror(gateway, tmp_path):
     _, watch = await start_resolver(gateway.nc, "slow-gw", 2.0, slow)
     beats = asyncio.create_task(publish_heartbeats(gateway.nc, "gateway", "slow-gw", 0.2, lambda: (True, "")))
     try:
-        while not slow.loaded:
-            await asyncio.sleep(0.05)
+        await slow.ready.wait()
         await asyncio.sleep(0.3)  # the registry has seen this gateway's heartbeat
         async with gateway.client(key) as client:
             started = time.monotonic()

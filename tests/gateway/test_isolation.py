@@ -30,7 +30,7 @@ def oai(gateway, key) -> openai.AsyncOpenAI:
 
 
 async def test_models_lists_only_own_adapters_and_base(gateway, two_tenants):
-    for name, (_, key, ids) in two_tenants.items():
+    for _, key, ids in two_tenants.values():
         models = await oai(gateway, key).models.list()
         assert sorted(m.id for m in models.data) == sorted([BASE, *ids])
 

@@ -41,7 +41,7 @@ async def test_wrong_keys_are_401(gateway, mangle):
 
 
 async def test_revoked_key_is_refused_within_a_second(gateway):
-    tenant, key = await gateway.tenant()
+    _tenant, key = await gateway.tenant()
     key_id = key.split("-")[1]
     async with gateway.client(key) as c:
         assert (await c.get("/v1/models")).status_code == 200

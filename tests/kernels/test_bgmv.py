@@ -52,7 +52,7 @@ def test_bgmv_launcher_refuses_bad_operands(gen: torch.Generator) -> None:
     index = index_for(torch.tensor([0, 1]))
     x = torch.randn(2, 32)
     h = torch.empty(2, 8)
-    with pytest.raises(AssertionError, match="dtype|is torch"):
+    with pytest.raises(AssertionError, match=r"dtype|is torch"):
         bgmv_shrink(x.half(), a, index.token_idx, index.token_row, h)
     with pytest.raises(AssertionError, match="in="):
         bgmv_shrink(torch.randn(2, 16), a, index.token_idx, index.token_row, h)

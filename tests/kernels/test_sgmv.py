@@ -42,7 +42,7 @@ def test_sgmv_prefill_runs_spanning_several_tiles(gen: torch.Generator) -> None:
     """Contiguous prompts of uneven lengths, as a prefill step lays them out."""
     a, b, scale = make_weights(3, 48, 16, 40, torch.float32, gen)
     lengths, slots = [BLOCK_M * 2 + 3, 1, BLOCK_M, 7], [2, 0, -1, 2]
-    rows = torch.cat([torch.full((n,), s) for n, s in zip(lengths, slots)])
+    rows = torch.cat([torch.full((n,), s) for n, s in zip(lengths, slots, strict=True)])
     x = torch.randn(rows.shape[0], 48, generator=gen)
     y = torch.randn(rows.shape[0], 40, generator=gen)
     out = run_sgmv(x, y.clone(), a, b, scale, rows)

@@ -12,7 +12,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity
+from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.service import run
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits
@@ -105,8 +105,8 @@ def signer_keys() -> KeyPair:
 
 
 @pytest.fixture
-def policy() -> AdmissionPolicy:
-    return AdmissionPolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False)
+def policy() -> IntakePolicy:
+    return IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.registry.admission import BaseModelIdentity
+from services.registry.intake import BaseModelIdentity
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, PayloadTooLarge
 
@@ -156,7 +156,7 @@ def test_directory_with_a_pickle_file_is_refused(peft_adapter_dir: Path, tmp_pat
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         (tmp_path / name).write_bytes((peft_adapter_dir / name).read_bytes())
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
-    with pytest.raises(InvalidRequest, match="'pytorch_model.bin' is refused"):
+    with pytest.raises(InvalidRequest, match=r"'pytorch_model\.bin' is refused"):
         read_adapter_dir(tmp_path)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
@@ -20,10 +20,10 @@ Files = dict[str, bytes]
 
 @pytest.fixture
 def signed_record(
-    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair
 ) -> AdapterRecord:
     """The record the registry admits for the peft adapter, signed by the trusted key."""
-    unsigned = AdmissionPolicy(limits=policy.limits, dev_mode=True)
+    unsigned = IntakePolicy(limits=policy.limits, dev_mode=True)
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
     draft = admit(Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere").after
     manifest = signing.manifest_bytes(draft.files, "summarize", 1, "acme", base.fingerprint)
@@ -43,7 +43,7 @@ def test_tampered_weights_are_refused(
     weights = bytearray(adapter_files[WEIGHTS_FILE])
     weights[-1] ^= 0x01  # one bit of one tensor value, as a corrupted or swapped store object would
     files = {**adapter_files, WEIGHTS_FILE: bytes(weights)}
-    with pytest.raises(IntegrityError, match="adapter_model.safetensors sha256 .* does not match"):
+    with pytest.raises(IntegrityError, match=r"adapter_model\.safetensors sha256 .* does not match"):
         verify_adapter(signed_record, files, base.fingerprint, {"release": signer_keys.public_b64})
 
 

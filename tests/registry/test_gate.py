@@ -25,19 +25,19 @@ def test_a_score_at_or_over_the_threshold_passes() -> None:
 
 
 def test_a_score_under_the_threshold_fails() -> None:
-    with pytest.raises(ReleaseGateFailed, match="under its release threshold 0.600"):
+    with pytest.raises(ReleaseGateFailed, match=r"under its release threshold 0\.600"):
         check_release(record(1, score=0.2, threshold=0.6), None, GatePolicy())
 
 
 def test_the_policy_floor_raises_a_lower_adapter_threshold() -> None:
-    with pytest.raises(ReleaseGateFailed, match="threshold 0.500"):
+    with pytest.raises(ReleaseGateFailed, match=r"threshold 0\.500"):
         check_release(record(1, score=0.4, threshold=0.1), None, GatePolicy(min_score=0.5))
 
 
 def test_a_regression_beyond_the_tolerance_fails() -> None:
     production = record(1, "production", score=0.9)
     check_release(record(2, score=0.86, threshold=0.5), production, GatePolicy(max_regression=0.05))
-    with pytest.raises(ReleaseGateFailed, match="regression beyond 0.050 from production v1"):
+    with pytest.raises(ReleaseGateFailed, match=r"regression beyond 0\.050 from production v1"):
         check_release(record(2, score=0.8, threshold=0.5), production, GatePolicy(max_regression=0.05))
 
 

@@ -11,9 +11,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
+from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.ops import Registry
 from services.registry.service import subscribe
 from services.registry.tenants import Tenants
@@ -114,7 +114,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         approved=None,  # type: ignore[arg-type]  # only register reaches the stores
         uploads=None,  # type: ignore[arg-type]
         base=base,
-        policy=AdmissionPolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
+        policy=IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
         trusted_dirs=(),
         remote_allow_list=(),
         publish=publish,

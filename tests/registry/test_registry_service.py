@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
 from lorafleet.cli.adapter_cmd import push_adapter
-from services.registry.admission import BaseModelIdentity
+from services.registry.intake import BaseModelIdentity
 from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
@@ -89,8 +89,8 @@ async def test_lifecycle_over_nats(
     assert keys.keys["release"] == signer_keys.public_b64
     key_file = tmp_path / "release.key"
     key_file.write_bytes(signer_keys.private_pem)
-    push = dict(adapter_id=ID, tenant_id="acme", task_type="summarization", base_fingerprint=base.fingerprint,
-                sign_key=key_file, who="test")  # fmt: skip
+    push = {"adapter_id": ID, "tenant_id": "acme", "task_type": "summarization",
+            "base_fingerprint": base.fingerprint, "sign_key": key_file, "who": "test"}  # fmt: skip
     v1 = await push_adapter(nc, peft_adapter_dir, **push)
     v2 = await push_adapter(nc, peft_adapter_dir, **push)
     assert (v1.version, v2.version, v1.status, v1.signer) == (1, 2, "staging", "release")

@@ -76,15 +76,15 @@ class World:
         )
 
     async def submit(self, rid: str, tenant: str = "acme", **over) -> Msg:
-        fields = dict(
-            request_id=rid,
-            tenant_id=tenant,
-            model=BASE,
-            base_model=BASE,
-            prompt="hello",
-            reply_to="_INBOX.x",
-            sampling={"max_tokens": 8},
-        )
+        fields = {
+            "request_id": rid,
+            "tenant_id": tenant,
+            "model": BASE,
+            "base_model": BASE,
+            "prompt": "hello",
+            "reply_to": "_INBOX.x",
+            "sampling": {"max_tokens": 8},
+        }
         fields.update(over)
         msg = Msg()
         await self.core.submit(f"lf.infer.submit.{tenant}", InferRequest(**fields).model_dump_json().encode(), msg)

@@ -42,7 +42,7 @@ def test_decode_turns_any_garbage_into_invalid_message(data):
 
 
 def test_decode_refuses_unknown_fields_and_both_inputs():
-    base = dict(request_id="r", tenant_id="t", model="m", base_model="m", reply_to="_INBOX.x")
+    base = {"request_id": "r", "tenant_id": "t", "model": "m", "base_model": "m", "reply_to": "_INBOX.x"}
     with pytest.raises(InvalidMessage):
         decode(
             InferRequest, InferRequest(prompt="x", **base).model_dump_json().replace('"stream"', '"streamx"').encode()

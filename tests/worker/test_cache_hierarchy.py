@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from services.worker.cache import CacheConfig, CacheHierarchy
+from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from shared.errors import AdapterRevoked, IntegrityError, ServiceUnavailable
 from tests.helpers.adapters import save_peft_adapter, tiny_llama, tiny_llama_config

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.worker.cache import CacheConfig, CpuTier, Entry, HeatPolicy, LfuPolicy, LruPolicy, SlotTier
-from services.worker.cache.policy import EvictionPolicy
+from services.worker.adapter_cache import CacheConfig, CpuTier, Entry, HeatPolicy, LfuPolicy, LruPolicy, SlotTier
+from services.worker.adapter_cache.policy import EvictionPolicy
 from services.worker.lora import AdapterWeights
 from shared.decay import DecayedRate
 

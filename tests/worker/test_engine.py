@@ -150,7 +150,7 @@ def test_stop_string_cuts_text_and_max_tokens_gives_length(
     engine.add_request(EngineRequest("len", prompts[1], greedy(max_tokens=5)))
     engine.add_request(EngineRequest("eos", prompts[0], greedy(max_tokens=40, ignore_eos=True)))
     results = run(engine)
-    tokens, text, reason = results["stop"]
+    _tokens, text, reason = results["stop"]
     assert reason == "stop" and text == full[: full.index(stop)] and stop not in text
     assert results["len"][0] == reference[1][:5] and results["len"][2] == "length"
     assert len(results["eos"][0]) == 40 and results["eos"][2] == "length"

@@ -56,7 +56,7 @@ def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: t
         + [torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for n in prefill_lengths]
     )
     q = torch.randn(step_k.shape[0], HEADS, HEAD_DIM, generator=g).to(dtype)
-    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, decode_lengths)]
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, decode_lengths, strict=True)]
     bounds, start = [], len(decode_lengths)
     for n in prefill_lengths:
         table = [free.pop() for _ in range(-(-n // BLOCK))]

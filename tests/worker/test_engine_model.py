@@ -15,7 +15,13 @@ from services.worker.engine.weights import load_weights
 BLOCK = 4
 
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500_000.0,

@@ -178,7 +178,7 @@ def test_engine_forward_with_the_hook_matches_peft_logits(tmp_path: Path, base) 
     names = ["a8", None, "b64"]
     prompts = [[5, 17, 42, 99, 3, 8], [40, 2, 9], [33, 44, 5]]
     seqs = [Sequence(EngineRequest(str(i), p), None) for i, p in enumerate(prompts)]
-    for seq, name in zip(seqs, names):
+    for seq, name in zip(seqs, names, strict=True):
         seq.slot = -1 if name is None else manager.slot_of(name)
     running: list[Sequence] = []
     for joining in (seqs[:2], seqs[2:], []):
@@ -206,6 +206,6 @@ def test_concurrent_loads_get_distinct_slots_and_one_slot_per_name(adapter_dirs:
     names = ["a", "b", "c", "a", "b", "c", "d", "a"]
     with ThreadPoolExecutor(max_workers=4) as pool:
         slots = list(pool.map(lambda name: manager.load_adapter(name, weights), names))
-    by_name = dict(zip(names, slots))
-    assert all(by_name[n] == s for n, s in zip(names, slots)) and len(set(by_name.values())) == 4
+    by_name = dict(zip(names, slots, strict=True))
+    assert all(by_name[n] == s for n, s in zip(names, slots, strict=True)) and len(set(by_name.values())) == 4
     assert manager.stats().classes[0].free == manager.pool.classes[0].num_slots - 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.cache import CacheConfig, CacheHierarchy
+from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes

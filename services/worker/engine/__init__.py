@@ -4,11 +4,10 @@ from services.worker.engine.async_engine import AsyncEngine, EngineDead, EngineS
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
-from services.worker.engine.lora_hook import AdapterManager, LoraHook
+from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 
 __all__ = [
-    "AdapterManager",
     "AsyncEngine",
     "DuplicateRequest",
     "EngineConfig",
@@ -17,6 +16,7 @@ __all__ = [
     "EngineStats",
     "LLMEngine",
     "LoraHook",
+    "LoraProvider",
     "RequestOutput",
     "RequestTooLarge",
 ]

@@ -14,7 +14,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.errors import DuplicateRequest
 from services.worker.engine.loader import LoadedModel
-from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.lora_hook import LoraProvider
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 
 _IDLE_POLL_S = 0.005
@@ -54,7 +54,7 @@ class AsyncEngine:
 
     @classmethod
     def from_loaded(
-        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: AdapterManager | None = None
+        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: LoraProvider | None = None
     ) -> "AsyncEngine":
         return cls(LLMEngine.from_loaded(loaded, config, adapter_manager))
 

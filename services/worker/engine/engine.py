@@ -6,15 +6,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.batch import StepBatch, build_batch
+from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
-from services.worker.engine.lora_hook import AdapterManager, LoraHook
+from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sampler import sample
-from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared import metrics
@@ -34,7 +34,7 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase,
         config: EngineConfig,
         eos_token_ids: set[int],
-        adapter_manager: AdapterManager | None = None,
+        adapter_manager: LoraProvider | None = None,
     ):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -50,13 +50,13 @@ class LLMEngine:
             raise ValueError("kv_cache_bytes is too small for one KV block")
         self.cache = KVCache(spec, num_blocks, config.kv_block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks, adapter_manager)
+        self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
         self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
         self._seqs: dict[str, Sequence] = {}
 
     @classmethod
     def from_loaded(
-        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: AdapterManager | None = None
+        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: LoraProvider | None = None
     ) -> "LLMEngine":
         """Build from the worker's loaded transformers model (weights shared, not copied, when dtypes match)."""
         weights = load_weights(loaded.model, config.torch_dtype, config.device, config.max_model_len)

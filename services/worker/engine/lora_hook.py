@@ -24,7 +24,7 @@ class LoraHook(Protocol):
         ...
 
 
-class AdapterManager(Protocol):
+class LoraProvider(Protocol):
     """Maps adapter names to resident slots and builds each step's LoRA state."""
 
     def slot_of(self, adapter: str) -> int | None:

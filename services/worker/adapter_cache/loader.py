@@ -14,10 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from services.worker.cache.cpu_tier import CpuTier
-from services.worker.cache.policy import Entry
-from services.worker.cache.slot_tier import SlotTier
-from services.worker.cache.stats import CacheCounters, Source
+from services.worker.adapter_cache.cpu_tier import CpuTier
+from services.worker.adapter_cache.policy import Entry
+from services.worker.adapter_cache.slot_tier import SlotTier
+from services.worker.adapter_cache.stats import CacheCounters, Source
 from services.worker.lora.layout import AdapterWeights
 from services.worker.lora.manager import AdapterManager
 from shared import metrics

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache import BlockManager
-from services.worker.engine.lora_hook import AdapterManager
+from services.worker.engine.lora_hook import LoraProvider
 from services.worker.engine.sequence import Sequence, Status
 
 
@@ -20,10 +20,10 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
-class Scheduler:
+class BatchScheduler:
     """FCFS with preemption by recompute: when KV runs out mid-generation the newest sequence yields."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: AdapterManager | None = None):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: LoraProvider | None = None):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters

@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from services.worker.cache.config import CacheConfig
-from services.worker.cache.cpu_tier import CpuTier
-from services.worker.cache.loader import LoadFromStore, SlotLoader, settle
-from services.worker.cache.policy import Entry, Slo, make_policy
-from services.worker.cache.slot_tier import SlotTier
-from services.worker.cache.stats import CacheCounters, CacheStats, Tier
+from services.worker.adapter_cache.config import CacheConfig
+from services.worker.adapter_cache.cpu_tier import CpuTier
+from services.worker.adapter_cache.loader import LoadFromStore, SlotLoader, settle
+from services.worker.adapter_cache.policy import Entry, Slo, make_policy
+from services.worker.adapter_cache.slot_tier import SlotTier
+from services.worker.adapter_cache.stats import CacheCounters, CacheStats, Tier
 from services.worker.lora.manager import AdapterManager
 from shared import metrics
 from shared.adapter_keys import adapter_key, adapter_of_key

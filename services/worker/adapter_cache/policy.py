@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from services.worker.cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.config import CacheConfig, PolicyName
 from shared.decay import DecayedRate
 
 Slo = Literal["interactive", "batch"]

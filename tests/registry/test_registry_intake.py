@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.registry.admission import AdmissionPolicy, BaseModelIdentity, admit
+from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from shared import signing
 from shared.adapter_format import validate_adapter
 from shared.catalog import Catalog
@@ -17,7 +17,7 @@ Files = dict[str, bytes]
 
 
 @pytest.fixture
-def sign_request(base: BaseModelIdentity, policy: AdmissionPolicy) -> Callable[..., RegisterRequest]:
+def sign_request(base: BaseModelIdentity, policy: IntakePolicy) -> Callable[..., RegisterRequest]:
     """A register request signed by ``keys`` over ``files`` for the identity in ``fields``."""
 
     def make(files: Files, keys: KeyPair, fingerprint: str | None = None, **fields: object) -> RegisterRequest:
@@ -34,7 +34,7 @@ def sign_request(base: BaseModelIdentity, policy: AdmissionPolicy) -> Callable[.
 
 
 def test_signed_adapter_becomes_a_staging_record(
-    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair, sign_request: Callable
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair, sign_request: Callable
 ) -> None:
     req = sign_request(adapter_files, signer_keys, aliases=["sum"])
     change = admit(Catalog(), req, adapter_files, base, policy, {"release": signer_keys.public_b64}, URI)
@@ -45,17 +45,17 @@ def test_signed_adapter_becomes_a_staging_record(
 
 
 def test_unsigned_adapter_is_refused_unless_dev_mode(
-    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy
 ) -> None:
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
     with pytest.raises(IntegrityError, match="the adapter is unsigned"):
         admit(Catalog(), req, adapter_files, base, policy, {}, URI)
-    dev = AdmissionPolicy(limits=policy.limits, dev_mode=True)
+    dev = IntakePolicy(limits=policy.limits, dev_mode=True)
     assert admit(Catalog(), req, adapter_files, base, dev, {}, URI).after.signature is None
 
 
 def test_forged_signatures_are_refused(
-    adapter_files: Files, variant: Callable, base: BaseModelIdentity, policy: AdmissionPolicy,
+    adapter_files: Files, variant: Callable, base: BaseModelIdentity, policy: IntakePolicy,
     signer_keys: KeyPair, sign_request: Callable,
 ) -> None:  # fmt: skip
     trusted = {"release": signer_keys.public_b64}
@@ -74,7 +74,7 @@ def test_forged_signatures_are_refused(
 
 
 def test_identity_rules(
-    adapter_files: Files, base: BaseModelIdentity, policy: AdmissionPolicy, signer_keys: KeyPair,
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair,
     sign_request: Callable, make_record: Callable[..., AdapterRecord],
 ) -> None:  # fmt: skip
     trusted = {"release": signer_keys.public_b64}

@@ -25,7 +25,7 @@ class BaseModelIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionPolicy:
+class IntakePolicy:
     limits: AdapterLimits
     dev_mode: bool  # admits unsigned adapters; never in production
 
@@ -56,7 +56,7 @@ def admit(
     req: RegisterRequest,
     files: dict[str, bytes],
     base: BaseModelIdentity,
-    policy: AdmissionPolicy,
+    policy: IntakePolicy,
     trusted_keys: dict[str, str],
     storage_uri: str,
 ) -> Change:

@@ -7,7 +7,7 @@ trace simulator drives the same class, so both exercise one eviction path.
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from services.worker.cache.policy import Entry, EvictionPolicy
+from services.worker.adapter_cache.policy import Entry, EvictionPolicy
 from shared.errors import IntegrityError
 
 QuotaFn = Callable[[str | None, int], int]  # (tenant, slots of the rank class) -> slots it may hold

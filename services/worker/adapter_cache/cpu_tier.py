@@ -1,6 +1,6 @@
 """The CPU tier: verified adapter weights in host memory under a byte budget, ready to copy into a slot."""
 
-from services.worker.cache.policy import Entry, EvictionPolicy
+from services.worker.adapter_cache.policy import Entry, EvictionPolicy
 from services.worker.lora.layout import AdapterWeights
 
 

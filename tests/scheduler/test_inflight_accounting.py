@@ -1,0 +1,131 @@
+"""What the scheduler counts against each worker: a request holds its worker from the accept until
+the end of the run on that worker, and nothing else ends it, whatever order the bus delivers in."""
+
+import asyncio
+import time
+
+import pytest
+
+from shared.config import SchedulerSettings
+from shared.errors import UpstreamTimeout
+from shared.redis_conn import connect_redis
+from shared.schemas import CompletionAudit, DispatchReply, InferRequest
+from tests.scheduler.test_dispatcher import BASE, Msg, World
+
+
+@pytest.fixture
+async def world(redis_url):
+    redis = connect_redis(redis_url)
+    settings = SchedulerSettings(
+        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"acct{time.monotonic_ns()}:"
+    )
+    yield World(settings, redis)
+    await redis.aclose()
+
+
+def ended(rid: str, worker_id: str, outcome: str = "length") -> CompletionAudit:
+    return CompletionAudit(
+        request_id=rid,
+        tenant_id="acme",
+        base_model=BASE,
+        cache_hit=True,
+        ttft_ms=1,
+        tpot_ms=1,
+        prompt_tokens=2,
+        completion_tokens=8,
+        worker_id=worker_id,
+        outcome=outcome,
+    )
+
+
+def held_on(world: World) -> dict[str, int]:
+    return {w: v.inflight for w, v in world.core.fleet.workers.items()}
+
+
+class Gate:
+    """A dispatch port whose answers wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+
+    async def dispatch(self, worker_id: str, request: InferRequest, headers) -> DispatchReply:
+        await self.open.wait()
+        return DispatchReply(accepted=True, worker_id=worker_id)
+
+
+async def submitted_behind(world: World, gate: Gate, rid: str, msg: Msg | None = None) -> asyncio.Task:
+    """Submit ``rid`` with its dispatch held at the gate; the task ends once it has been answered."""
+    world.core.ports.dispatch = gate.dispatch
+    request = InferRequest(
+        request_id=rid,
+        tenant_id="acme",
+        model=BASE,
+        base_model=BASE,
+        prompt="hello",
+        reply_to="_INBOX.x",
+        sampling={"max_tokens": 8},
+    )
+    await world.core.submit("lf.infer.submit.acme", request.model_dump_json().encode(), msg or Msg())
+    assert rid in world.core.held and world.core.tasks  # being dispatched
+    return asyncio.create_task(world.settle())
+
+
+async def test_a_withdrawn_runs_end_does_not_free_the_worker_that_took_the_request(world):
+    world.beat("slow")
+    world.beat("w2", running=1)
+    world.answers["slow"] = UpstreamTimeout("no answer")  # withdrawn from slow, then taken by w2
+    await world.submit("r1")
+    assert world.dispatched == [("slow", "r1"), ("w2", "r1")]
+    await world.core.completed(ended("r1", "slow", "cancelled"))
+    assert "r1" in world.core.inflight and held_on(world) == {"slow": 0, "w2": 1}
+    await world.core.completed(ended("r1", "w2"))
+    assert "r1" not in world.core.inflight and held_on(world) == {"slow": 0, "w2": 0}
+
+
+async def test_a_withdrawn_run_ending_before_the_dispatch_reply_does_not_end_the_request(world):
+    world.beat("w1")
+    gate = Gate()
+    submission = await submitted_behind(world, gate, "r1")
+    await world.core.completed(ended("r1", "elsewhere", "cancelled"))
+    gate.open.set()
+    await submission
+    assert "r1" in world.core.inflight and held_on(world) == {"w1": 1}
+    await world.core.completed(ended("r1", "w1"))
+    assert not world.core.inflight and held_on(world) == {"w1": 0} and not world.core.early
+
+
+@pytest.mark.parametrize("own_first", [True, False])
+async def test_the_takers_own_end_seen_before_its_dispatch_reply_ends_the_request(world, own_first):
+    world.beat("w1")
+    gate = Gate()
+    submission = await submitted_behind(world, gate, "r1")
+    ends = [ended("r1", "w1"), ended("r1", "elsewhere", "cancelled")]
+    for event in ends if own_first else ends[::-1]:
+        await world.core.completed(event)
+    gate.open.set()
+    await submission
+    assert not world.core.inflight and held_on(world) == {"w1": 0} and not world.core.early
+
+
+class AckFails(Msg):
+    async def ack(self) -> None:
+        raise ConnectionError("the bus is gone")
+
+
+async def test_an_end_seen_before_the_dispatch_reply_frees_the_worker_even_if_the_ack_fails(world):
+    world.beat("w1")
+    gate = Gate()
+    submission = await submitted_behind(world, gate, "r1", AckFails())
+    await world.core.completed(ended("r1", "w1"))
+    gate.open.set()
+    await submission
+    assert not world.core.inflight and held_on(world) == {"w1": 0}
+
+
+async def test_an_end_seen_for_a_request_dropped_before_any_accept_is_forgotten(world):
+    world.beat("w1", max_running=1)
+    await world.submit("busy")
+    await world.submit("r1")  # queued: w1 is full
+    await world.core.completed(ended("r1", "elsewhere", "cancelled"))
+    assert await world.core.cancel("r1")
+    assert not world.core.early

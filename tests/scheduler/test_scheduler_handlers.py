@@ -1,0 +1,114 @@
+"""The scheduler service's handlers (``services.scheduler.service.Scheduler``), one bus message or
+tick each, around a real Dispatcher on a real Redis: what they change, what they export on
+/metrics, and that a bad message is logged, never raised into the subscription."""
+
+import time
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.scheduler.service import Scheduler
+from shared.bus import encode
+from shared.config import SchedulerSettings
+from shared.redis_conn import connect_redis
+from shared.schemas import AuditEnvelope, CompletionAudit, InferRequest, WorkerControl, WorkerHeartbeat
+from tests.scheduler.test_dispatcher import BASE, Msg, World
+
+
+@dataclass
+class Bus:
+    is_connected: bool = True
+
+
+class Delivery(Msg):
+    """A message as the handlers get it: subject and body, plus the JetStream acts of Msg."""
+
+    def __init__(self, data: bytes, subject: str = "") -> None:
+        super().__init__()
+        self.data, self.subject = data, subject
+
+
+@pytest.fixture
+async def wired(redis_url):
+    redis = connect_redis(redis_url)
+    settings = SchedulerSettings(capacity_headroom=0, redis_key_prefix=f"h{time.monotonic_ns()}:")
+    world = World(settings, redis)
+    yield world, Scheduler(Bus(), world.core, world.upkeep, max_inflight=8)  # type: ignore[arg-type]
+    await redis.aclose()
+
+
+def beat(worker_id: str, max_running: int = 1) -> Delivery:
+    return Delivery(
+        encode(
+            WorkerHeartbeat(
+                worker_id=worker_id,
+                base_model=BASE,
+                ready=True,
+                running=0,
+                waiting=0,
+                max_running=max_running,
+                kv_blocks_free=10,
+                kv_blocks_total=10,
+                ts=time.time(),
+            )
+        )
+    )
+
+
+def submission(rid: str) -> Delivery:
+    request = InferRequest(
+        request_id=rid, tenant_id="acme", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.x"
+    )
+    return Delivery(encode(request), "lf.infer.submit.acme")
+
+
+def completion(rid: str, worker_id: str) -> Delivery:
+    event = CompletionAudit(
+        request_id=rid,
+        tenant_id="acme",
+        base_model=BASE,
+        cache_hit=True,
+        ttft_ms=1,
+        tpot_ms=1,
+        prompt_tokens=2,
+        completion_tokens=8,
+        worker_id=worker_id,
+        outcome="length",
+    )
+    return Delivery(encode(AuditEnvelope(body=event)))
+
+
+def inflight_gauge(worker_id: str) -> float | None:
+    return REGISTRY.get_sample_value("scheduler_worker_inflight", {"worker": worker_id})
+
+
+async def test_messages_place_and_end_requests_and_the_ticks_export_each_workers_inflight(wired):
+    world, scheduler = wired
+    await scheduler.on_heartbeat(beat("hw1"))
+    first, second = submission("a"), submission("b")
+    await scheduler.on_submission(first)
+    await scheduler.on_submission(second)  # hw1 runs one at a time: b waits here
+    await world.settle()
+    assert first.acts == ["ack"] and second.acts == [] and world.dispatched == [("hw1", "a")]
+    await scheduler.on_tick()
+    assert inflight_gauge("hw1") == 1 and scheduler.status() == (True, "1 workers, 1 queued")
+
+    await scheduler.on_cancel(Delivery(encode(WorkerControl(action="cancel", request_id="b"))))
+    assert second.acts == ["term"]
+    await scheduler.on_completion(completion("a", "hw1"))
+    await scheduler.on_tick()
+    assert inflight_gauge("hw1") == 0 and not world.core.inflight
+
+    world.core.fleet.workers["hw1"].seen_at -= 60  # silent: dropped, and so is its gauge
+    await scheduler.on_tick()
+    assert "hw1" not in world.core.fleet.workers and inflight_gauge("hw1") is None
+
+
+async def test_a_bad_message_is_logged_and_changes_nothing(wired):
+    world, scheduler = wired
+    for handler in (scheduler.on_heartbeat, scheduler.on_completion, scheduler.on_cancel):
+        await handler(Delivery(b"{not json"))
+    garbled = Delivery(b"{not json", "lf.infer.submit.acme")
+    await scheduler.on_submission(garbled)
+    assert garbled.acts == ["term"] and not world.core.fleet.workers and not world.core.held
