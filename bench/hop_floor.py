@@ -70,7 +70,12 @@ async def scheduler(nats_url: str, redis_url: str) -> None:
             continue
         for msg in msgs:
             await admit(keys=["floor:admitted"], args=[])
-            await nc.request(DISPATCH, msg.data, timeout=5)
+            while True:  # a worker still starting (importing torch) has no subscription yet
+                try:
+                    await nc.request(DISPATCH, msg.data, timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    await asyncio.sleep(0.1)
             await msg.ack()
 
 
@@ -156,7 +161,7 @@ def main() -> None:
             subprocess.Popen([*me, "--role", "worker", "--compute-ms", str(args.compute_ms)]),
         ]
         wait_port(port, 30, procs[0])
-        time.sleep(3)  # the scheduler's consumer and the worker's subscription are in place
+        time.sleep(3)  # let the scheduler's consumer and the worker's subscription settle before timing
         requests, warmup = (30, 5) if args.quick else (200, 10)
         requests = args.requests or requests
         overheads = asyncio.run(_client(port, requests, warmup, args.settle_ms / 1000))
