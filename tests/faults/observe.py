@@ -1,7 +1,9 @@
 """What the fleet shows from outside: worker heartbeats (KV blocks, running sequences, resident
-adapters), the auditor's index of completions, and the gateway's readiness."""
+adapters), the scheduler's own accounting on its /metrics, the auditor's index of completions,
+and the gateway's readiness."""
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import time
@@ -13,10 +15,11 @@ from typing import Self
 import httpx
 import nats
 from nats.aio.client import Client as NATS
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.bus import decode, encode
-from shared.schemas import WorkerControl, WorkerHeartbeat
+from shared.schemas import ServiceHeartbeat, WorkerControl, WorkerHeartbeat
 
 
 class WorkerBeats:
@@ -56,15 +59,58 @@ class WorkerBeats:
             if remaining <= 0:
                 raise AssertionError(f"{worker}: no heartbeat passed the check in {timeout_s}s; last: {beat}")
             self._changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                pass
 
     async def control(self, worker: str, message: WorkerControl) -> None:
         assert self._nc is not None
         await self._nc.publish(subjects.worker_control(worker), encode(message))
         await self._nc.flush()
+
+
+class SchedulerMetrics:
+    """The scheduler's /metrics, scraped on the port its service heartbeat announces."""
+
+    def __init__(self, nats_url: str):
+        self._url = nats_url
+        self._http = httpx.AsyncClient(timeout=5)
+        self.port: int | None = None
+
+    async def __aenter__(self) -> Self:
+        nc = await nats.connect(self._url)
+        try:
+            beats = await nc.subscribe(subjects.service_heartbeat("scheduler"))
+            for _ in range(10):  # the scheduler beats every second
+                self.port = decode(ServiceHeartbeat, (await beats.next_msg(timeout=10)).data).metrics_port
+                if self.port is not None:
+                    return self
+        finally:
+            await nc.close()
+        raise AssertionError("the scheduler announces no metrics port (LF_METRICS_PORT=-1?)")
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._http.aclose()
+
+    async def per_worker(self, sample: str) -> dict[str, float]:
+        """Worker id -> value of ``sample`` (e.g. ``scheduler_dispatches_total``) now."""
+        text = (await self._http.get(f"http://127.0.0.1:{self.port}/metrics")).text
+        return {
+            s.labels["worker"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == sample
+        }
+
+    async def until_idle(self, workers: tuple[str, ...], timeout_s: float) -> None:
+        """Until the scheduler counts nothing in flight on any of ``workers`` (each one in its fleet)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            inflight = await self.per_worker("scheduler_worker_inflight")
+            if all(inflight.get(w) == 0 for w in workers):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the scheduler still counts requests in flight after {timeout_s}s: {inflight}")
+            await asyncio.sleep(0.25)
 
 
 def idle(beat: WorkerHeartbeat) -> bool:

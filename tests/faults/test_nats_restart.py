@@ -11,13 +11,16 @@ import pytest
 
 from shared.schemas import RevokeRequest, RollbackRequest, WorkerControl, WorkerHeartbeat
 from tests.faults.conftest import WORKERS, Fleet, make_adapter, registry_call, release
-from tests.faults.observe import WorkerBeats, audited, completions, readyz
+from tests.faults.observe import SchedulerMetrics, WorkerBeats, audited, completions, readyz
 from tests.faults.traffic import MIX, Outcome, chat, check_served_or_refused, gateway, steady
 from tests.scheduler.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(180)
 OUTAGE_S = 2.0
 MAX_TOKENS = 48
+# how long a worker may still run a request its client has left (a 48-token run, a cancel lost in the
+# outage), far below the 55 s after which the scheduler sweeps a request whose completion it never saw
+SETTLE_S = 10
 
 
 async def restart_nats(fleet: Fleet) -> None:
@@ -48,13 +51,19 @@ async def served_after(fleet: Fleet) -> list[Outcome]:
         )
 
 
-async def full_capacity(fleet: Fleet) -> None:
-    """Both workers run as many sequences as they may at once: the scheduler holds no phantom requests."""
-    async with WorkerBeats(fleet.nats.url) as beats, gateway(fleet.gateway_url) as client:
-        load = asyncio.gather(*(chat(client, key, MODEL, max_tokens=160) for key in ["key-demo", "key-other"] * 4))
-        for worker in WORKERS:
-            await beats.until(worker, lambda b: b.running == b.max_running, 15)
-        assert all(o.whole(160) for o in await load)
+async def spread_burst(fleet: Fleet, scheduler: SchedulerMetrics) -> None:
+    """More requests at once than one worker may run are placed on both workers, counted by the
+    scheduler's own dispatches (a phantom request would keep a worker looking full), then all end."""
+    before = await scheduler.per_worker("scheduler_dispatches_total")
+    async with gateway(fleet.gateway_url) as client:
+        burst = await asyncio.gather(
+            *(chat(client, key, MODEL, max_tokens=160) for key in ["key-demo", "key-other"] * 4)
+        )
+    assert all(o.whole(160) for o in burst), [o.describe() for o in burst]
+    after = await scheduler.per_worker("scheduler_dispatches_total")
+    placed = {w: after.get(w, 0) - before.get(w, 0) for w in WORKERS}
+    assert sum(placed.values()) == len(burst) and min(placed.values()) >= 1, placed
+    await scheduler.until_idle(WORKERS, SETTLE_S)
 
 
 def no_longer_than(outcomes: list[Outcome], reference: dict[str, str]) -> None:
@@ -73,11 +82,14 @@ async def test_restarting_nats_under_load_loses_and_repeats_nothing(fleet):
     assert sum(o.served for o in outcomes) >= len(outcomes) // 3, [o.describe() for o in outcomes]
     no_longer_than(outcomes, reference)
 
-    await asyncio.to_thread(fleet.ready, 60)  # every service and worker heartbeats ready again
-    await readyz(fleet.gateway_url, 200, 30)
-    after = await served_after(fleet)
-    assert all(o.whole(8) for o in after), [o.describe() for o in after]
-    await full_capacity(fleet)
+    async with SchedulerMetrics(fleet.nats.url) as scheduler:
+        # every request of the load has ended: the scheduler holds none of them against a worker
+        await scheduler.until_idle(WORKERS, SETTLE_S)
+        await asyncio.to_thread(fleet.ready, 60)  # every service and worker heartbeats ready again
+        await readyz(fleet.gateway_url, 200, 30)
+        after = await served_after(fleet)
+        assert all(o.whole(8) for o in after), [o.describe() for o in after]
+        await spread_burst(fleet, scheduler)
 
     # worker side: each served request ran exactly once, and nothing ran twice at all
     counts = await audited(fleet.db_path, {o.request_id for o in outcomes + after if o.served}, 30)

@@ -1,4 +1,4 @@
-"""The scheduler's bus ports (``services.scheduler.service._ports``: dispatch to a worker, error
+"""The scheduler's bus ports (``services.scheduler.ports.bus_ports``: dispatch to a worker, error
 replies, worker control, registry records) against fake workers on the in-memory bus: the
 worker's typed refusals, no worker, a silent worker. No server process."""
 
@@ -8,7 +8,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.scheduler.dispatcher import Ports
-from services.scheduler.service import _ports
+from services.scheduler.ports import bus_ports
 from shared import subjects
 from shared.bus import decode, serve
 from shared.config import SchedulerSettings
@@ -43,7 +43,7 @@ def infer_request(request_id: str = "req-1") -> InferRequest:
 async def wired() -> AsyncIterator[tuple[MemoryBus, Ports]]:
     bus = MemoryBus(seed=0)
     nc = bus.connect("scheduler")
-    yield bus, _ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S))  # type: ignore[arg-type]
+    yield bus, bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S))  # type: ignore[arg-type]
     await nc.close()
     assert bus.errors == []
 
