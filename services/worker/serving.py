@@ -87,9 +87,7 @@ class RequestServer:
         """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
         if request.request_id in self._recent:
             if request.request_id in self._cancelled:
-                raise ServiceUnavailable(
-                    f"request {request.request_id} was withdrawn from this worker before it arrived"
-                )
+                raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker")
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
         if request.base_model != self.base_model:
@@ -118,12 +116,14 @@ class RequestServer:
 
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
+        # withdrawn either way: a dispatch that arrives late must not start it, and a re-dispatch of a
+        # request cancelled while it ran is refused (typed) instead of acked as a duplicate that never runs
+        self._remember(request_id)
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > 10_000:
+            self._cancelled.popitem(last=False)
         task = self.tasks.get(request_id)
-        if task is None:  # not here (yet): a dispatch that arrives late must not start it
-            self._remember(request_id)
-            self._cancelled[request_id] = None
-            while len(self._cancelled) > 10_000:
-                self._cancelled.popitem(last=False)
+        if task is None:
             return False
         if error is not None:
             self._stop_errors[request_id] = error

@@ -14,6 +14,7 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
+from shared.errors import ServiceUnavailable
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams
 from tests.helpers.adapters import make_peft_model
 
@@ -133,4 +134,34 @@ async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(load
     finally:
         store.gate.set()
         cache.close()
+        engine.shutdown()
+
+
+async def test_a_request_cancelled_while_running_is_refused_if_dispatched_again(loaded):
+    engine = AsyncEngine.from_loaded(
+        loaded, EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256)
+    )
+    engine.start()
+    events: list[tuple[str, object]] = []
+
+    async def emit(reply_to: str, message) -> None:
+        events.append((reply_to, message))
+
+    async def audit(_) -> None:
+        return None
+
+    prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
+    server = RequestServer(engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16)
+    try:
+        await server.accept(request(loaded, "r"))
+        deadline = time.monotonic() + 60
+        while not any(isinstance(m, ReplyToken) for _, m in events):  # events is a plain list
+            assert time.monotonic() < deadline, "no token"
+            await asyncio.sleep(0.01)
+        assert server.cancel("r")
+        with pytest.raises(ServiceUnavailable, match="withdrawn"):
+            await server.accept(request(loaded, "r"))  # before: acked as a duplicate, and never run
+        while server.tasks:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    finally:
         engine.shutdown()
