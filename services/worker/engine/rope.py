@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The rope settings, whether the config uses transformers 5 `rope_parameters` or 4.x attributes."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from services.worker.engine.families import check_servable
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -99,14 +100,10 @@ def spec_of(config: PreTrainedConfig) -> ModelSpec:
 
 
 def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_model_len: int) -> ModelWeights:
-    """Take the tensors transformers loaded (Llama, Mistral, Qwen2 layout) into the engine's layout."""
+    """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
+    (or a feature of one) the families table does not serve exactly."""
     config = model.config
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported activation {act!r}; the engine implements SwiGLU (silu)")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and max_model_len > window:
-        raise ValueError(f"sliding-window attention is not implemented; use max_model_len <= {window}")
+    check_servable(config, max_model_len)
     spec = spec_of(config)
     layers = []
     for layer in model.model.layers:

@@ -1,0 +1,107 @@
+"""The base-model families the engine serves exactly, and the load-time check that refuses the rest.
+
+Each supported ``model_type`` has one entry saying how it differs from Llama. A config that is not
+in the table, or that sets a key which changes the math and its family does not implement, is
+refused with one line naming the model type and the feature: nothing is treated as Llama by default.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.worker.engine.errors import UnsupportedModel
+from services.worker.engine.rope import ROPE_TYPES, rope_parameters
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What one model_type changes relative to Llama (RMSNorm, SwiGLU, rope, separate q/k/v, gate/up)."""
+
+    model_type: str
+    activation_key: str = "hidden_act"  # the config key that names the MLP activation
+    activation: str = "silu"
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rope (Qwen3)
+    multipliers: bool = False  # Granite's embedding/residual/attention multipliers and logits_scaling
+    sliding_window_key: str = "sliding_window"  # None when the family has no sliding-window attention
+    per_layer_window: bool = False  # config.layer_types says which layers slide (else every layer does)
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama"),
+        Family("mistral"),
+        Family("qwen2", per_layer_window=True),
+    )
+}
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+# Keys that change the forward pass, each with the value at which it does not: a family that does not
+# implement a key must see it at that value (or absent).
+NEUTRAL: dict[str, object] = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "partial_rotary_factor": 1.0,
+    "use_qk_norm": False,
+    "qk_layernorm": False,
+    "use_parallel_residual": False,
+    "clip_qkv": None,
+}
+
+
+def _refuse(model_type: str, feature: str) -> UnsupportedModel:
+    return UnsupportedModel(f"model_type {model_type!r}: {feature} is not supported by the engine", param="model")
+
+
+def family_of(config: Any) -> Family:
+    """The config's family, or UnsupportedModel naming the model_type and the first unsupported feature."""
+    model_type = getattr(config, "model_type", None) or "unknown"
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported by the engine (supported: {', '.join(FAMILIES)})",
+            param="model",
+        )
+    for key in MOE_KEYS:
+        if getattr(config, key, None):
+            raise _refuse(model_type, f"mixture-of-experts ({key}={getattr(config, key)})")
+    act = getattr(config, family.activation_key, None)
+    if act != family.activation:
+        raise _refuse(model_type, f"activation {family.activation_key}={act!r}")
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise _refuse(model_type, f"rope type {rope_type!r}")
+    handled = GRANITE_MULTIPLIERS if family.multipliers else ()
+    for key, neutral in NEUTRAL.items():
+        value = getattr(config, key, neutral)
+        if key not in handled and value not in (neutral, None):
+            raise _refuse(model_type, f"config key {key}={value!r}")
+    return family
+
+
+def layer_windows(config: Any, family: Family) -> list[int | None]:
+    """Each layer's sliding window in tokens (a token sees at most that many), None for global attention."""
+    window = getattr(config, family.sliding_window_key, None)
+    layers = config.num_hidden_layers
+    if not window:
+        return [None] * layers
+    if family.per_layer_window:
+        types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * layers
+
+
+def check_servable(config: Any, max_model_len: int) -> Family:
+    """family_of, plus what depends on the engine's max_model_len: sliding windows it would exceed."""
+    family = family_of(config)
+    windows = [w for w in layer_windows(config, family) if w is not None and w < max_model_len]
+    if windows:
+        raise _refuse(
+            family.model_type, f"sliding-window attention (window {windows[0]} < max_model_len {max_model_len})"
+        )
+    return family
