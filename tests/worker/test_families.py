@@ -66,13 +66,9 @@ REFUSED = [
         id="granite-key-on-mistral",
     ),
 ]
-REFUSED_UNTIL_IMPLEMENTED = [
-    pytest.param(Qwen3Config(**TINY), r"model_type 'qwen3' is not supported", id="qwen3"),
-    pytest.param(GraniteConfig(**TINY), r"model_type 'granite' is not supported", id="granite"),
-]
 
 
-@pytest.mark.parametrize(("config", "message"), REFUSED + REFUSED_UNTIL_IMPLEMENTED)
+@pytest.mark.parametrize(("config", "message"), REFUSED)
 def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, message: str) -> None:
     with pytest.raises(UnsupportedModel, match=message) as info:
         family_of(config)
@@ -86,6 +82,8 @@ def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, mes
         pytest.param(LlamaConfig(**TINY), id="llama"),
         pytest.param(MistralConfig(**TINY, sliding_window=4096), id="mistral-window-beyond-len"),
         pytest.param(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8), id="qwen2-window-unused"),
+        pytest.param(Qwen3Config(**TINY), id="qwen3"),
+        pytest.param(GraniteConfig(**TINY), id="granite"),
     ],
 )
 def test_supported_config_is_accepted(config: PretrainedConfig) -> None:

@@ -57,16 +57,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v for the decodes: q [kv_heads, n, group, d], k and v
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v for the decodes: q [kv_heads, n, group, d], k and v
     [kv_heads, n, length, d], bias [1, n, 1, length].
 
     In fp32, two batched matmuls and a softmax: for a decode's few query rows per KV head, 4% faster
     per decode step than SDPA's CPU flash kernel (batch 32, 2 threads). Half dtypes keep SDPA,
     which accumulates the scores in fp32."""
     if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)
     return torch.matmul(torch.softmax(scores, -1), v)
 
 
@@ -78,14 +80,18 @@ def paged_attention(
     meta: AttentionMetadata,
     block_size: int,
     out: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
+
+    Scores are ``q k^T * scale`` (``head_dim ** -0.5`` by default).
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
     (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
     cache attends to its own fresh K/V; one past a cached prefix, and every decode, reads the cache.
     """
     heads, head_dim = q.shape[1], q.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
     kv_heads = k.shape[1]
     n = meta.num_decode
     if n:
@@ -96,7 +102,7 @@ def paged_attention(
             kv_cache, meta.decode_blocks, block_size, meta.decode_kv(kv_cache, block_size * head_dim)
         )
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
-        res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype))
+        res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype), scale)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
     for (start, end), context in zip(meta.prefill_bounds, contexts, strict=True):
@@ -107,11 +113,14 @@ def paged_attention(
                 k[start:end].transpose(0, 1),
                 v[start:end].transpose(0, 1),
                 is_causal=True,
+                scale=scale,
                 enable_gqa=kv_heads != heads,
             )
         else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
             slots, bias = context
             pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
-            res = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=bias.to(q.dtype), enable_gqa=kv_heads != heads)
+            res = F.scaled_dot_product_attention(
+                pq, pk, pv, attn_mask=bias.to(q.dtype), scale=scale, enable_gqa=kv_heads != heads
+            )
         out[start:end].view(end - start, heads, head_dim).copy_(res.transpose(0, 1))
     return out

@@ -31,6 +31,8 @@ FAMILIES: dict[str, Family] = {
         Family("llama"),
         Family("mistral"),
         Family("qwen2", per_layer_window=True),
+        Family("qwen3", qk_norm=True, per_layer_window=True),
+        Family("granite", multipliers=True),
     )
 }
 

@@ -33,6 +33,11 @@ class LlamaForward:
             for layer in weights.layers
         ]
         self.lm_head = make(weights.lm_head)
+        s = self.spec
+        # Granite's multipliers, resolved once: None where the family leaves that step as Llama's
+        self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
+        self._residual_mul = s.residual_multiplier if s.residual_multiplier != 1.0 else None
+        self._logits_div = s.logits_scaling if s.logits_scaling != 1.0 else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
@@ -53,6 +58,8 @@ class LlamaForward:
         heads = s.num_heads + s.num_kv_heads
         rope = self.w.rope[positions]
         h = self.w.embed[input_ids]
+        if self._embed_mul is not None:
+            h = h * self._embed_mul
         attn_out = h.new_empty(h.shape[0], s.q_size)
         for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj, strict=True)):
             x = self._norm(h, layer.input_norm)
@@ -61,16 +68,19 @@ class LlamaForward:
                 lora.apply(i, "q_proj", x, qkv[:, :q_end])
                 lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
                 lora.apply(i, "v_proj", x, qkv[:, k_end:])
-            qk = apply_rope(qkv[:, :k_end].view(-1, heads, s.head_dim), rope)
+            qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (s.head_dim,), None, s.rms_norm_eps).mul_(layer.qk_norm)
+            qk = apply_rope(qk, rope)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)
             write_kv(kv, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out)
+            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, s.attention_scale)
             o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
-            h = h + o
+            h = h + o if self._residual_mul is None else h + o * self._residual_mul
             x = self._norm(h, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
@@ -81,6 +91,9 @@ class LlamaForward:
             d = proj["down"](act)
             if lora is not None:
                 lora.apply(i, "down_proj", act, d)
-            h = h + d
+            h = h + d if self._residual_mul is None else h + d * self._residual_mul
         h = self._norm(h[logits_indices], self.w.final_norm)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if self._logits_div is not None:
+            logits = logits / self._logits_div
+        return logits.float()

@@ -1,11 +1,12 @@
 """Engine-owned view of a transformers Llama-family model: shapes, rope and fused weights."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from services.worker.engine.families import check_servable
+from services.worker.engine.families import check_servable, family_of
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -18,6 +19,10 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+    attention_scale: float  # multiplies q k^T: head_dim ** -0.5, or Granite's attention_multiplier
+    embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
+    residual_multiplier: float = 1.0  # Granite: each block's output is scaled by it before the residual add
+    logits_scaling: float = 1.0  # Granite: the logits are divided by it
 
     @property
     def q_size(self) -> int:
@@ -39,6 +44,7 @@ class LayerWeights:
     o: torch.Tensor  # [hidden, q_size]
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: per-head RMSNorm weight of q then k (Qwen3)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]; rows: gate_proj, up_proj
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
@@ -87,23 +93,37 @@ def _single(module: torch.nn.Linear, dtype: torch.dtype, device: str) -> tuple[t
 
 
 def spec_of(config: PreTrainedConfig) -> ModelSpec:
+    family = family_of(config)
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    granite = family.multipliers
     return ModelSpec(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim,
         vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps,
+        attention_scale=float(config.attention_multiplier) if granite else head_dim**-0.5,
+        embedding_multiplier=float(config.embedding_multiplier) if granite else 1.0,
+        residual_multiplier=float(config.residual_multiplier) if granite else 1.0,
+        logits_scaling=float(config.logits_scaling) if granite else 1.0,
     )
+
+
+def _qk_norm(attn: Any, spec: ModelSpec, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Qwen3's per-head q_norm and k_norm weights [head_dim], repeated over the heads of q then k."""
+    q = attn.q_norm.weight.detach().expand(spec.num_heads, spec.head_dim)
+    k = attn.k_norm.weight.detach().expand(spec.num_kv_heads, spec.head_dim)
+    return torch.cat([q, k]).to(device=device, dtype=dtype).contiguous()
 
 
 def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_model_len: int) -> ModelWeights:
     """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
     (or a feature of one) the families table does not serve exactly."""
     config = model.config
-    check_servable(config, max_model_len)
+    family = check_servable(config, max_model_len)
     spec = spec_of(config)
     layers = []
     for layer in model.model.layers:
@@ -120,6 +140,7 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
                 o=o,
                 o_bias=o_bias,
                 post_norm=layer.post_attention_layernorm.weight.detach().to(device=device, dtype=dtype),
+                qk_norm=_qk_norm(attn, spec, dtype, device) if family.qk_norm else None,
                 gate_up=gate_up,
                 gate_up_bias=gate_up_bias,
                 down=down,
