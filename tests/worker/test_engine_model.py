@@ -122,16 +122,3 @@ def test_unsupported_rope_type_is_refused() -> None:
     )
     with pytest.raises(UnsupportedModel, match="rope type 'yarn'"):
         load_weights(model, torch.float32, "cpu", 64)
-
-
-def test_sliding_window_beyond_max_model_len_is_refused() -> None:
-    model = _tiny(
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        num_attention_heads=4,
-        use_sliding_window=True,
-        sliding_window=32,
-        max_window_layers=0,
-    )
-    with pytest.raises(UnsupportedModel, match="sliding-window"):
-        load_weights(model, torch.float32, "cpu", 64)

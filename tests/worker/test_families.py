@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from services.worker.engine.errors import UnsupportedModel
-from services.worker.engine.families import check_servable, family_of
+from services.worker.engine.families import family_of, layer_windows
 from services.worker.engine.loader import load_model
 
 TINY: dict[str, Any] = {
@@ -87,21 +87,24 @@ def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, mes
     ],
 )
 def test_supported_config_is_accepted(config: PretrainedConfig) -> None:
-    assert check_servable(config, 256).model_type == config.model_type
+    assert family_of(config).model_type == config.model_type
 
 
 @pytest.mark.parametrize(
-    "config",
+    ("config", "windows"),
     [
-        pytest.param(MistralConfig(**TINY, sliding_window=32), id="mistral"),
+        pytest.param(LlamaConfig(**TINY), [None, None], id="llama"),
+        pytest.param(MistralConfig(**TINY, sliding_window=32), [32, 32], id="mistral-every-layer"),
+        pytest.param(Qwen2Config(**TINY, use_sliding_window=False, sliding_window=32), [None, None], id="qwen2-off"),
         pytest.param(
-            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1), id="qwen2-layer"
+            Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=1),
+            [None, 32],
+            id="qwen2-from-max-window-layers",
         ),
     ],
 )
-def test_sliding_window_shorter_than_max_model_len_is_refused(config: PretrainedConfig) -> None:
-    with pytest.raises(UnsupportedModel, match=r"sliding-window attention \(window 32 < max_model_len 64\)"):
-        check_servable(config, 64)
+def test_layer_windows_follow_the_config(config: PretrainedConfig, windows: list[int | None]) -> None:
+    assert layer_windows(config, family_of(config)) == windows
 
 
 def test_refused_model_dir_loads_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

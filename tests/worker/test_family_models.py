@@ -15,6 +15,8 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -53,7 +55,14 @@ def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedMode
 
 FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
     "llama-head-dim": lambda: _tiny(LlamaConfig, LlamaForCausalLM, head_dim=32),
-    "mistral": lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=4096),
+    "mistral-window-beyond-len": lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=4096),
+    "mistral-window-8": lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=8),
+    "qwen2-window-8-second-layer": lambda: _tiny(
+        Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
+    "qwen3-window-5": lambda: _tiny(
+        Qwen3Config, Qwen3ForCausalLM, use_sliding_window=True, sliding_window=5, max_window_layers=0
+    ),
     "qwen3-qk-norm": lambda: _tiny(Qwen3Config, Qwen3ForCausalLM, head_dim=24, attention_bias=True),
     "granite-multipliers": lambda: _tiny(
         GraniteConfig,
@@ -130,3 +139,22 @@ def test_greedy_tokens_match_generate_alone_and_mixed(family: str) -> None:
     mixed = _Runner(model).greedy(PROMPTS, [0, 2, 3])
     assert alone == expected
     assert mixed == expected
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "window-" in f and "beyond" not in f])
+def test_prefill_past_a_cached_prefix_matches_transformers(family: str) -> None:
+    """The second prompt shares the first's leading blocks: its prefill reads them from the prefix cache."""
+    model = FAMILIES[family]()
+    runner = _Runner(model)
+    first = Sequence(EngineRequest("0", PROMPTS[2]), None)  # type: ignore[arg-type]
+    runner.step([], [first])
+    runner.blocks.publish(first)
+    runner.blocks.commit()
+    prompt = [*PROMPTS[2][:16], 7, 70, 170, 27, 9, 1, 4, 200, 31, 13]
+    second = Sequence(EngineRequest("1", prompt), None)  # type: ignore[arg-type]
+    logits = runner.step([], [second], every_token=True)
+    cached = len(prompt) - logits.shape[0]
+    assert cached == 16
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, cached:].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""Paged attention over the KV cache: batched decode, per-sequence causal prefill."""
+"""Paged attention over the KV cache: batched decode, per-sequence causal prefill, optionally
+within a sliding window (a token at position i sees positions j with i - window < j <= i)."""
 
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ class AttentionMetadata:
     # Built on first use by the first layer, reused by the others (same step, same shapes).
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _decode_kv: torch.Tensor | None = field(default=None, repr=False)
+    # Sliding-window variants, built on first use per window (layers sharing a window share them).
+    _windowed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias (0 = attend, -inf = not): SDPA's CPU kernel runs a third faster
@@ -29,6 +32,34 @@ class AttentionMetadata:
             bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
             self._decode_bias = bias.masked_fill_(~self.decode_mask, float("-inf"))
         return self._decode_bias
+
+    def window_decode_bias(self, dtype: torch.dtype, window: int) -> torch.Tensor:
+        """decode_bias that also hides the cache positions more than ``window - 1`` behind each decode."""
+        key = ("decode", window, 0)
+        if key not in self._windowed or self._windowed[key].dtype != dtype:
+            lengths = self.decode_mask.sum(-1, keepdim=True)  # [1, num_decode, 1, 1]: the decode is at lengths - 1
+            columns = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            old = columns <= lengths - 1 - window
+            self._windowed[key] = self.decode_bias(dtype).masked_fill(old, float("-inf"))
+        return self._windowed[key]
+
+    def window_prefill_bias(self, index: int, window: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive [new tokens, context] bias of prefill ``index`` within ``window``; None where the
+        plain causal mask (or the prefix context's bias) already hides nothing more."""
+        start, end = self.prefill_bounds[index]
+        context = self.prefill_contexts[index] if self.prefill_contexts else None
+        length = end - start if context is None else context[1].shape[1]
+        if length <= window:
+            return None
+        key = ("prefill", window, index)
+        if key not in self._windowed:
+            new = end - start
+            device = self.slot_mapping.device
+            rows = torch.arange(length - new, length, device=device).unsqueeze(1)  # positions of the new tokens
+            columns = torch.arange(length, device=device).unsqueeze(0)
+            visible = (columns <= rows) & (columns > rows - window)
+            self._windowed[key] = torch.zeros(new, length, device=device).masked_fill_(~visible, float("-inf"))
+        return self._windowed[key].to(dtype)
 
     def decode_kv(self, like: torch.Tensor, block_elems: int) -> torch.Tensor:
         """Scratch for the decodes' gathered K/V: [2 * kv_heads, num_decode * max_blocks, block_elems]."""
@@ -81,10 +112,12 @@ def paged_attention(
     block_size: int,
     out: torch.Tensor,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
 
-    Scores are ``q k^T * scale`` (``head_dim ** -0.5`` by default).
+    Scores are ``q k^T * scale`` (``head_dim ** -0.5`` by default); with ``window``, each token sees
+    only the ``window`` positions ending at its own.
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
     (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
@@ -102,12 +135,23 @@ def paged_attention(
             kv_cache, meta.decode_blocks, block_size, meta.decode_kv(kv_cache, block_size * head_dim)
         )
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
-        res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype), scale)
+        bias = meta.decode_bias(q.dtype) if window is None else meta.window_decode_bias(q.dtype, window)
+        res = _decode_attention(dq, dk, dv, bias, scale)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
-    for (start, end), context in zip(meta.prefill_bounds, contexts, strict=True):
+    for index, ((start, end), context) in enumerate(zip(meta.prefill_bounds, contexts, strict=True)):
         pq = q[start:end].transpose(0, 1)
-        if context is None:
+        banded = None if window is None else meta.window_prefill_bias(index, window, q.dtype)
+        if context is None and banded is not None:
+            res = F.scaled_dot_product_attention(
+                pq,
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                attn_mask=banded,
+                scale=scale,
+                enable_gqa=kv_heads != heads,
+            )
+        elif context is None:
             res = F.scaled_dot_product_attention(
                 pq,
                 k[start:end].transpose(0, 1),
@@ -117,10 +161,9 @@ def paged_attention(
                 enable_gqa=kv_heads != heads,
             )
         else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
-            slots, bias = context
+            slots, causal = context
+            bias = causal.to(q.dtype) if banded is None else banded
             pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
-            res = F.scaled_dot_product_attention(
-                pq, pk, pv, attn_mask=bias.to(q.dtype), scale=scale, enable_gqa=kv_heads != heads
-            )
+            res = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=bias, scale=scale, enable_gqa=kv_heads != heads)
         out[start:end].view(end - start, heads, head_dim).copy_(res.transpose(0, 1))
     return out

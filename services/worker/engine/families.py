@@ -96,14 +96,3 @@ def layer_windows(config: Any, family: Family) -> list[int | None]:
         types = getattr(config, "layer_types", None) or ["full_attention"] * layers
         return [window if t == "sliding_attention" else None for t in types]
     return [window] * layers
-
-
-def check_servable(config: Any, max_model_len: int) -> Family:
-    """family_of, plus what depends on the engine's max_model_len: sliding windows it would exceed."""
-    family = family_of(config)
-    windows = [w for w in layer_windows(config, family) if w is not None and w < max_model_len]
-    if windows:
-        raise _refuse(
-            family.model_type, f"sliding-window attention (window {windows[0]} < max_model_len {max_model_len})"
-        )
-    return family

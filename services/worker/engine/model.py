@@ -76,7 +76,7 @@ class LlamaForward:
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)
             write_kv(kv, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, s.attention_scale)
+            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, s.attention_scale, layer.window)
             o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from services.worker.engine.families import check_servable, family_of
+from services.worker.engine.families import family_of, layer_windows
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -45,6 +45,7 @@ class LayerWeights:
     o_bias: torch.Tensor | None  # [hidden]
     post_norm: torch.Tensor  # [hidden]
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: per-head RMSNorm weight of q then k (Qwen3)
+    window: int | None  # sliding-window attention span in tokens; None for global (or a window >= max_model_len)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]; rows: gate_proj, up_proj
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
@@ -123,10 +124,11 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
     """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
     (or a feature of one) the families table does not serve exactly."""
     config = model.config
-    family = check_servable(config, max_model_len)
+    family = family_of(config)
+    windows = [w if w is not None and w < max_model_len else None for w in layer_windows(config, family)]
     spec = spec_of(config)
     layers = []
-    for layer in model.model.layers:
+    for layer, window in zip(model.model.layers, windows, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
         gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
@@ -141,6 +143,7 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
                 o_bias=o_bias,
                 post_norm=layer.post_attention_layernorm.weight.detach().to(device=device, dtype=dtype),
                 qk_norm=_qk_norm(attn, spec, dtype, device) if family.qk_norm else None,
+                window=window,
                 gate_up=gate_up,
                 gate_up_bias=gate_up_bias,
                 down=down,
