@@ -8,6 +8,8 @@ import torch
 import transformers
 from transformers import (
     Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -41,7 +43,17 @@ def _with(config: PretrainedConfig, **keys: object) -> PretrainedConfig:
 
 
 REFUSED = [
-    pytest.param(Gemma2Config(**TINY), r"model_type 'gemma2' is not supported", id="gemma2"),
+    pytest.param(GemmaConfig(**TINY), r"model_type 'gemma' is not supported", id="gemma-1"),
+    pytest.param(
+        Gemma2Config(**TINY, hidden_activation="gelu"),
+        r"'gemma2': activation hidden_activation='gelu'",
+        id="gemma2-activation-key",
+    ),
+    pytest.param(
+        Gemma3TextConfig(**TINY, use_bidirectional_attention=True),
+        r"'gemma3_text': config key use_bidirectional_attention=True",
+        id="gemma3-bidirectional",
+    ),
     pytest.param(Phi3Config(**TINY), r"model_type 'phi3' is not supported", id="phi3"),
     pytest.param(MixtralConfig(**TINY, num_local_experts=4), r"model_type 'mixtral' is not supported", id="mixtral"),
     pytest.param(
@@ -84,6 +96,8 @@ def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, mes
         pytest.param(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8), id="qwen2-window-unused"),
         pytest.param(Qwen3Config(**TINY), id="qwen3"),
         pytest.param(GraniteConfig(**TINY), id="granite"),
+        pytest.param(Gemma2Config(**TINY), id="gemma2"),
+        pytest.param(Gemma3TextConfig(**TINY), id="gemma3"),
     ],
 )
 def test_supported_config_is_accepted(config: PretrainedConfig) -> None:
@@ -108,12 +122,12 @@ def test_layer_windows_follow_the_config(config: PretrainedConfig, windows: list
 
 
 def test_refused_model_dir_loads_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    Gemma2Config(**TINY).save_pretrained(tmp_path)
+    Phi3Config(**TINY).save_pretrained(tmp_path)
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("weights were read for a refused model")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
-    with pytest.raises(UnsupportedModel, match="'gemma2' is not supported"):
+    with pytest.raises(UnsupportedModel, match="'phi3' is not supported"):
         load_model(str(tmp_path), dtype=torch.float32)

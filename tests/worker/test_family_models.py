@@ -7,6 +7,10 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     GraniteForCausalLM,
@@ -50,7 +54,20 @@ PROMPTS = [
 def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedModel:
     torch.manual_seed(0)
     model: PreTrainedModel = model_cls(config_cls(**TINY, **kwargs)).eval()
+    with torch.no_grad():  # norms start at 1 (Gemma: at 0); random ones show a misread norm form
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
     return model
+
+
+GEMMA: dict[str, Any] = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 8,
+    "final_logit_softcapping": 3.0,
+    "initializer_range": 0.1,
+}
 
 
 FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
@@ -64,6 +81,19 @@ FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
         Qwen3Config, Qwen3ForCausalLM, use_sliding_window=True, sliding_window=5, max_window_layers=0
     ),
     "qwen3-qk-norm": lambda: _tiny(Qwen3Config, Qwen3ForCausalLM, head_dim=24, attention_bias=True),
+    "gemma2-window-8-softcaps": lambda: _tiny(
+        Gemma2Config, Gemma2ForCausalLM, **GEMMA, attn_logit_softcapping=2.0, tie_word_embeddings=True
+    ),
+    "gemma3-window-8-local-rope": lambda: _tiny(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        **GEMMA,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        },
+    ),
     "granite-multipliers": lambda: _tiny(
         GraniteConfig,
         GraniteForCausalLM,

@@ -88,6 +88,15 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """One layer's attention, resolved at load: ``softmax(softcap(q k^T * scale) + mask) v``."""
+
+    scale: float  # head_dim ** -0.5 for Llama
+    window: int | None = None  # sliding window in tokens; None = global causal attention
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap (Gemma 2)
+
+
 def _decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -103,6 +112,32 @@ def _decode_attention(
     return torch.matmul(torch.softmax(scores, -1), v)
 
 
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """softmax(tanh(q k^T * scale / softcap) * softcap + bias) v, softmax in fp32 as transformers'
+    eager attention does; q [..., rows, d] with k and v [..., length, d] of as many heads."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_().mul_(softcap).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, params: AttentionParams
+) -> torch.Tensor:
+    """q [heads, new, d], k and v [kv_heads, length, d]; mask [new, length] additive, None = causal."""
+    gqa = k.shape[0] != q.shape[0]
+    if params.softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=params.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=params.scale, enable_gqa=gqa)
+    if mask is None:
+        mask = torch.full((q.shape[1], k.shape[1]), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    if gqa:
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+    return _softcapped_attention(q, k, v, mask, params.scale, params.softcap)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,20 +146,18 @@ def paged_attention(
     meta: AttentionMetadata,
     block_size: int,
     out: torch.Tensor,
-    scale: float | None = None,
-    window: int | None = None,
+    params: AttentionParams | None = None,
 ) -> torch.Tensor:
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
-
-    Scores are ``q k^T * scale`` (``head_dim ** -0.5`` by default); with ``window``, each token sees
-    only the ``window`` positions ending at its own.
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
     (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
     cache attends to its own fresh K/V; one past a cached prefix, and every decode, reads the cache.
+    ``params`` defaults to Llama's: scale head_dim ** -0.5, no window, no soft-cap.
     """
     heads, head_dim = q.shape[1], q.shape[2]
-    scale = head_dim**-0.5 if scale is None else scale
+    params = params or AttentionParams(head_dim**-0.5)
+    window = params.window
     kv_heads = k.shape[1]
     n = meta.num_decode
     if n:
@@ -136,34 +169,20 @@ def paged_attention(
         )
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
         bias = meta.decode_bias(q.dtype) if window is None else meta.window_decode_bias(q.dtype, window)
-        res = _decode_attention(dq, dk, dv, bias, scale)
+        if params.softcap is None:
+            res = _decode_attention(dq, dk, dv, bias, params.scale)
+        else:
+            res = _softcapped_attention(dq, dk, dv, bias, params.scale, params.softcap)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
     for index, ((start, end), context) in enumerate(zip(meta.prefill_bounds, contexts, strict=True)):
-        pq = q[start:end].transpose(0, 1)
-        banded = None if window is None else meta.window_prefill_bias(index, window, q.dtype)
-        if context is None and banded is not None:
-            res = F.scaled_dot_product_attention(
-                pq,
-                k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1),
-                attn_mask=banded,
-                scale=scale,
-                enable_gqa=kv_heads != heads,
-            )
-        elif context is None:
-            res = F.scaled_dot_product_attention(
-                pq,
-                k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=kv_heads != heads,
-            )
+        mask = None if window is None else meta.window_prefill_bias(index, window, q.dtype)
+        if context is None:
+            pk, pv = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
             slots, causal = context
-            bias = causal.to(q.dtype) if banded is None else banded
             pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
-            res = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=bias, scale=scale, enable_gqa=kv_heads != heads)
+            mask = causal.to(q.dtype) if mask is None else mask
+        res = _prefill_attention(q[start:end].transpose(0, 1), pk, pv, mask, params)
         out[start:end].view(end - start, heads, head_dim).copy_(res.transpose(0, 1))
     return out

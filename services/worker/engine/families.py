@@ -19,12 +19,27 @@ class Family:
     model_type: str
     activation_key: str = "hidden_act"  # the config key that names the MLP activation
     activation: str = "silu"
-    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rope (Qwen3)
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rope (Qwen3, Gemma 3)
     multipliers: bool = False  # Granite's embedding/residual/attention multipliers and logits_scaling
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32; folded into the weight at load
+    sandwich_norms: bool = False  # attention and MLP outputs are normed before their residual adds
+    embed_scale: bool = False  # embeddings * sqrt(hidden_size), the scale rounded to the dtype
+    local_rope: bool = False  # sliding layers take rope_parameters["sliding_attention"] (Gemma 3)
+    handled: frozenset[str] = frozenset()  # NEUTRAL keys this family implements
     sliding_window_key: str = "sliding_window"  # None when the family has no sliding-window attention
     per_layer_window: bool = False  # config.layer_types says which layers slide (else every layer does)
 
 
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+GEMMA_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"})
+GEMMA: dict[str, Any] = {
+    "activation_key": "hidden_activation",
+    "activation": "gelu_pytorch_tanh",
+    "norm_offset": True,
+    "sandwich_norms": True,
+    "embed_scale": True,
+    "per_layer_window": True,
+}
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -32,12 +47,13 @@ FAMILIES: dict[str, Family] = {
         Family("mistral"),
         Family("qwen2", per_layer_window=True),
         Family("qwen3", qk_norm=True, per_layer_window=True),
-        Family("granite", multipliers=True),
+        Family("granite", multipliers=True, handled=frozenset(GRANITE_MULTIPLIERS)),
+        Family("gemma2", **GEMMA, handled=GEMMA_KEYS),
+        Family("gemma3_text", **GEMMA, qk_norm=True, local_rope=True, handled=GEMMA_KEYS),
     )
 }
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
-GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # Keys that change the forward pass, each with the value at which it does not: a family that does not
 # implement a key must see it at that value (or absent).
 NEUTRAL: dict[str, object] = {
@@ -53,6 +69,7 @@ NEUTRAL: dict[str, object] = {
     "qk_layernorm": False,
     "use_parallel_residual": False,
     "clip_qkv": None,
+    "use_bidirectional_attention": False,
 }
 
 
@@ -75,13 +92,13 @@ def family_of(config: Any) -> Family:
     act = getattr(config, family.activation_key, None)
     if act != family.activation:
         raise _refuse(model_type, f"activation {family.activation_key}={act!r}")
-    rope_type = rope_parameters(config)["rope_type"]
-    if rope_type not in ROPE_TYPES:
-        raise _refuse(model_type, f"rope type {rope_type!r}")
-    handled = GRANITE_MULTIPLIERS if family.multipliers else ()
+    for layer_type in sorted(set(getattr(config, "layer_types", None) or ["full_attention"])):
+        rope_type = rope_parameters(config, layer_type)["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            raise _refuse(model_type, f"rope type {rope_type!r}")
     for key, neutral in NEUTRAL.items():
         value = getattr(config, key, neutral)
-        if key not in handled and value not in (neutral, None):
+        if key not in family.handled and value not in (neutral, None):
             raise _refuse(model_type, f"config key {key}={value!r}")
     return family
 

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
@@ -38,9 +38,22 @@ class LlamaForward:
         self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
         self._residual_mul = s.residual_multiplier if s.residual_multiplier != 1.0 else None
         self._logits_div = s.logits_scaling if s.logits_scaling != 1.0 else None
+        self.attention = [AttentionParams(s.attention_scale, layer.window, s.attn_softcap) for layer in weights.layers]
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.spec.gelu_tanh else F.silu(gate)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.spec.norm_fp32:  # Gemma: (x * (1 + w)) in fp32, then cast, as transformers does
+            return F.rms_norm(x.float(), (x.shape[-1],), weight, self.spec.rms_norm_eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def _head_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """qk [tokens, heads, head_dim] normed over head_dim; weight [heads, head_dim]."""
+        eps = self.spec.rms_norm_eps
+        if self.spec.norm_fp32:
+            return F.rms_norm(qk.float(), (qk.shape[-1],), None, eps).mul_(weight).to(qk.dtype)
+        return F.rms_norm(qk, (qk.shape[-1],), None, eps).mul_(weight)
 
     @torch.inference_mode()
     def forward(
@@ -57,6 +70,7 @@ class LlamaForward:
         q_end, k_end = s.q_size, s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
         rope = self.w.rope[positions]
+        rope_local = self.w.rope_local[positions] if self.w.rope_local is not None else rope
         h = self.w.embed[input_ids]
         if self._embed_mul is not None:
             h = h * self._embed_mul
@@ -70,16 +84,18 @@ class LlamaForward:
                 lora.apply(i, "v_proj", x, qkv[:, k_end:])
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (s.head_dim,), None, s.rms_norm_eps).mul_(layer.qk_norm)
-            qk = apply_rope(qk, rope)
+                qk = self._head_norm(qk, layer.qk_norm)
+            qk = apply_rope(qk, rope_local if layer.local_rope else rope)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)
             write_kv(kv, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, s.attention_scale, layer.window)
+            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, self.attention[i])
             o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
+            if layer.attn_out_norm is not None:
+                o = self._norm(o, layer.attn_out_norm)
             h = h + o if self._residual_mul is None else h + o * self._residual_mul
             x = self._norm(h, layer.post_norm)
             gate_up = proj["gate_up"](x)
@@ -87,13 +103,17 @@ class LlamaForward:
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate_up[:, :inter])
                 lora.apply(i, "up_proj", x, gate_up[:, inter:])
-            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            act = self._act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
             if lora is not None:
                 lora.apply(i, "down_proj", act, d)
+            if layer.mlp_out_norm is not None:
+                d = self._norm(d, layer.mlp_out_norm)
             h = h + d if self._residual_mul is None else h + d * self._residual_mul
         h = self._norm(h[logits_indices], self.w.final_norm)
         logits = self.lm_head(h)
         if self._logits_div is not None:
             logits = logits / self._logits_div
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits.float()
