@@ -54,7 +54,25 @@ REFUSED = [
         r"'gemma3_text': config key use_bidirectional_attention=True",
         id="gemma3-bidirectional",
     ),
-    pytest.param(Phi3Config(**TINY), r"model_type 'phi3' is not supported", id="phi3"),
+    pytest.param(
+        Phi3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
+        r"'phi3': partial rotary embedding \(partial_rotary_factor=0.75\)",
+        id="phi3-partial-rotary",
+    ),
+    pytest.param(
+        Phi3Config(
+            **TINY,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        r"'phi3': rope type 'longrope'",
+        id="phi3-longrope",
+    ),
     pytest.param(MixtralConfig(**TINY, num_local_experts=4), r"model_type 'mixtral' is not supported", id="mixtral"),
     pytest.param(
         _with(LlamaConfig(**TINY), num_local_experts=4),
@@ -97,6 +115,7 @@ def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, mes
         pytest.param(Qwen3Config(**TINY), id="qwen3"),
         pytest.param(GraniteConfig(**TINY), id="granite"),
         pytest.param(Gemma2Config(**TINY), id="gemma2"),
+        pytest.param(Phi3Config(**TINY, pad_token_id=0), id="phi3"),
         pytest.param(Gemma3TextConfig(**TINY), id="gemma3"),
     ],
 )
@@ -122,12 +141,12 @@ def test_layer_windows_follow_the_config(config: PretrainedConfig, windows: list
 
 
 def test_refused_model_dir_loads_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    Phi3Config(**TINY).save_pretrained(tmp_path)
+    Gemma2Config(**TINY, hidden_activation="gelu").save_pretrained(tmp_path)
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("weights were read for a refused model")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
-    with pytest.raises(UnsupportedModel, match="'phi3' is not supported"):
+    with pytest.raises(UnsupportedModel, match="'gemma2': activation"):
         load_model(str(tmp_path), dtype=torch.float32)

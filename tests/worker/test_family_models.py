@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -94,6 +96,8 @@ FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
         },
     ),
+    "phi3-fused": lambda: _tiny(Phi3Config, Phi3ForCausalLM, pad_token_id=0),
+    "phi3-window-8": lambda: _tiny(Phi3Config, Phi3ForCausalLM, pad_token_id=0, sliding_window=8),
     "granite-multipliers": lambda: _tiny(
         GraniteConfig,
         GraniteForCausalLM,

@@ -25,6 +25,7 @@ class Family:
     sandwich_norms: bool = False  # attention and MLP outputs are normed before their residual adds
     embed_scale: bool = False  # embeddings * sqrt(hidden_size), the scale rounded to the dtype
     local_rope: bool = False  # sliding layers take rope_parameters["sliding_attention"] (Gemma 3)
+    fused_projections: bool = False  # checkpoint holds qkv_proj and gate_up_proj, already in the engine's layout
     handled: frozenset[str] = frozenset()  # NEUTRAL keys this family implements
     sliding_window_key: str = "sliding_window"  # None when the family has no sliding-window attention
     per_layer_window: bool = False  # config.layer_types says which layers slide (else every layer does)
@@ -48,6 +49,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", per_layer_window=True),
         Family("qwen3", qk_norm=True, per_layer_window=True),
         Family("granite", multipliers=True, handled=frozenset(GRANITE_MULTIPLIERS)),
+        Family("phi3", fused_projections=True),
         Family("gemma2", **GEMMA, handled=GEMMA_KEYS),
         Family("gemma3_text", **GEMMA, qk_norm=True, local_rope=True, handled=GEMMA_KEYS),
     )
@@ -93,9 +95,13 @@ def family_of(config: Any) -> Family:
     if act != family.activation:
         raise _refuse(model_type, f"activation {family.activation_key}={act!r}")
     for layer_type in sorted(set(getattr(config, "layer_types", None) or ["full_attention"])):
-        rope_type = rope_parameters(config, layer_type)["rope_type"]
-        if rope_type not in ROPE_TYPES:
-            raise _refuse(model_type, f"rope type {rope_type!r}")
+        rope = rope_parameters(config, layer_type)
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise _refuse(model_type, f"rope type {rope['rope_type']!r}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise _refuse(
+                model_type, f"partial rotary embedding (partial_rotary_factor={rope['partial_rotary_factor']})"
+            )
     for key, neutral in NEUTRAL.items():
         value = getattr(config, key, neutral)
         if key not in family.handled and value not in (neutral, None):

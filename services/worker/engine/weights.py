@@ -158,8 +158,12 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
     layers = []
     for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
+        if family.fused_projections:  # Phi-3: rows already q, k, v and gate, up
+            qkv, qkv_bias = _single(attn.qkv_proj, dtype, device)
+            gate_up, gate_up_bias = _single(mlp.gate_up_proj, dtype, device)
+        else:
+            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
+            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
         o, o_bias = _single(attn.o_proj, dtype, device)
         down, down_bias = _single(mlp.down_proj, dtype, device)
         sandwich = family.sandwich_norms
