@@ -1,5 +1,5 @@
 """LoRA on every served family: greedy tokens through the engine equal HF PEFT, one adapter on the
-attention projections and one on every projection; a Phi-3 adapter on its fused modules is refused."""
+attention projections and one on every projection (Phi-3's on its fused modules, split at load)."""
 
 import copy
 from pathlib import Path
@@ -13,19 +13,25 @@ from transformers import GenerationConfig, PreTrainedModel
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
+from services.worker.lora.fused import split_fused
 from shared.errors import IntegrityError
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES
 from tests.helpers.families import FAMILIES, PROMPTS
 
 NEW_TOKENS = 8
-ADAPTERS = {"attn-r8": (8, 96, ("q_proj", "k_proj", "v_proj", "o_proj")), "all-r16": (16, 192, ALL_MODULES)}
+Adapters = dict[str, tuple[int, int, tuple[str, ...]]]
+ADAPTERS: Adapters = {"attn-r8": (8, 96, ("q_proj", "k_proj", "v_proj", "o_proj")), "all-r16": (16, 192, ALL_MODULES)}
+PHI3_ADAPTERS: Adapters = {
+    "attn-r8": (8, 96, ("qkv_proj", "o_proj")),
+    "all-r16": (16, 192, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+}
 SERVED = [f for f in FAMILIES if not f.startswith("phi3")]
 
 
-def _peft(model: PreTrainedModel, root: Path) -> PeftModel:
+def _peft(model: PreTrainedModel, root: Path, adapters: Adapters) -> PeftModel:
     peft: PeftModel | None = None
-    for seed, (name, (rank, alpha, modules)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (rank, alpha, modules)) in enumerate(adapters.items()):
         torch.manual_seed(seed)
         config = PeftLoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False)
         if peft is None:
@@ -34,7 +40,7 @@ def _peft(model: PreTrainedModel, root: Path) -> PeftModel:
             peft.add_adapter(name, config)
     assert peft is not None
     peft.eval()
-    peft.save_pretrained(str(root), selected_adapters=list(ADAPTERS))
+    peft.save_pretrained(str(root), selected_adapters=list(adapters))
     return peft
 
 
@@ -62,16 +68,20 @@ def _reference(peft: PeftModel, prompt: list[int], adapter: str | None) -> list[
 
 @pytest.mark.parametrize("family", SERVED)
 def test_lora_greedy_matches_peft(family: str, tmp_path: Path) -> None:
-    model = FAMILIES[family]()
-    peft = _peft(model, tmp_path)
+    _check_against_peft(FAMILIES[family](), tmp_path, ADAPTERS)
+
+
+def _check_against_peft(model: PreTrainedModel, tmp_path: Path, adapters: Adapters) -> None:
+    family = type(model).__name__
+    peft = _peft(model, tmp_path, adapters)
     manager = _manager(model)
-    for adapter in ADAPTERS:
+    for adapter in adapters:
         manager.load_adapter(adapter, tmp_path / adapter)
     loaded = LoadedModel(name=family, model=model, tokenizer=load_model().tokenizer, directory=tmp_path)
     config = EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=64, max_num_batched_tokens=512)
     engine = LLMEngine.from_loaded(loaded, config, manager)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    names: list[str | None] = [*ADAPTERS, None]
+    names: list[str | None] = [*adapters, None]
     cases = [(i, name) for i in range(len(PROMPTS)) for name in names]
     for i, name in cases:
         engine.add_request(EngineRequest(f"{i}-{name}", PROMPTS[i], params, adapter=name))
@@ -85,9 +95,14 @@ def test_lora_greedy_matches_peft(family: str, tmp_path: Path) -> None:
     assert changed, "no adapter changes a greedy output: too weak to test"
 
 
-def test_phi3_adapter_on_fused_modules_is_refused(tmp_path: Path) -> None:
-    model = FAMILIES["phi3-fused"]()
-    config = PeftLoraConfig(r=8, lora_alpha=16, target_modules=["qkv_proj", "gate_up_proj"], init_lora_weights=False)
-    get_peft_model(copy.deepcopy(model), config).save_pretrained(str(tmp_path))
-    with pytest.raises(IntegrityError, match="qkv_proj"):
-        _manager(model).load_adapter("fused", tmp_path)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("phi3")])
+def test_phi3_fused_adapters_split_and_match_peft(family: str, tmp_path: Path) -> None:
+    """Phi-3 adapters target the fused qkv_proj / gate_up_proj; split per module they equal PEFT."""
+    _check_against_peft(FAMILIES[family](), tmp_path, PHI3_ADAPTERS)
+
+
+def test_fused_adapter_with_wrong_rows_is_refused() -> None:
+    shapes = ModelShapes.from_hf_config(FAMILIES["phi3-fused"]().config)
+    tensors = {"base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight": torch.zeros(10, 8)}
+    with pytest.raises(IntegrityError, match=r"qkv_proj.lora_B.weight has shape \(10, 8\), expected 128 rows"):
+        split_fused({"target_modules": ["qkv_proj"]}, tensors, shapes)
