@@ -1,16 +1,21 @@
 """Every served family equals transformers (fp32): teacher-forced logits of every prompt token, greedy
 tokens of ``generate``, and a mixed prefill/decode batch equal to each request alone."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from services.worker.engine import EngineConfig, LLMEngine
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import LinearFactory
+from services.worker.engine.loader import load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
+from shared.schemas import SamplingParams
 from tests.helpers.families import FAMILIES, PROMPTS
 
 BLOCK = 4
@@ -99,3 +104,23 @@ def test_prefill_past_a_cached_prefix_matches_transformers(family: str) -> None:
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, cached:].float()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma3-window-8-local-rope", "phi3-fused", "qwen3-qk-norm"])
+def test_saved_model_serves_through_load_model(family: str, tmp_path: Path) -> None:
+    """From disk as the worker loads it (AutoModelForCausalLM picks the class), through LLMEngine."""
+    model = FAMILIES[family]()
+    model.save_pretrained(tmp_path)
+    load_model().tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert type(loaded.model) is type(model)
+    config = EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=MAX_LEN, max_num_batched_tokens=256)
+    engine = LLMEngine.from_loaded(loaded, config)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(EngineRequest(str(i), prompt, params))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == [_hf_greedy(model, p) for p in PROMPTS]

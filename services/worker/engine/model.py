@@ -1,5 +1,7 @@
 """The engine's Llama-family forward pass over a flattened step of tokens, with the LoRA hook."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,10 @@ from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
 from services.worker.engine.rope import apply_rope
 from services.worker.engine.weights import ModelWeights
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class LlamaForward:
@@ -38,15 +44,19 @@ class LlamaForward:
         self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
         self._residual_mul = s.residual_multiplier if s.residual_multiplier != 1.0 else None
         self._logits_div = s.logits_scaling if s.logits_scaling != 1.0 else None
+        # The family's norm form and activation, chosen once rather than tested per layer
+        self.norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            self._norm_fp32 if s.norm_fp32 else self._norm_plain
+        )
+        self.act: Callable[[torch.Tensor], torch.Tensor] = _gelu_tanh if s.gelu_tanh else F.silu
         self.attention = [AttentionParams(s.attention_scale, layer.window, s.attn_softcap) for layer in weights.layers]
 
-    def _act(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh") if self.spec.gelu_tanh else F.silu(gate)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.spec.norm_fp32:  # Gemma: (x * (1 + w)) in fp32, then cast, as transformers does
-            return F.rms_norm(x.float(), (x.shape[-1],), weight, self.spec.rms_norm_eps).to(x.dtype)
+    def _norm_plain(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def _norm_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma: x * (1 + w) in fp32 (weight holds 1 + w), then cast, as transformers does."""
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.spec.rms_norm_eps).to(x.dtype)
 
     def _head_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """qk [tokens, heads, head_dim] normed over head_dim; weight [heads, head_dim]."""
@@ -76,7 +86,7 @@ class LlamaForward:
             h = h * self._embed_mul
         attn_out = h.new_empty(h.shape[0], s.q_size)
         for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj, strict=True)):
-            x = self._norm(h, layer.input_norm)
+            x = self.norm(h, layer.input_norm)
             qkv = proj["qkv"](x)
             if lora is not None:
                 lora.apply(i, "q_proj", x, qkv[:, :q_end])
@@ -95,22 +105,22 @@ class LlamaForward:
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
             if layer.attn_out_norm is not None:
-                o = self._norm(o, layer.attn_out_norm)
+                o = self.norm(o, layer.attn_out_norm)
             h = h + o if self._residual_mul is None else h + o * self._residual_mul
-            x = self._norm(h, layer.post_norm)
+            x = self.norm(h, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate_up[:, :inter])
                 lora.apply(i, "up_proj", x, gate_up[:, inter:])
-            act = self._act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
             if lora is not None:
                 lora.apply(i, "down_proj", act, d)
             if layer.mlp_out_norm is not None:
-                d = self._norm(d, layer.mlp_out_norm)
+                d = self.norm(d, layer.mlp_out_norm)
             h = h + d if self._residual_mul is None else h + d * self._residual_mul
-        h = self._norm(h[logits_indices], self.w.final_norm)
+        h = self.norm(h[logits_indices], self.w.final_norm)
         logits = self.lm_head(h)
         if self._logits_div is not None:
             logits = logits / self._logits_div
