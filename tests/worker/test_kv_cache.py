@@ -10,7 +10,14 @@ from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import ModelSpec
 
 SPEC = ModelSpec(
-    num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5
+    num_layers=30,
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+    attention_scale=0.125,
 )
 
 

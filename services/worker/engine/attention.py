@@ -1,4 +1,5 @@
-"""Paged attention over the KV cache: batched decode, per-sequence causal prefill."""
+"""Paged attention over the KV cache: batched decode, per-sequence causal prefill, optionally
+within a sliding window (a token at position i sees positions j with i - window < j <= i)."""
 
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ class AttentionMetadata:
     # Built on first use by the first layer, reused by the others (same step, same shapes).
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _decode_kv: torch.Tensor | None = field(default=None, repr=False)
+    # Sliding-window variants, built on first use per window (layers sharing a window share them).
+    _windowed: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias (0 = attend, -inf = not): SDPA's CPU kernel runs a third faster
@@ -29,6 +32,34 @@ class AttentionMetadata:
             bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
             self._decode_bias = bias.masked_fill_(~self.decode_mask, float("-inf"))
         return self._decode_bias
+
+    def window_decode_bias(self, dtype: torch.dtype, window: int) -> torch.Tensor:
+        """decode_bias that also hides the cache positions more than ``window - 1`` behind each decode."""
+        key = ("decode", window, 0)
+        if key not in self._windowed or self._windowed[key].dtype != dtype:
+            lengths = self.decode_mask.sum(-1, keepdim=True)  # [1, num_decode, 1, 1]: the decode is at lengths - 1
+            columns = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            old = columns <= lengths - 1 - window
+            self._windowed[key] = self.decode_bias(dtype).masked_fill(old, float("-inf"))
+        return self._windowed[key]
+
+    def window_prefill_bias(self, index: int, window: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive [new tokens, context] bias of prefill ``index`` within ``window``; None where the
+        plain causal mask (or the prefix context's bias) already hides nothing more."""
+        start, end = self.prefill_bounds[index]
+        context = self.prefill_contexts[index] if self.prefill_contexts else None
+        length = end - start if context is None else context[1].shape[1]
+        if length <= window:
+            return None
+        key = ("prefill", window, index)
+        if key not in self._windowed:
+            new = end - start
+            device = self.slot_mapping.device
+            rows = torch.arange(length - new, length, device=device).unsqueeze(1)  # positions of the new tokens
+            columns = torch.arange(length, device=device).unsqueeze(0)
+            visible = (columns <= rows) & (columns > rows - window)
+            self._windowed[key] = torch.zeros(new, length, device=device).masked_fill_(~visible, float("-inf"))
+        return self._windowed[key].to(dtype)
 
     def decode_kv(self, like: torch.Tensor, block_elems: int) -> torch.Tensor:
         """Scratch for the decodes' gathered K/V: [2 * kv_heads, num_decode * max_blocks, block_elems]."""
@@ -57,17 +88,54 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + bias) v for the decodes: q [kv_heads, n, group, d], k and v
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """One layer's attention, resolved at load: ``softmax(softcap(q k^T * scale) + mask) v``."""
+
+    scale: float  # head_dim ** -0.5 for Llama
+    window: int | None = None  # sliding window in tokens; None = global causal attention
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap (Gemma 2)
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v for the decodes: q [kv_heads, n, group, d], k and v
     [kv_heads, n, length, d], bias [1, n, 1, length].
 
     In fp32, two batched matmuls and a softmax: for a decode's few query rows per KV head, 4% faster
     per decode step than SDPA's CPU flash kernel (batch 32, 2 threads). Half dtypes keep SDPA,
     which accumulates the scores in fp32."""
     if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)
     return torch.matmul(torch.softmax(scores, -1), v)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """softmax(tanh(q k^T * scale / softcap) * softcap + bias) v, softmax in fp32 as transformers'
+    eager attention does; q [..., rows, d] with k and v [..., length, d] of as many heads."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_().mul_(softcap).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, params: AttentionParams
+) -> torch.Tensor:
+    """q [heads, new, d], k and v [kv_heads, length, d]; mask [new, length] additive, None = causal."""
+    gqa = k.shape[0] != q.shape[0]
+    if params.softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=params.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=params.scale, enable_gqa=gqa)
+    if mask is None:
+        mask = torch.full((q.shape[1], k.shape[1]), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    if gqa:
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+    return _softcapped_attention(q, k, v, mask, params.scale, params.softcap)
 
 
 def paged_attention(
@@ -78,14 +146,18 @@ def paged_attention(
     meta: AttentionMetadata,
     block_size: int,
     out: torch.Tensor,
+    params: AttentionParams | None = None,
 ) -> torch.Tensor:
     """Causal attention of every token; writes ``out`` [num_tokens, heads * head_dim] and returns it.
 
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
     (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
     cache attends to its own fresh K/V; one past a cached prefix, and every decode, reads the cache.
+    ``params`` defaults to Llama's: scale head_dim ** -0.5, no window, no soft-cap.
     """
     heads, head_dim = q.shape[1], q.shape[2]
+    params = params or AttentionParams(head_dim**-0.5)
+    window = params.window
     kv_heads = k.shape[1]
     n = meta.num_decode
     if n:
@@ -96,22 +168,21 @@ def paged_attention(
             kv_cache, meta.decode_blocks, block_size, meta.decode_kv(kv_cache, block_size * head_dim)
         )
         dk, dv = gathered.view(2, kv_heads, n, length, head_dim)
-        res = _decode_attention(dq, dk, dv, meta.decode_bias(q.dtype))
+        bias = meta.decode_bias(q.dtype) if window is None else meta.window_decode_bias(q.dtype, window)
+        if params.softcap is None:
+            res = _decode_attention(dq, dk, dv, bias, params.scale)
+        else:
+            res = _softcapped_attention(dq, dk, dv, bias, params.scale, params.softcap)
         out[:n].view(n, kv_heads, -1, head_dim).copy_(res.transpose(0, 1))
     contexts = meta.prefill_contexts or [None] * len(meta.prefill_bounds)
-    for (start, end), context in zip(meta.prefill_bounds, contexts, strict=True):
-        pq = q[start:end].transpose(0, 1)
+    for index, ((start, end), context) in enumerate(zip(meta.prefill_bounds, contexts, strict=True)):
+        mask = None if window is None else meta.window_prefill_bias(index, window, q.dtype)
         if context is None:
-            res = F.scaled_dot_product_attention(
-                pq,
-                k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1),
-                is_causal=True,
-                enable_gqa=kv_heads != heads,
-            )
+            pk, pv = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         else:  # the prefix's K/V was written by an earlier step, or by another prefill earlier in this layer
-            slots, bias = context
+            slots, causal = context
             pk, pv = kv_cache[0].index_select(1, slots), kv_cache[1].index_select(1, slots)
-            res = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=bias.to(q.dtype), enable_gqa=kv_heads != heads)
+            mask = causal.to(q.dtype) if mask is None else mask
+        res = _prefill_attention(q[start:end].transpose(0, 1), pk, pv, mask, params)
         out[start:end].view(end - start, heads, head_dim).copy_(res.transpose(0, 1))
     return out

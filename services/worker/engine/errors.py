@@ -11,3 +11,9 @@ class RequestTooLarge(InvalidRequest):
 
 class DuplicateRequest(InvalidRequest):
     code = "duplicate_request_id"
+
+
+class UnsupportedModel(InvalidRequest):
+    """The base model's family, or a feature of its config, is one the engine does not implement exactly."""
+
+    code = "unsupported_model"

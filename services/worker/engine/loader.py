@@ -29,10 +29,13 @@ def load_model(
     cache_dir: Path | None = None,
 ) -> LoadedModel:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from services.worker.engine.families import family_of
 
     dtype = dtype or torch.float32
     directory = resolve_model_dir(model_dir, cache_dir)
+    family_of(AutoConfig.from_pretrained(directory))  # refuse before any weight is read
     tokenizer = AutoTokenizer.from_pretrained(directory)
     # PreTrainedModel.to is functools.wraps(Module.to), whose stub mypy does not bind to the instance
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()  # type: ignore[arg-type]

@@ -1,14 +1,20 @@
 """The engine's Llama-family forward pass over a flattened step of tokens, with the LoRA hook."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
 from services.worker.engine.rope import apply_rope
 from services.worker.engine.weights import ModelWeights
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class LlamaForward:
@@ -33,9 +39,31 @@ class LlamaForward:
             for layer in weights.layers
         ]
         self.lm_head = make(weights.lm_head)
+        s = self.spec
+        # Granite's multipliers, resolved once: None where the family leaves that step as Llama's
+        self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
+        self._residual_mul = s.residual_multiplier if s.residual_multiplier != 1.0 else None
+        self._logits_div = s.logits_scaling if s.logits_scaling != 1.0 else None
+        # The family's norm form and activation, chosen once rather than tested per layer
+        self.norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            self._norm_fp32 if s.norm_fp32 else self._norm_plain
+        )
+        self.act: Callable[[torch.Tensor], torch.Tensor] = _gelu_tanh if s.gelu_tanh else F.silu
+        self.attention = [AttentionParams(s.attention_scale, layer.window, s.attn_softcap) for layer in weights.layers]
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm_plain(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def _norm_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma: x * (1 + w) in fp32 (weight holds 1 + w), then cast, as transformers does."""
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.spec.rms_norm_eps).to(x.dtype)
+
+    def _head_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """qk [tokens, heads, head_dim] normed over head_dim; weight [heads, head_dim]."""
+        eps = self.spec.rms_norm_eps
+        if self.spec.norm_fp32:
+            return F.rms_norm(qk.float(), (qk.shape[-1],), None, eps).mul_(weight).to(qk.dtype)
+        return F.rms_norm(qk, (qk.shape[-1],), None, eps).mul_(weight)
 
     @torch.inference_mode()
     def forward(
@@ -52,35 +80,50 @@ class LlamaForward:
         q_end, k_end = s.q_size, s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
         rope = self.w.rope[positions]
+        rope_local = self.w.rope_local[positions] if self.w.rope_local is not None else rope
         h = self.w.embed[input_ids]
+        if self._embed_mul is not None:
+            h = h * self._embed_mul
         attn_out = h.new_empty(h.shape[0], s.q_size)
         for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj, strict=True)):
-            x = self._norm(h, layer.input_norm)
+            x = self.norm(h, layer.input_norm)
             qkv = proj["qkv"](x)
             if lora is not None:
                 lora.apply(i, "q_proj", x, qkv[:, :q_end])
                 lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
                 lora.apply(i, "v_proj", x, qkv[:, k_end:])
-            qk = apply_rope(qkv[:, :k_end].view(-1, heads, s.head_dim), rope)
+            qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
+            if layer.qk_norm is not None:
+                qk = self._head_norm(qk, layer.qk_norm)
+            qk = apply_rope(qk, rope_local if layer.local_rope else rope)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)
             write_kv(kv, k, v, meta.slot_mapping)
-            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out)
+            a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, self.attention[i])
             o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
-            h = h + o
-            x = self._norm(h, layer.post_norm)
+            if layer.attn_out_norm is not None:
+                o = self.norm(o, layer.attn_out_norm)
+            h = h + o if self._residual_mul is None else h + o * self._residual_mul
+            x = self.norm(h, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
             if lora is not None:
                 lora.apply(i, "gate_proj", x, gate_up[:, :inter])
                 lora.apply(i, "up_proj", x, gate_up[:, inter:])
-            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
             if lora is not None:
                 lora.apply(i, "down_proj", act, d)
-            h = h + d
-        h = self._norm(h[logits_indices], self.w.final_norm)
-        return self.lm_head(h).float()
+            if layer.mlp_out_norm is not None:
+                d = self.norm(d, layer.mlp_out_norm)
+            h = h + d if self._residual_mul is None else h + d * self._residual_mul
+        h = self.norm(h[logits_indices], self.w.final_norm)
+        logits = self.lm_head(h)
+        if self._logits_div is not None:
+            logits = logits / self._logits_div
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        return logits.float()

@@ -5,10 +5,15 @@ from typing import Any
 
 import torch
 
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The rope settings, whether the config uses transformers 5 `rope_parameters` or 4.x attributes."""
+
+def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """The rope settings, whether the config uses transformers 5 `rope_parameters` or 4.x attributes;
+    ``layer_type`` picks one where they are given per layer type (Gemma 3)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
     legacy = getattr(config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)

@@ -1,10 +1,12 @@
 """Engine-owned view of a transformers Llama-family model: shapes, rope and fused weights."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from services.worker.engine.families import family_of, layer_windows
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -17,6 +19,14 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+    attention_scale: float  # multiplies q k^T: head_dim ** -0.5, or Granite's attention_multiplier
+    embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
+    residual_multiplier: float = 1.0  # Granite: each block's output is scaled by it before the residual add
+    logits_scaling: float = 1.0  # Granite: the logits are divided by it
+    attn_softcap: float | None = None  # Gemma 2: attention scores -> tanh(s / cap) * cap
+    final_softcap: float | None = None  # Gemma: logits -> tanh(l / cap) * cap
+    norm_fp32: bool = False  # Gemma: norm weights hold (1 + w) in fp32 and every norm runs in fp32
+    gelu_tanh: bool = False  # the MLP gates with gelu (tanh approximation), not silu
 
     @property
     def q_size(self) -> int:
@@ -32,12 +42,17 @@ class ModelSpec:
 
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor  # [hidden]; fp32 (1 + w) where spec.norm_fp32, as every norm weight
     qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]; rows: q_proj, k_proj, v_proj
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     o: torch.Tensor  # [hidden, q_size]
     o_bias: torch.Tensor | None  # [hidden]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]: the norm before the MLP
+    attn_out_norm: torch.Tensor | None  # [hidden]: Gemma's norm of the attention output
+    mlp_out_norm: torch.Tensor | None  # [hidden]: Gemma's norm of the MLP output
+    local_rope: bool  # this layer rotates by ModelWeights.rope_local (Gemma 3 sliding layers)
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: per-head RMSNorm weight of q then k (Qwen3)
+    window: int | None  # sliding-window attention span in tokens; None for global (or a window >= max_model_len)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]; rows: gate_proj, up_proj
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
@@ -52,6 +67,7 @@ class ModelWeights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
     rope: torch.Tensor  # [max_model_len, 2, head_dim]
+    rope_local: torch.Tensor | None = None  # [max_model_len, 2, head_dim]: Gemma 3's sliding-layer rope
 
 
 def _fuse(modules: list[torch.nn.Linear], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,44 +101,86 @@ def _single(module: torch.nn.Linear, dtype: torch.dtype, device: str) -> tuple[t
     return module.weight.detach().to(device=device, dtype=dtype), bias
 
 
-def spec_of(config: PreTrainedConfig) -> ModelSpec:
+def spec_of(config: PreTrainedConfig, dtype: torch.dtype = torch.float32) -> ModelSpec:
+    family = family_of(config)
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    granite = family.multipliers
+    scale = head_dim**-0.5
+    if "query_pre_attn_scalar" in family.handled:
+        scale = float(config.query_pre_attn_scalar) ** -0.5
+    elif granite:
+        scale = float(config.attention_multiplier)
+    embed_mul = float(config.embedding_multiplier) if granite else 1.0
+    if family.embed_scale:  # transformers rounds sqrt(hidden) to the model's dtype before multiplying
+        embed_mul = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
     return ModelSpec(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        head_dim=head_dim,
         vocab_size=config.vocab_size,
         rms_norm_eps=config.rms_norm_eps,
+        attention_scale=scale,
+        embedding_multiplier=embed_mul,
+        residual_multiplier=float(config.residual_multiplier) if granite else 1.0,
+        logits_scaling=float(config.logits_scaling) if granite else 1.0,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None) if family.handled else None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) if family.handled else None,
+        norm_fp32=family.norm_offset,
+        gelu_tanh=family.activation == "gelu_pytorch_tanh",
     )
 
 
+def _norm_weight(norm: Any, spec: ModelSpec, dtype: torch.dtype, device: str) -> torch.Tensor:
+    weight: torch.Tensor = norm.weight.detach()
+    if spec.norm_fp32:
+        return (1.0 + weight.float()).to(device)
+    return weight.to(device=device, dtype=dtype)
+
+
+def _qk_norm(attn: Any, spec: ModelSpec, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The per-head q_norm and k_norm weights [head_dim], repeated over the heads of q then k."""
+    q = _norm_weight(attn.q_norm, spec, dtype, device).expand(spec.num_heads, spec.head_dim)
+    k = _norm_weight(attn.k_norm, spec, dtype, device).expand(spec.num_kv_heads, spec.head_dim)
+    return torch.cat([q, k]).contiguous()
+
+
 def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_model_len: int) -> ModelWeights:
-    """Take the tensors transformers loaded (Llama, Mistral, Qwen2 layout) into the engine's layout."""
+    """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
+    (or a feature of one) the families table does not serve exactly."""
     config = model.config
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported activation {act!r}; the engine implements SwiGLU (silu)")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and max_model_len > window:
-        raise ValueError(f"sliding-window attention is not implemented; use max_model_len <= {window}")
-    spec = spec_of(config)
+    family = family_of(config)
+    windows = [w if w is not None and w < max_model_len else None for w in layer_windows(config, family)]
+    spec = spec_of(config, dtype)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers
     layers = []
-    for layer in model.model.layers:
+    for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
+        if family.fused_projections:  # Phi-3: rows already q, k, v and gate, up
+            qkv, qkv_bias = _single(attn.qkv_proj, dtype, device)
+            gate_up, gate_up_bias = _single(mlp.gate_up_proj, dtype, device)
+        else:
+            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
+            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
         o, o_bias = _single(attn.o_proj, dtype, device)
         down, down_bias = _single(mlp.down_proj, dtype, device)
+        sandwich = family.sandwich_norms
+        pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         layers.append(
             LayerWeights(
-                input_norm=layer.input_layernorm.weight.detach().to(device=device, dtype=dtype),
+                input_norm=_norm_weight(layer.input_layernorm, spec, dtype, device),
                 qkv=qkv,
                 qkv_bias=qkv_bias,
                 o=o,
                 o_bias=o_bias,
-                post_norm=layer.post_attention_layernorm.weight.detach().to(device=device, dtype=dtype),
+                post_norm=_norm_weight(pre_mlp, spec, dtype, device),
+                attn_out_norm=_norm_weight(layer.post_attention_layernorm, spec, dtype, device) if sandwich else None,
+                mlp_out_norm=_norm_weight(layer.post_feedforward_layernorm, spec, dtype, device) if sandwich else None,
+                local_rope=family.local_rope and layer_type == "sliding_attention",
+                qk_norm=_qk_norm(attn, spec, dtype, device) if family.qk_norm else None,
+                window=window,
                 gate_up=gate_up,
                 gate_up_bias=gate_up_bias,
                 down=down,
@@ -133,11 +191,16 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
     head = model.get_output_embeddings().weight.detach()  # type: ignore[no-untyped-call]  # unannotated in transformers
     lm_head = embed if head.data_ptr() == model.model.embed_tokens.weight.data_ptr() else head.to(device, dtype)
     inv_freq = inverse_frequencies(rope_parameters(config), spec.head_dim, max_model_len)
+    rope_local = None
+    if family.local_rope:
+        local = inverse_frequencies(rope_parameters(config, "sliding_attention"), spec.head_dim, max_model_len)
+        rope_local = cos_sin_table(local, max_model_len, dtype, device)
     return ModelWeights(
         spec=spec,
         embed=embed,
         layers=layers,
-        final_norm=model.model.norm.weight.detach().to(device=device, dtype=dtype),
+        final_norm=_norm_weight(model.model.norm, spec, dtype, device),
         lm_head=lm_head,
         rope=cos_sin_table(inv_freq, max_model_len, dtype, device),
+        rope_local=rope_local,
     )

@@ -22,7 +22,8 @@ class ModelShapes:
         """From a transformers Llama-family config (hidden_size, heads, kv heads, head_dim, intermediate_size)."""
         hidden, inter = config.hidden_size, config.intermediate_size
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        heads = config.num_attention_heads
+        q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
         dims = {
             "q_proj": (hidden, q),
             "k_proj": (hidden, kv),

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 
+from services.worker.lora.fused import split_fused
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from shared.errors import IntegrityError
 
@@ -124,7 +125,9 @@ def to_slot_layout(
     max_rank: int,
     allowed_modules: tuple[str, ...],
 ) -> AdapterWeights:
-    """Validate a parsed adapter against the base model and lay it out for the slots."""
+    """Validate a parsed adapter against the base model and lay it out for the slots; modules fused
+    in the checkpoint (Phi-3's qkv_proj, gate_up_proj) are split into the served ones first."""
+    config, tensors = split_fused(config, tensors, shapes)
     rank, alpha = config["r"], float(config["lora_alpha"])
     if rank > max_rank:
         raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {max_rank}", param="r")

@@ -1,0 +1,99 @@
+"""Tiny random models of every served family, with the features that set each apart from Llama switched on."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+PROMPTS = [
+    [5, 17, 42, 99, 3, 8, 250, 11, 7],
+    [200, 2, 9],
+    [33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+]
+
+
+def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedModel:
+    torch.manual_seed(0)
+    model: PreTrainedModel = model_cls(config_cls(**TINY, **kwargs)).eval()
+    with torch.no_grad():  # norms start at 1 (Gemma: at 0); random ones show a misread norm form
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.generation_config.eos_token_id = None  # greedy references run their full length
+    return model
+
+
+GEMMA: dict[str, Any] = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 8,
+    "final_logit_softcapping": 3.0,
+    "initializer_range": 0.1,
+}
+
+
+FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
+    "llama-head-dim": lambda: _tiny(LlamaConfig, LlamaForCausalLM, head_dim=32),
+    "mistral-window-beyond-len": lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=4096),
+    "mistral-window-8": lambda: _tiny(MistralConfig, MistralForCausalLM, sliding_window=8),
+    "qwen2-window-8-second-layer": lambda: _tiny(
+        Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
+    "qwen3-window-5": lambda: _tiny(
+        Qwen3Config, Qwen3ForCausalLM, use_sliding_window=True, sliding_window=5, max_window_layers=0
+    ),
+    "qwen3-qk-norm": lambda: _tiny(Qwen3Config, Qwen3ForCausalLM, head_dim=24, attention_bias=True),
+    "gemma2-window-8-softcaps": lambda: _tiny(
+        Gemma2Config, Gemma2ForCausalLM, **GEMMA, attn_logit_softcapping=2.0, tie_word_embeddings=True
+    ),
+    "gemma3-window-8-local-rope": lambda: _tiny(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        **GEMMA,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        },
+    ),
+    "phi3-fused": lambda: _tiny(Phi3Config, Phi3ForCausalLM, pad_token_id=0),
+    "phi3-window-8": lambda: _tiny(Phi3Config, Phi3ForCausalLM, pad_token_id=0, sliding_window=8),
+    "granite-multipliers": lambda: _tiny(
+        GraniteConfig,
+        GraniteForCausalLM,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=2.0,
+        initializer_range=0.1,
+        logits_scaling=8.0,
+        tie_word_embeddings=True,
+    ),
+}
