@@ -34,6 +34,22 @@ class Msg:
         self.kept_alive += 1
 
 
+def completion_audit(rid: str, worker_id: str, tenant_id: str = "acme", outcome: str = "length") -> CompletionAudit:
+    """A worker's completion record of ``rid``: 2 prompt and 8 completion tokens."""
+    return CompletionAudit(
+        request_id=rid,
+        tenant_id=tenant_id,
+        base_model=BASE,
+        cache_hit=True,
+        ttft_ms=1,
+        tpot_ms=1,
+        prompt_tokens=2,
+        completion_tokens=8,
+        worker_id=worker_id,
+        outcome=outcome,
+    )
+
+
 class World:
     """Fake workers and client inboxes around a real Dispatcher on a real Redis."""
 
@@ -99,20 +115,7 @@ class World:
 
     async def finish(self, rid: str) -> None:
         entry = self.core.inflight[rid]
-        await self.core.completed(
-            CompletionAudit(
-                request_id=rid,
-                tenant_id=entry.request.tenant_id,
-                base_model=BASE,
-                cache_hit=True,
-                ttft_ms=1,
-                tpot_ms=1,
-                prompt_tokens=2,
-                completion_tokens=8,
-                worker_id=entry.worker_id,
-                outcome="length",
-            )
-        )
+        await self.core.completed(completion_audit(rid, entry.worker_id, entry.request.tenant_id))
         await self.settle()
 
 

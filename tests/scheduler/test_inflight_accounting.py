@@ -9,8 +9,8 @@ import pytest
 from shared.config import SchedulerSettings
 from shared.errors import UpstreamTimeout
 from shared.redis_conn import connect_redis
-from shared.schemas import CompletionAudit, DispatchReply, InferRequest
-from tests.scheduler.test_dispatcher import BASE, Msg, World
+from shared.schemas import DispatchReply, InferRequest
+from tests.scheduler.test_dispatcher import BASE, Msg, World, completion_audit
 
 
 @pytest.fixture
@@ -21,21 +21,6 @@ async def world(redis_url):
     )
     yield World(settings, redis)
     await redis.aclose()
-
-
-def ended(rid: str, worker_id: str, outcome: str = "length") -> CompletionAudit:
-    return CompletionAudit(
-        request_id=rid,
-        tenant_id="acme",
-        base_model=BASE,
-        cache_hit=True,
-        ttft_ms=1,
-        tpot_ms=1,
-        prompt_tokens=2,
-        completion_tokens=8,
-        worker_id=worker_id,
-        outcome=outcome,
-    )
 
 
 def held_on(world: World) -> dict[str, int]:
@@ -76,9 +61,9 @@ async def test_a_withdrawn_runs_end_does_not_free_the_worker_that_took_the_reque
     world.answers["slow"] = UpstreamTimeout("no answer")  # withdrawn from slow, then taken by w2
     await world.submit("r1")
     assert world.dispatched == [("slow", "r1"), ("w2", "r1")]
-    await world.core.completed(ended("r1", "slow", "cancelled"))
+    await world.core.completed(completion_audit("r1", "slow", "cancelled"))
     assert "r1" in world.core.inflight and held_on(world) == {"slow": 0, "w2": 1}
-    await world.core.completed(ended("r1", "w2"))
+    await world.core.completed(completion_audit("r1", "w2"))
     assert "r1" not in world.core.inflight and held_on(world) == {"slow": 0, "w2": 0}
 
 
@@ -86,11 +71,11 @@ async def test_a_withdrawn_run_ending_before_the_dispatch_reply_does_not_end_the
     world.beat("w1")
     gate = Gate()
     submission = await submitted_behind(world, gate, "r1")
-    await world.core.completed(ended("r1", "elsewhere", "cancelled"))
+    await world.core.completed(completion_audit("r1", "elsewhere", "cancelled"))
     gate.open.set()
     await submission
     assert "r1" in world.core.inflight and held_on(world) == {"w1": 1}
-    await world.core.completed(ended("r1", "w1"))
+    await world.core.completed(completion_audit("r1", "w1"))
     assert not world.core.inflight and held_on(world) == {"w1": 0} and not world.core.early
 
 
@@ -99,7 +84,7 @@ async def test_the_takers_own_end_seen_before_its_dispatch_reply_ends_the_reques
     world.beat("w1")
     gate = Gate()
     submission = await submitted_behind(world, gate, "r1")
-    ends = [ended("r1", "w1"), ended("r1", "elsewhere", "cancelled")]
+    ends = [completion_audit("r1", "w1"), completion_audit("r1", "elsewhere", "cancelled")]
     for event in ends if own_first else ends[::-1]:
         await world.core.completed(event)
     gate.open.set()
@@ -116,7 +101,7 @@ async def test_an_end_seen_before_the_dispatch_reply_frees_the_worker_even_if_th
     world.beat("w1")
     gate = Gate()
     submission = await submitted_behind(world, gate, "r1", AckFails())
-    await world.core.completed(ended("r1", "w1"))
+    await world.core.completed(completion_audit("r1", "w1"))
     gate.open.set()
     await submission
     assert not world.core.inflight and held_on(world) == {"w1": 0}
@@ -126,6 +111,6 @@ async def test_an_end_seen_for_a_request_dropped_before_any_accept_is_forgotten(
     world.beat("w1", max_running=1)
     await world.submit("busy")
     await world.submit("r1")  # queued: w1 is full
-    await world.core.completed(ended("r1", "elsewhere", "cancelled"))
+    await world.core.completed(completion_audit("r1", "elsewhere", "cancelled"))
     assert await world.core.cancel("r1")
     assert not world.core.early

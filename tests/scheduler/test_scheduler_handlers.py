@@ -12,8 +12,8 @@ from services.scheduler.service import Scheduler
 from shared.bus import encode
 from shared.config import SchedulerSettings
 from shared.redis_conn import connect_redis
-from shared.schemas import AuditEnvelope, CompletionAudit, InferRequest, WorkerControl, WorkerHeartbeat
-from tests.scheduler.test_dispatcher import BASE, Msg, World
+from shared.schemas import AuditEnvelope, InferRequest, WorkerControl, WorkerHeartbeat
+from tests.scheduler.test_dispatcher import BASE, Msg, World, completion_audit
 
 
 @dataclass
@@ -64,19 +64,7 @@ def submission(rid: str) -> Delivery:
 
 
 def completion(rid: str, worker_id: str) -> Delivery:
-    event = CompletionAudit(
-        request_id=rid,
-        tenant_id="acme",
-        base_model=BASE,
-        cache_hit=True,
-        ttft_ms=1,
-        tpot_ms=1,
-        prompt_tokens=2,
-        completion_tokens=8,
-        worker_id=worker_id,
-        outcome="length",
-    )
-    return Delivery(encode(AuditEnvelope(body=event)))
+    return Delivery(encode(AuditEnvelope(body=completion_audit(rid, worker_id))))
 
 
 def inflight_gauge(worker_id: str) -> float | None:
