@@ -152,7 +152,11 @@ async def run(settings: WorkerSettings) -> None:
         )
         cache_dir = Path(settings.model_cache) if settings.model_cache else None
         loaded = await asyncio.to_thread(
-            load_model, settings.model_dir, device=settings.engine.device, cache_dir=cache_dir
+            load_model,
+            settings.model_dir,
+            device=settings.engine.device,
+            dtype=settings.engine.torch_dtype,  # read straight into the serving dtype: no fp32 copy
+            cache_dir=cache_dir,
         )
         shapes = ModelShapes.from_hf_config(loaded.model.config)
         manager = AdapterManager(

@@ -28,6 +28,12 @@ def load_model(
     dtype: torch.dtype | None = None,
     cache_dir: Path | None = None,
 ) -> LoadedModel:
+    """The model of ``model_dir`` (the embedded SmolLM2 when None) in ``dtype`` on ``device``.
+
+    Pass the engine's serving dtype: transformers then reads each safetensors tensor (memory-mapped)
+    straight into that dtype, so a bf16 deployment never holds an fp32 copy, and the engine's
+    weight views (``load_weights``) share these tensors instead of converting them again.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
