@@ -333,9 +333,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument(
         "--dtype",
+        nargs="+",
         choices=("float32", "bfloat16"),
-        default="float32",
-        help="dtype of both systems (bf16 uses this CPU's avx512_bf16 / AMX where present)",
+        default=["float32"],
+        help="dtype(s) of both systems, run one after the other in this process (bf16 uses this CPU's "
+        "avx512_bf16 / AMX where present); the model is loaded in each dtype, as the worker does",
     )
     parser.add_argument(
         "--linear-split",
@@ -357,23 +359,26 @@ def main() -> None:
         check=True,
     )
     memory = json.loads(probe.stdout.strip().splitlines()[-1])
-    loaded = load_model(dtype=getattr(torch, args.dtype))
     batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
-    rows = throughput(loaded, batches, new_tokens, rounds, args.dtype, args.linear_split)
-    result = {
-        "environment": environment(args.threads, args.dtype),
-        "quick": args.quick,
-        "throughput": rows,
-        "memory": memory,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "adapters": 0,
-        "rank_mix": None,
-    }
-    path = RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine-{args.dtype}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(table(rows, memory))
-    print(f"\nwrote {path}")
+    for dtype in args.dtype:
+        loaded = load_model(dtype=getattr(torch, dtype))
+        rows = throughput(loaded, batches, new_tokens, rounds, dtype, args.linear_split)
+        del loaded
+        result = {
+            "environment": environment(args.threads, dtype),
+            "quick": args.quick,
+            "throughput": rows,
+            "memory": memory,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "adapters": 0,
+            "rank_mix": None,
+        }
+        path = RESULTS if dtype == "float32" else RESULTS.with_name(f"engine-{dtype}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"\n## {dtype}\n")
+        print(table(rows, memory))
+        print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
