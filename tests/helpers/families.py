@@ -1,6 +1,7 @@
 """Tiny random models of every served family, with the features that set each apart from Llama switched on."""
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,3 +98,17 @@ FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
         tie_word_embeddings=True,
     ),
 }
+
+
+def save_family(model: PreTrainedModel, directory: Path) -> Path:
+    """``model`` saved as a model directory with a word-level tokenizer over its vocabulary ("t0".."tN"):
+    loadable by ``load_model`` without reading the embedded model's cache."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0").save_pretrained(directory)
+    return directory

@@ -16,7 +16,7 @@ from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams
-from tests.helpers.families import FAMILIES, PROMPTS
+from tests.helpers.families import FAMILIES, PROMPTS, save_family
 
 BLOCK = 4
 MAX_LEN = 64
@@ -110,8 +110,7 @@ def test_prefill_past_a_cached_prefix_matches_transformers(family: str) -> None:
 def test_saved_model_serves_through_load_model(family: str, tmp_path: Path) -> None:
     """From disk as the worker loads it (AutoModelForCausalLM picks the class), through LLMEngine."""
     model = FAMILIES[family]()
-    model.save_pretrained(tmp_path)
-    load_model().tokenizer.save_pretrained(tmp_path)
+    save_family(model, tmp_path)
     loaded = load_model(str(tmp_path))
     assert type(loaded.model) is type(model)
     config = EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=MAX_LEN, max_num_batched_tokens=256)
