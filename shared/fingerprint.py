@@ -1,13 +1,18 @@
-"""Base-model identity: architecture dims plus every tensor's name/shape/dtype, hashed.
+"""Base-model identity: architecture dims plus every tensor's name, dtype, shape and content, hashed.
 
-Registry and workers compute it the same way from the model directory, so an adapter
-trained for another base model (or another revision of it) is refused before it loads.
-Only safetensors headers are read, never tensor data.
+Registry, workers and the CLI compute it the same way from the model directory, so an adapter
+trained for another base model — another revision, or another fine-tune with identical shapes —
+is refused before it loads. Content is hashed per tensor (sharding does not matter) straight
+from the memory-mapped files; the result is cached per directory, keyed by every file's size,
+mtime and inode, in memory and under ``<model cache>/.fingerprints``, so it is computed once.
 """
 
 import hashlib
 import json
+import mmap
+import os
 import struct
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,7 @@ from shared.errors import IntegrityError
 from shared.signing import canonical_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+FINGERPRINT_VERSION = 2  # 1: names, dtypes and shapes only; 2: and each tensor's bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,30 +70,124 @@ class BaseModelSpec:
         }
 
 
+def _read_header(f: Any, name: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise IntegrityError(f"{name}: too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise IntegrityError(f"{name}: safetensors header of {length} bytes is too large")
+    try:
+        header: dict[str, dict[str, Any]] = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IntegrityError(f"{name}: unreadable safetensors header: {e}") from None
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     """The JSON header of a safetensors file (tensor name -> dtype/shape/offsets), metadata removed."""
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise IntegrityError(f"{path.name}: too short to be a safetensors file")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
-            raise IntegrityError(f"{path.name}: safetensors header of {length} bytes is too large")
-        header: dict[str, dict[str, Any]] = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
+        return _read_header(f, path.name)[1]
 
 
-def fingerprint_model_dir(path: str | Path) -> str:
-    """sha256 over canonical JSON of the architecture and every tensor's name, shape and dtype."""
-    directory = Path(path)
+def _tensor_digests(path: Path) -> list[list[Any]]:
+    """[name, dtype, shape, sha256 of the tensor's bytes] of every tensor in one safetensors file."""
+    rows: list[list[Any]] = []
+    with open(path, "rb") as f:
+        data_start, header = _read_header(f, path.name)
+        size = os.fstat(f.fileno()).st_size
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        try:
+            for name, entry in header.items():
+                try:
+                    begin, end = (data_start + int(o) for o in entry["data_offsets"])
+                    dtype, shape = str(entry["dtype"]), [int(d) for d in entry["shape"]]
+                except (KeyError, TypeError, ValueError):
+                    raise IntegrityError(f"{path.name}: tensor {name!r} has a malformed header entry") from None
+                if not data_start <= begin <= end <= size or view is None:
+                    raise IntegrityError(f"{path.name}: tensor {name!r} lies outside the file")
+                rows.append([name, dtype, shape, hashlib.sha256(memoryview(view)[begin:end]).hexdigest()])
+        finally:
+            if view is not None:
+                view.close()
+    return rows
+
+
+_memo: dict[tuple[str, tuple[tuple[str, int, int, int], ...]], str] = {}
+_memo_lock = threading.Lock()
+
+
+def _file_keys(directory: Path, files: list[Path]) -> tuple[tuple[str, int, int, int], ...]:
+    keys = []
+    for file in [directory / "config.json", *files]:
+        st = file.stat()
+        keys.append((file.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(keys)
+
+
+def _disk_cache_path(directory: Path) -> Path:
+    from shared.base_model import default_cache_dir
+
+    return default_cache_dir() / ".fingerprints" / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json"
+
+
+def _read_disk_cache(path: Path, keys: tuple[tuple[str, int, int, int], ...]) -> str | None:
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if entry.get("version") != FINGERPRINT_VERSION or [tuple(k) for k in entry.get("files", [])] != list(keys):
+        return None
+    value = entry.get("fingerprint")
+    return value if isinstance(value, str) and len(value) == 64 else None
+
+
+def _write_disk_cache(path: Path, keys: tuple[tuple[str, int, int, int], ...], value: str) -> None:
+    """Best effort: a read-only cache directory only costs a recomputation in the next process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": FINGERPRINT_VERSION, "files": keys, "fingerprint": value}))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def compute_fingerprint(directory: Path) -> str:
+    """The fingerprint, computed from the files (no cache): sha256 of canonical JSON of the
+    architecture and every tensor's [name, dtype, shape, content sha256], sorted by name."""
     spec = BaseModelSpec.from_model_dir(directory)
-    tensors: list[list[Any]] = []  # [name, dtype, shape]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise IntegrityError(f"{directory}: no safetensors weights to fingerprint")
-    for file in files:
-        for name, entry in read_safetensors_header(file).items():
-            tensors.append([name, entry["dtype"], list(entry["shape"])])
-    tensors.sort()
-    return hashlib.sha256(canonical_json({"architecture": asdict(spec), "tensors": tensors})).hexdigest()
+    tensors = sorted(row for file in files for row in _tensor_digests(file))
+    names = [row[0] for row in tensors]
+    if len(set(names)) != len(names):
+        raise IntegrityError(f"{directory}: a tensor name appears in two safetensors files")
+    body = {"version": FINGERPRINT_VERSION, "architecture": asdict(spec), "tensors": tensors}
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def fingerprint_model_dir(path: str | Path) -> str:
+    """The base-model fingerprint of a model directory, computed once per directory content."""
+    directory = Path(path).resolve()
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise IntegrityError(f"{directory}: no safetensors weights to fingerprint")
+    try:
+        keys = _file_keys(directory, files)
+    except OSError as e:
+        raise IntegrityError(f"{directory}: cannot read the model files: {e}") from None
+    memo_key = (str(directory), keys)
+    with _memo_lock:
+        if memo_key in _memo:
+            return _memo[memo_key]
+    cache = _disk_cache_path(directory)
+    value = _read_disk_cache(cache, keys)
+    if value is None:
+        value = compute_fingerprint(directory)
+        _write_disk_cache(cache, keys, value)
+    with _memo_lock:
+        _memo[memo_key] = value
+    return value
