@@ -4,7 +4,7 @@ Registry, workers and the CLI compute it the same way from the model directory, 
 trained for another base model — another revision, or another fine-tune with identical shapes —
 is refused before it loads. Content is hashed per tensor (sharding does not matter) straight
 from the memory-mapped files; the result is cached per directory, keyed by every file's size,
-mtime and inode, in memory and under ``<model cache>/.fingerprints``, so it is computed once.
+mtime and inode, in memory and under ``fingerprint_cache_dir()``, so it is computed once.
 """
 
 import hashlib
@@ -126,10 +126,15 @@ def _file_keys(directory: Path, files: list[Path]) -> tuple[tuple[str, int, int,
     return tuple(keys)
 
 
-def _disk_cache_path(directory: Path) -> Path:
-    from shared.base_model import default_cache_dir
+def fingerprint_cache_dir() -> Path:
+    """``LF_FINGERPRINT_CACHE``, else ``$XDG_CACHE_HOME/lorafleet/fingerprints`` (``~/.cache`` by default)."""
+    if explicit := os.environ.get("LF_FINGERPRINT_CACHE"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafleet" / "fingerprints"
 
-    return default_cache_dir() / ".fingerprints" / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json"
+
+def _disk_cache_path(directory: Path) -> Path:
+    return fingerprint_cache_dir() / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json"
 
 
 def _read_disk_cache(path: Path, keys: tuple[tuple[str, int, int, int], ...]) -> str | None:

@@ -3,6 +3,7 @@
 import inspect
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# base-model fingerprints are cached per directory: a session-private cache, never the user's
+os.environ.setdefault("LF_FINGERPRINT_CACHE", tempfile.mkdtemp(prefix="lf-fingerprints-"))
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. at the first import of
 # kernels/, which any test module may trigger: choose the CPU interpreter before all of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -2,7 +2,7 @@
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -24,6 +24,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 TINY: dict[str, Any] = {
     "vocab_size": 256,
@@ -100,15 +103,19 @@ FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
 }
 
 
-def save_family(model: PreTrainedModel, directory: Path) -> Path:
-    """``model`` saved as a model directory with a word-level tokenizer over its vocabulary ("t0".."tN"):
-    loadable by ``load_model`` without reading the embedded model's cache."""
+def word_tokenizer(vocab_size: int) -> "PreTrainedTokenizerFast":
+    """A word-level tokenizer over "t0".."t{vocab_size - 1}": a real tokenizer that reads no model cache."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    model.save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0").save_pretrained(directory)
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0")
+
+
+def save_family(model: PreTrainedModel, directory: Path) -> Path:
+    """``model`` saved as a model directory with a word-level tokenizer over its vocabulary ("t0".."tN"):
+    loadable by ``load_model`` without reading the embedded model's cache."""
+    model.save_pretrained(directory)
+    word_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return directory

@@ -60,10 +60,10 @@ def test_sharding_does_not_change_it(tmp_path: Path) -> None:
 def test_cached_per_directory_and_recomputed_when_a_file_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LF_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LF_FINGERPRINT_CACHE", str(tmp_path / "cache"))
     directory = model_dir(tmp_path / "m")
     first = fingerprint_model_dir(directory)
-    assert list((tmp_path / "cache" / ".fingerprints").glob("*.json"))  # kept for the next process
+    assert list((tmp_path / "cache").glob("*.json"))  # kept for the next process
     computed: list[Path] = []
     monkeypatch.setattr(fingerprint, "compute_fingerprint", lambda d: computed.append(d) or "0" * 64)
     fingerprint._memo.clear()

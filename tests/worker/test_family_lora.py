@@ -11,13 +11,13 @@ from peft import PeftModel, get_peft_model
 from transformers import GenerationConfig, PreTrainedModel
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.loader import LoadedModel
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.lora.fused import split_fused
 from shared.errors import IntegrityError
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES
-from tests.helpers.families import FAMILIES, PROMPTS
+from tests.helpers.families import FAMILIES, PROMPTS, word_tokenizer
 
 NEW_TOKENS = 8
 Adapters = dict[str, tuple[int, int, tuple[str, ...]]]
@@ -77,7 +77,9 @@ def _check_against_peft(model: PreTrainedModel, tmp_path: Path, adapters: Adapte
     manager = _manager(model)
     for adapter in adapters:
         manager.load_adapter(adapter, tmp_path / adapter)
-    loaded = LoadedModel(name=family, model=model, tokenizer=load_model().tokenizer, directory=tmp_path)
+    loaded = LoadedModel(
+        name=family, model=model, tokenizer=word_tokenizer(model.config.vocab_size), directory=tmp_path
+    )
     config = EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=64, max_num_batched_tokens=512)
     engine = LLMEngine.from_loaded(loaded, config, manager)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
