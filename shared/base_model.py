@@ -74,3 +74,8 @@ def resolve_model_dir(model_dir: str | None, cache_dir: Path | None = None) -> P
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
         return path
     return prepare_embedded(cache_dir)
+
+
+def served_model_name(model_dir: str | None, directory: Path) -> str:
+    """The name clients ask for: the embedded model's own, or the directory's (``LF_MODEL_DIR``)."""
+    return directory.name if model_dir else EMBEDDED_MODEL_NAME

@@ -10,14 +10,13 @@ import openai
 from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
+from lorafleet.cli.demo_fit import DemoFit, ServedModel, fit_demos
 from lorafleet.cli.keys_cmd import generate
 from lorafleet.evaluation.release import evaluate, promote, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared import subjects
-from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.errors import Unauthorized
-from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecordsReply,
     ApiKeyCreatedReply,
@@ -63,22 +62,29 @@ async def _wait_for_key(client: openai.AsyncOpenAI, timeout_s: float = 15.0) -> 
 
 
 async def seed_demo_adapters(
-    nats_url: str, gateway_url: str, state_dir: Path, tenant_id: str, actor: str
-) -> list[DemoAdapter]:
-    """Release every example adapter the registry has no production version of; all of them listed."""
-    if not EXAMPLES.is_dir():
-        return []
-    model_dir = await asyncio.to_thread(resolve_model_dir, None, state_dir / "models")
-    fingerprint = await asyncio.to_thread(fingerprint_model_dir, model_dir)
+    nats_url: str, gateway_url: str, state_dir: Path, served: ServedModel, tenant_id: str, actor: str
+) -> tuple[list[DemoAdapter], DemoFit]:
+    """Release every example adapter that fits the served model and has no production version yet;
+    the fitting ones listed, and why the others were skipped."""
+    directories = sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()) if EXAMPLES.is_dir() else []
+    fit = await asyncio.to_thread(fit_demos, directories, served, state_dir / "models")
+    if not fit.fitting:
+        return [], fit
     nc = await cli_connect(nats_url)
     try:
-        return await _seed(nc, gateway_url, state_dir, fingerprint, tenant_id, actor)
+        return await _seed(nc, gateway_url, state_dir, served, fit.fitting, tenant_id, actor), fit
     finally:
         await nc.drain()
 
 
 async def _seed(
-    nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, tenant_id: str, actor: str
+    nc: NATS,
+    gateway_url: str,
+    state_dir: Path,
+    served: ServedModel,
+    directories: list[Path],
+    tenant_id: str,
+    actor: str,
 ) -> list[DemoAdapter]:
     key_file, public = _signing_key(state_dir)
     await request(
@@ -99,8 +105,7 @@ async def _seed(
     try:
         await _wait_for_key(client)
         seeded = [
-            await _release(nc, client, directory, key_file, fingerprint, tenant_id, actor)
-            for directory in sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file())
+            await _release(nc, client, directory, key_file, served, tenant_id, actor) for directory in directories
         ]
     finally:
         await request(
@@ -114,7 +119,13 @@ async def _seed(
 
 
 async def _release(
-    nc: NATS, client: openai.AsyncOpenAI, directory: Path, key_file: Path, fingerprint: str, tenant_id: str, actor: str
+    nc: NATS,
+    client: openai.AsyncOpenAI,
+    directory: Path,
+    key_file: Path,
+    served: ServedModel,
+    tenant_id: str,
+    actor: str,
 ) -> DemoAdapter:
     adapter_id = directory.name
     eval_set = load_eval_set(directory / "eval.jsonl")
@@ -139,13 +150,11 @@ async def _release(
         adapter_id=adapter_id,
         tenant_id=tenant_id,
         task_type=adapter_id,
-        base_fingerprint=fingerprint,
+        base_fingerprint=served.fingerprint,
         sign_key=key_file,
         who=actor,
     )
-    evaluation = await evaluate(
-        client, adapter_id, record.version, eval_set, base_model=EMBEDDED_MODEL_NAME, max_tokens=40
-    )
+    evaluation = await evaluate(client, adapter_id, record.version, eval_set, base_model=served.name, max_tokens=40)
     await record_eval(nc, adapter_id, record.version, evaluation, actor)
     await promote(nc, adapter_id, record.version, 100, actor)
     return DemoAdapter(

@@ -3,10 +3,12 @@
 import argparse
 import asyncio
 import json
+import os
 import signal
 from pathlib import Path
 
 from lorafleet.cli.demo import curl_example, seed_demo_adapters
+from lorafleet.cli.demo_fit import ServedModel
 from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
 from lorafleet.cli.infra import pick_port, start_redis
 from lorafleet.cli.nats_auth import start_secured_nats
@@ -65,25 +67,32 @@ def run(args: argparse.Namespace) -> int:
         "LF_RELEASE_REQUIRE_EVAL": "1",
     }
     stack = Stack(env, state / "logs")
+    model_dir = os.environ.get("LF_MODEL_DIR") or None  # the services read the same variable
     try:
         for name in SERVICES:
             stack.start(name, extra_env=auth.service_env(name))
-        print("starting services (the first start converts the base model once, about a minute)...")
+        if model_dir:
+            print(f"starting services on the base model in {model_dir}...")
+        else:
+            print("starting services (the first start converts the base model once, about a minute)...")
         asyncio.run(wait_ready(auth.admin_url(nats.url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
+        served = ServedModel.resolve(model_dir, state / "models")
         key = asyncio.run(ensure_demo_key(auth.admin_url(nats.url), state))
-        model = "SmolLM2-135M-Instruct"
+        model = served.name
         print(
             f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
             f"{example(ports['gateway'], key, model)}\n\nor with the openai client:\n"
             f"{openai_snippet(ports['gateway'], key, model)}\n"
         )
         print("releasing the example adapters (signed, evaluated through the gateway, gated)...")
-        demos = asyncio.run(
+        demos, fit = asyncio.run(
             seed_demo_adapters(
-                auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}", state, DEMO_TENANT, ACTOR
+                auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}", state, served, DEMO_TENANT, ACTOR
             )
         )
+        for line in fit.skip_lines():
+            print(f"  {line}")
         for demo in demos:
             print(f"  {demo.summary}")
         for demo in demos[:2]:

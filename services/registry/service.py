@@ -22,7 +22,7 @@ from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
 from shared import subjects
 from shared.adapter_format import AdapterLimits
-from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
+from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
 from shared.catalog import Catalog
 from shared.config import RegistrySettings, load_settings
@@ -65,9 +65,10 @@ Handler = tuple[type[BaseModel], Callable[[Any], Awaitable[BaseModel]]]
 def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
     cache = Path(settings.model_cache) if settings.model_cache else None
     directory = resolve_model_dir(settings.model_dir, cache)
-    name = EMBEDDED_MODEL_NAME if settings.model_dir is None else directory.name
     return BaseModelIdentity(
-        name=name, fingerprint=fingerprint_model_dir(directory), spec=BaseModelSpec.from_model_dir(directory)
+        name=served_model_name(settings.model_dir, directory),
+        fingerprint=fingerprint_model_dir(directory),
+        spec=BaseModelSpec.from_model_dir(directory),
     )
 
 

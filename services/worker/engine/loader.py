@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
+from shared.base_model import resolve_model_dir, served_model_name
 
 if TYPE_CHECKING:  # torch and transformers load lazily
     import torch
@@ -45,5 +45,6 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(directory)
     # PreTrainedModel.to is functools.wraps(Module.to), whose stub mypy does not bind to the instance
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
-    name = EMBEDDED_MODEL_NAME if model_dir is None else directory.name
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, directory=directory)
+    return LoadedModel(
+        name=served_model_name(model_dir, directory), model=model, tokenizer=tokenizer, directory=directory
+    )
