@@ -48,7 +48,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     await rjs.publish(subjects.adapter_event("tiny"), b"{}")
     assert registry.errors == []
 
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     wjs = worker.nc.jetstream(timeout=JS_TIMEOUT)
     files = await fetch_adapter_files(wjs, f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/tiny/1")
     assert files == {name: name.encode() for name in ADAPTER_FILES}
@@ -64,7 +64,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     assert await worker.publish_refused(subjects.adapter_event("x"))
 
 
-@pytest.mark.parametrize("user", ["gateway", "worker", "scheduler", "auditor"])
+@pytest.mark.parametrize("user", ["gateway", "worker-w1", "scheduler", "auditor"])
 async def test_only_the_registry_publishes_adapter_events(connect_as, user: str) -> None:
     client = await connect_as(user)
     assert await client.publish_refused(subjects.adapter_event("x"))
@@ -81,7 +81,7 @@ async def test_only_the_registry_publishes_adapter_events(connect_as, user: str)
             subjects.audit("completion", "a"),
         ),
         (
-            "worker",
+            "worker-w1",
             "registry",
             subjects.ADAPTER_EVENTS_STREAM,
             subjects.ADAPTER_EVENTS_ALL,
@@ -125,7 +125,7 @@ async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_
 
 
 async def test_request_reply_between_scheduler_worker_and_registry(connect_as) -> None:
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
 
     async def answer(msg) -> None:
         await msg.respond(b"accepted")
@@ -136,6 +136,43 @@ async def test_request_reply_between_scheduler_worker_and_registry(connect_as) -
     assert (await scheduler.nc.request(subjects.worker_dispatch("w1"), b"{}", timeout=2)).data == b"accepted"
     assert await scheduler.publish_refused(subjects.registry("register"))
     assert await worker.subscribe_refused("lf.registry.resolve")
+
+
+async def test_a_worker_reads_only_its_own_dispatches_and_never_a_reply_stream(connect_as) -> None:
+    w1 = await connect_as("worker-w1")
+    for foreign in (
+        subjects.worker_dispatch("w2"),
+        subjects.worker_control("w2"),
+        "lf.worker.*.dispatch",
+        "lf.worker.>",
+        "_INBOX.>",
+        "_INBOX_acme.>",
+        f"{subjects.worker_inbox('w2')}.>",
+        subjects.INFER_SUBMIT_ALL,
+    ):
+        assert await w1.subscribe_refused(foreign), foreign
+
+    w2 = await connect_as("worker-w2")
+    dispatched: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def accept(msg) -> None:
+        dispatched.put_nowait(msg.data)
+        await msg.respond(b"accepted")
+
+    await w2.nc.subscribe(subjects.worker_dispatch("w2"), cb=accept)
+    await w2.nc.subscribe(subjects.worker_control("w2"))
+    await w2.nc.flush()
+    scheduler = await connect_as("scheduler")
+    assert (await scheduler.nc.request(subjects.worker_dispatch("w2"), b"prompt", timeout=2)).data == b"accepted"
+    assert await dispatched.get() == b"prompt"
+
+    gateway = await connect_as("gateway")
+    inbox = gateway.nc.new_inbox()
+    tokens = await gateway.nc.subscribe(inbox)
+    await gateway.nc.flush()
+    await w2.nc.publish(inbox, b"token")  # streaming a reply: publish, never subscribe
+    assert (await tokens.next_msg(timeout=2)).data == b"token"
+    assert w2.errors == [] and scheduler.errors == []
 
 
 async def test_auditor_only_reads(connect_as) -> None:
@@ -157,7 +194,7 @@ async def test_auditor_only_reads(connect_as) -> None:
 
 
 async def test_services_cannot_create_or_delete_shared_streams(connect_as) -> None:
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     wjs = worker.nc.jetstream(timeout=JS_TIMEOUT)
     await expect_js_refused(
         worker, wjs.purge_stream(subjects.INFER_STREAM), f"$JS.API.STREAM.PURGE.{subjects.INFER_STREAM}"
@@ -174,7 +211,7 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     assert await acme.subscribe_refused("_INBOX.>")
     assert await acme.publish_refused(subjects.registry("resolve"))
 
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     inbox = "_INBOX_acme.reply1"
     received = asyncio.get_running_loop().create_future()
 
@@ -185,7 +222,7 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     await acme.nc.subscribe(inbox, cb=on_reply)
     await acme.nc.flush()
     await worker.nc.publish(inbox, b"token")
-    assert await asyncio.wait_for(received, 2) == b"token"
+    assert await asyncio.wait_for(received, 10) == b"token"
 
 
 async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connect_as) -> None:
@@ -209,5 +246,5 @@ async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connec
     finally:
         watch.cancel()
     assert await gateway.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
