@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from lorafleet.cli import nats_snippets
 from lorafleet.cli.infra import Server, start_nats
 from lorafleet.cli.nats_permissions import (
     ADMIN,
@@ -205,8 +206,7 @@ def add_tenant_user(directory: Path, tenant: str) -> str:
     creds = Secrets.load_or_create(path)
     creds.tenants.setdefault(subjects.token(tenant), secrets.token_urlsafe(24))
     creds.save(path)
-    config = directory / "nats.conf"
-    init_deploy(directory, tls=config.exists() and "tls" in json.loads(config.read_text()))
+    init_deploy(directory, tls=_has_tls(directory))
     return creds.tenants[tenant]
 
 
@@ -231,6 +231,10 @@ class LocalAuth:
             "LF_NATS_PASSWORD": self.creds.workers[worker_id],
         }
 
+    def tenant_password(self, tenant: str) -> str:
+        """The password of ``tenant-<tenant>`` (``local_auth(tenants=...)`` made it)."""
+        return self.creds.tenants[tenant]
+
     def admin(self) -> tuple[str, str]:
         return ADMIN, self.creds.users[ADMIN]
 
@@ -239,10 +243,14 @@ class LocalAuth:
         return nats_url.replace("nats://", f"nats://{ADMIN}:{self.creds.users[ADMIN]}@", 1)
 
 
-def local_auth(state_dir: Path, workers: Sequence[str] = (LOCAL_WORKER,)) -> LocalAuth:
+def local_auth(state_dir: Path, workers: Sequence[str] = (LOCAL_WORKER,), tenants: Sequence[str] = ()) -> LocalAuth:
     """Generate (or reuse) passwords and a nats-server config under ``state_dir``, one NATS user per
-    worker id in ``workers``, and ``admin.env`` for admin CLI sessions (``set -a; . state/admin.env; set +a``)."""
+    worker id in ``workers`` and per direct-NATS tenant in ``tenants``, and ``admin.env`` for admin
+    CLI sessions (``set -a; . state/admin.env; set +a``)."""
     creds = Secrets.load_or_create(state_dir / SECRETS_FILE, workers)
+    for tenant in tenants:
+        creds.tenants.setdefault(subjects.token(tenant), secrets.token_urlsafe(24))
+    creds.save(state_dir / SECRETS_FILE)
     config = state_dir / "nats.conf"
     write_private(config, render_config(creds))
     write_private(state_dir / "admin.env", f"LF_NATS_USER={ADMIN}\nLF_NATS_PASSWORD={creds.users[ADMIN]}\n")
@@ -250,12 +258,16 @@ def local_auth(state_dir: Path, workers: Sequence[str] = (LOCAL_WORKER,)) -> Loc
 
 
 def start_secured_nats(
-    port: int, state_dir: Path, log_file: Path | None = None, workers: Sequence[str] = (LOCAL_WORKER,)
+    port: int,
+    state_dir: Path,
+    log_file: Path | None = None,
+    workers: Sequence[str] = (LOCAL_WORKER,),
+    tenants: Sequence[str] = (),
 ) -> tuple[Server, LocalAuth]:
     """nats-server with the permission model (data in ``state_dir/nats``) and the streams created
     by the admin. Start each service with ``extra_env=auth.service_env(name)`` (a worker with
     ``auth.worker_env(id)``); in-process clients connect to ``auth.admin_url(server.url)``."""
-    auth = local_auth(state_dir, workers)
+    auth = local_auth(state_dir, workers, tenants)
     server = start_nats(port, state_dir / "nats", log_file, config=auth.config)
     try:
         asyncio.run(setup_streams(server.url, auth.admin()))
@@ -283,10 +295,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--workers", type=int, default=None, help="GPU workers gpu-1..N (default: keep; 1 at first)")
     init.add_argument("--cpu-workers", type=int, default=0, help="CPU workers cpu-1..M (with --workers)")
     init.set_defaults(func=_init)
-    tenant = cmds.add_parser("tenant-user", help="add a direct-NATS user for one tenant")
-    tenant.add_argument("tenant")
-    tenant.add_argument("--dir", type=Path, default=Path("deploy"))
-    tenant.set_defaults(func=_tenant)
+    user = cmds.add_parser("user", help="NATS users for clients").add_subparsers(dest="user_command", required=True)
+    create = user.add_parser("create", help="a direct-NATS tenant user, or the audit-reader role; prints how to use it")
+    who = create.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant", help="submit inference and follow this tenant's own audit records")
+    who.add_argument("--audit-reader", action="store_true", help="a SIEM: read every audit subject, publish nothing")
+    create.add_argument("--dir", type=Path, default=Path("deploy"))
+    create.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the URL clients reach NATS at")
+    create.set_defaults(func=_user_create)
     setup = cmds.add_parser("setup", help="create the streams (uses LF_NATS_URL / LF_NATS_USER / password)")
     setup.set_defaults(func=_setup)
 
@@ -302,14 +318,34 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tenant(args: argparse.Namespace) -> int:
-    password = add_tenant_user(args.dir, args.tenant)
+def _user_create(args: argparse.Namespace) -> int:
+    reload = "reload the server to apply: docker compose kill -s HUP nats"
+    if args.audit_reader:
+        creds = init_deploy(args.dir, tls=_has_tls(args.dir))
+        print(
+            f"user: {AUDIT_READER}\npassword: {creds.users[AUDIT_READER]}\n"
+            f"inbox_prefix: {subjects.AUDIT_READER_INBOX}\nsubscribe: {subjects.AUDIT_ALL}\n"
+            f"replay: durable consumer {AUDIT_READER!r} (or ordered consumers) on stream {subjects.AUDIT_STREAM}\n"
+            f"{reload}"
+        )
+        return 0
+    tenant = subjects.token(args.tenant)
+    password = add_tenant_user(args.dir, tenant)
     print(
-        f"user: tenant-{args.tenant}\npassword: {password}\ninbox_prefix: {subjects.tenant_inbox(args.tenant)}\n"
-        f"publish to: {subjects.infer_submit(args.tenant)}\n"
-        "reload the server to apply: docker compose kill -s HUP nats"
+        f"user: {tenant_user(tenant)}\npassword: {password}\ninbox_prefix: {subjects.tenant_inbox(tenant)}\n"
+        f"publish to: {subjects.infer_submit(tenant)}\n"
+        f"audit records: {subjects.audit_of_tenant(tenant)} "
+        f"(replay: durable consumer {subjects.tenant_audit_consumer(tenant)!r} on {subjects.AUDIT_STREAM})\n"
+        f"{reload}\n\n{nats_snippets.tenant_env(args.nats_url, tenant, password)}\n\n"
+        f"# submit a request and stream the reply (python submit.py):\n{nats_snippets.SUBMIT}\n"
+        f"# follow this tenant's own audit records (python follow_audit.py):\n{nats_snippets.FOLLOW_AUDIT}"
     )
     return 0
+
+
+def _has_tls(directory: Path) -> bool:
+    config = directory / "nats.conf"
+    return config.exists() and "tls" in json.loads(config.read_text())
 
 
 def _setup(_: argparse.Namespace) -> int:

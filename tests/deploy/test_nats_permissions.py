@@ -2,12 +2,14 @@
 service does, through the same code paths, and is refused what it must not do."""
 
 import asyncio
+import json
 
 import nats
 import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from lorafleet.cli.nats_permissions import AUDIT_READER
 from services.registry.kv import RecordsKV
 from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
@@ -248,3 +250,99 @@ async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connec
     assert await gateway.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
     worker = await connect_as("worker-w1")
     assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
+
+
+async def publish_audit_records(connect_as, tenants: tuple[str, ...]) -> None:
+    """One completion record per tenant on the AUDIT stream, as the workers publish them."""
+    worker = await connect_as("worker-w1")
+    js = worker.nc.jetstream(timeout=5)
+    for tenant in tenants:
+        await js.publish(subjects.audit("completion", tenant), f'{{"tenant": "{tenant}"}}'.encode())
+
+
+async def test_a_tenant_follows_only_its_own_audit_records_live_and_replayed(connect_as) -> None:
+    acme = await connect_as("tenant-acme", inbox_prefix=subjects.tenant_inbox("acme"))
+    live = await acme.nc.subscribe(subjects.audit_of_tenant("acme"))
+    await acme.nc.flush()
+    await publish_audit_records(connect_as, ("globex", "acme", "globex", "acme"))
+    assert [(await live.next_msg(timeout=5)).subject for _ in range(2)] == [subjects.audit("completion", "acme")] * 2
+
+    replay = await acme.nc.jetstream(timeout=5).pull_subscribe(
+        subjects.audit_of_tenant("acme"), durable=subjects.tenant_audit_consumer("acme"), stream=subjects.AUDIT_STREAM
+    )
+    msgs = await replay.fetch(batch=100, timeout=2)
+    assert msgs and {m.subject for m in msgs} == {subjects.audit("completion", "acme")}
+    for msg in msgs:
+        await msg.ack_sync(timeout=5)
+    assert acme.errors == []
+
+    assert await acme.subscribe_refused(subjects.audit("completion", "globex"))
+    assert await acme.subscribe_refused(subjects.AUDIT_ALL)
+    ajs = acme.nc.jetstream(timeout=JS_TIMEOUT)
+    wide = ConsumerConfig(name=subjects.tenant_audit_consumer("acme"), filter_subject=subjects.AUDIT_ALL)
+    await expect_js_refused(
+        acme,
+        ajs.add_consumer(subjects.AUDIT_STREAM, wide),
+        f"$JS.API.CONSUMER.CREATE.AUDIT.audit-acme.{subjects.AUDIT_ALL}",
+    )
+    foreign = ConsumerConfig(name=subjects.tenant_audit_consumer("globex"), filter_subject="lf.audit.*.globex")
+    await expect_js_refused(
+        acme,
+        ajs.add_consumer(subjects.AUDIT_STREAM, foreign),
+        "$JS.API.CONSUMER.CREATE.AUDIT.audit-globex.lf.audit.*.globex",
+    )
+    await expect_js_refused(
+        acme, ajs.get_msg(subjects.AUDIT_STREAM, seq=1), f"$JS.API.STREAM.MSG.GET.{subjects.AUDIT_STREAM}"
+    )
+    await expect_js_refused(acme, ajs.stream_info(subjects.AUDIT_STREAM), "$JS.API.STREAM.INFO.AUDIT")
+
+
+async def test_a_filter_in_the_body_that_differs_from_the_subject_is_refused_by_the_server(connect_as) -> None:
+    """The permission names the filter in the create subject; nats-server must hold the body to it."""
+    acme = await connect_as("tenant-acme", inbox_prefix=subjects.tenant_inbox("acme"))
+    body = {
+        "stream_name": "AUDIT",
+        "config": {"name": "audit-acme", "filter_subject": "lf.audit.>", "ack_policy": "explicit"},
+    }
+    reply = await acme.nc.request(
+        "$JS.API.CONSUMER.CREATE.AUDIT.audit-acme.lf.audit.*.acme", json.dumps(body).encode(), timeout=5
+    )
+    assert "error" in json.loads(reply.data), reply.data
+
+
+async def test_the_audit_reader_reads_every_audit_subject_and_publishes_nothing(connect_as) -> None:
+    reader = await connect_as(AUDIT_READER, inbox_prefix=subjects.AUDIT_READER_INBOX)
+    live = await reader.nc.subscribe(subjects.AUDIT_ALL)
+    await reader.nc.flush()
+    await publish_audit_records(connect_as, ("acme", "globex"))
+    got = {(await live.next_msg(timeout=5)).subject for _ in range(2)}
+    assert got == {subjects.audit("completion", "acme"), subjects.audit("completion", "globex")}
+    rjs = reader.nc.jetstream(timeout=5)
+    replay = await rjs.pull_subscribe(subjects.AUDIT_ALL, durable=AUDIT_READER, stream=subjects.AUDIT_STREAM)
+    msgs = await replay.fetch(batch=100, timeout=2)
+    assert {m.subject for m in msgs} >= got
+    await msgs[0].ack_sync(timeout=5)
+    assert reader.errors == []
+
+    for subject in (
+        subjects.audit("completion", "acme"),
+        subjects.infer_submit("acme"),
+        subjects.worker_dispatch("w1"),
+        subjects.registry("resolve"),
+        subjects.SCHEDULER_CANCEL,
+        subjects.WORKER_HEARTBEAT,
+        "_INBOX.x",
+        "_INBOX_acme.x",
+        f"$KV.{subjects.REGISTRY_TENANTS_BUCKET}.x",
+        "anything.at.all",
+    ):
+        assert await reader.publish_refused(subject), subject
+    rjs = reader.nc.jetstream(timeout=JS_TIMEOUT)
+    await expect_js_refused(reader, rjs.purge_stream(subjects.AUDIT_STREAM), "$JS.API.STREAM.PURGE.AUDIT")
+    await expect_js_refused(reader, rjs.delete_stream(subjects.AUDIT_STREAM), "$JS.API.STREAM.DELETE.AUDIT")
+    await expect_js_refused(reader, rjs.delete_msg(subjects.AUDIT_STREAM, 1), "$JS.API.STREAM.MSG.DELETE.AUDIT")
+    await expect_js_refused(
+        reader, rjs.delete_consumer(subjects.AUDIT_STREAM, "auditor"), "$JS.API.CONSUMER.DELETE.AUDIT.auditor"
+    )
+    assert await reader.subscribe_refused("_INBOX.>")
+    assert await reader.subscribe_refused(subjects.INFER_SUBMIT_ALL)
