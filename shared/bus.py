@@ -61,11 +61,14 @@ STREAMS: tuple[StreamConfig, ...] = (
 )
 
 
-async def connect(url: str, name: str, credentials: tuple[str, str] | None = None) -> NATS:
+async def connect(
+    url: str, name: str, credentials: tuple[str, str] | None = None, inbox_prefix: str = "_INBOX"
+) -> NATS:
     """Connect, retrying forever in the background once connected; log every state change.
 
     ``credentials`` (user, password) default to this process's ``LF_NATS_USER`` /
-    ``LF_NATS_PASSWORD[_FILE]``; none there means a server without auth."""
+    ``LF_NATS_PASSWORD[_FILE]``; none there means a server without auth. ``inbox_prefix`` is where
+    this client's replies arrive (a worker's own, ``subjects.worker_inbox``)."""
     user, password = credentials or CommonSettings().nats_credentials() or (None, None)
 
     async def on_error(e: Exception) -> None:
@@ -89,6 +92,7 @@ async def connect(url: str, name: str, credentials: tuple[str, str] | None = Non
         reconnected_cb=on_reconnect,
         user=user,
         password=password,
+        inbox_prefix=inbox_prefix,
     )
 
 

@@ -78,6 +78,25 @@ def worker_control(worker_id: str) -> str:
     return f"{PREFIX}.worker.{token(worker_id)}.control"
 
 
+# A worker's own replies (registry answers, JetStream API, consumer deliveries) arrive under this
+# prefix, which no ``_INBOX.>`` or ``_INBOX_<tenant>.>`` pattern covers: a worker's NATS user
+# subscribes to its own inbox only, never to the inboxes that carry other requests' tokens.
+WORKER_INBOX_PREFIX = "_WINBOX"
+
+
+def worker_inbox(worker_id: str) -> str:
+    """The inbox prefix a worker connects with (``inbox_prefix=``)."""
+    return f"{WORKER_INBOX_PREFIX}.{token(worker_id)}"
+
+
+AUDIT_READER_INBOX = "_AUDIT_READER_INBOX"  # the audit-reader role's inbox prefix, outside every other
+
+
+def tenant_inbox(tenant_id: str) -> str:
+    """The inbox prefix a direct-NATS tenant connects with (``inbox_prefix=``)."""
+    return f"_INBOX_{token(tenant_id)}"
+
+
 def registry(op: str) -> str:
     if op not in REGISTRY_OPS:
         raise ValueError(f"unknown registry op: {op!r}")
@@ -89,7 +108,18 @@ def adapter_event(adapter_id: str) -> str:
 
 
 def audit(kind: str, tenant_id: str) -> str:
+    """``lf.audit.<kind>.<tenant>``: the tenant is the last token, so one filter selects a tenant's records."""
     return f"{PREFIX}.audit.{token(kind)}.{token(tenant_id)}"
+
+
+def audit_of_tenant(tenant_id: str) -> str:
+    """Every audit record of one tenant, of any kind (a subscription or consumer filter)."""
+    return f"{PREFIX}.audit.*.{token(tenant_id)}"
+
+
+def tenant_audit_consumer(tenant_id: str) -> str:
+    """The one durable AUDIT consumer a tenant's NATS user may create and read."""
+    return f"audit-{token(tenant_id)}"
 
 
 def service_heartbeat(service: str) -> str:

@@ -74,6 +74,7 @@ SERVER_FIXTURES = frozenset(
         "own_nats",
         "gw_nats",  # tests/gateway: the gateway fixture's registry
         "auth_server",  # tests/deploy: nats-server with the generated permissions
+        "secured",  # tests/deploy/test_direct_nats.py: the stack under the permission model
         "fleet",  # tests/scheduler, tests/faults: the stack's processes
         "hostile",  # tests/hostile
         "running_stack",  # tests/e2e
@@ -96,6 +97,8 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
+    "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
+    "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above

@@ -1,11 +1,15 @@
 """NATS auth: generate passwords and a nats-server config, add tenant users, create the streams.
 
-``python -m lorafleet.cli.nats_auth init --dir deploy`` writes, for ``compose.yaml``:
+``python -m lorafleet.cli.nats_auth init --dir deploy [--workers N] [--cpu-workers M]`` writes, for
+``compose.yaml``:
   deploy/secrets/nats-users.json   every password (0600), kept across runs
-  deploy/nats.conf                 the server config with one user per service (0600)
+  deploy/nats.conf                 the server config: one user per service and per worker (0600)
   deploy/secrets/<service>.env     LF_NATS_USER / LF_NATS_PASSWORD (+ Redis URL) per container (0600)
+  deploy/secrets/worker-<id>.env   the same for each worker, with its LF_WORKER_ID (0600)
   deploy/secrets/redis.env         REDIS_PASSWORD for the redis container (0600)
-``tenant-user <tenant>`` adds a direct-NATS user for one tenant; ``setup`` creates the shared
+  deploy/compose.workers.yaml      one compose service per worker (``-f compose.yaml -f deploy/compose.workers.yaml``)
+``user create --tenant T`` adds a direct-NATS user for one tenant and prints a working snippet;
+``user create --audit-reader`` prints the SIEM role's credentials; ``setup`` creates the shared
 streams as the admin. ``start_secured_nats`` runs the same model for ``lorafleet up`` and tests.
 Permissions themselves live in lorafleet/cli/nats_permissions.py.
 """
@@ -15,58 +19,86 @@ import asyncio
 import json
 import secrets
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from lorafleet.cli import nats_snippets
 from lorafleet.cli.infra import Server, start_nats
 from lorafleet.cli.nats_permissions import (
     ADMIN,
+    AUDIT_READER,
     SERVICES,
     admin_permissions,
+    audit_reader_permissions,
     service_permissions,
-    tenant_inbox,
     tenant_permissions,
+    tenant_user,
+    worker_permissions,
+    worker_user,
 )
 from shared import subjects
 from shared.bus import connect, ensure_streams
 from shared.config import CommonSettings
 
 SECRETS_FILE = "nats-users.json"
-REDIS_USERS = ("gateway", "scheduler")  # the services that talk to Redis
+WORKERS_COMPOSE_FILE = "compose.workers.yaml"
+REDIS_USERS = ("scheduler", "worker")  # the services that talk to Redis (workers read adapter heat)
+LOCAL_WORKER = "local"  # the worker id of ``lorafleet up``
 
 
 @dataclass(slots=True)
 class Secrets:
-    """Every NATS user's password (services, admin, tenants) and the Redis password."""
+    """Every NATS user's password (services, workers, admin, audit-reader, tenants) and the Redis password."""
 
     users: dict[str, str]
     tenants: dict[str, str] = field(default_factory=dict)
+    workers: dict[str, str] = field(default_factory=dict)  # worker id -> password of ``worker-<id>``
     redis: str = ""
 
     @classmethod
-    def load_or_create(cls, path: Path) -> "Secrets":
-        """Read ``path``; add any missing password (new passwords for a fresh file) and save it 0600."""
+    def load_or_create(cls, path: Path, workers: Sequence[str] | None = None) -> "Secrets":
+        """Read ``path``; add any missing password (new passwords for a fresh file) and save it 0600.
+        ``workers`` names the worker ids to hold users for (kept passwords; others dropped); None
+        keeps the file's workers."""
         raw = json.loads(path.read_text()) if path.exists() else {}
-        made = cls(users=raw.get("users", {}), tenants=raw.get("tenants", {}), redis=raw.get("redis", ""))
-        for user in (*SERVICES, ADMIN):
+        made = cls(
+            users=raw.get("users", {}),
+            tenants=raw.get("tenants", {}),
+            workers=raw.get("workers", {}),
+            redis=raw.get("redis", ""),
+        )
+        made.users.pop("worker", None)  # the one credential every worker once shared
+        for user in (*SERVICES, ADMIN, AUDIT_READER):
             made.users.setdefault(user, secrets.token_urlsafe(24))
+        if workers is not None:
+            made.workers = {w: made.workers.get(subjects.token(w)) or secrets.token_urlsafe(24) for w in workers}
         made.redis = made.redis or secrets.token_urlsafe(24)
         made.save(path)
         return made
 
     def save(self, path: Path) -> None:
-        write_private(path, json.dumps({"users": self.users, "tenants": self.tenants, "redis": self.redis}, indent=2))
+        raw = {"users": self.users, "tenants": self.tenants, "workers": self.workers, "redis": self.redis}
+        write_private(path, json.dumps(raw, indent=2))
 
 
 def render_config(creds: Secrets, server: dict | None = None, tls: dict | None = None) -> str:
     """The nats-server config (JSON is valid NATS config syntax). ``server`` adds top-level
     settings such as ``listen`` and ``jetstream``; ``tls`` a ``tls`` block (cert_file, key_file,
-    ca_file, verify). Tenant users are named ``tenant-<tenant>``."""
+    ca_file, verify). Workers are ``worker-<id>``, tenant users ``tenant-<tenant>``."""
     perms = service_permissions(creds.tenants)
     users = [{"user": name, "password": creds.users[name], "permissions": perms[name].to_conf()} for name in SERVICES]
-    users.append({"user": ADMIN, "password": creds.users[ADMIN], "permissions": admin_permissions().to_conf()})
     users += [
-        {"user": f"tenant-{t}", "password": pw, "permissions": tenant_permissions(t).to_conf()}
+        {"user": worker_user(w), "password": pw, "permissions": worker_permissions(w, creds.tenants).to_conf()}
+        for w, pw in sorted(creds.workers.items())
+    ]
+    users.append({"user": ADMIN, "password": creds.users[ADMIN], "permissions": admin_permissions().to_conf()})
+    reader = audit_reader_permissions().to_conf()
+    users.append({"user": AUDIT_READER, "password": creds.users[AUDIT_READER], "permissions": reader})
+    users += [
+        {"user": tenant_user(t), "password": pw, "permissions": tenant_permissions(t).to_conf()}
         for t, pw in sorted(creds.tenants.items())
     ]
     conf: dict = {**(server or {}), "authorization": {"users": users}}
@@ -92,10 +124,57 @@ COMPOSE_TLS = {
 }
 
 
-def init_deploy(directory: Path, tls: bool = False) -> Secrets:
+def compose_worker_ids(gpu: int, cpu: int) -> list[str]:
+    """The worker ids ``init --workers/--cpu-workers`` makes: ``gpu-1..N`` and ``cpu-1..M``."""
+    return [f"gpu-{i}" for i in range(1, gpu + 1)] + [f"cpu-{i}" for i in range(1, cpu + 1)]
+
+
+WORKER_ENV = {"LF_NATS_URL": "nats://nats:4222", "LF_REDIS_KEY_PREFIX": "lf:", "LF_LOG_LEVEL": "INFO"}
+GPU_RESERVATION = {
+    "resources": {"reservations": {"devices": [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]}}
+}
+
+
+def compose_worker(worker_id: str) -> dict:
+    """One worker container: its own env file (its own NATS user), GPU or CPU by its id."""
+    variant = "cpu" if worker_id.startswith("cpu-") else "cuda"
+    service: dict = {
+        "image": f"lorafleet:{variant}",
+        "build": {"context": ".", "args": {"VARIANT": variant}},
+        "restart": "unless-stopped",
+        "command": ["python", "-m", "services.worker"],
+        "env_file": [f"deploy/secrets/{worker_user(worker_id)}.env"],
+        "environment": {
+            **WORKER_ENV,
+            "LF_ENGINE__DEVICE": variant,
+            "LF_ENGINE__DTYPE": "float32" if variant == "cpu" else "bfloat16",
+        },
+        "volumes": ["models:/var/lib/lorafleet/models"],
+        "depends_on": {
+            "nats-setup": {"condition": "service_completed_successfully"},
+            "redis": {"condition": "service_healthy"},
+        },
+        "healthcheck": {
+            "test": ["CMD", "python", "-m", "lorafleet.cli.healthcheck", "worker"],
+            "interval": "15s",
+            "timeout": "10s",
+            "retries": 3,
+            "start_period": "600s",
+        },
+    }
+    if variant == "cuda":
+        service["deploy"] = GPU_RESERVATION
+    return service
+
+
+def init_deploy(directory: Path, tls: bool = False, workers: Sequence[str] | None = None) -> Secrets:
     """Write the compose secrets and config under ``directory`` (idempotent: passwords are kept).
-    ``tls`` makes the server require TLS with the certificates mounted at /etc/nats/tls."""
-    creds = Secrets.load_or_create(directory / "secrets" / SECRETS_FILE)
+    ``tls`` makes the server require TLS with the certificates mounted at /etc/nats/tls; ``workers``
+    names the workers (one NATS user each; None keeps the last set, ``gpu-1`` for a fresh one)."""
+    path = directory / "secrets" / SECRETS_FILE
+    if workers is None and not path.exists():
+        workers = compose_worker_ids(1, 0)
+    creds = Secrets.load_or_create(path, workers)
     write_private(directory / "nats.conf", render_config(creds, COMPOSE_SERVER, COMPOSE_TLS if tls else None))
     redis_url = f"redis://:{creds.redis}@redis:6379/0"
     for user in (*SERVICES, ADMIN):
@@ -103,6 +182,19 @@ def init_deploy(directory: Path, tls: bool = False) -> Secrets:
         if user in REDIS_USERS:
             lines.append(f"LF_REDIS_URL={redis_url}")
         write_private(directory / "secrets" / f"{user}.env", "\n".join(lines) + "\n")
+    for old in (directory / "secrets").glob("worker*.env"):
+        old.unlink()  # a worker dropped from the set keeps no credential file (its user is gone)
+    for worker_id, password in creds.workers.items():
+        lines = [
+            f"LF_WORKER_ID={worker_id}",
+            f"LF_NATS_USER={worker_user(worker_id)}",
+            f"LF_NATS_PASSWORD={password}",
+            f"LF_REDIS_URL={redis_url}",
+        ]
+        write_private(directory / "secrets" / f"{worker_user(worker_id)}.env", "\n".join(lines) + "\n")
+    workers_compose = {"services": {worker_user(w): compose_worker(w) for w in creds.workers}}
+    header = "# generated by `lorafleet nats init`: one service per worker, each with its own NATS user\n"
+    (directory / WORKERS_COMPOSE_FILE).write_text(header + yaml.safe_dump(workers_compose, sort_keys=False))
     write_private(directory / "secrets" / "redis.env", f"REDIS_PASSWORD={creds.redis}\n")
     return creds
 
@@ -114,8 +206,7 @@ def add_tenant_user(directory: Path, tenant: str) -> str:
     creds = Secrets.load_or_create(path)
     creds.tenants.setdefault(subjects.token(tenant), secrets.token_urlsafe(24))
     creds.save(path)
-    config = directory / "nats.conf"
-    init_deploy(directory, tls=config.exists() and "tls" in json.loads(config.read_text()))
+    init_deploy(directory, tls=_has_tls(directory))
     return creds.tenants[tenant]
 
 
@@ -127,8 +218,22 @@ class LocalAuth:
     creds: Secrets
 
     def service_env(self, service: str) -> dict[str, str]:
-        """Environment to pass to ``Stack.start(service, extra_env=...)``."""
+        """Environment to pass to ``Stack.start(service, extra_env=...)``; a worker is ``worker_env``'s."""
+        if service == "worker":
+            return self.worker_env(LOCAL_WORKER)
         return {"LF_NATS_USER": service, "LF_NATS_PASSWORD": self.creds.users[service]}
+
+    def worker_env(self, worker_id: str) -> dict[str, str]:
+        """One worker's identity and its own NATS user (``local_auth(workers=...)`` made it)."""
+        return {
+            "LF_WORKER_ID": worker_id,
+            "LF_NATS_USER": worker_user(worker_id),
+            "LF_NATS_PASSWORD": self.creds.workers[worker_id],
+        }
+
+    def tenant_password(self, tenant: str) -> str:
+        """The password of ``tenant-<tenant>`` (``local_auth(tenants=...)`` made it)."""
+        return self.creds.tenants[tenant]
 
     def admin(self) -> tuple[str, str]:
         return ADMIN, self.creds.users[ADMIN]
@@ -138,21 +243,31 @@ class LocalAuth:
         return nats_url.replace("nats://", f"nats://{ADMIN}:{self.creds.users[ADMIN]}@", 1)
 
 
-def local_auth(state_dir: Path) -> LocalAuth:
-    """Generate (or reuse) passwords and a nats-server config under ``state_dir``, and
-    ``admin.env`` for admin CLI sessions (``set -a; . state/admin.env; set +a``)."""
-    creds = Secrets.load_or_create(state_dir / SECRETS_FILE)
+def local_auth(state_dir: Path, workers: Sequence[str] = (LOCAL_WORKER,), tenants: Sequence[str] = ()) -> LocalAuth:
+    """Generate (or reuse) passwords and a nats-server config under ``state_dir``, one NATS user per
+    worker id in ``workers`` and per direct-NATS tenant in ``tenants``, and ``admin.env`` for admin
+    CLI sessions (``set -a; . state/admin.env; set +a``)."""
+    creds = Secrets.load_or_create(state_dir / SECRETS_FILE, workers)
+    for tenant in tenants:
+        creds.tenants.setdefault(subjects.token(tenant), secrets.token_urlsafe(24))
+    creds.save(state_dir / SECRETS_FILE)
     config = state_dir / "nats.conf"
     write_private(config, render_config(creds))
     write_private(state_dir / "admin.env", f"LF_NATS_USER={ADMIN}\nLF_NATS_PASSWORD={creds.users[ADMIN]}\n")
     return LocalAuth(config, creds)
 
 
-def start_secured_nats(port: int, state_dir: Path, log_file: Path | None = None) -> tuple[Server, LocalAuth]:
+def start_secured_nats(
+    port: int,
+    state_dir: Path,
+    log_file: Path | None = None,
+    workers: Sequence[str] = (LOCAL_WORKER,),
+    tenants: Sequence[str] = (),
+) -> tuple[Server, LocalAuth]:
     """nats-server with the permission model (data in ``state_dir/nats``) and the streams created
-    by the admin. Start each service with ``extra_env=auth.service_env(name)``; in-process
-    clients connect to ``auth.admin_url(server.url)``."""
-    auth = local_auth(state_dir)
+    by the admin. Start each service with ``extra_env=auth.service_env(name)`` (a worker with
+    ``auth.worker_env(id)``); in-process clients connect to ``auth.admin_url(server.url)``."""
+    auth = local_auth(state_dir, workers, tenants)
     server = start_nats(port, state_dir / "nats", log_file, config=auth.config)
     try:
         asyncio.run(setup_streams(server.url, auth.admin()))
@@ -177,29 +292,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     init = cmds.add_parser("init", help="generate passwords, nats.conf and env files for compose")
     init.add_argument("--dir", type=Path, default=Path("deploy"))
     init.add_argument("--tls", action="store_true", help="require TLS (certificates in deploy/tls, see docs)")
+    init.add_argument("--workers", type=int, default=None, help="GPU workers gpu-1..N (default: keep; 1 at first)")
+    init.add_argument("--cpu-workers", type=int, default=0, help="CPU workers cpu-1..M (with --workers)")
     init.set_defaults(func=_init)
-    tenant = cmds.add_parser("tenant-user", help="add a direct-NATS user for one tenant")
-    tenant.add_argument("tenant")
-    tenant.add_argument("--dir", type=Path, default=Path("deploy"))
-    tenant.set_defaults(func=_tenant)
+    user = cmds.add_parser("user", help="NATS users for clients").add_subparsers(dest="user_command", required=True)
+    create = user.add_parser("create", help="a direct-NATS tenant user, or the audit-reader role; prints how to use it")
+    who = create.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant", help="submit inference and follow this tenant's own audit records")
+    who.add_argument("--audit-reader", action="store_true", help="a SIEM: read every audit subject, publish nothing")
+    create.add_argument("--dir", type=Path, default=Path("deploy"))
+    create.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the URL clients reach NATS at")
+    create.set_defaults(func=_user_create)
     setup = cmds.add_parser("setup", help="create the streams (uses LF_NATS_URL / LF_NATS_USER / password)")
     setup.set_defaults(func=_setup)
 
 
 def _init(args: argparse.Namespace) -> int:
-    init_deploy(args.dir, args.tls)
-    print(f"wrote {args.dir / 'nats.conf'} and {args.dir / 'secrets'}/ (keep them out of images and git)")
-    return 0
-
-
-def _tenant(args: argparse.Namespace) -> int:
-    password = add_tenant_user(args.dir, args.tenant)
+    workers = None if args.workers is None else compose_worker_ids(args.workers, args.cpu_workers)
+    creds = init_deploy(args.dir, args.tls, workers)
     print(
-        f"user: tenant-{args.tenant}\npassword: {password}\ninbox_prefix: {tenant_inbox(args.tenant)}\n"
-        f"publish to: {subjects.infer_submit(args.tenant)}\n"
-        "reload the server to apply: docker compose kill -s HUP nats"
+        f"wrote {args.dir / 'nats.conf'}, {args.dir / WORKERS_COMPOSE_FILE} and {args.dir / 'secrets'}/ "
+        f"(keep them out of images and git); workers: {', '.join(creds.workers)}\n"
+        f"start: docker compose -f compose.yaml -f {args.dir / WORKERS_COMPOSE_FILE} up -d"
     )
     return 0
+
+
+def _user_create(args: argparse.Namespace) -> int:
+    reload = "reload the server to apply: docker compose kill -s HUP nats"
+    if args.audit_reader:
+        creds = init_deploy(args.dir, tls=_has_tls(args.dir))
+        print(
+            f"user: {AUDIT_READER}\npassword: {creds.users[AUDIT_READER]}\n"
+            f"inbox_prefix: {subjects.AUDIT_READER_INBOX}\nsubscribe: {subjects.AUDIT_ALL}\n"
+            f"replay: durable consumer {AUDIT_READER!r} (or ordered consumers) on stream {subjects.AUDIT_STREAM}\n"
+            f"{reload}"
+        )
+        return 0
+    tenant = subjects.token(args.tenant)
+    password = add_tenant_user(args.dir, tenant)
+    print(
+        f"user: {tenant_user(tenant)}\npassword: {password}\ninbox_prefix: {subjects.tenant_inbox(tenant)}\n"
+        f"publish to: {subjects.infer_submit(tenant)}\n"
+        f"audit records: {subjects.audit_of_tenant(tenant)} "
+        f"(replay: durable consumer {subjects.tenant_audit_consumer(tenant)!r} on {subjects.AUDIT_STREAM})\n"
+        f"{reload}\n\n{nats_snippets.tenant_env(args.nats_url, tenant, password)}\n\n"
+        f"# submit a request and stream the reply (python submit.py):\n{nats_snippets.SUBMIT}\n"
+        f"# follow this tenant's own audit records (python follow_audit.py):\n{nats_snippets.FOLLOW_AUDIT}"
+    )
+    return 0
+
+
+def _has_tls(directory: Path) -> bool:
+    config = directory / "nats.conf"
+    return config.exists() and "tls" in json.loads(config.read_text())
 
 
 def _setup(_: argparse.Namespace) -> int:

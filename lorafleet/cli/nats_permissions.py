@@ -1,21 +1,29 @@
-"""Who may do what on NATS: one user per service, one per direct-NATS tenant, one admin.
+"""Who may do what on NATS: one user per service, one per worker, one per direct-NATS tenant,
+an ``audit-reader`` (a SIEM) and the admin.
 
 Every permission is an allow list; anything not listed is refused by nats-server. JetStream
 operations are requests to ``$JS.API.*`` subjects, so each stream, bucket and consumer a
 service touches is named here. The shared streams (INFER, ADAPTER_EVENTS, AUDIT) are created
 by the admin (``lorafleet nats setup``); services only read their info. The registry creates
 and owns its KV and object-store buckets; workers read them.
+
+Workers see every tenant's prompts, so none shares a credential: ``worker-<id>`` subscribes to
+its own dispatch and control subjects and its own inbox (``subjects.worker_inbox``) only, and
+may publish, never subscribe, on the reply inboxes it streams tokens to.
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared import subjects
+from shared.bus import STREAMS
 
 API = "$JS.API"
-SHARED_STREAMS = (subjects.INFER_STREAM, subjects.ADAPTER_EVENTS_STREAM, subjects.AUDIT_STREAM)
-SERVICES = ("gateway", "registry", "scheduler", "worker", "auditor")
+SHARED_STREAMS = tuple(str(s.name) for s in STREAMS)  # every service checks each one (ensure_streams)
+SERVICES = ("gateway", "registry", "scheduler", "auditor")  # one user each; workers have one user per worker
+WORKER = "worker"
 ADMIN = "admin"
+AUDIT_READER = "audit-reader"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
@@ -35,14 +43,19 @@ class Permissions:
         return conf
 
 
-def tenant_inbox(tenant: str) -> str:
-    """The inbox prefix a direct-NATS tenant connects with (``inbox_prefix=``)."""
-    return f"_INBOX_{subjects.token(tenant)}"
+def worker_user(worker_id: str) -> str:
+    """The NATS user of one worker."""
+    return f"{WORKER}-{subjects.token(worker_id)}"
+
+
+def tenant_user(tenant: str) -> str:
+    """The NATS user of one direct-NATS tenant."""
+    return f"tenant-{subjects.token(tenant)}"
 
 
 def reply_inboxes(tenants: Iterable[str]) -> list[str]:
     """Where replies to a request's ``reply_to`` may go: the gateway's inboxes and each tenant's."""
-    return ["_INBOX.>", *(f"{tenant_inbox(t)}.>" for t in tenants)]
+    return ["_INBOX.>", *(f"{subjects.tenant_inbox(t)}.>" for t in tenants)]
 
 
 def stream_info(*streams: str) -> list[str]:
@@ -164,22 +177,6 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
             ),
             subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.SCHEDULER_CANCEL, *own["scheduler"]),
         ),
-        "worker": Permissions(
-            publish=(
-                *common,
-                *own["worker"],
-                *inboxes,
-                subjects.WORKER_HEARTBEAT,
-                subjects.AUDIT_ALL,
-                *_registry_ops(REGISTRY_READ_OPS),
-                *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
-                *kv_read(subjects.REGISTRY_RECORDS_BUCKET),
-                *kv_read(subjects.REGISTRY_SIGNERS_BUCKET),
-                *obj_read(subjects.ADAPTER_STORE_BUCKET),
-            ),
-            subscribe=("_INBOX.>", "lf.worker.*.dispatch", "lf.worker.*.control", *own["worker"]),
-            allow_responses=True,
-        ),
         "auditor": Permissions(
             publish=(
                 *common,
@@ -187,6 +184,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *_registry_ops(REGISTRY_READ_OPS),
                 *stream_reader(subjects.AUDIT_STREAM),
                 *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
+                *stream_reader("*"),  # JetStream reads of any stream (e.g. its signed heads): read, never write
             ),
             subscribe=("_INBOX.>", *own["auditor"], subjects.AUDITOR_QUERY),
             allow_responses=True,
@@ -194,9 +192,79 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
     }
 
 
+def worker_permissions(worker_id: str, tenants: Iterable[str] = ()) -> Permissions:
+    """One worker: its own dispatch, control and inbox subjects; tokens to any reply inbox (publish only)."""
+    return Permissions(
+        publish=(
+            *stream_info(*SHARED_STREAMS),
+            subjects.service_heartbeat(WORKER),
+            *reply_inboxes(tenants),
+            subjects.WORKER_HEARTBEAT,
+            subjects.AUDIT_ALL,
+            *_registry_ops(REGISTRY_READ_OPS),
+            *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
+            *kv_read(subjects.REGISTRY_RECORDS_BUCKET),
+            *kv_read(subjects.REGISTRY_SIGNERS_BUCKET),
+            *obj_read(subjects.ADAPTER_STORE_BUCKET),
+        ),
+        subscribe=(
+            f"{subjects.worker_inbox(worker_id)}.>",
+            subjects.worker_dispatch(worker_id),
+            subjects.worker_control(worker_id),
+            subjects.service_heartbeat(WORKER),  # its health probe (lorafleet/cli/healthcheck.py)
+        ),
+        allow_responses=True,  # accept/refuse answers to the scheduler's dispatch requests
+    )
+
+
+def own_audit_consumer(stream: str, name: str, filter_subject: str) -> list[str]:
+    """Create one named consumer on ``stream`` whose filter is exactly ``filter_subject`` (nats-server
+    checks the filter in the subject against the config's), read it, ack it, delete it."""
+    return [
+        f"{API}.CONSUMER.CREATE.{stream}.{name}.{filter_subject}",
+        f"{API}.CONSUMER.INFO.{stream}.{name}",
+        f"{API}.CONSUMER.DELETE.{stream}.{name}",
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
+        f"$JS.ACK.{stream}.{name}.>",
+    ]
+
+
 def tenant_permissions(tenant: str) -> Permissions:
-    """A direct-NATS client of one tenant: submit its own requests, read its own inbox, nothing else."""
-    return Permissions(publish=(subjects.infer_submit(tenant),), subscribe=(f"{tenant_inbox(tenant)}.>",))
+    """A direct-NATS client of one tenant: submit its own requests, read its own inbox, follow its
+    own audit records live (``lf.audit.*.<tenant>``) and replay them through its one AUDIT consumer
+    filtered to those subjects; nothing else (no stream info, no message get: they read any record)."""
+    audit = subjects.audit_of_tenant(tenant)
+    return Permissions(
+        publish=(
+            subjects.infer_submit(tenant),
+            *own_audit_consumer(subjects.AUDIT_STREAM, subjects.tenant_audit_consumer(tenant), audit),
+        ),
+        subscribe=(f"{subjects.tenant_inbox(tenant)}.>", audit),
+    )
+
+
+def audit_reader_permissions() -> Permissions:
+    """A SIEM: every audit subject live, and the AUDIT stream replayed through its own durable
+    (``audit-reader``) or ordered consumers. It sends no message anywhere: its only publishes are
+    JetStream read requests on AUDIT; it cannot purge or delete the stream, nor touch (update, ack,
+    delete) the auditor's or the scheduler's consumers."""
+    stream, name = subjects.AUDIT_STREAM, AUDIT_READER
+    return Permissions(
+        publish=(
+            f"{API}.STREAM.INFO.{stream}",
+            f"{API}.CONSUMER.CREATE.{stream}",  # ordered consumers: the server names them
+            f"{API}.CONSUMER.CREATE.{stream}.{name}",
+            f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
+            f"{API}.CONSUMER.INFO.{stream}.{name}",
+            f"{API}.CONSUMER.DELETE.{stream}.{name}",
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
+            f"$JS.ACK.{stream}.{name}.>",
+            f"{API}.STREAM.MSG.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}.>",
+        ),
+        subscribe=(subjects.AUDIT_ALL, f"{subjects.AUDIT_READER_INBOX}.>"),
+    )
 
 
 def admin_permissions() -> Permissions:

@@ -12,6 +12,7 @@ from lorafleet.cli.demo_fit import ServedModel
 from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
 from lorafleet.cli.infra import pick_port, start_redis
 from lorafleet.cli.nats_auth import start_secured_nats
+from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared.errors import LorafleetError
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log")
+    nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
     env = {
         "LF_NATS_URL": nats.url,
@@ -106,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"NATS requires auth: admin password in {state / 'admin.env'} "
             f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})"
+        )
+        print(
+            f"direct NATS as the demo tenant (README, 'Use NATS directly'; one NATS user per worker):\n"
+            f"  {tenant_env(nats.url, DEMO_TENANT, auth.tenant_password(DEMO_TENANT))}"
         )
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)

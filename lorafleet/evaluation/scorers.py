@@ -3,6 +3,7 @@
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Callable
 
 from shared.errors import InvalidRequest
@@ -20,6 +21,10 @@ SQL_ROWS = (
 )  # fmt: skip
 
 
+SQL_DEADLINE_S = 1.0  # a query of the 12-row demo table answers in microseconds; model output may not end
+SQL_MAX_ROWS = 10_000  # far above any answer over 12 rows; a cross join of the table with itself stops here
+SQL_PROGRESS_STEPS = 1_000  # SQLite VM instructions between two deadline checks
+
 _FENCE = re.compile(r"```[a-zA-Z]*\n?(.*?)```", re.DOTALL)
 
 
@@ -33,13 +38,18 @@ def normalise(text: str) -> str:
     return " ".join(text.strip().rstrip(";").split()).lower()
 
 
-def _query(sql: str) -> list[tuple] | None:
-    """Rows of ``sql`` on a fresh in-memory copy of the demo table (order-insensitive), None if it fails."""
+def _query(sql: str, deadline_s: float = SQL_DEADLINE_S) -> list[tuple] | None:
+    """Rows of ``sql`` on a fresh in-memory copy of the demo table (order-insensitive); None if it
+    fails, runs past ``deadline_s`` (SQLite's progress handler interrupts it: a recursive CTE never
+    ends) or returns more than ``SQL_MAX_ROWS`` rows."""
     db = sqlite3.connect(":memory:")
     try:
         db.execute(SQL_SCHEMA)
         db.executemany("INSERT INTO employees VALUES (?, ?, ?, ?, ?)", SQL_ROWS)
-        return sorted(db.execute(sql).fetchall(), key=repr)
+        deadline = time.monotonic() + deadline_s
+        db.set_progress_handler(lambda: time.monotonic() > deadline, SQL_PROGRESS_STEPS)
+        rows = db.execute(sql).fetchmany(SQL_MAX_ROWS + 1)
+        return sorted(rows, key=repr) if len(rows) <= SQL_MAX_ROWS else None
     except sqlite3.Error:
         return None
     finally:

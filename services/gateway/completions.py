@@ -1,5 +1,6 @@
 """POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
 
+import hashlib
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -36,6 +37,7 @@ from shared.schemas import (
     ResolveRequest,
     SamplingParams,
 )
+from shared.schemas.registry import MODEL_NAME_MAX
 from shared.telemetry import tracer
 
 router = APIRouter(tags=["inference"])
@@ -225,14 +227,15 @@ async def list_models(request: Request, caller: Principal = Depends(inference_ca
     return {"object": "list", "data": [_model_object(m) for m in reply.models]}
 
 
-@router.get("/v1/models/{model}", response_model=Model, responses=error_responses(401, 403, 404, 503, 504))
+@router.get("/v1/models/{model}", response_model=Model, responses=error_responses(400, 401, 403, 404, 503, 504))
 async def retrieve_model(model: str, request: Request, caller: Principal = Depends(inference_caller)) -> dict:
     """One model this tenant may call: the base model, an adapter id or alias, or ``alias@version``.
     A foreign or unknown adapter is the same 404 as on the inference routes (and is audited)."""
     ctx = _ctx(request)
-    resolved = await ctx.resolver.resolve(
-        ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=f"retrieve:{model}")
-    )
+    if len(model) > MODEL_NAME_MAX:  # the inference routes' own bound on ``model``
+        raise InvalidRequest(f"model: at most {MODEL_NAME_MAX} characters", param="model")
+    key = f"retrieve:{hashlib.sha256(model.encode()).hexdigest()}"  # bounded whatever the name's length
+    resolved = await ctx.resolver.resolve(ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=key))
     listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
     entry = listed.get(model) or listed.get(resolved.adapter.adapter_id if resolved.adapter else resolved.base_model)
     if entry is None:  # released a moment ago, or retired since the resolve

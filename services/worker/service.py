@@ -133,7 +133,9 @@ async def run(settings: WorkerSettings) -> None:
     setup_tracing("worker", settings.trace_exporter)
     span_tracer = tracer("worker")
     async with contextlib.AsyncExitStack() as stack:
-        nc = await connect(settings.nats_url, f"worker-{settings.worker_id}")
+        nc = await connect(
+            settings.nats_url, f"worker-{settings.worker_id}", inbox_prefix=subjects.worker_inbox(settings.worker_id)
+        )
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await ensure_streams(js)

@@ -13,9 +13,12 @@ from shared.schemas.inference import ResolvedAdapter
 # ``Lf-Error`` header (see shared/bus.py ``serve`` / ``request``).
 
 
+MODEL_NAME_MAX = 256  # the longest model name any route accepts
+
+
 class ResolveRequest(Message):
     tenant_id: Identifier
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1, max_length=MODEL_NAME_MAX)
     request_key: str = Field(min_length=1, max_length=256)
     preview: bool = Field(
         default=False, description="a pinned model@version may be a staging version (pre-release eval)"

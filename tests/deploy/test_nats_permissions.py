@@ -2,12 +2,14 @@
 service does, through the same code paths, and is refused what it must not do."""
 
 import asyncio
+import json
 
 import nats
 import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from lorafleet.cli.nats_permissions import AUDIT_READER
 from services.registry.kv import RecordsKV
 from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
@@ -48,7 +50,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     await rjs.publish(subjects.adapter_event("tiny"), b"{}")
     assert registry.errors == []
 
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     wjs = worker.nc.jetstream(timeout=JS_TIMEOUT)
     files = await fetch_adapter_files(wjs, f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/tiny/1")
     assert files == {name: name.encode() for name in ADAPTER_FILES}
@@ -64,7 +66,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     assert await worker.publish_refused(subjects.adapter_event("x"))
 
 
-@pytest.mark.parametrize("user", ["gateway", "worker", "scheduler", "auditor"])
+@pytest.mark.parametrize("user", ["gateway", "worker-w1", "scheduler", "auditor"])
 async def test_only_the_registry_publishes_adapter_events(connect_as, user: str) -> None:
     client = await connect_as(user)
     assert await client.publish_refused(subjects.adapter_event("x"))
@@ -81,7 +83,7 @@ async def test_only_the_registry_publishes_adapter_events(connect_as, user: str)
             subjects.audit("completion", "a"),
         ),
         (
-            "worker",
+            "worker-w1",
             "registry",
             subjects.ADAPTER_EVENTS_STREAM,
             subjects.ADAPTER_EVENTS_ALL,
@@ -125,7 +127,7 @@ async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_
 
 
 async def test_request_reply_between_scheduler_worker_and_registry(connect_as) -> None:
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
 
     async def answer(msg) -> None:
         await msg.respond(b"accepted")
@@ -136,6 +138,43 @@ async def test_request_reply_between_scheduler_worker_and_registry(connect_as) -
     assert (await scheduler.nc.request(subjects.worker_dispatch("w1"), b"{}", timeout=2)).data == b"accepted"
     assert await scheduler.publish_refused(subjects.registry("register"))
     assert await worker.subscribe_refused("lf.registry.resolve")
+
+
+async def test_a_worker_reads_only_its_own_dispatches_and_never_a_reply_stream(connect_as) -> None:
+    w1 = await connect_as("worker-w1")
+    for foreign in (
+        subjects.worker_dispatch("w2"),
+        subjects.worker_control("w2"),
+        "lf.worker.*.dispatch",
+        "lf.worker.>",
+        "_INBOX.>",
+        "_INBOX_acme.>",
+        f"{subjects.worker_inbox('w2')}.>",
+        subjects.INFER_SUBMIT_ALL,
+    ):
+        assert await w1.subscribe_refused(foreign), foreign
+
+    w2 = await connect_as("worker-w2")
+    dispatched: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def accept(msg) -> None:
+        dispatched.put_nowait(msg.data)
+        await msg.respond(b"accepted")
+
+    await w2.nc.subscribe(subjects.worker_dispatch("w2"), cb=accept)
+    await w2.nc.subscribe(subjects.worker_control("w2"))
+    await w2.nc.flush()
+    scheduler = await connect_as("scheduler")
+    assert (await scheduler.nc.request(subjects.worker_dispatch("w2"), b"prompt", timeout=2)).data == b"accepted"
+    assert await dispatched.get() == b"prompt"
+
+    gateway = await connect_as("gateway")
+    inbox = gateway.nc.new_inbox()
+    tokens = await gateway.nc.subscribe(inbox)
+    await gateway.nc.flush()
+    await w2.nc.publish(inbox, b"token")  # streaming a reply: publish, never subscribe
+    assert (await tokens.next_msg(timeout=2)).data == b"token"
+    assert w2.errors == [] and scheduler.errors == []
 
 
 async def test_auditor_only_reads(connect_as) -> None:
@@ -157,7 +196,7 @@ async def test_auditor_only_reads(connect_as) -> None:
 
 
 async def test_services_cannot_create_or_delete_shared_streams(connect_as) -> None:
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     wjs = worker.nc.jetstream(timeout=JS_TIMEOUT)
     await expect_js_refused(
         worker, wjs.purge_stream(subjects.INFER_STREAM), f"$JS.API.STREAM.PURGE.{subjects.INFER_STREAM}"
@@ -174,7 +213,7 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     assert await acme.subscribe_refused("_INBOX.>")
     assert await acme.publish_refused(subjects.registry("resolve"))
 
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     inbox = "_INBOX_acme.reply1"
     received = asyncio.get_running_loop().create_future()
 
@@ -185,7 +224,7 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     await acme.nc.subscribe(inbox, cb=on_reply)
     await acme.nc.flush()
     await worker.nc.publish(inbox, b"token")
-    assert await asyncio.wait_for(received, 2) == b"token"
+    assert await asyncio.wait_for(received, 10) == b"token"
 
 
 async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connect_as) -> None:
@@ -209,5 +248,101 @@ async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connec
     finally:
         watch.cancel()
     assert await gateway.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
-    worker = await connect_as("worker")
+    worker = await connect_as("worker-w1")
     assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
+
+
+async def publish_audit_records(connect_as, tenants: tuple[str, ...]) -> None:
+    """One completion record per tenant on the AUDIT stream, as the workers publish them."""
+    worker = await connect_as("worker-w1")
+    js = worker.nc.jetstream(timeout=5)
+    for tenant in tenants:
+        await js.publish(subjects.audit("completion", tenant), f'{{"tenant": "{tenant}"}}'.encode())
+
+
+async def test_a_tenant_follows_only_its_own_audit_records_live_and_replayed(connect_as) -> None:
+    acme = await connect_as("tenant-acme", inbox_prefix=subjects.tenant_inbox("acme"))
+    live = await acme.nc.subscribe(subjects.audit_of_tenant("acme"))
+    await acme.nc.flush()
+    await publish_audit_records(connect_as, ("globex", "acme", "globex", "acme"))
+    assert [(await live.next_msg(timeout=5)).subject for _ in range(2)] == [subjects.audit("completion", "acme")] * 2
+
+    replay = await acme.nc.jetstream(timeout=5).pull_subscribe(
+        subjects.audit_of_tenant("acme"), durable=subjects.tenant_audit_consumer("acme"), stream=subjects.AUDIT_STREAM
+    )
+    msgs = await replay.fetch(batch=100, timeout=2)
+    assert msgs and {m.subject for m in msgs} == {subjects.audit("completion", "acme")}
+    for msg in msgs:
+        await msg.ack_sync(timeout=5)
+    assert acme.errors == []
+
+    assert await acme.subscribe_refused(subjects.audit("completion", "globex"))
+    assert await acme.subscribe_refused(subjects.AUDIT_ALL)
+    ajs = acme.nc.jetstream(timeout=JS_TIMEOUT)
+    wide = ConsumerConfig(name=subjects.tenant_audit_consumer("acme"), filter_subject=subjects.AUDIT_ALL)
+    await expect_js_refused(
+        acme,
+        ajs.add_consumer(subjects.AUDIT_STREAM, wide),
+        f"$JS.API.CONSUMER.CREATE.AUDIT.audit-acme.{subjects.AUDIT_ALL}",
+    )
+    foreign = ConsumerConfig(name=subjects.tenant_audit_consumer("globex"), filter_subject="lf.audit.*.globex")
+    await expect_js_refused(
+        acme,
+        ajs.add_consumer(subjects.AUDIT_STREAM, foreign),
+        "$JS.API.CONSUMER.CREATE.AUDIT.audit-globex.lf.audit.*.globex",
+    )
+    await expect_js_refused(
+        acme, ajs.get_msg(subjects.AUDIT_STREAM, seq=1), f"$JS.API.STREAM.MSG.GET.{subjects.AUDIT_STREAM}"
+    )
+    await expect_js_refused(acme, ajs.stream_info(subjects.AUDIT_STREAM), "$JS.API.STREAM.INFO.AUDIT")
+
+
+async def test_a_filter_in_the_body_that_differs_from_the_subject_is_refused_by_the_server(connect_as) -> None:
+    """The permission names the filter in the create subject; nats-server must hold the body to it."""
+    acme = await connect_as("tenant-acme", inbox_prefix=subjects.tenant_inbox("acme"))
+    body = {
+        "stream_name": "AUDIT",
+        "config": {"name": "audit-acme", "filter_subject": "lf.audit.>", "ack_policy": "explicit"},
+    }
+    reply = await acme.nc.request(
+        "$JS.API.CONSUMER.CREATE.AUDIT.audit-acme.lf.audit.*.acme", json.dumps(body).encode(), timeout=5
+    )
+    assert "error" in json.loads(reply.data), reply.data
+
+
+async def test_the_audit_reader_reads_every_audit_subject_and_publishes_nothing(connect_as) -> None:
+    reader = await connect_as(AUDIT_READER, inbox_prefix=subjects.AUDIT_READER_INBOX)
+    live = await reader.nc.subscribe(subjects.AUDIT_ALL)
+    await reader.nc.flush()
+    await publish_audit_records(connect_as, ("acme", "globex"))
+    got = {(await live.next_msg(timeout=5)).subject for _ in range(2)}
+    assert got == {subjects.audit("completion", "acme"), subjects.audit("completion", "globex")}
+    rjs = reader.nc.jetstream(timeout=5)
+    replay = await rjs.pull_subscribe(subjects.AUDIT_ALL, durable=AUDIT_READER, stream=subjects.AUDIT_STREAM)
+    msgs = await replay.fetch(batch=100, timeout=2)
+    assert {m.subject for m in msgs} >= got
+    await msgs[0].ack_sync(timeout=5)
+    assert reader.errors == []
+
+    for subject in (
+        subjects.audit("completion", "acme"),
+        subjects.infer_submit("acme"),
+        subjects.worker_dispatch("w1"),
+        subjects.registry("resolve"),
+        subjects.SCHEDULER_CANCEL,
+        subjects.WORKER_HEARTBEAT,
+        "_INBOX.x",
+        "_INBOX_acme.x",
+        f"$KV.{subjects.REGISTRY_TENANTS_BUCKET}.x",
+        "anything.at.all",
+    ):
+        assert await reader.publish_refused(subject), subject
+    rjs = reader.nc.jetstream(timeout=JS_TIMEOUT)
+    await expect_js_refused(reader, rjs.purge_stream(subjects.AUDIT_STREAM), "$JS.API.STREAM.PURGE.AUDIT")
+    await expect_js_refused(reader, rjs.delete_stream(subjects.AUDIT_STREAM), "$JS.API.STREAM.DELETE.AUDIT")
+    await expect_js_refused(reader, rjs.delete_msg(subjects.AUDIT_STREAM, 1), "$JS.API.STREAM.MSG.DELETE.AUDIT")
+    await expect_js_refused(
+        reader, rjs.delete_consumer(subjects.AUDIT_STREAM, "auditor"), "$JS.API.CONSUMER.DELETE.AUDIT.auditor"
+    )
+    assert await reader.subscribe_refused("_INBOX.>")
+    assert await reader.subscribe_refused(subjects.INFER_SUBMIT_ALL)

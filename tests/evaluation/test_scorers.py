@@ -1,8 +1,10 @@
 """Scorers: right answers score 1, near misses 0, fenced answers are not penalised."""
 
+import threading
+
 import pytest
 
-from lorafleet.evaluation.scorers import answer_format, exact, json_fields, scorer, sql_exec
+from lorafleet.evaluation.scorers import SQL_DEADLINE_S, answer_format, exact, json_fields, scorer, sql_exec
 from shared.errors import InvalidRequest
 
 SQL = "SELECT name FROM employees WHERE department = 'Legal';"
@@ -48,3 +50,17 @@ def test_exact_and_lookup() -> None:
     assert scorer("sql_exec") is sql_exec
     with pytest.raises(InvalidRequest, match="unknown scorer"):
         scorer("vibes")
+
+
+ENDLESS = "SELECT x FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c WHERE x < 0)"
+HUGE = "SELECT a.id FROM employees a, employees b, employees c, employees d, employees e"
+
+
+@pytest.mark.parametrize("answer", [ENDLESS, HUGE], ids=["recursive-cte", "cross-join"])
+def test_sql_that_never_ends_or_never_stops_returning_scores_zero_within_the_deadline(answer: str) -> None:
+    """A recursive CTE with no end ran forever (eval and canary hung); it is interrupted at the deadline."""
+    scores: list[float] = []
+    scoring = threading.Thread(target=lambda: scores.append(sql_exec(answer, SQL)), daemon=True)  # a hang stays behind
+    scoring.start()
+    scoring.join(SQL_DEADLINE_S + 10)  # generous: a slow machine still ends; a hang never does
+    assert scores == [0.0]

@@ -57,6 +57,16 @@ async def test_retrieve_model_answers_own_models_and_base(gateway, two_tenants):
         await client.models.retrieve(f"{ids[0]}@7")
 
 
+async def test_retrieve_model_with_a_long_name_is_a_typed_4xx(gateway, two_tenants):
+    _, key, _ = two_tenants["a"]
+    async with gateway.client(key) as c:
+        near_limit = await c.get(f"/v1/models/{'m' * 250}")  # a valid length: "retrieve:" + it once overflowed
+        too_long = await c.get(f"/v1/models/{'m' * 300}")
+    assert near_limit.status_code == 404 and near_limit.json()["error"]["code"] == "model_not_found"
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "invalid_request"
+    assert too_long.json()["error"]["param"] == "model"
+
+
 INFERENCE = [
     ("get", "/v1/models/{m}", None),
     ("post", "/v1/chat/completions", lambda m: {"model": m, "messages": [{"role": "user", "content": "x"}]}),
