@@ -16,6 +16,10 @@ AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
+
+# Signed chain heads of each auditor instance, on a stream that refuses deletes and purges
+AUDIT_HEADS_STREAM = "AUDIT_HEADS"
+AUDITOR_HEAD_ALL = f"{PREFIX}.auditor.head.>"
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
 GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"  # CatalogSync: registry write -> every gateway's mirror
 SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
@@ -90,6 +94,10 @@ def adapter_event(adapter_id: str) -> str:
 
 def audit(kind: str, tenant_id: str) -> str:
     return f"{PREFIX}.audit.{token(kind)}.{token(tenant_id)}"
+
+
+def auditor_head(instance_id: str) -> str:
+    return f"{PREFIX}.auditor.head.{token(instance_id)}"
 
 
 def service_heartbeat(service: str) -> str:

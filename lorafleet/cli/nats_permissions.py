@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from shared import subjects
 
 API = "$JS.API"
-SHARED_STREAMS = (subjects.INFER_STREAM, subjects.ADAPTER_EVENTS_STREAM, subjects.AUDIT_STREAM)
+SHARED_STREAMS = (
+    subjects.INFER_STREAM,
+    subjects.ADAPTER_EVENTS_STREAM,
+    subjects.AUDIT_STREAM,
+    subjects.AUDIT_HEADS_STREAM,
+)
 SERVICES = ("gateway", "registry", "scheduler", "worker", "auditor")
 ADMIN = "admin"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
@@ -187,6 +192,9 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *_registry_ops(REGISTRY_READ_OPS),
                 *stream_reader(subjects.AUDIT_STREAM),
                 *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
+                # signed heads: publish and read back; never delete, purge or update the stream
+                subjects.AUDITOR_HEAD_ALL,
+                *stream_reader(subjects.AUDIT_HEADS_STREAM),
             ),
             subscribe=("_INBOX.>", *own["auditor"], subjects.AUDITOR_QUERY),
             allow_responses=True,

@@ -73,7 +73,8 @@ AuditEvent = Annotated[
 
 
 class AuditQueryRequest(Message):
-    """A query of the audit index; ``tenant_id`` scopes it (None only for platform operators)."""
+    """A query of the audit index, newest record first; ``tenant_id`` scopes it (None only for
+    platform operators). ``before`` is the cursor of the previous page (its ``next_cursor``)."""
 
     tenant_id: Identifier | None = None
     request_id: RequestId | None = None
@@ -81,14 +82,39 @@ class AuditQueryRequest(Message):
     kind: str | None = Field(default=None, max_length=32)
     since: float | None = None
     until: float | None = None
+    before: int | None = Field(default=None, ge=1, description="only records older than this position")
     limit: int = Field(default=100, ge=1, le=1000)
+    verify: bool = Field(default=False, description="recompute the whole chain against every signed head first")
+
+
+class SignedHead(Message):
+    """An auditor's signed statement that its chain held ``pos`` records ending in ``hash``."""
+
+    auditor_id: Identifier
+    pos: int = Field(ge=1)
+    hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    stream_seq: int
+    ts: float
+    public_key: str = Field(max_length=64, description="base64 raw Ed25519 key that signed this head")
+    signature: str = Field(max_length=128)
+
+
+class ChainStatus(Message):
+    """What the auditor knows of its chain: verified up to ``verified_pos``, signed up to ``signed_pos``."""
+
+    intact: bool
+    broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
+    problem: str | None = Field(default=None, max_length=500)
+    count: int = Field(ge=0, description="records in the index")
+    verified_pos: int = Field(ge=0)
+    signed_pos: int | None = None
+    public_key: str = Field(description="the auditor's head-signing key, base64 raw Ed25519")
 
 
 class AuditQueryReply(Message):
     records: list[dict[str, Any]] = Field(default_factory=list)
-    intact: bool | None = Field(default=None, description="the hash chain verified (platform-wide queries only)")
-    broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
-    count: int | None = Field(default=None, description="records in the index (platform-wide queries only)")
+    next_cursor: int | None = Field(default=None, description="``before`` of the next (older) page; None on the last")
+    chain: ChainStatus | None = Field(default=None, description="platform-wide queries only")
 
 
 class AuditEnvelope(Message):

@@ -222,7 +222,7 @@ def _audit_trail(db_path: Path, adapter_id: str, version: int, until_action: str
         time.sleep(0.3)
         store = AuditStore(db_path)
         try:
-            rows = [r.body for r in store.query(kind="registry_change", adapter_id=adapter_id, limit=1000)]
+            rows = [r.body for r in reversed(store.query(kind="registry_change", adapter_id=adapter_id, limit=1000))]
         finally:
             store.close()
         trail = [
