@@ -36,6 +36,7 @@ REGISTRY_OPS = (
     "get",
     "adapters",
     "trust_key",
+    "untrust_key",
     "keys",
     "record_eval",
     "tenant_create",

@@ -10,7 +10,7 @@ import openai
 from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
-from lorafleet.cli.keys_cmd import generate
+from lorafleet.cli.keys_cmd import ensure_trusted, generate
 from lorafleet.evaluation.release import evaluate, promote, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared import subjects
@@ -25,8 +25,6 @@ from shared.schemas import (
     CreateApiKeyRequest,
     GetAdapterRequest,
     RevokeApiKeyRequest,
-    TrustedKeysReply,
-    TrustKeyRequest,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
@@ -81,13 +79,7 @@ async def _seed(
     nc: NATS, gateway_url: str, state_dir: Path, fingerprint: str, tenant_id: str, actor: str
 ) -> list[DemoAdapter]:
     key_file, public = _signing_key(state_dir)
-    await request(
-        nc,
-        subjects.registry("trust_key"),
-        TrustKeyRequest(signer=SIGNER, public_key=public, actor=actor),
-        TrustedKeysReply,
-        TIMEOUT_S,
-    )
+    await ensure_trusted(nc, SIGNER, public, [tenant_id], actor)
     created = await request(
         nc,
         subjects.registry("api_key_create"),

@@ -24,7 +24,7 @@ ADMIN = "admin"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
-GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "keys"))
+GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "untrust_key", "keys"))
 
 
 @dataclass(frozen=True, slots=True)

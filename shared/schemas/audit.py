@@ -53,6 +53,26 @@ class RegistryChangeAudit(Message):
     reason: str | None = Field(default=None, max_length=500)
 
 
+class AdminAudit(Message):
+    """A change to tenants, API keys, quotas or signer trust, recorded under each tenant it concerns."""
+
+    kind: Literal["admin"] = "admin"
+    ts: float = Field(default_factory=time.time)
+    actor: Actor
+    tenant_id: Identifier
+    action: Literal[
+        "tenant_created",
+        "quota_set",
+        "api_key_created",
+        "api_key_revoked",
+        "signer_trusted",
+        "signer_rotated",
+        "signer_untrusted",
+    ]
+    target: str = Field(max_length=128, description="the tenant, key id or signer changed")
+    detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")
+
+
 class ViolationAudit(Message):
     """What the auditor's cross-check found wrong with a completion: served across tenants, or
     with weights other than the registry's for that version."""
@@ -68,7 +88,7 @@ class ViolationAudit(Message):
 
 
 AuditEvent = Annotated[
-    CompletionAudit | RejectionAudit | RegistryChangeAudit | ViolationAudit, Field(discriminator="kind")
+    CompletionAudit | RejectionAudit | RegistryChangeAudit | AdminAudit | ViolationAudit, Field(discriminator="kind")
 ]
 
 
