@@ -24,9 +24,15 @@ CREATE TABLE IF NOT EXISTS audit (
     hash TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS audit_request ON audit(request_id);
-CREATE INDEX IF NOT EXISTS audit_tenant_ts ON audit(tenant_id, ts);
-CREATE INDEX IF NOT EXISTS audit_adapter ON audit(adapter_id);
+DROP INDEX IF EXISTS audit_tenant_ts;
+DROP INDEX IF EXISTS audit_adapter;
+CREATE INDEX IF NOT EXISTS audit_tenant_pos ON audit(tenant_id, pos);
+CREATE INDEX IF NOT EXISTS audit_tenant_kind_pos ON audit(tenant_id, kind, pos);
+CREATE INDEX IF NOT EXISTS audit_kind_pos ON audit(kind, pos);
+CREATE INDEX IF NOT EXISTS audit_adapter_pos ON audit(adapter_id, pos);
 """
+# Every index ends in pos: a newest-first page walks one backwards and stops at its limit,
+# instead of sorting every match (a (tenant, ts) index made that ~1 s at 500k records).
 
 
 @dataclass(frozen=True, slots=True)
