@@ -58,6 +58,20 @@ STREAMS: tuple[StreamConfig, ...] = (
         discard=DiscardPolicy.OLD,
         duplicate_window=120.0,
     ),
+    # What the auditor signed stays: no message delete, no purge, no rollup, and a full stream
+    # refuses new heads rather than discarding old ones (deny_* cannot be turned off again).
+    StreamConfig(
+        name=subjects.AUDIT_HEADS_STREAM,
+        subjects=[subjects.AUDITOR_HEAD_ALL],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        max_bytes=1 << 30,
+        max_msg_size=4096,
+        deny_delete=True,
+        deny_purge=True,
+        allow_rollup_hdrs=False,
+    ),
 )
 
 
@@ -96,7 +110,17 @@ async def connect(
     )
 
 
-_COMPARED = ("subjects", "retention", "storage", "discard", "max_age", "max_msg_size", "duplicate_window")
+_COMPARED = (
+    "subjects",
+    "retention",
+    "storage",
+    "discard",
+    "max_age",
+    "max_msg_size",
+    "duplicate_window",
+    "deny_delete",
+    "deny_purge",
+)
 
 
 def _drifted(wanted: StreamConfig, actual: StreamConfig) -> bool:
@@ -180,9 +204,11 @@ def serve(
     handler: Callable[[M], Awaitable[BaseModel]],
     *,
     queue: str = "",
+    concurrent: bool = False,
 ) -> Awaitable[Subscription]:
     """Subscribe a typed request-reply handler. Bad input or a failing handler gets a typed
-    error reply; nothing a client sends can stop the subscription."""
+    error reply; nothing a client sends can stop the subscription. ``concurrent`` handles each
+    request in a task of its own, so a slow one does not hold up the requests behind it."""
 
     async def on_message(msg: Msg) -> None:
         if not msg.reply:
@@ -199,7 +225,14 @@ def serve(
             log.exception("request_failed", subject=msg.subject)
             await reply_error(nc, msg.reply, InternalError(f"{type(e).__name__} while handling {subject}"))
 
-    return nc.subscribe(subject, queue=queue, cb=on_message)
+    running: set[asyncio.Task[None]] = set()
+
+    async def in_task(msg: Msg) -> None:
+        task = asyncio.create_task(on_message(msg))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    return nc.subscribe(subject, queue=queue, cb=in_task if concurrent else on_message)
 
 
 # ASYNC109: the bound is NATS's own request timeout, which this turns into a typed UpstreamTimeout

@@ -173,6 +173,19 @@ class AuditorSettings(CommonSettings):
         min_length=1,  # SQLite takes "" as a throwaway database
         description="SQLite index of the audit trail",
     )
+    key_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Ed25519 key that signs chain heads, created (mode 0600) on first start; default beside db_path",
+    )
+    chain_id: str = Field(
+        default="main",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="this index's name on AUDIT_HEADS, stable across restarts; one per auditor with its own index",
+    )
+    head_interval_s: float = Field(
+        default=30.0, gt=0, le=3600, description="how often the chain is verified and its new head signed"
+    )
 
 
 def load_settings(cls: type[S]) -> S:

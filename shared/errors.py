@@ -170,3 +170,9 @@ class ReleaseGateFailed(Conflict):
     """Promotion refused: no eval recorded, a score under the threshold, or a regression vs production."""
 
     code = "release_gate_failed"
+
+
+class SignerNotAuthorized(Forbidden):
+    """A push signed by a trusted signer that is not bound to the pushing tenant."""
+
+    code = "signer_not_authorized"

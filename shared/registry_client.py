@@ -18,6 +18,9 @@ async def fetch_record(nc: NATS, adapter_id: str, version: int | None, timeout_s
     return records[0]
 
 
-async def fetch_trusted_keys(nc: NATS, timeout_s: float) -> dict[str, str]:
-    """The registry's trusted signers (signer -> base64 Ed25519 public key), via ``lf.registry.keys``."""
-    return (await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, timeout_s)).keys
+async def fetch_trusted_keys(nc: NATS, timeout_s: float) -> dict[str, list[str]]:
+    """Each signer's keys whose signatures still verify (signer -> base64 Ed25519 public keys), via
+    ``lf.registry.keys``: an untrusted signer's versions stay servable until they are revoked, and a
+    rotated signer's earlier keys still verify the versions they signed."""
+    reply = await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, timeout_s)
+    return {s.signer: s.verify_keys() for s in reply.signers}

@@ -3,6 +3,7 @@
 import base64
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -75,18 +76,22 @@ def sign(manifest: bytes, key: Ed25519PrivateKey) -> str:
     return base64.b64encode(key.sign(manifest)).decode()
 
 
-def verify(manifest: bytes, signature_b64: str, signer: str, trusted: dict[str, str]) -> None:
-    """Raise IntegrityError unless ``signer`` is trusted and its key signed exactly ``manifest``.
+def verify(manifest: bytes, signature_b64: str, signer: str, trusted: Mapping[str, str | Sequence[str]]) -> None:
+    """Raise IntegrityError unless ``signer`` is trusted and one of its keys signed exactly ``manifest``.
 
-    ``trusted`` maps signer name -> base64 raw public key (registry data)."""
-    public_b64 = trusted.get(signer)
-    if public_b64 is None:
+    ``trusted`` maps signer name -> base64 raw public key, or the list of them (a rotated signer's
+    current and earlier keys), as registry data."""
+    keys = trusted.get(signer)
+    if keys is None:
         raise IntegrityError(f"signer {signer!r} is not a trusted signer")
     try:
         signature = base64.b64decode(signature_b64, validate=True)
     except ValueError:
         raise IntegrityError("the signature is not valid base64") from None
-    try:
-        load_public_key(public_b64).verify(signature, manifest)
-    except InvalidSignature:
-        raise IntegrityError(f"signature does not match the manifest for signer {signer!r}") from None
+    for public_b64 in [keys] if isinstance(keys, str) else keys:
+        try:
+            load_public_key(public_b64).verify(signature, manifest)
+            return
+        except InvalidSignature:
+            continue
+    raise IntegrityError(f"signature does not match the manifest for signer {signer!r}")

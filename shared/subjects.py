@@ -16,6 +16,10 @@ AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
+
+# Signed chain heads of each auditor instance, on a stream that refuses deletes and purges
+AUDIT_HEADS_STREAM = "AUDIT_HEADS"
+AUDITOR_HEAD_ALL = f"{PREFIX}.auditor.head.>"
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
 GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"  # CatalogSync: registry write -> every gateway's mirror
 SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
@@ -32,6 +36,7 @@ REGISTRY_OPS = (
     "get",
     "adapters",
     "trust_key",
+    "untrust_key",
     "keys",
     "record_eval",
     "tenant_create",
@@ -120,6 +125,10 @@ def audit_of_tenant(tenant_id: str) -> str:
 def tenant_audit_consumer(tenant_id: str) -> str:
     """The one durable AUDIT consumer a tenant's NATS user may create and read."""
     return f"audit-{token(tenant_id)}"
+
+
+def auditor_head(instance_id: str) -> str:
+    return f"{PREFIX}.auditor.head.{token(instance_id)}"
 
 
 def service_heartbeat(service: str) -> str:

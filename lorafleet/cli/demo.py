@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
 from lorafleet.cli.demo_fit import DemoFit, ServedModel, fit_demos
-from lorafleet.cli.keys_cmd import generate
+from lorafleet.cli.keys_cmd import ensure_trusted, generate
 from lorafleet.evaluation.release import evaluate, promote, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared import subjects
@@ -24,8 +24,6 @@ from shared.schemas import (
     CreateApiKeyRequest,
     GetAdapterRequest,
     RevokeApiKeyRequest,
-    TrustedKeysReply,
-    TrustKeyRequest,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
@@ -87,13 +85,7 @@ async def _seed(
     actor: str,
 ) -> list[DemoAdapter]:
     key_file, public = _signing_key(state_dir)
-    await request(
-        nc,
-        subjects.registry("trust_key"),
-        TrustKeyRequest(signer=SIGNER, public_key=public, actor=actor),
-        TrustedKeysReply,
-        TIMEOUT_S,
-    )
+    await ensure_trusted(nc, SIGNER, public, [tenant_id], actor)
     created = await request(
         nc,
         subjects.registry("api_key_create"),

@@ -1,15 +1,19 @@
-"""``lorafleet keys ...``: make an Ed25519 signing key, and trust a signer's public key."""
+"""``lorafleet keys ...``: make an Ed25519 signing key; trust, rotate and untrust a signer, bound
+to the tenants it may sign for."""
 
 import argparse
 import asyncio
 import os
+from collections.abc import Iterable
 from pathlib import Path
+
+from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
 from shared import signing, subjects
 from shared.bus import request
 from shared.errors import LorafleetError
-from shared.schemas import ListKeysRequest, TrustedKeysReply, TrustKeyRequest
+from shared.schemas import ListKeysRequest, SignerRecord, TrustedKeysReply, TrustKeyRequest, UntrustKeyRequest
 
 
 def generate(name: str, out_dir: Path) -> tuple[Path, str]:
@@ -31,16 +35,34 @@ def _public_key(value: str) -> str:
     return value
 
 
-async def _registry_keys(args: argparse.Namespace) -> dict[str, str]:
+async def ensure_trusted(nc: NATS, signer: str, public_key: str, tenants: Iterable[str], who: str) -> None:
+    """Have ``signer`` trusted with ``public_key`` for ``tenants`` (besides its other tenants),
+    rotating it only when that is not already so."""
+    wanted = set(tenants)
+    known = await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, TIMEOUT_S)
+    record = next((s for s in known.signers if s.signer == signer), None)
+    if record and record.trusted and record.public_key == public_key and wanted <= set(record.tenants):
+        return
+    bound = sorted(wanted | set(record.tenants if record else []))
+    message = TrustKeyRequest(signer=signer, public_key=public_key, tenants=bound, rotate=record is not None, actor=who)
+    await request(nc, subjects.registry("trust_key"), message, TrustedKeysReply, TIMEOUT_S)
+
+
+async def _registry_keys(args: argparse.Namespace) -> list[SignerRecord]:
     nc = await cli_connect(args.nats_url)
     try:
         if args.keys_cmd == "trust":
             key = await asyncio.to_thread(_public_key, args.public_key)
-            message = TrustKeyRequest(signer=args.name, public_key=key, actor=actor())
+            message = TrustKeyRequest(
+                signer=args.name, public_key=key, tenants=args.tenant, rotate=args.rotate, actor=actor()
+            )
             reply = await request(nc, subjects.registry("trust_key"), message, TrustedKeysReply, TIMEOUT_S)
+        elif args.keys_cmd == "untrust":
+            untrust = UntrustKeyRequest(signer=args.name, actor=actor())
+            reply = await request(nc, subjects.registry("untrust_key"), untrust, TrustedKeysReply, TIMEOUT_S)
         else:
             reply = await request(nc, subjects.registry("keys"), ListKeysRequest(), TrustedKeysReply, TIMEOUT_S)
-        return reply.keys
+        return reply.signers
     finally:
         await nc.drain()
 
@@ -49,15 +71,16 @@ def run(args: argparse.Namespace) -> int:
     if args.keys_cmd == "gen":
         private, public = generate(args.name, args.out)
         print(f"private key: {private} (keep it secret)\npublic key:  {public}")
-        print(f"trust it with: lorafleet keys trust {args.name} {public}")
+        print(f"trust it with: lorafleet keys trust {args.name} {public} --tenant TENANT")
         return 0
     try:
-        keys = asyncio.run(_registry_keys(args))
+        signers = asyncio.run(_registry_keys(args))
     except LorafleetError as e:
         print(f"error ({e.code}): {e.message}")
         return 1
-    for name, public in sorted(keys.items()):
-        print(f"{name:<24} {public}")
+    for s in signers:
+        state = "trusted" if s.trusted else "untrusted"
+        print(f"{s.signer:<24} {s.public_key} {state:<9} tenants={','.join(s.tenants) or '-'}")
     return 0
 
 
@@ -70,7 +93,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("gen", help="make NAME.key and NAME.pub")
     gen.add_argument("name", help="signer name (letters, digits, - and _)")
     gen.add_argument("--out", type=Path, default=Path(".lorafleet/keys"))
-    trust = sub.add_parser("trust", parents=[opts], help="add a trusted signer to the registry")
+    trust = sub.add_parser("trust", parents=[opts], help="trust a signer for the tenants it may sign for")
     trust.add_argument("name")
     trust.add_argument("public_key", help="base64 public key, or the NAME.pub file")
-    sub.add_parser("list", parents=[opts], help="the registry's trusted signers")
+    trust.add_argument("--tenant", action="append", required=True, help="a tenant it may sign for (repeatable)")
+    trust.add_argument(
+        "--rotate", action="store_true", help="replace a known signer's key or tenants (earlier keys still verify)"
+    )
+    untrust = sub.add_parser(
+        "untrust", parents=[opts], help="refuse new pushes signed by a signer (its versions stay until revoked)"
+    )
+    untrust.add_argument("name")
+    sub.add_parser("list", parents=[opts], help="the registry's signers")

@@ -27,7 +27,7 @@ AUDIT_READER = "audit-reader"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
-GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "keys"))
+GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "untrust_key", "keys"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +185,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *stream_reader(subjects.AUDIT_STREAM),
                 *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
                 *stream_reader("*"),  # JetStream reads of any stream (e.g. its signed heads): read, never write
+                # signed heads: publish them; the stream denies delete and purge
+                subjects.AUDITOR_HEAD_ALL,
             ),
             subscribe=("_INBOX.>", *own["auditor"], subjects.AUDITOR_QUERY),
             allow_responses=True,

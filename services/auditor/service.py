@@ -3,16 +3,21 @@ cross-checking completions against the registry, answering tenant-scoped queries
 
 import asyncio
 import contextlib
+import json
 from functools import partial
+from pathlib import Path
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.auditor.crosscheck import check_completion
+from services.auditor.head_log import HeadLog
+from services.auditor.heads import HeadSigner, load_or_create_key
 from services.auditor.store import AuditStore
+from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
-from shared.bus import connect, decode, ensure_streams, serve, shutdown_event
+from shared.bus import MAX_MESSAGE_BYTES, connect, decode, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
@@ -77,8 +82,13 @@ async def _record(store: AuditStore, records: RecordCache, seq: int, event, stop
         )
 
 
-async def answer_query(store: AuditStore, query: AuditQueryRequest) -> AuditQueryReply:
-    """The records a query names; a platform-wide query (no tenant) also proves the whole chain."""
+REPLY_BUDGET_BYTES = MAX_MESSAGE_BYTES // 2  # records in one reply; the rest are the next page's
+
+
+async def answer_query(store: AuditStore, verifier: ChainVerifier, query: AuditQueryRequest) -> AuditQueryReply:
+    """A page of the records a query names, newest first and never over the reply budget; a
+    platform-wide query (no tenant) also says what is known of the chain (``verify``: after
+    re-hashing all of it, in a thread)."""
     rows = store.query(
         tenant_id=query.tenant_id,
         request_id=query.request_id,
@@ -86,19 +96,47 @@ async def answer_query(store: AuditStore, query: AuditQueryRequest) -> AuditQuer
         kind=query.kind,
         since=query.since,
         until=query.until,
-        limit=query.limit,
+        before=query.before,
+        limit=query.limit + 1,
     )
-    reply = AuditQueryReply(records=[{"pos": r.pos, "hash": r.hash, **r.body} for r in rows])
+    records: list[dict] = []
+    size = 0
+    for row in rows[: query.limit]:
+        record = {"pos": row.pos, "hash": row.hash, **row.body}
+        size += len(json.dumps(record)) + 1
+        if size > REPLY_BUDGET_BYTES and records:
+            break
+        records.append(record)
+    more = len(records) < len(rows)
+    reply = AuditQueryReply(records=records, next_cursor=records[-1]["pos"] if more else None)
     if query.tenant_id is None:
-        broken = store.verify()
-        reply = reply.model_copy(update={"intact": broken is None, "broken_at": broken, "count": store.count()})
+        if query.verify:
+            await verifier.verify_all()
+        reply = reply.model_copy(update={"chain": verifier.status()})
     return reply
 
 
-async def run(settings: AuditorSettings) -> None:
+async def keep_verifying(verifier: ChainVerifier, interval_s: float, stop: asyncio.Event) -> None:
+    """Verify and sign on a fixed interval, and once more on the way out; a head NATS could not
+    store is signed again next time."""
+    while True:
+        try:
+            await verifier.tick()
+        except Exception as e:  # NATS away: the rows wait, nothing is lost
+            log.warning("audit_head_not_published", error=str(e))
+        if stop.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (default: SIGTERM or SIGINT), then drain."""
     configure_logging("auditor", settings.log_level)
     setup_tracing("auditor", settings.trace_exporter)
     store = AuditStore(settings.db_path)
+    key_path = Path(settings.key_path) if settings.key_path else Path(settings.db_path).with_name("auditor-head.key")
+    signer = HeadSigner(settings.chain_id, load_or_create_key(key_path))
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(store.close)
         nc = await connect(settings.nats_url, f"auditor-{settings.instance_id}")
@@ -106,9 +144,19 @@ async def run(settings: AuditorSettings) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         records = RecordCache(nc)
+        verifier = ChainVerifier(store, signer, HeadLog(js, settings.chain_id))
+        await verifier.start()
 
-        await serve(nc, subjects.AUDITOR_QUERY, AuditQueryRequest, partial(answer_query, store), queue="auditor")
-        stop = shutdown_event()
+        await serve(
+            nc,
+            subjects.AUDITOR_QUERY,
+            AuditQueryRequest,
+            partial(answer_query, store, verifier),
+            queue="auditor",
+            concurrent=True,  # a full verification must not hold up the queries behind it
+        )
+        stop = stop or shutdown_event()
+        verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop))
         queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
 
         async def on_audit(msg) -> None:
@@ -131,11 +179,11 @@ async def run(settings: AuditorSettings) -> None:
                 "auditor",
                 settings.instance_id,
                 settings.heartbeat_interval_s,
-                lambda: (True, f"{store.count()} records"),
+                lambda: (True, f"{store.last_pos()} records"),
                 metrics_port,
             )
         )
-        log.info("auditor_started", records=store.count(), resume_from=start)
+        log.info("auditor_started", records=store.last_pos(), resume_from=start, head_key=signer.public_key)
         while not stop.is_set():
             try:
                 msg = await asyncio.wait_for(queue.get(), 0.5)
@@ -146,7 +194,8 @@ async def run(settings: AuditorSettings) -> None:
             except LorafleetError as e:
                 log.warning("bad_audit_record", subject=msg.subject, error=e.message)
         beats.cancel()
-        log.info("auditor_stopped", records=store.count())
+        await verifying
+        log.info("auditor_stopped", records=store.last_pos())
 
 
 def main() -> None:

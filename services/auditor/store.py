@@ -1,11 +1,14 @@
-"""SQLite index of the audit trail: append-only, hash-chained, idempotent by stream sequence."""
+"""SQLite index of the audit trail: append-only, hash-chained, idempotent by stream sequence.
+
+The file is in WAL mode so a verification reading it on another connection (another thread)
+never blocks the appends."""
 
 import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.auditor.chain import GENESIS, link
+from services.auditor.chain import GENESIS, Break, link, walk
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -21,9 +24,15 @@ CREATE TABLE IF NOT EXISTS audit (
     hash TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS audit_request ON audit(request_id);
-CREATE INDEX IF NOT EXISTS audit_tenant_ts ON audit(tenant_id, ts);
-CREATE INDEX IF NOT EXISTS audit_adapter ON audit(adapter_id);
+DROP INDEX IF EXISTS audit_tenant_ts;
+DROP INDEX IF EXISTS audit_adapter;
+CREATE INDEX IF NOT EXISTS audit_tenant_pos ON audit(tenant_id, pos);
+CREATE INDEX IF NOT EXISTS audit_tenant_kind_pos ON audit(tenant_id, kind, pos);
+CREATE INDEX IF NOT EXISTS audit_kind_pos ON audit(kind, pos);
+CREATE INDEX IF NOT EXISTS audit_adapter_pos ON audit(adapter_id, pos);
 """
+# Every index ends in pos: a newest-first page walks one backwards and stops at its limit,
+# instead of sorting every match (a (tenant, ts) index made that ~1 s at 500k records).
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +49,9 @@ class AuditRow:
 class AuditStore:
     def __init__(self, path: str | Path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
         self._db = sqlite3.connect(str(path))
+        self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
@@ -89,9 +100,11 @@ class AuditStore:
         kind: str | None = None,
         since: float | None = None,
         until: float | None = None,
+        before: int | None = None,
         limit: int = 100,
     ) -> list[AuditRow]:
-        """Records matching every given filter, oldest first; a tenant filter never returns another tenant's."""
+        """Records matching every given filter, newest first, older than position ``before`` when
+        given (the cursor of a page); a tenant filter never returns another tenant's."""
         filters = {
             "tenant_id = ?": tenant_id,
             "request_id = ?": request_id,
@@ -99,30 +112,34 @@ class AuditStore:
             "kind = ?": kind,
             "ts >= ?": since,
             "ts <= ?": until,
+            "pos < ?": before,
         }
         where = [clause for clause, value in filters.items() if value is not None]
         args = [value for value in filters.values() if value is not None]
         sql = "SELECT pos, stream_seq, kind, tenant_id, request_id, body, hash FROM audit"
         sql += (" WHERE " + " AND ".join(where)) if where else ""
-        rows = self._db.execute(sql + " ORDER BY pos LIMIT ?", [*args, limit])
+        rows = self._db.execute(sql + " ORDER BY pos DESC LIMIT ?", [*args, limit])
         return [
             AuditRow(pos, stream_seq, kind, tenant, request, json.loads(body), hash_)
             for pos, stream_seq, kind, tenant, request, body, hash_ in rows
         ]
 
     def by_request(self, request_id: str, tenant_id: str | None = None) -> list[AuditRow]:
-        return self.query(request_id=request_id, tenant_id=tenant_id)
+        """A request's records in the order they happened."""
+        return self.query(request_id=request_id, tenant_id=tenant_id)[::-1]
 
     def count(self) -> int:
         return self._db.execute("SELECT COUNT(*) FROM audit").fetchone()[0]
 
+    def last_pos(self) -> int:
+        """The newest position: the record count of an intact chain, read in O(1) (COUNT(*) scans)."""
+        return self._db.execute("SELECT COALESCE(MAX(pos), 0) FROM audit").fetchone()[0]
+
+    def reader(self) -> sqlite3.Connection:
+        """A read connection of its own, for a verification running in another thread."""
+        return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+
     def verify(self) -> int | None:
         """Position of the first broken link (altered, dropped or reordered record), or None."""
-        prev, expected_pos = GENESIS, 1
-        for pos, body, prev_hash, hash_ in self._db.execute(
-            "SELECT pos, body, prev_hash, hash FROM audit ORDER BY pos"
-        ):
-            if pos != expected_pos or prev_hash != prev or link(prev, pos, body) != hash_:
-                return pos
-            prev, expected_pos = hash_, pos + 1
-        return None
+        found = walk(self._db, None)
+        return found.pos if isinstance(found, Break) else None

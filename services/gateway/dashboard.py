@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import TypeVar
 
+import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
@@ -17,13 +18,16 @@ from services.gateway.openai_responses import error_responses
 from shared import subjects
 from shared.adapter_keys import adapter_of_key
 from shared.bus import request as bus_request
-from shared.errors import ServiceUnavailable, UpstreamTimeout
+from shared.errors import LorafleetError
 from shared.schemas import AdapterRecordsReply, AuditQueryReply, AuditQueryRequest, ListAdaptersRequest
 
 M = TypeVar("M", bound=BaseModel)
 router = APIRouter()
+log = structlog.get_logger("gateway")
 PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text()
 WINDOW_S = 900.0
+MAX_COMPLETIONS = 5000  # the traffic panels summarise at most the newest this many of the window
+RECENT = 25
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
@@ -42,10 +46,11 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
     missing: list[str] = []
 
     async def ask(subject: str, message: BaseModel, reply: type[M], empty: M, piece: str) -> M:
-        """A piece that is down leaves its panels empty and is named, instead of failing the page."""
+        """A piece that is down or failing leaves its panels empty and is named, instead of failing the page."""
         try:
             return await bus_request(ctx.nc, subject, message, reply, timeout)
-        except (ServiceUnavailable, UpstreamTimeout):
+        except LorafleetError as e:
+            log.warning("dashboard_piece_unavailable", piece=piece, code=e.code, error=e.message)
             missing.append(piece)
             return empty
 
@@ -59,16 +64,18 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
         )
     ).records
     since = time.time() - WINDOW_S
-    completions = await ask(
-        subjects.AUDITOR_QUERY,
-        AuditQueryRequest(tenant_id=tenant, kind="completion", since=since, limit=1000),
-        AuditQueryReply,
-        AuditQueryReply(),
-        "auditor",
-    )
+    completions: list[dict] = []
+    page = AuditQueryRequest(tenant_id=tenant, kind="completion", since=since, limit=1000)
+    while len(completions) < MAX_COMPLETIONS:
+        reply = await ask(subjects.AUDITOR_QUERY, page, AuditQueryReply, AuditQueryReply(), "auditor")
+        completions.extend(reply.records)
+        if reply.next_cursor is None:
+            break
+        page = page.model_copy(update={"before": reply.next_cursor})
+    completions.reverse()  # oldest first, as the time series runs
     recent = await ask(
         subjects.AUDITOR_QUERY,
-        AuditQueryRequest(tenant_id=tenant, since=since, limit=1000),
+        AuditQueryRequest(tenant_id=tenant, since=since, limit=RECENT),
         AuditQueryReply,
         AuditQueryReply(),
         "auditor",
@@ -80,10 +87,10 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
             w["gpu_adapters"] = [k for k in w["gpu_adapters"] if adapter_of_key(k) in own]
             w["cpu_adapters"] = [k for k in w["cpu_adapters"] if adapter_of_key(k) in own]
     return {
-        "traffic": dashboard_data.traffic(completions.records),
+        "traffic": dashboard_data.traffic(completions),
         "workers": workers,
         "adapters": dashboard_data.adapters(records),
-        "audit": recent.records[-25:][::-1],
-        "audit_intact": completions.intact,
+        "audit": recent.records,
+        "audit_intact": recent.chain.intact if recent.chain else None,
         "unavailable": sorted(set(missing)),
     }

@@ -4,15 +4,16 @@ Pure: the service fetches the files and stores them only after ``admit`` returns
 refusal leaves nothing behind.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared import signing
 from shared.access import SHARED_TENANT
 from shared.adapter_format import AdapterLimits, validate_adapter
 from shared.catalog import Catalog, Change
-from shared.errors import Conflict, IntegrityError
+from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
 from shared.fingerprint import BaseModelSpec
-from shared.schemas import AdapterRecord, RegisterRequest
+from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +58,21 @@ def admit(
     files: dict[str, bytes],
     base: BaseModelIdentity,
     policy: IntakePolicy,
-    trusted_keys: dict[str, str],
+    signers: Mapping[str, SignerRecord],
     storage_uri: str,
 ) -> Change:
-    """The staging record of a new version, or a typed error saying what is wrong."""
+    """The staging record of a new version, or a typed error saying what is wrong. A signed push
+    needs a trusted signer, its current key, and a signer bound to the pushing tenant."""
     version = _check_identity(catalog, req)
     summary = validate_adapter(files, base.spec, policy.limits)
     manifest = signing.manifest_bytes(summary.file_sha256, req.adapter_id, version, req.tenant_id, base.fingerprint)
     if req.signature is not None and req.signer is not None:
-        signing.verify(manifest, req.signature, req.signer, trusted_keys)
+        signer = signers.get(req.signer)
+        if signer is None or not signer.trusted:
+            raise IntegrityError(f"signer {req.signer!r} is not a trusted signer")
+        signing.verify(manifest, req.signature, req.signer, {req.signer: signer.public_key})
+        if req.tenant_id not in signer.tenants:
+            raise SignerNotAuthorized(f"signer {req.signer!r} may not sign adapters of tenant {req.tenant_id}")
     elif not policy.dev_mode:
         raise IntegrityError("the adapter is unsigned; only a registry in dev mode admits unsigned adapters")
     record = AdapterRecord(

@@ -6,7 +6,7 @@ from nats.js.kv import KeyValue
 
 from shared import subjects
 from shared.catalog import record_key
-from shared.schemas import AdapterRecord
+from shared.schemas import AdapterRecord, SignerRecord
 
 
 async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:
@@ -46,8 +46,17 @@ class RecordsKV:
         """Store the record; returns the bucket revision of the write."""
         return await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
-    async def load_signers(self) -> dict[str, str]:
-        return {k: v.decode() for k, v in (await load_all(self._signers)).items()}
+    async def load_signers(self) -> dict[str, SignerRecord]:
+        return {k: _signer(k, v) for k, v in (await load_all(self._signers)).items()}
 
-    async def put_signer(self, signer: str, public_key: str) -> None:
-        await self._signers.put(signer, public_key.encode())
+    async def put_signer(self, record: SignerRecord) -> None:
+        await self._signers.put(record.signer, record.model_dump_json().encode())
+
+
+def _signer(name: str, value: bytes) -> SignerRecord:
+    """A stored signer; one stored as a bare key (before tenant binding) may sign for no tenant
+    until it is rotated with its tenants named."""
+    text = value.decode()
+    if text.startswith("{"):
+        return SignerRecord.model_validate_json(text)
+    return SignerRecord(signer=name, public_key=text.strip(), tenants=[])

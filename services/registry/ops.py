@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Literal
 
 import structlog
 from pydantic import BaseModel
@@ -20,14 +21,15 @@ from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.registry.kv import RecordsKV
 from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
 from shared import metrics, subjects
-from shared.access import may_use
+from shared.access import SHARED_TENANT, may_use
 from shared.adapter_format import read_adapter_dir
 from shared.catalog import Catalog, Change
-from shared.errors import LorafleetError, ModelNotFound
+from shared.errors import Conflict, LorafleetError, ModelNotFound, NotFound
 from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
     AdapterRecordsReply,
+    AdminAudit,
     AuditEnvelope,
     GetAdapterRequest,
     ListAdaptersRequest,
@@ -45,12 +47,15 @@ from shared.schemas import (
     RevokeRequest,
     RollbackRequest,
     RolloutRequest,
+    SignerRecord,
     TrustedKeysReply,
     TrustKeyRequest,
+    UntrustKeyRequest,
 )
 
 log = structlog.get_logger("registry")
 Publish = Callable[[str, BaseModel], Awaitable[None]]
+SignerAction = Literal["signer_trusted", "signer_rotated", "signer_untrusted"]
 SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
 
 
@@ -63,7 +68,7 @@ class Registry:
         self,
         *,
         catalog: Catalog,
-        trusted_keys: dict[str, str],
+        signers: dict[str, SignerRecord],
         kv: RecordsKV,
         approved: ApprovedStore,
         uploads: Uploads,
@@ -76,7 +81,7 @@ class Registry:
         sync_gateways: SyncGateways = _no_gateways,
     ) -> None:
         self.catalog = catalog
-        self.trusted_keys = trusted_keys
+        self.signers = signers
         self._kv = kv
         self._approved = approved
         self._uploads = uploads
@@ -135,13 +140,70 @@ class Registry:
         return AdapterRecordsReply(records=[r for r in records if req.tenant_id in (None, r.tenant_id)])
 
     async def keys(self, req: ListKeysRequest) -> TrustedKeysReply:
-        return TrustedKeysReply(keys=dict(self.trusted_keys))
+        return self._signers_reply()
 
     async def trust_key(self, req: TrustKeyRequest) -> TrustedKeysReply:
+        """Trust a new signer for its tenants; changing a known one (key, tenants, trust) needs
+        ``rotate``. Asking again for exactly what is stored changes nothing and is no error."""
         async with self._lock:
-            await self._kv.put_signer(req.signer, req.public_key)
-            self.trusted_keys[req.signer] = req.public_key
-        return TrustedKeysReply(keys=dict(self.trusted_keys))
+            before = self.signers.get(req.signer)
+            if (
+                before is not None
+                and before.trusted
+                and (before.public_key, before.tenants)
+                == (
+                    req.public_key,
+                    sorted(set(req.tenants)),
+                )
+            ):
+                return self._signers_reply()
+            if before is None and req.rotate:
+                raise NotFound(f"signer {req.signer!r} is not known; trust it without rotate", param="signer")
+            if before is not None and not req.rotate:
+                raise Conflict(
+                    f"signer {req.signer!r} is already known; replacing its key or tenants needs rotate", param="signer"
+                )
+            retired = before.retired_keys if before else []
+            if before is not None and before.public_key != req.public_key:
+                retired = [*retired, before.public_key]
+            record = SignerRecord(
+                signer=req.signer, public_key=req.public_key, tenants=sorted(set(req.tenants)), retired_keys=retired
+            )
+            await self._kv.put_signer(record)
+            self.signers[req.signer] = record
+            await self._audit_signer("signer_rotated" if before else "signer_trusted", req.actor, before, record)
+        return self._signers_reply()
+
+    async def untrust_key(self, req: UntrustKeyRequest) -> TrustedKeysReply:
+        """New pushes signed by it are refused; the versions it signed stay until they are revoked."""
+        async with self._lock:
+            before = self.signers.get(req.signer)
+            if before is None:
+                raise NotFound(f"signer {req.signer!r} is not known", param="signer")
+            record = before.model_copy(update={"trusted": False, "updated_at": time.time()})
+            await self._kv.put_signer(record)
+            self.signers[req.signer] = record
+            await self._audit_signer("signer_untrusted", req.actor, before, record)
+        return self._signers_reply()
+
+    def _signers_reply(self) -> TrustedKeysReply:
+        records = [self.signers[name] for name in sorted(self.signers)]
+        return TrustedKeysReply(keys={r.signer: r.public_key for r in records if r.trusted}, signers=records)
+
+    async def _audit_signer(
+        self, action: SignerAction, actor: str, before: SignerRecord | None, after: SignerRecord
+    ) -> None:
+        """One record under each tenant the signer could or can sign for (the platform's when none)."""
+        tenants = sorted(set(after.tenants) | set(before.tenants if before else [])) or [SHARED_TENANT]
+        detail = {
+            "public_key": after.public_key,
+            "tenants": after.tenants,
+            "trusted": after.trusted,
+            "key_changed": before is not None and before.public_key != after.public_key,
+        }
+        for tenant in tenants:
+            audit = AdminAudit(actor=actor, tenant_id=tenant, action=action, target=after.signer, detail=detail)
+            await self._publish(subjects.audit(audit.kind, tenant), AuditEnvelope(body=audit))
 
     async def register(self, req: RegisterRequest) -> AdapterRecordsReply:
         """Validate, verify, store, record. A refusal stores nothing, drops the upload and is audited."""
@@ -158,7 +220,7 @@ class Registry:
                     files,
                     self._base,
                     self._policy,
-                    self.trusted_keys,
+                    self.signers,
                     self._approved.uri(req.adapter_id, version),
                 )
                 await self._approved.put(req.adapter_id, version, files)

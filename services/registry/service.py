@@ -52,6 +52,7 @@ from shared.schemas import (
     ServiceHeartbeat,
     SetQuotaRequest,
     TrustKeyRequest,
+    UntrustKeyRequest,
 )
 from shared.telemetry import setup_tracing
 
@@ -85,7 +86,7 @@ async def open_registry(
 
     return Registry(
         catalog=Catalog(await kv.load_records()),
-        trusted_keys=await kv.load_signers(),
+        signers=await kv.load_signers(),
         kv=kv,
         approved=await open_approved_store(js, settings.store_dir),
         uploads=Uploads(await open_object_store(js, subjects.ADAPTER_UPLOADS_BUCKET)),
@@ -125,6 +126,7 @@ async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subs
         "get": _op(GetAdapterRequest, registry.get),
         "adapters": _op(ListAdaptersRequest, registry.adapters),
         "trust_key": _op(TrustKeyRequest, registry.trust_key),
+        "untrust_key": _op(UntrustKeyRequest, registry.untrust_key),
         "keys": _op(ListKeysRequest, registry.keys),
         "record_eval": _op(RecordEvalRequest, registry.record_eval),
         "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),

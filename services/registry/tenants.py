@@ -2,16 +2,19 @@
 ``quota_set`` and ``api_key_*``.
 
 Records live in the KV bucket ``lf_tenants`` (``tenant.<id>``, ``key.<key_id>``); every change
-is written there first, so a gateway watching the bucket sees a revocation within milliseconds.
+is written there first, so a gateway watching the bucket sees a revocation within milliseconds,
+then recorded on the AUDIT stream (``AdminAudit``: who, what, the new value, never a secret).
 """
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from shared.access import SHARED_TENANT
 from shared.api_keys import new_key
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
+    AdminAudit,
     ApiKeyCreatedReply,
     ApiKeyInfo,
     ApiKeyRecord,
@@ -27,8 +30,10 @@ from shared.schemas import (
 )
 
 Put = Callable[[str, bytes], Awaitable[None]]
+Audit = Callable[[AdminAudit], Awaitable[None]]
 TENANT_PREFIX = "tenant."
 KEY_PREFIX = "key."
+AdminAction = Literal["tenant_created", "quota_set", "api_key_created", "api_key_revoked"]
 
 
 def tenant_key(tenant_id: str) -> str:
@@ -37,6 +42,10 @@ def tenant_key(tenant_id: str) -> str:
 
 def api_key_key(key_id: str) -> str:
     return f"{KEY_PREFIX}{key_id}"
+
+
+def _quota(record: TenantRecord) -> dict:
+    return record.quota.model_dump(mode="json")
 
 
 def info(record: ApiKeyRecord) -> ApiKeyInfo:
@@ -52,7 +61,7 @@ def info(record: ApiKeyRecord) -> ApiKeyInfo:
 class Tenants:
     """In-memory view of the bucket, written through ``put`` before each change applies."""
 
-    def __init__(self, entries: dict[str, bytes], put: Put) -> None:
+    def __init__(self, entries: dict[str, bytes], put: Put, audit: Audit) -> None:
         self.tenants: dict[str, TenantRecord] = {}
         self.keys: dict[str, ApiKeyRecord] = {}
         for key, value in entries.items():
@@ -63,6 +72,7 @@ class Tenants:
                 api_key = ApiKeyRecord.model_validate_json(value)
                 self.keys[api_key.key_id] = api_key
         self._put = put
+        self._audit = audit
         self._lock = asyncio.Lock()
 
     async def create_tenant(self, req: CreateTenantRequest) -> TenantsReply:
@@ -73,6 +83,7 @@ class Tenants:
                 raise Conflict(f"tenant '{req.tenant_id}' already exists")
             record = TenantRecord(tenant_id=req.tenant_id, quota=req.quota)
             await self._store_tenant(record)
+            await self._record(req.actor, record.tenant_id, "tenant_created", record.tenant_id, quota=_quota(record))
         return TenantsReply(tenants=[record])
 
     async def list_tenants(self, req: ListTenantsRequest) -> TenantsReply:
@@ -80,8 +91,12 @@ class Tenants:
 
     async def set_quota(self, req: SetQuotaRequest) -> TenantsReply:
         async with self._lock:
-            record = self._tenant(req.tenant_id).model_copy(update={"quota": req.quota})
+            before = self._tenant(req.tenant_id)
+            record = before.model_copy(update={"quota": req.quota})
             await self._store_tenant(record)
+            await self._record(
+                req.actor, record.tenant_id, "quota_set", record.tenant_id, before=_quota(before), quota=_quota(record)
+            )
         return TenantsReply(tenants=[record])
 
     async def create_key(self, req: CreateApiKeyRequest) -> ApiKeyCreatedReply:
@@ -90,6 +105,7 @@ class Tenants:
         key, record = new_key(req.tenant_id, sorted(set(req.scopes)))
         async with self._lock:
             await self._store_key(record)
+            await self._record(req.actor, record.tenant_id, "api_key_created", record.key_id, scopes=record.scopes)
         return ApiKeyCreatedReply(key=key, info=info(record))
 
     async def revoke_key(self, req: RevokeApiKeyRequest) -> ApiKeysReply:
@@ -99,6 +115,7 @@ class Tenants:
                 raise NotFound(f"API key '{req.key_id}' does not exist", param="key_id")
             record = record.model_copy(update={"revoked": True})
             await self._store_key(record)
+            await self._record(req.actor, record.tenant_id, "api_key_revoked", record.key_id, scopes=record.scopes)
         return ApiKeysReply(keys=[info(record)])
 
     async def list_keys(self, req: ListApiKeysRequest) -> ApiKeysReply:
@@ -110,6 +127,9 @@ class Tenants:
         if record is None:
             raise NotFound(f"tenant '{tenant_id}' does not exist", param="tenant_id")
         return record
+
+    async def _record(self, actor: str, tenant_id: str, action: AdminAction, target: str, **detail: object) -> None:
+        await self._audit(AdminAudit(actor=actor, tenant_id=tenant_id, action=action, target=target, detail=detail))
 
     async def _store_tenant(self, record: TenantRecord) -> None:
         await self._put(tenant_key(record.tenant_id), record.model_dump_json().encode())

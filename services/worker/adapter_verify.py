@@ -7,6 +7,7 @@ the path between may have been tampered with since.
 
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,7 +25,7 @@ def verify_adapter(
     record: AdapterRecord,
     files: dict[str, bytes],
     base_fingerprint: str,
-    trusted_keys: dict[str, str],
+    trusted_keys: Mapping[str, str | Sequence[str]],
     *,
     require_signature: bool = True,
 ) -> None:
@@ -90,7 +91,7 @@ async def fetch_verified(
     js: JetStreamContext,
     record: AdapterRecord,
     base_fingerprint: str,
-    trusted_keys: dict[str, str],
+    trusted_keys: Mapping[str, str | Sequence[str]],
     *,
     require_signature: bool = True,
 ) -> dict[str, bytes]:

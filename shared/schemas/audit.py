@@ -53,6 +53,26 @@ class RegistryChangeAudit(Message):
     reason: str | None = Field(default=None, max_length=500)
 
 
+class AdminAudit(Message):
+    """A change to tenants, API keys, quotas or signer trust, recorded under each tenant it concerns."""
+
+    kind: Literal["admin"] = "admin"
+    ts: float = Field(default_factory=time.time)
+    actor: Actor
+    tenant_id: Identifier
+    action: Literal[
+        "tenant_created",
+        "quota_set",
+        "api_key_created",
+        "api_key_revoked",
+        "signer_trusted",
+        "signer_rotated",
+        "signer_untrusted",
+    ]
+    target: str = Field(max_length=128, description="the tenant, key id or signer changed")
+    detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")
+
+
 class ViolationAudit(Message):
     """What the auditor's cross-check found wrong with a completion: served across tenants, or
     with weights other than the registry's for that version."""
@@ -68,12 +88,13 @@ class ViolationAudit(Message):
 
 
 AuditEvent = Annotated[
-    CompletionAudit | RejectionAudit | RegistryChangeAudit | ViolationAudit, Field(discriminator="kind")
+    CompletionAudit | RejectionAudit | RegistryChangeAudit | AdminAudit | ViolationAudit, Field(discriminator="kind")
 ]
 
 
 class AuditQueryRequest(Message):
-    """A query of the audit index; ``tenant_id`` scopes it (None only for platform operators)."""
+    """A query of the audit index, newest record first; ``tenant_id`` scopes it (None only for
+    platform operators). ``before`` is the cursor of the previous page (its ``next_cursor``)."""
 
     tenant_id: Identifier | None = None
     request_id: RequestId | None = None
@@ -81,14 +102,39 @@ class AuditQueryRequest(Message):
     kind: str | None = Field(default=None, max_length=32)
     since: float | None = None
     until: float | None = None
+    before: int | None = Field(default=None, ge=1, description="only records older than this position")
     limit: int = Field(default=100, ge=1, le=1000)
+    verify: bool = Field(default=False, description="recompute the whole chain against every signed head first")
+
+
+class SignedHead(Message):
+    """An auditor's signed statement that its chain held ``pos`` records ending in ``hash``."""
+
+    auditor_id: Identifier
+    pos: int = Field(ge=1)
+    hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    stream_seq: int
+    ts: float
+    public_key: str = Field(max_length=64, description="base64 raw Ed25519 key that signed this head")
+    signature: str = Field(max_length=128)
+
+
+class ChainStatus(Message):
+    """What the auditor knows of its chain: verified up to ``verified_pos``, signed up to ``signed_pos``."""
+
+    intact: bool
+    broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
+    problem: str | None = Field(default=None, max_length=500)
+    count: int = Field(ge=0, description="records in the index")
+    verified_pos: int = Field(ge=0)
+    signed_pos: int | None = None
+    public_key: str = Field(description="the auditor's head-signing key, base64 raw Ed25519")
 
 
 class AuditQueryReply(Message):
     records: list[dict[str, Any]] = Field(default_factory=list)
-    intact: bool | None = Field(default=None, description="the hash chain verified (platform-wide queries only)")
-    broken_at: int | None = Field(default=None, description="the first record that breaks the chain, if any")
-    count: int | None = Field(default=None, description="records in the index (platform-wide queries only)")
+    next_cursor: int | None = Field(default=None, description="``before`` of the next (older) page; None on the last")
+    chain: ChainStatus | None = Field(default=None, description="platform-wide queries only")
 
 
 class AuditEnvelope(Message):

@@ -200,9 +200,39 @@ class AdapterRecordsReply(Message):
     records: list[AdapterRecord] = Field(default_factory=list)
 
 
-class TrustKeyRequest(Message):
+PublicKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{43}=$", description="base64 raw Ed25519 public key")]
+
+
+class SignerRecord(Message):
+    """A signer as the registry keeps it (KV ``lf_signers``, key = signer)."""
+
     signer: Identifier
-    public_key: str = Field(pattern=r"^[A-Za-z0-9+/]{43}=$", description="base64 raw Ed25519 public key")
+    public_key: PublicKey = Field(description="the key new pushes must be signed with")
+    tenants: list[Identifier] = Field(default_factory=list, max_length=1000, description="who it may sign for")
+    trusted: bool = Field(default=True, description="False once untrusted: new pushes refused, its versions stay")
+    retired_keys: list[PublicKey] = Field(
+        default_factory=list, max_length=100, description="earlier keys, kept so the versions they signed verify"
+    )
+    updated_at: float = Field(default_factory=time.time)
+
+    def verify_keys(self) -> list[str]:
+        """Every key whose signature on an admitted version still verifies."""
+        return [self.public_key, *self.retired_keys]
+
+
+class TrustKeyRequest(Message):
+    """Trust a new signer for ``tenants``; an existing signer changes only with ``rotate`` (a new
+    key, a new tenant list, or trusted again after ``untrust``)."""
+
+    signer: Identifier
+    public_key: PublicKey
+    tenants: list[Identifier] = Field(min_length=1, max_length=1000)
+    rotate: bool = False
+    actor: Actor
+
+
+class UntrustKeyRequest(Message):
+    signer: Identifier
     actor: Actor
 
 
@@ -211,4 +241,5 @@ class ListKeysRequest(Message):
 
 
 class TrustedKeysReply(Message):
-    keys: dict[str, str] = Field(default_factory=dict, description="signer -> base64 public key")
+    keys: dict[str, str] = Field(default_factory=dict, description="trusted signer -> its current public key")
+    signers: list[SignerRecord] = Field(default_factory=list, description="every signer, trusted or not")

@@ -66,7 +66,7 @@ def test_restart_mid_stream_loses_and_repeats_nothing(own_nats, tmp_path):
     finally:
         stack.stop_all()
     store = AuditStore(db)
-    rows = store.query(limit=1000)
+    rows = store.query(limit=1000)[::-1]
     assert [r.request_id for r in rows] == [f"req-{i}" for i in range(400)]
     assert [r.stream_seq for r in rows] == list(range(1, 401))
     assert store.verify() is None

@@ -1,6 +1,8 @@
 import sqlite3
 import time
 
+import pytest
+
 from services.auditor.store import AuditStore
 
 
@@ -44,7 +46,7 @@ def test_deleted_record_is_found(tmp_path):
     db = sqlite3.connect(path)
     db.execute("DELETE FROM audit WHERE pos = 2")
     db.commit()
-    assert AuditStore(path).verify() == 3
+    assert AuditStore(path).verify() == 2  # the missing one
 
 
 def test_swapped_pair_is_found(tmp_path):
@@ -64,3 +66,24 @@ def test_query_by_request_is_tenant_scoped(tmp_path):
     store.append(2, {**record(1, "other")})
     assert [r.tenant_id for r in store.by_request("r1")] == ["acme", "other"]
     assert [r.tenant_id for r in store.by_request("r1", tenant_id="acme")] == ["acme"]
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"tenant_id": "acme"},
+        {"tenant_id": "acme", "kind": "completion", "since": 1.0},  # the dashboard's
+        {"kind": "completion", "since": 1.0, "before": 3},
+        {"adapter_id": "sql", "kind": "completion", "since": 1.0},  # the canary's
+        {"since": 1.0, "until": 2.0},
+    ],
+)
+def test_a_newest_first_page_walks_an_index_instead_of_sorting_every_match(tmp_path, filters):
+    """Sorting every match of a (tenant, ts) index took ~1 s per query at 500k records, on the loop."""
+    store = filled(tmp_path / "a.db")
+    executed: list[str] = []
+    store._db.set_trace_callback(executed.append)
+    store.query(limit=1000, **filters)
+    store._db.set_trace_callback(None)
+    plan = " ".join(row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + executed[-1]))
+    assert "TEMP B-TREE" not in plan, plan

@@ -13,9 +13,10 @@ from lorafleet.cli.nats_permissions import AUDIT_READER
 from services.registry.kv import RecordsKV
 from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
-from shared import subjects
+from shared import signing, subjects
 from shared.adapter_format import ADAPTER_FILES
 from shared.bus import follow
+from shared.schemas import SignerRecord
 
 JS_TIMEOUT = 1.0
 
@@ -43,7 +44,8 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     registry = await connect_as("registry")
     rjs = registry.nc.jetstream(timeout=5)
     kv = await RecordsKV.open(rjs)
-    await kv.put_signer("ops", "a2V5")
+    signer = SignerRecord(signer="ops", public_key=signing.generate_keypair().public_b64, tenants=["acme"])
+    await kv.put_signer(signer)
     store = await open_object_store(rjs, subjects.ADAPTER_STORE_BUCKET)
     for name in ADAPTER_FILES:
         await store.put(f"tiny/1/{name}", name.encode())
@@ -55,7 +57,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     files = await fetch_adapter_files(wjs, f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/tiny/1")
     assert files == {name: name.encode() for name in ADAPTER_FILES}
     signers = await wjs.key_value(subjects.REGISTRY_SIGNERS_BUCKET)
-    assert (await signers.get("ops")).value == b"a2V5"
+    assert SignerRecord.model_validate_json((await signers.get("ops")).value or b"") == signer
     records = await wjs.key_value(subjects.REGISTRY_RECORDS_BUCKET)
     await expect_js_refused(worker, records.put("tiny.1", b"{}"), f"$KV.{subjects.REGISTRY_RECORDS_BUCKET}.tiny.1")
     worker_store = await wjs.object_store(subjects.ADAPTER_STORE_BUCKET)

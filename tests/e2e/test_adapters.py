@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.keys_cmd import ensure_trusted
 from services.worker.engine.loader import load_model
 from shared import signing, subjects
 from shared.bus import decode, request
@@ -18,8 +19,6 @@ from shared.schemas import (
     AdapterRecordsReply,
     PromoteRequest,
     RevokeRequest,
-    TrustedKeysReply,
-    TrustKeyRequest,
     WorkerHeartbeat,
 )
 from tests.e2e.conftest import OTHER_KEY
@@ -44,13 +43,7 @@ def adapters(running_stack, tmp_path_factory) -> dict[str, int]:
 
     async def publish() -> dict[str, int]:
         nc = await nats.connect(running_stack.nats.url)
-        await request(
-            nc,
-            subjects.registry("trust_key"),
-            TrustKeyRequest(signer="release", public_key=keys.public_b64, actor="test"),
-            TrustedKeysReply,
-            10,
-        )
+        await ensure_trusted(nc, "release", keys.public_b64, ["demo"], "test")
         versions = {}
         for name, directory in dirs.items():
             record = await push_adapter(

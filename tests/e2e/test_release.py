@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from safetensors.torch import load_file, save_file
 
 from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.evaluation.canary import run_canary
 from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
@@ -33,8 +34,6 @@ from shared.schemas import (
     CreateTenantRequest,
     GetAdapterRequest,
     TenantsReply,
-    TrustedKeysReply,
-    TrustKeyRequest,
 )
 
 pytestmark = pytest.mark.slow
@@ -72,13 +71,7 @@ def release(running_stack, tmp_path_factory) -> Release:
 
     async def setup() -> str:
         nc = await nats.connect(running_stack.nats.url)
-        await request(
-            nc,
-            subjects.registry("trust_key"),
-            TrustKeyRequest(signer="release", public_key=keys.public_b64, actor="test"),
-            TrustedKeysReply,
-            10,
-        )
+        await ensure_trusted(nc, "release", keys.public_b64, ["demo"], "test")
         with contextlib.suppress(Conflict):
             await request(
                 nc,
@@ -222,7 +215,7 @@ def _audit_trail(db_path: Path, adapter_id: str, version: int, until_action: str
         time.sleep(0.3)
         store = AuditStore(db_path)
         try:
-            rows = [r.body for r in store.query(kind="registry_change", adapter_id=adapter_id, limit=1000)]
+            rows = [r.body for r in reversed(store.query(kind="registry_change", adapter_id=adapter_id, limit=1000))]
         finally:
             store.close()
         trail = [

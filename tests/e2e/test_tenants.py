@@ -13,6 +13,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lorafleet.cli.adapter_cmd import cli_connect, push_adapter
+from lorafleet.cli.keys_cmd import ensure_trusted
 from shared import signing, subjects
 from shared.base_model import resolve_model_dir
 from shared.bus import request
@@ -26,8 +27,6 @@ from shared.schemas import (
     PromoteRequest,
     RevokeApiKeyRequest,
     TenantsReply,
-    TrustedKeysReply,
-    TrustKeyRequest,
 )
 from tests.helpers.adapters import save_peft_adapter
 
@@ -46,13 +45,7 @@ async def _setup(nats_url: str, root: Path) -> dict[str, tuple[str, list[str]]]:
     nc = await cli_connect(nats_url)
     out = {}
     try:
-        await request(
-            nc,
-            subjects.registry("trust_key"),
-            TrustKeyRequest(signer="e2e-signer", public_key=keys.public_b64, actor="e2e"),
-            TrustedKeysReply,
-            10,
-        )
+        await ensure_trusted(nc, "e2e-signer", keys.public_b64, [f"a{suffix}", f"b{suffix}"], "e2e")
         for name, count in (("a", 2), ("b", 1)):
             tenant = f"{name}{suffix}"
             await request(

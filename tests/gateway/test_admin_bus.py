@@ -22,6 +22,7 @@ from shared.bus import serve
 from shared.config import GatewaySettings
 from shared.memory_bus import MemoryBus
 from shared.schemas import (
+    AdminAudit,
     CreateApiKeyRequest,
     CreateTenantRequest,
     ListApiKeysRequest,
@@ -69,6 +70,9 @@ async def admin() -> AsyncIterator[Admin]:
     async def ask_registry(req: ResolveRequest) -> ResolveReply:
         raise AssertionError("the admin API never resolves models")
 
+    async def audit(event: AdminAudit) -> None:
+        pass  # tests/registry/test_admin_audit.py follows these records on the AUDIT stream
+
     gateway_nc = bus.connect("gateway")
     settings = GatewaySettings(nats_url="nats://memory", api_keys={}, registry_timeout_s=REGISTRY_TIMEOUT_S)
     context = GatewayContext(
@@ -85,7 +89,7 @@ async def admin() -> AsyncIterator[Admin]:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", headers=headers)
 
-    wired = Admin(bus, bus.connect("registry"), Tenants({}, put), client)
+    wired = Admin(bus, bus.connect("registry"), Tenants({}, put, audit), client)
 
     await wired.tenants.create_tenant(CreateTenantRequest(tenant_id="ops", actor="test"))
     created = await wired.tenants.create_key(

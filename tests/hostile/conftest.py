@@ -179,7 +179,7 @@ async def _seed(running: HostileStack) -> None:
         running.keys.demo_admin = await key("demo", ["admin", "inference"])
         running.keys.platform = await key("demo", ["platform_admin"])
         running.keys.revoked = await key("demo", ["inference"])
-        trust = TrustKeyRequest(signer="release", public_key=running.signer.public_b64, actor="test")
+        trust = TrustKeyRequest(signer="release", public_key=running.signer.public_b64, tenants=["demo"], actor="test")
         await registry_call(nc, "trust_key", trust, TrustedKeysReply)
     finally:
         await nc.close()

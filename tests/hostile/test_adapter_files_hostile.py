@@ -21,7 +21,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shared import signing, subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import request
-from shared.errors import Conflict, IntegrityError, InvalidRequest, LorafleetError, PayloadTooLarge
+from shared.errors import (
+    Conflict,
+    IntegrityError,
+    InvalidRequest,
+    LorafleetError,
+    PayloadTooLarge,
+    SignerNotAuthorized,
+)
 from shared.schemas import AdapterRecordsReply, RegisterRequest
 from tests.helpers.adapters import save_peft_adapter
 from tests.hostile.conftest import PICKLE, Files, HostileStack, inline
@@ -208,6 +215,14 @@ SIGNATURES = [  # (signature fields, tenant pushing, message fragment)
         id="files-swapped-after-signing",
     ),
 ]
+
+
+async def test_a_signer_not_bound_to_the_pushing_tenant_is_refused(hostile: HostileStack, nc: NATS) -> None:
+    """ "release" may sign for demo only: its valid signature over another tenant's push is refused."""
+    req = register("hostile-signed", inline_files=inline(hostile.files), **signed(hostile, tenant="other"))
+    await assert_refused(
+        hostile, nc, req.model_copy(update={"tenant_id": "other"}), SignerNotAuthorized, "may not sign"
+    )
 
 
 @pytest.mark.parametrize("fields, tenant, text", SIGNATURES)

@@ -22,7 +22,7 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
     catalog = Catalog([make_record("globex-sql", 1, "globex", status="production", traffic_percent=100)])
     registry = Registry(
         catalog=catalog,
-        trusted_keys={},
+        signers={},
         kv=None,
         approved=None,
         uploads=None,

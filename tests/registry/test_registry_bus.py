@@ -34,6 +34,7 @@ from shared.errors import (
 from shared.memory_bus import MemoryBus
 from shared.schemas import (
     AdapterRecordsReply,
+    AdminAudit,
     ApiKeyCreatedReply,
     ApiKeysReply,
     AuditEnvelope,
@@ -109,7 +110,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
 
     wired.registry = Registry(
         catalog=catalog,
-        trusted_keys={},
+        signers={},
         kv=kv,  # type: ignore[arg-type]
         approved=None,  # type: ignore[arg-type]  # only register reaches the stores
         uploads=None,  # type: ignore[arg-type]
@@ -121,7 +122,11 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         gate=GatePolicy(require_eval=True),
         sync_gateways=gateways.wait,
     )
-    await subscribe(service_nc, wired.registry, Tenants({}, put))
+
+    async def audit(event: AdminAudit) -> None:
+        wired.published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
+
+    await subscribe(service_nc, wired.registry, Tenants({}, put, audit))
     yield wired
     await wired.nc.close()
     await service_nc.drain()

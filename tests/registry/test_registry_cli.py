@@ -28,8 +28,9 @@ async def test_keys_then_signed_push_promote_and_show(
     url = ["--nats-url", nats_url]
     code, out = await lorafleet(["keys", "gen", "cli-release", "--out", str(tmp_path)], capsys)
     assert code == 0 and (tmp_path / "cli-release.key").stat().st_mode & 0o777 == 0o600
-    code, out = await lorafleet(["keys", "trust", "cli-release", str(tmp_path / "cli-release.pub"), *url], capsys)
-    assert code == 0 and "cli-release" in out
+    trust = ["keys", "trust", "cli-release", str(tmp_path / "cli-release.pub"), "--tenant", "acme", *url]
+    code, out = await lorafleet(trust, capsys)
+    assert code == 0 and "cli-release" in out and "tenants=acme" in out
     push = ["adapter", "push", str(peft_adapter_dir), "--id", "cli-sum", "--tenant", "acme", "--task", "summarization",
             "--sign-key", str(tmp_path / "cli-release.key"), "--base-model-dir", str(base_dir),
             "--alias", "clisum", *url]  # fmt: skip
@@ -43,3 +44,32 @@ async def test_keys_then_signed_push_promote_and_show(
     assert summary == [(1, "production", "cli-release", ["clisum"])]
     code, out = await lorafleet(["adapter", "rollout", "cli-sum", "--percent", "50", *url], capsys)
     assert code == 1 and "error (conflict): cli-sum has no canary version to roll out" in out
+
+
+async def test_a_signer_is_rotated_explicitly_and_untrusted_from_the_cli(
+    registry: NATS, nats_url: str, peft_adapter_dir: Path, base_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    url = ["--nats-url", nats_url]
+    for generation in ("old", "new"):  # the signer's name is its key file's
+        await lorafleet(["keys", "gen", "cli-rotor", "--out", str(tmp_path / generation)], capsys)
+    trust = ["keys", "trust", "cli-rotor", "--tenant", "acme", *url]
+    assert (await lorafleet([*trust, str(tmp_path / "old" / "cli-rotor.pub")], capsys))[0] == 0
+    code, out = await lorafleet([*trust, str(tmp_path / "new" / "cli-rotor.pub")], capsys)  # no silent overwrite
+    assert code == 1 and "error (conflict): signer 'cli-rotor' is already known" in out
+    code, out = await lorafleet([*trust, str(tmp_path / "new" / "cli-rotor.pub"), "--rotate"], capsys)
+    assert code == 0 and (tmp_path / "new" / "cli-rotor.pub").read_text().strip() in out
+
+    def push(adapter_id: str, key: str) -> list[str]:
+        return ["adapter", "push", str(peft_adapter_dir), "--id", adapter_id, "--tenant", "acme", "--task", "t",
+                "--sign-key", str(tmp_path / key / "cli-rotor.key"), "--base-model-dir", str(base_dir), *url]  # fmt: skip
+
+    code, out = await lorafleet(push("cli-rot-a", "old"), capsys)
+    assert code == 1 and "signature does not match" in out  # the rotated-out key signs nothing new
+    assert (await lorafleet(push("cli-rot-a", "new"), capsys))[0] == 0
+    code, out = await lorafleet(["keys", "untrust", "cli-rotor", *url], capsys)
+    assert code == 0 and "untrusted" in out
+    code, out = await lorafleet(push("cli-rot-b", "new"), capsys)
+    assert code == 1 and "error (integrity_error): signer 'cli-rotor' is not a trusted signer" in out
+    code, out = await lorafleet(["adapter", "show", "cli-rot-a", "--json", *url], capsys)
+    assert code == 0 and json.loads(out)[0]["signer"] == "cli-rotor"  # its version stays

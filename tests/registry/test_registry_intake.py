@@ -8,8 +8,8 @@ from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from shared import signing
 from shared.adapter_format import validate_adapter
 from shared.catalog import Catalog
-from shared.errors import Conflict, IntegrityError
-from shared.schemas import AdapterRecord, RegisterRequest
+from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
+from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 from shared.signing import KeyPair
 
 URI = "nats-os://lf_adapter_store/summarize/1"
@@ -33,11 +33,17 @@ def sign_request(base: BaseModelIdentity, policy: IntakePolicy) -> Callable[...,
     return make
 
 
+def release(keys: KeyPair, *tenants: str, **fields: object) -> dict[str, SignerRecord]:
+    """The registry's signer "release", bound to ``tenants`` (acme when none are named)."""
+    record = SignerRecord(signer="release", public_key=keys.public_b64, tenants=list(tenants or ["acme"]), **fields)
+    return {"release": record}
+
+
 def test_signed_adapter_becomes_a_staging_record(
     adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair, sign_request: Callable
 ) -> None:
     req = sign_request(adapter_files, signer_keys, aliases=["sum"])
-    change = admit(Catalog(), req, adapter_files, base, policy, {"release": signer_keys.public_b64}, URI)
+    change = admit(Catalog(), req, adapter_files, base, policy, release(signer_keys), URI)
     record = change.after
     assert (change.kind, change.before, record.status, record.version) == ("registered", None, "staging", 1)
     assert (record.rank, record.alpha, record.signer, record.aliases) == (8, 16.0, "release", ["sum"])
@@ -58,7 +64,7 @@ def test_forged_signatures_are_refused(
     adapter_files: Files, variant: Callable, base: BaseModelIdentity, policy: IntakePolicy,
     signer_keys: KeyPair, sign_request: Callable,
 ) -> None:  # fmt: skip
-    trusted = {"release": signer_keys.public_b64}
+    trusted = release(signer_keys)
     forger = signing.generate_keypair()
     cases = [
         (sign_request(adapter_files, forger), adapter_files),  # someone else's key under the trusted name
@@ -77,7 +83,7 @@ def test_identity_rules(
     adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair,
     sign_request: Callable, make_record: Callable[..., AdapterRecord],
 ) -> None:  # fmt: skip
-    trusted = {"release": signer_keys.public_b64}
+    trusted = release(signer_keys)
     catalog = Catalog([make_record("summarize", 1, "acme"), make_record("other", 1, "acme", aliases=["qa"])])
     with pytest.raises(Conflict, match="versions are immutable"):
         admit(catalog, sign_request(adapter_files, signer_keys), adapter_files, base, policy, trusted, URI)
@@ -89,3 +95,26 @@ def test_identity_rules(
         admit(catalog, req, adapter_files, base, policy, trusted, URI)
     req = sign_request(adapter_files, signer_keys, version=2)
     assert admit(catalog, req, adapter_files, base, policy, trusted, URI).after.version == 2
+
+
+def test_a_signer_signs_only_for_the_tenants_it_is_bound_to(
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair, sign_request: Callable
+) -> None:
+    req = sign_request(adapter_files, signer_keys, tenant_id="globex")  # a valid signature, for another tenant
+    with pytest.raises(SignerNotAuthorized, match="may not sign adapters of tenant globex") as refused:
+        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme"), URI)
+    assert (refused.value.status, refused.value.code) == (403, "signer_not_authorized")
+    assert admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme", "globex"), URI)
+
+
+def test_an_untrusted_or_rotated_out_key_signs_no_new_push(
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair, sign_request: Callable
+) -> None:
+    req = sign_request(adapter_files, signer_keys)
+    with pytest.raises(IntegrityError, match="'release' is not a trusted signer"):
+        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, trusted=False), URI)
+    new = signing.generate_keypair()
+    rotated = release(new, retired_keys=[signer_keys.public_b64])
+    with pytest.raises(IntegrityError, match="signature does not match"):
+        admit(Catalog(), req, adapter_files, base, policy, rotated, URI)
+    assert admit(Catalog(), sign_request(adapter_files, new), adapter_files, base, policy, rotated, URI)

@@ -85,7 +85,7 @@ async def test_lifecycle_over_nats(
 ) -> None:
     nc = registry
     keys = await call(nc, "trust_key", TrustKeyRequest(signer="release", public_key=signer_keys.public_b64,
-                                                       actor="test"), TrustedKeysReply)  # fmt: skip
+                                                       tenants=["acme"], actor="test"), TrustedKeysReply)  # fmt: skip
     assert keys.keys["release"] == signer_keys.public_b64
     key_file = tmp_path / "release.key"
     key_file.write_bytes(signer_keys.private_pem)
@@ -108,7 +108,7 @@ async def test_lifecycle_over_nats(
 
     record = await fetch_record(nc, ID, 1, timeout_s=5)
     trusted = await fetch_trusted_keys(nc, timeout_s=5)
-    assert trusted["release"] == signer_keys.public_b64
+    assert trusted["release"] == [signer_keys.public_b64]
     files = await fetch_verified(nc.jetstream(), record, base.fingerprint, trusted)
     assert json.loads(files["adapter_config.json"])["r"] == 8
 
@@ -171,7 +171,8 @@ async def test_tampered_store_object_is_refused_by_the_worker(
     registry: NATS, peft_adapter_dir: Path, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
 ) -> None:
     nc = registry
-    await call(nc, "trust_key", TrustKeyRequest(signer="release", public_key=signer_keys.public_b64, actor="t"),
+    await call(nc, "trust_key", TrustKeyRequest(signer="release", public_key=signer_keys.public_b64,
+                                              tenants=["acme"], actor="t"),
                TrustedKeysReply)  # fmt: skip
     key_file = tmp_path / "release.key"
     key_file.write_bytes(signer_keys.private_pem)

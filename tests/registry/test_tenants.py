@@ -12,6 +12,7 @@ from shared.api_keys import matches, parse_key
 from shared.bus import request
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
+    AdminAudit,
     ApiKeyCreatedReply,
     ApiKeyRecord,
     ApiKeysReply,
@@ -36,7 +37,10 @@ def book() -> tuple[Tenants, dict[str, bytes]]:
     async def put(key: str, value: bytes) -> None:
         stored[key] = value
 
-    return Tenants({}, put), stored
+    async def audit(event: AdminAudit) -> None:
+        pass
+
+    return Tenants({}, put, audit), stored
 
 
 async def test_key_is_stored_as_salted_hash_only():

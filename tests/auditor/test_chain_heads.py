@@ -1,0 +1,168 @@
+"""Signed chain heads on AUDIT_HEADS (a real nats-server): an edited and re-linked chain, and a
+chain whose newest records were deleted, are found broken although every link still verifies."""
+
+import contextlib
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.errors import APIError
+
+from services.auditor.chain import GENESIS, Tip, link, walk
+from services.auditor.head_log import HeadLog
+from services.auditor.heads import HeadSigner, load_or_create_key
+from services.auditor.store import AuditStore
+from services.auditor.verifier import ChainVerifier
+from shared import subjects
+from shared.bus import ensure_streams
+from shared.errors import IntegrityError
+
+
+def record(i: int) -> dict:
+    return {"kind": "completion", "tenant_id": "acme", "request_id": f"r{i}", "ts": time.time(), "n": i}
+
+
+def fill(store: AuditStore, start: int, stop: int) -> None:
+    for i in range(start, stop):
+        assert store.append(i, record(i))
+
+
+def relink_from(path: Path, pos: int, edit: str, replacement: str) -> None:
+    """What an operator with file access does to hide an edit: rewrite a body, then re-hash every
+    record from it on so that each link verifies again."""
+    with sqlite3.connect(path) as db:
+        body = db.execute("SELECT body FROM audit WHERE pos = ?", (pos,)).fetchone()[0]
+        db.execute("UPDATE audit SET body = ? WHERE pos = ?", (body.replace(edit, replacement), pos))
+        prev = db.execute("SELECT hash FROM audit WHERE pos = ?", (pos - 1,)).fetchone()
+        prev_hash = prev[0] if prev else GENESIS
+        for p, text in db.execute("SELECT pos, body FROM audit WHERE pos >= ? ORDER BY pos", (pos,)).fetchall():
+            new = link(prev_hash, p, text)
+            db.execute("UPDATE audit SET prev_hash = ?, hash = ? WHERE pos = ?", (prev_hash, new, p))
+            prev_hash = new
+
+
+class World:
+    def __init__(self, nc, tmp_path: Path):
+        self.js = nc.jetstream()
+        self.chain_id = f"c{uuid.uuid4().hex[:10]}"
+        self.path = tmp_path / "audit.db"
+        self.store = AuditStore(self.path)
+        self.signer = HeadSigner(self.chain_id, load_or_create_key(tmp_path / "head.key"))
+
+    def store_tip(self) -> Tip:
+        with contextlib.closing(self.store.reader()) as db:
+            tip = walk(db, None)
+        assert isinstance(tip, Tip)
+        return tip
+
+    def verifier(self) -> ChainVerifier:
+        return ChainVerifier(self.store, self.signer, HeadLog(self.js, self.chain_id))
+
+
+@pytest.fixture
+async def world(nats_url: str, tmp_path: Path) -> AsyncIterator[World]:
+    nc = await nats.connect(nats_url)
+    await ensure_streams(nc.jetstream())
+    w = World(nc, tmp_path)
+    yield w
+    w.store.close()
+    await nc.close()
+
+
+async def test_rewrite_and_relink_is_found_though_every_link_verifies(world: World) -> None:
+    verifier = world.verifier()
+    await verifier.start()
+    fill(world.store, 1, 11)
+    await verifier.tick()
+    fill(world.store, 11, 21)
+    await verifier.tick()
+    assert (verifier.status().signed_pos, verifier.status().intact) == (20, True)
+
+    relink_from(world.path, 15, '"n":15', '"n":99')
+    assert world.store.verify() is None  # the unkeyed chain alone calls this intact
+    await verifier.tick()
+    status = verifier.status()
+    assert not status.intact and status.problem and status.problem.startswith("rewritten")
+
+    await verifier.verify_all()  # the heads at 10 and 20 bracket the edit
+    fresh = world.verifier()
+    await fresh.verify_all()
+    assert (fresh.status().intact, fresh.status().broken_at) == (False, 11)
+
+
+async def test_deleting_the_newest_records_is_found(world: World) -> None:
+    verifier = world.verifier()
+    fill(world.store, 1, 21)
+    await verifier.tick()
+    with sqlite3.connect(world.path) as db:
+        db.execute("DELETE FROM audit WHERE pos > 17")
+    assert world.store.verify() is None
+    await verifier.tick()
+    status = verifier.status()
+    assert (status.intact, status.broken_at) == (False, 18)
+    assert status.problem and status.problem.startswith("truncated")
+    fill(world.store, 100, 110)  # new records in the gap do not hide it, and nothing more is signed
+    await verifier.tick()
+    assert (verifier.status().intact, verifier.status().signed_pos) == (False, 20)
+
+
+async def test_a_restart_resumes_from_the_signed_head_and_finds_a_truncation(world: World) -> None:
+    first = world.verifier()
+    fill(world.store, 1, 31)
+    await first.tick()
+    restarted = world.verifier()
+    await restarted.start()
+    assert (restarted.status().intact, restarted.status().verified_pos) == (True, 30)
+    fill(world.store, 31, 36)
+    await restarted.tick()  # incremental: from the head at 30 to 35
+    assert (restarted.status().verified_pos, restarted.status().signed_pos) == (35, 35)
+
+    with sqlite3.connect(world.path) as db:
+        db.execute("DELETE FROM audit WHERE pos > 5")
+    after_truncation = world.verifier()
+    await after_truncation.start()
+    assert (after_truncation.status().intact, after_truncation.status().broken_at) == (False, 6)
+
+
+async def test_a_head_signed_by_another_key_is_not_believed(world: World, tmp_path: Path) -> None:
+    fill(world.store, 1, 4)
+    forger = HeadSigner(world.chain_id, load_or_create_key(tmp_path / "other.key"))
+    await HeadLog(world.js, world.chain_id).append(forger.sign(world.store_tip()))
+    verifier = world.verifier()
+    await verifier.start()
+    status = verifier.status()
+    assert not status.intact and status.problem and "key other than this auditor's" in status.problem
+
+
+async def test_the_heads_stream_refuses_deletes_and_purges(world: World) -> None:
+    verifier = world.verifier()
+    fill(world.store, 1, 3)
+    await verifier.tick()
+    last = await world.js.get_last_msg(subjects.AUDIT_HEADS_STREAM, subjects.auditor_head(world.chain_id))
+    with pytest.raises(APIError):
+        await world.js.delete_msg(subjects.AUDIT_HEADS_STREAM, last.seq or 0)
+    with pytest.raises(APIError):
+        await world.js.purge_stream(subjects.AUDIT_HEADS_STREAM)
+    info = await world.js.stream_info(subjects.AUDIT_HEADS_STREAM)
+    config = info.config
+    config.deny_delete = False
+    with pytest.raises(APIError):
+        await world.js.update_stream(config)
+    assert (await HeadLog(world.js, world.chain_id).latest()) is not None
+
+
+def test_the_head_key_is_private_to_its_owner(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "auditor-head.key"
+    key = load_or_create_key(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    public = (tmp_path / "state" / "auditor-head.key.pub").read_text().strip()
+    assert HeadSigner("main", key).public_key == public
+    assert HeadSigner("main", load_or_create_key(path)).public_key == public  # kept across restarts
+    os.chmod(path, 0o644)
+    with pytest.raises(IntegrityError, match="readable by others"):
+        load_or_create_key(path)
