@@ -38,7 +38,7 @@ async def publish(url: str, start: int, stop: int) -> None:
     await nc.close()
 
 
-def wait_count(db, at_least: int, timeout_s: float = 30) -> int:
+def wait_count(db, at_least: int, timeout_s: float = 120) -> int:  # generous: a loaded machine is slow, never wrong
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if db.exists():
