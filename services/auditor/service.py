@@ -19,7 +19,7 @@ from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
 from shared.bus import MAX_MESSAGE_BYTES, connect, decode, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
-from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
+from shared.errors import IntegrityError, LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.registry_client import fetch_record
@@ -190,8 +190,14 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
             except TimeoutError:
                 continue
             try:
-                await _record(store, records, msg.metadata.sequence.stream, decode(AuditEnvelope, msg.data).body, stop)
+                event = decode(AuditEnvelope, msg.data).body
+                if msg.subject != subjects.audit(event.kind, event.tenant_id):
+                    # publishers write audit(kind, tenant): anything else on AUDIT (e.g. a JetStream
+                    # acknowledgement a client redirected there with its reply subject) is not a record
+                    raise IntegrityError(f"a {event.kind} record of tenant {event.tenant_id!r} on {msg.subject}")
+                await _record(store, records, msg.metadata.sequence.stream, event, stop)
             except LorafleetError as e:
+                metrics.INTEGRITY_ERRORS.labels("auditor").inc()
                 log.warning("bad_audit_record", subject=msg.subject, error=e.message)
         beats.cancel()
         await verifying

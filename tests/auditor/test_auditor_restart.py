@@ -70,3 +70,30 @@ def test_restart_mid_stream_loses_and_repeats_nothing(own_nats, tmp_path):
     assert [r.request_id for r in rows] == [f"req-{i}" for i in range(400)]
     assert [r.stream_seq for r in rows] == list(range(1, 401))
     assert store.verify() is None
+
+
+def test_a_record_on_another_tenants_subject_is_not_recorded(own_nats, tmp_path):
+    """Only audit(kind, tenant) of the record itself is a record: a client's redirected JetStream
+    acknowledgement, or a record filed under another tenant, never enters the chain."""
+    db = tmp_path / "audit.sqlite3"
+    stack = Stack({"LF_NATS_URL": own_nats.url, "LF_DB_PATH": str(db), "LF_METRICS_PORT": "-1"}, tmp_path / "logs")
+
+    async def misfile() -> None:
+        nc = await nats.connect(own_nats.url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        await js.publish(subjects.audit("completion", "globex"), encode(completion(0)))  # acme's, filed as globex's
+        await js.publish(subjects.audit("completion", "globex"), b'{"stream":"INFER","seq":7}')
+        await js.publish(subjects.audit("completion", "acme"), encode(completion(1)))
+        await nc.close()
+
+    try:
+        asyncio.run(misfile())
+        stack.start("auditor")
+        wait_count(db, 1)
+        time.sleep(1)
+    finally:
+        stack.stop_all()
+    store = AuditStore(db)
+    assert [(r.request_id, r.tenant_id) for r in store.query(limit=10)] == [("req-1", "acme")]
+    assert store.verify() is None
