@@ -5,7 +5,7 @@ import socket
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 S = TypeVar("S", bound=BaseSettings)
@@ -88,23 +88,37 @@ class GatewaySettings(CommonSettings):
     )
 
 
+class DefaultQuota(BaseModel):
+    """The platform's limits, applied to each tenant whose quota leaves one unset; 0 = no limit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    requests_per_min: int = Field(default=600, ge=0, le=10_000_000, description="requests admitted per minute")
+    tokens_per_min: int = Field(
+        default=200_000,
+        ge=0,
+        le=10_000_000_000,
+        description="tokens per minute (prompt estimate + max_tokens up front, settled to the real use)",
+    )
+    max_concurrent: int = Field(
+        default=32, ge=0, le=100_000, description="requests queued in the scheduler or running at once"
+    )
+    max_gpu_adapter_slots: int = Field(
+        default=16, ge=0, le=100_000, description="GPU adapter slots per rank class on one worker"
+    )
+
+
 class SchedulerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_nested_delimiter="__")
+
     dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
     )
     max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
-    default_requests_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's requests/min when its quota sets none; None = unlimited"
-    )
-    default_tokens_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's tokens/min (prompt estimate + max_tokens) when its quota sets none"
-    )
-    default_max_concurrent: int | None = Field(
-        default=None, ge=1, description="a tenant's requests queued or running at once when its quota sets none"
-    )
-    default_max_gpu_adapter_slots: int | None = Field(
-        default=None, ge=1, description="a tenant's GPU adapter slots per worker when its quota sets none"
+    default_quota: DefaultQuota = Field(
+        default_factory=DefaultQuota,
+        description="limits of every tenant whose own quota leaves them unset (LF_DEFAULT_QUOTA__<FIELD>)",
     )
     concurrency_lease_s: float = Field(
         default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long"

@@ -140,7 +140,7 @@ class Dispatcher:
             await self._refuse(request, e)
             await handle.term()
             return
-        if quota.max_gpu_adapter_slots is not None:  # the worker's cache enforces it at eviction time
+        if quota.max_gpu_adapter_slots:  # the worker's cache enforces it at eviction time (0 = no limit)
             request = request.model_copy(update={"tenant_gpu_slots": quota.max_gpu_adapter_slots})
         item = Queued(request, handle, grant)
         self.held[rid] = item
