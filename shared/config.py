@@ -16,10 +16,41 @@ def _default_instance_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+class StreamLimits(BaseModel):
+    """Bounds of the JetStream streams, which share the server's disk with the KV buckets and the
+    object store. Every process that creates streams applies them, so give all the same values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    infer_max_bytes: int = Field(
+        default=1024**3,
+        ge=2**20,
+        le=2**44,
+        description="bytes of submissions waiting in INFER; beyond it a new one is refused",
+    )
+    infer_max_msgs: int = Field(
+        default=100_000, ge=1, le=100_000_000, description="submissions waiting in INFER, all tenants together"
+    )
+    infer_max_msgs_per_tenant: int = Field(
+        default=1_000,
+        ge=1,
+        le=100_000_000,
+        description="submissions of one tenant waiting in INFER (its subject); beyond it its new ones are refused",
+    )
+    audit_max_bytes: int = Field(
+        default=8 * 1024**3, ge=2**20, le=2**46, description="bytes of AUDIT kept; the oldest records go first"
+    )
+    adapter_events_max_bytes: int = Field(
+        default=256 * 2**20, ge=2**20, le=2**44, description="bytes of ADAPTER_EVENTS kept; the oldest go first"
+    )
+
+
 class CommonSettings(BaseSettings):
     """What every service needs: where NATS and Redis are, logging, liveness timing."""
 
-    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore", allow_inf_nan=False)
+    model_config = SettingsConfigDict(
+        env_prefix="LF_", frozen=True, extra="ignore", allow_inf_nan=False, env_nested_delimiter="__"
+    )
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
@@ -43,6 +74,7 @@ class CommonSettings(BaseSettings):
     redis_key_prefix: str = Field(
         default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key"
     )
+    streams: StreamLimits = Field(default_factory=StreamLimits, description="JetStream stream bounds (LF_STREAMS__*)")
 
     def nats_credentials(self) -> tuple[str, str] | None:
         """(user, password) for NATS, or None when this deployment runs without NATS auth."""
@@ -109,8 +141,6 @@ class DefaultQuota(BaseModel):
 
 
 class SchedulerSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_nested_delimiter="__")
-
     dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
