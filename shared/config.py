@@ -146,6 +146,12 @@ class SchedulerSettings(CommonSettings):
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
     )
     max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
+    intake_per_tenant: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="submissions of one tenant fetched but not yet admitted; beyond it the tenant's are refused (429)",
+    )
     default_quota: DefaultQuota = Field(
         default_factory=DefaultQuota,
         description="limits of every tenant whose own quota leaves them unset (LF_DEFAULT_QUOTA__<FIELD>)",
