@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,6 +111,7 @@ class Scheduler:
     upkeep: Upkeep
     max_inflight: int
     intake: Intake[Msg] = field(default_factory=lambda: Intake(INTAKE_PER_TENANT))
+    _overflow: deque[Msg] = field(default_factory=deque)  # fetched past a full tenant intake: to refuse
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when the intake gains a message
     _gauged: set[str] = field(default_factory=set)  # workers whose in-flight gauge is exported
 
@@ -163,31 +164,38 @@ class Scheduler:
             return []
 
     async def on_fetched(self, msg: Msg) -> None:
-        """Queue a fetched submission behind its tenant's others; a tenant with a full intake is refused."""
+        """Queue a fetched submission behind its tenant's others, or, its tenant's intake being full,
+        for refusal: refused in the admission loop, so that fetching runs on past a flood at once."""
         try:
             tenant = subjects.tenant_of_submit(msg.subject)
         except ValueError:
             tenant = ""  # refused by the admission's parse, in its turn
-        if self.intake.push(tenant, msg, time.monotonic()):
-            self._arrived.set()
-            return
-        try:
-            await self.core.turn_away(msg.subject, msg.data, msg, QuotaExceeded(INTAKE_FULL, retry_after_s=1.0))
-        except Exception:
-            log.exception("turn_away_crashed", subject=msg.subject)
+        if not self.intake.push(tenant, msg, time.monotonic()):
+            self._overflow.append(msg)
+        self._arrived.set()
 
     async def admit_from_intake(self, stop: asyncio.Event) -> None:
         """Admit fetched submissions one per tenant per turn, while the scheduler's queue has room
-        (past it, a tenant holding less than its share of the queue still gets in)."""
+        (past it, a tenant holding less than its share of the queue still gets in); between two
+        admissions, refuse one submission of a tenant whose intake was full."""
         while not stop.is_set():
             msg = self.intake.pop(self._admissible())
-            if msg is None:
+            if msg is not None:
+                await self.on_submission(msg)
+            if self._overflow:
+                await self._turn_away(self._overflow.popleft())
+            if msg is None and not self._overflow:
                 self._arrived.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrived.wait(), ADMIT_POLL_S)
                 continue
-            await self.on_submission(msg)
             await asyncio.sleep(0)  # a dispatch just placed goes out before the next admission
+
+    async def _turn_away(self, msg: Msg) -> None:
+        try:
+            await self.core.turn_away(msg.subject, msg.data, msg, QuotaExceeded(INTAKE_FULL, retry_after_s=1.0))
+        except Exception:
+            log.exception("turn_away_crashed", subject=msg.subject)
 
     def _admissible(self) -> Callable[[str], bool]:
         held = self.core.held
@@ -264,8 +272,9 @@ class Scheduler:
         """Stop the clocks, let dispatches in progress finish, hand queued requests back to the work queue."""
         for task in background:
             task.cancel()
-        for msg in self.intake.take_all():  # not admitted: another scheduler takes them
+        for msg in [*self.intake.take_all(), *self._overflow]:  # not admitted: another scheduler decides
             await msg.nak()
+        self._overflow.clear()
         await self.core.shutdown(timeout_s)
 
 
