@@ -56,6 +56,7 @@ FETCH_POLL_S = 0.5  # the long poll of an idle intake
 DRAIN_POLL_S = 0.05  # how long a batch fetch may wait once nothing more is stored
 INTAKE_BATCH = 256
 INTAKE_PER_TENANT = 256
+MAX_UNACKED = 1_000_000  # the stream holds fewer (LF_STREAMS__INFER_MAX_MSGS caps at 100M)
 ADMIT_POLL_S = 0.05  # how often a blocked admission looks again for room in the queue
 INTAKE_FULL = "too many of this tenant's requests are waiting to be admitted"
 log = structlog.get_logger("scheduler")
@@ -125,12 +126,13 @@ class Scheduler:
         # the intake holds fetched messages unacknowledged: no cap of the server's (1,000 by default)
         # may stop delivery behind a flood; the stream's own bounds cap them
         config = ConsumerConfig(
+            name=CONSUMER,
             durable_name=CONSUMER,
             filter_subject=subjects.INFER_SUBMIT_ALL,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S,
             max_deliver=5,
-            max_ack_pending=-1,
+            max_ack_pending=MAX_UNACKED,
         )
         await js.add_consumer(subjects.INFER_STREAM, config)  # creates, or updates one made before
         return await js.pull_subscribe_bind(CONSUMER, stream=subjects.INFER_STREAM)

@@ -9,6 +9,7 @@ import time
 
 import nats
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.scheduler.dispatcher import Ports
 from services.scheduler.intake import Intake
@@ -120,6 +121,28 @@ async def test_a_quiet_tenant_is_admitted_behind_a_bounded_part_of_any_flood(own
         # for a flood of 100 as of 400, where arrival order puts all of it ahead
         assert ahead <= MAX_INFLIGHT, ahead
         assert set(refusals.values()) <= {"quota_exceeded"} and "quiet-0" not in refusals
+    finally:
+        await redis.aclose()
+        await nc.close()
+
+
+async def test_the_consumer_holds_a_flood_unacknowledged_even_when_made_before(own_nats, redis_url) -> None:
+    """Past the server's default cap of 1,000 unacknowledged messages delivery would stop behind a
+    flood held in the intake; the scheduler raises it on a consumer an older scheduler made."""
+    nc = await nats.connect(own_nats.url)
+    redis = connect_redis(redis_url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, StreamLimits())
+        await js.pull_subscribe(
+            subjects.INFER_SUBMIT_ALL,
+            durable="scheduler",
+            stream=subjects.INFER_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
+        )
+        await Run(nc, redis, {}).scheduler.subscribe(js)
+        info = await js.consumer_info(subjects.INFER_STREAM, "scheduler")
+        assert info.config.max_ack_pending > StreamLimits().infer_max_msgs
     finally:
         await redis.aclose()
         await nc.close()
