@@ -6,6 +6,10 @@ slow on 2 shared cores) driving the scheduler's real ``FairQueue`` with its defa
 from the loud tenant and 20% from the quiet one, Poisson arrivals, 40 prompt + 64 output tokens
 per request. The quiet tenant asks for less than half the fleet, so fair service gives it all it
 asks (30% of the tokens served) where FIFO gives it its 20% arrival share and an ever longer wait.
+
+``--flood`` adds a live run at intake (``bench/intake_flood.py``): a quiet tenant's request stored
+behind one tenant's flood of N, through the scheduler's real consume loop on nats-server and Redis,
+its fair intake against arrival order (``fairness_flood.json``).
 """
 
 import argparse
@@ -119,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 simulated seconds (about a second)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flood", action="store_true", help="also the live flood at intake (nats-server, redis)")
     args = parser.parse_args()
     horizon, load = (600.0 if args.quick else 3600.0), 1.5
     rng = np.random.default_rng(args.seed)
@@ -148,6 +153,14 @@ def main() -> None:
     (RESULTS / "fairness.json").write_text(json.dumps(result, indent=2))
     (RESULTS / "fairness.md").write_text(markdown(result) + "\n")
     print(markdown(result))
+    if args.flood:
+        from bench.intake_flood import flood_markdown, run_flood
+
+        flood = run_flood([0, 100, 300, 1000, 3000], repeats=1 if args.quick else 3)
+        flood["environment"] = result["environment"]
+        (RESULTS / "fairness_flood.json").write_text(json.dumps(flood, indent=2))
+        (RESULTS / "fairness_flood.md").write_text(flood_markdown(flood) + "\n")
+        print(flood_markdown(flood))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 
 from bench import overhead_breakdown
 from bench.cache_sim import git_commit
+from bench.load.stack import UNLIMITED_QUOTAS
 from bench.raw_http import RawStreamClient
 from lorafleet.cli.adapter_cmd import cli_connect
 from lorafleet.cli.infra import free_port, start_nats, start_redis
@@ -151,6 +152,7 @@ def stack_phase(
         "LF_DB_PATH": str(root / "audit.sqlite3"),
         "LF_LOG_LEVEL": "WARNING",
         "LF_TRACE_EXPORTER": f"file:{SPANS}" if spans else "none",
+        **UNLIMITED_QUOTAS,
     }
     if "LF_MODEL_CACHE" in os.environ:
         env["LF_MODEL_CACHE"] = os.environ["LF_MODEL_CACHE"]

@@ -14,13 +14,22 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel, ValidationError
 
 from shared import subjects
-from shared.config import CommonSettings
-from shared.errors import InternalError, InvalidMessage, LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.config import CommonSettings, StreamLimits
+from shared.errors import (
+    InternalError,
+    InvalidMessage,
+    LorafleetError,
+    PayloadTooLarge,
+    QuotaExceeded,
+    ServiceUnavailable,
+    UpstreamTimeout,
+    from_body,
+)
 from shared.schemas import ErrorBody
 from shared.telemetry import continued, inject, tracer
 
@@ -33,46 +42,82 @@ ERROR_HEADER = "Lf-Error"
 MAX_MESSAGE_BYTES = 1_048_576
 PLAIN_GET_MAX_BYTES = 2 * 2**20  # objects up to this size are read with nats-py's plain get
 
-STREAMS: tuple[StreamConfig, ...] = (
-    StreamConfig(
-        name=subjects.INFER_STREAM,
-        subjects=[subjects.INFER_SUBMIT_ALL],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE,
-        duplicate_window=120.0,
-        max_msg_size=MAX_MESSAGE_BYTES,
-        max_age=3600.0,
-    ),
-    StreamConfig(
-        name=subjects.ADAPTER_EVENTS_STREAM,
-        subjects=[subjects.ADAPTER_EVENTS_ALL],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        max_age=30 * 86400.0,
-    ),
-    StreamConfig(
-        name=subjects.AUDIT_STREAM,
-        subjects=[subjects.AUDIT_ALL],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
-        duplicate_window=120.0,
-    ),
-    # What the auditor signed stays: no message delete, no purge, no rollup, and a full stream
-    # refuses new heads rather than discarding old ones (deny_* cannot be turned off again).
-    StreamConfig(
-        name=subjects.AUDIT_HEADS_STREAM,
-        subjects=[subjects.AUDITOR_HEAD_ALL],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        discard=DiscardPolicy.NEW,
-        max_bytes=1 << 30,
-        max_msg_size=4096,
-        deny_delete=True,
-        deny_purge=True,
-        allow_rollup_hdrs=False,
-    ),
-)
+
+def streams(limits: StreamLimits) -> tuple[StreamConfig, ...]:
+    """The platform's streams, bounded by ``limits``. INFER refuses a submission beyond its bounds
+    (the publisher gets a typed refusal, see ``publish_refusal``); AUDIT and ADAPTER_EVENTS drop their
+    oldest messages instead."""
+    return (
+        StreamConfig(
+            name=subjects.INFER_STREAM,
+            subjects=[subjects.INFER_SUBMIT_ALL],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=120.0,
+            max_msg_size=MAX_MESSAGE_BYTES,
+            max_age=3600.0,
+            max_bytes=limits.infer_max_bytes,
+            max_msgs=limits.infer_max_msgs,
+            max_msgs_per_subject=limits.infer_max_msgs_per_tenant,  # one subject per tenant
+            discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+        ),
+        StreamConfig(
+            name=subjects.ADAPTER_EVENTS_STREAM,
+            subjects=[subjects.ADAPTER_EVENTS_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=30 * 86400.0,
+            max_msg_size=MAX_MESSAGE_BYTES,
+            max_bytes=limits.adapter_events_max_bytes,
+            discard=DiscardPolicy.OLD,
+        ),
+        StreamConfig(
+            name=subjects.AUDIT_STREAM,
+            subjects=[subjects.AUDIT_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=120.0,
+            max_msg_size=MAX_MESSAGE_BYTES,
+            max_bytes=limits.audit_max_bytes,
+        ),
+        # What the auditor signed stays: no message delete, no purge, no rollup, and a full stream
+        # refuses new heads rather than discarding old ones (deny_* cannot be turned off again).
+        StreamConfig(
+            name=subjects.AUDIT_HEADS_STREAM,
+            subjects=[subjects.AUDITOR_HEAD_ALL],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.NEW,
+            max_bytes=1 << 30,
+            max_msg_size=4096,
+            deny_delete=True,
+            deny_purge=True,
+            allow_rollup_hdrs=False,
+        ),
+    )
+
+
+STREAM_NAMES: tuple[str, ...] = tuple(str(s.name) for s in streams(StreamLimits()))  # every stream the platform makes
+
+
+# JetStream's answers to a publish beyond a stream's bounds (nats-server's JSStreamStoreFailedF,
+# JSInsufficientResourcesErr, JSStreamMessageExceedsMaximumErr)
+_STORE_FAILED, _NO_RESOURCES, _TOO_LARGE = 10077, 10023, 10054
+
+
+def publish_refusal(error: APIError) -> LorafleetError:
+    """The typed refusal of a JetStream publish the server turned down: a tenant whose own backlog
+    is full is over its quota (429); a full stream or server is unavailable for now (503)."""
+    description = error.description or ""
+    if error.err_code == _STORE_FAILED and "per subject" in description:
+        return QuotaExceeded("too many of this tenant's requests are waiting to be scheduled", retry_after_s=1.0)
+    if error.err_code in (_STORE_FAILED, _NO_RESOURCES):
+        return ServiceUnavailable(f"the request queue is full ({description})", retry_after_s=1.0)
+    if error.err_code == _TOO_LARGE:
+        return PayloadTooLarge(f"the message is larger than the stream takes ({description})")
+    return InternalError(f"the request queue refused the message ({error.err_code}: {description})")
 
 
 async def connect(
@@ -115,8 +160,12 @@ _COMPARED = (
     "retention",
     "storage",
     "discard",
+    "discard_new_per_subject",
     "max_age",
     "max_msg_size",
+    "max_bytes",
+    "max_msgs",
+    "max_msgs_per_subject",
     "duplicate_window",
     "deny_delete",
     "deny_purge",
@@ -135,13 +184,14 @@ def _drifted(wanted: StreamConfig, actual: StreamConfig) -> bool:
     return False
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create a missing stream, or bring a drifted one to this configuration.
+async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
+    """Create a missing stream, or bring a drifted one to this configuration; ``limits`` default
+    to this process's ``LF_STREAMS__*``.
 
     A stream already as configured costs one ``STREAM.INFO``, so a service whose NATS user
     may not create or update streams starts fine once ``lorafleet nats setup`` made them."""
-    for config in STREAMS:
-        assert config.name is not None, "every stream in STREAMS is named"
+    for config in streams(limits or CommonSettings().streams):
+        assert config.name is not None, "every platform stream is named"
         try:
             info = await js.stream_info(config.name)
         except NotFoundError:

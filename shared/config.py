@@ -5,7 +5,7 @@ import socket
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 S = TypeVar("S", bound=BaseSettings)
@@ -16,10 +16,41 @@ def _default_instance_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+class StreamLimits(BaseModel):
+    """Bounds of the JetStream streams, which share the server's disk with the KV buckets and the
+    object store. Every process that creates streams applies them, so give all the same values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    infer_max_bytes: int = Field(
+        default=1024**3,
+        ge=2**20,
+        le=2**44,
+        description="bytes of submissions waiting in INFER; beyond it a new one is refused",
+    )
+    infer_max_msgs: int = Field(
+        default=100_000, ge=1, le=100_000_000, description="submissions waiting in INFER, all tenants together"
+    )
+    infer_max_msgs_per_tenant: int = Field(
+        default=1_000,
+        ge=1,
+        le=100_000_000,
+        description="submissions of one tenant waiting in INFER (its subject); beyond it its new ones are refused",
+    )
+    audit_max_bytes: int = Field(
+        default=8 * 1024**3, ge=2**20, le=2**46, description="bytes of AUDIT kept; the oldest records go first"
+    )
+    adapter_events_max_bytes: int = Field(
+        default=256 * 2**20, ge=2**20, le=2**44, description="bytes of ADAPTER_EVENTS kept; the oldest go first"
+    )
+
+
 class CommonSettings(BaseSettings):
     """What every service needs: where NATS and Redis are, logging, liveness timing."""
 
-    model_config = SettingsConfigDict(env_prefix="LF_", frozen=True, extra="ignore", allow_inf_nan=False)
+    model_config = SettingsConfigDict(
+        env_prefix="LF_", frozen=True, extra="ignore", allow_inf_nan=False, env_nested_delimiter="__"
+    )
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
@@ -43,6 +74,7 @@ class CommonSettings(BaseSettings):
     redis_key_prefix: str = Field(
         default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key"
     )
+    streams: StreamLimits = Field(default_factory=StreamLimits, description="JetStream stream bounds (LF_STREAMS__*)")
 
     def nats_credentials(self) -> tuple[str, str] | None:
         """(user, password) for NATS, or None when this deployment runs without NATS auth."""
@@ -88,23 +120,41 @@ class GatewaySettings(CommonSettings):
     )
 
 
+class DefaultQuota(BaseModel):
+    """The platform's limits, applied to each tenant whose quota leaves one unset; 0 = no limit."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    requests_per_min: int = Field(default=600, ge=0, le=10_000_000, description="requests admitted per minute")
+    tokens_per_min: int = Field(
+        default=200_000,
+        ge=0,
+        le=10_000_000_000,
+        description="tokens per minute (prompt estimate + max_tokens up front, settled to the real use)",
+    )
+    max_concurrent: int = Field(
+        default=32, ge=0, le=100_000, description="requests queued in the scheduler or running at once"
+    )
+    max_gpu_adapter_slots: int = Field(
+        default=16, ge=0, le=100_000, description="GPU adapter slots per rank class on one worker"
+    )
+
+
 class SchedulerSettings(CommonSettings):
     dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
     )
     max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
-    default_requests_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's requests/min when its quota sets none; None = unlimited"
+    intake_per_tenant: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="submissions of one tenant fetched but not yet admitted; beyond it the tenant's are refused (429)",
     )
-    default_tokens_per_min: int | None = Field(
-        default=None, ge=1, description="a tenant's tokens/min (prompt estimate + max_tokens) when its quota sets none"
-    )
-    default_max_concurrent: int | None = Field(
-        default=None, ge=1, description="a tenant's requests queued or running at once when its quota sets none"
-    )
-    default_max_gpu_adapter_slots: int | None = Field(
-        default=None, ge=1, description="a tenant's GPU adapter slots per worker when its quota sets none"
+    default_quota: DefaultQuota = Field(
+        default_factory=DefaultQuota,
+        description="limits of every tenant whose own quota leaves them unset (LF_DEFAULT_QUOTA__<FIELD>)",
     )
     concurrency_lease_s: float = Field(
         default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long"

@@ -21,6 +21,13 @@ from shared.base_model import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_mo
 from shared.bus import request
 from shared.schemas import ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, TenantsReply
 
+# a benchmark measures the platform's capacity, not the tenant limits a deployment starts with
+UNLIMITED_QUOTAS = {
+    "LF_DEFAULT_QUOTA__REQUESTS_PER_MIN": "0",
+    "LF_DEFAULT_QUOTA__TOKENS_PER_MIN": "0",
+    "LF_DEFAULT_QUOTA__MAX_CONCURRENT": "0",
+}
+
 ACTOR = "bench-load"
 TINY_MODEL = "tiny-llama"
 
@@ -100,6 +107,7 @@ def start_stack(
         "LF_REQUIRE_SIGNATURE": "false",
         "LF_REQUEST_TIMEOUT_S": str(request_timeout_s),
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
+        **UNLIMITED_QUOTAS,
         **({} if kind == "smollm2" else {"LF_MODEL_DIR": str(model_dir)}),
         **(extra_env or {}),
     }

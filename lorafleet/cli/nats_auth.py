@@ -17,6 +17,7 @@ Permissions themselves live in lorafleet/cli/nats_permissions.py.
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -115,7 +116,15 @@ def write_private(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": {"store_dir": "/data"}}
+# JetStream's ceiling over every stream, KV bucket and object store together, so a flood meets a
+# refused publish, not a full disk; above the streams' own bounds (shared/config.py StreamLimits).
+# Set when `init` runs: LF_JETSTREAM_MAX_FILE_STORE=200G python -m lorafleet.cli.nats_auth init
+COMPOSE_JETSTREAM = {
+    "store_dir": "/data",
+    "max_memory_store": os.environ.get("LF_JETSTREAM_MAX_MEMORY_STORE", "256M"),
+    "max_file_store": os.environ.get("LF_JETSTREAM_MAX_FILE_STORE", "64G"),
+}
+COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": COMPOSE_JETSTREAM}
 COMPOSE_TLS = {
     "cert_file": "/etc/nats/tls/server.pem",
     "key_file": "/etc/nats/tls/server-key.pem",

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared import subjects
-from shared.bus import STREAMS
+from shared.bus import STREAM_NAMES
 
 API = "$JS.API"
-SHARED_STREAMS = tuple(str(s.name) for s in STREAMS)  # every service checks each one (ensure_streams)
+SHARED_STREAMS = STREAM_NAMES  # every service checks each one (ensure_streams)
 SERVICES = ("gateway", "registry", "scheduler", "auditor")  # one user each; workers have one user per worker
 WORKER = "worker"
 ADMIN = "admin"

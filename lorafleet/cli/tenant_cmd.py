@@ -107,7 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key.add_parser("revoke", parents=[opts], help="revoke a key at once").add_argument("key_id")
     key.add_parser("list", parents=[opts], help="keys without secrets").add_argument("--tenant")
     quota = subparsers.add_parser("quota", help="tenant limits").add_subparsers(dest="sub", required=True)
-    qset = quota.add_parser("set", parents=[opts], help="replace a tenant's limits (omitted = unlimited)")
+    qset = quota.add_parser(
+        "set", parents=[opts], help="replace a tenant's limits (omitted = the platform default, 0 = unlimited)"
+    )
     qset.add_argument("tenant")
     qset.add_argument("--rpm", type=int, help="requests per minute")
     qset.add_argument("--tpm", type=int, help="tokens per minute")

@@ -10,10 +10,10 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from shared import subjects
-from shared.bus import decode, encode
+from shared.bus import decode, encode, publish_refusal
 from shared.errors import (
     InternalError,
     LorafleetError,
@@ -129,6 +129,9 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     except (NoStreamResponseError, TimeoutError) as e:
         await sub.unsubscribe()
         raise ServiceUnavailable(f"the request queue is not available ({type(e).__name__})") from None
+    except APIError as e:  # over the INFER stream's bounds: the tenant's backlog, or the whole queue
+        await sub.unsubscribe()
+        raise publish_refusal(e) from None
     deadline = time.monotonic() + request.timeout_s
     try:
         first = await asyncio.wait_for(queue.get(), accept_timeout_s)

@@ -88,14 +88,20 @@ class Admission:
         return Grant(tenant, rid, quota, int(float(answer[1])), in_redis=True)
 
     async def release(self, grant: Grant, used_tokens: int | None) -> None:
-        """End of the request: free its concurrency slot; refund the tokens charged but not used
-        (``used_tokens`` None = unknown, nothing refunded)."""
-        refund = max(0, grant.tokens - used_tokens) if used_tokens is not None else 0
+        """End of the request: free its concurrency slot and settle its tokens: refund those charged but
+        not used, charge those used beyond the charge (``used_tokens`` None = unknown, nothing settled)."""
+        delta = grant.tokens - used_tokens if used_tokens is not None else 0
         if not grant.in_redis:
-            self.local.release(grant.tenant, grant.request_id, refund, grant.quota)
+            self.local.release(grant.tenant, grant.request_id, delta, grant.quota)
             return
         keys = self._keys(grant.tenant)[1:]
-        args: list[int | float | str] = [refund, grant.quota.tokens_per_min or 0, grant.request_id, self.lease_s]
+        args: list[int | float | str] = [
+            "release",
+            delta,
+            grant.quota.tokens_per_min or 0,
+            grant.request_id,
+            self.lease_s,
+        ]
         await self.guard.call("release", lambda: self._release(keys=keys, args=args))
 
     async def renew(self, grants: list[Grant]) -> None:
@@ -108,7 +114,7 @@ class Admission:
                 self.local.renew(grant.tenant, grant.request_id)
                 continue
             keys = self._keys(grant.tenant)[1:]
-            args: list[int | float | str] = [-1, 0, grant.request_id, self.lease_s]
+            args: list[int | float | str] = ["renew", 0, 0, grant.request_id, self.lease_s]
             ok, _ = await self.guard.call("renew", partial(self._release, keys=keys, args=args))
             if not ok:
                 return

@@ -99,10 +99,7 @@ class Dispatcher:
         try:
             request = parse_submission(subject, data)
         except LorafleetError as e:
-            target = refusal_target(subject, data)
-            log.warning("submission_refused", subject=subject, error=e.message)
-            await self._refuse_raw(target, e)
-            await handle.term()
+            await self.turn_away(subject, data, handle, e)
             return
         rid = request.request_id
         taken = self.held.get(rid) or self.inflight.get(rid)
@@ -140,12 +137,19 @@ class Dispatcher:
             await self._refuse(request, e)
             await handle.term()
             return
-        if quota.max_gpu_adapter_slots is not None:  # the worker's cache enforces it at eviction time
+        if quota.max_gpu_adapter_slots:  # the worker's cache enforces it at eviction time (0 = no limit)
             request = request.model_copy(update={"tenant_gpu_slots": quota.max_gpu_adapter_slots})
         item = Queued(request, handle, grant)
         self.held[rid] = item
         self.queue.push(item)
         self.pump()
+
+    async def turn_away(self, subject: str, data: bytes, handle: Handle, error: LorafleetError) -> None:
+        """Refuse a submission unread (unparsable, or its tenant has too many waiting): answer and audit
+        ``error`` where the body names an inbox and tenant, and terminate it."""
+        log.warning("submission_refused", subject=subject, error=error.message)
+        await self._refuse_raw(refusal_target(subject, data), error)
+        await handle.term()
 
     def pump(self) -> None:
         """Start a dispatch for every queued request a worker has room for, in fair order."""

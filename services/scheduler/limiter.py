@@ -10,7 +10,7 @@ from shared.schemas import TenantQuota
 
 @dataclass(slots=True)
 class Bucket:
-    """A token bucket of ``capacity`` per minute, full when new."""
+    """A token bucket of ``capacity`` per minute, full when new; below zero it carries a debt."""
 
     tokens: float
     at: float
@@ -29,18 +29,17 @@ class LocalLimiter:
     _leases: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> request id -> expiry
 
     def admit(self, tenant: str, request_id: str, quota: TenantQuota, cost: int) -> int:
-        """Charge one request and ``cost`` tokens (capped at the per-minute limit); the tokens charged."""
+        """Charge one request and ``cost`` tokens; the tokens charged. A cost above the per-minute limit
+        waits for a full bucket and is then charged in full, the excess owed as debt."""
         now = self.clock()
         rpm, tpm, conc = quota.requests_per_min, quota.tokens_per_min, quota.max_concurrent
         requests = self._level(tenant, "rpm", rpm, now)
         if rpm and requests < 1:
             raise QuotaExceeded(f"tenant {tenant} is over {rpm} requests/min", retry_after_s=(1 - requests) * 60 / rpm)
-        charged = min(cost, tpm) if tpm else cost
+        need = min(cost, tpm) if tpm else cost
         tokens = self._level(tenant, "tpm", tpm, now)
-        if tpm and tokens < charged:
-            raise QuotaExceeded(
-                f"tenant {tenant} is over {tpm} tokens/min", retry_after_s=(charged - tokens) * 60 / tpm
-            )
+        if tpm and tokens < need:
+            raise QuotaExceeded(f"tenant {tenant} is over {tpm} tokens/min", retry_after_s=(need - tokens) * 60 / tpm)
         leases = self._leases.setdefault(tenant, {})
         for rid in [r for r, until in leases.items() if until <= now]:
             del leases[rid]
@@ -51,16 +50,17 @@ class LocalLimiter:
         if rpm:
             self._buckets[(tenant, "rpm")] = Bucket(requests - 1, now)
         if tpm:
-            self._buckets[(tenant, "tpm")] = Bucket(tokens - charged, now)
-        return charged
+            self._buckets[(tenant, "tpm")] = Bucket(tokens - cost, now)
+        return cost
 
-    def release(self, tenant: str, request_id: str, refund: int, quota: TenantQuota) -> None:
-        """Free the request's concurrency slot and give back ``refund`` unused tokens."""
+    def release(self, tenant: str, request_id: str, delta: int, quota: TenantQuota) -> None:
+        """Free the request's concurrency slot and settle its tokens: ``delta`` > 0 gives back unused
+        ones, < 0 charges those used beyond the charge."""
         self._leases.get(tenant, {}).pop(request_id, None)
-        if refund > 0 and quota.tokens_per_min:
+        if delta and quota.tokens_per_min:
             now = self.clock()
             level = self._level(tenant, "tpm", quota.tokens_per_min, now)
-            self._buckets[(tenant, "tpm")] = Bucket(min(quota.tokens_per_min, level + refund), now)
+            self._buckets[(tenant, "tpm")] = Bucket(min(quota.tokens_per_min, level + delta), now)
 
     def renew(self, tenant: str, request_id: str) -> None:
         leases = self._leases.get(tenant, {})

@@ -12,21 +12,15 @@ TENANT_PREFIX = "tenant."
 
 @dataclass(slots=True)
 class Quotas:
-    """Tenant id -> quota, changed at run time by the registry's KV entries; unset fields use ``defaults``."""
+    """Tenant id -> quota, changed at run time by the registry's KV entries; unset fields use ``defaults``
+    (the platform's, every field set: 0 = no limit)."""
 
     defaults: TenantQuota
     _by_tenant: dict[str, TenantQuota] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: SchedulerSettings) -> "Quotas":
-        return cls(
-            TenantQuota(
-                requests_per_min=settings.default_requests_per_min,
-                tokens_per_min=settings.default_tokens_per_min,
-                max_concurrent=settings.default_max_concurrent,
-                max_gpu_adapter_slots=settings.default_max_gpu_adapter_slots,
-            )
-        )
+        return cls(TenantQuota(**settings.default_quota.model_dump()))
 
     def of(self, tenant: str) -> TenantQuota:
         own = self._by_tenant.get(tenant)

@@ -1,6 +1,23 @@
 """The Redis Lua scripts of admission (atomic, on Redis server time ``TIME``)."""
 
-ADMIT = """\
+# A tokens/min bucket may go below zero: a request costing more than the bucket holds is admitted
+# once the bucket is full and charged in full, the rest carried as debt that the refill pays off
+# before the tenant is admitted again. The key lives until the bucket would be full again.
+_BUCKET = """\
+local function level(key, cap)
+  local v = redis.call('HMGET', key, 'tokens', 'ts')
+  if not v[1] then return cap end
+  return math.min(cap, tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60)
+end
+
+local function store(key, tokens, cap)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
+  redis.call('EXPIRE', key, math.ceil((cap - tokens) * 60 / cap) + 60)
+end
+"""
+
+ADMIT = (
+    """\
 -- Admit one request atomically, on Redis server time.
 -- KEYS: requests/min bucket, tokens/min bucket, concurrency leases (zset request id -> expiry),
 --       and optionally the request's dispatched marker (set once a worker took it)
@@ -12,22 +29,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cost, rid, lease = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-
-local function level(key, cap)
-  local v = redis.call('HMGET', key, 'tokens', 'ts')
-  if not v[1] then return cap end
-  return math.min(cap, tonumber(v[1]) + (now - tonumber(v[2])) * cap / 60)
-end
-
+"""
+    + _BUCKET
+    + """
 local requests, tokens = 0, 0
 if rpm > 0 then
   requests = level(KEYS[1], rpm)
   if requests < 1 then return {0, 'requests_per_min', tostring((1 - requests) * 60 / rpm)} end
 end
 if tpm > 0 then
-  cost = math.min(cost, tpm)
+  local need = math.min(cost, tpm)  -- more than a minute's worth needs a full bucket, then owes the rest
   tokens = level(KEYS[2], tpm)
-  if tokens < cost then return {0, 'tokens_per_min', tostring((cost - tokens) * 60 / tpm)} end
+  if tokens < need then return {0, 'tokens_per_min', tostring((need - tokens) * 60 / tpm)} end
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -37,34 +50,30 @@ if conc > 0 then
   redis.call('ZADD', KEYS[3], now + lease, rid)
   redis.call('EXPIRE', KEYS[3], math.ceil(lease * 2))
 end
-if rpm > 0 then
-  redis.call('HSET', KEYS[1], 'tokens', tostring(requests - 1), 'ts', tostring(now))
-  redis.call('EXPIRE', KEYS[1], 120)
-end
-if tpm > 0 then
-  redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - cost), 'ts', tostring(now))
-  redis.call('EXPIRE', KEYS[2], 120)
-end
+if rpm > 0 then store(KEYS[1], requests - 1, rpm) end
+if tpm > 0 then store(KEYS[2], tokens - cost, tpm) end
 return {1, tostring(cost)}
 """
+)
 
-RELEASE = """\
--- Free a request's concurrency lease and refund unused tokens, or (refund < 0) renew the lease.
--- KEYS: tokens/min bucket, concurrency leases.  ARGV: refund tokens, tpm, request id, lease seconds
+RELEASE = (
+    """\
+-- End a request: free its concurrency lease and settle its tokens (delta > 0 gives back what it did
+-- not use, delta < 0 charges what it used beyond its charge); or renew the lease.
+-- KEYS: tokens/min bucket, concurrency leases.  ARGV: 'release' or 'renew', token delta, tpm,
+-- request id, lease seconds
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local refund, tpm, rid = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-if refund < 0 then
-  redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[4]), rid)
+local delta, tpm, rid = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+"""
+    + _BUCKET
+    + """
+if ARGV[1] == 'renew' then
+  redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[5]), rid)
   return 0
 end
 redis.call('ZREM', KEYS[2], rid)
-if refund > 0 and tpm > 0 then
-  local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-  if v[1] then
-    local level = math.min(tpm, tonumber(v[1]) + (now - tonumber(v[2])) * tpm / 60 + refund)
-    redis.call('HSET', KEYS[1], 'tokens', tostring(level), 'ts', tostring(now))
-  end
-end
+if delta ~= 0 and tpm > 0 then store(KEYS[1], math.min(tpm, level(KEYS[1], tpm) + delta), tpm) end
 return 1
 """
+)

@@ -2,6 +2,9 @@
 
 import asyncio
 import contextlib
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -17,6 +20,7 @@ from services.scheduler.dedupe import Dispatched
 from services.scheduler.dispatcher import Dispatcher, Ports
 from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
+from services.scheduler.intake import Intake
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet
 from services.scheduler.ports import bus_ports
@@ -32,7 +36,7 @@ from shared.bus import (
     shutdown_event,
 )
 from shared.config import SchedulerSettings, load_settings
-from shared.errors import LorafleetError
+from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
@@ -48,6 +52,13 @@ from shared.telemetry import continued, setup_tracing, tracer
 CONSUMER = "scheduler"
 ACK_WAIT_S = 30
 TICK_S = 0.25
+FETCH_POLL_S = 0.5  # the long poll of an idle intake
+DRAIN_POLL_S = 0.05  # how long a batch fetch may wait once nothing more is stored
+INTAKE_BATCH = 256
+INTAKE_PER_TENANT = 256
+MAX_UNACKED = 1_000_000  # the stream holds fewer (LF_STREAMS__INFER_MAX_MSGS caps at 100M)
+ADMIT_POLL_S = 0.05  # how often a blocked admission looks again for room in the queue
+INTAKE_FULL = "too many of this tenant's requests are waiting to be admitted"
 log = structlog.get_logger("scheduler")
 _tracer = tracer("scheduler")
 
@@ -100,6 +111,9 @@ class Scheduler:
     core: Dispatcher
     upkeep: Upkeep
     max_inflight: int
+    intake: Intake[Msg] = field(default_factory=lambda: Intake(INTAKE_PER_TENANT))
+    _overflow: deque[Msg] = field(default_factory=deque)  # fetched past a full tenant intake: to refuse
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when the intake gains a message
     _gauged: set[str] = field(default_factory=set)  # workers whose in-flight gauge is exported
 
     async def subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
@@ -109,34 +123,89 @@ class Scheduler:
         # (it would hold its worker's capacity and its tenant's concurrency slot until swept)
         await follow(js, subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, self.on_completion)
         await self.nc.subscribe(subjects.SCHEDULER_CANCEL, cb=self.on_cancel)
-        return await js.pull_subscribe(
-            subjects.INFER_SUBMIT_ALL,
-            durable=CONSUMER,
-            stream=subjects.INFER_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_deliver=5),
+        # the intake holds fetched messages unacknowledged: no cap of the server's (1,000 by default)
+        # may stop delivery behind a flood; the stream's own bounds cap them
+        config = ConsumerConfig(
+            name=CONSUMER,
+            durable_name=CONSUMER,
+            filter_subject=subjects.INFER_SUBMIT_ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ACK_WAIT_S,
+            max_deliver=5,
+            max_ack_pending=MAX_UNACKED,
         )
+        await js.add_consumer(subjects.INFER_STREAM, config)  # creates, or updates one made before
+        return await js.pull_subscribe_bind(CONSUMER, stream=subjects.INFER_STREAM)
 
     async def consume(self, psub: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
-        """Admit submissions from the work queue while there is room to hold them, until ``stop``."""
-        while not stop.is_set():
-            if len(self.core.held) >= self.max_inflight:
-                await asyncio.sleep(0.05)
-                continue
-            for msg in await self._fetch(psub):
-                await self.on_submission(msg)
-            await asyncio.sleep(0)  # a dispatch just placed goes out before the next fetch is asked for
-
-    async def _fetch(self, psub: JetStreamContext.PullSubscription) -> list[Msg]:
+        """Fetch the work queue into the intake and admit from it in tenant turn, until ``stop``."""
+        admitting = asyncio.create_task(self.admit_from_intake(stop))
         try:
-            # one at a time: nats-py's batch fetch, once its long poll has delivered a first
-            # message, waits out the poll for the rest, holding a lone request up to 0.5 s
-            return await psub.fetch(batch=1, timeout=0.5)
+            while not stop.is_set():
+                # a long poll while idle; then, while messages are waiting, batches that return at once
+                msgs = await self._fetch(psub, 1, FETCH_POLL_S)
+                while msgs:
+                    for msg in msgs:
+                        await self.on_fetched(msg)
+                    msgs = await self._fetch(psub, INTAKE_BATCH, DRAIN_POLL_S)
+        finally:
+            admitting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await admitting
+
+    async def _fetch(self, psub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
+        try:
+            # nats-py answers a batch at once with what is stored, but once it has to wait for a first
+            # message it waits out the poll for the rest: batches only while messages are waiting
+            return await psub.fetch(batch=batch, timeout=timeout_s)
         except (NatsTimeout, TimeoutError):
             return []
         except Exception as e:
             log.warning("fetch_failed", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(0.5)
             return []
+
+    async def on_fetched(self, msg: Msg) -> None:
+        """Queue a fetched submission behind its tenant's others, or, its tenant's intake being full,
+        for refusal: refused in the admission loop, so that fetching runs on past a flood at once."""
+        try:
+            tenant = subjects.tenant_of_submit(msg.subject)
+        except ValueError:
+            tenant = ""  # refused by the admission's parse, in its turn
+        if not self.intake.push(tenant, msg, time.monotonic()):
+            self._overflow.append(msg)
+        self._arrived.set()
+
+    async def admit_from_intake(self, stop: asyncio.Event) -> None:
+        """Admit fetched submissions one per tenant per turn, while the scheduler's queue has room
+        (past it, a tenant holding less than its share of the queue still gets in); between two
+        admissions, refuse one submission of a tenant whose intake was full."""
+        while not stop.is_set():
+            msg = self.intake.pop(self._admissible())
+            if msg is not None:
+                await self.on_submission(msg)
+            if self._overflow:
+                await self._turn_away(self._overflow.popleft())
+            if msg is None and not self._overflow:
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), ADMIT_POLL_S)
+                continue
+            await asyncio.sleep(0)  # a dispatch just placed goes out before the next admission
+
+    async def _turn_away(self, msg: Msg) -> None:
+        try:
+            await self.core.turn_away(msg.subject, msg.data, msg, QuotaExceeded(INTAKE_FULL, retry_after_s=1.0))
+        except Exception:
+            log.exception("turn_away_crashed", subject=msg.subject)
+
+    def _admissible(self) -> Callable[[str], bool]:
+        held = self.core.held
+        if len(held) < self.max_inflight:
+            return lambda _: True
+        counts = Counter(item.tenant for item in held.values())
+        share = self.max_inflight // max(1, len(counts.keys() | self.intake.tenants()))
+        return lambda tenant: counts[tenant] < share
 
     async def on_submission(self, msg: Msg) -> None:
         try:
@@ -177,6 +246,8 @@ class Scheduler:
 
     async def on_tick(self) -> None:
         try:
+            for msg in self.intake.stale(time.monotonic(), ACK_WAIT_S / 3):
+                await msg.in_progress()
             await self.upkeep.tick(connected=self.nc.is_connected)
             self._export_gauges()
         except Exception:
@@ -203,6 +274,9 @@ class Scheduler:
         """Stop the clocks, let dispatches in progress finish, hand queued requests back to the work queue."""
         for task in background:
             task.cancel()
+        for msg in [*self.intake.take_all(), *self._overflow]:  # not admitted: another scheduler decides
+            await msg.nak()
+        self._overflow.clear()
         await self.core.shutdown(timeout_s)
 
 
@@ -217,7 +291,7 @@ async def run(settings: SchedulerSettings) -> None:
         redis = connect_redis(settings.redis_url, password=settings.redis_password())
         stack.push_async_callback(redis.aclose)
         core, upkeep = build(settings, bus_ports(nc, js, settings), redis)
-        scheduler = Scheduler(nc, core, upkeep, settings.max_inflight)
+        scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))
         psub = await scheduler.subscribe(js)
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
         stack.push_async_callback(psub.unsubscribe)

@@ -19,12 +19,13 @@ def default_key_scopes() -> list[ApiScope]:
 
 
 class TenantQuota(Message):
-    """A tenant's limits, as data for the scheduler; None = no limit of that kind."""
+    """A tenant's limits, as data for the scheduler; None = the platform default
+    (``LF_DEFAULT_QUOTA__*``), 0 = no limit of that kind."""
 
-    requests_per_min: int | None = Field(default=None, ge=1, le=10_000_000)
-    tokens_per_min: int | None = Field(default=None, ge=1, le=10_000_000_000)
-    max_concurrent: int | None = Field(default=None, ge=1, le=100_000)
-    max_gpu_adapter_slots: int | None = Field(default=None, ge=1, le=100_000)
+    requests_per_min: int | None = Field(default=None, ge=0, le=10_000_000)
+    tokens_per_min: int | None = Field(default=None, ge=0, le=10_000_000_000)
+    max_concurrent: int | None = Field(default=None, ge=0, le=100_000)
+    max_gpu_adapter_slots: int | None = Field(default=None, ge=0, le=100_000)
 
 
 class TenantRecord(Message):

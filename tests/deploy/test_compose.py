@@ -2,6 +2,7 @@
 settings, build args, generated secret files, volumes and ports matching the config defaults."""
 
 import importlib.util
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -161,6 +162,11 @@ def test_generated_nats_config_is_accepted_by_nats_server(deploy_dir: Path) -> N
         timeout=30,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_generated_nats_config_bounds_jetstream_storage(deploy_dir: Path) -> None:
+    jetstream = json.loads((deploy_dir / "deploy" / "nats.conf").read_text())["jetstream"]
+    assert jetstream["max_file_store"] and jetstream["max_memory_store"], jetstream
 
 
 def test_secrets_are_private_and_stable(deploy_dir: Path) -> None:

@@ -71,11 +71,11 @@ INVALID = [  # (settings model, variable, value, the field's location, fragment 
     pytest.param(SchedulerSettings, "LF_COLD_RATE", "-inf", ("cold_rate",), "finite number", id="cold-rate-minus-inf"),
     pytest.param(
         SchedulerSettings,
-        "LF_DEFAULT_REQUESTS_PER_MIN",
-        "0",
-        ("default_requests_per_min",),
-        "greater than or equal to 1",
-        id="default-rpm-zero",
+        "LF_DEFAULT_QUOTA__REQUESTS_PER_MIN",
+        "-1",
+        ("default_quota", "requests_per_min"),
+        "greater than or equal to 0",
+        id="default-rpm-negative",
     ),
     pytest.param(
         SchedulerSettings,

@@ -79,6 +79,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
         "LF_METRICS_PORT": "-1",
         "LF_HEAT_DECAY_INTERVAL_S": "1",
+        # scheduling under floods, not quotas, is tested here: the platform defaults would refuse them
+        "LF_DEFAULT_QUOTA__REQUESTS_PER_MIN": "0",
+        "LF_DEFAULT_QUOTA__TOKENS_PER_MIN": "0",
+        "LF_DEFAULT_QUOTA__MAX_CONCURRENT": "0",
     }
     stack = Stack(env, root / "logs")
     running = Fleet(stack, nats, redis, f"http://127.0.0.1:{port}", model_dir)

@@ -71,9 +71,34 @@ async def test_tokens_are_charged_up_front_and_the_unused_part_refunded(admissio
     await admission.admit(req("e", max_tokens=20), quota)
 
 
-async def test_a_request_larger_than_the_minute_is_charged_the_whole_minute_not_refused_forever(admission):
-    grant = await admission.admit(req("huge", max_tokens=5000), TenantQuota(tokens_per_min=100))
-    assert grant.tokens == 100
+async def test_a_request_larger_than_the_minute_waits_for_a_full_bucket_then_owes_the_rest(admission):
+    quota = TenantQuota(tokens_per_min=100)
+    grant = await admission.admit(req("huge", max_tokens=3490), quota)  # 35 minutes' worth
+    assert grant.tokens == 3500
+    with pytest.raises(QuotaExceeded) as refused:
+        await admission.admit(req("next", max_tokens=1, prompt="x"), quota)
+    # the 3,400-token debt is paid off at 100 a minute before even a 2-token request goes in
+    assert 34 * 60 - 5 < refused.value.retry_after_s < 35 * 60
+
+
+async def test_tokens_used_beyond_the_charge_are_owed_not_forgiven(admission):
+    quota = TenantQuota(tokens_per_min=1000)
+    grant = await admission.admit(req("a", max_tokens=40), quota)  # charged 50 up front
+    await admission.release(grant, used_tokens=35_000)  # it really used 35 minutes' worth
+    with pytest.raises(QuotaExceeded) as refused:
+        await admission.admit(req("b", max_tokens=1, prompt="x"), quota)
+    assert refused.value.retry_after_s > 33 * 60
+
+
+async def test_a_debt_outlives_the_two_minutes_a_full_bucket_is_kept(redis_url):
+    redis = connect_redis(redis_url)
+    prefix = f"debt{time.monotonic_ns()}:"
+    try:
+        adm = Admission(redis, RedisGuard(), prefix, lease_s=1.0)
+        await adm.admit(req("huge", max_tokens=3490), TenantQuota(tokens_per_min=100))
+        assert await redis.ttl(f"{prefix}quota:acme:tpm") > 34 * 60  # kept until the refill pays it off
+    finally:
+        await redis.aclose()
 
 
 async def test_concurrency_cap_frees_on_release_and_a_lost_release_expires(admission):

@@ -151,10 +151,13 @@ async def test_over_quota_is_answered_429_and_dropped(world):
 async def test_the_tenants_gpu_slot_quota_travels_with_its_requests(world):
     world.beat("w1")
     await world.submit("r1")
-    assert world.requests["r1"].tenant_gpu_slots is None
+    assert world.requests["r1"].tenant_gpu_slots == SchedulerSettings().default_quota.max_gpu_adapter_slots
     world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=2))
     await world.submit("r2")
     assert world.requests["r2"].tenant_gpu_slots == 2
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=0))  # unlimited
+    await world.submit("r3")
+    assert world.requests["r3"].tenant_gpu_slots is None
 
 
 async def test_a_flooding_tenant_does_not_starve_a_quiet_one(world):
