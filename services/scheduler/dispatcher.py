@@ -140,8 +140,12 @@ class Dispatcher:
             await self._refuse(request, e)
             await handle.term()
             return
-        if quota.max_gpu_adapter_slots is not None:  # the worker's cache enforces it at eviction time
-            request = request.model_copy(update={"tenant_gpu_slots": quota.max_gpu_adapter_slots})
+        # both are the scheduler's, never the client's (a direct-NATS client writes them): a client's
+        # created_at would let the inflight sweep free the slot of a request still running, and its
+        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time
+        request = request.model_copy(
+            update={"created_at": time.time(), "tenant_gpu_slots": quota.max_gpu_adapter_slots}
+        )
         item = Queued(request, handle, grant)
         self.held[rid] = item
         self.queue.push(item)

@@ -56,7 +56,9 @@ class InferRequest(Message):
         description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
     )
     priority: Literal["interactive", "batch"] = "interactive"
-    created_at: float = Field(default_factory=time.time)
+    created_at: float = Field(
+        default_factory=time.time, description="epoch seconds; the scheduler overwrites it with its admission time"
+    )
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
     tenant_gpu_slots: int | None = Field(
         default=None,
