@@ -170,3 +170,10 @@ class ReleaseGateFailed(Conflict):
     """Promotion refused: no eval recorded, a score under the threshold, or a regression vs production."""
 
     code = "release_gate_failed"
+
+
+class RequestIdInUse(Conflict):
+    """The tenant already submitted a request under this id (queued, running, or served within the
+    dedupe window): the new submission is refused, the first one is left alone."""
+
+    code = "request_id_in_use"

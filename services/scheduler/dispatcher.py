@@ -19,7 +19,14 @@ from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
-from shared.errors import Conflict, LorafleetError, QuotaExceeded, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.errors import (
+    LorafleetError,
+    QuotaExceeded,
+    RequestIdInUse,
+    ServiceUnavailable,
+    UpstreamTimeout,
+    from_body,
+)
 from shared.schemas import AdapterRecord, CompletionAudit, DispatchReply, InferRequest, WorkerControl
 
 log = structlog.get_logger("scheduler")
@@ -52,6 +59,7 @@ class Queued:
     request: InferRequest
     handle: Handle
     grant: Grant
+    seq: int | None = None  # the work-queue message's stream sequence
     enqueued: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,6 +80,7 @@ class Inflight:
     request: InferRequest
     worker_id: str
     grant: Grant
+    seq: int | None = None
 
 
 @dataclass
@@ -94,8 +103,9 @@ class Dispatcher:
     def __post_init__(self) -> None:
         self.grants = Grants(self.ports.adapter_record)
 
-    async def submit(self, subject: str, data: bytes, handle: Handle) -> None:
-        """A submission from the work queue: refuse, drop, or admit and queue it."""
+    async def submit(self, subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
+        """A submission from the work queue (``seq``: its stream sequence, which tells a redelivery
+        from a new submission reusing a request id): refuse, drop, or admit and queue it."""
         try:
             request = parse_submission(subject, data)
         except LorafleetError as e:
@@ -104,12 +114,14 @@ class Dispatcher:
             await self._refuse_raw(target, e)
             await handle.term()
             return
-        rid = request.request_id
+        rid, tenant = request.request_id, request.tenant_id
         taken = self.held.get(rid) or self.inflight.get(rid)
-        if taken is not None and taken.request.tenant_id != request.tenant_id:
-            # another tenant's id: refused, and never answered on the owner's inbox
+        reused = seq is not None and taken is not None and taken.seq != seq
+        if taken is not None and (taken.request.tenant_id != tenant or reused):
+            # another tenant's id, or a new submission of this tenant's under an id in use: refused,
+            # and never answered on the first one's inbox
             reply_to = None if request.reply_to == taken.request.reply_to else request.reply_to
-            await self._refuse_raw((request.tenant_id, rid, reply_to), Conflict(f"request id {rid} is in use"))
+            await self._refuse_raw((tenant, rid, reply_to), RequestIdInUse(f"request id {rid} is in use"))
             await handle.term()
             return
         if rid in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
@@ -118,23 +130,26 @@ class Dispatcher:
         if request.accept_deadline is not None and time.time() > request.accept_deadline:
             await handle.term()
             return
-        if rid in self.inflight or self.dispatched.seen_here(rid):
+        if rid in self.inflight:
             await handle.ack()
+            return
+        if self.dispatched.seen_here(tenant, rid):
+            await self._served_before(request, handle, seq)
             return
         try:
             await self.grants.check(request)
         except LorafleetError as e:
-            if await self.dispatched.seen(rid):  # a redelivery of one already running: not refused under it
-                await handle.ack()
+            if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
+                await self._served_before(request, handle, seq)
                 return
             await self._refuse(request, e)
             await handle.term()
             return
         quota = self.quotas.of(request.tenant_id)
         try:
-            grant = await self.admission.admit(request, quota, self.dispatched.key(rid))
+            grant = await self.admission.admit(request, quota, self.dispatched.key(tenant, rid))
         except AlreadyDispatched:  # another scheduler (or this one before a restart) dispatched it
-            await handle.ack()
+            await self._served_before(request, handle, seq)
             return
         except QuotaExceeded as e:
             await self._refuse(request, e)
@@ -146,10 +161,19 @@ class Dispatcher:
         request = request.model_copy(
             update={"created_at": time.time(), "tenant_gpu_slots": quota.max_gpu_adapter_slots}
         )
-        item = Queued(request, handle, grant)
+        item = Queued(request, handle, grant, seq)
         self.held[rid] = item
         self.queue.push(item)
         self.pump()
+
+    async def _served_before(self, request: InferRequest, handle: Handle, seq: int | None) -> None:
+        """A worker took this tenant's request id before: a redelivery of that submission is
+        acknowledged (it runs once), a new submission under the id is refused."""
+        if await self.dispatched.same_submission(request.tenant_id, request.request_id, seq):
+            await handle.ack()
+            return
+        await self._refuse(request, RequestIdInUse(f"request id {request.request_id} is in use"))
+        await handle.term()
 
     def pump(self) -> None:
         """Start a dispatch for every queued request a worker has room for, in fair order."""
@@ -213,7 +237,7 @@ class Dispatcher:
     async def _accepted(self, item: Queued, worker_id: str) -> None:
         request, rid = item.request, item.request_id
         self.held.pop(rid, None)
-        self.inflight[rid] = Inflight(request, worker_id, item.grant)
+        self.inflight[rid] = Inflight(request, worker_id, item.grant, item.seq)
         self.fleet.accepted(worker_id)
         metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
         self.queue.charge(request.tenant_id, *token_cost(request))
@@ -225,7 +249,7 @@ class Dispatcher:
         ended = self.early.pop(rid, {}).get(worker_id)  # other workers' runs of it were withdrawn
         try:
             await item.handle.ack()
-            await self.dispatched.mark(rid, worker_id)
+            await self.dispatched.mark(request.tenant_id, rid, item.seq)
             key = adapter_key_of(request)
             if key is not None:
                 await self.heat.bump(key)

@@ -141,7 +141,7 @@ class Scheduler:
     async def on_submission(self, msg: Msg) -> None:
         try:
             with continued(msg.headers), _tracer.start_as_current_span("scheduler.admit"):
-                await self.core.submit(msg.subject, msg.data, msg)
+                await self.core.submit(msg.subject, msg.data, msg, msg.metadata.sequence.stream)
         except Exception:
             log.exception("submission_crashed", subject=msg.subject)
             await msg.nak(delay=1)

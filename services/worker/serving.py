@@ -16,7 +16,7 @@ from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
-from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
+from shared.errors import IntegrityError, InvalidRequest, LorafleetError, RequestIdInUse, ServiceUnavailable
 from shared.schemas import (
     CompletionAudit,
     InferRequest,
@@ -80,13 +80,21 @@ class RequestServer:
         self._jobs: dict[str, Job] = {}
         self._stop_errors: dict[str, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(50)
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        # request id -> the tenant whose request it was (None: known only from a cancel)
+        self._recent: OrderedDict[str, str | None] = OrderedDict()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     async def accept(self, request: InferRequest) -> None:
-        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
-        if request.request_id in self._recent:
-            if request.request_id in self._cancelled:
+        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun.
+        Request ids are per tenant: another tenant's earlier request under the same id is no duplicate."""
+        rid = request.request_id
+        if rid in self._recent and self._recent[rid] not in (None, request.tenant_id):
+            if rid in self.tasks:  # the scheduler never holds one id of two tenants at once
+                raise RequestIdInUse(f"request id {rid} is running for another tenant on this worker")
+            del self._recent[rid]
+            self._cancelled.pop(rid, None)
+        if rid in self._recent:
+            if rid in self._cancelled:
                 raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker")
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
@@ -102,7 +110,7 @@ class RequestServer:
             job.lookup = self.cache.acquire(
                 job.key, request.adapter.rank, request.tenant_id, request.priority, request.tenant_gpu_slots
             )
-        self._remember(request.request_id)
+        self._remember(request.request_id, request.tenant_id)
         self._jobs[request.request_id] = job
         # the engine gets the request first; the accept notice (off the path to the first token)
         # is queued on the connection before the task can emit anything, so it still arrives first
@@ -135,8 +143,8 @@ class RequestServer:
         doomed = [rid for rid, job in self._jobs.items() if job.key in keys]
         return sum(self.cancel(rid, error) for rid in doomed)
 
-    def _remember(self, request_id: str) -> None:
-        self._recent[request_id] = None
+    def _remember(self, request_id: str, tenant: str | None = None) -> None:
+        self._recent[request_id] = tenant if tenant is not None else self._recent.get(request_id)
         while len(self._recent) > 10_000:
             self._recent.popitem(last=False)
 

@@ -245,7 +245,10 @@ async def test_replay_with_the_same_msg_id_is_deduplicated(hostile: HostileStack
     assert await collect(sub, 1) == []  # nothing more: served once
     late = await submit(nc, "demo", infer(rid), msg_id=f"{rid}-again")  # past the stream's dedupe: the scheduler's
     assert not late.duplicate
-    assert await collect(sub, 2) == []
+    refused = await collect(sub, 5)  # a new submission under an id already served: 409, never a rerun
+    assert [b.kind for b in refused] == ["error"] and refused[0].error.code == "request_id_in_use"
+    assert refused[0].error.status == 409
+    await nothing_queued(nc)
     assert len(await completions(hostile, rid, since)) == 1
 
 
@@ -262,10 +265,10 @@ async def test_another_tenants_request_id_is_refused_without_touching_its_owner(
             await submit(nc, "other", infer(rid, tenant="other"), msg_id=f"other-{rid}")
             bodies = await collect(sub, 5)
             more = [await anext(lines) for _ in range(6)]
-    assert [b.kind for b in bodies] == ["error"] and bodies[0].error.code == "conflict"
+    assert [b.kind for b in bodies] == ["error"] and bodies[0].error.code == "request_id_in_use"
     assert all(line.startswith("data: {") or not line for line in first + more)
     assert all('"error"' not in line for line in first + more)
-    await hostile.wait_audit("rejection", "other", since, service="scheduler", code="conflict")
+    await hostile.wait_audit("rejection", "other", since, service="scheduler", code="request_id_in_use")
     await hostile.wait_audit("completion", "demo", since, request_id=rid)
     served = await completions(hostile, rid, since)
     assert [a["tenant_id"] for a in served] == ["demo"]

@@ -91,7 +91,7 @@ class World:
             )
         )
 
-    async def submit(self, rid: str, tenant: str = "acme", **over) -> Msg:
+    async def submit(self, rid: str, tenant: str = "acme", seq: int | None = None, **over) -> Msg:
         fields = {
             "request_id": rid,
             "tenant_id": tenant,
@@ -103,7 +103,8 @@ class World:
         }
         fields.update(over)
         msg = Msg()
-        await self.core.submit(f"lf.infer.submit.{tenant}", InferRequest(**fields).model_dump_json().encode(), msg)
+        data = InferRequest(**fields).model_dump_json().encode()
+        await self.core.submit(f"lf.infer.submit.{tenant}", data, msg, seq)
         await self.settle()
         return msg
 
