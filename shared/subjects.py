@@ -58,16 +58,28 @@ def token(value: str) -> str:
     return value
 
 
-def infer_submit(tenant_id: str) -> str:
-    return f"{PREFIX}.infer.submit.{token(tenant_id)}"
+PREVIEW = "preview"  # last token of a pre-release submission's subject
+
+
+def infer_submit(tenant_id: str, preview: bool = False) -> str:
+    """``lf.infer.submit.<tenant>``; with ``preview`` ``lf.infer.submit.<tenant>.preview``, where only
+    the gateway may publish (for a key whose scope allows pre-release versions): a direct-NATS
+    tenant's user may publish on its plain subject only, so nats-server vouches for the difference."""
+    subject = f"{PREFIX}.infer.submit.{token(tenant_id)}"
+    return f"{subject}.{PREVIEW}" if preview else subject
+
+
+def parse_submit(subject: str) -> tuple[str, bool]:
+    """(tenant, preview) of an ``infer_submit`` subject."""
+    parts = subject.split(".")
+    if len(parts) not in (4, 5) or parts[:3] != [PREFIX, "infer", "submit"] or parts[4:] not in ([], [PREVIEW]):
+        raise ValueError(f"not a submit subject: {subject!r}")
+    return token(parts[3]), len(parts) == 5
 
 
 def tenant_of_submit(subject: str) -> str:
-    """The tenant named by an ``lf.infer.submit.<tenant>`` subject."""
-    parts = subject.split(".")
-    if len(parts) != 4 or parts[:3] != [PREFIX, "infer", "submit"]:
-        raise ValueError(f"not a submit subject: {subject!r}")
-    return token(parts[3])
+    """The tenant named by an ``infer_submit`` subject."""
+    return parse_submit(subject)[0]
 
 
 def worker_dispatch(worker_id: str) -> str:

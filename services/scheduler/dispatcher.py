@@ -13,12 +13,14 @@ import structlog
 from services.scheduler.admission import Admission, AlreadyDispatched, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue, Priority
-from services.scheduler.grants import FetchRecord, Grants, IsolationAttempt
+from services.scheduler.grants import Grants, IsolationAttempt, Resolve
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
+from shared.catalog import Catalog
+from shared.config import RequestBounds
 from shared.errors import (
     LorafleetError,
     QuotaExceeded,
@@ -27,7 +29,16 @@ from shared.errors import (
     UpstreamTimeout,
     from_body,
 )
-from shared.schemas import AdapterRecord, CompletionAudit, DispatchReply, InferRequest, WorkerControl
+from shared.prompt_tokens import PromptTokens
+from shared.request_bounds import check_submission
+from shared.schemas import (
+    CompletionAudit,
+    DispatchReply,
+    InferRequest,
+    ResolveReply,
+    ResolveRequest,
+    WorkerControl,
+)
 
 log = structlog.get_logger("scheduler")
 
@@ -41,8 +52,8 @@ class Handle(Protocol):
     async def in_progress(self) -> None: ...
 
 
-async def _no_registry(adapter_id: str, version: int) -> AdapterRecord:
-    raise ServiceUnavailable("no registry to check the adapter against")
+async def _no_registry(request: ResolveRequest, ask_registry: bool) -> ResolveReply:
+    raise ServiceUnavailable("no registry to resolve the model with")
 
 
 @dataclass(slots=True)
@@ -51,7 +62,8 @@ class Ports:
     reply_error: Callable[[str, str, LorafleetError], Awaitable[None]]
     record_rejection: Callable[[str, str, LorafleetError], Awaitable[None]]
     control: Callable[[str, WorkerControl], Awaitable[None]]
-    adapter_record: FetchRecord = _no_registry  # without a registry, every adapter request is refused
+    resolve: Resolve = _no_registry  # without a registry, every adapter request is refused
+    catalog: Catalog = field(default_factory=Catalog)  # the mirror ``resolve`` answers from
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +105,8 @@ class Dispatcher:
     fleet: Fleet
     queue: FairQueue[Queued]
     slo_s: dict[str, float]
+    bounds: RequestBounds
+    prompt_tokens: PromptTokens | None = None  # None: prompts bounded in characters only
     held: dict[str, Queued] = field(default_factory=dict)  # queued or being dispatched, by request id
     inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -101,13 +115,13 @@ class Dispatcher:
     grants: Grants = field(init=False)
 
     def __post_init__(self) -> None:
-        self.grants = Grants(self.ports.adapter_record)
+        self.grants = Grants(self.ports.resolve, self.ports.catalog)
 
     async def submit(self, subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
         """A submission from the work queue (``seq``: its stream sequence, which tells a redelivery
         from a new submission reusing a request id): refuse, drop, or admit and queue it."""
         try:
-            request = parse_submission(subject, data)
+            request, preview = parse_submission(subject, data)
         except LorafleetError as e:
             target = refusal_target(subject, data)
             log.warning("submission_refused", subject=subject, error=e.message)
@@ -137,7 +151,8 @@ class Dispatcher:
             await self._served_before(request, handle, seq)
             return
         try:
-            await self.grants.check(request)
+            await check_submission(request, len(data), self.bounds, self.prompt_tokens)
+            request = await self.grants.grant(request, preview)
         except LorafleetError as e:
             if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
                 await self._served_before(request, handle, seq)

@@ -1,17 +1,21 @@
-"""A submission's adapter must be the registry's record of that version, one its tenant may use.
+"""A submission is served what its ``model`` resolves to, exactly as the gateway resolves it.
 
-The gateway fills ``InferRequest.adapter`` from the registry's resolve; a direct-NATS client
-writes it itself, so the scheduler checks it before anything is queued or loaded."""
+The scheduler resolves every submission's ``model`` (alias, ``@version``, canary split by request
+key, access judged on the version served, release status) with the same code and the same kind of
+catalog mirror as the gateway, so a direct-NATS client names a model as an HTTP client does and
+needs no adapter block. A block the client did write must be exactly that resolution: the
+gateway's own always is. A mirror may lag the registry by a watch delivery, so a disagreement is
+settled by the registry's answer before a submission is refused."""
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from shared.access import may_use
-from shared.errors import Forbidden, IntegrityError, ModelNotFound
-from shared.schemas import AdapterRecord, InferRequest
+from shared.catalog import Catalog
+from shared.errors import Forbidden, IntegrityError, InvalidRequest, ModelNotFound
+from shared.resolve import not_found
+from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 
-FetchRecord = Callable[[str, int], Awaitable[AdapterRecord]]  # raises ModelNotFound when there is no such version
-CACHE_LIMIT = 10_000
+Resolve = Callable[[ResolveRequest, bool], Awaitable[ResolveReply]]  # (request, ask_registry)
 
 
 class IsolationAttempt(Forbidden):
@@ -26,38 +30,46 @@ class IsolationAttempt(Forbidden):
 
 
 class Grants:
-    def __init__(self, fetch: FetchRecord):
-        self._fetch = fetch
-        self._records: OrderedDict[tuple[str, int], AdapterRecord] = OrderedDict()
+    def __init__(self, resolve: Resolve, catalog: Catalog | None = None):
+        self._resolve = resolve
+        self._catalog = catalog or Catalog()  # the mirror's, to tell a foreign adapter block apart
 
-    async def _record(self, adapter_id: str, version: int) -> AdapterRecord:
-        """The registry's record; cached, since what is checked here never changes for a version."""
-        key = (adapter_id, version)
-        if key not in self._records:
-            self._records[key] = await self._fetch(adapter_id, version)
-            while len(self._records) > CACHE_LIMIT:
-                self._records.popitem(last=False)
-        return self._records[key]
-
-    async def check(self, request: InferRequest) -> None:
-        """Raise unless the request's adapter (if any) is exactly one its tenant was granted."""
-        adapter = request.adapter
-        if adapter is None:
-            return
-        not_found = ModelNotFound(
-            f"The model '{request.model}' does not exist or you do not have access to it.", param="model"
+    async def grant(self, request: InferRequest, preview: bool) -> InferRequest:
+        """The request with the adapter its ``model`` resolves to, or a typed refusal. ``preview``:
+        it came on the gateway's preview subject, where a pinned staging version may be served."""
+        if request.model == request.base_model and request.adapter is None:
+            return request
+        self._refuse_foreign_block(request)
+        asked = ResolveRequest(
+            tenant_id=request.tenant_id,
+            model=request.model,
+            request_key=request.request_key or request.request_id,
+            preview=preview,
         )
-        try:
-            record = await self._record(adapter.adapter_id, adapter.version)
-        except ModelNotFound:
-            raise not_found from None
-        if not may_use(record, request.tenant_id):
-            raise IsolationAttempt(
-                f"tenant {request.tenant_id} submitted {adapter.adapter_id} of another tenant", not_found
+        reply = await self._resolve(asked, False)
+        if not self._agrees(request, reply):
+            reply = await self._resolve(asked, True)
+        if reply.base_model != request.base_model:
+            raise InvalidRequest(
+                f"'{request.model}' runs on {reply.base_model}, not {request.base_model}", param="base_model"
             )
-        registry = (record.rank, record.checksum, record.storage_uri, record.alpha, record.use_rslora)
-        if (adapter.rank, adapter.digest, adapter.storage_uri, adapter.alpha, adapter.use_rslora) != registry:
-            raise IntegrityError(
-                f"{adapter.adapter_id} v{adapter.version}: the request's adapter is not the "
-                "registry's record of that version"
+        if not self._agrees(request, reply):
+            raise IntegrityError(f"the request's adapter is not the version '{request.model}' resolves to")
+        return request.model_copy(update={"adapter": reply.adapter})
+
+    @staticmethod
+    def _agrees(request: InferRequest, reply: ResolveReply) -> bool:
+        written = request.adapter
+        return reply.base_model == request.base_model and (written is None or written == reply.adapter)
+
+    def _refuse_foreign_block(self, request: InferRequest) -> None:
+        """A block naming a version of another tenant's adapter is an isolation attempt (audited)."""
+        written = request.adapter
+        if written is None:
+            return
+        record = self._catalog.get(written.adapter_id, written.version) or self._catalog.latest(written.adapter_id)
+        if record is not None and not may_use(record, request.tenant_id):
+            raise IsolationAttempt(
+                f"tenant {request.tenant_id} submitted {written.adapter_id} v{written.version} of another tenant",
+                not_found(request.model),
             )

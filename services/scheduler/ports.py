@@ -14,11 +14,10 @@ from shared.bus import (
     encode,
     request,
 )
+from shared.catalog_mirror import Resolver
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, UpstreamTimeout
-from shared.registry_client import fetch_record
 from shared.schemas import (
-    AdapterRecord,
     DispatchReply,
     InferRequest,
     RejectionAudit,
@@ -32,7 +31,7 @@ RECONNECT_POLL_S = 0.25
 _tracer = tracer("scheduler")
 
 
-def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports:
+def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resolver: Resolver) -> Ports:
     audits: set[asyncio.Task] = set()  # rejection records still being published
 
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
@@ -81,7 +80,4 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Po
     async def control(worker_id: str, message: WorkerControl) -> None:
         await nc.publish(subjects.worker_control(worker_id), encode(message))
 
-    async def adapter_record(adapter_id: str, version: int) -> AdapterRecord:
-        return await fetch_record(nc, adapter_id, version, settings.dispatch_timeout_s)
-
-    return Ports(dispatch, reply_error, record_rejection, control, adapter_record)
+    return Ports(dispatch, reply_error, record_rejection, control, resolver.resolve, resolver.mirror.catalog)

@@ -42,9 +42,19 @@ class InferRequest(Message):
 
     request_id: RequestId
     tenant_id: Identifier
-    model: str = Field(min_length=1, max_length=256, description="the name the client asked for")
+    model: str = Field(
+        min_length=1, max_length=256, description="the name the client asked for; the scheduler resolves it"
+    )
+    request_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="what a canary split hashes (the OpenAI ``user``); None = the request id",
+    )
     base_model: str = Field(min_length=1, max_length=256)
-    adapter: ResolvedAdapter | None = None
+    adapter: ResolvedAdapter | None = Field(
+        default=None, description="optional for a client: if given, it must be what the scheduler resolves"
+    )
     messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
     prompt: str | None = Field(default=None, max_length=400_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)

@@ -235,7 +235,7 @@ async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown
     cancelled = await world.submit("c")
     assert await world.core.cancel("c") and cancelled.acts == ["term"]
     kept = await world.submit("k")
-    orphan = await world.submit("o", base_model="nobody-serves-this")
+    orphan = await world.submit("o", model="nobody-serves-this", base_model="nobody-serves-this")
     await asyncio.sleep(0.25)
     await world.upkeep.tick()
     assert orphan.acts == ["term"] and world.errors["o"] == "no_worker_available"

@@ -1,5 +1,5 @@
 """The scheduler's bus ports (``services.scheduler.ports.bus_ports``: dispatch to a worker, error
-replies, worker control, registry records) against fake workers on the in-memory bus: the
+replies, worker control, resolves from the registry) against fake workers on the in-memory bus: the
 worker's typed refusals, no worker, a silent worker. No server process."""
 
 from collections.abc import AsyncIterator
@@ -11,16 +11,18 @@ from services.scheduler.dispatcher import Ports
 from services.scheduler.ports import bus_ports
 from shared import subjects
 from shared.bus import decode, serve
+from shared.catalog_follow import follow_catalog
 from shared.config import SchedulerSettings
 from shared.errors import ModelNotFound, NoFreeSlot, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
 from shared.memory_bus import MemoryBus
+from shared.resolve import to_resolved
 from shared.schemas import (
-    AdapterRecordsReply,
     DispatchReply,
-    GetAdapterRequest,
     InferRequest,
     ReplyEnvelope,
     ReplyError,
+    ResolveReply,
+    ResolveRequest,
     WorkerControl,
 )
 from tests.helpers.records import make_record
@@ -43,7 +45,10 @@ def infer_request(request_id: str = "req-1") -> InferRequest:
 async def wired() -> AsyncIterator[tuple[MemoryBus, Ports]]:
     bus = MemoryBus(seed=0)
     nc = bus.connect("scheduler")
-    yield bus, bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S))  # type: ignore[arg-type]
+    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
+    watch.cancel()  # an unloaded mirror: every resolve is asked of the registry
+    settings = SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S)
+    yield bus, bus_ports(nc, None, settings, resolver)  # type: ignore[arg-type]
     await nc.close()
     assert bus.errors == []
 
@@ -95,14 +100,17 @@ async def test_error_replies_and_controls_reach_their_subjects(wired: tuple[Memo
     assert decode(WorkerControl, msg.data) == WorkerControl(action="cancel", request_id="req-1")
 
 
-async def test_adapter_records_come_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:
+async def test_a_resolve_the_mirror_cannot_answer_comes_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:
     bus, ports = wired
+    record = make_record("sea", 2, "demo")
 
-    async def get(req: GetAdapterRequest) -> AdapterRecordsReply:
-        matching = req.adapter_id == "sea" and req.version == 2
-        return AdapterRecordsReply(records=[make_record("sea", 2, "demo")] if matching else [])
+    async def resolve(req: ResolveRequest) -> ResolveReply:
+        if (req.tenant_id, req.model) != ("demo", "sea"):
+            raise ModelNotFound(f"no {req.model} for {req.tenant_id}")
+        return ResolveReply(base_model="tiny-llama", adapter=to_resolved(record))
 
-    await serve(bus.connect("registry"), subjects.registry("get"), GetAdapterRequest, get)
-    assert (await ports.adapter_record("sea", 2)).tenant_id == "demo"
-    with pytest.raises(ModelNotFound, match="no sea v3"):
-        await ports.adapter_record("sea", 3)
+    await serve(bus.connect("registry"), subjects.registry("resolve"), ResolveRequest, resolve)
+    asked = ResolveRequest(tenant_id="demo", model="sea", request_key="k")
+    assert (await ports.resolve(asked, False)).adapter == to_resolved(record)
+    with pytest.raises(ModelNotFound, match="no sea for other"):
+        await ports.resolve(asked.model_copy(update={"tenant_id": "other"}), True)
