@@ -124,7 +124,7 @@ async def submit(
     try:
         with _tracer.start_as_current_span("gateway.publish"):
             await js.publish(
-                subjects.infer_submit(request.tenant_id, preview),
+                subjects.infer_submit(request.tenant_id, subjects.VIA_PREVIEW if preview else subjects.VIA_GATEWAY),
                 encode(request),
                 headers=inject({"Nats-Msg-Id": request.request_id}),
                 timeout=accept_timeout_s,

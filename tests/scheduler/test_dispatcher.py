@@ -6,6 +6,7 @@ import pytest
 from services.scheduler.dispatcher import Ports
 from services.scheduler.service import build
 from services.scheduler.upkeep import Upkeep
+from shared import subjects
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.redis_conn import connect_redis
@@ -104,7 +105,7 @@ class World:
         fields.update(over)
         msg = Msg()
         data = InferRequest(**fields).model_dump_json().encode()
-        await self.core.submit(f"lf.infer.submit.{tenant}", data, msg, seq)
+        await self.core.submit(subjects.infer_submit(tenant, subjects.VIA_GATEWAY), data, msg, seq)
         await self.settle()
         return msg
 
