@@ -283,8 +283,8 @@ class Dispatcher:
             if rid in self.held:
                 self.early.setdefault(rid, {})[event.worker_id] = event
             return
-        if entry.worker_id != event.worker_id:
-            return
+        if entry.worker_id != event.worker_id or entry.request.tenant_id != event.tenant_id:
+            return  # another run, or another tenant's request under the same id
         del self.inflight[rid]
         self.fleet.ended(entry.worker_id, event.request_id)
         prompt_est, max_tokens = token_cost(entry.request)

@@ -32,7 +32,8 @@ class IsolationAttempt(Forbidden):
 class Grants:
     def __init__(self, resolve: Resolve, catalog: Catalog | None = None):
         self._resolve = resolve
-        self._catalog = catalog or Catalog()  # the mirror's, to tell a foreign adapter block apart
+        # the mirror's (empty until loaded, so never ``or``-ed away), to tell a foreign adapter block apart
+        self._catalog = catalog if catalog is not None else Catalog()
 
     async def grant(self, request: InferRequest, preview: bool) -> InferRequest:
         """The request with the adapter its ``model`` resolves to, or a typed refusal. ``preview``:

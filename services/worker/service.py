@@ -176,7 +176,7 @@ async def run(settings: WorkerSettings) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
 
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
-            await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.request_id}")
+            await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.tenant_id}.{event.request_id}")
 
         prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
         server = RequestServer(

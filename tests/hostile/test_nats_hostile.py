@@ -152,7 +152,10 @@ def adapter_of(hostile: HostileStack, record: dict, **over: object) -> dict:
 async def completions(hostile: HostileStack, rid: str, since: float) -> list[dict]:
     await asyncio.sleep(0.5)  # the worker audits a completion right after its final reply
     return [
-        a for tenant in ("demo", "other") for a in hostile.audits("completion", tenant, since) if a["request_id"] == rid
+        a
+        for tenant in ("demo", "other", "direct")
+        for a in hostile.audits("completion", tenant, since)
+        if a["request_id"] == rid
     ]
 
 
@@ -191,7 +194,9 @@ async def test_direct_submission_is_refused_on_the_tenants_own_inbox(
         "forged-digest": adapter_of(hostile, records["demo-secret"], digest="0" * 64),
     }
     if "adapter" in edit:
-        edit = {"adapter": adapters[edit["adapter"]], "model": "any-name"}
+        # a forged block under its adapter's own name: the scheduler resolves the name, then compares
+        named = "demo-secret" if edit["adapter"].startswith("forged") else "any-name"
+        edit = {"adapter": adapters[edit["adapter"]], "model": named}
     inbox = f"_INBOX_demo.{rid}"
     sub = await nc.subscribe(inbox)
     spy = await nc.subscribe("_INBOX_other.>")
