@@ -13,7 +13,6 @@ import structlog
 from services.scheduler.admission import Admission, AlreadyDispatched, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue, Priority
-from services.scheduler.grants import Grants, IsolationAttempt, Resolve
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
@@ -29,6 +28,7 @@ from shared.errors import (
     UpstreamTimeout,
     from_body,
 )
+from shared.grants import Grants, IsolationAttempt, Resolve
 from shared.prompt_tokens import PromptTokens
 from shared.request_bounds import check_submission
 from shared.schemas import (
@@ -170,11 +170,12 @@ class Dispatcher:
             await self._refuse(request, e)
             await handle.term()
             return
-        # both are the scheduler's, never the client's (a direct-NATS client writes them): a client's
-        # created_at would let the inflight sweep free the slot of a request still running, and its
-        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time
+        # these are the scheduler's, never the client's (a direct-NATS client writes them): a client's
+        # created_at would let the inflight sweep free the slot of a request still running, its
+        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time, and its
+        # preview would let the worker serve a staging version
         request = request.model_copy(
-            update={"created_at": time.time(), "tenant_gpu_slots": quota.max_gpu_adapter_slots}
+            update={"created_at": time.time(), "tenant_gpu_slots": quota.max_gpu_adapter_slots, "preview": preview}
         )
         item = Queued(request, handle, grant, seq)
         self.held[rid] = item

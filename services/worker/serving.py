@@ -17,6 +17,7 @@ from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, RequestIdInUse, ServiceUnavailable
+from shared.grants import Grants, IsolationAttempt
 from shared.schemas import (
     CompletionAudit,
     InferRequest,
@@ -66,6 +67,7 @@ class RequestServer:
         max_waiting: int,
         cache: CacheHierarchy | None = None,
         digest_of: Callable[[str], str | None] = lambda _: None,
+        grants: Grants | None = None,
     ):
         self.engine = engine
         self.prompts = prompts
@@ -76,6 +78,7 @@ class RequestServer:
         self.max_waiting = max_waiting
         self.cache = cache
         self.digest_of = digest_of
+        self.grants = grants  # None: adapters are trusted as dispatched (tests without a registry)
         self.tasks: dict[str, asyncio.Task] = {}
         self._jobs: dict[str, Job] = {}
         self._stop_errors: dict[str, LorafleetError] = {}
@@ -88,6 +91,8 @@ class RequestServer:
         """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun.
         Request ids are per tenant: another tenant's earlier request under the same id is no duplicate."""
         rid = request.request_id
+        if request.adapter is not None and self.grants is not None and rid not in self._recent:
+            await self._check_grant(request)  # before the checks below, which run with no await between
         if rid in self._recent and self._recent[rid] not in (None, request.tenant_id):
             if rid in self.tasks:  # the scheduler never holds one id of two tenants at once
                 raise RequestIdInUse(f"request id {rid} is running for another tenant on this worker")
@@ -121,6 +126,15 @@ class RequestServer:
             request.reply_to,
             ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.cache_hit),
         )
+
+    async def _check_grant(self, request: InferRequest) -> None:
+        """The adapter must be what the request's model resolves to for its tenant now (released, or
+        staging on a preview), as the scheduler judged it: a worker never serves on trust alone."""
+        assert self.grants is not None
+        try:
+            await self.grants.grant(request, request.preview)
+        except IsolationAttempt as e:  # the scheduler audits it; the client gets the plain 404
+            raise e.answer from None
 
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""

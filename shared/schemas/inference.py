@@ -76,6 +76,11 @@ class InferRequest(Message):
         le=100_000,
         description="the tenant's GPU adapter slot quota per rank class (set by the scheduler from its limits)",
     )
+    preview: bool = Field(
+        default=False,
+        description="a pinned staging version may be served: set by the scheduler from the submission's "
+        "subject (the gateway's preview subject), never taken from the client",
+    )
     accept_deadline: float | None = Field(
         default=None, description="epoch seconds after which the client no longer waits for a worker"
     )

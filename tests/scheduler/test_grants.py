@@ -4,10 +4,10 @@ block that is not that resolution; a lagging mirror is settled by the registry's
 
 import pytest
 
-from services.scheduler.grants import Grants, IsolationAttempt
 from shared.catalog import Catalog
 from shared.catalog_mirror import CatalogMirror, Resolver
 from shared.errors import AdapterNotReleased, AdapterRevoked, IntegrityError, InvalidRequest, ModelNotFound
+from shared.grants import Grants, IsolationAttempt
 from shared.resolve import resolve, to_resolved
 from shared.rollout import in_canary
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest

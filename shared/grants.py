@@ -1,4 +1,7 @@
-"""A submission is served what its ``model`` resolves to, exactly as the gateway resolves it.
+"""A request is served what its ``model`` resolves to, exactly as the gateway resolves it: the
+scheduler checks every submission with ``Grants`` before it is queued, and each worker checks
+every dispatch again before it loads or runs anything (the same release and access rules, on
+its own mirror).
 
 The scheduler resolves every submission's ``model`` (alias, ``@version``, canary split by request
 key, access judged on the version served, release status) with the same code and the same kind of
