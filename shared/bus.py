@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared import subjects
 from shared.config import CommonSettings
-from shared.errors import InternalError, InvalidMessage, LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
+from shared.errors import InternalError, InvalidMessage, LorafleetError, NoResponders, UpstreamTimeout, from_body
 from shared.schemas import ErrorBody
 from shared.telemetry import continued, inject, tracer
 
@@ -204,7 +204,7 @@ async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M
     try:
         msg = await nc.request(subject, encode(message), timeout=timeout, headers=inject())
     except nats.errors.NoRespondersError:
-        raise ServiceUnavailable(f"nothing serves {subject}") from None
+        raise NoResponders(f"nothing serves {subject}") from None
     except nats.errors.TimeoutError:
         raise UpstreamTimeout(f"{subject} did not answer within {timeout:.1f}s") from None
     if msg.headers and ERROR_HEADER in msg.headers:

@@ -101,6 +101,12 @@ class NoWorkerAvailable(ServiceUnavailable):
     code = "no_worker_available"
 
 
+class NoResponders(ServiceUnavailable):
+    """Nothing subscribes to the subject right now: after a reconnect, possibly only for a moment."""
+
+    code = "no_responders"
+
+
 class WorkerLost(ServiceUnavailable):
     code = "worker_lost"
 

@@ -22,6 +22,7 @@ from shared.catalog import Catalog
 from shared.config import RequestBounds
 from shared.errors import (
     LorafleetError,
+    NoResponders,
     QuotaExceeded,
     RequestIdInUse,
     ServiceUnavailable,
@@ -223,8 +224,9 @@ class Dispatcher:
         request = item.request
         try:
             reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
-        except UpstreamTimeout as e:
-            # the worker may still accept it late: cancel it there before it can run in two places
+        except (UpstreamTimeout, NoResponders) as e:
+            # the worker may still accept it late (or hold it, its subscription not back after a
+            # reconnect): cancel it there before it can run in two places
             await self.ports.control(worker_id, WorkerControl(action="cancel", request_id=request.request_id))
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         except LorafleetError as e:

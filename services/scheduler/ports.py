@@ -1,6 +1,7 @@
 """The dispatcher's ports onto NATS: dispatch to a worker, control messages, error replies, registry records."""
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -16,7 +17,7 @@ from shared.bus import (
 )
 from shared.catalog_mirror import Resolver
 from shared.config import SchedulerSettings
-from shared.errors import LorafleetError, UpstreamTimeout
+from shared.errors import LorafleetError, NoResponders, UpstreamTimeout
 from shared.schemas import (
     DispatchReply,
     InferRequest,
@@ -37,7 +38,8 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resol
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
         """The worker's answer. A wait that overlapped a lost connection says nothing about the worker (it may
         have taken the request, only its reply lost, and withdrawing it would run it twice): the same worker
-        is asked again once connected, its accept being idempotent, until the request's accept deadline."""
+        is asked again once connected, its accept being idempotent, until the request's accept deadline
+        (a worker whose dispatch subscription is not back yet is asked again too, not judged absent)."""
         with (
             continued(headers),
             _tracer.start_as_current_span(
@@ -48,6 +50,7 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resol
             def expired() -> bool:
                 return req.accept_deadline is not None and time.time() > req.accept_deadline
 
+            ambiguous_since: float | None = None  # when a wait first overlapped a lost connection
             while True:
                 reconnects = nc.stats["reconnects"]
                 try:
@@ -57,6 +60,15 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resol
                 except UpstreamTimeout:
                     if expired() or (nc.is_connected and nc.stats["reconnects"] == reconnects):
                         raise
+                    ambiguous_since = ambiguous_since or time.monotonic()
+                except NoResponders:
+                    # after an ambiguous wait, the worker may hold the request while its own subscription
+                    # is not back yet: asked again until it answers, the deadline passes, or it would be
+                    # judged lost anyway
+                    waited = time.monotonic() - (ambiguous_since or -math.inf)
+                    if expired() or waited > settings.liveness_timeout_s:
+                        raise
+                    await asyncio.sleep(RECONNECT_POLL_S)
                 # nats-py announces a reconnect only to the callbacks given to connect(): poll for it
                 while not nc.is_connected and not expired():  # noqa: ASYNC110
                     await asyncio.sleep(RECONNECT_POLL_S)

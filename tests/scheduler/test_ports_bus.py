@@ -2,6 +2,8 @@
 replies, worker control, resolves from the registry) against fake workers on the in-memory bus: the
 worker's typed refusals, no worker, a silent worker. No server process."""
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,7 +15,7 @@ from shared import subjects
 from shared.bus import decode, serve
 from shared.catalog_follow import follow_catalog
 from shared.config import SchedulerSettings
-from shared.errors import ModelNotFound, NoFreeSlot, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
+from shared.errors import ModelNotFound, NoFreeSlot, NoResponders, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
 from shared.memory_bus import MemoryBus
 from shared.resolve import to_resolved
 from shared.schemas import (
@@ -114,3 +116,34 @@ async def test_a_resolve_the_mirror_cannot_answer_comes_from_the_registry(wired:
     assert (await ports.resolve(asked, False)).adapter == to_resolved(record)
     with pytest.raises(ModelNotFound, match="no sea for other"):
         await ports.resolve(asked.model_copy(update={"tenant_id": "other"}), True)
+
+
+async def test_a_worker_not_yet_resubscribed_after_a_reconnect_is_asked_again_not_judged_absent() -> None:
+    """The first wait overlaps a reconnect (the worker may hold the request), and the next ask finds
+    the worker's dispatch subscription not back yet. Before: that NoResponders was a plain 503 and
+    the request went to another worker while this one could still run it."""
+    bus = MemoryBus(seed=0)
+    nc = bus.connect("scheduler")
+    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
+    watch.cancel()
+    ports = bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S), resolver)  # type: ignore[arg-type]
+    worker = bus.connect("w1")
+    resubscribed = asyncio.Event()
+
+    async def accept(req: InferRequest) -> DispatchReply:
+        return DispatchReply(accepted=True, worker_id="w1")
+
+    async def reconnect_then_serve(msg: Msg) -> None:
+        await first.unsubscribe()  # the reply is lost and the worker's subscription goes with its connection
+        nc.stats["reconnects"] += 1  # the scheduler's connection came back meanwhile
+        await asyncio.sleep(DISPATCH_TIMEOUT_S * 2)  # asks in between find nobody subscribed
+        await serve(worker, subjects.worker_dispatch("w1"), InferRequest, accept)
+        resubscribed.set()
+
+    first = await worker.subscribe(subjects.worker_dispatch("w1"), cb=reconnect_then_serve)
+    request = infer_request().model_copy(update={"accept_deadline": time.time() + 30})
+    reply = await ports.dispatch("w1", request, None)
+    assert reply.accepted and resubscribed.is_set()
+    with pytest.raises(NoResponders):  # with no reconnect in between, nobody subscribed is answered at once
+        await ports.dispatch("gone", request, None)
+    await nc.close()
