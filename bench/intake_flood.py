@@ -21,11 +21,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from lorafleet.cli.infra import free_port, start_nats, start_redis
+from services.scheduler.dispatcher import Handle
 from services.scheduler.intake import Intake
 from services.scheduler.ports import bus_ports
 from services.scheduler.service import Scheduler, build
 from shared import subjects
 from shared.bus import encode, ensure_streams
+from shared.catalog_follow import follow_catalog
 from shared.config import SchedulerSettings, StreamLimits
 from shared.redis_conn import connect_redis
 from shared.schemas import InferRequest
@@ -51,7 +53,8 @@ async def _publish(js, rid: str, tenant: str) -> None:
         reply_to="_INBOX.bench",
         sampling={"max_tokens": 16},
     )
-    await js.publish(subjects.infer_submit(tenant), encode(request), headers={"Nats-Msg-Id": rid})
+    # as the gateway submits: a direct-NATS tenant's replies must go to its own _INBOX_<t> inbox
+    await js.publish(subjects.infer_submit(tenant, subjects.VIA_GATEWAY), encode(request), headers={"Nats-Msg-Id": rid})
 
 
 async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
@@ -65,7 +68,8 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
             await js.delete_stream(subjects.INFER_STREAM)
         await ensure_streams(js, StreamLimits())
         settings = SchedulerSettings(redis_key_prefix=f"b{time.monotonic_ns()}:", no_worker_grace_s=300)
-        core, upkeep = build(settings, bus_ports(nc, js, settings), redis)
+        resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
+        core, upkeep = build(settings, bus_ports(nc, js, settings, resolver), redis)
         if fair:
             scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))
         else:
@@ -73,8 +77,8 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
         admitted = asyncio.Event()
         submit = core.submit
 
-        async def watched(subject: str, data: bytes, handle) -> None:
-            await submit(subject, data, handle)
+        async def watched(subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
+            await submit(subject, data, handle, seq)
             if QUIET in core.held:
                 admitted.set()
 
@@ -91,6 +95,7 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
         stop.set()
         await consuming
         await psub.unsubscribe()
+        catalog_watch.cancel()
         return delay_ms
     finally:
         await redis.aclose()

@@ -24,6 +24,7 @@ from shared.errors import (
     InternalError,
     InvalidMessage,
     LorafleetError,
+    NoResponders,
     PayloadTooLarge,
     QuotaExceeded,
     ServiceUnavailable,
@@ -291,7 +292,7 @@ async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M
     try:
         msg = await nc.request(subject, encode(message), timeout=timeout, headers=inject())
     except nats.errors.NoRespondersError:
-        raise ServiceUnavailable(f"nothing serves {subject}") from None
+        raise NoResponders(f"nothing serves {subject}") from None
     except nats.errors.TimeoutError:
         raise UpstreamTimeout(f"{subject} did not answer within {timeout:.1f}s") from None
     if msg.headers and ERROR_HEADER in msg.headers:

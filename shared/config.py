@@ -89,15 +89,10 @@ class CommonSettings(BaseSettings):
         return self.redis_password_file.read_text().strip() if self.redis_password_file else None
 
 
-class GatewaySettings(CommonSettings):
-    host: str = Field(default="127.0.0.1", description="HTTP bind address")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
-    api_keys: dict[str, str] = Field(
-        default_factory=dict,
-        description="bootstrap/dev API key -> tenant id (JSON in LF_API_KEYS), inference scope only; "
-        "real keys are issued by the registry (lorafleet key create)",
-    )
-    max_n: int = Field(default=4, ge=1, le=16, description="largest n (choices per request)")
+class RequestBounds(CommonSettings):
+    """The bounds of one inference request, the same for an HTTP request at the gateway and a
+    direct-NATS submission at the scheduler (one set of ``LF_*`` variables for both)."""
+
     max_stop: int = Field(default=4, ge=0, le=16, description="most stop sequences per request")
     max_prompt_tokens: int = Field(
         default=8192, ge=0, le=1_000_000, description="largest prompt in base-model tokens; 0 = no token count"
@@ -106,6 +101,17 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024, le=64 * 1_048_576, description="largest request body")
     max_tokens_limit: int = Field(default=4096, ge=1, le=32_768, description="largest max_tokens a client may ask")
     max_prompt_chars: int = Field(default=200_000, ge=1, le=2_000_000, description="largest prompt, in characters")
+
+
+class GatewaySettings(RequestBounds):
+    host: str = Field(default="127.0.0.1", description="HTTP bind address")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="bootstrap/dev API key -> tenant id (JSON in LF_API_KEYS), inference scope only; "
+        "real keys are issued by the registry (lorafleet key create)",
+    )
+    max_n: int = Field(default=4, ge=1, le=16, description="largest n (choices per request)")
     accept_timeout_s: float = Field(
         default=10.0, gt=0, le=300, description="how long to wait for a worker to accept before answering 503"
     )
@@ -140,7 +146,7 @@ class DefaultQuota(BaseModel):
     )
 
 
-class SchedulerSettings(CommonSettings):
+class SchedulerSettings(RequestBounds):
     dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"

@@ -101,6 +101,12 @@ class NoWorkerAvailable(ServiceUnavailable):
     code = "no_worker_available"
 
 
+class NoResponders(ServiceUnavailable):
+    """Nothing subscribes to the subject right now: after a reconnect, possibly only for a moment."""
+
+    code = "no_responders"
+
+
 class WorkerLost(ServiceUnavailable):
     code = "worker_lost"
 
@@ -176,3 +182,10 @@ class SignerNotAuthorized(Forbidden):
     """A push signed by a trusted signer that is not bound to the pushing tenant."""
 
     code = "signer_not_authorized"
+
+
+class RequestIdInUse(Conflict):
+    """The tenant already submitted a request under this id (queued, running, or served within the
+    dedupe window): the new submission is refused, the first one is left alone."""
+
+    code = "request_id_in_use"

@@ -1,7 +1,8 @@
 """(tenant, model[@version], request key) -> the base model or the exact adapter version.
 
 An unknown adapter and one the tenant may not use get the same ModelNotFound text, so a
-tenant cannot probe which adapter names exist.
+tenant cannot probe which adapter names exist. Access is judged on the version served: a shared
+adapter's versions may each name different tenants in their scopes.
 """
 
 from shared.access import SHARED_TENANT, may_use
@@ -16,12 +17,16 @@ def not_found(model: str) -> ModelNotFound:
 
 
 def find_adapter(catalog: Catalog, tenant_id: str, name: str) -> str | None:
-    """The adapter id ``name`` means for this tenant (id, own alias, then shared alias), if visible."""
+    """The adapter id ``name`` means for this tenant (id, own alias, then shared alias), if any of
+    its versions is visible to the tenant."""
     for candidate in (name, catalog.alias_owner(tenant_id, name), catalog.alias_owner(SHARED_TENANT, name)):
-        latest = catalog.latest(candidate) if candidate else None
-        if latest is not None and may_use(latest, tenant_id):
+        if candidate and any(may_use(r, tenant_id) for r in catalog.versions(candidate)):
             return candidate
     return None
+
+
+def _usable(record: AdapterRecord | None, tenant_id: str) -> AdapterRecord | None:
+    return record if record is not None and may_use(record, tenant_id) else None
 
 
 def _split(model: str) -> tuple[str, int | None]:
@@ -56,13 +61,13 @@ def resolve(
     if adapter_id is None:
         raise not_found(model)
     if version is not None:
-        record = catalog.get(adapter_id, version)
+        record = _usable(catalog.get(adapter_id, version), tenant_id)
         if record is None:
             raise not_found(model)
     else:
-        production, canary = catalog.released(adapter_id)
-        record = choose(production, canary, request_key) or catalog.latest(adapter_id)
-        assert record is not None
+        production, canary = (_usable(r, tenant_id) for r in catalog.released(adapter_id))
+        visible = [r for r in catalog.versions(adapter_id) if may_use(r, tenant_id)]
+        record = choose(production, canary, request_key) or visible[-1]  # find_adapter saw one
     if record.status == "revoked":
         raise AdapterRevoked(f"'{model}' version {record.version} was revoked and is not served", param="model")
     if record.status not in RELEASED and not (preview and version is not None and record.status == "staging"):

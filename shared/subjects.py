@@ -63,16 +63,34 @@ def token(value: str) -> str:
     return value
 
 
-def infer_submit(tenant_id: str) -> str:
-    return f"{PREFIX}.infer.submit.{token(tenant_id)}"
+# who submitted, as the subject's optional last token says: only the gateway's NATS user may publish
+# below a tenant's submit subject, a direct-NATS tenant's user on its plain subject only, so
+# nats-server vouches for the origin of every submission
+VIA_TENANT, VIA_GATEWAY, VIA_PREVIEW = "tenant", "gateway", "preview"  # preview: a key allowed pre-release
+_VIAS = (VIA_GATEWAY, VIA_PREVIEW)
+
+
+def infer_submit(tenant_id: str, via: str = VIA_TENANT) -> str:
+    """``lf.infer.submit.<tenant>`` (a direct-NATS tenant), or ``...<tenant>.gateway`` / ``.preview``."""
+    subject = f"{PREFIX}.infer.submit.{token(tenant_id)}"
+    if via == VIA_TENANT:
+        return subject
+    if via not in _VIAS:
+        raise ValueError(f"unknown submission origin: {via!r}")
+    return f"{subject}.{via}"
+
+
+def parse_submit(subject: str) -> tuple[str, str]:
+    """(tenant, origin) of an ``infer_submit`` subject."""
+    parts = subject.split(".")
+    if len(parts) not in (4, 5) or parts[:3] != [PREFIX, "infer", "submit"] or (parts[4:] and parts[4] not in _VIAS):
+        raise ValueError(f"not a submit subject: {subject!r}")
+    return token(parts[3]), parts[4] if len(parts) == 5 else VIA_TENANT
 
 
 def tenant_of_submit(subject: str) -> str:
-    """The tenant named by an ``lf.infer.submit.<tenant>`` subject."""
-    parts = subject.split(".")
-    if len(parts) != 4 or parts[:3] != [PREFIX, "infer", "submit"]:
-        raise ValueError(f"not a submit subject: {subject!r}")
-    return token(parts[3])
+    """The tenant named by an ``infer_submit`` subject."""
+    return parse_submit(subject)[0]
 
 
 def worker_dispatch(worker_id: str) -> str:

@@ -174,6 +174,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
                 *stream_reader(subjects.AUDIT_STREAM),
                 *kv_read(subjects.REGISTRY_TENANTS_BUCKET),
+                *kv_read(subjects.REGISTRY_RECORDS_BUCKET),  # its catalog mirror resolves direct submissions
             ),
             subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.SCHEDULER_CANCEL, *own["scheduler"]),
         ),

@@ -113,14 +113,16 @@ async def _submit(
         raise NoWorkerAvailable("no worker is available")
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
+    request_key = body.user or request_id
     resolved = await ctx.resolver.resolve(
-        ResolveRequest(tenant_id=tenant, model=body.model, request_key=body.user or request_id, preview=preview)
+        ResolveRequest(tenant_id=tenant, model=body.model, request_key=request_key, preview=preview)
     )
     fields = [
         dict(
             request_id=request_id if body.n == 1 else f"{request_id}.{i}",
             tenant_id=tenant,
             model=body.model,
+            request_key=request_key,
             base_model=resolved.base_model,
             adapter=resolved.adapter,
             sampling=sampling[i],
@@ -130,7 +132,7 @@ async def _submit(
         )
         for i in range(body.n)
     ]
-    subs = await submit_all(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s)
+    subs = await submit_all(ctx.nc, ctx.js, fields, ctx.settings.accept_timeout_s, preview)
     headers = _served_headers(request_id, subs)
     log.info(
         "request_accepted",

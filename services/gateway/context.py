@@ -6,10 +6,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.gateway.auth import ApiKeys
-from services.gateway.catalog_mirror import Resolver
-from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
+from shared.catalog_mirror import Resolver
 from shared.config import GatewaySettings
+from shared.prompt_tokens import PromptTokens
 
 
 @dataclass(slots=True)

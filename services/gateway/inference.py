@@ -98,8 +98,11 @@ async def _cancel_queued(nc: NATS, request_id: str) -> None:
         log.warning("cancel_publish_failed", request_id=request_id, error=str(e))
 
 
-async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float) -> Submission:
-    """Publish the request and wait until a worker accepts it (else 503 within the bound)."""
+async def submit(
+    nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float, preview: bool = False
+) -> Submission:
+    """Publish the request and wait until a worker accepts it (else 503 within the bound); ``preview``
+    submits on the subject where a pinned staging version may be served."""
     queue: asyncio.Queue[_Reply] = asyncio.Queue()
     inbox = nc.new_inbox()
     request_id = request_fields["request_id"]
@@ -121,7 +124,7 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     try:
         with _tracer.start_as_current_span("gateway.publish"):
             await js.publish(
-                subjects.infer_submit(request.tenant_id),
+                subjects.infer_submit(request.tenant_id, subjects.VIA_PREVIEW if preview else subjects.VIA_GATEWAY),
                 encode(request),
                 headers=inject({"Nats-Msg-Id": request.request_id}),
                 timeout=accept_timeout_s,
@@ -151,9 +154,13 @@ async def submit(nc: NATS, js: JetStreamContext, request_fields: dict, accept_ti
     return Submission(request, first, queue, sub, nc, deadline)
 
 
-async def submit_all(nc: NATS, js: JetStreamContext, fields: list[dict], accept_timeout_s: float) -> list[Submission]:
+async def submit_all(
+    nc: NATS, js: JetStreamContext, fields: list[dict], accept_timeout_s: float, preview: bool = False
+) -> list[Submission]:
     """Submit the n choices of one request together; if any is refused, cancel the others."""
-    results = await asyncio.gather(*(submit(nc, js, f, accept_timeout_s) for f in fields), return_exceptions=True)
+    results = await asyncio.gather(
+        *(submit(nc, js, f, accept_timeout_s, preview) for f in fields), return_exceptions=True
+    )
     subs = [r for r in results if isinstance(r, Submission)]
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:

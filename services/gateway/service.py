@@ -10,7 +10,6 @@ from services.gateway.auth import ApiKeys
 from services.gateway.catalog_follow import start_resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
-from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
@@ -18,6 +17,7 @@ from shared.bus import connect, decode, ensure_streams, shutdown_event
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.prompt_tokens import PromptTokens
 from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
 from shared.telemetry import setup_tracing
 

@@ -1,5 +1,8 @@
-"""At most once: a request id a worker accepted is remembered (Redis ``SET NX`` with a TTL, and in
-process), so a redelivered or republished submission of it is acknowledged, never run again."""
+"""At most once, per tenant: a (tenant, request id) a worker accepted is remembered (Redis ``SET NX``
+with a TTL, and in process) with the work-queue sequence of the submission that carried it, so a
+redelivery of that submission is acknowledged, never run again, while a new submission reusing
+the id is told it is in use. Tenants never share a request-id namespace: one tenant using another's
+id neither sees nor shadows it."""
 
 from collections import OrderedDict
 
@@ -8,6 +11,7 @@ from redis.asyncio import Redis
 from services.scheduler.redis_guard import RedisGuard
 
 LOCAL_LIMIT = 100_000
+Key = tuple[str, str]  # (tenant, request id)
 
 
 class Dispatched:
@@ -16,29 +20,47 @@ class Dispatched:
         self._guard = guard
         self._prefix = f"{key_prefix}dispatched:"
         self._ttl_ms = int(ttl_s * 1000)
-        self._local: OrderedDict[str, str] = OrderedDict()
+        self._local: OrderedDict[Key, int | None] = OrderedDict()  # -> the submission's stream sequence
 
-    async def mark(self, request_id: str, worker_id: str) -> bool:
-        """Record that ``worker_id`` took the request; False if it was recorded before."""
-        first = request_id not in self._local
-        self._local[request_id] = worker_id
+    async def mark(self, tenant: str, request_id: str, seq: int | None) -> bool:
+        """Record that a worker took the request carried by work-queue message ``seq``; False if it
+        was recorded before."""
+        first = (tenant, request_id) not in self._local
+        self._local[(tenant, request_id)] = seq
         while len(self._local) > LOCAL_LIMIT:
             self._local.popitem(last=False)
+        value = "" if seq is None else str(seq)
         ok, set_now = await self._guard.call(
-            "dedupe", lambda: self._redis.set(self._prefix + request_id, worker_id, nx=True, px=self._ttl_ms)
+            "dedupe", lambda: self._redis.set(self.key(tenant, request_id), value, nx=True, px=self._ttl_ms)
         )
         return bool(set_now) if ok else first
 
-    def key(self, request_id: str) -> str:
-        """The Redis marker of ``request_id``: admission's script checks it in the same round trip."""
-        return self._prefix + request_id
+    def key(self, tenant: str, request_id: str) -> str:
+        """The Redis marker of the request: admission's script checks it in the same round trip.
+        A tenant id holds no ``:`` (it is a subject token), so the two parts never run together."""
+        return f"{self._prefix}{tenant}:{request_id}"
 
-    def seen_here(self, request_id: str) -> bool:
+    def seen_here(self, tenant: str, request_id: str) -> bool:
         """Taken by a worker through this scheduler (Redis knows of other schedulers' too)."""
-        return request_id in self._local
+        return (tenant, request_id) in self._local
 
-    async def seen(self, request_id: str) -> bool:
-        if request_id in self._local:
+    async def seen(self, tenant: str, request_id: str) -> bool:
+        if (tenant, request_id) in self._local:
             return True
-        ok, found = await self._guard.call("dedupe", lambda: self._redis.exists(self._prefix + request_id))
+        ok, found = await self._guard.call("dedupe", lambda: self._redis.exists(self.key(tenant, request_id)))
         return bool(found) if ok else False
+
+    async def same_submission(self, tenant: str, request_id: str, seq: int | None) -> bool:
+        """Whether work-queue message ``seq`` is the submission a worker took under this id (a
+        redelivery), rather than a new one reusing the id. Unknown either way (no sequence, a
+        marker written without one, Redis away) counts as the same: never run twice."""
+        if seq is None:
+            return True
+        if (tenant, request_id) in self._local:
+            recorded = self._local[(tenant, request_id)]
+        else:
+            ok, value = await self._guard.call("dedupe", lambda: self._redis.get(self.key(tenant, request_id)))
+            if not ok or not value:
+                return True
+            recorded = int(value)
+        return recorded is None or recorded == seq

@@ -13,14 +13,33 @@ import structlog
 from services.scheduler.admission import Admission, AlreadyDispatched, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue, Priority
-from services.scheduler.grants import FetchRecord, Grants, IsolationAttempt
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
-from shared.errors import Conflict, LorafleetError, QuotaExceeded, ServiceUnavailable, UpstreamTimeout, from_body
-from shared.schemas import AdapterRecord, CompletionAudit, DispatchReply, InferRequest, WorkerControl
+from shared.catalog import Catalog
+from shared.config import RequestBounds
+from shared.errors import (
+    LorafleetError,
+    NoResponders,
+    QuotaExceeded,
+    RequestIdInUse,
+    ServiceUnavailable,
+    UpstreamTimeout,
+    from_body,
+)
+from shared.grants import Grants, IsolationAttempt, Resolve
+from shared.prompt_tokens import PromptTokens
+from shared.request_bounds import check_submission
+from shared.schemas import (
+    CompletionAudit,
+    DispatchReply,
+    InferRequest,
+    ResolveReply,
+    ResolveRequest,
+    WorkerControl,
+)
 
 log = structlog.get_logger("scheduler")
 
@@ -34,8 +53,8 @@ class Handle(Protocol):
     async def in_progress(self) -> None: ...
 
 
-async def _no_registry(adapter_id: str, version: int) -> AdapterRecord:
-    raise ServiceUnavailable("no registry to check the adapter against")
+async def _no_registry(request: ResolveRequest, ask_registry: bool) -> ResolveReply:
+    raise ServiceUnavailable("no registry to resolve the model with")
 
 
 @dataclass(slots=True)
@@ -44,7 +63,8 @@ class Ports:
     reply_error: Callable[[str, str, LorafleetError], Awaitable[None]]
     record_rejection: Callable[[str, str, LorafleetError], Awaitable[None]]
     control: Callable[[str, WorkerControl], Awaitable[None]]
-    adapter_record: FetchRecord = _no_registry  # without a registry, every adapter request is refused
+    resolve: Resolve = _no_registry  # without a registry, every adapter request is refused
+    catalog: Catalog = field(default_factory=Catalog)  # the mirror ``resolve`` answers from
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +72,7 @@ class Queued:
     request: InferRequest
     handle: Handle
     grant: Grant
+    seq: int | None = None  # the work-queue message's stream sequence
     enqueued: float = field(default_factory=time.monotonic)
 
     @property
@@ -72,6 +93,7 @@ class Inflight:
     request: InferRequest
     worker_id: str
     grant: Grant
+    seq: int | None = None
 
 
 @dataclass
@@ -84,6 +106,8 @@ class Dispatcher:
     fleet: Fleet
     queue: FairQueue[Queued]
     slo_s: dict[str, float]
+    bounds: RequestBounds
+    prompt_tokens: PromptTokens | None = None  # None: prompts bounded in characters only
     held: dict[str, Queued] = field(default_factory=dict)  # queued or being dispatched, by request id
     inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -92,21 +116,24 @@ class Dispatcher:
     grants: Grants = field(init=False)
 
     def __post_init__(self) -> None:
-        self.grants = Grants(self.ports.adapter_record)
+        self.grants = Grants(self.ports.resolve, self.ports.catalog)
 
-    async def submit(self, subject: str, data: bytes, handle: Handle) -> None:
-        """A submission from the work queue: refuse, drop, or admit and queue it."""
+    async def submit(self, subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
+        """A submission from the work queue (``seq``: its stream sequence, which tells a redelivery
+        from a new submission reusing a request id): refuse, drop, or admit and queue it."""
         try:
-            request = parse_submission(subject, data)
+            request, preview = parse_submission(subject, data)
         except LorafleetError as e:
             await self.turn_away(subject, data, handle, e)
             return
-        rid = request.request_id
+        rid, tenant = request.request_id, request.tenant_id
         taken = self.held.get(rid) or self.inflight.get(rid)
-        if taken is not None and taken.request.tenant_id != request.tenant_id:
-            # another tenant's id: refused, and never answered on the owner's inbox
+        reused = seq is not None and taken is not None and taken.seq != seq
+        if taken is not None and (taken.request.tenant_id != tenant or reused):
+            # another tenant's id, or a new submission of this tenant's under an id in use: refused,
+            # and never answered on the first one's inbox
             reply_to = None if request.reply_to == taken.request.reply_to else request.reply_to
-            await self._refuse_raw((request.tenant_id, rid, reply_to), Conflict(f"request id {rid} is in use"))
+            await self._refuse_raw((tenant, rid, reply_to), RequestIdInUse(f"request id {rid} is in use"))
             await handle.term()
             return
         if rid in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
@@ -115,31 +142,44 @@ class Dispatcher:
         if request.accept_deadline is not None and time.time() > request.accept_deadline:
             await handle.term()
             return
-        if rid in self.inflight or self.dispatched.seen_here(rid):
+        if rid in self.inflight:
             await handle.ack()
             return
+        if self.dispatched.seen_here(tenant, rid):
+            await self._served_before(request, handle, seq)
+            return
         try:
-            await self.grants.check(request)
+            await check_submission(request, len(data), self.bounds, self.prompt_tokens)
+            request = await self.grants.grant(request, preview)
         except LorafleetError as e:
-            if await self.dispatched.seen(rid):  # a redelivery of one already running: not refused under it
-                await handle.ack()
+            if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
+                await self._served_before(request, handle, seq)
                 return
             await self._refuse(request, e)
             await handle.term()
             return
         quota = self.quotas.of(request.tenant_id)
         try:
-            grant = await self.admission.admit(request, quota, self.dispatched.key(rid))
+            grant = await self.admission.admit(request, quota, self.dispatched.key(tenant, rid))
         except AlreadyDispatched:  # another scheduler (or this one before a restart) dispatched it
-            await handle.ack()
+            await self._served_before(request, handle, seq)
             return
         except QuotaExceeded as e:
             await self._refuse(request, e)
             await handle.term()
             return
-        if quota.max_gpu_adapter_slots:  # the worker's cache enforces it at eviction time (0 = no limit)
-            request = request.model_copy(update={"tenant_gpu_slots": quota.max_gpu_adapter_slots})
-        item = Queued(request, handle, grant)
+        # these are the scheduler's, never the client's (a direct-NATS client writes them): a client's
+        # created_at would let the inflight sweep free the slot of a request still running, its
+        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time, and its
+        # preview would let the worker serve a staging version
+        request = request.model_copy(
+            update={
+                "created_at": time.time(),
+                "tenant_gpu_slots": quota.max_gpu_adapter_slots or None,  # the quota's 0 = no limit = None
+                "preview": preview,
+            }
+        )
+        item = Queued(request, handle, grant, seq)
         self.held[rid] = item
         self.queue.push(item)
         self.pump()
@@ -149,6 +189,15 @@ class Dispatcher:
         ``error`` where the body names an inbox and tenant, and terminate it."""
         log.warning("submission_refused", subject=subject, error=error.message)
         await self._refuse_raw(refusal_target(subject, data), error)
+        await handle.term()
+
+    async def _served_before(self, request: InferRequest, handle: Handle, seq: int | None) -> None:
+        """A worker took this tenant's request id before: a redelivery of that submission is
+        acknowledged (it runs once), a new submission under the id is refused."""
+        if await self.dispatched.same_submission(request.tenant_id, request.request_id, seq):
+            await handle.ack()
+            return
+        await self._refuse(request, RequestIdInUse(f"request id {request.request_id} is in use"))
         await handle.term()
 
     def pump(self) -> None:
@@ -183,8 +232,9 @@ class Dispatcher:
         request = item.request
         try:
             reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
-        except UpstreamTimeout as e:
-            # the worker may still accept it late: cancel it there before it can run in two places
+        except (UpstreamTimeout, NoResponders) as e:
+            # the worker may still accept it late (or hold it, its subscription not back after a
+            # reconnect): cancel it there before it can run in two places
             await self.ports.control(worker_id, WorkerControl(action="cancel", request_id=request.request_id))
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         except LorafleetError as e:
@@ -213,7 +263,7 @@ class Dispatcher:
     async def _accepted(self, item: Queued, worker_id: str) -> None:
         request, rid = item.request, item.request_id
         self.held.pop(rid, None)
-        self.inflight[rid] = Inflight(request, worker_id, item.grant)
+        self.inflight[rid] = Inflight(request, worker_id, item.grant, item.seq)
         self.fleet.accepted(worker_id)
         metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
         self.queue.charge(request.tenant_id, *token_cost(request))
@@ -225,7 +275,7 @@ class Dispatcher:
         ended = self.early.pop(rid, {}).get(worker_id)  # other workers' runs of it were withdrawn
         try:
             await item.handle.ack()
-            await self.dispatched.mark(rid, worker_id)
+            await self.dispatched.mark(request.tenant_id, rid, item.seq)
             key = adapter_key_of(request)
             if key is not None:
                 await self.heat.bump(key)
@@ -244,8 +294,8 @@ class Dispatcher:
             if rid in self.held:
                 self.early.setdefault(rid, {})[event.worker_id] = event
             return
-        if entry.worker_id != event.worker_id:
-            return
+        if entry.worker_id != event.worker_id or entry.request.tenant_id != event.tenant_id:
+            return  # another run, or another tenant's request under the same id
         del self.inflight[rid]
         self.fleet.ended(entry.worker_id, event.request_id)
         prompt_est, max_tokens = token_cost(entry.request)

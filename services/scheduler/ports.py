@@ -1,6 +1,7 @@
 """The dispatcher's ports onto NATS: dispatch to a worker, control messages, error replies, registry records."""
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -14,11 +15,10 @@ from shared.bus import (
     encode,
     request,
 )
+from shared.catalog_mirror import Resolver
 from shared.config import SchedulerSettings
-from shared.errors import LorafleetError, UpstreamTimeout
-from shared.registry_client import fetch_record
+from shared.errors import LorafleetError, NoResponders, UpstreamTimeout
 from shared.schemas import (
-    AdapterRecord,
     DispatchReply,
     InferRequest,
     RejectionAudit,
@@ -32,13 +32,14 @@ RECONNECT_POLL_S = 0.25
 _tracer = tracer("scheduler")
 
 
-def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Ports:
+def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resolver: Resolver) -> Ports:
     audits: set[asyncio.Task] = set()  # rejection records still being published
 
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
         """The worker's answer. A wait that overlapped a lost connection says nothing about the worker (it may
         have taken the request, only its reply lost, and withdrawing it would run it twice): the same worker
-        is asked again once connected, its accept being idempotent, until the request's accept deadline."""
+        is asked again once connected, its accept being idempotent, until the request's accept deadline
+        (a worker whose dispatch subscription is not back yet is asked again too, not judged absent)."""
         with (
             continued(headers),
             _tracer.start_as_current_span(
@@ -49,6 +50,7 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Po
             def expired() -> bool:
                 return req.accept_deadline is not None and time.time() > req.accept_deadline
 
+            ambiguous_since: float | None = None  # when a wait first overlapped a lost connection
             while True:
                 reconnects = nc.stats["reconnects"]
                 try:
@@ -58,6 +60,15 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Po
                 except UpstreamTimeout:
                     if expired() or (nc.is_connected and nc.stats["reconnects"] == reconnects):
                         raise
+                    ambiguous_since = ambiguous_since or time.monotonic()
+                except NoResponders:
+                    # after an ambiguous wait, the worker may hold the request while its own subscription
+                    # is not back yet: asked again until it answers, the deadline passes, or it would be
+                    # judged lost anyway
+                    waited = time.monotonic() - (ambiguous_since or -math.inf)
+                    if expired() or waited > settings.liveness_timeout_s:
+                        raise
+                    await asyncio.sleep(RECONNECT_POLL_S)
                 # nats-py announces a reconnect only to the callbacks given to connect(): poll for it
                 while not nc.is_connected and not expired():  # noqa: ASYNC110
                     await asyncio.sleep(RECONNECT_POLL_S)
@@ -81,7 +92,4 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings) -> Po
     async def control(worker_id: str, message: WorkerControl) -> None:
         await nc.publish(subjects.worker_control(worker_id), encode(message))
 
-    async def adapter_record(adapter_id: str, version: int) -> AdapterRecord:
-        return await fetch_record(nc, adapter_id, version, settings.dispatch_timeout_s)
-
-    return Ports(dispatch, reply_error, record_rejection, control, adapter_record)
+    return Ports(dispatch, reply_error, record_rejection, control, resolver.resolve, resolver.mirror.catalog)

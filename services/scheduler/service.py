@@ -28,6 +28,7 @@ from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.upkeep import Periods, Upkeep
 from shared import event_loop, subjects
+from shared.base_model import resolve_model_dir
 from shared.bus import (
     connect,
     decode,
@@ -35,11 +36,13 @@ from shared.bus import (
     follow,
     shutdown_event,
 )
+from shared.catalog_follow import follow_catalog
 from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
+from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
 from shared.schemas import (
     AuditEnvelope,
@@ -83,7 +86,9 @@ async def _follow_quotas(js: JetStreamContext, quotas: Quotas) -> None:
             await asyncio.sleep(1.0)
 
 
-def build(settings: SchedulerSettings, ports: Ports, redis) -> tuple[Dispatcher, Upkeep]:
+def build(
+    settings: SchedulerSettings, ports: Ports, redis, prompt_tokens: PromptTokens | None = None
+) -> tuple[Dispatcher, Upkeep]:
     guard = RedisGuard()
     prefix = settings.redis_key_prefix
     core = Dispatcher(
@@ -95,6 +100,8 @@ def build(settings: SchedulerSettings, ports: Ports, redis) -> tuple[Dispatcher,
         fleet=Fleet(settings.liveness_timeout_s, settings.capacity_headroom),
         queue=FairQueue(settings.vtc_input_weight, settings.vtc_output_weight, settings.slo_batch_s),
         slo_s={"interactive": settings.slo_interactive_s, "batch": settings.slo_batch_s},
+        bounds=settings,
+        prompt_tokens=prompt_tokens,
     )
     periods = Periods(
         settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3, settings.heat_decay_interval_s
@@ -210,7 +217,7 @@ class Scheduler:
     async def on_submission(self, msg: Msg) -> None:
         try:
             with continued(msg.headers), _tracer.start_as_current_span("scheduler.admit"):
-                await self.core.submit(msg.subject, msg.data, msg)
+                await self.core.submit(msg.subject, msg.data, msg, msg.metadata.sequence.stream)
         except Exception:
             log.exception("submission_crashed", subject=msg.subject)
             await msg.nak(delay=1)
@@ -290,7 +297,11 @@ async def run(settings: SchedulerSettings) -> None:
         await ensure_streams(js)
         redis = connect_redis(settings.redis_url, password=settings.redis_password())
         stack.push_async_callback(redis.aclose)
-        core, upkeep = build(settings, bus_ports(nc, js, settings), redis)
+        resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
+        tokens = None
+        if settings.max_prompt_tokens:  # the gateway's count, for direct-NATS submissions
+            tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
+        core, upkeep = build(settings, bus_ports(nc, js, settings, resolver), redis, tokens)
         scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))
         psub = await scheduler.subscribe(js)
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
@@ -305,6 +316,7 @@ async def run(settings: SchedulerSettings) -> None:
             ),
             asyncio.create_task(scheduler.ticking()),
             asyncio.create_task(_follow_quotas(js, core.quotas)),
+            catalog_watch,
         ]
         log.info("scheduler_started")
         await scheduler.consume(psub, stop)

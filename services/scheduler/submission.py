@@ -12,31 +12,39 @@ _INBOX = re.compile(r"_INBOX[._][A-Za-z0-9_.-]{1,250}")  # InferRequest.reply_to
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a RequestId may not hold
 
 
-def parse_submission(subject: str, data: bytes) -> InferRequest:
-    """The request, checked against the subject's tenant: nobody submits as another tenant."""
+def parse_submission(subject: str, data: bytes) -> tuple[InferRequest, bool]:
+    """(the request, whether it came on the gateway's preview subject), checked against the
+    subject's tenant and origin: nobody submits as another tenant, and a direct-NATS tenant's
+    replies go to its own inbox only (never a gateway inbox, which it cannot read)."""
     request = decode(InferRequest, data)
     try:
-        tenant = subjects.tenant_of_submit(subject)
+        tenant, via = subjects.parse_submit(subject)
     except ValueError as e:
         raise InvalidMessage(str(e)) from None
     if tenant != request.tenant_id:
         raise Forbidden("a request's tenant must match the tenant of its submit subject")
-    if request.reply_to.startswith("_INBOX_") and not request.reply_to.startswith(f"_INBOX_{request.tenant_id}."):
+    own = request.reply_to.startswith(f"_INBOX_{tenant}.")
+    if not own and (via == subjects.VIA_TENANT or request.reply_to.startswith("_INBOX_")):
         raise Forbidden("replies may only go to the requesting tenant's own inbox")
-    return request
+    return request, via == subjects.VIA_PREVIEW
 
 
 def refusal_target(subject: str, data: bytes) -> tuple[str, str, str | None]:
     """(tenant, request id, reply inbox or None) of a submission that failed its checks, best effort:
-    the inbox only when it is a gateway inbox or the submitting tenant's own, never another tenant's."""
-    tenant = subject.rsplit(".", 1)[-1]
+    the inbox only when it is the submitting tenant's own, or a gateway inbox on the gateway's
+    subject, never another tenant's."""
+    try:
+        tenant, via = subjects.parse_submit(subject)
+    except ValueError:
+        return "unknown", "unknown", None
     try:
         raw = json.loads(data)
         rid, reply = raw.get("request_id"), raw.get("reply_to")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return tenant, "unknown", None
     rid = _UNSAFE.sub("-", rid)[:128] if isinstance(rid, str) and rid else "unknown"
     inbox = isinstance(reply, str) and _INBOX.fullmatch(reply) is not None
-    if inbox and reply.startswith(("_INBOX.", f"_INBOX_{tenant}.")):
+    mine = (f"_INBOX_{tenant}.",) if via == subjects.VIA_TENANT else ("_INBOX.", f"_INBOX_{tenant}.")
+    if inbox and reply.startswith(mine):
         return tenant, rid, reply
     return tenant, rid, None

@@ -85,8 +85,9 @@ class Upkeep:
                 await core.drop_queued(item, NoWorkerAvailable(f"no live worker serves {request.base_model}"))
 
     async def sweep_inflight(self) -> None:
-        """A request past its own timeout with no completion seen (an audit event lost) stops holding
-        its tenant's concurrency slot."""
+        """A request past its own timeout, counted from its admission here (``created_at`` as the
+        scheduler stamped it, never the client's), with no completion seen (an audit event lost)
+        stops holding its tenant's concurrency slot."""
         core, wall = self.core, time.time()
         for rid, entry in list(core.inflight.items()):
             expired = wall > entry.request.created_at + entry.request.timeout_s + 30

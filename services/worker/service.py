@@ -31,9 +31,11 @@ from shared.bus import (
     reply_error,
     shutdown_event,
 )
+from shared.catalog_follow import follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.fingerprint import fingerprint_model_dir
+from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
@@ -49,6 +51,8 @@ from shared.schemas import (
     WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
+
+REGISTRY_TIMEOUT_S = 5.0  # a dispatch's grant check that the worker's mirror cannot settle asks the registry
 
 log = structlog.get_logger("worker")
 
@@ -182,11 +186,23 @@ async def run(settings: WorkerSettings) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
 
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
-            await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.request_id}")
+            await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.tenant_id}.{event.request_id}")
 
         prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
+        resolver, catalog_watch = follow_catalog(nc, REGISTRY_TIMEOUT_S)
+        stack.callback(catalog_watch.cancel)
+        grants = Grants(resolver.resolve, resolver.mirror.catalog)
         server = RequestServer(
-            engine, prompts, settings.worker_id, loaded.name, emit, audit, settings.max_waiting, cache, loader.digest_of
+            engine,
+            prompts,
+            settings.worker_id,
+            loaded.name,
+            emit,
+            audit,
+            settings.max_waiting,
+            cache,
+            loader.digest_of,
+            grants,
         )
 
         async def on_dispatch(msg) -> None:

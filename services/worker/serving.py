@@ -16,7 +16,8 @@ from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
-from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
+from shared.errors import IntegrityError, InvalidRequest, LorafleetError, RequestIdInUse, ServiceUnavailable
+from shared.grants import Grants, IsolationAttempt
 from shared.schemas import (
     CompletionAudit,
     InferRequest,
@@ -66,6 +67,7 @@ class RequestServer:
         max_waiting: int,
         cache: CacheHierarchy | None = None,
         digest_of: Callable[[str], str | None] = lambda _: None,
+        grants: Grants | None = None,
     ):
         self.engine = engine
         self.prompts = prompts
@@ -76,17 +78,28 @@ class RequestServer:
         self.max_waiting = max_waiting
         self.cache = cache
         self.digest_of = digest_of
+        self.grants = grants  # None: adapters are trusted as dispatched (tests without a registry)
         self.tasks: dict[str, asyncio.Task] = {}
         self._jobs: dict[str, Job] = {}
         self._stop_errors: dict[str, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(50)
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        # request id -> the tenant whose request it was (None: known only from a cancel)
+        self._recent: OrderedDict[str, str | None] = OrderedDict()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     async def accept(self, request: InferRequest) -> None:
-        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
-        if request.request_id in self._recent:
-            if request.request_id in self._cancelled:
+        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun.
+        Request ids are per tenant: another tenant's earlier request under the same id is no duplicate."""
+        rid = request.request_id
+        if request.adapter is not None and self.grants is not None and rid not in self._recent:
+            await self._check_grant(request)  # before the checks below, which run with no await between
+        if rid in self._recent and self._recent[rid] not in (None, request.tenant_id):
+            if rid in self.tasks:  # the scheduler never holds one id of two tenants at once
+                raise RequestIdInUse(f"request id {rid} is running for another tenant on this worker")
+            del self._recent[rid]
+            self._cancelled.pop(rid, None)
+        if rid in self._recent:
+            if rid in self._cancelled:
                 raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker")
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
@@ -102,7 +115,7 @@ class RequestServer:
             job.lookup = self.cache.acquire(
                 job.key, request.adapter.rank, request.tenant_id, request.priority, request.tenant_gpu_slots
             )
-        self._remember(request.request_id)
+        self._remember(request.request_id, request.tenant_id)
         self._jobs[request.request_id] = job
         # the engine gets the request first; the accept notice (off the path to the first token)
         # is queued on the connection before the task can emit anything, so it still arrives first
@@ -113,6 +126,15 @@ class RequestServer:
             request.reply_to,
             ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.cache_hit),
         )
+
+    async def _check_grant(self, request: InferRequest) -> None:
+        """The adapter must be what the request's model resolves to for its tenant now (released, or
+        staging on a preview), as the scheduler judged it: a worker never serves on trust alone."""
+        assert self.grants is not None
+        try:
+            await self.grants.grant(request, request.preview)
+        except IsolationAttempt as e:  # the scheduler audits it; the client gets the plain 404
+            raise e.answer from None
 
     def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
@@ -135,8 +157,8 @@ class RequestServer:
         doomed = [rid for rid, job in self._jobs.items() if job.key in keys]
         return sum(self.cancel(rid, error) for rid in doomed)
 
-    def _remember(self, request_id: str) -> None:
-        self._recent[request_id] = None
+    def _remember(self, request_id: str, tenant: str | None = None) -> None:
+        self._recent[request_id] = tenant if tenant is not None else self._recent.get(request_id)
         while len(self._recent) > 10_000:
             self._recent.popitem(last=False)
 

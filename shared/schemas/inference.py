@@ -42,9 +42,19 @@ class InferRequest(Message):
 
     request_id: RequestId
     tenant_id: Identifier
-    model: str = Field(min_length=1, max_length=256, description="the name the client asked for")
+    model: str = Field(
+        min_length=1, max_length=256, description="the name the client asked for; the scheduler resolves it"
+    )
+    request_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="what a canary split hashes (the OpenAI ``user``); None = the request id",
+    )
     base_model: str = Field(min_length=1, max_length=256)
-    adapter: ResolvedAdapter | None = None
+    adapter: ResolvedAdapter | None = Field(
+        default=None, description="optional for a client: if given, it must be what the scheduler resolves"
+    )
     messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
     prompt: str | None = Field(default=None, max_length=400_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -56,13 +66,20 @@ class InferRequest(Message):
         description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
     )
     priority: Literal["interactive", "batch"] = "interactive"
-    created_at: float = Field(default_factory=time.time)
+    created_at: float = Field(
+        default_factory=time.time, description="epoch seconds; the scheduler overwrites it with its admission time"
+    )
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
     tenant_gpu_slots: int | None = Field(
         default=None,
         ge=1,
         le=100_000,
         description="the tenant's GPU adapter slot quota per rank class (set by the scheduler from its limits)",
+    )
+    preview: bool = Field(
+        default=False,
+        description="a pinned staging version may be served: set by the scheduler from the submission's "
+        "subject (the gateway's preview subject), never taken from the client",
     )
     accept_deadline: float | None = Field(
         default=None, description="epoch seconds after which the client no longer waits for a worker"

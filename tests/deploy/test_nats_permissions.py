@@ -110,7 +110,7 @@ async def test_the_scheduler_follows_completions_and_workers_follow_adapter_even
 
 async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_as) -> None:
     gateway = await connect_as("gateway")
-    ack = await gateway.nc.jetstream(timeout=5).publish(subjects.infer_submit("acme"), b"{}")
+    ack = await gateway.nc.jetstream(timeout=5).publish(subjects.infer_submit("acme", subjects.VIA_GATEWAY), b"{}")
     assert ack.stream == subjects.INFER_STREAM
     scheduler = await connect_as("scheduler")
     psub = await scheduler.nc.jetstream(timeout=5).pull_subscribe(
@@ -120,7 +120,7 @@ async def test_gateway_submits_requests_and_the_scheduler_consumes_them(connect_
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
     )
     msgs = await psub.fetch(batch=16, timeout=5)
-    assert any(m.subject == subjects.infer_submit("acme") for m in msgs)
+    assert any(m.subject == subjects.infer_submit("acme", subjects.VIA_GATEWAY) for m in msgs)
     for msg in msgs:
         await msg.ack_sync(timeout=5)
     assert scheduler.errors == [] and gateway.errors == []
@@ -211,6 +211,8 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
     ack = await acme.nc.jetstream(timeout=5).publish(subjects.infer_submit("acme"), b"{}")
     assert ack.stream == subjects.INFER_STREAM and acme.errors == []
     assert await acme.publish_refused(subjects.infer_submit("globex"))
+    for via in (subjects.VIA_GATEWAY, subjects.VIA_PREVIEW):  # the origin the scheduler trusts is nats-server's
+        assert await acme.publish_refused(subjects.infer_submit("acme", via))
     assert await acme.subscribe_refused("_INBOX_globex.>")
     assert await acme.subscribe_refused("_INBOX.>")
     assert await acme.publish_refused(subjects.registry("resolve"))

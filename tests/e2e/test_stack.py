@@ -72,7 +72,7 @@ def test_unknown_model_is_404(client):
 
 
 async def _direct_request(nats_url: str, tenant: str, **over) -> list:
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, inbox_prefix=f"_INBOX_{tenant}")  # a direct client's replies: its own inbox
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     fields = {

@@ -16,17 +16,17 @@ from lorafleet.cli.infra import Server, free_port, start_nats
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.catalog_follow import start_resolver
-from services.gateway.catalog_mirror import Resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
-from services.gateway.prompt_tokens import PromptTokens
 from services.gateway.readiness import ClusterView
 from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
+from shared.catalog_mirror import Resolver
 from shared.config import GatewaySettings, RegistrySettings
 from shared.errors import Unauthorized
 from shared.heartbeat import publish_heartbeats
+from shared.prompt_tokens import PromptTokens
 from shared.schemas import (
     ApiKeyCreatedReply,
     CreateApiKeyRequest,

@@ -13,12 +13,12 @@ from nats.aio.msg import Msg
 
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
-from services.gateway.catalog_mirror import CatalogMirror, Resolver
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
 from services.registry.tenants import Tenants
 from shared import subjects
 from shared.bus import serve
+from shared.catalog_mirror import CatalogMirror, Resolver
 from shared.config import GatewaySettings
 from shared.memory_bus import MemoryBus
 from shared.schemas import (

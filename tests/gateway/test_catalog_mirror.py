@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from services.gateway.catalog_mirror import CatalogMirror, Resolver
 from shared.catalog import Catalog
+from shared.catalog_mirror import CatalogMirror, Resolver
 from shared.errors import LorafleetError
 from shared.resolve import resolve
 from shared.schemas import ResolveReply, ResolveRequest
@@ -129,3 +129,19 @@ async def test_a_mirror_still_loading_is_not_caught_up():
     assert not await mirror.caught_up(1, 0.02)
     mirror.mark_loaded()
     assert await mirror.caught_up(1, 0.02)
+
+
+async def test_a_shared_adapters_scopes_are_judged_on_the_version_served():
+    """v1 (production) names acme, v2 (the newest, a full canary) names globex: each tenant gets the
+    version its scope names, never one that does not name it (before: judged on the newest only)."""
+    v1 = make_record("shared-chat", 1, "shared", status="production", allowed_scopes=["acme"])
+    v2 = make_record("shared-chat", 2, "shared", status="canary", traffic_percent=100, allowed_scopes=["globex"])
+    registry = Registry(v1, v2)
+    resolver = Resolver(loaded_mirror(v1, v2), registry)
+    resolver.mirror.base_model = BASE
+    for tenant, version in (("acme", 1), ("globex", 2)):
+        reply = await resolver.resolve(ResolveRequest(tenant_id=tenant, model="shared-chat", request_key="k"))
+        assert reply.adapter is not None and reply.adapter.version == version
+    for tenant, model in (("acme", "shared-chat@2"), ("globex", "shared-chat@1")):
+        with pytest.raises(LorafleetError, match="does not exist"):
+            await resolver.resolve(ResolveRequest(tenant_id=tenant, model=model, request_key="k"))

@@ -7,9 +7,9 @@ import time
 import uuid
 
 from services.gateway.catalog_follow import start_resolver
-from services.gateway.catalog_mirror import CatalogMirror
 from shared import metrics, subjects
 from shared.bus import request
+from shared.catalog_mirror import CatalogMirror
 from shared.heartbeat import publish_heartbeats
 from shared.schemas import AdapterRecordsReply, PromoteRequest, RollbackRequest
 from tests.gateway.adapters import make_adapter, push, release

@@ -5,10 +5,10 @@ import pytest
 
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
-from services.gateway.catalog_mirror import CatalogMirror, Resolver
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
 from shared.bus import connect
+from shared.catalog_mirror import CatalogMirror, Resolver
 from shared.config import GatewaySettings
 
 KEY = "test-key-acme"

@@ -1,6 +1,6 @@
 """The gateway's torch-free token count equals the worker's (transformers' tokenizer + chat template)."""
 
-from services.gateway.prompt_tokens import PromptTokens
+from shared.prompt_tokens import PromptTokens
 from shared.schemas import ChatMessage
 
 CHATS = [

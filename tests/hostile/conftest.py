@@ -92,6 +92,7 @@ class HostileStack:
     fingerprint: str = ""  # the registry's base model
     keys: Keys = field(default_factory=Keys)
     adapters: dict[str, str] = field(default_factory=dict)  # tenant -> its released adapter id
+    redis_url: str = ""  # quota counters and dedupe markers live there
 
     def client(self, key: str | None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -230,6 +231,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         root / "audit.db",
         adapter_files(root / "adapter", seed=1),
         root / "trusted",
+        redis_url=redis.url,
     )
     try:
         for name in ("registry", "auditor", "scheduler", "gateway", "worker"):

@@ -152,7 +152,10 @@ def adapter_of(hostile: HostileStack, record: dict, **over: object) -> dict:
 async def completions(hostile: HostileStack, rid: str, since: float) -> list[dict]:
     await asyncio.sleep(0.5)  # the worker audits a completion right after its final reply
     return [
-        a for tenant in ("demo", "other") for a in hostile.audits("completion", tenant, since) if a["request_id"] == rid
+        a
+        for tenant in ("demo", "other", "direct")
+        for a in hostile.audits("completion", tenant, since)
+        if a["request_id"] == rid
     ]
 
 
@@ -191,7 +194,9 @@ async def test_direct_submission_is_refused_on_the_tenants_own_inbox(
         "forged-digest": adapter_of(hostile, records["demo-secret"], digest="0" * 64),
     }
     if "adapter" in edit:
-        edit = {"adapter": adapters[edit["adapter"]], "model": "any-name"}
+        # a forged block under its adapter's own name: the scheduler resolves the name, then compares
+        named = "demo-secret" if edit["adapter"].startswith("forged") else "any-name"
+        edit = {"adapter": adapters[edit["adapter"]], "model": named}
     inbox = f"_INBOX_demo.{rid}"
     sub = await nc.subscribe(inbox)
     spy = await nc.subscribe("_INBOX_other.>")
@@ -245,7 +250,10 @@ async def test_replay_with_the_same_msg_id_is_deduplicated(hostile: HostileStack
     assert await collect(sub, 1) == []  # nothing more: served once
     late = await submit(nc, "demo", infer(rid), msg_id=f"{rid}-again")  # past the stream's dedupe: the scheduler's
     assert not late.duplicate
-    assert await collect(sub, 2) == []
+    refused = await collect(sub, 5)  # a new submission under an id already served: 409, never a rerun
+    assert [b.kind for b in refused] == ["error"] and refused[0].error.code == "request_id_in_use"
+    assert refused[0].error.status == 409
+    await nothing_queued(nc)
     assert len(await completions(hostile, rid, since)) == 1
 
 
@@ -262,10 +270,10 @@ async def test_another_tenants_request_id_is_refused_without_touching_its_owner(
             await submit(nc, "other", infer(rid, tenant="other"), msg_id=f"other-{rid}")
             bodies = await collect(sub, 5)
             more = [await anext(lines) for _ in range(6)]
-    assert [b.kind for b in bodies] == ["error"] and bodies[0].error.code == "conflict"
+    assert [b.kind for b in bodies] == ["error"] and bodies[0].error.code == "request_id_in_use"
     assert all(line.startswith("data: {") or not line for line in first + more)
     assert all('"error"' not in line for line in first + more)
-    await hostile.wait_audit("rejection", "other", since, service="scheduler", code="conflict")
+    await hostile.wait_audit("rejection", "other", since, service="scheduler", code="request_id_in_use")
     await hostile.wait_audit("completion", "demo", since, request_id=rid)
     served = await completions(hostile, rid, since)
     assert [a["tenant_id"] for a in served] == ["demo"]

@@ -157,10 +157,10 @@ async def test_a_dispatched_request_is_recognised_in_the_same_round_trip_and_cha
     dispatched = Dispatched(redis, RedisGuard(), prefix, ttl_s=60)
     quota = TenantQuota(requests_per_min=60, max_concurrent=1)
     try:
-        await dispatched.mark("taken", "worker-1")
+        await dispatched.mark("acme", "taken", 1)
         with pytest.raises(AlreadyDispatched):
-            await adm.admit(req("taken"), quota, dispatched.key("taken"))
-        grant = await adm.admit(req("fresh"), quota, dispatched.key("fresh"))  # nothing was charged above
+            await adm.admit(req("taken"), quota, dispatched.key("acme", "taken"))
+        grant = await adm.admit(req("fresh"), quota, dispatched.key("acme", "fresh"))  # nothing was charged above
         assert grant.in_redis and grant.request_id == "fresh"
         assert await redis.zcard(f"{prefix}quota:acme:running") == 1
     finally:

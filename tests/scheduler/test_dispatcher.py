@@ -6,6 +6,7 @@ import pytest
 from services.scheduler.dispatcher import Ports
 from services.scheduler.service import build
 from services.scheduler.upkeep import Upkeep
+from shared import subjects
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.redis_conn import connect_redis
@@ -91,7 +92,7 @@ class World:
             )
         )
 
-    async def submit(self, rid: str, tenant: str = "acme", **over) -> Msg:
+    async def submit(self, rid: str, tenant: str = "acme", seq: int | None = None, **over) -> Msg:
         fields = {
             "request_id": rid,
             "tenant_id": tenant,
@@ -103,7 +104,8 @@ class World:
         }
         fields.update(over)
         msg = Msg()
-        await self.core.submit(f"lf.infer.submit.{tenant}", InferRequest(**fields).model_dump_json().encode(), msg)
+        data = InferRequest(**fields).model_dump_json().encode()
+        await self.core.submit(subjects.infer_submit(tenant, subjects.VIA_GATEWAY), data, msg, seq)
         await self.settle()
         return msg
 
@@ -237,7 +239,7 @@ async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown
     cancelled = await world.submit("c")
     assert await world.core.cancel("c") and cancelled.acts == ["term"]
     kept = await world.submit("k")
-    orphan = await world.submit("o", base_model="nobody-serves-this")
+    orphan = await world.submit("o", model="nobody-serves-this", base_model="nobody-serves-this")
     await asyncio.sleep(0.25)
     await world.upkeep.tick()
     assert orphan.acts == ["term"] and world.errors["o"] == "no_worker_available"

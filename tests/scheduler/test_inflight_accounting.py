@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from shared import subjects
 from shared.config import SchedulerSettings
 from shared.errors import UpstreamTimeout
 from shared.redis_conn import connect_redis
@@ -50,7 +51,8 @@ async def submitted_behind(world: World, gate: Gate, rid: str, msg: Msg | None =
         reply_to="_INBOX.x",
         sampling={"max_tokens": 8},
     )
-    await world.core.submit("lf.infer.submit.acme", request.model_dump_json().encode(), msg or Msg())
+    subject = subjects.infer_submit("acme", subjects.VIA_GATEWAY)
+    await world.core.submit(subject, request.model_dump_json().encode(), msg or Msg())
     assert rid in world.core.held and world.core.tasks  # being dispatched
     return asyncio.create_task(world.settle())
 

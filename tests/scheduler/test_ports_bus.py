@@ -1,7 +1,9 @@
 """The scheduler's bus ports (``services.scheduler.ports.bus_ports``: dispatch to a worker, error
-replies, worker control, registry records) against fake workers on the in-memory bus: the
+replies, worker control, resolves from the registry) against fake workers on the in-memory bus: the
 worker's typed refusals, no worker, a silent worker. No server process."""
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,16 +13,18 @@ from services.scheduler.dispatcher import Ports
 from services.scheduler.ports import bus_ports
 from shared import subjects
 from shared.bus import decode, serve
+from shared.catalog_follow import follow_catalog
 from shared.config import SchedulerSettings
-from shared.errors import ModelNotFound, NoFreeSlot, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
+from shared.errors import ModelNotFound, NoFreeSlot, NoResponders, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
 from shared.memory_bus import MemoryBus
+from shared.resolve import to_resolved
 from shared.schemas import (
-    AdapterRecordsReply,
     DispatchReply,
-    GetAdapterRequest,
     InferRequest,
     ReplyEnvelope,
     ReplyError,
+    ResolveReply,
+    ResolveRequest,
     WorkerControl,
 )
 from tests.helpers.records import make_record
@@ -43,7 +47,10 @@ def infer_request(request_id: str = "req-1") -> InferRequest:
 async def wired() -> AsyncIterator[tuple[MemoryBus, Ports]]:
     bus = MemoryBus(seed=0)
     nc = bus.connect("scheduler")
-    yield bus, bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S))  # type: ignore[arg-type]
+    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
+    watch.cancel()  # an unloaded mirror: every resolve is asked of the registry
+    settings = SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S)
+    yield bus, bus_ports(nc, None, settings, resolver)  # type: ignore[arg-type]
     await nc.close()
     assert bus.errors == []
 
@@ -95,14 +102,48 @@ async def test_error_replies_and_controls_reach_their_subjects(wired: tuple[Memo
     assert decode(WorkerControl, msg.data) == WorkerControl(action="cancel", request_id="req-1")
 
 
-async def test_adapter_records_come_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:
+async def test_a_resolve_the_mirror_cannot_answer_comes_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:
     bus, ports = wired
+    record = make_record("sea", 2, "demo")
 
-    async def get(req: GetAdapterRequest) -> AdapterRecordsReply:
-        matching = req.adapter_id == "sea" and req.version == 2
-        return AdapterRecordsReply(records=[make_record("sea", 2, "demo")] if matching else [])
+    async def resolve(req: ResolveRequest) -> ResolveReply:
+        if (req.tenant_id, req.model) != ("demo", "sea"):
+            raise ModelNotFound(f"no {req.model} for {req.tenant_id}")
+        return ResolveReply(base_model="tiny-llama", adapter=to_resolved(record))
 
-    await serve(bus.connect("registry"), subjects.registry("get"), GetAdapterRequest, get)
-    assert (await ports.adapter_record("sea", 2)).tenant_id == "demo"
-    with pytest.raises(ModelNotFound, match="no sea v3"):
-        await ports.adapter_record("sea", 3)
+    await serve(bus.connect("registry"), subjects.registry("resolve"), ResolveRequest, resolve)
+    asked = ResolveRequest(tenant_id="demo", model="sea", request_key="k")
+    assert (await ports.resolve(asked, False)).adapter == to_resolved(record)
+    with pytest.raises(ModelNotFound, match="no sea for other"):
+        await ports.resolve(asked.model_copy(update={"tenant_id": "other"}), True)
+
+
+async def test_a_worker_not_yet_resubscribed_after_a_reconnect_is_asked_again_not_judged_absent() -> None:
+    """The first wait overlaps a reconnect (the worker may hold the request), and the next ask finds
+    the worker's dispatch subscription not back yet. Before: that NoResponders was a plain 503 and
+    the request went to another worker while this one could still run it."""
+    bus = MemoryBus(seed=0)
+    nc = bus.connect("scheduler")
+    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
+    watch.cancel()
+    ports = bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S), resolver)  # type: ignore[arg-type]
+    worker = bus.connect("w1")
+    resubscribed = asyncio.Event()
+
+    async def accept(req: InferRequest) -> DispatchReply:
+        return DispatchReply(accepted=True, worker_id="w1")
+
+    async def reconnect_then_serve(msg: Msg) -> None:
+        await first.unsubscribe()  # the reply is lost and the worker's subscription goes with its connection
+        nc.stats["reconnects"] += 1  # the scheduler's connection came back meanwhile
+        await asyncio.sleep(DISPATCH_TIMEOUT_S * 2)  # asks in between find nobody subscribed
+        await serve(worker, subjects.worker_dispatch("w1"), InferRequest, accept)
+        resubscribed.set()
+
+    first = await worker.subscribe(subjects.worker_dispatch("w1"), cb=reconnect_then_serve)
+    request = infer_request().model_copy(update={"accept_deadline": time.time() + 30})
+    reply = await ports.dispatch("w1", request, None)
+    assert reply.accepted and resubscribed.is_set()
+    with pytest.raises(NoResponders):  # with no reconnect in between, nobody subscribed is answered at once
+        await ports.dispatch("gone", request, None)
+    await nc.close()

@@ -2,13 +2,16 @@
 tick each, around a real Dispatcher on a real Redis: what they change, what they export on
 /metrics, and that a bad message is logged, never raised into the subscription."""
 
+import itertools
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import REGISTRY
 
 from services.scheduler.service import Scheduler
+from shared import subjects
 from shared.bus import encode
 from shared.config import SchedulerSettings
 from shared.redis_conn import connect_redis
@@ -24,9 +27,13 @@ class Bus:
 class Delivery(Msg):
     """A message as the handlers get it: subject and body, plus the JetStream acts of Msg."""
 
+    sequence = itertools.count(1)
+
     def __init__(self, data: bytes, subject: str = "") -> None:
         super().__init__()
         self.data, self.subject = data, subject
+        # JetStream's metadata, as nats-py parses it from the reply subject: the stream sequence
+        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=next(self.sequence)))
 
 
 @pytest.fixture
@@ -60,7 +67,7 @@ def submission(rid: str) -> Delivery:
     request = InferRequest(
         request_id=rid, tenant_id="acme", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.x"
     )
-    return Delivery(encode(request), "lf.infer.submit.acme")
+    return Delivery(encode(request), subjects.infer_submit("acme", subjects.VIA_GATEWAY))
 
 
 def completion(rid: str, worker_id: str) -> Delivery:

@@ -165,3 +165,40 @@ async def test_a_request_cancelled_while_running_is_refused_if_dispatched_again(
             await asyncio.sleep(0.01)
     finally:
         engine.shutdown()
+
+
+async def test_another_tenants_finished_request_under_the_same_id_is_no_duplicate(loaded):
+    engine = AsyncEngine.from_loaded(
+        loaded, EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256)
+    )
+    engine.start()
+    finals: list[str] = []
+
+    async def emit(reply_to: str, message) -> None:
+        if isinstance(message, ReplyFinal):
+            finals.append(reply_to)
+
+    async def audit(_) -> None:
+        return None
+
+    prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
+    server = RequestServer(engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16)
+
+    async def served(tenant: str) -> None:
+        first = request(loaded, "same-id").model_copy(
+            update={"tenant_id": tenant, "reply_to": f"_INBOX_{tenant}.r", "sampling": SamplingParams(max_tokens=2)}
+        )
+        await server.accept(first)
+        deadline = time.monotonic() + 60
+        while f"_INBOX_{tenant}.r" not in finals:
+            assert time.monotonic() < deadline, f"{tenant}'s request never finished"
+            await asyncio.sleep(0.01)
+
+    try:
+        await served("attacker")
+        await served("victim")  # before: acked as a duplicate of the attacker's, and never run
+        await server.accept(request(loaded, "same-id").model_copy(update={"tenant_id": "victim"}))
+        assert "same-id" not in server.tasks  # the victim's redispatch is a duplicate: it runs once
+        assert finals == ["_INBOX_attacker.r", "_INBOX_victim.r"]
+    finally:
+        engine.shutdown()

@@ -1,9 +1,10 @@
-"""The gateway's copy of the registry's adapter catalog, and resolution from it.
+"""A copy of the registry's adapter catalog, and resolution from it: the gateway's, and the
+scheduler's (which resolves direct-NATS submissions exactly as the gateway resolves HTTP ones).
 
-A watch on the registry's records bucket keeps ``CatalogMirror`` equal to the registry's own
-catalog (every change is written to that bucket before the registry applies it), so the gateway
-resolves a request in microseconds instead of a registry round trip (~1.5 ms on the request's
-path to its first token). Only successes are answered locally: any refusal (unknown, foreign,
+A watch on the registry's records bucket (``shared.kv_follow``) keeps ``CatalogMirror`` equal to
+the registry's own catalog (every change is written to that bucket before the registry applies
+it), so a request is resolved in microseconds instead of a registry round trip (~1.5 ms on the
+request's path to its first token). Only successes are answered locally: any refusal (unknown, foreign,
 unreleased, revoked) is asked of the registry, which holds the newest state and audits an
 attempt on another tenant's adapter. The registry's writes wait for every live gateway's mirror
 to confirm them (``catalog.sync``), so once a promote, rollback or revoke has returned, no
@@ -28,7 +29,7 @@ class CatalogMirror:
         self.loaded = False
         self.revision = 0  # the last bucket revision applied
         self.base_model: str | None = None  # learnt from the registry's first answer
-        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def apply(self, key: str, value: bytes | None, revision: int) -> None:
         """One watched entry. Records are never deleted (a retired version keeps its record)."""
@@ -73,9 +74,11 @@ class Resolver:
         self.mirror = mirror
         self._ask = ask_registry
 
-    async def resolve(self, req: ResolveRequest) -> ResolveReply:
+    async def resolve(self, req: ResolveRequest, ask_registry: bool = False) -> ResolveReply:
+        """From the mirror when it resolves; the registry's answer for a refusal, or with
+        ``ask_registry`` (a mirror may lag the registry by a watch delivery)."""
         mirror = self.mirror
-        if mirror.loaded and mirror.base_model is not None:
+        if mirror.loaded and mirror.base_model is not None and not ask_registry:
             try:
                 reply = resolve(
                     mirror.catalog, mirror.base_model, req.tenant_id, req.model, req.request_key, req.preview

@@ -1,0 +1,40 @@
+"""Fields a direct-NATS client writes that only the scheduler may set: they never lift a quota."""
+
+import time
+
+import pytest
+
+from shared.config import SchedulerSettings
+from shared.redis_conn import connect_redis
+from shared.schemas import TenantQuota
+from tests.scheduler.test_dispatcher import World
+
+
+@pytest.fixture
+async def world(redis_url):
+    redis = connect_redis(redis_url)
+    settings = SchedulerSettings(
+        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"cf{time.monotonic_ns()}:"
+    )
+    yield World(settings, redis)
+    await redis.aclose()
+
+
+async def test_a_client_written_created_at_frees_no_slot_while_the_request_runs(world):
+    world.beat("w1", max_running=64)
+    world.core.quotas.set("acme", TenantQuota(max_concurrent=1))
+    acts = []
+    for i in range(20):
+        acts.append((await world.submit(f"r{i}", created_at=0.0)).acts)
+        await world.upkeep.tick()
+    assert acts == [["ack"]] + [["term"]] * 19
+    assert list(world.core.inflight) == ["r0"] and world.core.fleet.workers["w1"].inflight == 1
+    assert abs(world.requests["r0"].created_at - time.time()) < 60  # the scheduler's stamp reaches the worker
+
+
+async def test_a_client_written_gpu_slot_quota_is_replaced_by_the_tenants(world):
+    world.beat("w1")
+    await world.submit("free", tenant_gpu_slots=100_000)
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=2))
+    await world.submit("capped", tenant_gpu_slots=100_000)
+    assert (world.requests["free"].tenant_gpu_slots, world.requests["capped"].tenant_gpu_slots) == (None, 2)

@@ -1,0 +1,65 @@
+"""Request ids are per tenant: one tenant's id never shadows another's, and a tenant reusing its own
+id is told so (409) while a redelivery of the same submission is acknowledged, never run twice."""
+
+import time
+
+import pytest
+
+from shared.config import SchedulerSettings
+from shared.errors import RequestIdInUse, from_body
+from shared.redis_conn import connect_redis
+from tests.scheduler.test_dispatcher import World
+
+
+@pytest.fixture
+async def world(redis_url):
+    redis = connect_redis(redis_url)
+    settings = SchedulerSettings(
+        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"ri{time.monotonic_ns()}:"
+    )
+    yield World(settings, redis)
+    await redis.aclose()
+
+
+async def test_another_tenants_earlier_id_does_not_swallow_the_victims_request(world):
+    world.beat("w1")
+    await world.submit("predictable", tenant="attacker", seq=1)
+    await world.finish("predictable")
+    victim = await world.submit("predictable", tenant="victim", seq=2)
+    assert victim.acts == ["ack"] and world.dispatched == [("w1", "predictable")] * 2
+    assert world.requests["predictable"].tenant_id == "victim"
+
+
+async def test_a_second_scheduler_keeps_the_ids_per_tenant_through_redis(world, redis_url):
+    world.beat("w1")
+    await world.submit("r1", tenant="attacker", seq=1)
+    redis = connect_redis(redis_url)
+    try:
+        settings = SchedulerSettings(capacity_headroom=0, redis_key_prefix=world.core.admission._prefix)
+        peer = World(settings, redis)  # knows nothing in process: only Redis remembers r1
+        peer.beat("w2")
+        assert (await peer.submit("r1", tenant="attacker", seq=1)).acts == ["ack"]  # a redelivery
+        assert (await peer.submit("r1", tenant="attacker", seq=5)).acts == ["term"]  # a reuse
+        assert peer.errors == {"r1": "request_id_in_use"}
+        assert (await peer.submit("r1", tenant="victim", seq=6)).acts == ["ack"]
+        assert peer.dispatched == [("w2", "r1")] and peer.requests["r1"].tenant_id == "victim"
+    finally:
+        await redis.aclose()
+
+
+async def test_a_tenant_reusing_its_own_id_gets_409_and_its_redelivery_is_acked(world):
+    world.beat("w1")
+    await world.submit("r1", seq=1)
+    assert (await world.submit("r1", seq=1)).acts == ["ack"]  # redelivered: runs once
+    reused = await world.submit("r1", seq=7, reply_to="_INBOX.other")  # running: a new submission
+    assert reused.acts == ["term"] and world.errors == {"r1": RequestIdInUse.code}
+    await world.finish("r1")
+    world.errors.clear()
+    late = await world.submit("r1", seq=9, reply_to="_INBOX.late")  # served already: still in use
+    assert late.acts == ["term"] and world.errors == {"r1": "request_id_in_use"}
+    assert world.dispatched == [("w1", "r1")]
+
+
+def test_the_reuse_error_is_a_409_through_the_error_body():
+    rebuilt = from_body(RequestIdInUse("request id r1 is in use").to_body())
+    assert isinstance(rebuilt, RequestIdInUse) and rebuilt.status == 409
