@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from shared.config import SchedulerSettings
+from shared.config import DefaultQuota, SchedulerSettings
 from shared.redis_conn import connect_redis
 from shared.schemas import TenantQuota
 from tests.scheduler.test_dispatcher import World
@@ -34,7 +34,10 @@ async def test_a_client_written_created_at_frees_no_slot_while_the_request_runs(
 
 async def test_a_client_written_gpu_slot_quota_is_replaced_by_the_tenants(world):
     world.beat("w1")
-    await world.submit("free", tenant_gpu_slots=100_000)
+    await world.submit("default", tenant_gpu_slots=100_000)  # no quota of its own: the platform default
     world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=2))
     await world.submit("capped", tenant_gpu_slots=100_000)
-    assert (world.requests["free"].tenant_gpu_slots, world.requests["capped"].tenant_gpu_slots) == (None, 2)
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=0))  # 0: no limit
+    await world.submit("unlimited", tenant_gpu_slots=3)
+    slots = [world.requests[r].tenant_gpu_slots for r in ("default", "capped", "unlimited")]
+    assert slots == [DefaultQuota().max_gpu_adapter_slots, 2, None]

@@ -71,8 +71,8 @@ class Run:
         self.quiet_in = asyncio.Event()
         submit = core.submit
 
-        async def recording(subject: str, data: bytes, handle) -> None:
-            await submit(subject, data, handle)
+        async def recording(subject: str, data: bytes, handle, seq: int | None = None) -> None:
+            await submit(subject, data, handle, seq)
             rid = InferRequest.model_validate_json(data).request_id
             if rid in core.held:
                 self.admitted.append(rid)
@@ -92,7 +92,9 @@ async def publish(js, rid: str, tenant: str) -> None:
         reply_to="_INBOX.x",
         sampling={"max_tokens": 4},
     )
-    await js.publish(subjects.infer_submit(tenant), encode(request), headers={"Nats-Msg-Id": rid})
+    # as the gateway submits (a direct-NATS tenant's replies must go to its own _INBOX_<t> inbox)
+    subject = subjects.infer_submit(tenant, subjects.VIA_GATEWAY)
+    await js.publish(subject, encode(request), headers={"Nats-Msg-Id": rid})
 
 
 @pytest.mark.parametrize("flood", [100, 400])
