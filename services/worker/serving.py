@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.worker.adapter_cache.hierarchy import CacheHierarchy, Lookup
-from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.sequence import EngineRequest
+from services.worker.engine_port import WorkerEngine
 from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
@@ -58,7 +58,7 @@ class RequestServer:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: WorkerEngine,
         prompts: PromptIds,
         worker_id: str,
         base_model: str,

@@ -1,12 +1,15 @@
 """The worker's settings: identity, model, and the engine, adapter-slot and cache configs nested
 (``LF_ENGINE__KV_CACHE_BYTES``, ``LF_LORA__MEMORY_BUDGET_BYTES``, ``LF_CACHE__POLICY``...)."""
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.lora.config import LoraConfig
+from services.worker.vllm_engine.config import VllmConfig
 from shared.config import WorkerIdentity
 
 
@@ -15,6 +18,12 @@ class WorkerSettings(WorkerIdentity):
 
     model_dir: str | None = Field(default=None, description="local HF model directory; None = embedded SmolLM2")
     model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
+    worker_engine: Literal["builtin", "vllm"] = Field(
+        default="builtin",
+        description="LF_WORKER_ENGINE: the built-in engine, or vLLM's async engine in-process (.venv-vllm); "
+        "the service runs only builtin so far (issue #20)",
+    )
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine sizing when worker_engine=vllm")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="batching, KV cache, device, dtype")
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="rank classes and the byte budget of the adapter slots"

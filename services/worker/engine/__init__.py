@@ -3,7 +3,7 @@
 from services.worker.engine.async_engine import AsyncEngine, EngineDead, EngineStats
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
+from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedSampling
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 
@@ -19,4 +19,5 @@ __all__ = [
     "LoraProvider",
     "RequestOutput",
     "RequestTooLarge",
+    "UnsupportedSampling",
 ]

@@ -17,3 +17,9 @@ class UnsupportedModel(InvalidRequest):
     """The base model's family, or a feature of its config, is one the engine does not implement exactly."""
 
     code = "unsupported_model"
+
+
+class UnsupportedSampling(InvalidRequest):
+    """A sampling parameter this engine cannot honour exactly: refused rather than silently approximated."""
+
+    code = "unsupported_sampling_parameter"

@@ -1,0 +1,27 @@
+"""Sizing of the vLLM engine: validated once at start-up, never mutated."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class VllmConfig(BaseModel):
+    """What the worker passes to vLLM's engine arguments (``LF_VLLM__MAX_LORAS`` ...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and activations")
+    max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="most sequences running in one step")
+    max_loras: int = Field(default=8, ge=1, le=1024, description="adapters in one batch: vLLM's LoRA slots")
+    max_cpu_loras: int = Field(default=32, ge=1, le=65_536, description="adapters vLLM keeps in its CPU LoRA cache")
+    max_lora_rank: int = Field(default=64, ge=1, le=512, description="largest adapter rank vLLM preallocates for")
+    enable_prefix_caching: bool = Field(default=True, description="share prompt K/V between requests of one salt")
+    cpu_kv_cache_gib: int = Field(default=1, ge=1, le=4096, description="VLLM_CPU_KVCACHE_SPACE on the CPU build")
+    cpu_omp_threads_bind: str = Field(
+        default="nobind",
+        min_length=1,
+        max_length=256,
+        description="VLLM_CPU_OMP_THREADS_BIND on the CPU build: nobind, auto, or a core list such as 0-3",
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory vLLM may hold")

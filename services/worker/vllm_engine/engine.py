@@ -1,0 +1,215 @@
+"""vLLM's async engine (``vllm.v1`` AsyncLLM) driven in-process, as a services.worker.engine_port.WorkerEngine.
+
+vLLM runs its engine core in a child process it spawns and owns; this object is its only client.
+Adapters enter through ``add_adapter`` with files lorafleet has verified, and are served by the
+lorafleet cache key that ``EngineRequest.adapter`` names."""
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from services.worker.engine.async_engine import EngineDead, EngineStats
+from services.worker.engine.errors import DuplicateRequest
+from services.worker.engine.sequence import EngineRequest, RequestOutput
+from services.worker.vllm_engine.adapter_dir import AdapterDir
+from services.worker.vllm_engine.config import VllmConfig
+from services.worker.vllm_engine.sampling import to_vllm
+from shared.errors import InvalidRequest, ServiceUnavailable
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Adapter:
+    lora: LoRARequest
+    digest: str
+
+
+class _SchedulerView(StatLoggerBase):
+    """Keeps the engine core's latest scheduler stats for the heartbeat (vLLM calls ``record`` per step)."""
+
+    def __init__(self, vllm_config, engine_index: int = 0, sink: "VllmEngine | None" = None):  # type: ignore[no-untyped-def]
+        self._sink = sink
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):  # type: ignore[no-untyped-def]
+        if scheduler_stats is not None and self._sink is not None:
+            self._sink._observe(scheduler_stats)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VllmEngine:
+    """One worker's vLLM engine. ``start`` builds it (seconds: the engine core loads the model), ``shutdown`` at exit."""
+
+    def __init__(self, model_dir: str | Path, config: VllmConfig, adapter_dir: AdapterDir):
+        self.model_dir = str(model_dir)
+        self.config = config
+        self.adapters = adapter_dir
+        self._llm: AsyncLLM | None = None
+        self._loras: dict[str, _Adapter] = {}
+        self._ids = itertools.count(1)
+        self._streaming: set[str] = set()
+        self._aborts: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()
+        self._stats = EngineStats(0, 0, 0, 0)
+
+    def start(self) -> None:
+        # Read by the CPU build when its engine core starts (the child inherits the environment).
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_omp_threads_bind
+        c = self.config
+        args = AsyncEngineArgs(
+            model=self.model_dir,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            enable_lora=True,
+            max_loras=c.max_loras,
+            max_cpu_loras=c.max_cpu_loras,
+            max_lora_rank=c.max_lora_rank,
+            enable_prefix_caching=c.enable_prefix_caching,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            enforce_eager=True,  # vLLM runs LoRA eagerly on CPU either way
+            disable_log_stats=False,  # the scheduler stats feed the heartbeat
+        )
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[lambda cfg, index: _SchedulerView(cfg, index, sink=self)]
+        )
+        total = self._llm.vllm_config.cache_config.num_gpu_blocks or 0
+        self._stats = EngineStats(0, 0, total, total)
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+        self.adapters.close()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def add_adapter(self, key: str, digest: str, files: dict[str, bytes]) -> None:
+        """Hand vLLM one verified adapter version under lorafleet's cache ``key`` (a no-op when it holds it)."""
+        llm = self._running()
+        if key in self._loras:
+            return
+        path = await asyncio.to_thread(self.adapters.put, digest, files)
+        lora = LoRARequest(lora_name=key, lora_int_id=next(self._ids), lora_path=str(path))
+        try:
+            await llm.add_lora(lora)
+        except (ValueError, VLLMValidationError) as e:  # e.g. a rank above max_lora_rank
+            await asyncio.to_thread(self.adapters.remove, digest)
+            raise InvalidRequest(f"vLLM cannot serve adapter {key}: {e}", param="adapter") from None
+        self._loras[key] = _Adapter(lora, digest)
+
+    async def remove_adapter(self, key: str) -> bool:
+        """Drop ``key`` from vLLM's slots and CPU cache and its files from disk; False when not held."""
+        adapter = self._loras.pop(key, None)
+        if adapter is None:
+            return False
+        await self._running().remove_lora(adapter.lora.lora_int_id)
+        if all(a.digest != adapter.digest for a in self._loras.values()):
+            await asyncio.to_thread(self.adapters.remove, adapter.digest)
+        return True
+
+    async def pin_adapter(self, key: str) -> bool:
+        adapter = self._loras.get(key)
+        return adapter is not None and await self._running().pin_lora(adapter.lora.lora_int_id)
+
+    def adapter_keys(self) -> list[str]:
+        return sorted(self._loras)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        llm = self._running()
+        rid = request.request_id
+        prompt_tokens = len(request.prompt_token_ids)
+        sampling = to_vllm(
+            request.sampling,
+            prompt_tokens=prompt_tokens,
+            max_model_len=self.config.max_model_len,
+            logprobs=request.logprobs,
+        )
+        lora = self._lora_of(request.adapter)
+        prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        with self._lock:
+            if rid in self._streaming:
+                raise DuplicateRequest(f"request {rid!r} is already streaming")
+            self._streaming.add(rid)
+        completion, first_token_time, finished = 0, None, False
+        try:
+            async for out in llm.generate(prompt, sampling, rid, lora_request=lora):  # type: ignore[arg-type]
+                piece = out.outputs[0]
+                token_ids = list(piece.token_ids)
+                completion += len(token_ids)
+                if token_ids and first_token_time is None:
+                    first_token_time = time.monotonic()
+                finished = out.finished
+                yield RequestOutput(
+                    request_id=rid,
+                    token_ids=token_ids,
+                    text=piece.text,
+                    finished=finished,
+                    finish_reason=_FINISH_REASONS.get(piece.finish_reason or "abort", "abort") if finished else None,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion,
+                    first_token_time=first_token_time,
+                    logprobs=_chosen_logprobs(piece.logprobs, token_ids) if request.logprobs else None,
+                )
+        except VLLMValidationError as e:
+            raise InvalidRequest(f"vLLM refused the request: {e}", param=e.parameter) from None
+        except EngineDeadError as e:
+            raise EngineDead(f"the vLLM engine died: {e}") from None
+        finally:
+            with self._lock:
+                self._streaming.discard(rid)
+        if not finished:  # aborted from outside (cancel): vLLM ends the stream without a last output
+            yield RequestOutput(rid, [], "", True, "abort", prompt_tokens, completion, first_token_time)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort ``request_id`` in vLLM (frees its KV blocks); call from the event loop that generates."""
+        task = asyncio.get_running_loop().create_task(self._running().abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    def _observe(self, stats) -> None:  # type: ignore[no-untyped-def]
+        total = self._stats.kv_blocks_total
+        self._stats = EngineStats(
+            running=stats.num_running_reqs,
+            waiting=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
+            kv_blocks_free=round(total * (1 - stats.kv_cache_usage)),
+            kv_blocks_total=total,
+            prefix_queried_tokens=self._stats.prefix_queried_tokens + stats.prefix_cache_stats.queries,
+            prefix_hit_tokens=self._stats.prefix_hit_tokens + stats.prefix_cache_stats.hits,
+        )
+
+    def _lora_of(self, key: str | None) -> LoRARequest | None:
+        if key is None:
+            return None
+        adapter = self._loras.get(key)
+        if adapter is None:
+            raise ServiceUnavailable(f"adapter {key} is not loaded in this worker's vLLM engine")
+        return adapter.lora
+
+    def _running(self) -> AsyncLLM:
+        if self._llm is None:
+            raise EngineDead("the vLLM engine is not started")
+        return self._llm
+
+
+def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float] | None:  # type: ignore[no-untyped-def]
+    if logprobs is None:
+        return None
+    return [float(step[token].logprob) for step, token in zip(logprobs, token_ids, strict=True)]

@@ -1,0 +1,52 @@
+"""lorafleet's sampling parameters as vLLM's, one to one; what vLLM cannot honour is refused, typed."""
+
+from typing import Any
+
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind
+
+from services.worker.engine.errors import RequestTooLarge, UnsupportedSampling
+from shared.schemas import SamplingParams
+
+# Every field of shared.schemas.SamplingParams that has a vLLM counterpart with the built-in
+# engine's semantics (temperature 0 = greedy, top_k 0 = off, stop strings cut from the text,
+# special tokens skipped). A field added to the schema and not here is refused when set.
+MAPPED = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+
+
+def to_vllm(params: SamplingParams, *, prompt_tokens: int, max_model_len: int, logprobs: bool) -> VllmSamplingParams:
+    """vLLM's parameters for one request, streaming deltas.
+
+    Raises RequestTooLarge as the built-in engine does (a prompt that leaves no room to generate),
+    and UnsupportedSampling for a parameter vLLM cannot honour. ``max_tokens`` past the model
+    length ends at the model length ("length"), as on the built-in engine.
+    """
+    if prompt_tokens == 0 or prompt_tokens >= max_model_len:
+        raise RequestTooLarge(
+            f"prompt has {prompt_tokens} tokens; this engine accepts 1 to {max_model_len - 1}", param="prompt"
+        )
+    fields = type(params).model_fields
+    unmapped = sorted(name for name in fields if name not in MAPPED and getattr(params, name) != _default(params, name))
+    if unmapped:
+        raise UnsupportedSampling(f"the vLLM engine cannot honour {', '.join(unmapped)}", param=unmapped[0])
+    try:
+        return VllmSamplingParams(
+            max_tokens=min(params.max_tokens, max_model_len - prompt_tokens),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=list(params.stop),
+            ignore_eos=params.ignore_eos,
+            logprobs=0 if logprobs else None,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except VLLMValidationError as e:
+        raise UnsupportedSampling(f"vLLM refused the sampling parameters: {e}", param=e.parameter) from None
+
+
+def _default(params: SamplingParams, name: str) -> Any:
+    field = type(params).model_fields[name]
+    return field.get_default(call_default_factory=True)

