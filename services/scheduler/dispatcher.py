@@ -140,6 +140,8 @@ class Dispatcher:
             self.held[rid].handle = handle
             return
         if request.accept_deadline is not None and time.time() > request.accept_deadline:
+            # the client said it stops waiting then: refused (answered and audited), never run late
+            await self._refuse(request, UpstreamTimeout("the request's accept deadline passed before it was scheduled"))
             await handle.term()
             return
         if rid in self.inflight:

@@ -41,3 +41,11 @@ async def test_a_client_written_gpu_slot_quota_is_replaced_by_the_tenants(world)
     await world.submit("unlimited", tenant_gpu_slots=3)
     slots = [world.requests[r].tenant_gpu_slots for r in ("default", "capped", "unlimited")]
     assert slots == [DefaultQuota().max_gpu_adapter_slots, 2, None]
+
+
+async def test_a_submission_past_its_accept_deadline_is_refused_typed_not_run(world):
+    world.beat("w1")
+    msg = await world.submit("late", accept_deadline=time.time() - 1)
+    assert msg.acts == ["term"]
+    assert world.errors == {"late": "upstream_timeout"}  # answered, not silently dropped
+    assert "late" not in world.requests and "late" not in world.core.held
