@@ -98,3 +98,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         stack.stop_all()
         redis.stop()
         nats.stop()
+
+
+@pytest.fixture
+async def world(redis_url):
+    """The dispatcher and upkeep over a real Redis, no capacity headroom (a module may define its own)."""
+    from shared.config import SchedulerSettings
+    from shared.redis_conn import connect_redis
+    from tests.scheduler.test_dispatcher import World
+
+    redis = connect_redis(redis_url)
+    settings = SchedulerSettings(capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"w{time.monotonic_ns()}:")
+    yield World(settings, redis)
+    await redis.aclose()

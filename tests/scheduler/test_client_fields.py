@@ -2,22 +2,8 @@
 
 import time
 
-import pytest
-
-from shared.config import DefaultQuota, SchedulerSettings
-from shared.redis_conn import connect_redis
+from shared.config import DefaultQuota
 from shared.schemas import TenantQuota
-from tests.scheduler.test_dispatcher import World
-
-
-@pytest.fixture
-async def world(redis_url):
-    redis = connect_redis(redis_url)
-    settings = SchedulerSettings(
-        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"cf{time.monotonic_ns()}:"
-    )
-    yield World(settings, redis)
-    await redis.aclose()
 
 
 async def test_a_client_written_created_at_frees_no_slot_while_the_request_runs(world):

@@ -2,26 +2,13 @@
 the end of the run on that worker, and nothing else ends it, whatever order the bus delivers in."""
 
 import asyncio
-import time
 
 import pytest
 
 from shared import subjects
-from shared.config import SchedulerSettings
 from shared.errors import UpstreamTimeout
-from shared.redis_conn import connect_redis
 from shared.schemas import DispatchReply, InferRequest
 from tests.scheduler.test_dispatcher import BASE, Msg, World, completion_audit
-
-
-@pytest.fixture
-async def world(redis_url):
-    redis = connect_redis(redis_url)
-    settings = SchedulerSettings(
-        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"acct{time.monotonic_ns()}:"
-    )
-    yield World(settings, redis)
-    await redis.aclose()
 
 
 def held_on(world: World) -> dict[str, int]:

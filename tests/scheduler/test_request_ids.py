@@ -1,24 +1,10 @@
 """Request ids are per tenant: one tenant's id never shadows another's, and a tenant reusing its own
 id is told so (409) while a redelivery of the same submission is acknowledged, never run twice."""
 
-import time
-
-import pytest
-
 from shared.config import SchedulerSettings
 from shared.errors import RequestIdInUse, from_body
 from shared.redis_conn import connect_redis
 from tests.scheduler.test_dispatcher import World
-
-
-@pytest.fixture
-async def world(redis_url):
-    redis = connect_redis(redis_url)
-    settings = SchedulerSettings(
-        capacity_headroom=0, liveness_timeout_s=5, redis_key_prefix=f"ri{time.monotonic_ns()}:"
-    )
-    yield World(settings, redis)
-    await redis.aclose()
 
 
 async def test_another_tenants_earlier_id_does_not_swallow_the_victims_request(world):
