@@ -35,7 +35,8 @@ class StreamLimits(BaseModel):
         default=1_000,
         ge=1,
         le=100_000_000,
-        description="submissions of one tenant waiting in INFER (its subject); beyond it its new ones are refused",
+        description="submissions of one tenant waiting in INFER per submission subject (gateway, preview, direct); "
+        "beyond it its new ones on that subject are refused",
     )
     audit_max_bytes: int = Field(
         default=8 * 1024**3, ge=2**20, le=2**46, description="bytes of AUDIT kept; the oldest records go first"

@@ -102,9 +102,10 @@ class NoWorkerAvailable(ServiceUnavailable):
 
 
 class NoResponders(ServiceUnavailable):
-    """Nothing subscribes to the subject right now: after a reconnect, possibly only for a moment."""
+    """Nothing subscribes to the subject right now: after a reconnect, possibly only for a moment.
 
-    code = "no_responders"
+    Told apart by type inside a service (a dispatch retries it); to a client it is the plain
+    ``service_unavailable`` it has always been."""
 
 
 class WorkerLost(ServiceUnavailable):

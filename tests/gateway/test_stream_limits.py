@@ -40,9 +40,11 @@ async def bus(own_nats):
 
 
 async def waiting(js, rid: str, tenant: str) -> None:
-    """A submission nobody has fetched yet, as a gateway or a direct-NATS tenant publishes it."""
+    """A submission nobody has fetched yet, on the subject the gateway publishes on (the per-tenant
+    bound holds per submission subject: the gateway's, its preview one, the tenant's direct one)."""
     request = InferRequest(reply_to="_INBOX.x", **fields(rid, tenant))
-    await js.publish(subjects.infer_submit(tenant), encode(request), headers={"Nats-Msg-Id": rid})
+    subject = subjects.infer_submit(tenant, subjects.VIA_GATEWAY)
+    await js.publish(subject, encode(request), headers={"Nats-Msg-Id": rid})
 
 
 async def refused(nc, js, rid: str, tenant: str) -> Exception:
