@@ -15,6 +15,7 @@ transformers imported), RSS after it, peak RSS, and the weight bytes in the serv
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -22,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TypedDict
+
+from bench.soak.procstat import rss_mb
 
 RESULTS = Path(__file__).parent / "results" / "model_load.json"
 DTYPES = ("float32", "bfloat16")
@@ -37,10 +40,7 @@ class Probe(TypedDict):
 
 
 def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return rss_mb(os.getpid())  # /proc's VmRSS in kB / 1024, i.e. MiB
 
 
 def probe(system: str, dtype_name: str, model_dir: str | None) -> Probe:
