@@ -8,8 +8,10 @@ per-module ranks), tensors exactly shaped for the base model, all values finite.
 import hashlib
 import json
 import math
+import mmap
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ _FLOAT_BITS: dict[str, tuple[np.dtype[np.unsignedinteger[Any]], int, int]] = {
     "BF16": (np.dtype("<u2"), 0x7F80, 2),
 }
 MAX_CONFIG_BYTES = 64 * 1024
+AdapterBytes = bytes | mmap.mmap  # a file's contents, or a read-only map of a file too large to copy
 
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z]+_proj)\.lora_(A|B)\.weight$"
@@ -91,7 +94,7 @@ def read_adapter_dir(path: str | Path, limits: AdapterLimits = AdapterLimits()) 
     return files
 
 
-def validate_adapter(files: dict[str, bytes], spec: BaseModelSpec, limits: AdapterLimits) -> AdapterSummary:
+def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, limits: AdapterLimits) -> AdapterSummary:
     """Check both files completely; raise a typed error naming the first problem found."""
     for name in files:
         _check_name(name)
@@ -102,7 +105,7 @@ def validate_adapter(files: dict[str, bytes], spec: BaseModelSpec, limits: Adapt
         raise PayloadTooLarge(f"{CONFIG_FILE}: exceeds the {MAX_CONFIG_BYTES}-byte cap")
     if len(files[WEIGHTS_FILE]) > limits.max_weights_bytes:
         raise PayloadTooLarge(f"{WEIGHTS_FILE}: exceeds the {limits.max_weights_bytes}-byte cap")
-    rank, alpha, use_rslora, modules = _check_config(files[CONFIG_FILE], limits)
+    rank, alpha, use_rslora, modules = _check_config(bytes(files[CONFIG_FILE]), limits)
     count = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
     return AdapterSummary(
         rank=rank,
@@ -165,7 +168,7 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
     return rank, float(alpha), bool(config.get("use_rslora", False)), set(modules)
 
 
-def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> int:
+def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> int:
     header = _header(raw)
     dims = spec.projection_dims()
     seen: set[tuple[int, str, str]] = set()
@@ -198,7 +201,7 @@ def _check_weights(raw: bytes, spec: BaseModelSpec, rank: int, modules: set[str]
     return len(header)
 
 
-def _header(raw: bytes) -> dict[str, dict[str, Any]]:
+def _header(raw: AdapterBytes) -> dict[str, dict[str, Any]]:
     """Parse and bound-check the safetensors header: tensor name -> {dtype, shape, data_offsets}."""
     if len(raw) < 8:
         raise IntegrityError(f"{WEIGHTS_FILE}: too short to be a safetensors file")
@@ -219,7 +222,7 @@ def _header(raw: bytes) -> dict[str, dict[str, Any]]:
     return header
 
 
-def _check_data(raw: bytes, header: dict[str, dict[str, Any]], data_start: int) -> None:
+def _check_data(raw: AdapterBytes, header: dict[str, dict[str, Any]], data_start: int) -> None:
     """Every tensor's bytes lie in the file, with no gap or overlap, and hold finite values.
 
     A float is NaN or Inf exactly when all its exponent bits are set, so the check reads the

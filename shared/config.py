@@ -118,6 +118,12 @@ class GatewaySettings(RequestBounds):
     )
     request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
     registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
+    remote_push_timeout_s: float = Field(
+        default=150.0,
+        gt=0,
+        le=3600,
+        description="bound of an admin push the registry fetches from a remote source; above its LF_REMOTE__TIMEOUT_S",
+    )
     keep_alive_s: float = Field(
         default=75.0,
         gt=0,
@@ -193,6 +199,38 @@ class WorkerIdentity(CommonSettings):
     worker_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
 
+class RemoteSourceSettings(BaseModel):
+    """How the registry fetches a register request's remote ``source_uri``: both kinds are off
+    until enabled, and every fetch is bounded by these limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    s3_enabled: bool = Field(default=False, description="admit s3://bucket/prefix/ sources on the allow-list")
+    https_enabled: bool = Field(default=False, description="admit https:// sources on the allow-list")
+    max_total_bytes: int = Field(
+        default=320 * 1_048_576, ge=1024, le=16 * 1024**3, description="bytes one fetch may read, all files together"
+    )
+    max_file_bytes: int = Field(
+        default=256 * 1_048_576, ge=1024, le=8 * 1024**3, description="bytes of any one fetched file"
+    )
+    max_files: int = Field(default=2, ge=2, le=64, description="objects an s3 prefix may list (only the two are read)")
+    timeout_s: float = Field(default=120.0, gt=0, le=3600, description="bound of one whole fetch, every file included")
+    max_redirects: int = Field(
+        default=3, ge=0, le=10, description="redirects followed per file, each to an allow-listed URL only"
+    )
+    ca_file: str | None = Field(
+        default=None, description="PEM bundle of the CAs TLS is verified against; None = the system's (certifi)"
+    )
+    s3_endpoint_url: str = Field(
+        default="https://s3.amazonaws.com",
+        pattern=r"^https?://[^/?#@]+/?$",
+        description="S3-compatible endpoint (path-style requests); credentials come from the AWS chain",
+    )
+    s3_region: str = Field(
+        default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$", description="region requests are signed for"
+    )
+
+
 class RegistrySettings(CommonSettings):
     model_dir: str | None = Field(default=None, description="base model directory; None = embedded SmolLM2")
     model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
@@ -207,8 +245,10 @@ class RegistrySettings(CommonSettings):
     trusted_source_dirs: tuple[str, ...] = Field(
         default=(), description="directories a register request may name as a file:// source"
     )
-    remote_allow_list: tuple[str, ...] = Field(
-        default=(), description="URL prefixes an operator allows as remote sources (JSON list)"
+    remote: RemoteSourceSettings = Field(
+        default_factory=lambda: RemoteSourceSettings(),
+        description="remote adapter sources (s3://, https://), off by default (LF_REMOTE__*); the allow-list of "
+        "prefixes lives in the registry (lorafleet source add)",
     )
     release_require_eval: bool = Field(default=False, description="refuse to promote a version with no recorded eval")
     release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every adapter's own threshold")

@@ -190,3 +190,60 @@ class RequestIdInUse(Conflict):
     dedupe window): the new submission is refused, the first one is left alone."""
 
     code = "request_id_in_use"
+
+
+class RemoteSourceDisabled(Forbidden):
+    """The registry does not fetch from this kind of remote source (s3 / https are off by default)."""
+
+    code = "remote_source_disabled"
+
+
+class SourceNotAllowed(Forbidden):
+    """The remote URI is on no allow-list entry bound to the pushing tenant; the same answer
+    whether no entry matches or one matches for other tenants only."""
+
+    code = "source_not_allowed"
+
+
+class SourceNotApproved(Forbidden):
+    """The allow-list entry asks for each URI to be approved by an operator before its first use."""
+
+    code = "source_not_approved"
+
+
+class SourceAddressRefused(Forbidden):
+    """The source's host resolves to a loopback, link-local, private or otherwise internal address."""
+
+    code = "source_address_refused"
+
+
+class SourceRedirectRefused(Forbidden):
+    """The source redirected outside the allow-list, or more often than allowed."""
+
+    code = "source_redirect_refused"
+
+
+class SourceFileRefused(InvalidRequest):
+    """The source holds or names a file other than the two adapter files, or too many files."""
+
+    code = "source_file_refused"
+
+
+class SourceTooLarge(PayloadTooLarge):
+    """A fetched file, or all of them together, exceeded the fetch's byte limit."""
+
+    code = "source_too_large"
+
+
+class SourceTimeout(UpstreamTimeout):
+    """The fetch did not finish within its time limit."""
+
+    code = "source_timeout"
+
+
+class SourceFetchFailed(LorafleetError):
+    """The remote source answered with an error, failed TLS verification, or could not be reached."""
+
+    status = 502
+    code = "source_fetch_failed"
+    error_type = "server_error"

@@ -45,12 +45,18 @@ REGISTRY_OPS = (
     "api_key_create",
     "api_key_revoke",
     "api_keys",
+    "source_add",
+    "source_remove",
+    "source_approve",
+    "sources",
 )
+SOURCE_OPS = ("source_add", "source_remove", "source_approve", "sources")  # operator only: never the gateway's
 
 REGISTRY_RECORDS_BUCKET = "lf_adapters"  # KV: "<adapter_id>.<version>" -> AdapterRecord
 REGISTRY_SIGNERS_BUCKET = "lf_signers"  # KV: signer -> base64 Ed25519 public key
 ADAPTER_STORE_BUCKET = "lf_adapter_store"  # object store: the approved adapter weights
 ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads awaiting register
+REGISTRY_SOURCES_BUCKET = "lf_sources"  # KV: "source.<sha256>" -> SourceEntry, "approval.<sha256>" -> SourceApproval
 REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

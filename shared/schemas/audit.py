@@ -54,7 +54,7 @@ class RegistryChangeAudit(Message):
 
 
 class AdminAudit(Message):
-    """A change to tenants, API keys, quotas or signer trust, recorded under each tenant it concerns."""
+    """A change to tenants, API keys, quotas, signer trust or remote sources, recorded under each tenant it concerns."""
 
     kind: Literal["admin"] = "admin"
     ts: float = Field(default_factory=time.time)
@@ -68,6 +68,9 @@ class AdminAudit(Message):
         "signer_trusted",
         "signer_rotated",
         "signer_untrusted",
+        "source_added",
+        "source_removed",
+        "source_approved",
     ]
     target: str = Field(max_length=128, description="the tenant, key id or signer changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")

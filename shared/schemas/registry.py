@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 
 from shared.schemas.base import Identifier, Message
 from shared.schemas.inference import ResolvedAdapter
+from shared.schemas.sources import SourceOrigin
 
 # ---- registry --------------------------------------------------------------------------------
 # Request-reply: a reply is the op's reply model, or an ErrorBody flagged by the
@@ -89,6 +90,7 @@ class AdapterRecord(Message):
     allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
     eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+    origin: SourceOrigin | None = Field(default=None, description="the remote source it was fetched from, if any")
 
 
 class AdapterEvent(Message):

@@ -177,7 +177,7 @@ def test_bad_value_is_a_validation_error_naming_the_field(
     [
         pytest.param(GatewaySettings, "LF_API_KEYS", '{"key-demo": ', id="api-keys-truncated-json"),
         pytest.param(RegistrySettings, "LF_TRUSTED_SOURCE_DIRS", "/etc", id="trusted-dirs-not-json"),
-        pytest.param(RegistrySettings, "LF_REMOTE_ALLOW_LIST", '["https://' + "a" * 10_000, id="allow-list-truncated"),
+        pytest.param(RegistrySettings, "LF_REMOTE", '{"s3_enabled": ' + "a" * 10_000, id="remote-truncated"),
         pytest.param(WorkerSettings, "LF_CACHE__WARMUP", "{", id="warmup-truncated-json"),
     ],
 )
