@@ -27,7 +27,9 @@ AUDIT_READER = "audit-reader"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
-GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "untrust_key", "keys"))
+GATEWAY_REGISTRY_OPS = tuple(
+    op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "untrust_key", "keys", *subjects.SOURCE_OPS)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_write(subjects.REGISTRY_RECORDS_BUCKET),
                 *kv_write(subjects.REGISTRY_SIGNERS_BUCKET),
                 *kv_write(subjects.REGISTRY_TENANTS_BUCKET),
+                *kv_write(subjects.REGISTRY_SOURCES_BUCKET),
                 *obj_write(subjects.ADAPTER_STORE_BUCKET),
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),

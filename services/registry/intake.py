@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 from shared import signing
 from shared.access import SHARED_TENANT
-from shared.adapter_format import AdapterLimits, validate_adapter
+from shared.adapter_format import AdapterBytes, AdapterLimits, validate_adapter
 from shared.catalog import Catalog, Change
 from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
 from shared.fingerprint import BaseModelSpec
-from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
+from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord, SourceOrigin
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +55,16 @@ def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
 def admit(
     catalog: Catalog,
     req: RegisterRequest,
-    files: dict[str, bytes],
+    files: Mapping[str, AdapterBytes],
     base: BaseModelIdentity,
     policy: IntakePolicy,
     signers: Mapping[str, SignerRecord],
     storage_uri: str,
+    origin: SourceOrigin | None = None,
 ) -> Change:
     """The staging record of a new version, or a typed error saying what is wrong. A signed push
-    needs a trusted signer, its current key, and a signer bound to the pushing tenant."""
+    needs a trusted signer, its current key, and a signer bound to the pushing tenant. Every
+    source (upload, inline, trusted directory, remote fetch) passes through here alike."""
     version = _check_identity(catalog, req)
     summary = validate_adapter(files, base.spec, policy.limits)
     manifest = signing.manifest_bytes(summary.file_sha256, req.adapter_id, version, req.tenant_id, base.fingerprint)
@@ -95,5 +97,6 @@ def admit(
         allowed_scopes=req.allowed_scopes,
         aliases=req.aliases,
         eval_results=req.eval_results,
+        origin=origin,
     )
     return Change(kind="registered", before=None, after=record)

@@ -19,7 +19,15 @@ from services.registry import lifecycle
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.registry.kv import RecordsKV
-from services.registry.stores import ApprovedStore, Uploads, decode_inline, trusted_source_dir
+from services.registry.remote_intake import RemoteIntake
+from services.registry.stores import (
+    ApprovedStore,
+    Uploads,
+    decode_inline,
+    is_local_source,
+    object_prefix,
+    trusted_source_dir,
+)
 from shared import metrics, subjects
 from shared.access import SHARED_TENANT, may_use
 from shared.adapter_format import read_adapter_dir
@@ -75,7 +83,7 @@ class Registry:
         base: BaseModelIdentity,
         policy: IntakePolicy,
         trusted_dirs: tuple[Path, ...],
-        remote_allow_list: tuple[str, ...],
+        remote: RemoteIntake,
         publish: Publish,
         gate: GatePolicy = GatePolicy(),
         sync_gateways: SyncGateways = _no_gateways,
@@ -88,7 +96,7 @@ class Registry:
         self._base = base
         self._policy = policy
         self._trusted_dirs = trusted_dirs
-        self._remote_allow_list = remote_allow_list
+        self._remote = remote
         self._publish = publish
         self._gate = gate
         self._sync_gateways = sync_gateways
@@ -208,23 +216,25 @@ class Registry:
     async def register(self, req: RegisterRequest) -> AdapterRecordsReply:
         """Validate, verify, store, record. A refusal stores nothing, drops the upload and is audited."""
         try:
-            async with self._lock:
-                files = await self._read_source(req)
-                latest = self.catalog.latest(req.adapter_id)
-                version = req.version or (latest.version + 1 if latest else 1)
-                # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
-                change = await asyncio.to_thread(
-                    admit,
-                    self.catalog,
-                    req,
-                    files,
-                    self._base,
-                    self._policy,
-                    self.signers,
-                    self._approved.uri(req.adapter_id, version),
-                )
-                await self._approved.put(req.adapter_id, version, files)
-                await self._commit([change], req.actor)
+            if req.source_uri is not None and not is_local_source(req.source_uri):
+                change = await self._register_remote(req, req.source_uri)
+            else:
+                async with self._lock:
+                    files = await self._read_source(req)
+                    prefix = object_prefix(req.adapter_id, self._next_version(req))
+                    # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
+                    change = await asyncio.to_thread(
+                        admit,
+                        self.catalog,
+                        req,
+                        files,
+                        self._base,
+                        self._policy,
+                        self.signers,
+                        self._approved.uri(prefix),
+                    )
+                    await self._approved.put(prefix, files)
+                    await self._commit([change], req.actor)
         except LorafleetError as e:
             refusal = RejectionAudit(
                 request_id=f"register.{req.adapter_id}",
@@ -239,6 +249,31 @@ class Registry:
             if req.upload_id is not None:
                 await self._uploads.delete(req.upload_id)
         return AdapterRecordsReply(records=[change.after])
+
+    async def _register_remote(self, req: RegisterRequest, uri: str) -> Change:
+        """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
+        The fetch runs outside the lock: a slow source never holds up other registry changes."""
+        async with self._remote.fetched(uri, req.tenant_id) as fetched, self._lock:
+            prefix = object_prefix(req.adapter_id, self._next_version(req), req.tenant_id)
+            with fetched.mapped() as files:
+                change = await asyncio.to_thread(
+                    admit,
+                    self.catalog,
+                    req,
+                    files,
+                    self._base,
+                    self._policy,
+                    self.signers,
+                    self._approved.uri(prefix),
+                    fetched.origin,
+                )
+            await self._approved.put(prefix, fetched.paths)
+            await self._commit([change], req.actor, f"fetched from {fetched.uri}"[:500])
+        return change
+
+    def _next_version(self, req: RegisterRequest) -> int:
+        latest = self.catalog.latest(req.adapter_id)
+        return req.version or (latest.version + 1 if latest else 1)
 
     async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:
         """staging -> canary/production, through the release gate unless ``force`` (audited with the reason)."""
@@ -291,7 +326,7 @@ class Registry:
         if req.upload_id is not None:
             return await self._uploads.read(req.upload_id, limits)
         assert req.source_uri is not None
-        return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs, self._remote_allow_list), limits)
+        return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs), limits)
 
     async def _commit(self, changes: list[Change], actor: str, reason: str | None = None) -> None:
         revision = 0

@@ -17,6 +17,10 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
+from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
+from services.registry.remote_intake import RemoteIntake
+from services.registry.sources import Sources
+from services.registry.sources_kv import open_sources
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
@@ -32,6 +36,8 @@ from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUALITY_SCORE, serve_metrics
 from shared.schemas import (
+    AddSourceRequest,
+    ApproveSourceRequest,
     CreateApiKeyRequest,
     CreateTenantRequest,
     GetAdapterRequest,
@@ -39,10 +45,12 @@ from shared.schemas import (
     ListApiKeysRequest,
     ListKeysRequest,
     ListModelsRequest,
+    ListSourcesRequest,
     ListTenantsRequest,
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
+    RemoveSourceRequest,
     ResolveRequest,
     RetireRequest,
     RevokeApiKeyRequest,
@@ -74,11 +82,15 @@ def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
 
 
 async def open_registry(
-    nc: NATS, settings: RegistrySettings, base: BaseModelIdentity, gateways: GatewaySync
+    nc: NATS,
+    settings: RegistrySettings,
+    base: BaseModelIdentity,
+    gateways: GatewaySync,
+    sources: Sources,
+    resolve: Resolver = system_resolve,
 ) -> Registry:
     """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
     js = nc.jetstream()
-    await ensure_streams(js)
     kv = await RecordsKV.open(js)
 
     async def publish(subject: str, message: BaseModel) -> None:
@@ -96,7 +108,7 @@ async def open_registry(
             dev_mode=settings.dev_mode,
         ),
         trusted_dirs=tuple(Path(d) for d in settings.trusted_source_dirs),
-        remote_allow_list=settings.remote_allow_list,
+        remote=RemoteIntake(settings.remote, sources, RemoteFetcher(settings.remote, resolve)),
         publish=publish,
         gate=GatePolicy(
             require_eval=settings.release_require_eval,
@@ -112,7 +124,7 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
     return request_type, handler
 
 
-async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subscription]:
+async def subscribe(nc: NATS, registry: Registry, tenants: Tenants, sources: Sources) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, Handler] = {
         "resolve": _op(ResolveRequest, registry.resolve),
@@ -135,13 +147,22 @@ async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subs
         "api_key_create": _op(CreateApiKeyRequest, tenants.create_key),
         "api_key_revoke": _op(RevokeApiKeyRequest, tenants.revoke_key),
         "api_keys": _op(ListApiKeysRequest, tenants.list_keys),
+        "source_add": _op(AddSourceRequest, sources.add),
+        "source_remove": _op(RemoveSourceRequest, sources.remove),
+        "source_approve": _op(ApproveSourceRequest, sources.approve),
+        "sources": _op(ListSourcesRequest, sources.list_sources),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
-    return [await serve(nc, subjects.registry(op), model, handler) for op, (model, handler) in handlers.items()]
+    # a register from a remote source spends its fetch outside the registry's lock: run each in its
+    # own task, so one slow source does not hold up the pushes behind it
+    return [
+        await serve(nc, subjects.registry(op), model, handler, concurrent=op == "register")
+        for op, (model, handler) in handlers.items()
+    ]
 
 
-async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set, then drain."""
+async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver = system_resolve) -> None:
+    """Serve until ``stop`` is set, then drain. ``resolve`` is how remote source hosts are looked up."""
     base = await asyncio.to_thread(base_model_identity, settings)
     async with AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
@@ -155,10 +176,12 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
                 log.warning("bad_heartbeat", error=e.message)
 
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
-        registry = await open_registry(nc, settings, base, gateways)
+        await ensure_streams(nc.jetstream())
+        sources = await open_sources(nc.jetstream())
+        registry = await open_registry(nc, settings, base, gateways, sources, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()))
+        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources)
         for adapter_id in registry.catalog.adapters():
             for record in registry.catalog.versions(adapter_id):
                 if "score" in record.eval_results:

@@ -2,13 +2,17 @@
 
 The approved store is a JetStream object store (``nats-os://<bucket>/<id>/<version>``) or a
 local trusted directory (``file:///dir/<id>/<version>``); workers read the same URIs
-(services/worker/adapter_verify.py). Remote sources are refused unless allow-listed.
+(services/worker/adapter_verify.py). A version fetched from a remote source is stored under its
+tenant's own prefix (``tenants/<tenant>/<id>/<version>``); remote fetching is remote_fetch.py's.
 """
 
+import asyncio
 import base64
 import binascii
 import contextlib
 import os
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -20,10 +24,13 @@ from nats.js.object_store import ObjectStore
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
 from shared.bus import read_object
-from shared.errors import InvalidRequest, ServiceUnavailable
+from shared.errors import InvalidRequest
 
 
-def object_prefix(adapter_id: str, version: int) -> str:
+def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None) -> str:
+    """Where a version's files lie in the store; under ``tenants/<tenant>/`` when fetched remotely."""
+    if tenant_id is not None:
+        return f"tenants/{tenant_id}/{adapter_id}/{version}"
     return f"{adapter_id}/{version}"
 
 
@@ -38,16 +45,15 @@ def decode_inline(files: dict[str, str]) -> dict[str, bytes]:
         raise InvalidRequest("inline_files must hold base64 file contents") from None
 
 
-def trusted_source_dir(uri: str, trusted_dirs: tuple[Path, ...], remote_allow_list: tuple[str, ...]) -> Path:
-    """The local directory a ``file://`` source names, if inside a trusted directory.
+def is_local_source(uri: str) -> bool:
+    return urlparse(uri).scheme == "file"
 
-    Remote sources (http, https, s3, hub ids) are refused; an allow-listed one is refused
-    too, with a different message, because this build does not fetch remote bytes."""
+
+def trusted_source_dir(uri: str, trusted_dirs: tuple[Path, ...]) -> Path:
+    """The local directory a ``file://`` source names, if inside a trusted directory."""
     parsed = urlparse(uri)
     if parsed.scheme != "file":
-        if any(uri.startswith(prefix) for prefix in remote_allow_list):
-            raise ServiceUnavailable(f"{uri}: allow-listed, but this registry does not fetch remote sources")
-        raise InvalidRequest(f"source {uri!r} is refused: only uploads and file:// trusted directories are admitted")
+        raise InvalidRequest(f"source {uri!r} is not a file:// source")
     if parsed.netloc not in ("", "localhost"):
         raise InvalidRequest(f"source {uri!r} is refused: a file:// source may not name a remote host")
     path = Path(os.path.realpath(parsed.path))
@@ -90,21 +96,30 @@ class ApprovedStore:
         self._bucket = bucket
         self._file_dir = file_dir
 
-    def uri(self, adapter_id: str, version: int) -> str:
+    def uri(self, prefix: str) -> str:
+        """The storage URI of the files under ``prefix`` (an ``object_prefix``)."""
         if self._file_dir is not None:
-            return (self._file_dir.resolve() / object_prefix(adapter_id, version)).as_uri()
-        return f"{OBJECT_STORE_SCHEME}://{self._bucket}/{object_prefix(adapter_id, version)}"
+            return (self._file_dir.resolve() / prefix).as_uri()
+        return f"{OBJECT_STORE_SCHEME}://{self._bucket}/{prefix}"
 
-    async def put(self, adapter_id: str, version: int, files: dict[str, bytes]) -> None:
+    async def put(self, prefix: str, files: Mapping[str, bytes | Path]) -> None:
+        """Store each file's bytes, or the file at a path, streamed from disk."""
         if self._file_dir is not None:
-            target = self._file_dir / object_prefix(adapter_id, version)
+            target = self._file_dir / prefix
             target.mkdir(parents=True, exist_ok=False)
             for name, data in files.items():
-                (target / name).write_bytes(data)
+                if isinstance(data, Path):
+                    await asyncio.to_thread(shutil.copyfile, data, target / name)
+                else:
+                    (target / name).write_bytes(data)
             return
         assert self._objects is not None
         for name, data in files.items():
-            await self._objects.put(f"{object_prefix(adapter_id, version)}/{name}", data)
+            if isinstance(data, Path):
+                with data.open("rb") as reader:  # nats-py reads it chunk by chunk
+                    await self._objects.put(f"{prefix}/{name}", reader)
+            else:
+                await self._objects.put(f"{prefix}/{name}", data)
 
 
 async def open_approved_store(js: JetStreamContext, file_dir: str | None) -> ApprovedStore:

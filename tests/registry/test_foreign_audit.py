@@ -29,7 +29,7 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
         base=base,
         policy=None,
         trusted_dirs=(),
-        remote_allow_list=(),
+        remote=None,
         publish=slow_publish,
     )
     for model in ("globex-sql", "nobody-sql"):

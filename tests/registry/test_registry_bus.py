@@ -16,6 +16,7 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.ops import Registry
 from services.registry.service import subscribe
+from services.registry.sources import Sources
 from services.registry.tenants import Tenants
 from shared import subjects
 from shared.adapter_format import AdapterLimits
@@ -117,7 +118,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         base=base,
         policy=IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
         trusted_dirs=(),
-        remote_allow_list=(),
+        remote=None,  # type: ignore[arg-type]  # only register reaches it
         publish=publish,
         gate=GatePolicy(require_eval=True),
         sync_gateways=gateways.wait,
@@ -126,7 +127,20 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
     async def audit(event: AdminAudit) -> None:
         wired.published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
 
-    await subscribe(service_nc, wired.registry, Tenants({}, put, audit))
+    sources: dict[str, bytes] = {}
+
+    async def load() -> dict[str, bytes]:
+        return dict(sources)
+
+    async def put_source(key: str, value: bytes) -> None:
+        sources[key] = value
+
+    async def delete_source(key: str) -> None:
+        sources.pop(key, None)
+
+    await subscribe(
+        service_nc, wired.registry, Tenants({}, put, audit), Sources(load, put_source, delete_source, audit)
+    )
     yield wired
     await wired.nc.close()
     await service_nc.drain()

@@ -19,7 +19,14 @@ from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import request
-from shared.errors import AdapterRevoked, IntegrityError, InvalidMessage, InvalidRequest, ModelNotFound
+from shared.errors import (
+    AdapterRevoked,
+    IntegrityError,
+    InvalidMessage,
+    InvalidRequest,
+    ModelNotFound,
+    RemoteSourceDisabled,
+)
 from shared.registry_client import fetch_record, fetch_trusted_keys
 from shared.schemas import (
     AdapterEvent,
@@ -151,10 +158,14 @@ async def test_refusals_store_nothing_and_bad_messages_get_typed_errors(
     req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", upload_id="unsigned01", actor="test")
     with pytest.raises(IntegrityError, match="unsigned"):
         await call(nc, "register", req)
-    remote = (("https://hub.example/evil", "only uploads and file://"), ("file:///etc", "outside every trusted"))
-    for uri, text in remote:
+    remote = (
+        ("https://hub.example/evil", RemoteSourceDisabled, "LF_REMOTE__HTTPS_ENABLED is off"),  # off by default
+        ("http://hub.example/evil", InvalidRequest, "a remote source is s3://bucket/prefix/ or https://"),
+        ("file:///etc", InvalidRequest, "outside every trusted"),
+    )
+    for uri, error, text in remote:
         req = RegisterRequest(adapter_id="svc-nan", tenant_id="acme", task_type="t", source_uri=uri, actor="test")
-        with pytest.raises(InvalidRequest, match=text):
+        with pytest.raises(error, match=text):
             await call(nc, "register", req)
     assert (await call(nc, "get", GetAdapterRequest(adapter_id="svc-nan"))).records == []
     assert not [n for n in await object_names(nc, subjects.ADAPTER_STORE_BUCKET) if n.startswith("svc-nan/")]
