@@ -21,7 +21,7 @@ from shared.adapter_format import read_adapter_dir
 from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.config import CommonSettings
-from shared.errors import LorafleetError, ServiceUnavailable
+from shared.errors import InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecord,
@@ -67,7 +67,7 @@ async def call(nc: NATS, op: str, message: BaseModel) -> AdapterRecordsReply:
 
 async def push_adapter(
     nc: NATS,
-    directory: Path,
+    directory: Path | None,
     *,
     adapter_id: str,
     tenant_id: str,
@@ -77,11 +77,16 @@ async def push_adapter(
     aliases: list[str] | None = None,
     scopes: list[str] | None = None,
     who: str = "cli",
+    source_uri: str | None = None,
 ) -> AdapterRecord:
     """Upload the two files, sign the manifest for the next version, and register it.
 
-    The signer's name is the key file's stem (``keys gen NAME`` writes ``NAME.key``)."""
-    files = read_adapter_dir(directory)
+    With ``source_uri`` nothing is uploaded: the registry fetches the files from that allow-listed
+    remote source; ``directory`` is then the local copy the signature is made over (needed only
+    with ``sign_key``). The signer's name is the key file's stem (``keys gen NAME`` writes ``NAME.key``)."""
+    if directory is None and (source_uri is None or sign_key is not None):
+        raise InvalidRequest("push needs the adapter directory (with --source-uri, to sign its files)")
+    files = read_adapter_dir(directory) if directory is not None else {}
     versions = (await call(nc, "get", GetAdapterRequest(adapter_id=adapter_id))).records
     version = versions[-1].version + 1 if versions else 1
     signature = signer = None
@@ -90,16 +95,19 @@ async def push_adapter(
         manifest = signing.manifest_bytes(digests, adapter_id, version, tenant_id, base_fingerprint)
         signature = signing.sign(manifest, signing.load_private_key(await asyncio.to_thread(sign_key.read_bytes)))
         signer = sign_key.stem
-    upload_id = secrets.token_hex(12)
-    uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
-    for name, data in files.items():
-        await uploads.put(f"{upload_id}/{name}", data)
+    upload_id = None
+    if source_uri is None:
+        upload_id = secrets.token_hex(12)
+        uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+        for name, data in files.items():
+            await uploads.put(f"{upload_id}/{name}", data)
     req = RegisterRequest(
         adapter_id=adapter_id,
         tenant_id=tenant_id,
         task_type=task_type,
         version=version,
         upload_id=upload_id,
+        source_uri=source_uri,
         signature=signature,
         signer=signer,
         aliases=aliases or [],
@@ -130,7 +138,7 @@ async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
             record = await push_adapter(
                 nc, args.dir, adapter_id=args.id, tenant_id=args.tenant, task_type=args.task,
                 base_fingerprint=fingerprint_model_dir(base_dir), sign_key=args.sign_key,
-                aliases=args.alias, scopes=args.scope, who=who,
+                aliases=args.alias, scopes=args.scope, who=who, source_uri=args.source_uri,
             )  # fmt: skip
             return [record]
         ops: dict[str, Callable[[], tuple[str, BaseModel]]] = {
@@ -167,8 +175,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     adapter = subparsers.add_parser("adapter", help="push and manage LoRA adapters in the registry")
     adapter.set_defaults(func=run)
     sub = adapter.add_subparsers(dest="adapter_cmd", required=True)
-    push = sub.add_parser("push", parents=[opts], help="upload, sign and register a new version (status staging)")
-    push.add_argument("dir", type=Path, help="directory with adapter_model.safetensors + adapter_config.json")
+    push = sub.add_parser(
+        "push",
+        parents=[opts],
+        help="upload (or have the registry fetch), sign and register a new version (status staging)",
+        description="Register a new adapter version. From DIR the two files are uploaded; with --source-uri the "
+        "registry fetches them from an allow-listed s3:// or https:// prefix (see `lorafleet source`), and DIR, if "
+        "given, is the local copy --sign-key signs. Either way the files pass the same admission checks.",
+    )
+    push.add_argument(
+        "dir", type=Path, nargs="?", help="directory with adapter_model.safetensors + adapter_config.json"
+    )
+    push.add_argument(
+        "--source-uri",
+        help="s3://bucket/prefix/ or https://host/path/ holding the two files; the registry fetches them "
+        "(needs the prefix allow-listed for --tenant and remote sources enabled on the registry)",
+    )
     push.add_argument("--id", required=True)
     push.add_argument("--tenant", required=True, help='owner tenant, or "shared"')
     push.add_argument("--task", required=True, help="task type, e.g. summarization")

@@ -3,13 +3,23 @@
 import argparse
 import sys
 
-from lorafleet.cli import adapter_cmd, audit_cmd, eval_cmd, keys_cmd, nats_auth, release_cmd, tenant_cmd, up
+from lorafleet.cli import (
+    adapter_cmd,
+    audit_cmd,
+    eval_cmd,
+    keys_cmd,
+    nats_auth,
+    release_cmd,
+    source_cmd,
+    tenant_cmd,
+    up,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="multi-tenant multi-LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (up, adapter_cmd, keys_cmd, audit_cmd, nats_auth, tenant_cmd, eval_cmd, release_cmd):
+    for module in (up, adapter_cmd, keys_cmd, audit_cmd, nats_auth, tenant_cmd, eval_cmd, release_cmd, source_cmd):
         module.register(sub)
     return parser
 

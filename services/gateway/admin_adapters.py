@@ -14,6 +14,7 @@ from services.gateway.auth import Principal, admin_caller
 from services.gateway.openai_responses import error_responses
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.bus import request as bus_request
 from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
 from shared.schemas import (
     AdapterRecordsReply,
@@ -33,6 +34,7 @@ router = APIRouter(prefix="/admin/adapters", tags=["admin"])
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # Identifier's pattern: FastAPI drops an Annotated pattern under a Form() default
 AdapterId = Path(pattern=ID_PATTERN)
 CHANGE_ERRORS = error_responses(409, *ERROR_STATUSES)
+REMOTE_SCHEMES = ("s3://", "https://")  # a tenant admin never names a file:// path on the registry's host
 
 
 class Promote(BaseModel):
@@ -96,8 +98,13 @@ async def push_adapter(
     request: Request,
     adapter_id: str = Form(pattern=ID_PATTERN),
     task_type: str = Form(min_length=1, max_length=64),
-    adapter_config: UploadFile = File(description=CONFIG_FILE),
-    adapter_model: UploadFile = File(description=WEIGHTS_FILE),
+    adapter_config: UploadFile | None = File(default=None, description=CONFIG_FILE),
+    adapter_model: UploadFile | None = File(default=None, description=WEIGHTS_FILE),
+    source_uri: str | None = Form(
+        default=None,
+        max_length=2048,
+        description="instead of the two files: an allow-listed s3:// or https:// prefix the registry fetches them from",
+    ),
     tenant_id: Identifier | None = Form(
         default=None, description="default: the caller's tenant; 'shared' needs platform_admin"
     ),
@@ -108,15 +115,22 @@ async def push_adapter(
     allowed_scopes: list[str] = Form(default=[]),
     caller: Principal = Depends(admin_caller),
 ) -> AdapterRecordsReply:
-    """Upload a PEFT adapter (status staging); the registry validates, verifies and stores it."""
+    """Upload a PEFT adapter, or name the remote source the registry fetches it from (status
+    staging); the registry validates, verifies and stores it either way."""
     tenant = scoped_tenant(caller, tenant_id) or caller.tenant_id
+    uploaded = (adapter_config, adapter_model)
+    if source_uri is not None:
+        if any(uploaded):
+            raise InvalidRequest("push: give either the two files or source_uri, not both", param="source_uri")
+        if not source_uri.startswith(REMOTE_SCHEMES):
+            raise InvalidRequest("push: source_uri must be an s3:// or https:// source", param="source_uri")
+    elif adapter_config is None or adapter_model is None:
+        raise InvalidRequest(f"push: both {CONFIG_FILE} and {WEIGHTS_FILE} are needed, or a source_uri")
     existing = await registry_call(request, "get", GetAdapterRequest(adapter_id=adapter_id), AdapterRecordsReply)
     if existing.records and not caller.platform_admin and existing.records[-1].tenant_id != caller.tenant_id:
         raise not_found(adapter_id)
     ctx = request.app.state.ctx
-    limit = ctx.settings.max_body_bytes
-    files = {CONFIG_FILE: await _read(adapter_config, limit), WEIGHTS_FILE: await _read(adapter_model, limit)}
-    upload_id = secrets.token_hex(12)
+    upload_id = None if source_uri is not None else secrets.token_hex(12)
     try:
         message = RegisterRequest(
             adapter_id=adapter_id,
@@ -124,6 +138,7 @@ async def push_adapter(
             task_type=task_type,
             version=version,
             upload_id=upload_id,
+            source_uri=source_uri,
             signature=signature,
             signer=signer,
             aliases=aliases,
@@ -132,10 +147,15 @@ async def push_adapter(
         )
     except ValidationError as e:
         raise InvalidRequest(f"push: {e.errors()[0]['msg']}") from None
-    store = await ctx.js.object_store(subjects.ADAPTER_UPLOADS_BUCKET)
-    for name, data in files.items():
-        await store.put(f"{upload_id}/{name}", data)
-    return await registry_call(request, "register", message, AdapterRecordsReply)
+    if adapter_config is not None and adapter_model is not None:
+        limit = ctx.settings.max_body_bytes
+        files = {CONFIG_FILE: await _read(adapter_config, limit), WEIGHTS_FILE: await _read(adapter_model, limit)}
+        store = await ctx.js.object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+        for name, data in files.items():
+            await store.put(f"{upload_id}/{name}", data)
+        return await registry_call(request, "register", message, AdapterRecordsReply)
+    timeout_s = ctx.settings.remote_push_timeout_s  # the registry fetches, then admits, before it answers
+    return await bus_request(ctx.nc, subjects.registry("register"), message, AdapterRecordsReply, timeout_s)
 
 
 @router.post("/{adapter_id}/promote", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
