@@ -4,9 +4,11 @@ test CA, with the registry service on a real nats-server.
 Every refusal is one typed error, stores nothing (no record, no object under the tenant's
 prefix) and is audited as a registry rejection of the pushing tenant."""
 
+import argparse
 import asyncio
 import hashlib
 import ipaddress
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +22,7 @@ from nats.aio.client import Client as NATS
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from lorafleet.cli import adapter_cmd, keys_cmd, source_cmd
 from services.registry.intake import BaseModelIdentity
 from services.registry.remote_fetch import system_resolve
 from services.registry.service import run
@@ -569,3 +572,46 @@ async def test_each_tenant_gets_its_own_fetch_and_copy_of_the_same_uri(
     await call(push.nc, "promote", PromoteRequest(adapter_id=first_id, version=1, traffic_percent=100, actor="t"))
     with pytest.raises(ModelNotFound):
         await call(push.nc, "resolve", ResolveRequest(tenant_id=other, model=first_id, request_key="k"), ResolveReply)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+
+async def test_the_cli_allow_lists_a_prefix_and_pushes_a_signed_remote_adapter(
+    remote_registry: NATS, servers: Servers, nats_url: str, peft_adapter_dir: Path, base_dir: Path,
+    adapter_files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    tenant, url = unique("cli"), ["--nats-url", nats_url]
+    parser = argparse.ArgumentParser(prog="lorafleet")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (adapter_cmd, keys_cmd, source_cmd):
+        module.register(sub)
+
+    async def lorafleet(*argv: str) -> tuple[int, str]:
+        args = parser.parse_args(list(argv))
+        code = await asyncio.to_thread(args.func, args)
+        return code, capsys.readouterr().out
+
+    prefix, key = f"s3://models/{tenant}/", f"{tenant}/sum/"
+    servers.s3.put_dir("models", key, adapter_files)
+    code, out = await lorafleet("source", "add", prefix, "--tenant", tenant, "--allow-private", *url)
+    assert code == 0 and f"{prefix}" in out and f"tenants={tenant} allow-private" in out
+    signer = unique("cli-signer")
+    await lorafleet("keys", "gen", signer, "--out", str(tmp_path))
+    await lorafleet("keys", "trust", signer, str(tmp_path / f"{signer}.pub"), "--tenant", tenant, *url)
+
+    def push(adapter_id: str) -> list[str]:
+        return ["adapter", "push", str(peft_adapter_dir), "--source-uri", f"s3://models/{key}", "--id", adapter_id,
+                "--tenant", tenant, "--task", "summarization", "--sign-key", str(tmp_path / f"{signer}.key"),
+                "--base-model-dir", str(base_dir), "--json", *url]  # fmt: skip
+
+    code, out = await lorafleet(*push(unique("cli-sum")))
+    assert code == 0, out
+    (record,) = json.loads(out)
+    assert record["origin"]["uri"] == f"s3://models/{key}" and f"/tenants/{tenant}/" in record["storage_uri"]
+    code, out = await lorafleet("source", "remove", prefix, *url)
+    assert code == 0 and prefix not in out
+    code, out = await lorafleet(*push(unique("cli-sum")))
+    assert code == 1 and "error (source_not_allowed)" in out
+    code, out = await lorafleet("source", "add", "s3://models/no-slash", "--tenant", tenant, *url)
+    assert code == 1 and "error (invalid_request)" in out
