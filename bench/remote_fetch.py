@@ -6,6 +6,7 @@ adapter (rank 960 on a 4-layer, 256-wide Llama spec, all seven projections, fp32
 each peer in a fresh process, the peers interleaved round by round:
 
 - ``fetch``: the registry's RemoteFetcher (listing, both files streamed to disk, hashed on the way).
+- ``boto3_download``: boto3's ``download_file`` of the weights to disk (streamed, no hashing, no SSRF check).
 - ``boto3_read``: ``get_object()["Body"].read()``, the whole object in memory (the buffered peer).
 - ``register``: a whole register through the registry service in the same process: allow-list
   check, fetch, the upload's admission (format, NaN, shapes over a read-only map), store.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "remote_fetch.json"
-PEERS = ("fetch", "boto3_read", "register")
+PEERS = ("fetch", "boto3_download", "boto3_read", "register")
 BUCKET, KEY = "models", "acme/big/"
 LAYERS = 4
 SPEC = {
@@ -138,6 +139,20 @@ def child(peer: str, args: dict) -> dict[str, float]:
             assert len(body) == args["size"]
 
         return measure(read)
+    if peer == "boto3_download":
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=args["endpoint"])
+        target = Path(tempfile.mkdtemp(prefix="lf-bench-boto3-")) / "adapter_model.safetensors"
+
+        async def download() -> None:
+            client.download_file(BUCKET, KEY + "adapter_model.safetensors", str(target))
+            assert target.stat().st_size == args["size"]
+
+        try:
+            return measure(download)
+        finally:
+            shutil.rmtree(target.parent)
     if peer == "fetch":
         from services.registry.remote_fetch import RemoteFetcher
         from services.registry.source_uri import parse_source

@@ -44,12 +44,15 @@ from shared.schemas import (
 )
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers.adapters import save_peft_adapter, tiny_llama
+from tests.helpers.remote_sources import AWS_ENV, HttpsServer, MotoS3, make_ca
 from tests.scheduler.conftest import wait_workers
 
 MODEL = "tiny-llama"
 WORKER = "w1"
 MAX_BODY = 65_536
 CONFIG_KEYS = {"key-demo": "demo", "key-other": "other"}
+REMOTE_TIMEOUT_S = 3.0  # the registry's fetch time limit
+REMOTE_MAX_FILE = 40_000  # bytes of one fetched file; the tiny adapter's weights are ~15 kB
 
 
 class _RunsCode:
@@ -93,6 +96,8 @@ class HostileStack:
     keys: Keys = field(default_factory=Keys)
     adapters: dict[str, str] = field(default_factory=dict)  # tenant -> its released adapter id
     redis_url: str = ""  # quota counters and dedupe markers live there
+    s3: MotoS3 | None = None  # the remote sources the registry may fetch from (test_remote_sources_hostile.py)
+    https: HttpsServer | None = None
 
     def client(self, key: str | None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -223,6 +228,16 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
     }
     (root / "trusted").mkdir()
+    s3, https = MotoS3(), HttpsServer(make_ca(root / "ca"))
+    env.update(AWS_ENV)
+    env.update({
+        "LF_REMOTE__S3_ENABLED": "true",
+        "LF_REMOTE__HTTPS_ENABLED": "true",
+        "LF_REMOTE__S3_ENDPOINT_URL": s3.endpoint,
+        "LF_REMOTE__CA_FILE": str(root / "ca" / "ca.pem"),
+        "LF_REMOTE__TIMEOUT_S": str(REMOTE_TIMEOUT_S),
+        "LF_REMOTE__MAX_FILE_BYTES": str(REMOTE_MAX_FILE),
+    })  # fmt: skip
     stack = Stack(env, root / "logs")
     running = HostileStack(
         stack,
@@ -232,6 +247,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         adapter_files(root / "adapter", seed=1),
         root / "trusted",
         redis_url=redis.url,
+        s3=s3,
+        https=https,
     )
     try:
         for name in ("registry", "auditor", "scheduler", "gateway", "worker"):
@@ -244,6 +261,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         stack.stop_all(timeout_s=5)
         redis.stop()
         nats.stop()
+        s3.stop()
+        https.stop()
 
 
 @pytest.fixture
