@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.admin import ERROR_STATUSES, ERRORS, actor, registry_call, scoped_tenant
 from services.gateway.auth import Principal, admin_caller
-from services.gateway.openai_responses import error_responses
+from services.gateway.openai_responses import ErrorResponse, error_responses
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import request as bus_request
@@ -34,6 +34,10 @@ router = APIRouter(prefix="/admin/adapters", tags=["admin"])
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # Identifier's pattern: FastAPI drops an Annotated pattern under a Form() default
 AdapterId = Path(pattern=ID_PATTERN)
 CHANGE_ERRORS = error_responses(409, *ERROR_STATUSES)
+PUSH_ERRORS = {
+    **CHANGE_ERRORS,
+    502: {"model": ErrorResponse, "description": "the remote source failed, or its TLS certificate did not verify"},
+}
 REMOTE_SCHEMES = ("s3://", "https://")  # a tenant admin never names a file:// path on the registry's host
 
 
@@ -93,7 +97,7 @@ async def _read(upload: UploadFile, limit: int) -> bytes:
     return data
 
 
-@router.post("", response_model=AdapterRecordsReply, status_code=201, responses=CHANGE_ERRORS)
+@router.post("", response_model=AdapterRecordsReply, status_code=201, responses=PUSH_ERRORS)
 async def push_adapter(
     request: Request,
     adapter_id: str = Form(pattern=ID_PATTERN),
