@@ -10,23 +10,12 @@ from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
 # ---- inference ---------------------------------------------------------------------------
 
 
-class ToolCallFunction(Message):
-    name: str = Field(min_length=1, max_length=64)
-    arguments: str = Field(max_length=200_000, description="the call's arguments as a JSON text")
-
-
-class ToolCall(Message):
-    id: str = Field(min_length=1, max_length=128)
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
 class ChatMessage(Message):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=200_000)
-    name: str | None = Field(default=None, max_length=64)
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128, description="an assistant's calls")
-    tool_call_id: str | None = Field(default=None, max_length=128, description="the call a tool message answers")
+    name: str | None = Field(
+        default=None, max_length=64, description="the participant's name, where the template renders it"
+    )
 
 
 class StructuredOutput(Message):
