@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rounds, tokens = (1, 12) if args.quick else (3, 40)
+    rounds, tokens = (1, 12) if args.quick else (3, 24)
     result = {"environment": environment(args.threads), "quick": args.quick, **run(load_model(), rounds, tokens)}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))

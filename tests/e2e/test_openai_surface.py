@@ -129,6 +129,7 @@ def ask_json(
     return c.choices[0].message.content or "", c.choices[0].finish_reason
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", [MODEL, ADAPTER])
 def test_fifty_json_schemas_always_parse_and_validate(client, adapters, model):  # noqa: F811
     cases = schemas()
@@ -140,6 +141,7 @@ def test_fifty_json_schemas_always_parse_and_validate(client, adapters, model): 
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.timeout(900)  # 20 open-ended generations on a shared 2-core machine
 @pytest.mark.parametrize("model", [MODEL, ADAPTER])
 def test_json_mode_always_gives_an_object(client, adapters, model):  # noqa: F811
     # JSON mode bounds nothing inside a string: greedy, and room for the model to close what it opens
