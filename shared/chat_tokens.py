@@ -67,22 +67,35 @@ class ChatTokenizer:
         return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")), template, special)
 
     def encode(self, messages: list[ChatMessage] | None, prompt: str | None) -> list[int]:
-        """The ids of a chat (rendered with the generation prompt) or of a plain prompt."""
-        if messages is not None:
-            if self._template is None:
-                raise InvalidRequest(
-                    "this model has no chat template: send a prompt to /v1/completions", param="messages"
-                )
-            try:
-                text = self._template.render(
-                    messages=[m.model_dump() for m in messages],
-                    tools=None,
-                    documents=None,
-                    add_generation_prompt=True,
-                    **self._special,
-                )
-            except TemplateError as e:
-                raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
-        else:
-            text = prompt or ""
+        """The ids of a chat (rendered with the generation prompt) or of a plain prompt (with the
+        special tokens, a BOS, the tokenizer adds to a text, as transformers' ``tokenizer(text)``)."""
+        if messages is None:
+            return self._tokenizer.encode(prompt or "", add_special_tokens=True).ids
+        text = self.render(messages)
+        if any(m.name is not None for m in messages) and text == self.render(
+            [m.model_copy(update={"name": None}) for m in messages]
+        ):
+            raise name_dropped()
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, messages: list[ChatMessage]) -> str:
+        if self._template is None:
+            raise InvalidRequest("this model has no chat template: send a prompt to /v1/completions", param="messages")
+        try:
+            return self._template.render(
+                messages=[m.model_dump(exclude_none=True) for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                **self._special,
+            )
+        except TemplateError as e:
+            raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def name_dropped() -> InvalidRequest:
+    """The refusal of a ``name`` the chat template would drop (it is honoured or refused, never lost)."""
+    return InvalidRequest(
+        "this model's chat template does not render a message's name: send the messages without one",
+        param="messages",
+    )

@@ -45,6 +45,12 @@ class InvalidMessage(InvalidRequest):
     code = "invalid_message"
 
 
+class InvalidSchema(InvalidRequest):
+    """A JSON schema (response_format, a tool's parameters) that cannot be enforced while decoding."""
+
+    code = "invalid_json_schema"
+
+
 class Unauthorized(LorafleetError):
     status = 401
     code = "invalid_api_key"

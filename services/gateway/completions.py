@@ -14,7 +14,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.disconnect import ClientDisconnected, unless_disconnected
 from services.gateway.errors_http import error_payload
 from services.gateway.inference import Submission, merged, submit_all
-from services.gateway.openai_format import ChunkWriter, full_response
+from services.gateway.openai_format import Choice, ChunkWriter, full_response
 from services.gateway.openai_responses import (
     INFERENCE_ERRORS,
     SSE_RESPONSE,
@@ -24,7 +24,7 @@ from services.gateway.openai_responses import (
     ModelList,
     error_responses,
 )
-from services.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
 from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
@@ -36,6 +36,8 @@ from shared.schemas import (
     ReplyFinal,
     ResolveRequest,
     SamplingParams,
+    StructuredOutput,
+    TokenLogprob,
 )
 from shared.schemas.registry import MODEL_NAME_MAX
 from shared.telemetry import tracer
@@ -51,7 +53,7 @@ def _ctx(request: Request) -> GatewayContext:
     return request.app.state.ctx
 
 
-def _sampling(ctx: GatewayContext, body: Body, index: int) -> SamplingParams:
+def _sampling(ctx: GatewayContext, body: Body, index: int, structured: StructuredOutput | None) -> SamplingParams:
     s = ctx.settings
     max_tokens = body.requested_max_tokens() or min(256, s.max_tokens_limit)
     if max_tokens > s.max_tokens_limit:
@@ -61,6 +63,7 @@ def _sampling(ctx: GatewayContext, body: Body, index: int) -> SamplingParams:
     if len(body.stop_list()) > s.max_stop:
         raise InvalidRequest(f"{len(body.stop_list())} stop sequences exceed the limit of {s.max_stop}", param="stop")
     seed = None if body.seed is None else (body.seed + index) % 2**63  # distinct but reproducible choices
+    logprobs, top_logprobs = body.requested_logprobs()
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -69,6 +72,15 @@ def _sampling(ctx: GatewayContext, body: Body, index: int) -> SamplingParams:
         seed=seed,
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=body.bias(),
+        stop_token_ids=body.stop_token_ids or [],
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        structured=structured,
     )
 
 
@@ -106,7 +118,8 @@ async def _submit(
     ctx: GatewayContext, tenant: str, body: Body, request_id: str, inputs: dict, preview: bool
 ) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
-    sampling = [_sampling(ctx, body, i) for i in range(body.n)]
+    structured = body.structured()
+    sampling = [_sampling(ctx, body, i, structured) for i in range(body.n)]
     await _check_prompt(ctx, inputs)
     missing = ctx.cluster.unavailable()
     if missing == "worker":
@@ -142,16 +155,21 @@ async def _submit(
         n=body.n,
         workers=[s.accepted.worker_id for s in subs],
     )
+    echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(chat, request_id, body.model, include_usage)
+        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo)
         return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
-    finals: dict[int, ReplyFinal] = {
-        index: event async for index, event in merged(subs) if isinstance(event, ReplyFinal)
-    }
-    return JSONResponse(
-        full_response(chat, request_id, body.model, [finals[i] for i in sorted(finals)]), headers=headers
-    )
+    want_logprobs = sampling[0].logprobs
+    finals: dict[int, ReplyFinal] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(body.n)}
+    async for index, event in merged(subs):
+        if isinstance(event, ReplyFinal):
+            finals[index] = event
+        elif event.logprobs is not None:
+            logprobs[index].extend(event.logprobs)
+    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo) for i in sorted(finals)]
+    return JSONResponse(full_response(chat, request_id, body.model, choices), headers=headers)
 
 
 def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
@@ -174,11 +192,15 @@ async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str
             if isinstance(event, ReplyFinal):
                 finals[index] = event
                 yield writer.finish(index, event)
-            elif event.text:
-                yield writer.token(index, event.text)
+            elif event.text or event.logprobs:
+                yield writer.token(index, event.text, event.logprobs)
         yield writer.done([finals[i] for i in sorted(finals)])
     except LorafleetError as e:
         yield writer.error(error_payload(e))
+
+
+def _message(m: ChatMessageIn) -> ChatMessage:
+    return ChatMessage(role=m.role, content=m.text(), name=m.name)
 
 
 @router.post(
@@ -191,7 +213,7 @@ async def chat_completions(
 ):
     """OpenAI chat completions; ``model`` is an adapter id or alias, ``alias@version``, or the base model."""
     ctx = _ctx(request)
-    messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
+    messages = [_message(m) for m in body.messages]
     if sum(len(m.content) for m in messages) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
     return await _answer(request, _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes))

@@ -2,8 +2,53 @@
 
 import json
 import time
+from dataclasses import dataclass, field
 
-from shared.schemas import ReplyFinal
+from shared.schemas import ReplyFinal, TokenLogprob
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice as the gateway relays it: the final reply, and the token logprobs if asked for."""
+
+    final: ReplyFinal
+    logprobs: list[TokenLogprob] | None = None
+    prefix: str = ""  # the echoed prompt (completions echo)
+
+
+@dataclass(slots=True)
+class Offsets:
+    """Character offset of the next token in a completions choice's text (``text_offset``)."""
+
+    at: int = 0
+    seen: list[int] = field(default_factory=list)
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [entry.model_dump() for entry in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], offsets: Offsets) -> dict:
+    """The legacy completions shape: parallel lists, ``top_logprobs`` a dict per token that holds
+    the chosen token and its alternatives (as vLLM returns it)."""
+    text_offset = []
+    for entry in entries:
+        text_offset.append(offsets.at)
+        offsets.at += len(bytes(entry.bytes).decode(errors="ignore"))
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{e.token: e.logprob, **{t.token: t.logprob for t in e.top_logprobs}} for e in entries],
+        "text_offset": text_offset,
+    }
+
+
+def _choice_logprobs(chat: bool, choice: Choice) -> dict | None:
+    if choice.logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(choice.logprobs)
+    return completion_logprobs(choice.logprobs, Offsets(at=len(choice.prefix)))
 
 
 def usage(finals: list[ReplyFinal]) -> dict:
@@ -17,33 +62,42 @@ def completion_id(chat: bool, request_id: str) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
 
 
-def _choice(chat: bool, index: int, final: ReplyFinal) -> dict:
+def _choice(chat: bool, index: int, choice: Choice) -> dict:
+    final = choice.final
+    logprobs = _choice_logprobs(chat, choice)
     if chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": final.text},
             "finish_reason": final.finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
-    return {"index": index, "text": final.text, "finish_reason": final.finish_reason, "logprobs": None}
+    return {
+        "index": index,
+        "text": choice.prefix + final.text,
+        "finish_reason": final.finish_reason,
+        "logprobs": logprobs,
+    }
 
 
-def full_response(chat: bool, request_id: str, model: str, finals: list[ReplyFinal]) -> dict:
+def full_response(chat: bool, request_id: str, model: str, choices: list[Choice]) -> dict:
     return {
         "id": completion_id(chat, request_id),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(chat, i, f) for i, f in enumerate(finals)],
-        "usage": usage(finals),
+        "choices": [_choice(chat, i, c) for i, c in enumerate(choices)],
+        "usage": usage([c.final for c in choices]),
     }
 
 
 class ChunkWriter:
     """Writes the SSE ``data:`` lines of one streamed response."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool):
+    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = ""):
         self.chat = chat
+        self.echo = echo
+        self._offsets: dict[int, Offsets] = {}
         self.id = completion_id(chat, request_id)
         self.model = model
         self.include_usage = include_usage
@@ -63,19 +117,31 @@ class ChunkWriter:
             body["usage"] = None  # OpenAI sends an explicit null on every chunk but the last
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
         if not self.chat:
-            return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            offsets = self._offsets.setdefault(index, Offsets(at=len(self.echo)))
+            shaped = None if logprobs is None else completion_logprobs(logprobs, offsets)
+            return {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": shaped}
         delta: dict = {"role": "assistant", "content": ""} if role else {}
         if text is not None and not role:
             delta["content"] = text
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        shaped = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": shaped}
 
     def start(self, n: int) -> str:
-        return "".join(self._line([self._choice(i, "", None, role=True)]) for i in range(n)) if self.chat else ""
+        if self.chat:
+            return "".join(self._line([self._choice(i, "", None, role=True)]) for i in range(n))
+        return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n)) if self.echo else ""
 
-    def token(self, index: int, text: str) -> str:
-        return self._line([self._choice(index, text, None)])
+    def token(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> str:
+        return self._line([self._choice(index, text, None, logprobs=logprobs)])
 
     def finish(self, index: int, final: ReplyFinal) -> str:
         return self._line([self._choice(index, None if self.chat else "", final.finish_reason)])

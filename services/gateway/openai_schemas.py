@@ -1,8 +1,13 @@
 """The OpenAI request bodies the gateway accepts: anything unsupported is refused, never ignored."""
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.errors import InvalidSchema
+from shared.schemas import StructuredOutput
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -18,7 +23,7 @@ class StreamOptions(_Body):
 class ChatMessageIn(_Body):
     role: Literal["system", "user", "assistant"]
     content: str | list[dict] = Field(description="text, or a list of text parts")
-    name: str | None = Field(default=None, max_length=64)
+    name: str | None = Field(default=None, max_length=64, description="refused (400) where the chat template drops it")
 
     @field_validator("content")
     @classmethod
@@ -40,6 +45,42 @@ class ChatMessageIn(_Body):
         return "".join(part["text"] for part in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is json_schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return StructuredOutput(kind="json_object")
+        return StructuredOutput(kind="json_schema", json_schema=checked_schema(self.json_schema.schema_))
+
+
+def checked_schema(schema: dict[str, Any], param: str = "response_format") -> str:
+    """The schema as canonical JSON text (one digest per schema), or InvalidSchema if it is not a
+    valid JSON Schema (checked here against the 2020-12 meta-schema; the worker's grammar compiler
+    refuses the rest with the same error)."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise InvalidSchema(f"not a valid JSON schema: {e.message}", param=param) from None
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
 class _Sampling(_Body):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,9 +95,20 @@ class _Sampling(_Body):
     )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     user: str | None = Field(default=None, max_length=256)
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="lorafleet extension (as vLLM)")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="lorafleet extension (as vLLM)")
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = Field(default=None, max_length=300, description="token id -> bias added to its logit")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=64, description="lorafleet extension (as vLLM): token ids that end the output"
+    )
     ignore_eos: bool = Field(default=False, description="lorafleet extension, for benchmarks")
+
+    def bias(self) -> dict[int, float]:
+        return {int(token): value for token, value in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -67,16 +119,42 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = Field(default=False, le=False, description="not supported: must be false")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="needs logprobs: true")
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
+
+    def structured(self) -> StructuredOutput | None:
+        return self.response_format.structured() if self.response_format is not None else None
+
 
 class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1)
-    echo: bool = Field(default=False, le=False, description="not supported: must be false")
-    logprobs: int | None = Field(default=None, le=0, description="not supported")
+    echo: bool = Field(default=False, description="the prompt is prepended to each choice's text")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="this many alternatives per token (0: none)")
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> "CompletionRequest":
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt logprobs) is not supported")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
+    def structured(self) -> StructuredOutput | None:
+        return None

@@ -13,7 +13,7 @@ from typing import cast
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from shared.chat_tokens import ChatTokenizer
+from shared.chat_tokens import ChatTokenizer, name_dropped
 from shared.errors import InvalidRequest
 from shared.schemas import ChatMessage
 
@@ -58,16 +58,26 @@ class PromptIds:
         if self.fast is not None:
             ids = self.fast.encode(messages, prompt)
         elif messages is not None:
-            # transformers types every form of the result at once; one chat, tokenized, without a
-            # dict, is a flat list of ids
-            ids = cast(
-                list[int],
-                self._tokenizer.apply_chat_template(
-                    [m.model_dump() for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-                ),
-            )
+            if any(m.name is not None for m in messages) and self._render(messages, False) == self._render(
+                [m.model_copy(update={"name": None}) for m in messages], False
+            ):
+                raise name_dropped()
+            ids = cast(list[int], self._render(messages, True))
         else:
-            ids = self._tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self._tokenizer(prompt, add_special_tokens=True)["input_ids"]  # a BOS where the tokenizer adds one
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation", param="prompt")
         return list(ids)
+
+    def _render(self, messages: list[ChatMessage], tokenize: bool) -> str | list[int]:
+        # transformers types every form of the result at once; one chat without a dict is a str,
+        # or tokenized a flat list of ids
+        return cast(
+            str | list[int],
+            self._tokenizer.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in messages],
+                add_generation_prompt=True,
+                tokenize=tokenize,
+                return_dict=False,
+            ),
+        )

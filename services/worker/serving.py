@@ -238,7 +238,13 @@ class RequestServer:
                 pieces.append(out.text)
                 await self.emit(
                     request.reply_to,
-                    ReplyToken(request_id=rid, index=out.completion_tokens - 1, text=out.text, token_ids=out.token_ids),
+                    ReplyToken(
+                        request_id=rid,
+                        index=out.completion_tokens - 1,
+                        text=out.text,
+                        token_ids=out.token_ids,
+                        logprobs=out.token_logprobs,
+                    ),
                 )
             if out.finished:
                 assert out.finish_reason is not None, "a finished output names its reason"

@@ -13,6 +13,22 @@ from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
 class ChatMessage(Message):
     role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=200_000)
+    name: str | None = Field(
+        default=None, max_length=64, description="the participant's name, where the template renders it"
+    )
+
+
+class StructuredOutput(Message):
+    """Output constrained during decoding: any JSON object, or JSON valid under ``json_schema``."""
+
+    kind: Literal["json_object", "json_schema"]
+    json_schema: str | None = Field(default=None, max_length=200_000, description="the schema as a JSON text")
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "StructuredOutput":
+        if (self.kind == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when kind is json_schema")
+        return self
 
 
 class SamplingParams(Message):
@@ -23,6 +39,19 @@ class SamplingParams(Message):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=8)
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="minus this once a token has appeared")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="minus this per earlier occurrence")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=10.0, description="divides positive, multiplies negative logits of seen tokens"
+    )
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability")
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=300
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
+    logprobs: bool = Field(default=False, description="return each output token's logprob")
+    top_logprobs: int = Field(default=0, ge=0, le=20, description="and this many most likely alternatives")
+    structured: StructuredOutput | None = None
 
 
 class ResolvedAdapter(Message):
@@ -123,12 +152,28 @@ class ReplyAccepted(Message):
     cache_hit: bool = Field(description="the adapter (or base model) was resident when the worker accepted")
 
 
+class TopLogprob(Message):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Message):
+    """One token's logprob under the model (before any sampling transform), OpenAI's shape."""
+
+    token: str
+    logprob: float | None = Field(description="None for a prompt's first token, which nothing predicts")
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class ReplyToken(Message):
     kind: Literal["token"] = "token"
     request_id: RequestId
     index: int = Field(ge=0)
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="one per token id, when asked for")
 
 
 class ReplyFinal(Message):

@@ -73,6 +73,8 @@ class FakeWorker:
                 "max_tokens": s.max_tokens,
             }
         )
+        if "dump-sampling" in text:  # every sampling field as the worker received it
+            echo = s.model_dump_json()
         pieces = ["echo:", echo]
         if "slow" in text:
             pieces = [f" t{i}" for i in range(500)]

@@ -83,16 +83,89 @@ async def test_n_choices_are_merged_with_their_index(oai, gateway):
     "extra",
     [
         {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"logprobs": True},
-        {"presence_penalty": 0.5},
-        {"response_format": {"type": "json_object"}},
-        {"logit_bias": {"1": 5}},
+        {"tool_choice": "auto"},
+        {"parallel_tool_calls": False},
+        {"top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": 21},
+        {"presence_penalty": 2.5},
+        {"logit_bias": {"x": 5}},
+        {"logit_bias": {"1": 101}},
+        {"min_p": 1.5},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "xml"}},
+        {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
     ],
 )
 async def test_unsupported_parameters_are_refused_not_ignored(oai, extra):
     with pytest.raises(openai.BadRequestError) as e:
         await oai.chat.completions.create(model=BASE, messages=MESSAGES, extra_body=extra)
     assert e.value.body["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    "extra", [{"echo": True, "logprobs": 1}, {"logprobs": 21}, {"logit_bias": {"1": -101}}, {"stop_token_ids": [-1]}]
+)
+async def test_unsupported_completion_shapes_are_refused(oai, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.completions.create(model=BASE, prompt="hi", extra_body=extra)
+    assert e.value.body["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "objekt"}, {"properties": {"a": {"type": 3}}}, {"required": "a"}, {"minLength": -1}]
+)
+async def test_an_invalid_json_schema_is_a_typed_400(oai, schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.chat.completions.create(model=BASE, messages=MESSAGES, response_format=fmt)
+    assert e.value.body["code"] == "invalid_json_schema" and e.value.body["param"] == "response_format"
+
+
+async def test_the_openai_sampling_surface_reaches_the_worker(oai):
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    c = await oai.chat.completions.create(
+        model=BASE,
+        messages=[{"role": "user", "content": "dump-sampling"}],
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": -100, "12": 2.5},
+        logprobs=True,
+        top_logprobs=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}},
+        extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "stop_token_ids": [3, 4]},
+    )
+    got = echoed(c.choices[0].message.content)
+    assert {k: got[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")} == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+    }
+    assert got["logit_bias"] == {"7": -100.0, "12": 2.5} and got["stop_token_ids"] == [3, 4]
+    assert got["logprobs"] is True and got["top_logprobs"] == 3
+    assert got["structured"] == {
+        "kind": "json_schema",
+        "json_schema": json.dumps(schema, sort_keys=True, separators=(",", ":")),
+    }
+    plain = await oai.completions.create(model=BASE, prompt="dump-sampling", logprobs=0)
+    assert echoed(plain.choices[0].text)["logprobs"] is True and echoed(plain.choices[0].text)["top_logprobs"] == 0
+    mode = await oai.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "dump-sampling"}], response_format={"type": "json_object"}
+    )
+    assert echoed(mode.choices[0].message.content)["structured"] == {"kind": "json_object", "json_schema": None}
+
+
+async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):
+    plain = await oai.completions.create(model=BASE, prompt="hi there", echo=True)
+    assert plain.choices[0].text.startswith("hi thereecho:")
+    stream = await oai.completions.create(model=BASE, prompt="hi there", echo=True, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == plain.choices[0].text
+
+
+async def test_a_message_name_the_template_drops_is_refused(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        await oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi", "name": "ann"}])
+    assert e.value.body["param"] == "messages" and "name" in e.value.body["message"]
 
 
 async def test_unknown_model_is_404_with_openai_error(oai):

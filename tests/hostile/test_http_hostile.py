@@ -147,10 +147,22 @@ BODIES = [  # (path, JSON body or raw bytes, status, code, param)
             ("x-lorafleet-worker", "w1"),
             ("reply_to", "_INBOX.x"),
             ("request_id", "r1"),
-            ("logit_bias", {"1": 100}),
+            ("functions", [{"name": "f"}]),
             ("tools", [{"type": "function"}]),
         )
     ],
+    pytest.param(CHAT, chat(logit_bias={"1": 1e9}), 400, "invalid_request", "logit_bias.1", id="logit-bias-huge"),
+    pytest.param(
+        CHAT, chat(logit_bias={"-1": 5}), 400, "invalid_request", "logit_bias.-1.[key]", id="logit-bias-negative-id"
+    ),
+    pytest.param(
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": 7}}}),
+        400,
+        "invalid_json_schema",
+        "response_format",
+        id="json-schema-invalid",
+    ),
 ]
 
 MODELS = [  # names that must never resolve to anything: 404 like any unknown model

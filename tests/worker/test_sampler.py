@@ -17,7 +17,7 @@ def seqs(*params: SamplingParams) -> list[Sequence]:
 
 def draw(logits: torch.Tensor, params: SamplingParams, steps: int = 20) -> list[int]:
     (seq,) = seqs(params)
-    return [sample(logits, [seq], False)[0][0] for _ in range(steps)]
+    return [sample(logits.clone(), [seq]).tokens[0] for _ in range(steps)]
 
 
 LOGITS = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0)) * 3
@@ -30,7 +30,7 @@ def test_seeded_sampling_is_deterministic_whatever_the_batch() -> None:
     assert len(set(alone)) > 1
     batched = seqs(SamplingParams(temperature=0.7, seed=9), params)
     logits = torch.cat([torch.randn(1, 1000), LOGITS])
-    assert [sample(logits, batched, False)[0][1] for _ in range(20)] == alone
+    assert [sample(logits.clone(), batched).tokens[1] for _ in range(20)] == alone
     assert draw(LOGITS, SamplingParams(temperature=1.0, seed=1235)) != alone
 
 
@@ -51,8 +51,8 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 
 
 def test_logprobs_are_of_the_chosen_tokens() -> None:
-    tokens, logprobs = sample(LOGITS, seqs(SamplingParams(temperature=0.0)), True)
-    assert logprobs == pytest.approx([float(LOGITS.log_softmax(-1)[0, tokens[0]])])
+    out = sample(LOGITS.clone(), seqs(SamplingParams(temperature=0.0, logprobs=True)))
+    assert out.logprobs == pytest.approx([float(LOGITS.log_softmax(-1)[0, out.tokens[0]])])
 
 
 @pytest.fixture(scope="module")

@@ -139,3 +139,49 @@ def test_adapters_live_in_a_private_content_addressed_dir_removed_on_eviction(ru
     assert first not in result["after_removal"]["keys"]
     assert len(result["after_removal"]["digests"]) == len(ADAPTERS) - 1
     assert result["root_left"] is False
+
+
+MAPPING = """
+import json
+from services.worker.vllm_engine.sampling import to_vllm
+from shared.schemas import SamplingParams, StructuredOutput
+
+params = SamplingParams(
+    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_p=0.1, logit_bias={7: -100.0},
+    stop_token_ids=[2, 9], seed=3, logprobs=True, top_logprobs=4,
+    structured=StructuredOutput(kind="json_schema", json_schema='{"type": "integer"}'),
+)
+v = to_vllm(params, prompt_tokens=3, max_model_len=64, logprobs=False)
+mode = to_vllm(SamplingParams(structured=StructuredOutput(kind="json_object")), prompt_tokens=3, max_model_len=64,
+               logprobs=True)
+print("MAPPED " + json.dumps({
+    "presence": v.presence_penalty, "frequency": v.frequency_penalty, "repetition": v.repetition_penalty,
+    "min_p": v.min_p, "bias": {str(k): b for k, b in v.logit_bias.items()}, "stop_ids": v.stop_token_ids,
+    "seed": v.seed, "logprobs": v.logprobs, "json": v.structured_outputs.json,
+    "compact": v.structured_outputs.disable_any_whitespace, "mode_json": mode.structured_outputs.json,
+    "mode_logprobs": mode.logprobs,
+}))
+"""
+
+
+def test_openai_sampling_fields_map_onto_vllms_own() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", MAPPING], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("MAPPED ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    assert json.loads(lines[-1].removeprefix("MAPPED ")) == {
+        "presence": 0.5,
+        "frequency": -0.5,
+        "repetition": 1.3,
+        "min_p": 0.1,
+        "bias": {"7": -100.0},
+        "stop_ids": [2, 9],
+        "seed": 3,
+        "logprobs": 4,
+        "json": '{"type": "integer"}',
+        "compact": True,
+        "mode_json": '{"type": "object"}',
+        "mode_logprobs": 0,
+    }

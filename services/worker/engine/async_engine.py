@@ -73,9 +73,12 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's per-step outputs; the last has ``finished`` set.
 
-        Raises RequestTooLarge (or DuplicateRequest) before the first output. Leaving the
+        Raises RequestTooLarge, InvalidSchema (or DuplicateRequest) before the first output. Leaving the
         iterator early, or cancelling the task consuming it, aborts the request.
         """
+        structured = request.sampling.structured
+        if structured is not None:  # compile off the step loop (raises InvalidSchema); the loop then hits the cache
+            await asyncio.to_thread(self.engine.grammars.compile, structured)
         queue: _Outputs = asyncio.Queue()
         with self._wake:
             if self._stopping:

@@ -31,6 +31,7 @@ class EngineConfig(BaseModel):
         default=2048, ge=16, le=2**20, description="most tokens (prefill + decode) in one forward pass"
     )
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
+    grammar_cache: int = Field(default=512, ge=1, le=100_000, description="compiled JSON grammars kept, by digest")
     cpu_linear: CpuLinear = Field(
         default="auto",
         description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "

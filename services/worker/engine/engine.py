@@ -8,14 +8,16 @@ from transformers import PreTrainedTokenizerBase
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.errors import DuplicateRequest, RequestTooLarge
+from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedSampling
+from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward
-from services.worker.engine.sampler import sample
+from services.worker.engine.sampler import Sampled, sample
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
+from services.worker.engine.token_text import TokenText
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared import metrics
 
@@ -52,6 +54,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
         self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
+        self.vocab_size = spec.vocab_size
+        self.grammars = Grammars(tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache)
+        self.token_text = TokenText(tokenizer)
         self._seqs: dict[str, Sequence] = {}
 
     @classmethod
@@ -85,9 +90,21 @@ class LLMEngine:
                 f"prompt + max_tokens = {longest} tokens exceeds the whole KV cache ({capacity} tokens)",
                 param="max_tokens",
             )
+        self._check_token_ids(request)
         seq = Sequence(request, self.tokenizer)
+        if request.sampling.structured is not None:
+            seq.matcher = self.grammars.matcher(request.sampling.structured)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_token_ids(self, request: EngineRequest) -> None:
+        params = request.sampling
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            outside = [token for token in ids if token >= self.vocab_size]
+            if outside:
+                raise UnsupportedSampling(
+                    f"{name}: token id {outside[0]} is outside the vocabulary (0 to {self.vocab_size - 1})", param=name
+                )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks; its final output, or None if unknown."""
@@ -96,7 +113,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-        return self._output(seq, [], None)
+        return self._output(seq, [])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block (blocks in use stay with their sequences)."""
@@ -118,9 +135,10 @@ class LLMEngine:
             self.blocks.rollback()
             raise
         self.blocks.commit()
-        want_logprobs = any(seq.request.logprobs for seq in batch.seqs)
-        tokens, logprobs = sample(logits, batch.seqs, want_logprobs)
-        outputs = self._postprocess(batch.seqs, tokens, logprobs)
+        constrained = any(seq.matcher is not None for seq in batch.seqs)
+        with torch.inference_mode():  # the logits are an inference tensor, changed in place
+            sampled = sample(logits, batch.seqs, self.grammars.mask if constrained else None)
+        outputs = self._postprocess(batch.seqs, sampled)
         metrics.STEP_TIME.labels(rank_mix(lora)).observe((time.perf_counter() - started) * 1000)
         return outputs
 
@@ -133,12 +151,10 @@ class LLMEngine:
         )
         return logits, lora
 
-    def _postprocess(
-        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float] | None
-    ) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], sampled: Sampled) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
-        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        for row, (seq, token) in enumerate(zip(seqs, sampled.tokens, strict=True)):
             seq.num_cached = seq.num_tokens
             seq.token_ids.append(token)
             if seq.first_token_time is None:
@@ -147,21 +163,35 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 del self._seqs[seq.request_id]
-            outputs.append(self._output(seq, [token], None if logprobs is None else [logprobs[row]]))
+            outputs.append(self._output(seq, [token], sampled, row))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.request.sampling
+        if token in params.stop_token_ids:
+            return "stop"  # its text is not part of the output (as on vLLM)
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            raise RuntimeError(f"{seq.request_id}: the sampler chose token {token} outside the grammar")
         if seq.detokenizer.update():
             return "stop"
         if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int], sampled: Sampled | None = None, row: int = 0) -> RequestOutput:
         finished = seq.finish_reason is not None
+        logprobs = entries = None
+        if sampled is not None and sampled.logprobs is not None and tokens:
+            logprobs = [sampled.logprobs[row]]
+            if seq.request.sampling.logprobs:
+                k = seq.request.sampling.top_logprobs
+                top_ids = sampled.top_ids[row][:k] if sampled.top_ids is not None else []
+                top_lps = sampled.top_logprobs[row][:k] if sampled.top_logprobs is not None else []
+                entries = [self.token_text.entry(tokens[0], logprobs[0], top_ids, top_lps)]
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=tokens,
@@ -171,5 +201,6 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
             first_token_time=seq.first_token_time,
-            logprobs=logprobs if seq.request.logprobs else None,
+            logprobs=logprobs,
+            token_logprobs=entries,
         )

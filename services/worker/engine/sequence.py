@@ -7,10 +7,11 @@ from array import array
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.detokenizer import IncrementalDetokenizer
-from shared.schemas import SamplingParams
+from shared.schemas import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class RequestOutput:
     completion_tokens: int
     first_token_time: float | None  # time.monotonic() of the first output token
     logprobs: list[float] | None = None
+    token_logprobs: list[TokenLogprob] | None = None  # OpenAI's entries, one per token id, when asked
 
 
 class Status(enum.Enum):
@@ -67,6 +69,7 @@ class Sequence:
         self.finish_reason: str | None = None
         seed = request.sampling.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.matcher: xgr.GrammarMatcher | None = None  # set by the engine for a structured request
 
     @property
     def request_id(self) -> str:

@@ -4,15 +4,37 @@ from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from services.worker.engine.errors import RequestTooLarge, UnsupportedSampling
-from shared.schemas import SamplingParams
+from shared.schemas import SamplingParams, StructuredOutput
 
 # Every field of shared.schemas.SamplingParams that has a vLLM counterpart with the built-in
 # engine's semantics (temperature 0 = greedy, top_k 0 = off, stop strings cut from the text,
-# special tokens skipped). A field added to the schema and not here is refused when set.
-MAPPED = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+# special tokens skipped, stop token ids end the output without their text, logprobs of the raw
+# distribution, JSON grammars through vLLM's structured outputs, xgrammar backend, compact JSON).
+# A field added to the schema and not here is refused when set.
+MAPPED = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "logit_bias",
+        "stop_token_ids",
+        "logprobs",
+        "top_logprobs",
+        "structured",
+    }
+)
+_ANY_OBJECT = '{"type": "object"}'  # JSON mode as on the built-in engine: any object, not any JSON value
 
 
 def to_vllm(params: SamplingParams, *, prompt_tokens: int, max_model_len: int, logprobs: bool) -> VllmSamplingParams:
@@ -39,12 +61,25 @@ def to_vllm(params: SamplingParams, *, prompt_tokens: int, max_model_len: int, l
             seed=params.seed,
             stop=list(params.stop),
             ignore_eos=params.ignore_eos,
-            logprobs=0 if logprobs else None,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            min_p=params.min_p,
+            logit_bias=dict(params.logit_bias) or None,
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=params.top_logprobs if params.logprobs else (0 if logprobs else None),
+            structured_outputs=_structured(params.structured),
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
         )
     except VLLMValidationError as e:
         raise UnsupportedSampling(f"vLLM refused the sampling parameters: {e}", param=e.parameter) from None
+
+
+def _structured(spec: StructuredOutput | None) -> StructuredOutputsParams | None:
+    if spec is None:
+        return None
+    return StructuredOutputsParams(json=spec.json_schema or _ANY_OBJECT, disable_any_whitespace=True)
 
 
 def _default(params: SamplingParams, name: str) -> Any:

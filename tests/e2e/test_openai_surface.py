@@ -1,0 +1,206 @@
+"""The OpenAI surface end to end with the official client, on SmolLM2 and on a demo adapter:
+JSON-schema and JSON-mode outputs that always parse and validate, and logprobs equal to
+transformers' for the same tokens, streamed and not."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+import torch
+
+from services.worker.engine.loader import LoadedModel, load_model
+from tests.e2e.test_adapters import adapters  # noqa: F401  (the released demo adapters)
+
+MODEL = "SmolLM2-135M-Instruct"
+ADAPTER = "sql-helper"
+TOPICS = ["Paris", "a red bicycle", "the planet Mars", "a chocolate cake", "an old lighthouse"]
+
+
+def schemas() -> list[tuple[str, dict]]:
+    """50 varied (prompt, schema) pairs: nested objects, enums, arrays, required and optional fields."""
+    short = {"type": "string", "minLength": 1, "maxLength": 24}
+    count = {"type": "integer", "minimum": 0, "maximum": 999}
+    shapes = [
+        lambda: {"type": "object", "properties": {"name": short, "year": count}, "required": ["name", "year"]},
+        lambda: {
+            "type": "object",
+            "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L"]}},
+            "required": ["colour", "size"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {"tags": {"type": "array", "items": short, "minItems": 1, "maxItems": 3}},
+            "required": ["tags"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {
+                "place": {
+                    "type": "object",
+                    "properties": {"city": short, "country": short},
+                    "required": ["city", "country"],
+                },
+                "score": count,
+            },
+            "required": ["place", "score"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "note": short, "level": {"enum": [1, 2, 3]}},
+            "required": ["ok", "level"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"label": short, "qty": count},
+                        "required": ["label", "qty"],
+                    },
+                    "maxItems": 2,
+                }
+            },
+            "required": ["items"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {"summary": short, "mood": {"enum": ["happy", "sad", "neutral"]}, "words": count},
+            "required": ["summary", "mood", "words"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {
+                "meta": {
+                    "type": "object",
+                    "properties": {"author": short, "edition": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["author"],
+                },
+                "pages": {"type": "array", "items": count, "maxItems": 4},
+            },
+            "required": ["meta", "pages"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {"kind": {"const": "fact"}, "text": short, "sure": {"type": "boolean"}},
+            "required": ["kind", "text", "sure"],
+        },
+        lambda: {
+            "type": "object",
+            "properties": {
+                "pair": {"type": "array", "prefixItems": [short, count], "items": False, "minItems": 2},
+                "unit": {"enum": ["kg", "m", "s"]},
+            },
+            "required": ["pair", "unit"],
+        },
+    ]
+    out = []
+    for i, shape in enumerate(shapes):
+        for topic in TOPICS:
+            schema = {**shape(), "additionalProperties": False, "title": f"{topic} ({i})"}
+            out.append((f"Describe {topic} as JSON with the fields {sorted(schema['properties'])}.", schema))
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(running_stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
+
+
+def ask_json(
+    client: openai.OpenAI, model: str, prompt: str, schema: dict | None, seed: int, temperature: float = 0.8
+) -> tuple[str, str]:
+    fmt = (
+        {"type": "json_object"}
+        if schema is None
+        else {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    )
+    c = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        response_format=fmt,  # type: ignore[arg-type]
+        max_tokens=200 if schema is not None else 400,
+        temperature=temperature,
+        seed=seed,
+    )
+    return c.choices[0].message.content or "", c.choices[0].finish_reason
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", [MODEL, ADAPTER])
+def test_fifty_json_schemas_always_parse_and_validate(client, adapters, model):  # noqa: F811
+    cases = schemas()
+    assert len(cases) == 50 and len({json.dumps(s) for _, s in cases}) == 50
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda ic: ask_json(client, model, ic[1][0], ic[1][1], ic[0]), enumerate(cases)))
+    for (_, schema), (text, reason) in zip(cases, answers, strict=True):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.timeout(900)  # 20 open-ended generations on a shared 2-core machine
+@pytest.mark.parametrize("model", [MODEL, ADAPTER])
+def test_json_mode_always_gives_an_object(client, adapters, model):  # noqa: F811
+    # JSON mode bounds nothing inside a string: greedy, and room for the model to close what it opens
+    prompts = [f"Give a JSON object with two short fields about {topic}." for topic in TOPICS * 2]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda ip: ask_json(client, model, ip[1], None, ip[0], 0.0), enumerate(prompts)))
+    for text, reason in answers:
+        assert reason == "stop", text
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model()
+
+
+def reference(loaded: LoadedModel, prompt_ids: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens (fp32) and the logprobs of every position that chose them."""
+    with torch.no_grad():
+        out = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False)
+        tokens = out[0, len(prompt_ids) :].tolist()
+        logits = loaded.model(out).logits[0, len(prompt_ids) - 1 : -1]
+    return tokens, logits.float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_transformers(client, loaded, stream):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True}
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, top_logprobs=5, stream=True))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        c = client.chat.completions.create(**kwargs, top_logprobs=5)
+        entries, text = c.choices[0].logprobs.content, c.choices[0].message.content
+    prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    tokens, logprobs = reference(loaded, prompt_ids, 10)
+    assert [e.token for e in entries] == [loaded.tokenizer.decode([t]) for t in tokens]
+    for position, (token, entry) in enumerate(zip(tokens, entries, strict=True)):
+        assert entry.logprob == pytest.approx(float(logprobs[position, token]), abs=1e-4)
+        top = logprobs[position].topk(5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert text == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_zero_equal_transformers(client, loaded, stream):
+    prompt = "The capital of France is"
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs]
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        logprobs = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    else:
+        lp = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, logprobs, offsets = lp.tokens, lp.token_logprobs, lp.text_offset
+    ids, expected = reference(loaded, loaded.tokenizer(prompt)["input_ids"], 8)
+    assert tokens == [loaded.tokenizer.decode([t]) for t in ids]
+    assert logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
