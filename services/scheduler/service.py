@@ -44,6 +44,7 @@ from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
+from shared.request_ref import RequestRef
 from shared.schemas import (
     AuditEnvelope,
     CompletionAudit,
@@ -240,8 +241,8 @@ class Scheduler:
     async def on_cancel(self, msg: Msg) -> None:
         try:
             control = decode(WorkerControl, msg.data)
-            if control.action == "cancel" and control.request_id is not None:
-                await self.core.cancel(control.request_id)
+            if control.action == "cancel" and control.request_id is not None and control.tenant_id is not None:
+                await self.core.cancel(RequestRef(control.tenant_id, control.request_id))
         except LorafleetError as e:
             log.warning("bad_cancel", error=e.message)
 

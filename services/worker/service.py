@@ -39,6 +39,7 @@ from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
+from shared.request_ref import RequestRef
 from shared.schemas import (
     AdapterEvent,
     CompletionAudit,
@@ -116,8 +117,8 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
 
 def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
     if control.action == "cancel":
-        assert control.request_id is not None, "WorkerControl validates that a cancel names its request"
-        server.cancel(control.request_id)
+        assert control.request_id and control.tenant_id, "WorkerControl validates that a cancel names its request"
+        server.cancel(RequestRef(control.tenant_id, control.request_id))
         return
     if not control.adapter_id or control.adapter_version is None:
         raise InvalidMessage(f"{control.action} needs adapter_id and adapter_version")

@@ -4,7 +4,8 @@ oversize or malformed body gets a typed refusal (on its own inbox where one can 
 body), changes no state (registry, work queue, quota counters, concurrency leases, dedupe
 markers) and is audited as a scheduler RejectionAudit. Beside them, the regressions of what a
 direct tenant could do before: hold no slot with a forged created_at, swallow another tenant's
-request id, or be served the base model for an adapter's name."""
+request id (or be refused one another tenant has in flight), or be served the base model for an
+adapter's name."""
 
 import asyncio
 import json
@@ -18,12 +19,13 @@ import pytest
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
-from shared.bus import connect
+from shared.bus import connect, decode
 from shared.schemas import (
     AdapterRecordsReply,
     CreateTenantRequest,
     PromoteRequest,
     RegisterRequest,
+    ReplyEnvelope,
     RollbackRequest,
     SetQuotaRequest,
     TenantQuota,
@@ -292,3 +294,46 @@ async def test_another_tenants_request_id_does_not_swallow_this_tenants_request(
     await hostile.wait_audit("completion", TENANT, since, request_id=rid)
     served = sorted(a["tenant_id"] for a in await completions(hostile, rid, since))
     assert served == sorted(["other", TENANT])
+
+
+async def test_a_tenant_reusing_another_tenants_in_flight_id_is_served_with_its_own_adapter(
+    hostile: HostileStack, direct: Direct, nc
+):
+    """Before: the scheduler's in-flight maps were keyed by request id alone, so this tenant's
+    request under an id another tenant had in flight was refused (409 request_id_in_use)."""
+    rid, since = f"both-{uuid.uuid4().hex[:12]}", time.time()
+    seen: list[tuple[str, str]] = []  # (tenant, reply kind), in arrival order
+    bodies: dict[str, list] = {"other": [], TENANT: []}
+
+    def listener(tenant: str):
+        async def on_reply(msg) -> None:
+            body = decode(ReplyEnvelope, msg.data).body
+            seen.append((tenant, body.kind))
+            bodies[tenant].append(body)
+
+        return on_reply
+
+    for tenant in bodies:
+        await nc.subscribe(f"_INBOX_{tenant}.{rid}", cb=listener(tenant))
+    long_run = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    await submit(nc, "other", infer(rid, tenant="other", model=hostile.adapters["other"], sampling=long_run))
+    await _until(lambda: ("other", "token") in seen, "the other tenant's request never ran")
+    await submit(nc, TENANT, valid(rid, model=ADAPTER))
+    await _until(lambda: all(b and b[-1].kind in ("final", "error") for b in bodies.values()), "a request never ended")
+    assert seen.index((TENANT, "accepted")) < seen.index(("other", "final"))  # both in flight at once
+    mine, theirs = bodies[TENANT][-1], bodies["other"][-1]
+    assert (mine.kind, theirs.kind) == ("final", "final"), (mine, theirs)
+    assert (mine.served_by.adapter_id, mine.served_by.adapter_digest) == (ADAPTER, direct.records[1]["checksum"])
+    assert theirs.served_by.adapter_id == hostile.adapters["other"] and theirs.usage.completion_tokens == 1500
+    await hostile.wait_audit("completion", TENANT, since, request_id=rid)
+    await hostile.wait_audit("completion", "other", since, request_id=rid)
+    served = sorted((a["tenant_id"], a["adapter_id"]) for a in await completions(hostile, rid, since))
+    assert served == [(TENANT, ADAPTER), ("other", hostile.adapters["other"])]
+    assert hostile.audits("rejection", TENANT, since) == []
+
+
+async def _until(done, message: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.05)

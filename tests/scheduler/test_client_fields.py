@@ -14,7 +14,7 @@ async def test_a_client_written_created_at_frees_no_slot_while_the_request_runs(
         acts.append((await world.submit(f"r{i}", created_at=0.0)).acts)
         await world.upkeep.tick()
     assert acts == [["ack"]] + [["term"]] * 19
-    assert list(world.core.inflight) == ["r0"] and world.core.fleet.workers["w1"].inflight == 1
+    assert list(world.core.inflight) == [("acme", "r0")] and world.core.fleet.workers["w1"].inflight == 1
     assert abs(world.requests["r0"].created_at - time.time()) < 60  # the scheduler's stamp reaches the worker
 
 
