@@ -45,6 +45,13 @@ from shared.schemas import (
 log = structlog.get_logger("scheduler")
 
 
+def past_accept_deadline(request: InferRequest, wall: float) -> UpstreamTimeout | None:
+    """The refusal of a request whose client said it stops waiting before ``wall`` (None: it still waits)."""
+    if request.accept_deadline is None or wall <= request.accept_deadline:
+        return None
+    return UpstreamTimeout("the request's accept deadline passed before it was scheduled")
+
+
 class Handle(Protocol):
     headers: dict[str, str] | None  # trace context of the submission
 
@@ -144,9 +151,9 @@ class Dispatcher:
         if ref in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
             self.held[ref].handle = handle
             return
-        if request.accept_deadline is not None and time.time() > request.accept_deadline:
-            # the client said it stops waiting then: refused (answered and audited), never run late
-            await self._refuse(request, UpstreamTimeout("the request's accept deadline passed before it was scheduled"))
+        late = past_accept_deadline(request, time.time())
+        if late is not None:  # the client said it stops waiting then: refused (answered and audited), never run late
+            await self._refuse(request, late)
             await handle.term()
             return
         if ref in self.inflight:
@@ -325,13 +332,12 @@ class Dispatcher:
         log.info("queued_request_cancelled", request_id=ref.request_id, tenant=ref.tenant)
         return True
 
-    async def drop_queued(self, item: Queued, error: LorafleetError | None) -> None:
-        """Take ``item`` out of the scheduler: answer ``error`` (None = the client is gone) and terminate it."""
+    async def drop_queued(self, item: Queued, error: LorafleetError) -> None:
+        """Take ``item`` out of the scheduler: answer and audit ``error``, free its quota, terminate it."""
         self.queue.remove(item.ref)
         self.held.pop(item.ref, None)
         self.early.pop(item.ref, None)
-        if error is not None:
-            await self._refuse(item.request, error)
+        await self._refuse(item.request, error)
         await self.admission.release(item.grant, 0)
         await item.handle.term()
 

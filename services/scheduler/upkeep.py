@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.dispatcher import Dispatcher, past_accept_deadline
 from services.scheduler.prefetch import Prefetcher
 from shared import metrics
 from shared.errors import NoWorkerAvailable, WorkerLost
@@ -80,8 +80,9 @@ class Upkeep:
         core, wall = self.core, time.time()
         for item in list(core.queue):
             request = item.request
-            if request.accept_deadline is not None and wall > request.accept_deadline:
-                await core.drop_queued(item, None)
+            late = past_accept_deadline(request, wall)
+            if late is not None:  # answered and audited as at admission: never dropped silently
+                await core.drop_queued(item, late)
             elif now - item.enqueued > self.periods.no_worker_grace_s and not core.fleet.serves(request.base_model):
                 await core.drop_queued(item, NoWorkerAvailable(f"no live worker serves {request.base_model}"))
 
