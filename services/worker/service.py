@@ -31,7 +31,7 @@ from shared.bus import (
     reply_error,
     shutdown_event,
 )
-from shared.catalog_follow import follow_catalog
+from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.fingerprint import fingerprint_model_dir
@@ -194,6 +194,7 @@ async def run(settings: WorkerSettings) -> None:
 
         prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
         resolver, catalog_watch = follow_catalog(nc, REGISTRY_TIMEOUT_S)
+        await answer_catalog_sync(nc, "worker", settings.worker_id, resolver.mirror, REGISTRY_TIMEOUT_S)
         stack.callback(catalog_watch.cancel)
         grants = Grants(resolver.resolve, resolver.mirror.catalog)
         server = RequestServer(

@@ -9,6 +9,8 @@ adapter's name."""
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ TENANT = "direct"
 ADAPTER = "direct-chat"  # v1 production, v2 rolled back, v3 staging
 PREFIX = "lf:"  # the stack's Redis key prefix (the default)
 GATEWAY_INBOX = "_INBOX.gateway-inbox"  # where a gateway would read replies
+SCHEDULER_STOPPED_S = 1.0  # under the stack's catalog.sync bound (LF_GATEWAY_SYNC_TIMEOUT_S)
 
 
 @dataclass
@@ -337,3 +340,41 @@ async def _until(done, message: str, timeout_s: float = 120) -> None:
     while not done():
         assert time.monotonic() < deadline, message
         await asyncio.sleep(0.05)
+
+
+async def test_a_rollback_returns_once_the_scheduler_resolves_with_it(hostile: HostileStack, direct: Direct, nc):
+    """A direct submission right after a rollback is served the version rolled back to. The
+    scheduler is held stopped while the rollback runs: the registry's catalog.sync barrier waits for
+    its mirror (before: it waited for the gateways only and returned at once, the scheduler's mirror,
+    which resolves direct submissions, possibly still holding the version rolled back)."""
+    adapter = "direct-roll"
+    checksums = {}
+    for seed in (5, 6):
+        files = adapter_files(hostile.trusted_dir.parent / f"roll-{seed}", seed=seed)
+        register = RegisterRequest(
+            adapter_id=adapter, tenant_id=TENANT, task_type="chat", inline_files=inline(files), actor="test"
+        )
+        record = (await registry_call(nc, "register", register, AdapterRecordsReply)).records[0]
+        checksums[record.version] = record.checksum
+        promote = PromoteRequest(
+            adapter_id=adapter, version=record.version, traffic_percent=100, force=True, reason="roll", actor="test"
+        )
+        await registry_call(nc, "promote", promote, AdapterRecordsReply)
+    scheduler = hostile.stack.procs["scheduler"]
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        rollback = asyncio.create_task(
+            registry_call(nc, "rollback", RollbackRequest(adapter_id=adapter, actor="test"), AdapterRecordsReply)
+        )
+        await asyncio.sleep(SCHEDULER_STOPPED_S)
+        assert not rollback.done(), "the rollback returned before the scheduler's mirror held it"
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    await rollback
+    rid = f"rolled-{uuid.uuid4().hex[:12]}"
+    sub = await nc.subscribe(f"_INBOX_{TENANT}.{rid}")
+    await submit(nc, TENANT, valid(rid, model=adapter))
+    bodies = await collect(sub, 30)
+    assert bodies[-1].kind == "final", bodies
+    served = bodies[-1].served_by
+    assert (served.adapter_id, served.adapter_version, served.adapter_digest) == (adapter, 1, checksums[1])
