@@ -259,8 +259,9 @@ class RegistrySettings(CommonSettings):
         default=1.0,
         ge=0,
         le=60,
-        description="how long a catalog write waits for every live gateway's mirror to hold it (0 = no wait); "
-        "keep it under the gateways' registry_timeout_s, which bounds their admin calls",
+        description="how long a catalog write waits for every live catalog mirror (gateways, schedulers, "
+        "workers) to hold it (0 = no wait); keep it under the gateways' registry_timeout_s, which bounds "
+        "their admin calls",
     )
 
 
@@ -282,6 +283,13 @@ class AuditorSettings(CommonSettings):
     )
     head_interval_s: float = Field(
         default=30.0, gt=0, le=3600, description="how often the chain is verified and its new head signed"
+    )
+    head_every_records: int = Field(
+        default=1000,
+        ge=1,
+        le=10_000_000,
+        description="sign a head as soon as this many records were appended since the last one, before the "
+        "interval is up: rows after the newest head can be deleted undetected, so this bounds how many",
     )
 
 

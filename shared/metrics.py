@@ -41,7 +41,10 @@ GATEWAY_RESOLVES = Counter(
 KV_WATCH_RESTARTS = Counter(
     "kv_watch_restarts", "mirror watches started over (failed, or stalled behind the bucket)", ["bucket"]
 )
-GATEWAY_SYNC_TIMEOUTS = Counter("gateway_sync_timeouts", "catalog writes that a live gateway did not confirm in time")
+GATEWAY_SYNC_TIMEOUTS = Counter(
+    "gateway_sync_timeouts",
+    "catalog writes that a live catalog mirror (gateway, scheduler, worker) did not confirm in time",
+)
 ADMISSION_REJECTIONS = Counter("admission_rejections", "requests refused before running", ["reason"])
 QUEUE_DEPTH = Gauge("queue_depth", "requests waiting", ["service"])
 RUNNING = Gauge("running_requests", "requests running in the engine")

@@ -179,7 +179,13 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_read(subjects.REGISTRY_TENANTS_BUCKET),
                 *kv_read(subjects.REGISTRY_RECORDS_BUCKET),  # its catalog mirror resolves direct submissions
             ),
-            subscribe=("_INBOX.>", subjects.WORKER_HEARTBEAT, subjects.SCHEDULER_CANCEL, *own["scheduler"]),
+            subscribe=(
+                "_INBOX.>",
+                subjects.WORKER_HEARTBEAT,
+                subjects.SCHEDULER_CANCEL,
+                subjects.GATEWAY_CATALOG_SYNC,  # its mirror answers the registry's barrier
+                *own["scheduler"],
+            ),
         ),
         "auditor": Permissions(
             publish=(
@@ -218,6 +224,7 @@ def worker_permissions(worker_id: str, tenants: Iterable[str] = ()) -> Permissio
             subjects.worker_dispatch(worker_id),
             subjects.worker_control(worker_id),
             subjects.service_heartbeat(WORKER),  # its health probe (lorafleet/cli/healthcheck.py)
+            subjects.GATEWAY_CATALOG_SYNC,  # its mirror answers the registry's barrier
         ),
         allow_responses=True,  # accept/refuse answers to the scheduler's dispatch requests
     )

@@ -116,18 +116,24 @@ async def answer_query(store: AuditStore, verifier: ChainVerifier, query: AuditQ
     return reply
 
 
-async def keep_verifying(verifier: ChainVerifier, interval_s: float, stop: asyncio.Event) -> None:
-    """Verify and sign on a fixed interval, and once more on the way out; a head NATS could not
-    store is signed again next time."""
-    while True:
-        try:
-            await verifier.tick()
-        except Exception as e:  # NATS away: the rows wait, nothing is lost
-            log.warning("audit_head_not_published", error=str(e))
-        if stop.is_set():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+async def sign_head(verifier: ChainVerifier) -> None:
+    """Verify what was added and sign the new head; a head NATS could not store is signed again next time."""
+    try:
+        await verifier.tick()
+    except Exception as e:  # NATS away: the rows wait, nothing is lost
+        log.warning("audit_head_not_published", error=str(e))
+
+
+async def keep_verifying(verifier: ChainVerifier, interval_s: float, stop: asyncio.Event, due: asyncio.Event) -> None:
+    """Verify and sign on a fixed interval, and at once whenever ``due`` is set (enough records
+    were appended since the last head), until ``stop``; the head at shutdown is the caller's."""
+    while not stop.is_set():
+        due.clear()
+        await sign_head(verifier)
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(due.wait())]
+        await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in waits:
+            waiting.cancel()
 
 
 async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> None:
@@ -156,7 +162,8 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
             concurrent=True,  # a full verification must not hold up the queries behind it
         )
         stop = stop or shutdown_event()
-        verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop))
+        due = asyncio.Event()  # set once head_every_records were appended since the last signed head
+        verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop, due))
         queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
 
         async def on_audit(msg) -> None:
@@ -196,12 +203,15 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
                     # acknowledgement a client redirected there with its reply subject) is not a record
                     raise IntegrityError(f"a {event.kind} record of tenant {event.tenant_id!r} on {msg.subject}")
                 await _record(store, records, msg.metadata.sequence.stream, event, stop)
+                if store.last_pos() - verifier.signed_pos >= settings.head_every_records:
+                    due.set()
             except LorafleetError as e:
                 metrics.INTEGRITY_ERRORS.labels("auditor").inc()
                 log.warning("bad_audit_record", subject=msg.subject, error=e.message)
         beats.cancel()
         await verifying
-        log.info("auditor_stopped", records=store.last_pos())
+        await sign_head(verifier)  # after the last record: a graceful stop leaves no unsigned tail
+        log.info("auditor_stopped", records=store.last_pos(), signed_pos=verifier.signed_pos)
 
 
 def main() -> None:

@@ -87,6 +87,11 @@ class ChainVerifier:
                 return
         self._fail(await self._in_thread(lambda db: chain.full(db, heads)))
 
+    @property
+    def signed_pos(self) -> int:
+        """The record the newest signed head vouches for (0: none yet)."""
+        return self._signed.pos if self._signed else 0
+
     def status(self) -> ChainStatus:
         return ChainStatus(
             intact=self._broken is None,

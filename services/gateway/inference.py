@@ -82,7 +82,9 @@ class Submission:
         """Stop listening; if the request has not finished, cancel it on its worker."""
         if not self.finished:
             self.finished = True
-            cancel = WorkerControl(action="cancel", request_id=self.request.request_id)
+            cancel = WorkerControl(
+                action="cancel", request_id=self.request.request_id, tenant_id=self.request.tenant_id
+            )
             try:
                 await self._nc.publish(subjects.worker_control(self.accepted.worker_id), encode(cancel))
             except Exception as e:
@@ -91,11 +93,12 @@ class Submission:
             await self._sub.unsubscribe()
 
 
-async def _cancel_queued(nc: NATS, request_id: str) -> None:
+async def _cancel_queued(nc: NATS, request: InferRequest) -> None:
+    cancel = WorkerControl(action="cancel", request_id=request.request_id, tenant_id=request.tenant_id)
     try:
-        await nc.publish(subjects.SCHEDULER_CANCEL, encode(WorkerControl(action="cancel", request_id=request_id)))
+        await nc.publish(subjects.SCHEDULER_CANCEL, encode(cancel))
     except Exception as e:
-        log.warning("cancel_publish_failed", request_id=request_id, error=str(e))
+        log.warning("cancel_publish_failed", request_id=request.request_id, error=str(e))
 
 
 async def submit(
@@ -141,7 +144,7 @@ async def submit(
     except (TimeoutError, asyncio.CancelledError) as e:
         # nobody waits any more: drop it from the scheduler's queue too
         await sub.unsubscribe()
-        await _cancel_queued(nc, request.request_id)
+        await _cancel_queued(nc, request)
         if isinstance(e, asyncio.CancelledError):
             raise
         raise NoWorkerAvailable(f"no worker accepted the request within {accept_timeout_s:.0f}s") from None

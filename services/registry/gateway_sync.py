@@ -1,5 +1,6 @@
-"""Read-your-writes for the gateways' catalog mirrors: a catalog write returns once every live
-gateway confirms its mirror holds the write's revision of the records bucket (or after a bound)."""
+"""Read-your-writes for every catalog mirror: a catalog write returns once every live gateway,
+scheduler and worker confirms its mirror holds the write's revision of the records bucket (or
+after a bound). The registry counts them by their service heartbeats."""
 
 import asyncio
 
@@ -14,20 +15,30 @@ from shared.schemas import CatalogSync, CatalogSynced, ServiceHeartbeat
 
 log = structlog.get_logger("registry.gateway_sync")
 
+# whose mirrors resolve requests: the gateway (HTTP), the scheduler (direct-NATS submissions) and the
+# worker (its own check of each dispatch). A scheduler or worker counts once ready: a worker heartbeats
+# while it loads its base model, before it follows the catalog.
+MIRRORS = ("gateway", "scheduler", "worker")
+
+
+def mirror_name(service: str, instance_id: str) -> str:
+    return f"{service}/{instance_id}"  # instance ids are unique per service only
+
 
 class GatewaySync:
     def __init__(self, nc: NATS, liveness_timeout_s: float, timeout_s: float) -> None:
         self._nc = nc
-        self._gateways: Liveness[None] = Liveness(liveness_timeout_s)
+        self._mirrors: Liveness[None] = Liveness(liveness_timeout_s)
         self._timeout_s = timeout_s
 
     def on_heartbeat(self, beat: ServiceHeartbeat) -> None:
-        if beat.service == "gateway":
-            self._gateways.seen(beat.instance_id, None)
+        if beat.service == "gateway" or (beat.service in MIRRORS and beat.ready):
+            self._mirrors.seen(mirror_name(beat.service, beat.instance_id), None)
 
     async def wait(self, revision: int) -> set[str]:
-        """The live gateways that did not confirm ``revision`` in time (empty: every one did)."""
-        pending = set(self._gateways.alive())
+        """The live mirrors (``service/instance``) that did not confirm ``revision`` in time
+        (empty: every one did)."""
+        pending = set(self._mirrors.alive())
         if not pending or self._timeout_s == 0:
             return set()
         all_confirmed = asyncio.get_running_loop().create_future()
@@ -38,7 +49,7 @@ class GatewaySync:
             except LorafleetError:
                 return
             if reply.revision >= revision:
-                pending.discard(reply.instance_id)
+                pending.discard(mirror_name(reply.service, reply.instance_id))
             if not pending and not all_confirmed.done():
                 all_confirmed.set_result(None)
 
@@ -49,7 +60,7 @@ class GatewaySync:
             await asyncio.wait_for(all_confirmed, self._timeout_s)
         except TimeoutError:
             metrics.GATEWAY_SYNC_TIMEOUTS.inc()
-            log.warning("gateway_sync_timeout", revision=revision, gateways=sorted(pending))
+            log.warning("catalog_sync_timeout", revision=revision, mirrors=sorted(pending))
         finally:
             await sub.unsubscribe()
         return set(pending)

@@ -32,6 +32,7 @@ from shared.errors import (
 from shared.grants import Grants, IsolationAttempt, Resolve
 from shared.prompt_tokens import PromptTokens
 from shared.request_bounds import check_submission
+from shared.request_ref import RequestRef
 from shared.schemas import (
     CompletionAudit,
     DispatchReply,
@@ -42,6 +43,13 @@ from shared.schemas import (
 )
 
 log = structlog.get_logger("scheduler")
+
+
+def past_accept_deadline(request: InferRequest, wall: float) -> UpstreamTimeout | None:
+    """The refusal of a request whose client said it stops waiting before ``wall`` (None: it still waits)."""
+    if request.accept_deadline is None or wall <= request.accept_deadline:
+        return None
+    return UpstreamTimeout("the request's accept deadline passed before it was scheduled")
 
 
 class Handle(Protocol):
@@ -87,6 +95,10 @@ class Queued:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def ref(self) -> RequestRef:
+        return RequestRef.of(self.request)
+
 
 @dataclass(slots=True)
 class Inflight:
@@ -108,11 +120,12 @@ class Dispatcher:
     slo_s: dict[str, float]
     bounds: RequestBounds
     prompt_tokens: PromptTokens | None = None  # None: prompts bounded in characters only
-    held: dict[str, Queued] = field(default_factory=dict)  # queued or being dispatched, by request id
-    inflight: dict[str, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
+    # request ids are per tenant: every in-flight map is keyed by (tenant, request id)
+    held: dict[RequestRef, Queued] = field(default_factory=dict)  # queued or being dispatched
+    inflight: dict[RequestRef, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
     tasks: set[asyncio.Task] = field(default_factory=set)
-    # request id -> worker id -> its run's completion, seen while the request was still held here
-    early: dict[str, dict[str, CompletionAudit]] = field(default_factory=dict)
+    # request -> worker id -> its run's completion, seen while the request was still held here
+    early: dict[RequestRef, dict[str, CompletionAudit]] = field(default_factory=dict)
     grants: Grants = field(init=False)
 
     def __post_init__(self) -> None:
@@ -126,25 +139,24 @@ class Dispatcher:
         except LorafleetError as e:
             await self.turn_away(subject, data, handle, e)
             return
-        rid, tenant = request.request_id, request.tenant_id
-        taken = self.held.get(rid) or self.inflight.get(rid)
-        reused = seq is not None and taken is not None and taken.seq != seq
-        if taken is not None and (taken.request.tenant_id != tenant or reused):
-            # another tenant's id, or a new submission of this tenant's under an id in use: refused,
-            # and never answered on the first one's inbox
+        rid, tenant, ref = request.request_id, request.tenant_id, RequestRef.of(request)
+        taken = self.held.get(ref) or self.inflight.get(ref)
+        if seq is not None and taken is not None and taken.seq != seq:
+            # a new submission of this tenant's under an id in use: refused, and never answered on the
+            # first one's inbox (another tenant's request under the same id is another request)
             reply_to = None if request.reply_to == taken.request.reply_to else request.reply_to
             await self._refuse_raw((tenant, rid, reply_to), RequestIdInUse(f"request id {rid} is in use"))
             await handle.term()
             return
-        if rid in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
-            self.held[rid].handle = handle
+        if ref in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
+            self.held[ref].handle = handle
             return
-        if request.accept_deadline is not None and time.time() > request.accept_deadline:
-            # the client said it stops waiting then: refused (answered and audited), never run late
-            await self._refuse(request, UpstreamTimeout("the request's accept deadline passed before it was scheduled"))
+        late = past_accept_deadline(request, time.time())
+        if late is not None:  # the client said it stops waiting then: refused (answered and audited), never run late
+            await self._refuse(request, late)
             await handle.term()
             return
-        if rid in self.inflight:
+        if ref in self.inflight:
             await handle.ack()
             return
         if self.dispatched.seen_here(tenant, rid):
@@ -182,7 +194,7 @@ class Dispatcher:
             }
         )
         item = Queued(request, handle, grant, seq)
-        self.held[rid] = item
+        self.held[ref] = item
         self.queue.push(item)
         self.pump()
 
@@ -205,12 +217,12 @@ class Dispatcher:
     def pump(self) -> None:
         """Start a dispatch for every queued request a worker has room for, in fair order."""
         now = time.monotonic()
-        chosen: dict[str, str] = {}  # request id -> the worker placeable() found for it, this round
+        chosen: dict[RequestRef, str] = {}  # the worker placeable() found for a request, this round
 
         def placeable(item: Queued) -> bool:
             worker = self.fleet.choose(item.request, now=now)
             if worker is not None:
-                chosen[item.request_id] = worker
+                chosen[item.ref] = worker
             return worker is not None
 
         while True:
@@ -218,7 +230,7 @@ class Dispatcher:
             item = self.queue.pop(now, placeable)
             if item is None:
                 return
-            worker = chosen[item.request_id]
+            worker = chosen[item.ref]
             self.fleet.sent(worker, item.request, now)
             task = asyncio.create_task(self._dispatch_logged(item, worker))
             self.tasks.add(task)
@@ -231,22 +243,23 @@ class Dispatcher:
             log.exception("dispatch_crashed", request_id=item.request_id, worker_id=worker_id)
 
     async def _dispatch(self, item: Queued, worker_id: str) -> None:
-        request = item.request
+        request, ref = item.request, item.ref
         try:
             reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
         except (UpstreamTimeout, NoResponders) as e:
             # the worker may still accept it late (or hold it, its subscription not back after a
             # reconnect): cancel it there before it can run in two places
-            await self.ports.control(worker_id, WorkerControl(action="cancel", request_id=request.request_id))
+            cancel = WorkerControl(action="cancel", request_id=request.request_id, tenant_id=request.tenant_id)
+            await self.ports.control(worker_id, cancel)
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         except LorafleetError as e:
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         if reply.accepted:
             await self._accepted(item, worker_id)
         elif reply.error is not None and reply.error.status < 500:
-            self.fleet.refused(worker_id, request.request_id, back_off=False)
-            self.held.pop(request.request_id, None)
-            self.early.pop(request.request_id, None)
+            self.fleet.refused(worker_id, ref, back_off=False)
+            self.held.pop(ref, None)
+            self.early.pop(ref, None)
             await self._refuse(request, from_body(reply.error))
             await self.admission.release(item.grant, 0)
             await item.handle.term()
@@ -257,15 +270,15 @@ class Dispatcher:
                 request_id=request.request_id,
                 error=reply.error.message if reply.error else "refused",
             )
-            self.fleet.refused(worker_id, request.request_id, back_off=True)
-            if request.request_id in self.held:
+            self.fleet.refused(worker_id, ref, back_off=True)
+            if ref in self.held:
                 self.queue.push(item, front=True)
         self.pump()
 
     async def _accepted(self, item: Queued, worker_id: str) -> None:
-        request, rid = item.request, item.request_id
-        self.held.pop(rid, None)
-        self.inflight[rid] = Inflight(request, worker_id, item.grant, item.seq)
+        request, rid, ref = item.request, item.request_id, item.ref
+        self.held.pop(ref, None)
+        self.inflight[ref] = Inflight(request, worker_id, item.grant, item.seq)
         self.fleet.accepted(worker_id)
         metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
         self.queue.charge(request.tenant_id, *token_cost(request))
@@ -274,7 +287,7 @@ class Dispatcher:
         if waited > self.slo_s[request.priority]:
             metrics.SLO_MISSES.labels(request.priority).inc()
         log.info("dispatched", request_id=rid, worker_id=worker_id, tenant=request.tenant_id)
-        ended = self.early.pop(rid, {}).get(worker_id)  # other workers' runs of it were withdrawn
+        ended = self.early.pop(ref, {}).get(worker_id)  # other workers' runs of it were withdrawn
         try:
             await item.handle.ack()
             await self.dispatched.mark(request.tenant_id, rid, item.seq)
@@ -290,16 +303,16 @@ class Dispatcher:
         correct its tenant's fairness counter from the estimate to what it really used. Only the
         run on the worker that took it ends it: a run withdrawn from another worker (its dispatch
         timed out, or the bus dropped its reply) may end there before or after."""
-        rid = event.request_id
-        entry = self.inflight.get(rid)
+        ref = RequestRef(event.tenant_id, event.request_id)
+        entry = self.inflight.get(ref)
         if entry is None:
-            if rid in self.held:
-                self.early.setdefault(rid, {})[event.worker_id] = event
+            if ref in self.held:
+                self.early.setdefault(ref, {})[event.worker_id] = event
             return
-        if entry.worker_id != event.worker_id or entry.request.tenant_id != event.tenant_id:
-            return  # another run, or another tenant's request under the same id
-        del self.inflight[rid]
-        self.fleet.ended(entry.worker_id, event.request_id)
+        if entry.worker_id != event.worker_id:
+            return  # another run
+        del self.inflight[ref]
+        self.fleet.ended(entry.worker_id, ref)
         prompt_est, max_tokens = token_cost(entry.request)
         self.queue.charge(
             entry.request.tenant_id, event.prompt_tokens - prompt_est, event.completion_tokens - max_tokens
@@ -307,25 +320,24 @@ class Dispatcher:
         await self.admission.release(entry.grant, event.prompt_tokens + event.completion_tokens)
         self.pump()
 
-    async def cancel(self, request_id: str) -> bool:
+    async def cancel(self, ref: RequestRef) -> bool:
         """Drop a request still queued here (its client left); False if it is not queued."""
-        item = self.queue.remove(request_id)
+        item = self.queue.remove(ref)
         if item is None:
             return False
-        self.held.pop(request_id, None)
-        self.early.pop(request_id, None)
+        self.held.pop(ref, None)
+        self.early.pop(ref, None)
         await self.admission.release(item.grant, 0)
         await item.handle.term()
-        log.info("queued_request_cancelled", request_id=request_id)
+        log.info("queued_request_cancelled", request_id=ref.request_id, tenant=ref.tenant)
         return True
 
-    async def drop_queued(self, item: Queued, error: LorafleetError | None) -> None:
-        """Take ``item`` out of the scheduler: answer ``error`` (None = the client is gone) and terminate it."""
-        self.queue.remove(item.request_id)
-        self.held.pop(item.request_id, None)
-        self.early.pop(item.request_id, None)
-        if error is not None:
-            await self._refuse(item.request, error)
+    async def drop_queued(self, item: Queued, error: LorafleetError) -> None:
+        """Take ``item`` out of the scheduler: answer and audit ``error``, free its quota, terminate it."""
+        self.queue.remove(item.ref)
+        self.held.pop(item.ref, None)
+        self.early.pop(item.ref, None)
+        await self._refuse(item.request, error)
         await self.admission.release(item.grant, 0)
         await item.handle.term()
 

@@ -78,8 +78,10 @@ class FairQueue(Generic[Q]):
             self.counters.get(tenant, 0.0) + self.input_weight * input_tokens + self.output_weight * output_tokens
         )
 
-    def remove(self, request_id: str) -> Q | None:
-        for item in self:
+    def remove(self, ref: tuple[str, str]) -> Q | None:
+        """Take out the item of (tenant, request id), if queued."""
+        tenant, request_id = ref
+        for item in self._queues.get(tenant, ()):
             if item.request_id == request_id:
                 self._take(item)
                 return item

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shared.adapter_keys import adapter_key
+from shared.request_ref import RequestRef
 from shared.schemas import InferRequest, WorkerHeartbeat
 
 # residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
@@ -31,7 +32,7 @@ def _spread(key: str | None, worker_id: str) -> float:
 class WorkerView:
     beat: WorkerHeartbeat
     seen_at: float
-    sent: dict[str, float] = field(default_factory=dict)  # request id -> wall time, dispatched since the heartbeat
+    sent: dict[RequestRef, float] = field(default_factory=dict)  # request -> wall time, dispatched since the heartbeat
     inflight: int = 0  # this scheduler's accepted requests on it that have not ended
     backed_off: bool = False  # it refused for load: nothing more until its next heartbeat
     recent: dict[str, float] = field(default_factory=dict)  # adapter key -> when we placed it here
@@ -70,7 +71,7 @@ class Fleet:
             self.workers[beat.worker_id] = WorkerView(beat, now)
             return
         view.beat, view.seen_at, view.backed_off = beat, now, False
-        view.sent = {rid: t for rid, t in view.sent.items() if t > beat.ts}
+        view.sent = {ref: t for ref, t in view.sent.items() if t > beat.ts}
         view.recent = {k: t for k, t in view.recent.items() if now - t < RECENT_S}
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -115,7 +116,7 @@ class Fleet:
         view = self.workers.get(worker_id)
         if view is None:
             return
-        view.sent[request.request_id] = time.time()
+        view.sent[RequestRef.of(request)] = time.time()
         key = adapter_key_of(request)
         if key is not None:
             view.recent[key] = time.monotonic() if now is None else now
@@ -125,18 +126,18 @@ class Fleet:
         if view is not None:
             view.inflight += 1
 
-    def ended(self, worker_id: str, request_id: str) -> None:
+    def ended(self, worker_id: str, ref: RequestRef) -> None:
         """A request this scheduler placed there finished (it no longer loads the worker)."""
         view = self.workers.get(worker_id)
         if view is not None:
-            view.sent.pop(request_id, None)
+            view.sent.pop(ref, None)
             view.inflight = max(0, view.inflight - 1)
 
-    def refused(self, worker_id: str, request_id: str, back_off: bool) -> None:
+    def refused(self, worker_id: str, ref: RequestRef, back_off: bool) -> None:
         """The worker did not take the request; ``back_off``: it is busy, send nothing until its next heartbeat."""
         view = self.workers.get(worker_id)
         if view is not None:
-            view.sent.pop(request_id, None)
+            view.sent.pop(ref, None)
             view.backed_off = view.backed_off or back_off
 
     def holders(self, key: str) -> list[str]:

@@ -36,7 +36,7 @@ from shared.bus import (
     follow,
     shutdown_event,
 )
-from shared.catalog_follow import follow_catalog
+from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
@@ -44,6 +44,7 @@ from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
+from shared.request_ref import RequestRef
 from shared.schemas import (
     AuditEnvelope,
     CompletionAudit,
@@ -240,8 +241,8 @@ class Scheduler:
     async def on_cancel(self, msg: Msg) -> None:
         try:
             control = decode(WorkerControl, msg.data)
-            if control.action == "cancel" and control.request_id is not None:
-                await self.core.cancel(control.request_id)
+            if control.action == "cancel" and control.request_id is not None and control.tenant_id is not None:
+                await self.core.cancel(RequestRef(control.tenant_id, control.request_id))
         except LorafleetError as e:
             log.warning("bad_cancel", error=e.message)
 
@@ -298,6 +299,8 @@ async def run(settings: SchedulerSettings) -> None:
         redis = connect_redis(settings.redis_url, password=settings.redis_password())
         stack.push_async_callback(redis.aclose)
         resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
+        # a promote, rollback or revoke returns once this mirror holds it: direct submissions see it at once
+        await answer_catalog_sync(nc, "scheduler", settings.instance_id, resolver.mirror, settings.dispatch_timeout_s)
         tokens = None
         if settings.max_prompt_tokens:  # the gateway's count, for direct-NATS submissions
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))

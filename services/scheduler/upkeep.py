@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.dispatcher import Dispatcher, past_accept_deadline
 from services.scheduler.prefetch import Prefetcher
 from shared import metrics
 from shared.errors import NoWorkerAvailable, WorkerLost
@@ -63,24 +63,26 @@ class Upkeep:
         requests still queued here simply go to the workers that remain."""
         core = self.core
         for worker_id in core.fleet.expire(now):
-            lost = [rid for rid, e in core.inflight.items() if e.worker_id == worker_id]
+            lost = [ref for ref, e in core.inflight.items() if e.worker_id == worker_id]
             log.warning("worker_lost", worker_id=worker_id, requests=len(lost))
             metrics.WORKERS_LOST.labels("with_requests" if lost else "idle").inc()
-            for rid in lost:
-                entry = core.inflight.pop(rid, None)
+            for ref in lost:
+                entry = core.inflight.pop(ref, None)
                 if entry is None:  # its completion arrived while an earlier error reply was being sent
                     continue
+                rid = ref.request_id
                 error = WorkerLost(f"worker {worker_id} stopped while serving request {rid}; retry it")
                 await core.ports.reply_error(entry.request.reply_to, rid, error)
-                await core.ports.record_rejection(entry.request.tenant_id, rid, error)
+                await core.ports.record_rejection(ref.tenant, rid, error)
                 await core.admission.release(entry.grant, None)
 
     async def sweep_queue(self, now: float) -> None:
         core, wall = self.core, time.time()
         for item in list(core.queue):
             request = item.request
-            if request.accept_deadline is not None and wall > request.accept_deadline:
-                await core.drop_queued(item, None)
+            late = past_accept_deadline(request, wall)
+            if late is not None:  # answered and audited as at admission: never dropped silently
+                await core.drop_queued(item, late)
             elif now - item.enqueued > self.periods.no_worker_grace_s and not core.fleet.serves(request.base_model):
                 await core.drop_queued(item, NoWorkerAvailable(f"no live worker serves {request.base_model}"))
 
@@ -89,11 +91,11 @@ class Upkeep:
         scheduler stamped it, never the client's), with no completion seen (an audit event lost)
         stops holding its tenant's concurrency slot."""
         core, wall = self.core, time.time()
-        for rid, entry in list(core.inflight.items()):
+        for ref, entry in list(core.inflight.items()):
             expired = wall > entry.request.created_at + entry.request.timeout_s + 30
-            if expired and core.inflight.pop(rid, None) is not None:  # unless it ended meanwhile
-                core.fleet.ended(entry.worker_id, rid)
-                log.info("inflight_expired", request_id=rid, worker_id=entry.worker_id)
+            if expired and core.inflight.pop(ref, None) is not None:  # unless it ended meanwhile
+                core.fleet.ended(entry.worker_id, ref)
+                log.info("inflight_expired", request_id=ref.request_id, tenant=ref.tenant, worker_id=entry.worker_id)
                 await core.admission.release(entry.grant, None)
 
     async def act_on_heat(self) -> None:

@@ -22,7 +22,9 @@ class WorkerEngine(Protocol):
         ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (text deltas); the last has ``finished`` set.
+        """Stream the request's outputs (text deltas); the last has ``finished`` set. The worker
+        names the request by ``RequestRef.engine_id()`` (tenant and request id in one string:
+        request ids are per tenant), so one request id of two tenants is two engine requests.
 
         Raises a typed InvalidRequest (RequestTooLarge, UnsupportedSampling...) before the first
         output when the engine cannot serve the request as asked. Leaving the iterator early, or

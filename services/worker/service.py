@@ -31,7 +31,7 @@ from shared.bus import (
     reply_error,
     shutdown_event,
 )
-from shared.catalog_follow import follow_catalog
+from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.fingerprint import fingerprint_model_dir
@@ -39,6 +39,7 @@ from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
+from shared.request_ref import RequestRef
 from shared.schemas import (
     AdapterEvent,
     CompletionAudit,
@@ -116,8 +117,8 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
 
 def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
     if control.action == "cancel":
-        assert control.request_id is not None, "WorkerControl validates that a cancel names its request"
-        server.cancel(control.request_id)
+        assert control.request_id and control.tenant_id, "WorkerControl validates that a cancel names its request"
+        server.cancel(RequestRef(control.tenant_id, control.request_id))
         return
     if not control.adapter_id or control.adapter_version is None:
         raise InvalidMessage(f"{control.action} needs adapter_id and adapter_version")
@@ -193,6 +194,7 @@ async def run(settings: WorkerSettings) -> None:
 
         prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
         resolver, catalog_watch = follow_catalog(nc, REGISTRY_TIMEOUT_S)
+        await answer_catalog_sync(nc, "worker", settings.worker_id, resolver.mirror, REGISTRY_TIMEOUT_S)
         stack.callback(catalog_watch.cancel)
         grants = Grants(resolver.resolve, resolver.mirror.catalog)
         server = RequestServer(

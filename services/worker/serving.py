@@ -16,8 +16,9 @@ from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
-from shared.errors import IntegrityError, InvalidRequest, LorafleetError, RequestIdInUse, ServiceUnavailable
+from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
 from shared.grants import Grants, IsolationAttempt
+from shared.request_ref import RequestRef
 from shared.schemas import (
     CompletionAudit,
     InferRequest,
@@ -49,12 +50,18 @@ class Job:
     digest: str | None = None
 
     @property
+    def ref(self) -> RequestRef:
+        return RequestRef.of(self.request)
+
+    @property
     def cache_hit(self) -> bool:
         return self.lookup is None or self.lookup.hit
 
 
 class RequestServer:
-    """Accepts dispatched requests up to a waiting bound and runs each as a task on the engine."""
+    """Accepts dispatched requests up to a waiting bound and runs each as a task on the engine.
+    Request ids are per tenant: every request map here, and the engine, know a request by its
+    (tenant, request id), so two tenants' requests under one id run side by side."""
 
     def __init__(
         self,
@@ -79,27 +86,20 @@ class RequestServer:
         self.cache = cache
         self.digest_of = digest_of
         self.grants = grants  # None: adapters are trusted as dispatched (tests without a registry)
-        self.tasks: dict[str, asyncio.Task] = {}
-        self._jobs: dict[str, Job] = {}
-        self._stop_errors: dict[str, LorafleetError] = {}
+        self.tasks: dict[RequestRef, asyncio.Task] = {}
+        self._jobs: dict[RequestRef, Job] = {}
+        self._stop_errors: dict[RequestRef, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(50)
-        # request id -> the tenant whose request it was (None: known only from a cancel)
-        self._recent: OrderedDict[str, str | None] = OrderedDict()
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._recent: OrderedDict[RequestRef, None] = OrderedDict()  # accepted or cancelled here
+        self._cancelled: OrderedDict[RequestRef, None] = OrderedDict()
 
     async def accept(self, request: InferRequest) -> None:
-        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun.
-        Request ids are per tenant: another tenant's earlier request under the same id is no duplicate."""
-        rid = request.request_id
-        if request.adapter is not None and self.grants is not None and rid not in self._recent:
+        """Take the request or raise a typed error; a duplicate dispatch is accepted without a rerun."""
+        ref = RequestRef.of(request)
+        if request.adapter is not None and self.grants is not None and ref not in self._recent:
             await self._check_grant(request)  # before the checks below, which run with no await between
-        if rid in self._recent and self._recent[rid] not in (None, request.tenant_id):
-            if rid in self.tasks:  # the scheduler never holds one id of two tenants at once
-                raise RequestIdInUse(f"request id {rid} is running for another tenant on this worker")
-            del self._recent[rid]
-            self._cancelled.pop(rid, None)
-        if rid in self._recent:
-            if rid in self._cancelled:
+        if ref in self._recent:
+            if ref in self._cancelled:
                 raise ServiceUnavailable(f"request {request.request_id} was withdrawn from this worker")
             log.info("duplicate_dispatch", request_id=request.request_id)
             return
@@ -115,13 +115,13 @@ class RequestServer:
             job.lookup = self.cache.acquire(
                 job.key, request.adapter.rank, request.tenant_id, request.priority, request.tenant_gpu_slots
             )
-        self._remember(request.request_id, request.tenant_id)
-        self._jobs[request.request_id] = job
+        self._remember(ref)
+        self._jobs[ref] = job
         # the engine gets the request first; the accept notice (off the path to the first token)
         # is queued on the connection before the task can emit anything, so it still arrives first
         task = asyncio.create_task(self._serve(job))
-        self.tasks[request.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(request.request_id, None))
+        self.tasks[ref] = task
+        task.add_done_callback(lambda _: self.tasks.pop(ref, None))
         await self.emit(
             request.reply_to,
             ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.cache_hit),
@@ -136,34 +136,34 @@ class RequestServer:
         except IsolationAttempt as e:  # the scheduler audits it; the client gets the plain 404
             raise e.answer from None
 
-    def cancel(self, request_id: str, error: LorafleetError | None = None) -> bool:
+    def cancel(self, ref: RequestRef, error: LorafleetError | None = None) -> bool:
         """Stop a request; with ``error`` its client gets that error instead of a cancelled finish."""
         # withdrawn either way: a dispatch that arrives late must not start it, and a re-dispatch of a
         # request cancelled while it ran is refused (typed) instead of acked as a duplicate that never runs
-        self._remember(request_id)
-        self._cancelled[request_id] = None
+        self._remember(ref)
+        self._cancelled[ref] = None
         while len(self._cancelled) > 10_000:
             self._cancelled.popitem(last=False)
-        task = self.tasks.get(request_id)
+        task = self.tasks.get(ref)
         if task is None:
             return False
         if error is not None:
-            self._stop_errors[request_id] = error
+            self._stop_errors[ref] = error
         task.cancel()
         return True
 
     def cancel_adapter(self, keys: list[str], error: LorafleetError) -> int:
         """Stop every request running on one of ``keys`` (a revoked adapter version)."""
-        doomed = [rid for rid, job in self._jobs.items() if job.key in keys]
-        return sum(self.cancel(rid, error) for rid in doomed)
+        doomed = [ref for ref, job in self._jobs.items() if job.key in keys]
+        return sum(self.cancel(ref, error) for ref in doomed)
 
-    def _remember(self, request_id: str, tenant: str | None = None) -> None:
-        self._recent[request_id] = tenant if tenant is not None else self._recent.get(request_id)
+    def _remember(self, ref: RequestRef) -> None:
+        self._recent[ref] = None
         while len(self._recent) > 10_000:
             self._recent.popitem(last=False)
 
     async def _serve(self, job: Job) -> None:
-        rid = job.request.request_id
+        rid, ref = job.request.request_id, job.ref
         adapter = job.request.adapter
         structlog.contextvars.bind_contextvars(  # this task's own context: every log line names the request
             request_id=rid,
@@ -180,7 +180,7 @@ class RequestServer:
                 await self._adapter_ready(job)
                 outcome, usage = await self._generate(job)
             except asyncio.CancelledError:
-                error = self._stop_errors.pop(rid, None)
+                error = self._stop_errors.pop(ref, None)
                 outcome = "error" if error else "cancelled"
                 if error is not None:
                     await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=error.to_body()))
@@ -202,7 +202,7 @@ class RequestServer:
                 failure = ServiceUnavailable(f"worker failed while generating: {type(e).__name__}")
                 await self.emit(job.request.reply_to, ReplyError(request_id=rid, error=failure.to_body()))
             finally:
-                self._jobs.pop(rid, None)
+                self._jobs.pop(ref, None)
                 if job.key is not None and self.cache is not None:
                     self.cache.release(job.key)
                 self._observe(job, outcome)
@@ -230,7 +230,9 @@ class RequestServer:
         outcome, usage = "error", Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=0)
         # Cached prompt K/V is shared only within a tenant, and only for the exact adapter weights.
         salt = f"{request.tenant_id}/{job.digest or ''}"
-        engine_request = EngineRequest(rid, job.prompt_ids, request.sampling, adapter=job.key, cache_salt=salt)
+        engine_request = EngineRequest(
+            job.ref.engine_id(), job.prompt_ids, request.sampling, adapter=job.key, cache_salt=salt
+        )
         async for out in self.engine.generate(engine_request):
             if out.token_ids:
                 job.timing.token(out.completion_tokens)

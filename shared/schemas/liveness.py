@@ -13,13 +13,14 @@ from shared.schemas.base import Identifier, Message, RequestId
 class WorkerControl(Message):
     action: Literal["prefetch", "evict", "pin", "unpin", "cancel"]
     request_id: RequestId | None = None
+    tenant_id: Identifier | None = None  # a cancel's: request ids are per tenant
     adapter_id: Identifier | None = None
     adapter_version: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _target(self) -> "WorkerControl":
-        if self.action == "cancel" and self.request_id is None:
-            raise ValueError("cancel needs request_id")
+        if self.action == "cancel" and (self.request_id is None or self.tenant_id is None):
+            raise ValueError("cancel needs request_id and tenant_id")
         if self.action != "cancel" and self.adapter_id is None:
             raise ValueError(f"{self.action} needs adapter_id")
         return self

@@ -39,14 +39,16 @@ class ResolveReply(Message):
 
 
 class CatalogSync(Message):
-    """Registry -> every gateway, after a catalog write: answer once your mirror holds ``revision``."""
+    """Registry -> every catalog mirror (gateways, schedulers, workers), after a catalog write:
+    answer once your mirror holds ``revision``."""
 
     revision: int = Field(ge=0, description="the records bucket's revision of the write")
 
 
 class CatalogSynced(Message):
+    service: Identifier = "gateway"  # whose mirror: instance ids are unique per service only
     instance_id: Identifier
-    revision: int = Field(ge=0, description="the revision the gateway's mirror holds")
+    revision: int = Field(ge=0, description="the revision the mirror holds")
 
 
 class ListModelsRequest(Message):

@@ -1,6 +1,7 @@
 """Signed chain heads on AUDIT_HEADS (a real nats-server): an edited and re-linked chain, and a
 chain whose newest records were deleted, are found broken although every link still verifies."""
 
+import asyncio
 import contextlib
 import os
 import sqlite3
@@ -13,6 +14,7 @@ import nats
 import pytest
 from nats.js.errors import APIError
 
+from lorafleet.cli.stack import Stack
 from services.auditor.chain import GENESIS, Tip, link, walk
 from services.auditor.head_log import HeadLog
 from services.auditor.heads import HeadSigner, load_or_create_key
@@ -21,6 +23,8 @@ from services.auditor.verifier import ChainVerifier
 from shared import subjects
 from shared.bus import ensure_streams
 from shared.errors import IntegrityError
+from shared.schemas import SignedHead
+from tests.auditor.test_auditor_restart import publish, wait_count
 
 
 def record(i: int) -> dict:
@@ -166,3 +170,40 @@ def test_the_head_key_is_private_to_its_owner(tmp_path: Path) -> None:
     os.chmod(path, 0o644)
     with pytest.raises(IntegrityError, match="readable by others"):
         load_or_create_key(path)
+
+
+async def _newest_head(url: str, chain_id: str = "main") -> SignedHead | None:
+    nc = await nats.connect(url)
+    try:
+        return await HeadLog(nc.jetstream(), chain_id).latest()
+    finally:
+        await nc.close()
+
+
+def test_a_head_is_signed_every_n_records_and_at_a_graceful_stop(own_nats, tmp_path: Path) -> None:
+    """Rows after the newest signed head can be deleted undetected: a head is signed once
+    LF_HEAD_EVERY_RECORDS were appended (here before the hour-long interval is up), and again on a
+    graceful stop, so no row is left unsigned. Before: only every LF_HEAD_INTERVAL_S."""
+    db = tmp_path / "audit.sqlite3"
+    env = {
+        "LF_NATS_URL": own_nats.url,
+        "LF_DB_PATH": str(db),
+        "LF_METRICS_PORT": "-1",
+        "LF_HEAD_INTERVAL_S": "3600",
+        "LF_HEAD_EVERY_RECORDS": "50",
+    }
+    stack = Stack(env, tmp_path / "logs")
+    try:
+        stack.start("auditor")
+        asyncio.run(publish(own_nats.url, 0, 120))
+        wait_count(db, 120)
+        deadline = time.monotonic() + 60  # generous: a loaded machine is slow, never wrong
+        while (head := asyncio.run(_newest_head(own_nats.url))) is None or head.pos < 100:
+            assert time.monotonic() < deadline, f"no head past record 100 of 120 (newest: {head})"
+            time.sleep(0.2)
+        assert head.pos <= 120  # at most 50 records short of the tip, though the interval never came
+        stack.stop("auditor", timeout_s=60)  # SIGTERM: the auditor signs its last records on the way out
+        final = asyncio.run(_newest_head(own_nats.url))
+        assert final is not None and final.pos == 120
+    finally:
+        stack.stop_all()

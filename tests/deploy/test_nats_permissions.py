@@ -256,6 +256,35 @@ async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connec
     assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
 
 
+async def test_schedulers_and_workers_answer_the_registrys_sync_through_their_permission_sets(connect_as) -> None:
+    from services.registry.gateway_sync import GatewaySync
+    from shared.catalog_follow import answer_catalog_sync, follow_catalog
+    from shared.schemas import ServiceHeartbeat
+    from tests.helpers.records import make_record
+
+    registry = await connect_as("registry")
+    kv = await RecordsKV.open(registry.nc.jetstream(timeout=5))
+    sync = GatewaySync(registry.nc, liveness_timeout_s=5, timeout_s=3)
+    watches, mirrors, peers = [], [], []
+    for service, user, instance in (("scheduler", "scheduler", "s1"), ("worker", "worker-w1", "w1")):
+        peer = await connect_as(user)
+        resolver, watch = follow_catalog(peer.nc, 2.0)
+        await answer_catalog_sync(peer.nc, service, instance, resolver.mirror, 2.0)
+        await peer.nc.flush()
+        sync.on_heartbeat(ServiceHeartbeat(service=service, instance_id=instance, ready=True))
+        watches.append(watch)
+        mirrors.append(resolver.mirror)
+        peers.append(peer)
+    try:
+        revision = await kv.put_record(make_record("perm-sync", 1, "acme"))
+        assert await sync.wait(revision) == set()  # both confirmed through their permission sets
+        assert all(m.catalog.get("perm-sync", 1) is not None for m in mirrors)
+        assert registry.errors == [] and all(p.errors == [] for p in peers)
+    finally:
+        for watch in watches:
+            watch.cancel()
+
+
 async def publish_audit_records(connect_as, tenants: tuple[str, ...]) -> None:
     """One completion record per tenant on the AUDIT stream, as the workers publish them."""
     worker = await connect_as("worker-w1")

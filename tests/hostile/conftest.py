@@ -220,6 +220,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_LIVENESS_TIMEOUT_S": "5",
         "LF_ACCEPT_TIMEOUT_S": "10",
         "LF_NO_WORKER_GRACE_S": "5",
+        "LF_GATEWAY_SYNC_TIMEOUT_S": "1.8",  # under the gateway's registry bound (2 s); a test stops the scheduler 1 s
         "LF_ENGINE__MAX_NUM_SEQS": "4",
         "LF_ENGINE__NUM_THREADS": "1",
         "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),

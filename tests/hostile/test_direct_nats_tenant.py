@@ -4,10 +4,13 @@ oversize or malformed body gets a typed refusal (on its own inbox where one can 
 body), changes no state (registry, work queue, quota counters, concurrency leases, dedupe
 markers) and is audited as a scheduler RejectionAudit. Beside them, the regressions of what a
 direct tenant could do before: hold no slot with a forged created_at, swallow another tenant's
-request id, or be served the base model for an adapter's name."""
+request id (or be refused one another tenant has in flight), or be served the base model for an
+adapter's name."""
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,12 +21,13 @@ import pytest
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
-from shared.bus import connect
+from shared.bus import connect, decode
 from shared.schemas import (
     AdapterRecordsReply,
     CreateTenantRequest,
     PromoteRequest,
     RegisterRequest,
+    ReplyEnvelope,
     RollbackRequest,
     SetQuotaRequest,
     TenantQuota,
@@ -36,6 +40,7 @@ TENANT = "direct"
 ADAPTER = "direct-chat"  # v1 production, v2 rolled back, v3 staging
 PREFIX = "lf:"  # the stack's Redis key prefix (the default)
 GATEWAY_INBOX = "_INBOX.gateway-inbox"  # where a gateway would read replies
+SCHEDULER_STOPPED_S = 1.0  # under the stack's catalog.sync bound (LF_GATEWAY_SYNC_TIMEOUT_S)
 
 
 @dataclass
@@ -292,3 +297,84 @@ async def test_another_tenants_request_id_does_not_swallow_this_tenants_request(
     await hostile.wait_audit("completion", TENANT, since, request_id=rid)
     served = sorted(a["tenant_id"] for a in await completions(hostile, rid, since))
     assert served == sorted(["other", TENANT])
+
+
+async def test_a_tenant_reusing_another_tenants_in_flight_id_is_served_with_its_own_adapter(
+    hostile: HostileStack, direct: Direct, nc
+):
+    """Before: the scheduler's in-flight maps were keyed by request id alone, so this tenant's
+    request under an id another tenant had in flight was refused (409 request_id_in_use)."""
+    rid, since = f"both-{uuid.uuid4().hex[:12]}", time.time()
+    seen: list[tuple[str, str]] = []  # (tenant, reply kind), in arrival order
+    bodies: dict[str, list] = {"other": [], TENANT: []}
+
+    def listener(tenant: str):
+        async def on_reply(msg) -> None:
+            body = decode(ReplyEnvelope, msg.data).body
+            seen.append((tenant, body.kind))
+            bodies[tenant].append(body)
+
+        return on_reply
+
+    for tenant in bodies:
+        await nc.subscribe(f"_INBOX_{tenant}.{rid}", cb=listener(tenant))
+    long_run = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    await submit(nc, "other", infer(rid, tenant="other", model=hostile.adapters["other"], sampling=long_run))
+    await _until(lambda: ("other", "token") in seen, "the other tenant's request never ran")
+    await submit(nc, TENANT, valid(rid, model=ADAPTER))
+    await _until(lambda: all(b and b[-1].kind in ("final", "error") for b in bodies.values()), "a request never ended")
+    assert seen.index((TENANT, "accepted")) < seen.index(("other", "final"))  # both in flight at once
+    mine, theirs = bodies[TENANT][-1], bodies["other"][-1]
+    assert (mine.kind, theirs.kind) == ("final", "final"), (mine, theirs)
+    assert (mine.served_by.adapter_id, mine.served_by.adapter_digest) == (ADAPTER, direct.records[1]["checksum"])
+    assert theirs.served_by.adapter_id == hostile.adapters["other"] and theirs.usage.completion_tokens == 1500
+    await hostile.wait_audit("completion", TENANT, since, request_id=rid)
+    await hostile.wait_audit("completion", "other", since, request_id=rid)
+    served = sorted((a["tenant_id"], a["adapter_id"]) for a in await completions(hostile, rid, since))
+    assert served == [(TENANT, ADAPTER), ("other", hostile.adapters["other"])]
+    assert hostile.audits("rejection", TENANT, since) == []
+
+
+async def _until(done, message: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.05)
+
+
+async def test_a_rollback_returns_once_the_scheduler_resolves_with_it(hostile: HostileStack, direct: Direct, nc):
+    """A direct submission right after a rollback is served the version rolled back to. The
+    scheduler is held stopped while the rollback runs: the registry's catalog.sync barrier waits for
+    its mirror (before: it waited for the gateways only and returned at once, the scheduler's mirror,
+    which resolves direct submissions, possibly still holding the version rolled back)."""
+    adapter = "direct-roll"
+    checksums = {}
+    for seed in (5, 6):
+        files = adapter_files(hostile.trusted_dir.parent / f"roll-{seed}", seed=seed)
+        register = RegisterRequest(
+            adapter_id=adapter, tenant_id=TENANT, task_type="chat", inline_files=inline(files), actor="test"
+        )
+        record = (await registry_call(nc, "register", register, AdapterRecordsReply)).records[0]
+        checksums[record.version] = record.checksum
+        promote = PromoteRequest(
+            adapter_id=adapter, version=record.version, traffic_percent=100, force=True, reason="roll", actor="test"
+        )
+        await registry_call(nc, "promote", promote, AdapterRecordsReply)
+    scheduler = hostile.stack.procs["scheduler"]
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        rollback = asyncio.create_task(
+            registry_call(nc, "rollback", RollbackRequest(adapter_id=adapter, actor="test"), AdapterRecordsReply)
+        )
+        await asyncio.sleep(SCHEDULER_STOPPED_S)
+        assert not rollback.done(), "the rollback returned before the scheduler's mirror held it"
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    await rollback
+    rid = f"rolled-{uuid.uuid4().hex[:12]}"
+    sub = await nc.subscribe(f"_INBOX_{TENANT}.{rid}")
+    await submit(nc, TENANT, valid(rid, model=adapter))
+    bodies = await collect(sub, 30)
+    assert bodies[-1].kind == "final", bodies
+    served = bodies[-1].served_by
+    assert (served.adapter_id, served.adapter_version, served.adapter_digest) == (adapter, 1, checksums[1])

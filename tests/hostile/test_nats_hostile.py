@@ -5,6 +5,7 @@ crosses tenants or changes state."""
 
 import asyncio
 import json
+import sqlite3
 import time
 import uuid
 
@@ -257,7 +258,10 @@ async def test_replay_with_the_same_msg_id_is_deduplicated(hostile: HostileStack
     assert len(await completions(hostile, rid, since)) == 1
 
 
-async def test_another_tenants_request_id_is_refused_without_touching_its_owner(hostile: HostileStack, nc: NATS):
+async def test_another_tenants_request_id_is_served_and_a_cancel_stops_only_its_owners(hostile: HostileStack, nc: NATS):
+    """``other`` submits, straight to NATS, the id of a request demo has running through the gateway;
+    then demo's client leaves, and the gateway cancels demo's request. Before: the in-flight maps were
+    keyed by request id alone, so other's request was refused (409) while demo's ran."""
     since = time.time()
     async with hostile.client(hostile.keys.demo) as c:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
@@ -267,16 +271,26 @@ async def test_another_tenants_request_id_is_refused_without_touching_its_owner(
             lines = r.aiter_lines()
             first = [await anext(lines) for _ in range(6)]
             sub = await nc.subscribe(f"_INBOX_other.{rid}")
-            await submit(nc, "other", infer(rid, tenant="other"), msg_id=f"other-{rid}")
-            bodies = await collect(sub, 5)
+            sampling = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+            await submit(nc, "other", infer(rid, tenant="other", sampling=sampling), msg_id=f"other-{rid}")
+            started = [decode(ReplyEnvelope, (await sub.next_msg(timeout=30)).data).body for _ in range(2)]
+            assert [b.kind for b in started] == ["accepted", "token"], started
             more = [await anext(lines) for _ in range(6)]
-    assert [b.kind for b in bodies] == ["error"] and bodies[0].error.code == "request_id_in_use"
+        # demo's client is gone: the gateway cancels (demo, rid) on the worker
     assert all(line.startswith("data: {") or not line for line in first + more)
     assert all('"error"' not in line for line in first + more)
-    await hostile.wait_audit("rejection", "other", since, service="scheduler", code="request_id_in_use")
-    await hostile.wait_audit("completion", "demo", since, request_id=rid)
-    served = await completions(hostile, rid, since)
-    assert [a["tenant_id"] for a in served] == ["demo"]
+    bodies = await collect(sub, 120)
+    assert bodies[-1].kind == "final" and bodies[-1].finish_reason == "length", bodies[-1]
+    assert bodies[-1].usage.completion_tokens == 2000
+    cancelled = await hostile.wait_audit("completion", "demo", since, request_id=rid)
+    finished = await hostile.wait_audit("completion", "other", since, request_id=rid)
+    assert (cancelled["outcome"], finished["outcome"]) == ("cancelled", "length")
+    with sqlite3.connect(hostile.db_path) as db:
+        ended = db.execute(
+            "SELECT tenant_id FROM audit WHERE kind = 'completion' AND request_id = ? ORDER BY pos", (rid,)
+        ).fetchall()
+    assert ended == [("demo",), ("other",)]  # demo's ended while other's, started before, still ran
+    assert hostile.audits("rejection", "other", since) == []
 
 
 async def test_forged_worker_heartbeats_divert_no_request(hostile: HostileStack, nc: NATS):

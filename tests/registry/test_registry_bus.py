@@ -1,6 +1,6 @@
 """The registry's op table, wired by ``services.registry.service.subscribe`` exactly as the service
 wires it, on the in-memory bus: typed replies, typed refusals, the isolation audit, and the
-read-your-writes barrier with the gateways (``GatewaySync``). No server process."""
+read-your-writes barrier with every catalog mirror (``GatewaySync``). No server process."""
 
 import asyncio
 from collections.abc import AsyncIterator
@@ -22,6 +22,8 @@ from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.bus import ERROR_HEADER, decode, encode, request
 from shared.catalog import Catalog
+from shared.catalog_follow import answer_catalog_sync
+from shared.catalog_mirror import CatalogMirror
 from shared.errors import (
     AdapterNotReleased,
     Conflict,
@@ -251,8 +253,29 @@ async def test_a_silent_gateway_delays_a_write_by_the_bound_only(wired: Wired) -
     wired.gateways.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="ghost", ready=True))
     loop = asyncio.get_running_loop()
     started = loop.time()
-    assert await wired.gateways.wait(7) == {"ghost"}
+    assert await wired.gateways.wait(7) == {"gateway/ghost"}
     assert loop.time() - started >= SYNC_TIMEOUT_S
     evaluated = RecordEvalRequest(adapter_id="sea", version=2, results={"score": 0.95}, actor="t")
     reply = await wired.call("record_eval", evaluated, AdapterRecordsReply)  # the write stands
     assert reply.records[0].eval_results["score"] == 0.95
+
+
+async def test_a_write_waits_for_every_ready_scheduler_and_worker_mirror_too(wired: Wired) -> None:
+    """Before: the barrier counted gateways only, so a rollback returned while the scheduler's mirror
+    (which resolves direct-NATS submissions) and the workers' could still hold the state before it."""
+    barrier = GatewaySync(wired.bus.connect("registry-barrier"), liveness_timeout_s=60, timeout_s=30)
+    mirrors = {}
+    for service, instance in (("gateway", "0"), ("scheduler", "0"), ("worker", "w1")):
+        mirrors[service] = CatalogMirror()
+        mirrors[service].mark_loaded()
+        await answer_catalog_sync(wired.bus.connect(service), service, instance, mirrors[service], 30)
+        barrier.on_heartbeat(ServiceHeartbeat(service=service, instance_id=instance, ready=True))
+    # a worker still loading its base model heartbeats before it follows the catalog: not waited for
+    barrier.on_heartbeat(ServiceHeartbeat(service="worker", instance_id="loading", ready=False))
+    for service in ("gateway", "worker"):
+        mirrors[service].apply("sea.1", None, 4)
+    waiting = asyncio.create_task(barrier.wait(4))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # one scheduler's mirror (instance id 0, as the gateway's) is behind
+    mirrors["scheduler"].apply("sea.1", None, 4)
+    assert await waiting == set()

@@ -14,7 +14,7 @@ async def test_a_client_written_created_at_frees_no_slot_while_the_request_runs(
         acts.append((await world.submit(f"r{i}", created_at=0.0)).acts)
         await world.upkeep.tick()
     assert acts == [["ack"]] + [["term"]] * 19
-    assert list(world.core.inflight) == ["r0"] and world.core.fleet.workers["w1"].inflight == 1
+    assert list(world.core.inflight) == [("acme", "r0")] and world.core.fleet.workers["w1"].inflight == 1
     assert abs(world.requests["r0"].created_at - time.time()) < 60  # the scheduler's stamp reaches the worker
 
 
@@ -34,4 +34,25 @@ async def test_a_submission_past_its_accept_deadline_is_refused_typed_not_run(wo
     msg = await world.submit("late", accept_deadline=time.time() - 1)
     assert msg.acts == ["term"]
     assert world.errors == {"late": "upstream_timeout"}  # answered, not silently dropped
-    assert "late" not in world.requests and "late" not in world.core.held
+    assert "late" not in world.requests and ("acme", "late") not in world.core.held
+
+
+async def test_a_queued_request_past_its_accept_deadline_is_answered_audited_and_frees_its_slot(world):
+    """Before: the queue sweep dropped it silently (no reply, no audit record)."""
+    audited: list[tuple[str, str, str]] = []
+
+    async def record_rejection(tenant: str, rid: str, err) -> None:
+        audited.append((tenant, rid, err.code))
+
+    world.core.ports.record_rejection = record_rejection
+    world.beat("w1", max_running=1)
+    world.core.quotas.set("acme", TenantQuota(max_concurrent=2))
+    await world.submit("busy")
+    late = await world.submit("late", accept_deadline=time.time() + 60)  # queued: w1 runs one at a time
+    queued = world.core.held[("acme", "late")]
+    queued.request = queued.request.model_copy(update={"accept_deadline": time.time() - 1})  # its client gave up
+    await world.upkeep.sweep_queue(time.monotonic())
+    assert late.acts == ["term"] and ("acme", "late") not in world.core.held and len(world.core.queue) == 0
+    assert world.errors == {"late": "upstream_timeout"} and audited == [("acme", "late", "upstream_timeout")]
+    after = await world.submit("after")  # the late request's concurrency slot is free again
+    assert after.acts == [] and ("acme", "after") in world.core.held and "after" not in world.errors

@@ -10,6 +10,7 @@ from shared import subjects
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.redis_conn import connect_redis
+from shared.request_ref import RequestRef
 from shared.schemas import CompletionAudit, DispatchReply, InferRequest, TenantQuota, WorkerHeartbeat
 
 BASE = "base"
@@ -115,8 +116,11 @@ class World:
         if self.core.tasks:
             await asyncio.wait(list(self.core.tasks))
 
-    async def finish(self, rid: str) -> None:
-        entry = self.core.inflight[rid]
+    async def finish(self, rid: str, tenant: str | None = None) -> None:
+        """End ``rid`` on its worker; ``tenant`` names whose, where two tenants run one id."""
+        (entry,) = [
+            e for ref, e in self.core.inflight.items() if ref.request_id == rid and tenant in (None, ref.tenant)
+        ]
         await self.core.completed(completion_audit(rid, entry.worker_id, entry.request.tenant_id))
         await self.settle()
 
@@ -213,7 +217,7 @@ async def test_a_request_ending_while_its_lost_worker_is_failed_over_is_left_alo
     async def reply_error(reply_to: str, rid: str, err: LorafleetError) -> None:
         await answer(reply_to, rid, err)
         for other in {"a", "b"} - {rid}:
-            if other in world.core.inflight:  # its completion lands while this error is on its way
+            if ("acme", other) in world.core.inflight:  # its completion lands while this error is on its way
                 await world.finish(other)
 
     world.core.ports.reply_error = reply_error
@@ -227,7 +231,7 @@ async def test_no_worker_is_judged_lost_while_the_scheduler_itself_is_cut_off(wo
     world.core.fleet.workers["w1"].seen_at -= 10  # silent, but only because the bus was gone
     await world.upkeep.tick(connected=False)
     await world.upkeep.tick(connected=True)
-    assert world.errors == {} and "a" in world.core.inflight and "w1" in world.core.fleet.workers
+    assert world.errors == {} and ("acme", "a") in world.core.inflight and "w1" in world.core.fleet.workers
     world.core.fleet.workers["w1"].seen_at -= 10  # silent with the bus back: lost
     await world.upkeep.tick()
     assert world.errors == {"a": "worker_lost"}
@@ -237,7 +241,7 @@ async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown
     world.beat("w1", max_running=1)
     await world.submit("busy")
     cancelled = await world.submit("c")
-    assert await world.core.cancel("c") and cancelled.acts == ["term"]
+    assert await world.core.cancel(RequestRef("acme", "c")) and cancelled.acts == ["term"]
     kept = await world.submit("k")
     orphan = await world.submit("o", model="nobody-serves-this", base_model="nobody-serves-this")
     await asyncio.sleep(0.25)

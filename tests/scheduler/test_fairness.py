@@ -76,7 +76,7 @@ def test_a_request_no_worker_can_take_does_not_block_others():
     queue.push(free)
     assert queue.pop(0, lambda item: item is not stuck) is free
     assert queue.pop(0, lambda item: item is not stuck) is None
-    assert queue.remove(stuck.request_id) is stuck and len(queue) == 0
+    assert queue.remove((stuck.tenant, stuck.request_id)) is stuck and len(queue) == 0
 
 
 def test_put_back_keeps_its_turn():

@@ -7,6 +7,7 @@ import pytest
 
 from shared import subjects
 from shared.errors import UpstreamTimeout
+from shared.request_ref import RequestRef
 from shared.schemas import DispatchReply, InferRequest
 from tests.scheduler.test_dispatcher import BASE, Msg, World, completion_audit
 
@@ -40,7 +41,7 @@ async def submitted_behind(world: World, gate: Gate, rid: str, msg: Msg | None =
     )
     subject = subjects.infer_submit("acme", subjects.VIA_GATEWAY)
     await world.core.submit(subject, request.model_dump_json().encode(), msg or Msg())
-    assert rid in world.core.held and world.core.tasks  # being dispatched
+    assert ("acme", rid) in world.core.held and world.core.tasks  # being dispatched
     return asyncio.create_task(world.settle())
 
 
@@ -51,9 +52,9 @@ async def test_a_withdrawn_runs_end_does_not_free_the_worker_that_took_the_reque
     await world.submit("r1")
     assert world.dispatched == [("slow", "r1"), ("w2", "r1")]
     await world.core.completed(completion_audit("r1", "slow", "cancelled"))
-    assert "r1" in world.core.inflight and held_on(world) == {"slow": 0, "w2": 1}
+    assert ("acme", "r1") in world.core.inflight and held_on(world) == {"slow": 0, "w2": 1}
     await world.core.completed(completion_audit("r1", "w2"))
-    assert "r1" not in world.core.inflight and held_on(world) == {"slow": 0, "w2": 0}
+    assert ("acme", "r1") not in world.core.inflight and held_on(world) == {"slow": 0, "w2": 0}
 
 
 async def test_a_withdrawn_run_ending_before_the_dispatch_reply_does_not_end_the_request(world):
@@ -63,7 +64,7 @@ async def test_a_withdrawn_run_ending_before_the_dispatch_reply_does_not_end_the
     await world.core.completed(completion_audit("r1", "elsewhere", "cancelled"))
     gate.open.set()
     await submission
-    assert "r1" in world.core.inflight and held_on(world) == {"w1": 1}
+    assert ("acme", "r1") in world.core.inflight and held_on(world) == {"w1": 1}
     await world.core.completed(completion_audit("r1", "w1"))
     assert not world.core.inflight and held_on(world) == {"w1": 0} and not world.core.early
 
@@ -101,5 +102,5 @@ async def test_an_end_seen_for_a_request_dropped_before_any_accept_is_forgotten(
     await world.submit("busy")
     await world.submit("r1")  # queued: w1 is full
     await world.core.completed(completion_audit("r1", "elsewhere", "cancelled"))
-    assert await world.core.cancel("r1")
+    assert await world.core.cancel(RequestRef("acme", "r1"))
     assert not world.core.early

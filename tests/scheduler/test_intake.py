@@ -73,8 +73,9 @@ class Run:
 
         async def recording(subject: str, data: bytes, handle, seq: int | None = None) -> None:
             await submit(subject, data, handle, seq)
-            rid = InferRequest.model_validate_json(data).request_id
-            if rid in core.held:
+            request = InferRequest.model_validate_json(data)
+            rid = request.request_id
+            if (request.tenant_id, rid) in core.held:
                 self.admitted.append(rid)
                 if rid.startswith("quiet"):
                     self.quiet_in.set()

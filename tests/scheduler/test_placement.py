@@ -1,5 +1,6 @@
 from services.scheduler.placement import Fleet
 from services.scheduler.prefetch import Prefetcher
+from shared.request_ref import RequestRef
 from shared.schemas import InferRequest, ResolvedAdapter, WorkerHeartbeat
 
 BASE = "base"
@@ -78,7 +79,7 @@ def test_dispatches_since_the_last_heartbeat_count_as_load_and_pin_the_adapter_t
     for i in range(2, 4):
         f.sent("a", req(rid=f"r{i}"), now=1)
     assert f.choose(req(), now=1) == "b"  # a is full until a request ends or a heartbeat says otherwise
-    f.ended("a", "r3")
+    f.ended("a", RequestRef("t", "r3"))
     assert f.choose(req(), now=1) == "a"
     f.refused("a", "r2", back_off=True)
     assert f.choose(req(), now=1) == "b"

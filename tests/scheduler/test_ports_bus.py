@@ -94,12 +94,12 @@ async def test_error_replies_and_controls_reach_their_subjects(wired: tuple[Memo
     inbox = await listener.subscribe("_INBOX.gateway.1")
     controls = await listener.subscribe(f"{subjects.PREFIX}.worker.*.control")
     await ports.reply_error("_INBOX.gateway.1", "req-1", QuotaExceeded("tenant demo is over its quota"))
-    await ports.control("w3", WorkerControl(action="cancel", request_id="req-1"))
+    await ports.control("w3", WorkerControl(action="cancel", request_id="req-1", tenant_id="demo"))
     body = decode(ReplyEnvelope, (await inbox.next_msg()).data).body
     assert isinstance(body, ReplyError) and (body.request_id, body.error.code) == ("req-1", "quota_exceeded")
     msg = await controls.next_msg()
     assert msg.subject == subjects.worker_control("w3")
-    assert decode(WorkerControl, msg.data) == WorkerControl(action="cancel", request_id="req-1")
+    assert decode(WorkerControl, msg.data) == WorkerControl(action="cancel", request_id="req-1", tenant_id="demo")
 
 
 async def test_a_resolve_the_mirror_cannot_answer_comes_from_the_registry(wired: tuple[MemoryBus, Ports]) -> None:

@@ -89,7 +89,7 @@ async def test_messages_place_and_end_requests_and_the_ticks_export_each_workers
     await scheduler.on_tick()
     assert inflight_gauge("hw1") == 1 and scheduler.status() == (True, "1 workers, 1 queued")
 
-    await scheduler.on_cancel(Delivery(encode(WorkerControl(action="cancel", request_id="b"))))
+    await scheduler.on_cancel(Delivery(encode(WorkerControl(action="cancel", request_id="b", tenant_id="acme"))))
     assert second.acts == ["term"]
     await scheduler.on_completion(completion("a", "hw1"))
     await scheduler.on_tick()

@@ -51,6 +51,8 @@ def test_decode_refuses_unknown_fields_and_both_inputs():
         InferRequest(prompt="x", messages=[{"role": "user", "content": "y"}], **base)
     with pytest.raises(ValueError):
         WorkerControl(action="cancel")
+    with pytest.raises(ValueError):  # request ids are per tenant: a cancel names both
+        WorkerControl(action="cancel", request_id="r1")
 
 
 def test_liveness_drops_silent_peers():

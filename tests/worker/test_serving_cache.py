@@ -15,7 +15,16 @@ from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, Mod
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from shared.errors import ServiceUnavailable
-from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ReplyToken, ResolvedAdapter, SamplingParams
+from shared.request_ref import RequestRef
+from shared.schemas import (
+    CompletionAudit,
+    InferRequest,
+    ReplyAccepted,
+    ReplyFinal,
+    ReplyToken,
+    ResolvedAdapter,
+    SamplingParams,
+)
 from tests.helpers.adapters import make_peft_model
 
 DIGEST = "0" * 64
@@ -158,7 +167,7 @@ async def test_a_request_cancelled_while_running_is_refused_if_dispatched_again(
         while not any(isinstance(m, ReplyToken) for _, m in events):  # events is a plain list
             assert time.monotonic() < deadline, "no token"
             await asyncio.sleep(0.01)
-        assert server.cancel("r")
+        assert server.cancel(RequestRef("acme", "r"))
         with pytest.raises(ServiceUnavailable, match="withdrawn"):
             await server.accept(request(loaded, "r"))  # before: acked as a duplicate, and never run
         while server.tasks:  # noqa: ASYNC110
@@ -197,8 +206,60 @@ async def test_another_tenants_finished_request_under_the_same_id_is_no_duplicat
     try:
         await served("attacker")
         await served("victim")  # before: acked as a duplicate of the attacker's, and never run
+        while server.tasks:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         await server.accept(request(loaded, "same-id").model_copy(update={"tenant_id": "victim"}))
-        assert "same-id" not in server.tasks  # the victim's redispatch is a duplicate: it runs once
+        assert not server.tasks  # the victim's redispatch is a duplicate: it runs once
         assert finals == ["_INBOX_attacker.r", "_INBOX_victim.r"]
+    finally:
+        engine.shutdown()
+
+
+async def test_two_tenants_run_one_request_id_at_once_and_a_cancel_stops_only_its_own(loaded):
+    """Before: the second tenant's dispatch was refused (request_id_in_use) while the first ran, and
+    the engine knew both by the bare id."""
+    engine = AsyncEngine.from_loaded(
+        loaded, EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256)
+    )
+    engine.start()
+    events: list[tuple[str, object]] = []
+    audits: list[CompletionAudit] = []
+
+    async def emit(reply_to: str, message) -> None:
+        events.append((reply_to, message))
+
+    async def audit(record) -> None:
+        audits.append(record)
+
+    def of(tenant: str) -> InferRequest:
+        return request(loaded, "same-id").model_copy(
+            update={
+                "tenant_id": tenant,
+                "reply_to": f"_INBOX_{tenant}.r",
+                "sampling": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+            }
+        )
+
+    prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
+    server = RequestServer(engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16)
+    try:
+        await server.accept(of("a"))
+        await server.accept(of("b"))
+        assert set(server.tasks) == {("a", "same-id"), ("b", "same-id")}
+        deadline = time.monotonic() + 60
+        while not any(inbox == "_INBOX_a.r" and isinstance(m, ReplyToken) for inbox, m in events):
+            assert time.monotonic() < deadline, "no token for a"
+            await asyncio.sleep(0.01)
+        assert server.cancel(RequestRef("a", "same-id"))
+        while server.tasks:
+            assert time.monotonic() < deadline, "a request never ended"
+            await asyncio.sleep(0.01)
+        finals = {inbox: m for inbox, m in events if isinstance(m, ReplyFinal)}
+        assert finals["_INBOX_b.r"].finish_reason == "length" and finals["_INBOX_b.r"].usage.completion_tokens == 40
+        assert "_INBOX_a.r" not in finals
+        assert sorted((r.tenant_id, r.request_id, r.outcome) for r in audits) == [
+            ("a", "same-id", "cancelled"),
+            ("b", "same-id", "length"),
+        ]
     finally:
         engine.shutdown()
