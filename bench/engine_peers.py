@@ -174,8 +174,14 @@ def measure(
                 order = SYSTEMS if turn % 2 == 0 else SYSTEMS[::-1]
                 turn += 1
                 for kind in order:
-                    runs.setdefault((batch, workload), {k: [] for k in SYSTEMS})[kind].append(running[kind].run(job))
+                    run = running[kind].run(job)
+                    runs.setdefault((batch, workload), {k: [] for k in SYSTEMS})[kind].append(run)
+                    progress(f"batch {batch} {workload} {kind}: {run['wall_s']:.1f} s")
     return runs
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def rows_of(runs: dict[tuple[int, str], dict[str, list[Run]]], limits: Limits, new_tokens: int) -> list[Row]:
@@ -274,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             "adapters": adapters,
             "scratch": str(root),
         }
+        progress(f"{len(adapters)} adapters saved; starting the engines")
         with peers(spec, root) as running:
+            progress(", ".join(f"{k} ready in {p.start_s:.0f} s" for k, p in running.items()))
             runs = measure(running, batches, prompts, new_tokens, rounds)
             systems = {k: {"peak_rss_mb": p.peak_rss_mb(), "start_s": p.start_s} for k, p in running.items()}
     result = {
