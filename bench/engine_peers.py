@@ -13,6 +13,7 @@ first: every decode step is also compared with its floor (weight bytes / read ba
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,7 +133,10 @@ class Peer:
                 return json.loads(line.removeprefix(prefix))
         self.log.flush()
         tail = Path(self.log.name).read_text()[-4000:]
-        raise RuntimeError(f"the {self.kind} peer exited ({self.proc.wait()}) without answering:\n{tail}")
+        raise RuntimeError(
+            f"the {self.kind} peer exited ({self.proc.wait()}) without answering (its log: {self.log.name}; "
+            f"a killed vLLM worker process may be the kernel's OOM killer, see dmesg):\n{tail}"
+        )
 
 
 @contextmanager
@@ -281,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
             "scratch": str(root),
         }
         progress(f"{len(adapters)} adapters saved; starting the engines")
-        with peers(spec, root) as running:
+        logs = Path(tempfile.mkdtemp(prefix="lf-engine-peers-logs-"))  # kept when an engine fails
+        with peers(spec, logs) as running:
             progress(", ".join(f"{k} ready in {p.start_s:.0f} s" for k, p in running.items()))
             runs = measure(running, batches, prompts, new_tokens, rounds)
             systems = {k: {"peak_rss_mb": p.peak_rss_mb(), "start_s": p.start_s} for k, p in running.items()}
+    shutil.rmtree(logs)
     result = {
         "environment": {**environment(torch.get_num_threads(), args.dtype), "model": model_name},
         "quick": args.quick,
