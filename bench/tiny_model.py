@@ -1,16 +1,23 @@
 """A tiny random Llama with the SmolLM2 tokenizer: a real model directory that every service can
 load in a second, for tests and benchmarks that exercise the platform rather than the model."""
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def make_tiny_model(directory: Path) -> Path:
-    """A random 2-layer, 64-wide Llama with the SmolLM2 tokenizer (so every service tokenises alike)."""
+# name in the model cache -> (hidden size, attention heads): "tiny-llama-h64" has SmolLM2's head size,
+# 64, which vLLM's CPU attention supports (it refuses 16)
+TINY_MODELS = {"tiny-llama": (64, 4), "tiny-llama-h64": (128, 2)}
+
+
+def make_tiny_model(directory: Path, hidden_size: int = 64, num_heads: int = 4) -> Path:
+    """A random 2-layer Llama (64 wide by default) with the SmolLM2 tokenizer (so every service tokenises alike)."""
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
@@ -21,10 +28,10 @@ def make_tiny_model(directory: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=ref.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=num_heads,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         bos_token_id=ref.bos_token_id,
@@ -40,3 +47,17 @@ def make_tiny_model(directory: Path) -> Path:
         tokenizer_config["chat_template"] = (smol / "chat_template.jinja").read_text()
         (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return directory
+
+
+def cached_tiny_model(cache: Path, name: str) -> Path:
+    """``cache/name``, one of TINY_MODELS, made on first use (seeded, so every run gets the same weights)."""
+    target = cache / name
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent)) / name
+        staging.mkdir()
+        make_tiny_model(staging, *TINY_MODELS[name])
+        with contextlib.suppress(OSError):  # another run made it meanwhile
+            os.replace(staging, target)
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    return target

@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.load.run import RESULTS, LoadConfig, fire, open_target, result_of, write
+from bench.load.stack import VLLM_PYTHON
 
 QUICK = {
     "base_model": "tiny",
@@ -43,9 +44,17 @@ def add_load_options(parser: argparse.ArgumentParser, defaults: LoadConfig = DEF
     d = defaults
     parser.add_argument(
         "--base-model",
-        choices=("smollm2", "tiny"),
+        choices=("smollm2", "tiny", "tiny-h64"),
         default=d.base_model,
-        help="smollm2 (embedded) or tiny (random 2-layer Llama, fast)",
+        help="smollm2 (embedded), tiny (random 2-layer Llama, fast) or tiny-h64 (the same with head size 64, "
+        "which vLLM's CPU build runs)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default=d.engine,
+        help="the started stack's worker engine; vllm runs the worker under .venv-vllm (`make venv-vllm`) "
+        "with LF_WORKER_ENGINE=vllm",
     )
     parser.add_argument("--adapters", type=int, default=d.adapters, help="adapters to register (up to 1000)")
     parser.add_argument("--tenants", type=int, default=d.tenants)
@@ -70,6 +79,15 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
     url = None if args.url is None else loopback_url(args.url)
     if url is not None and not args.key:
         raise ValueError("--url needs at least one --key")
+    if args.engine == "vllm":
+        if url is not None:
+            raise ValueError("--engine picks the worker engine of the stack the bench starts: not with --url")
+        if args.base_model == "tiny":
+            raise ValueError(
+                "--engine vllm cannot run --base-model tiny (head size 16, which vLLM's CPU attention refuses)"
+            )
+        if not VLLM_PYTHON.exists():
+            raise ValueError(f"--engine vllm needs {VLLM_PYTHON}: run `make venv-vllm`")
     if not 0 < args.adapters <= 1000 or args.tenants < 1 or args.count < 1 or args.duration_s <= 0:
         raise ValueError("want 1 <= --adapters <= 1000, --tenants >= 1, --count >= 1, --duration-s > 0")
     fields = {k: v for k, v in vars(args).items() if k in LoadConfig.__dataclass_fields__ and k != "keys"}

@@ -26,7 +26,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    base_model: str = "smollm2"  # smollm2 | tiny
+    base_model: str = "smollm2"  # smollm2 | tiny | tiny-h64
+    engine: str = "builtin"  # the started stack's worker engine: builtin | vllm
     adapters: int = 1000
     tenants: int = 10
     rate: float = 0.5  # requests/s, Poisson
@@ -74,6 +75,7 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
         workers=config.workers,
         request_timeout_s=max(1.0, config.timeout_s - 15),  # the platform's bound comes first
         extra_env=extra_env,
+        engine=config.engine,
     )
     progress(
         f"stack ready in {time.perf_counter() - started:.0f} s (logs {stack.root / 'logs'}); "
@@ -170,6 +172,7 @@ def environment(config: LoadConfig, target: Target) -> dict:
         "device": os.environ.get("LF_ENGINE__DEVICE", "cpu"),
         "dtype": os.environ.get("LF_ENGINE__DTYPE", "float32"),
         "model": target.population.base_model,
+        "engine": config.engine if target.stack else "of the running target",
         "git_commit": git_commit(),
         "load_avg_1m": os.getloadavg()[0],
         "target": "started by the bench" if target.stack else config.url,

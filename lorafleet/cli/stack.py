@@ -23,14 +23,17 @@ class Stack:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None) -> subprocess.Popen:
-        """Start ``python -m services.<name>``; ``key`` names the process when one service runs twice."""
+    def start(
+        self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None, python: str | None = None
+    ) -> subprocess.Popen:
+        """Start ``python -m services.<name>`` (this interpreter unless ``python`` names another); ``key``
+        names the process when one service runs twice."""
         key = key or name
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
         with open(self.log_dir / f"{key}.log", "ab") as log:  # the child holds its own copy of the descriptor
             proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{name}"],
+                [python or sys.executable, "-m", f"services.{name}"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

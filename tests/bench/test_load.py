@@ -1,6 +1,7 @@
 """bench.load: the schedule's statistics, the report's percentiles, the client's classification of
 every request (against stub servers: httpx.MockTransport), and one short run on a real stack."""
 
+import argparse
 import asyncio
 import json
 import os
@@ -14,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.load.cli import loopback_url
+from bench.load import stack as load_stack
+from bench.load.cli import DEFAULTS, add_load_options, config_from, loopback_url
 from bench.load.client import Outcome, run_open_loop, send
 from bench.load.report import percentiles, summarize
 from bench.load.traffic import Arrival, Population, poisson_times, popularity_order, schedule, zipf_weights
@@ -236,7 +238,8 @@ async def test_requests_still_running_when_the_drain_ends_are_lost():
 @pytest.mark.slow
 def test_a_short_run_on_the_tiny_model_completes_every_request(tmp_path):
     out = tmp_path / "load.json"
-    args = ["--quick", "--count", "20", "--adapters", "20", "--tenants", "2", "--rate", "5", "--out", str(out)]
+    args = ["--quick", "--engine", "builtin", "--count", "20", "--adapters", "20", "--tenants", "2", "--rate", "5"]
+    args += ["--out", str(out)]
     run = subprocess.run(
         [sys.executable, "-m", "bench.load", *args],
         cwd=REPO,
@@ -264,5 +267,38 @@ def test_a_short_run_on_the_tiny_model_completes_every_request(tmp_path):
         assert key in result, key
     assert result["lost"] == 0 and result["completed"] > 0 and result["requests"] == 20
     assert result["adapters_registered"] == 20 and result["registration"]["adapters"] == 20
+    assert result["config"]["engine"] == result["environment"]["engine"] == "builtin"
     assert set(result["summary"]["ttft_ms"]) == {"all", "hit", "miss", "base"}
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_load_options(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_engine_defaults_to_builtin_and_vllm_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
+    assert DEFAULTS.engine == "builtin" and config_from(parsed()).engine == "builtin"
+    monkeypatch.setattr("bench.load.cli.VLLM_PYTHON", tmp_path / "missing" / "python")
+    with pytest.raises(ValueError, match="make venv-vllm"):
+        config_from(parsed("--engine", "vllm", "--base-model", "smollm2"))
+    (tmp_path / "python").touch()
+    monkeypatch.setattr("bench.load.cli.VLLM_PYTHON", tmp_path / "python")
+    assert config_from(parsed("--engine", "vllm", "--base-model", "tiny-h64")).engine == "vllm"
+    with pytest.raises(ValueError, match="head size 16"):
+        config_from(parsed("--engine", "vllm", "--base-model", "tiny"))
+    with pytest.raises(ValueError, match="not with --url"):
+        config_from(parsed("--engine", "vllm", "--url", "http://127.0.0.1:8000", "--key", "k"))
+
+
+def test_a_vllm_worker_runs_under_the_vllm_interpreter_importing_this_checkout(monkeypatch, tmp_path):
+    assert load_stack.worker_launch("builtin") == (None, {"LF_WORKER_ENGINE": "builtin"})
+    (tmp_path / "python").touch()
+    monkeypatch.setattr(load_stack, "VLLM_PYTHON", tmp_path / "python")
+    python, env = load_stack.worker_launch("vllm")
+    assert python == str(tmp_path / "python")
+    assert env == {"LF_WORKER_ENGINE": "vllm", "PYTHONPATH": str(REPO)}
+    assert (REPO / "services" / "worker" / "__main__.py").is_file()  # what `-m services.worker` finds there
+    with pytest.raises(ValueError, match="unknown worker engine"):
+        load_stack.worker_launch("tgi")

