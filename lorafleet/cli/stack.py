@@ -1,7 +1,9 @@
 """Run the five services as separate processes and wait until each reports ready."""
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,14 +25,17 @@ class Stack:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None) -> subprocess.Popen:
-        """Start ``python -m services.<name>``; ``key`` names the process when one service runs twice."""
+    def start(
+        self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None, python: str | None = None
+    ) -> subprocess.Popen:
+        """Start ``python -m services.<name>``; ``key`` names the process when one service runs twice,
+        ``python`` another interpreter than this one (a vLLM worker runs on .venv-vllm's)."""
         key = key or name
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
         with open(self.log_dir / f"{key}.log", "ab") as log:  # the child holds its own copy of the descriptor
             proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{name}"],
+                [python or sys.executable, "-m", f"services.{name}"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -69,6 +74,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # a child it left behind (vLLM's engine core)
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def dead(self) -> dict[str, int]:
         return {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
