@@ -54,8 +54,19 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: install system-deps
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# The suite includes the vLLM tier (marker `vllm`: the vLLM worker engine, and the end-to-end tests run
+# against it), so `make test` builds .venv-vllm first (about 3 minutes the first time).
+# LF_SKIP_VLLM=1 neither builds it nor runs that tier.
+ifeq ($(LF_SKIP_VLLM),1)
+TEST_DEPS := install system-deps
+TEST_MARK := -m "not vllm"
+else
+TEST_DEPS := install system-deps venv-vllm
+TEST_MARK :=
+endif
+
+test: $(TEST_DEPS)
+	$(BIN)/python -m pytest -q $(TEST_MARK) $(PYTEST_ARGS)
 
 # The tests that need no process besides pytest and no embedded model (markers set in tests/conftest.py),
 # in under 2 minutes; LF_TEST_TIER=fast fails any of them that starts a process or reads the model cache.

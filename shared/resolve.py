@@ -47,6 +47,7 @@ def to_resolved(record: AdapterRecord) -> ResolvedAdapter:
         storage_uri=record.storage_uri,
         alpha=record.alpha,
         use_rslora=record.use_rslora,
+        target_modules=list(record.target_modules),
     )
 
 

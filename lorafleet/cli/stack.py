@@ -1,7 +1,9 @@
 """Run the five services as separate processes and wait until each reports ready."""
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +28,8 @@ class Stack:
     def start(
         self, name: str, extra_env: dict[str, str] | None = None, key: str | None = None, python: str | None = None
     ) -> subprocess.Popen:
-        """Start ``python -m services.<name>`` (this interpreter unless ``python`` names another); ``key``
-        names the process when one service runs twice."""
+        """Start ``python -m services.<name>``; ``key`` names the process when one service runs twice,
+        ``python`` another interpreter than this one (a vLLM worker runs on .venv-vllm's)."""
         key = key or name
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
@@ -72,6 +74,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            with contextlib.suppress(ProcessLookupError):  # a child it left behind (vLLM's engine core)
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def dead(self) -> dict[str, int]:
         return {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}

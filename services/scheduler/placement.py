@@ -1,5 +1,6 @@
 """The fleet as the scheduler sees it (heartbeats plus its own dispatches since), and which worker
-takes a request: adapter residency (GPU > CPU tier > load), then load, then KV headroom."""
+takes a request: adapter residency (GPU > CPU tier > load), then load, then KV headroom. A worker whose
+engine cannot serve the adapter's rank or modules (its heartbeat's capability) never takes it."""
 
 import time
 import zlib
@@ -89,8 +90,16 @@ class Fleet:
         for view in self.workers.values():
             view.seen_at = now
 
-    def serves(self, base_model: str) -> bool:
-        return any(v.beat.ready and v.beat.base_model == base_model for v in self.workers.values())
+    def serves(self, request: InferRequest) -> bool:
+        """Whether a live worker serves the request's base model with an engine that fits its adapter."""
+        return any(v.beat.ready and self._fits(v, request) for v in self.workers.values())
+
+    @staticmethod
+    def _fits(view: WorkerView, request: InferRequest) -> bool:
+        adapter = request.adapter
+        if view.beat.base_model != request.base_model:
+            return False
+        return adapter is None or view.beat.capability.serves(adapter.rank, adapter.target_modules)
 
     def has_room(self, view: WorkerView) -> bool:
         return view.beat.ready and not view.backed_off and view.load < view.beat.max_running + self.headroom
@@ -101,7 +110,7 @@ class Fleet:
         key, skip = adapter_key_of(request), set(exclude)
         best: tuple | None = None
         for worker_id, v in self.workers.items():
-            if worker_id in skip or v.beat.base_model != request.base_model or not self.has_room(v):
+            if worker_id in skip or not self._fits(v, request) or not self.has_room(v):
                 continue
             tier = v.tier(key, now, request.adapter.rank if request.adapter else None)
             home = HOME_WEIGHT * _spread(key, worker_id) if tier != "gpu" else 0.0

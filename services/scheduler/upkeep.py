@@ -83,8 +83,13 @@ class Upkeep:
             late = past_accept_deadline(request, wall)
             if late is not None:  # answered and audited as at admission: never dropped silently
                 await core.drop_queued(item, late)
-            elif now - item.enqueued > self.periods.no_worker_grace_s and not core.fleet.serves(request.base_model):
-                await core.drop_queued(item, NoWorkerAvailable(f"no live worker serves {request.base_model}"))
+            elif now - item.enqueued > self.periods.no_worker_grace_s and not core.fleet.serves(request):
+                what = (
+                    request.base_model
+                    if request.adapter is None
+                    else f"{request.adapter.adapter_id} on {request.base_model}"
+                )
+                await core.drop_queued(item, NoWorkerAvailable(f"no live worker serves {what}"))
 
     async def sweep_inflight(self) -> None:
         """A request past its own timeout, counted from its admission here (``created_at`` as the

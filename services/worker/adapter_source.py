@@ -5,6 +5,7 @@ loop, so a slow store never blocks the step loop or the dispatch handler."""
 
 import asyncio
 import threading
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
@@ -16,6 +17,20 @@ from shared import metrics
 from shared.adapter_keys import parse_adapter_key
 from shared.errors import IntegrityError
 from shared.registry_client import fetch_record, fetch_trusted_keys
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VerifiedFiles:
+    """One adapter version's files as fetched and verified, for an engine that loads PEFT files itself (vLLM)."""
+
+    digest: str  # sha256 of adapter_model.safetensors, as the signed record names it
+    files: dict[str, bytes]
+    rank: int
+    modules: frozenset[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(data) for data in self.files.values())
 
 
 class StoreLoader:
@@ -46,6 +61,14 @@ class StoreLoader:
             return self._digests.get(key)
 
     def __call__(self, key: str) -> AdapterWeights:
+        return self._verified(key)[2]
+
+    def files(self, key: str) -> VerifiedFiles:
+        """The verified files of ``key``, laid out once so the same rank, module and shape checks refuse them."""
+        checksum, files, weights = self._verified(key)
+        return VerifiedFiles(checksum, files, weights.rank, weights.modules)
+
+    def _verified(self, key: str) -> tuple[str, dict[str, bytes], AdapterWeights]:
         adapter_id, version = parse_adapter_key(key)
         future = asyncio.run_coroutine_threadsafe(self._fetch(adapter_id, version), self.loop)
         try:
@@ -58,7 +81,7 @@ class StoreLoader:
         )
         with self._lock:
             self._digests[key] = checksum
-        return weights
+        return checksum, files, weights
 
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
         record = await fetch_record(self.nc, adapter_id, version, self.timeout_s)

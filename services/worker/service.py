@@ -2,21 +2,15 @@
 
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import TypedDict, cast
 
 import structlog
 from nats.aio.client import Client as NATS
 from redis.exceptions import RedisError
 
+from services.worker import engines
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_events import on_adapter_event
-from services.worker.adapter_source import StoreLoader
-from services.worker.engine.async_engine import AsyncEngine
-from services.worker.engine.loader import load_model
-from services.worker.lora.layout import ModelShapes
-from services.worker.lora.manager import AdapterManager
-from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import event_loop, metrics, subjects
@@ -34,7 +28,6 @@ from shared.bus import (
 from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
-from shared.fingerprint import fingerprint_model_dir
 from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
@@ -65,12 +58,10 @@ class _Readiness(TypedDict):
     detail: str
 
 
-async def _worker_heartbeats(
-    nc: NATS, server: RequestServer, cache: CacheHierarchy, settings: WorkerSettings, base_model: str
-) -> None:
+async def _worker_heartbeats(nc: NATS, server: RequestServer, served: engines.Served, settings: WorkerSettings) -> None:
     counted = (0, 0)  # prefix-cache totals already added to the counters
     while True:
-        stats, residency = server.engine.stats(), cache.stats()
+        stats, residency = server.engine.stats(), served.cache.stats()
         metrics.PREFIX_QUERIED_TOKENS.inc(stats.prefix_queried_tokens - counted[0])
         metrics.PREFIX_HIT_TOKENS.inc(stats.prefix_hit_tokens - counted[1])
         counted = (stats.prefix_queried_tokens, stats.prefix_hit_tokens)
@@ -79,11 +70,11 @@ async def _worker_heartbeats(
         metrics.KV_USAGE.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))
         beat = WorkerHeartbeat(
             worker_id=settings.worker_id,
-            base_model=base_model,
+            base_model=served.model_name,
             ready=True,
             running=stats.running,
             waiting=stats.waiting,
-            max_running=settings.engine.max_num_seqs,
+            max_running=served.max_running,
             kv_blocks_free=stats.kv_blocks_free,
             kv_blocks_total=stats.kv_blocks_total,
             resident_adapters=residency.gpu_adapters,
@@ -91,6 +82,7 @@ async def _worker_heartbeats(
             slots={str(rank): list(used) for rank, used in residency.slots.items()},
             cache_hit_ratio=residency.hit_ratio,
             load_ms_mean=residency.load_ms_mean,
+            capability=served.capability,
         )
         if nc.is_connected:
             with contextlib.suppress(Exception):
@@ -134,9 +126,6 @@ def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarch
 
 
 async def run(settings: WorkerSettings) -> None:
-    if settings.worker_engine != "builtin":
-        # the vLLM engine (services/worker/vllm_engine) is not yet fed by the adapter cache tiers
-        raise RuntimeError("LF_WORKER_ENGINE=vllm: the worker service does not wire the vLLM engine yet (issue #20)")
     configure_logging("worker", settings.log_level)
     setup_tracing("worker", settings.trace_exporter)
     span_tracer = tracer("worker")
@@ -160,31 +149,9 @@ async def run(settings: WorkerSettings) -> None:
                 metrics_port,
             )
         )
-        cache_dir = Path(settings.model_cache) if settings.model_cache else None
-        loaded = await asyncio.to_thread(
-            load_model,
-            settings.model_dir,
-            device=settings.engine.device,
-            dtype=settings.engine.torch_dtype,  # read straight into the serving dtype: no fp32 copy
-            cache_dir=cache_dir,
-        )
-        shapes = ModelShapes.from_hf_config(loaded.model.config)
-        manager = AdapterManager(
-            settings.lora, shapes, device=settings.engine.device, dtype=settings.engine.torch_dtype
-        )
-        loader = StoreLoader(
-            nc,
-            asyncio.get_running_loop(),
-            fingerprint_model_dir(loaded.directory),
-            shapes,
-            settings.lora,
-            require_signature=settings.require_signature,
-        )
-        cache = CacheHierarchy(manager, loader, settings.cache)
-        stack.callback(cache.close)
-        engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager)
-        engine.start()
-        stack.callback(engine.shutdown)
+        build = engines.vllm if settings.worker_engine == "vllm" else engines.builtin
+        served = await build(nc, settings, stack)
+        cache = served.cache
 
         async def emit(reply_to: str, message: ReplyMessage) -> None:
             await nc.publish(reply_to, encode(ReplyEnvelope(body=message)))
@@ -192,21 +159,20 @@ async def run(settings: WorkerSettings) -> None:
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
             await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.tenant_id}.{event.request_id}")
 
-        prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
         resolver, catalog_watch = follow_catalog(nc, REGISTRY_TIMEOUT_S)
         await answer_catalog_sync(nc, "worker", settings.worker_id, resolver.mirror, REGISTRY_TIMEOUT_S)
         stack.callback(catalog_watch.cancel)
         grants = Grants(resolver.resolve, resolver.mirror.catalog)
         server = RequestServer(
-            engine,
-            prompts,
+            served.engine,
+            served.prompts,
             settings.worker_id,
-            loaded.name,
+            served.model_name,
             emit,
             audit,
             settings.max_waiting,
             cache,
-            loader.digest_of,
+            served.loader.digest_of,
             grants,
         )
 
@@ -246,11 +212,11 @@ async def run(settings: WorkerSettings) -> None:
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)
         cache.start()
         background = [
-            asyncio.create_task(_worker_heartbeats(nc, server, cache, settings, loaded.name)),
+            asyncio.create_task(_worker_heartbeats(nc, server, served, settings)),
             asyncio.create_task(_follow_heat(settings, cache)),
         ]
         loading.update({"ready": True, "detail": ""})
-        log.info("worker_ready", worker_id=settings.worker_id, model=loaded.name)
+        log.info("worker_ready", worker_id=settings.worker_id, model=served.model_name, engine=settings.worker_engine)
         await stop.wait()
         loading.update({"ready": False, "detail": "draining"})
         for task in background:

@@ -20,8 +20,8 @@ class WorkerSettings(WorkerIdentity):
     model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
     worker_engine: Literal["builtin", "vllm"] = Field(
         default="builtin",
-        description="LF_WORKER_ENGINE: the built-in engine, or vLLM's async engine in-process (.venv-vllm); "
-        "the service runs only builtin so far (issue #20)",
+        description="LF_WORKER_ENGINE: the built-in engine, or vLLM's async engine in-process (run the worker "
+        "with .venv-vllm's python)",
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine sizing when worker_engine=vllm")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="batching, KV cache, device, dtype")

@@ -64,6 +64,9 @@ class ResolvedAdapter(Message):
     storage_uri: str = Field(max_length=2048)
     alpha: float = Field(gt=0)
     use_rslora: bool = False
+    target_modules: list[str] = Field(
+        default_factory=list, max_length=7, description="the modules it adapts; empty: not known (any engine)"
+    )
 
 
 class InferRequest(Message):

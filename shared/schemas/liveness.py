@@ -26,6 +26,22 @@ class WorkerControl(Message):
         return self
 
 
+class EngineCapability(Message):
+    """What a worker's engine can serve; placement sends an adapter only where its rank and modules fit."""
+
+    engine: Literal["builtin", "vllm"] = "builtin"
+    max_lora_rank: int | None = Field(default=None, ge=1, le=1024, description="None: not announced (no rank limit)")
+    lora_modules: list[str] = Field(
+        default_factory=list, max_length=64, description="modules an adapter may target; empty: not announced"
+    )
+
+    def serves(self, rank: int, modules: list[str]) -> bool:
+        """Whether an adapter of ``rank`` on ``modules`` fits (an unannounced limit is no limit)."""
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            return False
+        return not self.lora_modules or set(modules) <= set(self.lora_modules)
+
+
 class WorkerHeartbeat(Message):
     worker_id: Identifier
     base_model: str
@@ -42,6 +58,7 @@ class WorkerHeartbeat(Message):
     slots: dict[str, list[int]] = Field(default_factory=dict, description="rank class -> [slots used, slots]")
     cache_hit_ratio: dict[str, float] = Field(default_factory=dict, description="tier -> share of adapter lookups")
     load_ms_mean: dict[str, float] = Field(default_factory=dict, description="source tier -> mean adapter load ms")
+    capability: EngineCapability = Field(default_factory=EngineCapability, description="the engine and its LoRA limits")
     ts: float = Field(default_factory=time.time)
 
 

@@ -1,7 +1,7 @@
 from services.scheduler.placement import Fleet
 from services.scheduler.prefetch import Prefetcher
 from shared.request_ref import RequestRef
-from shared.schemas import InferRequest, ResolvedAdapter, WorkerHeartbeat
+from shared.schemas import EngineCapability, InferRequest, ResolvedAdapter, WorkerHeartbeat
 
 BASE = "base"
 DIGEST = "0" * 64
@@ -106,3 +106,35 @@ def test_a_free_slot_of_the_right_rank_class_beats_a_full_one():
     assert f.workers["full"].tier("new-a@1", 0, 8) == "miss"
     assert f.workers["full"].tier("new-a@1", 0, 16) == "free_slot"  # rank 16 fits the empty rank-64 class
     assert f.workers["free"].tier("new-a@1", 0, 16) == "miss"
+
+
+def _limited(worker_id: str, rank: int | None, modules: tuple[str, ...] = (), running: int = 0) -> WorkerHeartbeat:
+    capability = EngineCapability(engine="vllm", max_lora_rank=rank, lora_modules=list(modules))
+    return beat(worker_id, running=running).model_copy(update={"capability": capability})
+
+
+def _adapter_req(rank: int, modules: tuple[str, ...]) -> InferRequest:
+    resolved = ResolvedAdapter(
+        adapter_id="ad", version=1, rank=rank, digest=DIGEST, storage_uri="x", alpha=16, target_modules=list(modules)
+    )
+    return req().model_copy(update={"adapter": resolved})
+
+
+def test_a_worker_whose_engine_cannot_serve_the_rank_or_modules_never_takes_the_adapter():
+    qv = ("q_proj", "v_proj")
+    f = fleet(_limited("narrow", 16, qv), _limited("wide", 64, running=3))
+    assert f.choose(_adapter_req(16, qv), now=0) == "narrow"  # fits both: the idle one
+    assert f.choose(_adapter_req(32, qv), now=0) == "wide"  # rank above the narrow engine's limit
+    assert f.choose(_adapter_req(8, ("q_proj", "o_proj")), now=0) == "wide"  # a module it does not hold
+    assert f.choose(_adapter_req(32, qv), exclude={"wide"}, now=0) is None
+    assert f.serves(_adapter_req(32, qv)) and f.serves(req(adapter=None))
+    del f.workers["wide"]
+    assert not f.serves(_adapter_req(32, qv)) and f.serves(_adapter_req(8, qv))
+
+
+def test_an_engine_that_announces_no_limits_serves_any_adapter():
+    legacy = WorkerHeartbeat.model_validate_json(beat("old").model_dump_json(exclude={"capability"}))
+    assert legacy.capability == EngineCapability()  # a heartbeat without the field: the built-in engine, no limit
+    f = fleet(legacy, _limited("unknown-modules", 64))
+    assert f.choose(_adapter_req(64, ("q_proj", "down_proj")), exclude={"old"}, now=0) == "unknown-modules"
+    assert f.choose(_adapter_req(1024, ("q_proj",)), exclude={"unknown-modules"}, now=0) == "old"

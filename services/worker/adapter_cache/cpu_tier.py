@@ -1,11 +1,11 @@
 """The CPU tier: verified adapter weights in host memory under a byte budget, ready to copy into a slot."""
 
+from services.worker.adapter_cache.backend import Cached
 from services.worker.adapter_cache.policy import Entry, EvictionPolicy
-from services.worker.lora.layout import AdapterWeights
 
 
 class CpuTier:
-    """Key -> verified AdapterWeights in slot layout, evicting by its own policy to stay within budget_bytes.
+    """Key -> a verified adapter (weights in slot layout, or vLLM's files), evicting by its own policy to stay within budget_bytes.
 
     Inclusive of the GPU tier: an adapter copied into a slot keeps its CPU copy until this tier's
     policy drops it. Not thread-safe: the hierarchy serialises access.
@@ -16,7 +16,7 @@ class CpuTier:
     def __init__(self, budget_bytes: int, policy: EvictionPolicy):
         self.budget_bytes = budget_bytes
         self.policy = policy
-        self._items: dict[str, tuple[Entry, AdapterWeights]] = {}
+        self._items: dict[str, tuple[Entry, Cached]] = {}
         self._nbytes = 0
 
     def __contains__(self, key: str) -> bool:
@@ -29,11 +29,11 @@ class CpuTier:
     def keys(self) -> list[str]:
         return list(self._items)
 
-    def get(self, key: str) -> AdapterWeights | None:
+    def get(self, key: str) -> Cached | None:
         item = self._items.get(key)
         return None if item is None else item[1]
 
-    def put(self, entry: Entry, weights: AdapterWeights, now: float) -> list[str]:
+    def put(self, entry: Entry, weights: Cached, now: float) -> list[str]:
         """Keep ``weights`` (evicting the policy's victims until they fit); the keys evicted.
 
         Weights larger than the whole budget are not kept, and nothing is evicted for them.

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+from services.worker.adapter_cache.backend import SlotBackend
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.cpu_tier import CpuTier
 from services.worker.adapter_cache.loader import LoadFromStore, SlotLoader, settle
 from services.worker.adapter_cache.policy import Entry, Slo, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.adapter_cache.stats import CacheCounters, CacheStats, Tier
-from services.worker.lora.manager import AdapterManager
 from shared import metrics
 from shared.adapter_keys import adapter_key, adapter_of_key
 from shared.errors import AdapterRevoked
@@ -45,7 +45,7 @@ class CacheHierarchy:
     (raising IntegrityError when it must not be served); the manager must hold nothing at start.
     """
 
-    def __init__(self, manager: AdapterManager, load_from_store: LoadFromStore, config: CacheConfig,
+    def __init__(self, manager: SlotBackend, load_from_store: LoadFromStore, config: CacheConfig,
                  *, clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.manager = manager
         self.config = config

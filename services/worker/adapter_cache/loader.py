@@ -14,16 +14,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from services.worker.adapter_cache.backend import Cached, SlotBackend
 from services.worker.adapter_cache.cpu_tier import CpuTier
 from services.worker.adapter_cache.policy import Entry
 from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.adapter_cache.stats import CacheCounters, Source
-from services.worker.lora.layout import AdapterWeights
-from services.worker.lora.manager import AdapterManager
 from shared import metrics
 from shared.errors import ServiceUnavailable
 
-LoadFromStore = Callable[[str], AdapterWeights]  # key -> fetched, verified weights; raises IntegrityError
+LoadFromStore = Callable[[str], Cached]  # key -> fetched, verified adapter; raises IntegrityError
 
 
 @dataclass(slots=True, eq=False)
@@ -34,7 +33,7 @@ class Load:
     prefetch: bool  # nobody waits on it: it never queues for a slot nor evicts a hotter adapter
     started: float
     source: Source = "store"
-    weights: AdapterWeights | None = None
+    weights: Cached | None = None
     queued_at: float = 0.0
     copying: bool = False  # holds a reserved slot: manager.load_adapter may be running
     cancelled: bool = False
@@ -44,7 +43,7 @@ class SlotLoader:
     """The load pipeline on its own threads. start, cancel, drain and unload expect ``lock`` held; submit and close
     run without it."""
 
-    def __init__(self, manager: AdapterManager, load_from_store: LoadFromStore, slots: SlotTier, cpu: CpuTier,
+    def __init__(self, manager: SlotBackend, load_from_store: LoadFromStore, slots: SlotTier, cpu: CpuTier,
                  counters: CacheCounters, lock: threading.Lock, clock: Callable[[], float],
                  protected: Callable[[str], bool], threads: int):  # fmt: skip
         self.manager = manager

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class VllmConfig(BaseModel):
@@ -13,7 +13,12 @@ class VllmConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights and activations")
     max_model_len: int = Field(default=2048, ge=16, le=2**20, description="most tokens (prompt + output) per sequence")
     max_num_seqs: int = Field(default=64, ge=1, le=4096, description="most sequences running in one step")
-    max_loras: int = Field(default=8, ge=1, le=1024, description="adapters in one batch: vLLM's LoRA slots")
+    max_loras: int = Field(
+        default=8,
+        ge=2,
+        le=1024,
+        description="vLLM's LoRA slots; the worker keeps one free, so max_loras - 1 adapters run at once",
+    )
     max_cpu_loras: int = Field(default=32, ge=1, le=65_536, description="adapters vLLM keeps in its CPU LoRA cache")
     max_lora_rank: int = Field(default=64, ge=1, le=512, description="largest adapter rank vLLM preallocates for")
     enable_prefix_caching: bool = Field(default=True, description="share prompt K/V between requests of one salt")
@@ -25,3 +30,9 @@ class VllmConfig(BaseModel):
         description="VLLM_CPU_OMP_THREADS_BIND on the CPU build: nobind, auto, or a core list such as 0-3",
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory vLLM may hold")
+
+    @model_validator(mode="after")
+    def _cpu_cache_holds_the_slots(self) -> "VllmConfig":
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        return self

@@ -64,6 +64,7 @@ class VllmEngine:
         self._streaming: set[str] = set()
         self._aborts: set[asyncio.Task[None]] = set()
         self._lock = threading.Lock()
+        self._changing = asyncio.Lock()  # one add or remove at a time: a removal never deletes files an add is using
         self._stats = EngineStats(0, 0, 0, 0)
 
     def start(self) -> None:
@@ -102,30 +103,29 @@ class VllmEngine:
     async def add_adapter(self, key: str, digest: str, files: dict[str, bytes]) -> None:
         """Hand vLLM one verified adapter version under lorafleet's cache ``key`` (a no-op when it holds it)."""
         llm = self._running()
-        if key in self._loras:
-            return
-        path = await asyncio.to_thread(self.adapters.put, digest, files)
-        lora = LoRARequest(lora_name=key, lora_int_id=next(self._ids), lora_path=str(path))
-        try:
-            await llm.add_lora(lora)
-        except (ValueError, VLLMValidationError) as e:  # e.g. a rank above max_lora_rank
-            await asyncio.to_thread(self.adapters.remove, digest)
-            raise InvalidRequest(f"vLLM cannot serve adapter {key}: {e}", param="adapter") from None
-        self._loras[key] = _Adapter(lora, digest)
+        async with self._changing:
+            if key in self._loras:
+                return
+            path = await asyncio.to_thread(self.adapters.put, digest, files)
+            lora = LoRARequest(lora_name=key, lora_int_id=next(self._ids), lora_path=str(path))
+            try:
+                await llm.add_lora(lora)
+            except (ValueError, VLLMValidationError) as e:  # e.g. a rank above max_lora_rank
+                if all(a.digest != digest for a in self._loras.values()):
+                    await asyncio.to_thread(self.adapters.remove, digest)
+                raise InvalidRequest(f"vLLM cannot serve adapter {key}: {e}", param="adapter") from None
+            self._loras[key] = _Adapter(lora, digest)
 
     async def remove_adapter(self, key: str) -> bool:
         """Drop ``key`` from vLLM's slots and CPU cache and its files from disk; False when not held."""
-        adapter = self._loras.pop(key, None)
-        if adapter is None:
-            return False
-        await self._running().remove_lora(adapter.lora.lora_int_id)
-        if all(a.digest != adapter.digest for a in self._loras.values()):
-            await asyncio.to_thread(self.adapters.remove, adapter.digest)
-        return True
-
-    async def pin_adapter(self, key: str) -> bool:
-        adapter = self._loras.get(key)
-        return adapter is not None and await self._running().pin_lora(adapter.lora.lora_int_id)
+        async with self._changing:
+            adapter = self._loras.pop(key, None)
+            if adapter is None:
+                return False
+            await self._running().remove_lora(adapter.lora.lora_int_id)
+            if all(a.digest != adapter.digest for a in self._loras.values()):
+                await asyncio.to_thread(self.adapters.remove, adapter.digest)
+            return True
 
     def adapter_keys(self) -> list[str]:
         return sorted(self._loras)

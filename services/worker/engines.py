@@ -1,0 +1,100 @@
+"""The engine ``LF_WORKER_ENGINE`` names, with the adapter cache that feeds it: built-in or vLLM.
+
+Either way adapters come through the same StoreLoader (fetch, digest, signature, base fingerprint) and
+the same CacheHierarchy (heat policy, tenant slot quota, pins, directives, revocation); only the slot
+backend differs: the built-in AdapterManager's slot tensors, or vLLM's add/remove LoRA calls."""
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.adapter_cache.hierarchy import CacheHierarchy
+from services.worker.adapter_source import StoreLoader
+from services.worker.engine_port import WorkerEngine
+from services.worker.lora.layout import ModelShapes
+from services.worker.prompt_ids import PromptIds
+from services.worker.settings import WorkerSettings
+from shared.base_model import resolve_model_dir, served_model_name
+from shared.fingerprint import fingerprint_model_dir
+from shared.schemas import EngineCapability
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the worker's service tier drives, whichever engine generates."""
+
+    engine: WorkerEngine
+    cache: CacheHierarchy
+    loader: StoreLoader
+    prompts: PromptIds
+    model_name: str
+    max_running: int
+    capability: EngineCapability
+
+
+def _loader(nc, settings: WorkerSettings, directory: Path, shapes: ModelShapes) -> StoreLoader:  # type: ignore[no-untyped-def]
+    return StoreLoader(
+        nc,
+        asyncio.get_running_loop(),
+        fingerprint_model_dir(directory),
+        shapes,
+        settings.lora,
+        require_signature=settings.require_signature,
+    )
+
+
+async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -> Served:  # type: ignore[no-untyped-def]
+    from services.worker.engine.async_engine import AsyncEngine
+    from services.worker.engine.loader import load_model
+    from services.worker.lora.manager import AdapterManager
+
+    cache_dir = Path(settings.model_cache) if settings.model_cache else None
+    loaded = await asyncio.to_thread(
+        load_model,
+        settings.model_dir,
+        device=settings.engine.device,
+        dtype=settings.engine.torch_dtype,  # read straight into the serving dtype: no fp32 copy
+        cache_dir=cache_dir,
+    )
+    shapes = ModelShapes.from_hf_config(loaded.model.config)
+    manager = AdapterManager(settings.lora, shapes, device=settings.engine.device, dtype=settings.engine.torch_dtype)
+    loader = _loader(nc, settings, loaded.directory, shapes)
+    cache = CacheHierarchy(manager, loader, settings.cache)
+    stack.callback(cache.close)
+    engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager)
+    engine.start()
+    stack.callback(engine.shutdown)
+    prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
+    capability = EngineCapability(
+        engine="builtin", max_lora_rank=settings.lora.max_rank, lora_modules=list(settings.lora.target_modules)
+    )
+    return Served(engine, cache, loader, prompts, loaded.name, settings.engine.max_num_seqs, capability)
+
+
+async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -> Served:  # type: ignore[no-untyped-def]
+    """vLLM's engine on the base model's directory; this process loads only its config and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from services.worker.vllm_engine.adapter_dir import AdapterDir
+    from services.worker.vllm_engine.engine import VllmEngine
+    from services.worker.vllm_engine.slots import VllmSlots
+
+    cache_dir = Path(settings.model_cache) if settings.model_cache else None
+    directory = await asyncio.to_thread(resolve_model_dir, settings.model_dir, cache_dir)
+    shapes = ModelShapes.from_hf_config(await asyncio.to_thread(AutoConfig.from_pretrained, directory))
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, directory)
+    loader = _loader(nc, settings, directory, shapes)
+    c = settings.vllm
+    engine = VllmEngine(directory, c, AdapterDir())
+    engine.start()  # vLLM builds its output handler on this loop; its engine core loads in a child process
+    stack.callback(engine.shutdown)
+    rank = min(c.max_lora_rank, settings.lora.max_rank)
+    slots = VllmSlots(engine, asyncio.get_running_loop(), rank, c.max_loras - 1)
+    cache = CacheHierarchy(slots, loader.files, settings.cache)
+    stack.callback(cache.close)
+    prompts = await asyncio.to_thread(PromptIds.for_model, tokenizer, directory)
+    capability = EngineCapability(engine="vllm", max_lora_rank=rank, lora_modules=list(settings.lora.target_modules))
+    return Served(
+        engine, cache, loader, prompts, served_model_name(settings.model_dir, directory), c.max_num_seqs, capability
+    )
