@@ -13,6 +13,7 @@ ADAPTER_EVENTS_ALL = f"{PREFIX}.adapter.event.>"
 AUDIT_STREAM = "AUDIT"
 AUDIT_ALL = f"{PREFIX}.audit.>"
 AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
+AUDIT_FEEDBACK_ALL = f"{PREFIX}.audit.feedback.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
@@ -45,12 +46,15 @@ REGISTRY_OPS = (
     "api_key_create",
     "api_key_revoke",
     "api_keys",
+    "release_start",
+    "release_status",
 )
 
 REGISTRY_RECORDS_BUCKET = "lf_adapters"  # KV: "<adapter_id>.<version>" -> AdapterRecord
 REGISTRY_SIGNERS_BUCKET = "lf_signers"  # KV: signer -> base64 Ed25519 public key
 ADAPTER_STORE_BUCKET = "lf_adapter_store"  # object store: the approved adapter weights
 ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads awaiting register
+REGISTRY_RELEASES_BUCKET = "lf_releases"  # KV: "<adapter_id>" -> ReleaseState (the controller's rollouts)
 REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
