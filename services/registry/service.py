@@ -17,6 +17,8 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
+from services.registry.release_controller import ReleaseController
+from services.registry.release_service import drive_releases, start_controller
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
@@ -43,6 +45,8 @@ from shared.schemas import (
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
+    ReleaseStartRequest,
+    ReleaseStatusRequest,
     ResolveRequest,
     RetireRequest,
     RevokeApiKeyRequest,
@@ -112,7 +116,7 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
     return request_type, handler
 
 
-async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subscription]:
+async def subscribe(nc: NATS, registry: Registry, tenants: Tenants, releases: ReleaseController) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, Handler] = {
         "resolve": _op(ResolveRequest, registry.resolve),
@@ -135,6 +139,8 @@ async def subscribe(nc: NATS, registry: Registry, tenants: Tenants) -> list[Subs
         "api_key_create": _op(CreateApiKeyRequest, tenants.create_key),
         "api_key_revoke": _op(RevokeApiKeyRequest, tenants.revoke_key),
         "api_keys": _op(ListApiKeysRequest, tenants.list_keys),
+        "release_start": _op(ReleaseStartRequest, releases.start),
+        "release_status": _op(ReleaseStatusRequest, releases.status),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     return [await serve(nc, subjects.registry(op), model, handler) for op, (model, handler) in handlers.items()]
@@ -158,7 +164,10 @@ async def run(settings: RegistrySettings, stop: asyncio.Event) -> None:
         registry = await open_registry(nc, settings, base, gateways)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()))
+        releases = await start_controller(nc, settings, registry)
+        await subscribe(nc, registry, await open_tenants(nc.jetstream()), releases)
+        ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
+        stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():
             for record in registry.catalog.versions(adapter_id):
                 if "score" in record.eval_results:
