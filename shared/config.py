@@ -118,6 +118,12 @@ class GatewaySettings(RequestBounds):
     )
     request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
     registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
+    feedback_lookup_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=30,
+        description="how long POST /v1/feedback waits for the rated request's completion to reach the audit index",
+    )
     keep_alive_s: float = Field(
         default=75.0,
         gt=0,
