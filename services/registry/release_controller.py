@@ -150,8 +150,11 @@ class ReleaseController:
         claimed = state.model_copy(
             update={"owner": self._config.instance_id, "lease_until": now + self._config.lease_s}
         )
+        stored = Stored(claimed, await self._kv.write(claimed, stored.revision))
         log.info("release_claimed", adapter_id=state.adapter_id, previous_owner=state.owner)
-        return Stored(claimed, await self._kv.write(claimed, stored.revision))
+        if state.owner != self._config.instance_id:  # its steps were committed by another replica
+            await self._registry.reload(state.adapter_id)
+        return stored
 
     async def _drive(self, stored: Stored) -> None:
         state = stored.state

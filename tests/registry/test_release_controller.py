@@ -59,13 +59,17 @@ class World:
     registry: Registry
     releases: ReleasesKV
     clock: Clock
+    base: BaseModelIdentity
+    records: RecordsKV
     published: list = field(default_factory=list)
     counter: itertools.count = field(default_factory=itertools.count)
 
-    def controller(self, instance: str = "reg-a", stats: LiveStats | None = None) -> ReleaseController:
+    def controller(
+        self, instance: str = "reg-a", stats: LiveStats | None = None, registry: Registry | None = None
+    ) -> ReleaseController:
         config = ControllerConfig(instance, STEPS, GatePolicy(require_eval=True), LEASE_S)
         return ReleaseController(
-            self.registry, self.releases, stats or LiveStats(), POLICY, config, self._publish, self.clock
+            registry or self.registry, self.releases, stats or LiveStats(), POLICY, config, self._publish, self.clock
         )
 
     async def _publish(self, subject: str, message: BaseModel) -> None:
@@ -97,6 +101,21 @@ class World:
             served.append(completion)
         return served
 
+    def replica(self, catalog: Catalog, records: RecordsKV) -> Registry:
+        """A registry over the shared KV buckets with its own in-memory catalog, as a replica has."""
+        return Registry(
+            catalog=catalog,
+            signers={},
+            kv=records,
+            approved=None,  # type: ignore[arg-type]  # no register here
+            uploads=None,  # type: ignore[arg-type]
+            base=self.base,
+            policy=IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
+            trusted_dirs=(),
+            remote_allow_list=(),
+            publish=self._publish,
+        )
+
     def decisions(self) -> list[ReleaseDecisionAudit]:
         return [m.body for _, m in self.published if isinstance(m, AuditEnvelope) and m.body.kind == "release_decision"]
 
@@ -119,19 +138,12 @@ async def world(own_nats, base: BaseModelIdentity) -> AsyncIterator[World]:
             make_record("sea", 3, "acme"),  # never evaluated
         ]
     )
-    found = World(registry=None, releases=await ReleasesKV.open(js), clock=clock)  # type: ignore[arg-type]
-    found.registry = Registry(
-        catalog=catalog,
-        signers={},
-        kv=await RecordsKV.open(js),
-        approved=None,  # type: ignore[arg-type]  # no register here
-        uploads=None,  # type: ignore[arg-type]
-        base=base,
-        policy=IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
-        trusted_dirs=(),
-        remote_allow_list=(),
-        publish=found._publish,
-    )
+    records = await RecordsKV.open(js)
+    for adapter_id in catalog.adapters():
+        for record in catalog.versions(adapter_id):
+            await records.put_record(record)
+    found = World(registry=None, releases=await ReleasesKV.open(js), clock=clock, base=base, records=records)  # type: ignore[arg-type]
+    found.registry = found.replica(catalog, records)
     yield found
     await nc.close()
 
@@ -263,7 +275,8 @@ async def test_the_eval_gate_is_on_and_a_forced_start_is_audited(world: World) -
 
 async def test_only_the_lease_holder_drives_and_another_replica_takes_over_a_silent_one(world: World) -> None:
     stats_a, stats_b = LiveStats(), LiveStats()
-    a, b = world.controller("reg-a", stats_a), world.controller("reg-b", stats_b)
+    stale = world.replica(Catalog(await world.records.load_records()), world.records)  # loaded before reg-a's promote
+    a, b = world.controller("reg-a", stats_a), world.controller("reg-b", stats_b, stale)
     await start(world, a)
     for stats in (stats_a, stats_b):
         stats.watch(["sea"])
@@ -279,9 +292,10 @@ async def test_only_the_lease_holder_drives_and_another_replica_takes_over_a_sil
     world.clock.now = (await state_of(a)).lease_until + 0.1  # reg-a fell silent
     await b.tick()
     state = await state_of(b)
-    assert state.owner == "reg-b" and world.status(2) == ("canary", 10.0)
+    assert (state.phase, state.owner) == ("running", "reg-b")  # it read reg-a's steps from KV: no supersede
+    assert stale.catalog.get("sea", 2).traffic_percent == 10.0  # type: ignore[union-attr]
     await a.tick()  # reg-a is back: reg-b's lease holds
-    assert (await state_of(a)).owner == "reg-b" and world.status(2) == ("canary", 10.0)
+    assert (await state_of(a)).owner == "reg-b" and (await state_of(a)).percent == 10.0
 
 
 async def test_a_rollout_moved_outside_the_controller_is_superseded_or_resumed(world: World) -> None:
