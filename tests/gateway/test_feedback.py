@@ -2,39 +2,19 @@
 the rating reaches the AUDIT stream naming the version that served it; another tenant's request id,
 or one that never existed, is the same typed 404; a body naming a tenant or version is refused."""
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from services.auditor.service import run as run_auditor
 from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.bus import decode
-from shared.config import AuditorSettings, GatewaySettings
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
 from tests.gateway.adapters import make_adapter, release
-from tests.gateway.conftest import BASE, Gateway
+from tests.gateway.conftest import BASE, Gateway, gateway_settings
 from tests.gateway.fake_worker import WORKER_ID
-
-
-@pytest.fixture
-async def auditor(gw_nats, tmp_path: Path) -> AsyncIterator[None]:
-    settings = AuditorSettings(
-        nats_url=gw_nats.url,
-        db_path=str(tmp_path / "audit.sqlite3"),
-        metrics_port=-1,
-        head_interval_s=5,
-        chain_id=f"fb{uuid.uuid4().hex[:8]}",
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_auditor(settings, stop))
-    yield
-    stop.set()
-    await task
 
 
 async def served_completion(gateway: Gateway, key: str, tenant: str, model: str) -> str:
@@ -101,7 +81,7 @@ async def test_feedback_is_taken_for_own_requests_only(gateway: Gateway, auditor
             answer = await http.post("/v1/feedback", json={"request_id": rid, "rating": "down"})
             refusals.append((answer.status_code, answer.json()["error"]["code"], time.monotonic() - started))
     assert [(s, c) for s, c, _ in refusals] == [(404, "request_not_found")] * 2
-    lookup_s = GatewaySettings().feedback_lookup_s
+    lookup_s = gateway_settings("nats://unused").feedback_lookup_s
     assert all(took >= lookup_s for _, _, took in refusals)  # both wait out the lookup: no timing tells them apart
     with pytest.raises(TimeoutError):  # nothing was recorded for the foreign or the missing id
         await ratings.next_msg(timeout=0.5)
