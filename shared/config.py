@@ -5,7 +5,7 @@ import socket
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 S = TypeVar("S", bound=BaseSettings)
@@ -123,6 +123,12 @@ class GatewaySettings(RequestBounds):
         gt=0,
         le=3600,
         description="bound of an admin push the registry fetches from a remote source; above its LF_REMOTE__TIMEOUT_S",
+    )
+    feedback_lookup_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=30,
+        description="how long POST /v1/feedback waits for the rated request's completion to reach the audit index",
     )
     keep_alive_s: float = Field(
         default=75.0,
@@ -255,6 +261,38 @@ class RegistrySettings(CommonSettings):
     release_max_regression: float = Field(
         default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
     )
+    release_steps: tuple[float, ...] = Field(
+        default=(1.0, 10.0, 50.0, 100.0), min_length=1, description="the controller's canary traffic shares, percent"
+    )
+    release_gate: bool = Field(
+        default=True, description="the controller refuses a rollout whose version has no passing recorded eval"
+    )
+    release_min_samples: int = Field(
+        default=200, ge=1, le=1_000_000, description="completions of each version a step needs before advancing"
+    )
+    release_dwell_s: float = Field(default=300.0, ge=0, le=86_400, description="shortest time a step lasts")
+    release_guard_min_samples: int = Field(
+        default=20, ge=1, le=1_000_000, description="canary completions before the guards judge it"
+    )
+    release_max_error_increase: float = Field(
+        default=0.02, ge=0, le=1, description="canary error rate above production's that rolls back"
+    )
+    release_max_latency_ratio: float = Field(
+        default=1.5, ge=1, le=100, description="canary TTFT/TPOT p50 or p95 over production's that rolls back"
+    )
+    release_latency_slack_ms: float = Field(
+        default=5.0, ge=0, le=60_000, description="a latency difference under this never trips the ratio guard"
+    )
+    release_max_cost_ratio: float = Field(
+        default=1.5, ge=1, le=100, description="canary tokens per request over production's that rolls back"
+    )
+    release_max_complaint_increase: float = Field(
+        default=0.05, ge=0, le=1, description="canary complaint rate above production's that rolls back"
+    )
+    release_tick_s: float = Field(default=1.0, gt=0, le=60, description="how often the controller judges each rollout")
+    release_lease_s: float = Field(
+        default=10.0, gt=0, le=600, description="a rollout whose driving replica is silent this long is taken over"
+    )
     gateway_sync_timeout_s: float = Field(
         default=1.0,
         ge=0,
@@ -263,6 +301,13 @@ class RegistrySettings(CommonSettings):
         "workers) to hold it (0 = no wait); keep it under the gateways' registry_timeout_s, which bounds "
         "their admin calls",
     )
+
+    @field_validator("release_steps")
+    @classmethod
+    def _steps_rise_to_all_traffic(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(set(steps)) or steps[-1] != 100:
+            raise ValueError("increasing traffic percentages in (0, 100], the last one 100")
+        return steps
 
 
 class AuditorSettings(CommonSettings):

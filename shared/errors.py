@@ -134,6 +134,13 @@ class InternalError(LorafleetError):
     pass
 
 
+class RequestNotFound(NotFound):
+    """A request id the caller's tenant never made (or one not yet in the audit trail): the same
+    answer for another tenant's request as for a missing one, by design."""
+
+    code = "request_not_found"
+
+
 class Conflict(LorafleetError):
     """A registry change that contradicts the current state (version taken, wrong lifecycle step)."""
 

@@ -13,6 +13,7 @@ ADAPTER_EVENTS_ALL = f"{PREFIX}.adapter.event.>"
 AUDIT_STREAM = "AUDIT"
 AUDIT_ALL = f"{PREFIX}.audit.>"
 AUDIT_COMPLETION_ALL = f"{PREFIX}.audit.completion.>"
+AUDIT_FEEDBACK_ALL = f"{PREFIX}.audit.feedback.>"
 
 WORKER_HEARTBEAT = f"{PREFIX}.worker.heartbeat"
 AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT stream does not capture it
@@ -50,6 +51,8 @@ REGISTRY_OPS = (
     "source_remove",
     "source_approve",
     "sources",
+    "release_start",
+    "release_status",
 )
 SOURCE_OPS = ("source_add", "source_remove", "source_approve", "sources")  # operator only: never the gateway's
 
@@ -58,6 +61,7 @@ REGISTRY_SIGNERS_BUCKET = "lf_signers"  # KV: signer -> base64 Ed25519 public ke
 ADAPTER_STORE_BUCKET = "lf_adapter_store"  # object store: the approved adapter weights
 ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads awaiting register
 REGISTRY_SOURCES_BUCKET = "lf_sources"  # KV: "source.<sha256>" -> SourceEntry, "approval.<sha256>" -> SourceApproval
+REGISTRY_RELEASES_BUCKET = "lf_releases"  # KV: "<adapter_id>" -> ReleaseState (the controller's rollouts)
 REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -155,6 +155,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_write(subjects.REGISTRY_SIGNERS_BUCKET),
                 *kv_write(subjects.REGISTRY_TENANTS_BUCKET),
                 *kv_write(subjects.REGISTRY_SOURCES_BUCKET),
+                *kv_write(subjects.REGISTRY_RELEASES_BUCKET),
+                *stream_reader(subjects.AUDIT_STREAM),  # the release controller's live figures
                 *obj_write(subjects.ADAPTER_STORE_BUCKET),
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),

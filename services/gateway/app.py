@@ -14,6 +14,7 @@ from services.gateway.completions import router as completions_router
 from services.gateway.context import GatewayContext
 from services.gateway.dashboard import router as dashboard_router
 from services.gateway.errors_http import on_http_error, on_lorafleet_error, on_validation_error
+from services.gateway.feedback import router as feedback_router
 from shared.errors import LorafleetError
 
 
@@ -30,6 +31,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_middleware(BodyLimit, max_bytes=ctx.settings.max_body_bytes)
     app.include_router(completions_router)
+    app.include_router(feedback_router)
     app.include_router(admin_router)
     app.include_router(admin_adapters_router)
     app.include_router(dashboard_router)

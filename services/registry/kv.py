@@ -14,10 +14,11 @@ async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:
     return await js.create_key_value(config=KeyValueConfig(bucket=name, history=5, storage=StorageType.FILE))
 
 
-async def load_all(kv: KeyValue) -> dict[str, bytes]:
-    """Every live key's value, streamed by one watcher (one round trip, not one per key)."""
+async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:
+    """Every live key's value (of those ``keys`` matches), streamed by one watcher (one round trip,
+    not one per key)."""
     values: dict[str, bytes] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
+    watcher = await kv.watch(keys, ignore_deletes=True)
     try:
         async for entry in watcher:
             if entry is None:
@@ -41,6 +42,11 @@ class RecordsKV:
 
     async def load_records(self) -> list[AdapterRecord]:
         return [AdapterRecord.model_validate_json(v) for v in (await load_all(self._records)).values()]
+
+    async def load_adapter(self, adapter_id: str) -> list[AdapterRecord]:
+        """Every stored version of one adapter."""
+        found = await load_all(self._records, record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*")
+        return [AdapterRecord.model_validate_json(v) for v in found.values()]
 
     async def put_record(self, record: AdapterRecord) -> int:
         """Store the record; returns the bucket revision of the write."""

@@ -319,6 +319,12 @@ class Registry:
             await self._commit(changes, actor, reason)
         return AdapterRecordsReply(records=[c.after for c in changes])
 
+    async def reload(self, adapter_id: str) -> None:
+        """Take one adapter's records from KV: another replica may have changed them since this one loaded."""
+        async with self._lock:
+            for record in await self._kv.load_adapter(adapter_id):
+                self.catalog.put(record)
+
     async def _read_source(self, req: RegisterRequest) -> dict[str, bytes]:
         limits = self._policy.limits
         if req.inline_files is not None:

@@ -17,6 +17,8 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
+from services.registry.release_controller import ReleaseController
+from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
 from services.registry.remote_intake import RemoteIntake
 from services.registry.sources import Sources
@@ -50,6 +52,8 @@ from shared.schemas import (
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
+    ReleaseStartRequest,
+    ReleaseStatusRequest,
     RemoveSourceRequest,
     ResolveRequest,
     RetireRequest,
@@ -124,7 +128,9 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
     return request_type, handler
 
 
-async def subscribe(nc: NATS, registry: Registry, tenants: Tenants, sources: Sources) -> list[Subscription]:
+async def subscribe(
+    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController
+) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, Handler] = {
         "resolve": _op(ResolveRequest, registry.resolve),
@@ -151,6 +157,8 @@ async def subscribe(nc: NATS, registry: Registry, tenants: Tenants, sources: Sou
         "source_remove": _op(RemoveSourceRequest, sources.remove),
         "source_approve": _op(ApproveSourceRequest, sources.approve),
         "sources": _op(ListSourcesRequest, sources.list_sources),
+        "release_start": _op(ReleaseStartRequest, releases.start),
+        "release_status": _op(ReleaseStatusRequest, releases.status),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
@@ -181,7 +189,10 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         registry = await open_registry(nc, settings, base, gateways, sources, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources)
+        releases = await start_controller(nc, settings, registry)
+        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources, releases)
+        ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
+        stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():
             for record in registry.catalog.versions(adapter_id):
                 if "score" in record.eval_results:

@@ -7,6 +7,7 @@ from pydantic import Field
 
 from shared.schemas.base import Identifier, Message, RequestId
 from shared.schemas.registry import Actor, AdapterStatus
+from shared.schemas.release import DecisionAction, VersionFigures
 
 # ---- audit -------------------------------------------------------------------------------
 
@@ -90,8 +91,46 @@ class ViolationAudit(Message):
     detail: str = Field(max_length=2000)
 
 
+class FeedbackAudit(Message):
+    """A user's rating of one of its own completions (``POST /v1/feedback``), checked by the gateway
+    against the completion's audit record, whose adapter version it names."""
+
+    kind: Literal["feedback"] = "feedback"
+    ts: float = Field(default_factory=time.time)
+    request_id: RequestId
+    tenant_id: Identifier
+    adapter_id: str | None = None
+    adapter_version: int | None = None
+    rating: Literal["up", "down"]
+    reason: str | None = Field(default=None, max_length=1000)
+
+
+class ReleaseDecisionAudit(Message):
+    """A release controller decision and the live figures it was based on."""
+
+    kind: Literal["release_decision"] = "release_decision"
+    ts: float = Field(default_factory=time.time)
+    actor: Actor
+    tenant_id: Identifier
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    baseline_version: int | None = None
+    action: DecisionAction
+    percent: float = Field(ge=0, le=100)
+    reasons: list[str] = Field(default_factory=list)
+    canary: VersionFigures | None = None
+    baseline: VersionFigures | None = None
+
+
 AuditEvent = Annotated[
-    CompletionAudit | RejectionAudit | RegistryChangeAudit | AdminAudit | ViolationAudit, Field(discriminator="kind")
+    CompletionAudit
+    | RejectionAudit
+    | RegistryChangeAudit
+    | AdminAudit
+    | ViolationAudit
+    | FeedbackAudit
+    | ReleaseDecisionAudit,
+    Field(discriminator="kind"),
 ]
 
 

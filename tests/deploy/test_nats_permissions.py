@@ -2,21 +2,23 @@
 service does, through the same code paths, and is refused what it must not do."""
 
 import asyncio
+import datetime
 import json
 
 import nats
 import nats.errors
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorafleet.cli.nats_permissions import AUDIT_READER
 from services.registry.kv import RecordsKV
+from services.registry.releases_kv import ReleasesKV
 from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
 from shared import signing, subjects
 from shared.adapter_format import ADAPTER_FILES
 from shared.bus import follow
-from shared.schemas import SignerRecord
+from shared.schemas import ReleaseState, SignerRecord
 
 JS_TIMEOUT = 1.0
 
@@ -50,6 +52,18 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     for name in ADAPTER_FILES:
         await store.put(f"tiny/1/{name}", name.encode())
     await rjs.publish(subjects.adapter_event("tiny"), b"{}")
+    assert registry.errors == []
+    # the release controller: its rollouts bucket, and the live completion records from a time on
+    releases = await ReleasesKV.open(rjs)
+    await releases.write(ReleaseState(adapter_id="tiny", tenant_id="acme", version=2, steps=[100], actor="t"), None)
+    assert list(await releases.load()) == ["tiny"]
+    await rjs.subscribe(
+        subjects.AUDIT_COMPLETION_ALL,
+        stream=subjects.AUDIT_STREAM,
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.BY_START_TIME,
+        config=ConsumerConfig(opt_start_time=datetime.datetime.now(tz=datetime.UTC)),
+    )
     assert registry.errors == []
 
     worker = await connect_as("worker-w1")

@@ -47,6 +47,14 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         "LF_NO_WORKER_GRACE_S": "5",
         "LF_MODEL_CACHE": os.environ["LF_MODEL_CACHE"],
         "LF_TRACE_EXPORTER": f"file:{root / 'spans.jsonl'}",
+        # the release controller judges a few live requests per step here, on complaints alone
+        # (latency and cost of one CPU-bound worker say nothing of a version)
+        "LF_RELEASE_MIN_SAMPLES": "6",
+        "LF_RELEASE_GUARD_MIN_SAMPLES": "6",
+        "LF_RELEASE_DWELL_S": "1",
+        "LF_RELEASE_TICK_S": "0.5",
+        "LF_RELEASE_MAX_LATENCY_RATIO": "100",
+        "LF_RELEASE_MAX_COST_RATIO": "100",
     }
     stack = Stack(env, root / "logs")
     running = RunningStack(

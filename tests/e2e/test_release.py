@@ -1,14 +1,18 @@
 """The release pipeline end to end: the shipped adapters beat the base model through the gateway,
-a broken version cannot pass the release gate, and a regressing canary is rolled back and audited."""
+a broken version cannot pass the release gate, and a canary that breaks the answer format is
+rolled back by the registry's release controller on its users' live feedback, and audited."""
 
 import asyncio
+import collections
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import nats
 import openai
 import pytest
@@ -18,21 +22,25 @@ from safetensors.torch import load_file, save_file
 
 from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.keys_cmd import ensure_trusted
-from lorafleet.evaluation.canary import run_canary
 from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
+from lorafleet.evaluation.scorers import answer_format
 from services.auditor.store import AuditStore
 from shared import signing, subjects
 from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.fingerprint import fingerprint_model_dir
+from shared.rollout import in_canary
 from shared.schemas import (
     AdapterRecordsReply,
     ApiKeyCreatedReply,
     CreateApiKeyRequest,
     CreateTenantRequest,
     GetAdapterRequest,
+    ReleaseStartRequest,
+    ReleaseStatusReply,
+    ReleaseStatusRequest,
     TenantsReply,
 )
 
@@ -181,31 +189,121 @@ def test_a_broken_version_fails_the_release_gate(release: Release, tmp_path: Pat
     assert release.run(work) < 0.3
 
 
-def test_a_regressing_canary_is_rolled_back_and_audited(release: Release) -> None:
-    eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
+def _format_broken_copy(source: Path, target: Path) -> Path:
+    """The same adapter with its LoRA B matrices zeroed: well-formed, signable, and answering as the
+    base model does, without the ``ANSWER: <city>`` format the adapter was trained for."""
+    target.mkdir(parents=True)
+    (target / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    tensors = load_file(source / "adapter_model.safetensors")
+    save_file(
+        {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()},
+        target / "adapter_model.safetensors",
+    )
+    return target
 
-    async def work(nc: NATS, client: openai.AsyncOpenAI):
-        outcome = await run_canary(
+
+async def _traffic(release: Release, questions: list, stop: asyncio.Event, counts: dict[str, int]) -> None:
+    """Users asking capitals, half of them in the 1% canary's buckets; each rates the answer's format."""
+    canary_users = (u for u in (f"user-{i}" for i in itertools.count()) if in_canary("capital-answer", u, 1.0))
+    other_users = (u for u in (f"user-{i}" for i in itertools.count()) if not in_canary("capital-answer", u, 1.0))
+    headers = {"Authorization": f"Bearer {release.admin_key}"}
+    async with httpx.AsyncClient(base_url=release.gateway_url, headers=headers, timeout=120) as http:
+
+        async def one(i: int) -> None:
+            item = questions[i % len(questions)]
+            user = next(canary_users if i % 2 == 0 else other_users)
+            body = {
+                "model": "capital-answer",
+                "messages": item.messages,
+                "max_tokens": 16,
+                "temperature": 0,
+                "user": user,
+            }
+            try:
+                reply = await http.post("/v1/chat/completions", json=body)
+            except httpx.TimeoutException:  # a loaded machine: a user who gave up, not a verdict
+                counts["timeouts"] += 1
+                return
+            if reply.status_code != 200:
+                counts["errors"] += 1
+                return
+            answer = reply.json()["choices"][0]["message"]["content"]
+            rating = "up" if answer_format(answer, item.expected) == 1.0 else "down"
+            rated = await http.post(
+                "/v1/feedback",
+                json={"request_id": reply.headers["x-lorafleet-request-id"], "rating": rating, "reason": answer[:200]},
+            )
+            assert rated.status_code == 200, rated.text
+            counts[f"{reply.headers['x-lorafleet-version']}:{rating}"] += 1
+
+        async def user_loop(first: int) -> None:
+            for i in itertools.count(first, 4):
+                if stop.is_set():
+                    return
+                await one(i)
+
+        await asyncio.gather(*(user_loop(k) for k in range(4)))
+
+
+def test_a_canary_that_breaks_the_answer_format_is_rolled_back_on_live_feedback(
+    release: Release, tmp_path: Path
+) -> None:
+    broken = _format_broken_copy(EXAMPLES / "capital-answer" / "adapter", tmp_path / "broken")
+    questions = load_eval_set(EXAMPLES / "capital-answer" / "eval.jsonl").items
+
+    async def work(nc: NATS, _: openai.AsyncOpenAI):
+        statuses = await _records(nc, "capital-answer")
+        if statuses[1] != "production":  # run alone, without the release test above
+            await promote(nc, "capital-answer", 1, 100, "test", force=True)
+        record = await push_adapter(
             nc,
-            client,
-            "sql-employees",
-            2,
-            [10, 50, 100],
-            eval_set,
-            actor="canary-test",
-            max_tokens=40,
-            force=True,
+            broken,
+            adapter_id="capital-answer",
+            tenant_id="demo",
+            task_type="capital-answer",
+            base_fingerprint=release.fingerprint,
+            sign_key=release.sign_key,
+            who="test",
         )
-        return outcome, await _records(nc, "sql-employees")
+        start = ReleaseStartRequest(adapter_id="capital-answer", version=record.version, actor="canary-test")
+        with pytest.raises(ReleaseGateFailed, match="no recorded eval"):  # the offline gate is on by default
+            await request(nc, subjects.registry("release_start"), start, ReleaseStatusReply, 30)
+        forced = start.model_copy(update={"force": True, "reason": "live traffic decides"})
+        await request(nc, subjects.registry("release_start"), forced, ReleaseStatusReply, 30)
+        # from here on no process of the test's drives the rollout: only users and their ratings
+        stop, counts = asyncio.Event(), collections.Counter()
+        users = asyncio.create_task(_traffic(release, questions, stop, counts))
+        deadline = time.monotonic() + 600
+        try:
+            while True:
+                state = (
+                    await request(
+                        nc,
+                        subjects.registry("release_status"),
+                        ReleaseStatusRequest(adapter_id="capital-answer"),
+                        ReleaseStatusReply,
+                        30,
+                    )
+                ).releases[0]
+                if state.phase != "running" or users.done() or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
+        finally:
+            stop.set()
+            await users
+        return record.version, state, counts, await _records(nc, "capital-answer")
 
-    outcome, statuses = release.run(work)
-    assert not outcome.released and outcome.percent == 10
-    assert outcome.reasons[0].startswith("quality")
-    assert statuses == {1: "production", 2: "staging"}
-    trail = _audit_trail(release.db_path, "sql-employees", 2, until_action="rolled_back")
-    assert (2, "promoted", "canary-test", "forced canary start") in trail
+    version, state, counts, statuses = release.run(work)
+    print(dict(counts), state.decisions[-1].reasons)
+    assert state.phase == "rolled_back", state.decisions
+    assert statuses[1] == "production" and statuses[version] == "staging"
+    decision = state.decisions[-1]
+    assert decision.reasons[0].startswith("complaint rate")
+    assert decision.canary is not None and decision.canary.complaints >= 6
+    assert decision.baseline is not None and decision.baseline.complaint_rate < 0.5  # v1 keeps the format
+    trail = _audit_trail(release.db_path, "capital-answer", version, until_action="rolled_back")
     rolled_back = [t for t in trail if t[1] == "rolled_back"]
-    assert rolled_back and "regressed vs v1: quality" in rolled_back[-1][3]
+    assert rolled_back and rolled_back[-1][2] == "release-controller" and "complaint rate" in rolled_back[-1][3]
 
 
 def _audit_trail(db_path: Path, adapter_id: str, version: int, until_action: str) -> list[tuple]:

@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 
 from lorafleet.cli.infra import Server, free_port, start_nats
+from services.auditor.service import run as run_auditor
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.catalog_follow import start_resolver
@@ -23,7 +24,7 @@ from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
 from shared.catalog_mirror import Resolver
-from shared.config import GatewaySettings, RegistrySettings
+from shared.config import AuditorSettings, GatewaySettings, RegistrySettings
 from shared.errors import Unauthorized
 from shared.heartbeat import publish_heartbeats
 from shared.prompt_tokens import PromptTokens
@@ -114,6 +115,7 @@ def gateway_settings(nats_url: str, **over) -> GatewaySettings:
         "max_tokens_limit": 512,
         "request_timeout_s": 2,
         "accept_timeout_s": 2,
+        "feedback_lookup_s": 0.3,
     }
     return GatewaySettings(**{**values, **over})
 
@@ -175,3 +177,19 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     for task in worker.tasks:
         task.cancel()
     await nc.close()
+
+
+@pytest.fixture
+async def auditor(gw_nats, tmp_path: Path) -> AsyncIterator[None]:
+    settings = AuditorSettings(
+        nats_url=gw_nats.url,
+        db_path=str(tmp_path / "audit.sqlite3"),
+        metrics_port=-1,
+        head_interval_s=5,
+        chain_id=f"fb{uuid.uuid4().hex[:8]}",
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_auditor(settings, stop))
+    yield
+    stop.set()
+    await task

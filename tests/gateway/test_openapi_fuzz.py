@@ -13,7 +13,7 @@ CHECKS = "not_a_server_error,status_code_conformance,response_schema_conformance
 
 
 @pytest.mark.timeout(120)
-async def test_schemathesis_finds_no_server_error(gateway, tmp_path: Path):
+async def test_schemathesis_finds_no_server_error(gateway, auditor, tmp_path: Path):  # auditor: /v1/feedback
     cli = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
     proc = await asyncio.create_subprocess_exec(
         cli,

@@ -14,7 +14,11 @@ from pydantic import BaseModel
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
+from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
+from services.registry.release_controller import ControllerConfig, ReleaseController
+from services.registry.release_policy import ReleasePolicy
+from services.registry.releases_kv import Stored
 from services.registry.service import subscribe
 from services.registry.sources import Sources
 from services.registry.tenants import Tenants
@@ -51,6 +55,9 @@ from shared.schemas import (
     PromoteRequest,
     RecordEvalRequest,
     RejectionAudit,
+    ReleaseStartRequest,
+    ReleaseStatusReply,
+    ReleaseStatusRequest,
     ResolveReply,
     ResolveRequest,
     RevokeApiKeyRequest,
@@ -75,6 +82,20 @@ class RecordsKVStub:
 
     async def put_signer(self, signer: str, public_key: str) -> None:
         self.signers[signer] = public_key
+
+
+class ReleasesKVStub:
+    """The rollouts bucket: nothing started over this bus needs more than load and write."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, Stored] = {}
+
+    async def load(self) -> dict[str, Stored]:
+        return dict(self.states)
+
+    async def write(self, state, revision) -> int:
+        self.states[state.adapter_id] = Stored(state, len(self.states) + 1)
+        return len(self.states)
 
 
 @dataclass
@@ -140,8 +161,20 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
     async def delete_source(key: str) -> None:
         sources.pop(key, None)
 
+    releases = ReleaseController(
+        wired.registry,
+        ReleasesKVStub(),  # type: ignore[arg-type]
+        LiveStats(),
+        ReleasePolicy(),
+        ControllerConfig("reg-test", (1.0, 100.0), GatePolicy(require_eval=True), 10.0),
+        publish,
+    )
     await subscribe(
-        service_nc, wired.registry, Tenants({}, put, audit), Sources(load, put_source, delete_source, audit)
+        service_nc,
+        wired.registry,
+        Tenants({}, put, audit),
+        Sources(load, put_source, delete_source, audit),
+        releases,
     )
     yield wired
     await wired.nc.close()
@@ -279,3 +312,16 @@ async def test_a_write_waits_for_every_ready_scheduler_and_worker_mirror_too(wir
     assert not waiting.done()  # one scheduler's mirror (instance id 0, as the gateway's) is behind
     mirrors["scheduler"].apply("sea.1", None, 4)
     assert await waiting == set()
+
+
+async def test_a_release_start_is_gated_and_its_status_shows_the_refusal(wired: Wired) -> None:
+    start = ReleaseStartRequest(adapter_id="sea", version=2, actor="t")
+    with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
+        await wired.call("release_start", start, ReleaseStatusReply)
+    assert wired.kv.records == []  # the catalog is untouched
+    status = await wired.call("release_status", ReleaseStatusRequest(), ReleaseStatusReply)
+    [state] = status.releases
+    assert (state.adapter_id, state.version, state.phase) == ("sea", 2, "gate_failed")
+    assert state.decisions[-1].reasons == [
+        "sea v2 has no recorded eval: run `lorafleet eval sea@2` first (or promote with --force)"
+    ]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from lorafleet.cli import adapter_cmd, keys_cmd
+from lorafleet.cli import adapter_cmd, keys_cmd, release_cmd
 
 
 async def lorafleet(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -16,6 +16,7 @@ async def lorafleet(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tupl
     sub = parser.add_subparsers(dest="command", required=True)
     adapter_cmd.register(sub)
     keys_cmd.register(sub)
+    release_cmd.register(sub)
     args = parser.parse_args(argv)
     code = await asyncio.to_thread(args.func, args)  # the commands run their own event loop
     return code, capsys.readouterr().out
@@ -73,3 +74,32 @@ async def test_a_signer_is_rotated_explicitly_and_untrusted_from_the_cli(
     assert code == 1 and "error (integrity_error): signer 'cli-rotor' is not a trusted signer" in out
     code, out = await lorafleet(["adapter", "show", "cli-rot-a", "--json", *url], capsys)
     assert code == 0 and json.loads(out)[0]["signer"] == "cli-rotor"  # its version stays
+
+
+async def test_release_starts_a_controlled_rollout_and_returns_and_status_shows_it(
+    registry: NATS, nats_url: str, peft_adapter_dir: Path, base_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    url = ["--nats-url", nats_url]
+    await lorafleet(["keys", "gen", "cli-canary", "--out", str(tmp_path)], capsys)
+    trust = ["keys", "trust", "cli-canary", str(tmp_path / "cli-canary.pub"), "--tenant", "acme", *url]
+    assert (await lorafleet(trust, capsys))[0] == 0
+    push = ["adapter", "push", str(peft_adapter_dir), "--id", "cli-rel", "--tenant", "acme", "--task", "summarization",
+            "--sign-key", str(tmp_path / "cli-canary.key"), "--base-model-dir", str(base_dir), *url]  # fmt: skip
+    for _ in range(2):
+        assert (await lorafleet(push, capsys))[0] == 0
+    assert (await lorafleet(["adapter", "promote", "cli-rel", "1", "--percent", "100", *url], capsys))[0] == 0
+    code, out = await lorafleet(["release", "cli-rel", "2", *url], capsys)  # the eval gate is on by default
+    assert code == 1 and "error (release_gate_failed): cli-rel v2 has no recorded eval" in out
+    code, out = await lorafleet(["release", "status", "cli-rel", *url], capsys)
+    assert (
+        code == 0 and "cli-rel v2 (gate_failed)" in out and "gate_failed at 0%: cli-rel v2 has no recorded eval" in out
+    )
+    code, out = await lorafleet(["release", "cli-rel", "2", "--force", "--reason", "hotfix", *url], capsys)
+    assert code == 0 and out.splitlines()[-1] == "cli-rel v2: rollout started at 1% (`lorafleet release status`)"
+    code, out = await lorafleet(["release", "status", "cli-rel", *url], capsys)
+    lines = [line for line in out.splitlines() if "[info" not in line]  # the in-process registry logs here too
+    assert code == 0 and lines[0].startswith("cli-rel v2 (running) vs production v1: [1%] -> 10% -> 50% -> 100%")
+    assert "started at 1%: offline eval gate skipped by" in lines[-1] and lines[-1].endswith(": hotfix")
+    code, out = await lorafleet(["release", "cli-rel", "two", *url], capsys)
+    assert code == 1 and "error (invalid_request): version 'two'" in out

@@ -1,0 +1,104 @@
+"""Live traffic of the adapters under rollout, per version, from their completion and feedback
+audit records: the figures the release controller compares."""
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.schemas import CompletionAudit, FeedbackAudit, VersionFigures
+
+MAX_SAMPLES = 50_000  # per version: a step's window past this keeps its newest completions
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ts: float
+    error: bool
+    ttft_ms: float
+    tpot_ms: float
+    tokens: int
+
+
+@dataclass(slots=True)
+class VersionTraffic:
+    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    ratings: dict[str, tuple[float, bool]] = field(default_factory=dict)  # request id -> (ts, complaint)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (inclusive method), None for no values."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+class LiveStats:
+    """Completions and ratings of the watched adapters; everything else is dropped on arrival."""
+
+    def __init__(self) -> None:
+        self._traffic: dict[tuple[str, int], VersionTraffic] = {}
+        self._watched: frozenset[str] = frozenset()
+
+    def watch(self, adapter_ids: Iterable[str]) -> None:
+        """Keep the records of exactly these adapters from now on; forget the others'."""
+        self._watched = frozenset(adapter_ids)
+        for key in [k for k in self._traffic if k[0] not in self._watched]:
+            del self._traffic[key]
+
+    def also_watch(self, adapter_id: str) -> None:
+        self._watched = self._watched | {adapter_id}
+
+    def _of(self, adapter_id: str | None, version: int | None) -> VersionTraffic | None:
+        if adapter_id is None or version is None or adapter_id not in self._watched:
+            return None
+        return self._traffic.setdefault((adapter_id, version), VersionTraffic())
+
+    def add_completion(self, record: CompletionAudit) -> None:
+        traffic = self._of(record.adapter_id, record.adapter_version)
+        if traffic is None or record.outcome == "cancelled":  # a client that left says nothing of the version
+            return
+        tokens = record.prompt_tokens + record.completion_tokens
+        traffic.samples.append(Sample(record.ts, record.outcome == "error", record.ttft_ms, record.tpot_ms, tokens))
+
+    def add_feedback(self, record: FeedbackAudit) -> None:
+        """One rating per request: a later one replaces it."""
+        traffic = self._of(record.adapter_id, record.adapter_version)
+        if traffic is not None:
+            traffic.ratings[record.request_id] = (record.ts, record.rating == "down")
+
+    def forget_before(self, adapter_id: str, ts: float) -> None:
+        """Drop the adapter's records older than ``ts`` (a step's window has moved past them)."""
+        for (adapter, _), traffic in self._traffic.items():
+            if adapter != adapter_id:
+                continue
+            while traffic.samples and traffic.samples[0].ts < ts:
+                traffic.samples.popleft()
+            traffic.ratings = {r: v for r, v in traffic.ratings.items() if v[0] >= ts}
+
+    def figures(self, adapter_id: str, version: int, since: float) -> VersionFigures:
+        """The version's figures over records from ``since`` on."""
+        traffic = self._traffic.get((adapter_id, version), VersionTraffic())
+        window = [s for s in traffic.samples if s.ts >= since]
+        served = [s for s in window if not s.error]
+        ttft = [s.ttft_ms for s in served]
+        tpot = [s.tpot_ms for s in served]
+        errors = len(window) - len(served)
+        ratings = [complaint for ts, complaint in traffic.ratings.values() if ts >= since]
+        complaints = sum(ratings)
+        return VersionFigures(
+            version=version,
+            samples=len(window),
+            errors=errors,
+            error_rate=errors / len(window) if window else 0.0,
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p95_ms=percentile(ttft, 95),
+            tpot_p50_ms=percentile(tpot, 50),
+            tpot_p95_ms=percentile(tpot, 95),
+            tokens_per_request=statistics.fmean(s.tokens for s in served) if served else None,
+            feedback=len(ratings),
+            complaints=complaints,
+            complaint_rate=min(1.0, complaints / len(window)) if window else 0.0,
+        )

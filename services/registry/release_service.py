@@ -1,0 +1,92 @@
+"""The release controller's wiring: its KV bucket, the AUDIT records it follows, its tick loop."""
+
+import asyncio
+import datetime
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import BaseModel
+
+from services.registry.gate import GatePolicy
+from services.registry.live_stats import LiveStats
+from services.registry.ops import Registry
+from services.registry.release_controller import ControllerConfig, ReleaseController
+from services.registry.release_policy import ReleasePolicy
+from services.registry.releases_kv import ReleasesKV
+from shared import subjects
+from shared.bus import FOLLOW_HEARTBEAT_S, decode, encode
+from shared.config import RegistrySettings
+from shared.errors import LorafleetError
+from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
+
+log = structlog.get_logger("registry.release")
+
+
+async def _follow_since(js: JetStreamContext, subject: str, since: float, stats: LiveStats) -> None:
+    """Feed ``stats`` every completion or feedback record stored on ``subject`` from ``since`` on."""
+
+    async def on_message(msg: Msg) -> None:
+        try:
+            body = decode(AuditEnvelope, msg.data).body
+        except LorafleetError as e:
+            log.warning("bad_audit_record", subject=msg.subject, error=e.message)
+            return
+        if isinstance(body, CompletionAudit):
+            stats.add_completion(body)
+        elif isinstance(body, FeedbackAudit):
+            stats.add_feedback(body)
+
+    start = datetime.datetime.fromtimestamp(since, tz=datetime.UTC)
+    await js.subscribe(
+        subject,
+        stream=subjects.AUDIT_STREAM,
+        cb=on_message,
+        ordered_consumer=True,
+        idle_heartbeat=FOLLOW_HEARTBEAT_S,
+        deliver_policy=DeliverPolicy.BY_START_TIME,
+        config=ConsumerConfig(opt_start_time=start),
+    )
+
+
+async def start_controller(nc: NATS, settings: RegistrySettings, registry: Registry) -> ReleaseController:
+    """Open the rollouts, replay the live records of their current steps, and return the controller."""
+    js = nc.jetstream()
+
+    async def publish(subject: str, message: BaseModel) -> None:
+        await js.publish(subject, encode(message))
+
+    stats = LiveStats()
+    controller = ReleaseController(
+        registry,
+        await ReleasesKV.open(js),
+        stats,
+        ReleasePolicy.from_settings(settings),
+        ControllerConfig(
+            instance_id=settings.instance_id,
+            steps=settings.release_steps,
+            gate=GatePolicy(
+                require_eval=settings.release_gate,
+                min_score=settings.release_min_score,
+                max_regression=settings.release_max_regression,
+            ),
+            lease_s=settings.release_lease_s,
+        ),
+        publish,
+    )
+    since = await controller.window_start()
+    for subject in (subjects.AUDIT_COMPLETION_ALL, subjects.AUDIT_FEEDBACK_ALL):
+        await _follow_since(js, subject, since, stats)
+    return controller
+
+
+async def drive_releases(controller: ReleaseController, tick_s: float) -> None:
+    """Tick the controller until cancelled; a failed tick is logged and the next one tries again."""
+    while True:
+        try:
+            await controller.tick()
+        except Exception:  # a KV or bus outage must not end the loop that rolls bad versions back
+            log.exception("release_tick_failed")
+        await asyncio.sleep(tick_s)

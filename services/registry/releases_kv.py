@@ -1,0 +1,54 @@
+"""Rollouts in the ``lf_releases`` KV bucket; every write is a compare-and-set on the revision
+read, so two registry replicas never both advance one rollout."""
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from services.registry.kv import open_bucket
+from shared import subjects
+from shared.schemas import ReleaseState
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    state: ReleaseState
+    revision: int | None  # None: not stored yet
+
+
+class LostRace(Exception):
+    """The record changed since it was read: another replica wrote it."""
+
+
+class ReleasesKV:
+    def __init__(self, bucket: KeyValue) -> None:
+        self._bucket = bucket
+
+    @classmethod
+    async def open(cls, js: JetStreamContext) -> "ReleasesKV":
+        return cls(await open_bucket(js, subjects.REGISTRY_RELEASES_BUCKET))
+
+    async def load(self) -> dict[str, Stored]:
+        """Every rollout by adapter id, with the revision to write it back against."""
+        found: dict[str, Stored] = {}
+        watcher = await self._bucket.watchall(ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                found[entry.key] = Stored(ReleaseState.model_validate_json(entry.value or b""), entry.revision or 0)
+        finally:
+            await watcher.stop()
+        return found
+
+    async def write(self, state: ReleaseState, revision: int | None) -> int:
+        """Store ``state`` if the record is still at ``revision`` (None: if there is none yet)."""
+        value = state.model_dump_json().encode()
+        try:
+            if revision is None:
+                return await self._bucket.create(state.adapter_id, value)
+            return await self._bucket.update(state.adapter_id, value, last=revision)
+        except KeyWrongLastSequenceError as e:
+            raise LostRace(state.adapter_id) from e
