@@ -112,7 +112,7 @@ class World:
             base=self.base,
             policy=IntakePolicy(limits=AdapterLimits(max_rank=16, max_weights_bytes=1_000_000), dev_mode=False),
             trusted_dirs=(),
-            remote_allow_list=(),
+            remote=None,  # type: ignore[arg-type]  # no register here
             publish=self._publish,
         )
 

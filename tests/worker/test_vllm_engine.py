@@ -144,6 +144,35 @@ def test_a_sampling_value_vllm_refuses_is_a_typed_400(run: tuple[dict, dict, int
     }
 
 
+def test_a_schema_that_cannot_be_compiled_is_the_builtin_engines_typed_400(run: tuple[dict, dict, int]) -> None:
+    refusal = run[0]["refusals"]["bad_schema"]
+    assert refusal == {
+        "type": "InvalidSchema",
+        "code": "invalid_json_schema",
+        "status": 400,
+        "param": "response_format",
+    }
+
+
+def test_logprobs_come_in_openais_entries_and_equal_transformers(run: tuple[dict, dict, int], smollm_dir: Path) -> None:
+    """The chosen token's logprob of the raw model (fp32 both sides; vLLM's CPU kernels sum in another
+    order, hence 1e-3) and the 3 most likely alternatives in rank order, the greedy token first."""
+    seen = run[0]["logprobs"]
+    prompt = AutoTokenizer.from_pretrained(smollm_dir)(PROMPTS[0])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + seen["ids"]])).logits[0, len(prompt) - 1 : -1]
+    reference = logits.log_softmax(-1)
+    assert len(seen["entries"]) == len(seen["ids"]) == 4
+    for step, (token, entry) in enumerate(zip(seen["ids"], seen["entries"], strict=True)):
+        assert abs(entry["logprob"] - float(reference[step, token])) < 1e-3
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0]["logprob"] == pytest.approx(entry["logprob"])
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        expected = reference[step].topk(3).values.tolist()
+        assert [t["logprob"] for t in top] == pytest.approx(expected, abs=1e-3)
+
+
 def test_cancel_aborts_the_vllm_request(run: tuple[dict, dict, int]) -> None:
     cancelled = run[0]["cancelled"]
     assert cancelled["finish_reason"] == "abort"

@@ -22,7 +22,7 @@ from services.worker.vllm_engine.engine import VllmEngine
 from services.worker.vllm_engine.slots import VllmSlots
 from shared.adapter_format import ADAPTER_FILES
 from shared.errors import LorafleetError
-from shared.schemas import SamplingParams
+from shared.schemas import SamplingParams, StructuredOutput
 
 RESULT = "VLLM_PROGRAM_RESULT "
 
@@ -53,6 +53,17 @@ async def _cancelled(engine: VllmEngine, prompt: list[int]) -> dict[str, object]
         if tokens == 1:
             engine.cancel(request.request_id)
     return {"tokens": tokens, "finish_reason": reason}
+
+
+async def _logprobs(engine: VllmEngine, prompt: list[int]) -> dict[str, object]:
+    """OpenAI's entries of a greedy base request asking for 3 alternatives per token."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    ids: list[int] = []
+    entries: list[dict] = []
+    async for out in engine.generate(EngineRequest("logprobs", prompt, params)):
+        ids += out.token_ids
+        entries += [entry.model_dump() for entry in out.token_logprobs or []]
+    return {"ids": ids, "entries": entries}
 
 
 async def main(spec: dict) -> dict[str, object]:
@@ -87,6 +98,10 @@ async def main(spec: dict) -> dict[str, object]:
                 engine, EngineRequest("hot", prompt, SamplingParams.model_construct(temperature=3.0))
             ),
         }
+        # a schema xgrammar cannot compile (a look-behind pattern): the same typed 400 as the built-in engine
+        bad = StructuredOutput(kind="json_schema", json_schema=json.dumps({"type": "string", "pattern": "(?<=a)b"}))
+        refusals["bad_schema"] = await _refusal(engine, EngineRequest("schema", prompt, SamplingParams(structured=bad)))
+        logprobs = await _logprobs(engine, prompt)
         cancelled = await _cancelled(engine, prompt)
         removed = await engine.remove_adapter(spec["adapters"][0]["key"])
         after_removal = {"removed": removed, "digests": engine.adapters.digests(), "keys": engine.adapter_keys()}
@@ -97,6 +112,7 @@ async def main(spec: dict) -> dict[str, object]:
         "on_disk": on_disk,
         "refusals": refusals,
         "cancelled": cancelled,
+        "logprobs": logprobs,
         "after_removal": after_removal,
         "root_left": root.exists(),
     }

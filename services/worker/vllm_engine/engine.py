@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoTokenizer
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
@@ -23,10 +24,12 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from services.worker.engine.async_engine import EngineDead, EngineStats
 from services.worker.engine.errors import DuplicateRequest
 from services.worker.engine.sequence import EngineRequest, RequestOutput
+from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
 from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.sampling import to_vllm
-from shared.errors import InvalidRequest, ServiceUnavailable
+from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
+from shared.schemas import TokenLogprob
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -66,6 +69,7 @@ class VllmEngine:
         self._lock = threading.Lock()
         self._changing = asyncio.Lock()  # one add or remove at a time: a removal never deletes files an add is using
         self._stats = EngineStats(0, 0, 0, 0)
+        self._token_text: TokenText | None = None  # OpenAI's token text and bytes, from vLLM's tokenizer
 
     def start(self) -> None:
         # Read by the CPU build when its engine core starts (the child inherits the environment).
@@ -91,6 +95,7 @@ class VllmEngine:
         )
         total = self._llm.vllm_config.cache_config.num_gpu_blocks or 0
         self._stats = EngineStats(0, 0, total, total)
+        self._token_text = TokenText(AutoTokenizer.from_pretrained(self.model_dir))
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -141,6 +146,7 @@ class VllmEngine:
             logprobs=request.logprobs,
         )
         lora = self._lora_of(request.adapter)
+        wants_logprobs = request.logprobs or request.sampling.logprobs
         prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
@@ -166,10 +172,19 @@ class VllmEngine:
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion,
                     first_token_time=first_token_time,
-                    logprobs=_chosen_logprobs(piece.logprobs, token_ids) if request.logprobs else None,
+                    logprobs=_chosen_logprobs(piece.logprobs, token_ids) if wants_logprobs else None,
+                    token_logprobs=self._entries(piece.logprobs, token_ids, request.sampling.top_logprobs)
+                    if request.sampling.logprobs
+                    else None,
                 )
         except VLLMValidationError as e:
+            if request.sampling.structured is not None and e.parameter in (None, "structured_outputs", "guided_json"):
+                raise InvalidSchema(f"the JSON schema cannot be enforced: {e}", param="response_format") from None
             raise InvalidRequest(f"vLLM refused the request: {e}", param=e.parameter) from None
+        except ValueError as e:  # vLLM's structured-output backend refusing a grammar it cannot compile
+            if request.sampling.structured is None or first_token_time is not None:
+                raise
+            raise InvalidSchema(f"the JSON schema cannot be enforced: {e}", param="response_format") from None
         except EngineDeadError as e:
             raise EngineDead(f"the vLLM engine died: {e}") from None
         finally:
@@ -183,6 +198,19 @@ class VllmEngine:
         task = asyncio.get_running_loop().create_task(self._running().abort(request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+    def _entries(self, logprobs, token_ids: list[int], k: int) -> list[TokenLogprob] | None:  # type: ignore[no-untyped-def]
+        """OpenAI's entry per token: vLLM's per-step dict (the chosen token plus the ``k`` most likely,
+        each with its rank) -> the chosen token's logprob and the top ``k`` by rank."""
+        if logprobs is None or self._token_text is None:
+            return None
+        out = []
+        for step, token in zip(logprobs, token_ids, strict=True):
+            top = sorted((lp.rank, tid, float(lp.logprob)) for tid, lp in step.items() if lp.rank is not None)[:k]
+            out.append(
+                self._token_text.entry(token, float(step[token].logprob), [t for _, t, _ in top], [v for _, _, v in top])
+            )
+        return out
 
     def _observe(self, stats) -> None:  # type: ignore[no-untyped-def]
         total = self._stats.kv_blocks_total
