@@ -208,7 +208,9 @@ class VllmEngine:
         for step, token in zip(logprobs, token_ids, strict=True):
             top = sorted((lp.rank, tid, float(lp.logprob)) for tid, lp in step.items() if lp.rank is not None)[:k]
             out.append(
-                self._token_text.entry(token, float(step[token].logprob), [t for _, t, _ in top], [v for _, _, v in top])
+                self._token_text.entry(
+                    token, float(step[token].logprob), [t for _, t, _ in top], [v for _, _, v in top]
+                )
             )
         return out
 
