@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+import xgrammar as xgr
 
 from services.worker.engine.loader import LoadedModel, load_model
 from tests.e2e.test_adapters import adapters  # noqa: F401  (the released demo adapters)
@@ -148,21 +149,40 @@ def test_fifty_json_schemas_always_parse_and_validate(client, adapters, model): 
         jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.timeout(900)  # 20 open-ended generations on a shared 2-core machine
-@pytest.mark.parametrize("model", [MODEL, ADAPTER])
-def test_json_mode_always_gives_an_object(client, adapters, model):  # noqa: F811
-    # JSON mode bounds nothing inside a string or an array: as OpenAI's guide says, the prompt asks for
-    # JSON and names its keys, and (135M parameters, greedy) a frequency penalty keeps the model from
-    # repeating one phrase inside a string until max_tokens (it did for "Paris" without one)
-    prompts = [
-        f'Answer with a JSON object with exactly two keys, "name" and "summary" (one short sentence), about {topic}.'
-        for topic in TOPICS * 2
-    ]
+JSON_MODE_PROMPTS = [
+    f'Answer with a JSON object with exactly two keys, "name" and "summary" (one short sentence), about {topic}.'
+    for topic in TOPICS * 2
+]
+
+
+def json_mode_answers(client: openai.OpenAI, model: str) -> list[tuple[str, str]]:
+    # greedy; as OpenAI's guide says, the prompt asks for JSON and names its keys, and a frequency
+    # penalty keeps the 135M model from repeating one phrase inside a string until max_tokens
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda ip: ask_json(client, model, ip[1], None, ip[0], 0.0, 0.5), enumerate(prompts)))
-    for text, reason in answers:
+        return list(
+            pool.map(lambda ip: ask_json(client, model, ip[1], None, ip[0], 0.0, 0.5), enumerate(JSON_MODE_PROMPTS))
+        )
+
+
+@pytest.mark.timeout(900)  # 10 open-ended generations on a shared 2-core machine
+def test_json_mode_always_gives_an_object(client):
+    for text, reason in json_mode_answers(client, MODEL):
         assert reason == "stop", text
         assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.timeout(900)
+def test_json_mode_on_random_adapter_weights_never_leaves_the_json_grammar(client, adapters, loaded):  # noqa: F811
+    """sql-helper here is random LoRA weights (tests/e2e/test_adapters.py): its text is noise that never
+    closes its first string, so JSON mode cannot end it with an object; what the platform guarantees is
+    that every answer is a prefix of JSON (xgrammar's own JSON grammar accepts it) and ends only complete."""
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(loaded.tokenizer)).compile_builtin_json_grammar()
+    for text, reason in json_mode_answers(client, ADAPTER):
+        assert text.startswith("{") and xgr.GrammarMatcher(compiled).accept_string(text), text
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert reason == "length", reason
 
 
 @pytest.fixture(scope="module")
