@@ -146,6 +146,7 @@ def adapter_of(hostile: HostileStack, record: dict, **over: object) -> dict:
         digest=record["checksum"],
         storage_uri=record["storage_uri"],
         alpha=record["alpha"],
+        target_modules=record["target_modules"],
     )
     return {**json.loads(granted.model_dump_json()), **over}
 
