@@ -89,6 +89,8 @@ MODEL_FIXTURES = frozenset(
         "tests/worker/test_engine.py::loaded",  # load_model(): the embedded SmolLM2
         "tests/worker/test_prefix_cache.py::loaded",
         "tests/worker/test_serving_cache.py::loaded",
+        "tests/worker/test_engine_grammar.py::loaded",
+        "tests/worker/test_engine_sampling.py::loaded",
         "tests/worker/test_async_engine.py::parts",
         "tests/worker/test_sampler.py::tokenizer",
         "tests/worker/test_multilora_engine.py::setup",  # its tokenizer, in both parameters

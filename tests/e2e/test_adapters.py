@@ -9,7 +9,6 @@ import nats
 import openai
 import pytest
 
-from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.keys_cmd import ensure_trusted
 from services.worker.engine.loader import load_model
 from shared import signing, subjects
@@ -17,12 +16,11 @@ from shared.bus import decode, request
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecordsReply,
-    PromoteRequest,
     RevokeRequest,
     WorkerHeartbeat,
 )
 from tests.e2e.conftest import OTHER_KEY
-from tests.helpers.adapters import make_peft_model
+from tests.helpers.adapters import make_peft_model, push_released
 
 PROMPT = "Write one sentence about the sea."
 
@@ -44,26 +42,7 @@ def adapters(running_stack, tmp_path_factory) -> dict[str, int]:
     async def publish() -> dict[str, int]:
         nc = await nats.connect(running_stack.nats.url)
         await ensure_trusted(nc, "release", keys.public_b64, ["demo"], "test")
-        versions = {}
-        for name, directory in dirs.items():
-            record = await push_adapter(
-                nc,
-                directory,
-                adapter_id=name,
-                tenant_id="demo",
-                task_type="chat",
-                base_fingerprint=fingerprint,
-                sign_key=key_file,
-                who="test",
-            )
-            await request(
-                nc,
-                subjects.registry("promote"),
-                PromoteRequest(adapter_id=name, version=record.version, traffic_percent=100, actor="test"),
-                AdapterRecordsReply,
-                10,
-            )
-            versions[name] = record.version
+        versions = await push_released(nc, dirs, fingerprint=fingerprint, sign_key=key_file)
         await nc.close()
         return versions
 

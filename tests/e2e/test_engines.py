@@ -25,7 +25,6 @@ import openai
 import pytest
 import torch
 
-from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.cli.stack import Stack, wait_ready
@@ -34,8 +33,8 @@ from services.worker.prompt_ids import PromptIds
 from shared import signing, subjects
 from shared.bus import decode, request
 from shared.fingerprint import fingerprint_model_dir
-from shared.schemas import AdapterRecordsReply, PromoteRequest, RevokeRequest, WorkerHeartbeat
-from tests.helpers.adapters import ALL_MODULES, make_peft_model
+from shared.schemas import AdapterRecordsReply, RevokeRequest, WorkerHeartbeat
+from tests.helpers.adapters import ALL_MODULES, make_peft_model, push_released
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -108,28 +107,10 @@ async def _beats(nats_url: str, workers: tuple[str, ...], timeout_s: float = 30)
 
 async def _push(nats_url: str, sign_key: Path, fingerprint: str, dirs: dict[str, Path]) -> dict[str, int]:
     nc = await nats.connect(nats_url)
-    versions = {}
-    for name, directory in dirs.items():
-        record = await push_adapter(
-            nc,
-            directory,
-            adapter_id=name,
-            tenant_id="demo",
-            task_type="chat",
-            base_fingerprint=fingerprint,
-            sign_key=sign_key,
-            who="test",
-        )
-        await request(
-            nc,
-            subjects.registry("promote"),
-            PromoteRequest(adapter_id=name, version=record.version, traffic_percent=100, actor="test"),
-            AdapterRecordsReply,
-            10,
-        )
-        versions[name] = record.version
-    await nc.close()
-    return versions
+    try:
+        return await push_released(nc, dirs, fingerprint=fingerprint, sign_key=sign_key)
+    finally:
+        await nc.close()
 
 
 pytestmark = pytest.mark.timeout(900)  # the vLLM stack's start and its first loads take minutes on a contended CPU
@@ -344,9 +325,8 @@ def _peft_reference(base: LoadedModel, prompt_ids: list[int], dirs: dict[str, tu
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("engine_stack", ["vllm"], indirect=True)  # the built-in engine's: test_multilora_engine.py
 def test_vllm_greedy_answers_equal_hf_peft_through_the_gateway(engine_stack, tmp_path):
-    if engine_stack.engine != "vllm":
-        pytest.skip("the built-in engine's parity with HF PEFT is tests/worker/test_multilora_engine.py's")
     shapes = {f"{kind}-r{rank}": (rank, modules) for rank in (8, 16, 32, 64)
               for kind, modules in (("qv", ("q_proj", "v_proj")), ("all7", ALL_MODULES))}  # fmt: skip
     prompt = "The capital of France is"

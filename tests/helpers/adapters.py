@@ -7,8 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nats.aio.client import Client as NATS
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from lorafleet.cli.adapter_cmd import push_adapter
+from shared import subjects
+from shared.bus import request
+from shared.schemas import AdapterRecordsReply, PromoteRequest
 
 TINY_LLAMA = {
     "hidden_size": 64,
@@ -72,3 +78,24 @@ def peft_delta(model: PeftModel, layer: int, module: str, x: torch.Tensor) -> to
     lora_layer = getattr(block.self_attn if hasattr(block.self_attn, module) else block.mlp, module)
     with torch.no_grad():
         return lora_layer(x) - lora_layer.base_layer(x)
+
+
+async def push_released(nc: NATS, dirs: dict[str, Path], *, fingerprint: str, sign_key: Path) -> dict[str, int]:
+    """Push each adapter directory as tenant demo's (signed with ``sign_key``) and promote it to 100%:
+    adapter id -> version."""
+    versions = {}
+    for name, directory in dirs.items():
+        record = await push_adapter(
+            nc,
+            directory,
+            adapter_id=name,
+            tenant_id="demo",
+            task_type="chat",
+            base_fingerprint=fingerprint,
+            sign_key=sign_key,
+            who="test",
+        )
+        promote = PromoteRequest(adapter_id=name, version=record.version, traffic_percent=100, actor="test")
+        await request(nc, subjects.registry("promote"), promote, AdapterRecordsReply, 10)
+        versions[name] = record.version
+    return versions
