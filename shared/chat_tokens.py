@@ -11,14 +11,16 @@ worker tokenises with it once it has checked it agrees with transformers on its 
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2.ext
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from shared import tool_calls
 from shared.errors import InvalidRequest
-from shared.schemas import ChatMessage
+from shared.schemas import ChatMessage, Tools
 
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -56,6 +58,7 @@ class ChatTokenizer:
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special: dict[str, str]) -> None:
         self._tokenizer = tokenizer
         self._template = _environment().from_string(chat_template) if chat_template else None
+        self.renders_tools = tool_calls.template_renders_tools(chat_template)
         self._special = special
 
     @classmethod
@@ -66,31 +69,46 @@ class ChatTokenizer:
         template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")), template, special)
 
-    def encode(self, messages: list[ChatMessage] | None, prompt: str | None) -> list[int]:
-        """The ids of a chat (rendered with the generation prompt) or of a plain prompt (with the
-        special tokens, a BOS, the tokenizer adds to a text, as transformers' ``tokenizer(text)``)."""
+    def encode(self, messages: list[ChatMessage] | None, prompt: str | None, tools: Tools | None = None) -> list[int]:
+        """The ids of a chat (rendered with the generation prompt and its tools) or of a plain
+        prompt (with the special tokens, a BOS, the tokenizer adds to a text, as transformers'
+        ``tokenizer(text)``)."""
         if messages is None:
             return self._tokenizer.encode(prompt or "", add_special_tokens=True).ids
-        text = self.render(messages)
+        text = self.render(messages, tools)
         if any(m.name is not None for m in messages) and text == self.render(
-            [m.model_copy(update={"name": None}) for m in messages]
+            [m.model_copy(update={"name": None}) for m in messages], tools
         ):
             raise name_dropped()
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render(self, messages: list[ChatMessage]) -> str:
+    def render(self, messages: list[ChatMessage], tools: Tools | None = None) -> str:
         if self._template is None:
             raise InvalidRequest("this model has no chat template: send a prompt to /v1/completions", param="messages")
+        chat, listed = template_inputs(self.renders_tools, messages, tools)
         try:
             return self._template.render(
-                messages=[m.model_dump(exclude_none=True) for m in messages],
-                tools=None,
+                messages=chat,
+                tools=listed,
                 documents=None,
                 add_generation_prompt=True,
                 **self._special,
             )
         except TemplateError as e:
             raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def template_inputs(
+    renders_tools: bool, messages: list[ChatMessage], tools: Tools | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The ``messages`` and ``tools`` a chat template is rendered with: a template that renders
+    tool calls in lorafleet's format gets them as they are; another one the Hermes layout of
+    ``shared.tool_calls`` (only where the chat has tools, calls or tool results)."""
+    if renders_tools:
+        return tool_calls.template_messages(messages), tool_calls.openai_tools(tools)
+    if tools is None and all(m.tool_calls is None and m.role != "tool" for m in messages):
+        return [m.model_dump(exclude_none=True) for m in messages], None
+    return tool_calls.hermes_messages(messages, tools), None
 
 
 def name_dropped() -> InvalidRequest:

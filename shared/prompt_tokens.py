@@ -5,7 +5,7 @@ import asyncio
 from pathlib import Path
 
 from shared.chat_tokens import ChatTokenizer
-from shared.schemas import ChatMessage
+from shared.schemas import ChatMessage, Tools
 
 INLINE_CHARS = 4096  # longer prompts are tokenised off the event loop
 
@@ -18,11 +18,15 @@ class PromptTokens:
     def load(cls, model_dir: Path) -> "PromptTokens":
         return cls(ChatTokenizer.load(model_dir))
 
-    def count_sync(self, messages: list[ChatMessage] | None, prompt: str | None) -> int:
-        return len(self._tokenizer.encode(messages, prompt))
+    def count_sync(self, messages: list[ChatMessage] | None, prompt: str | None, tools: Tools | None = None) -> int:
+        return len(self._tokenizer.encode(messages, prompt, tools))
 
-    async def count(self, messages: list[ChatMessage] | None, prompt: str | None) -> int:
-        size = len(prompt or "") + sum(len(m.content) for m in messages or ())
+    async def count(self, messages: list[ChatMessage] | None, prompt: str | None, tools: Tools | None = None) -> int:
+        size = (
+            len(prompt or "")
+            + sum(len(m.content) for m in messages or ())
+            + (len(tools.functions) * 200 if tools else 0)
+        )
         if size <= INLINE_CHARS:
-            return self.count_sync(messages, prompt)
-        return await asyncio.to_thread(self.count_sync, messages, prompt)
+            return self.count_sync(messages, prompt, tools)
+        return await asyncio.to_thread(self.count_sync, messages, prompt, tools)

@@ -8,14 +8,15 @@ tokenizer it does not reproduce keeps transformers' path.
 """
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from shared.chat_tokens import ChatTokenizer, name_dropped
+from shared.chat_tokens import ChatTokenizer, name_dropped, template_inputs
 from shared.errors import InvalidRequest
-from shared.schemas import ChatMessage
+from shared.schemas import ChatMessage, Tools
+from shared.tool_calls import template_renders_tools
 
 log = structlog.get_logger("worker.prompts")
 
@@ -54,28 +55,33 @@ class PromptIds:
             return slow
         return cls(tokenizer, fast)
 
-    def encode(self, messages: list[ChatMessage] | None, prompt: str | None) -> list[int]:
+    def encode(self, messages: list[ChatMessage] | None, prompt: str | None, tools: Tools | None = None) -> list[int]:
         if self.fast is not None:
-            ids = self.fast.encode(messages, prompt)
+            ids = self.fast.encode(messages, prompt, tools)
         elif messages is not None:
-            if any(m.name is not None for m in messages) and self._render(messages, False) == self._render(
-                [m.model_copy(update={"name": None}) for m in messages], False
+            if any(m.name is not None for m in messages) and self._render(messages, tools, False) == self._render(
+                [m.model_copy(update={"name": None}) for m in messages], tools, False
             ):
                 raise name_dropped()
-            ids = cast(list[int], self._render(messages, True))
+            ids = cast(list[int], self._render(messages, tools, True))
         else:
             ids = self._tokenizer(prompt, add_special_tokens=True)["input_ids"]  # a BOS where the tokenizer adds one
         if not ids:
             raise InvalidRequest("the prompt is empty after tokenisation", param="prompt")
         return list(ids)
 
-    def _render(self, messages: list[ChatMessage], tokenize: bool) -> str | list[int]:
+    def _render(self, messages: list[ChatMessage], tools: Tools | None, tokenize: bool) -> str | list[int]:
         # transformers types every form of the result at once; one chat without a dict is a str,
         # or tokenized a flat list of ids
+        template = self._tokenizer.chat_template
+        chat, listed = template_inputs(
+            template_renders_tools(template if isinstance(template, str) else None), messages, tools
+        )
         return cast(
             str | list[int],
             self._tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in messages],
+                chat,
+                tools=list[Any](listed) if listed is not None else None,
                 add_generation_prompt=True,
                 tokenize=tokenize,
                 return_dict=False,

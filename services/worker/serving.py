@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.worker import tool_grammar
 from services.worker.adapter_cache.hierarchy import CacheHierarchy, Lookup
 from services.worker.engine.sequence import EngineRequest
 from services.worker.engine_port import WorkerEngine
@@ -107,7 +108,11 @@ class RequestServer:
             raise InvalidRequest(f"this worker serves {self.base_model}, not {request.base_model}")
         if self.engine.stats().waiting >= self.max_waiting:
             raise ServiceUnavailable("worker queue is full")
-        job = Job(request, self.prompts.encode(request.messages, request.prompt))
+        prompt_ids = self.prompts.encode(request.messages, request.prompt, request.tools)
+        tools = tool_grammar.constraint(request.tools)
+        if tools is not None:
+            request = request.model_copy(update={"sampling": request.sampling.model_copy(update={"structured": tools})})
+        job = Job(request, prompt_ids)
         if request.adapter is not None:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")

@@ -1,7 +1,7 @@
 """Inference: a request, its dispatch, and what flows back on its reply inbox."""
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -10,24 +10,88 @@ from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
 # ---- inference ---------------------------------------------------------------------------
 
 
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class ToolCallFunction(Message):
+    name: ToolName
+    arguments: str = Field(max_length=200_000, description="the arguments as a JSON object text")
+
+
+class ToolCall(Message):
+    """One call an assistant message made (OpenAI's ``tool_calls`` entry)."""
+
+    id: str = Field(min_length=1, max_length=64)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(Message):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = Field(max_length=200_000)
     name: str | None = Field(
         default=None, max_length=64, description="the participant's name, where the template renders it"
     )
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, min_length=1, max_length=128, description="an assistant's calls"
+    )
+    tool_call_id: str | None = Field(
+        default=None, min_length=1, max_length=64, description="a tool message: the call it answers"
+    )
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only one, has a tool_call_id")
+        return self
+
+
+class ToolFunction(Message):
+    """A function the model may call: ``parameters`` is the JSON schema of its arguments."""
+
+    name: ToolName
+    description: str | None = Field(default=None, max_length=8192)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tools(Message):
+    """The tools of a chat request, and how the model may use them (OpenAI's ``tool_choice``):
+    ``none`` never calls, ``auto`` may call, ``required`` calls at least one, ``function`` calls
+    ``function_name``; ``parallel``: more than one call in a reply."""
+
+    functions: list[ToolFunction] = Field(min_length=1, max_length=128)
+    choice: Literal["none", "auto", "required", "function"] = "auto"
+    function_name: ToolName | None = None
+    parallel: bool = True
+
+    @model_validator(mode="after")
+    def _named(self) -> "Tools":
+        names = [f.name for f in self.functions]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        if (self.choice == "function") != (self.function_name is not None):
+            raise ValueError("function_name is given exactly when choice is function")
+        if self.function_name is not None and self.function_name not in names:
+            raise ValueError(f"tool_choice names {self.function_name!r}, which is not among the tools")
+        return self
 
 
 class StructuredOutput(Message):
-    """Output constrained during decoding: any JSON object, or JSON valid under ``json_schema``."""
+    """Output constrained during decoding: any JSON object, JSON valid under ``json_schema``, or
+    xgrammar's structural tag (free text and tagged JSON segments: tool calls)."""
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "structural_tag"]
     json_schema: str | None = Field(default=None, max_length=200_000, description="the schema as a JSON text")
+    structural_tag: str | None = Field(default=None, max_length=1_000_000, description="the tag as a JSON text")
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> "StructuredOutput":
         if (self.kind == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is given exactly when kind is json_schema")
+        if (self.kind == "structural_tag") != (self.structural_tag is not None):
+            raise ValueError("structural_tag is given exactly when kind is structural_tag")
         return self
 
 
@@ -88,6 +152,7 @@ class InferRequest(Message):
         default=None, description="optional for a client: if given, it must be what the scheduler resolves"
     )
     messages: list[ChatMessage] | None = Field(default=None, max_length=1024)
+    tools: Tools | None = Field(default=None, description="a chat's tools: rendered by the template, calls constrained")
     prompt: str | None = Field(default=None, max_length=400_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream: bool = False
@@ -123,6 +188,10 @@ class InferRequest(Message):
             raise ValueError("exactly one of messages or prompt must be given")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools come with messages")
+        if self.tools is not None and self.tools.choice != "none" and self.sampling.structured is not None:
+            raise ValueError("tools (unless tool choice is none) and a structured output constraint are exclusive")
         return self
 
 

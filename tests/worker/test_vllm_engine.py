@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shared import tool_calls
 from tests.helpers.adapters import ALL_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,6 +153,17 @@ def test_a_schema_that_cannot_be_compiled_is_the_builtin_engines_typed_400(run: 
         "status": 400,
         "param": "response_format",
     }
+
+
+def test_a_required_tool_call_decodes_under_the_tools_constraint(run: tuple[dict, dict, int]) -> None:
+    """The structural tag the built-in engine compiles is what vLLM's xgrammar backend enforces."""
+    seen = run[0]["tool_call"]
+    content, calls = tool_calls.parse(seen["text"])
+    assert seen["finish_reason"] == "stop" and content is None, seen
+    assert [c.function.name for c in calls] == ["add"]
+    arguments = json.loads(calls[0].function.arguments)
+    assert set(arguments) == {"a", "b"} and all(isinstance(v, int) for v in arguments.values())
+    assert seen["refused"] == {"type": "InvalidSchema", "code": "invalid_json_schema", "status": 400, "param": "tools"}
 
 
 def test_logprobs_come_in_openais_entries_and_equal_transformers(run: tuple[dict, dict, int], smollm_dir: Path) -> None:

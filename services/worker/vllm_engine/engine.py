@@ -29,7 +29,14 @@ from services.worker.vllm_engine.adapter_dir import AdapterDir
 from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.sampling import to_vllm
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
-from shared.schemas import TokenLogprob
+from shared.schemas import StructuredOutput, TokenLogprob
+
+
+def _schema_refused(spec: StructuredOutput, error: Exception) -> InvalidSchema:
+    if spec.structural_tag is not None:  # tool calls
+        return InvalidSchema(f"the tools cannot be enforced: {error}", param="tools")
+    return InvalidSchema(f"the JSON schema cannot be enforced: {error}", param="response_format")
+
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -179,12 +186,12 @@ class VllmEngine:
                 )
         except VLLMValidationError as e:
             if request.sampling.structured is not None and e.parameter in (None, "structured_outputs", "guided_json"):
-                raise InvalidSchema(f"the JSON schema cannot be enforced: {e}", param="response_format") from None
+                raise _schema_refused(request.sampling.structured, e) from None
             raise InvalidRequest(f"vLLM refused the request: {e}", param=e.parameter) from None
         except ValueError as e:  # vLLM's structured-output backend refusing a grammar it cannot compile
             if request.sampling.structured is None or first_token_time is not None:
                 raise
-            raise InvalidSchema(f"the JSON schema cannot be enforced: {e}", param="response_format") from None
+            raise _schema_refused(request.sampling.structured, e) from None
         except EngineDeadError as e:
             raise EngineDead(f"the vLLM engine died: {e}") from None
         finally:

@@ -79,6 +79,8 @@ def to_vllm(params: SamplingParams, *, prompt_tokens: int, max_model_len: int, l
 def _structured(spec: StructuredOutput | None) -> StructuredOutputsParams | None:
     if spec is None:
         return None
+    if spec.structural_tag is not None:  # tool calls (services/worker/tool_grammar.py)
+        return StructuredOutputsParams(structural_tag=spec.structural_tag)
     return StructuredOutputsParams(json=spec.json_schema or _ANY_OBJECT, disable_any_whitespace=True)
 
 
