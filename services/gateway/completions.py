@@ -88,7 +88,7 @@ async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
     limit = ctx.settings.max_prompt_tokens
     if ctx.prompt_tokens is None or limit == 0:
         return
-    count = await ctx.prompt_tokens.count(inputs.get("messages"), inputs.get("prompt"))
+    count = await ctx.prompt_tokens.count(inputs.get("messages"), inputs.get("prompt"), inputs.get("tools"))
     if count > limit:
         raise InvalidRequest(
             f"the prompt has {count} tokens, over the limit of {limit}",
@@ -156,9 +156,11 @@ async def _submit(
         workers=[s.accepted.worker_id for s in subs],
     )
     echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
+    tools = inputs.get("tools")
+    calls = tools is not None and tools.choice != "none"  # replies are parsed for tool calls
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo)
+        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo, calls)
         return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
     want_logprobs = sampling[0].logprobs
     finals: dict[int, ReplyFinal] = {}
@@ -168,7 +170,7 @@ async def _submit(
             finals[index] = event
         elif event.logprobs is not None:
             logprobs[index].extend(event.logprobs)
-    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo) for i in sorted(finals)]
+    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo, calls) for i in sorted(finals)]
     return JSONResponse(full_response(chat, request_id, body.model, choices), headers=headers)
 
 
@@ -200,7 +202,19 @@ async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str
 
 
 def _message(m: ChatMessageIn) -> ChatMessage:
-    return ChatMessage(role=m.role, content=m.text(), name=m.name)
+    return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+
+
+def _answered_calls(messages: list[ChatMessage]) -> None:
+    """Each tool message answers a call of an assistant message before it (as OpenAI checks)."""
+    called: set[str] = set()
+    for m in messages:
+        called.update(c.id for c in m.tool_calls or ())
+        if m.tool_call_id is not None and m.tool_call_id not in called:
+            raise InvalidRequest(
+                f"the tool message for {m.tool_call_id!r} answers no tool call of an earlier assistant message",
+                param="messages",
+            )
 
 
 @router.post(
@@ -216,7 +230,9 @@ async def chat_completions(
     messages = [_message(m) for m in body.messages]
     if sum(len(m.content) for m in messages) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
-    return await _answer(request, _run(ctx, caller.tenant_id, body, {"messages": messages}, "admin" in caller.scopes))
+    _answered_calls(messages)
+    inputs = {"messages": messages, "tools": body.tool_spec()}
+    return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes))
 
 
 @router.post(

@@ -4,7 +4,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from shared.schemas import ReplyFinal, TokenLogprob
+from shared import tool_calls
+from shared.schemas import ReplyFinal, TokenLogprob, ToolCall
 
 
 @dataclass(slots=True)
@@ -14,6 +15,7 @@ class Choice:
     final: ReplyFinal
     logprobs: list[TokenLogprob] | None = None
     prefix: str = ""  # the echoed prompt (completions echo)
+    tools: bool = False  # the reply's text holds tool calls to parse (a chat with tools)
 
 
 @dataclass(slots=True)
@@ -62,14 +64,30 @@ def completion_id(chat: bool, request_id: str) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
 
 
+def call_entry(call: ToolCall, index: int | None = None) -> dict:
+    """A call as OpenAI writes it in a message (no index) or a stream delta (its index)."""
+    entry = {"id": call.id, "type": "function", "function": call.function.model_dump()}
+    return entry if index is None else {"index": index, **entry}
+
+
+def finish_reason(final: ReplyFinal, calls: int) -> str:
+    return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+
+
 def _choice(chat: bool, index: int, choice: Choice) -> dict:
     final = choice.final
     logprobs = _choice_logprobs(chat, choice)
     if chat:
+        message: dict = {"role": "assistant", "content": final.text}
+        calls: list[ToolCall] = []
+        if choice.tools:
+            message["content"], calls = tool_calls.parse(final.text)
+            if calls:
+                message["tool_calls"] = [call_entry(c) for c in calls]
         return {
             "index": index,
-            "message": {"role": "assistant", "content": final.text},
-            "finish_reason": final.finish_reason,
+            "message": message,
+            "finish_reason": finish_reason(final, len(calls)),
             "logprobs": logprobs,
         }
     return {
@@ -94,9 +112,13 @@ def full_response(chat: bool, request_id: str, model: str, choices: list[Choice]
 class ChunkWriter:
     """Writes the SSE ``data:`` lines of one streamed response."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = ""):
+    def __init__(
+        self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = "", tools: bool = False
+    ):
         self.chat = chat
         self.echo = echo
+        self.tools = tools
+        self._parsers: dict[int, tool_calls.ToolCallParser] = {}
         self._offsets: dict[int, Offsets] = {}
         self.id = completion_id(chat, request_id)
         self.model = model
@@ -141,10 +163,32 @@ class ChunkWriter:
         return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n)) if self.echo else ""
 
     def token(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> str:
+        if self.chat and self.tools:
+            return self._segments(index, self._parser(index).feed(text), logprobs)
         return self._line([self._choice(index, text, None, logprobs=logprobs)])
 
     def finish(self, index: int, final: ReplyFinal) -> str:
+        if self.chat and self.tools:
+            parser = self._parser(index)
+            rest = self._segments(index, parser.finish(), None)
+            return rest + self._line([self._choice(index, None, finish_reason(final, len(parser.calls)))])
         return self._line([self._choice(index, None if self.chat else "", final.finish_reason)])
+
+    def _parser(self, index: int) -> tool_calls.ToolCallParser:
+        return self._parsers.setdefault(index, tool_calls.ToolCallParser())
+
+    def _segments(self, index: int, segments: list[tool_calls.Segment], logprobs: list[TokenLogprob] | None) -> str:
+        """One chunk of what a piece of a chat reply with tools gave: content, whole calls, or
+        (text held back while it may be a call's tag) only its logprobs."""
+        content = "".join(s.content for s in segments)
+        calls = [s.call for s in segments if s.call is not None]
+        if not content and not calls and logprobs is None:
+            return ""
+        choice = self._choice(index, content if content else None, None, logprobs=logprobs)
+        if calls:
+            first = len(self._parser(index).calls) - len(calls)
+            choice["delta"]["tool_calls"] = [call_entry(c, first + i) for i, c in enumerate(calls)]
+        return self._line([choice])
 
     def done(self, finals: list[ReplyFinal]) -> str:
         out = self._line([], usage=usage(finals)) if self.include_usage else ""

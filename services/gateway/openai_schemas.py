@@ -7,7 +7,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.errors import InvalidSchema
-from shared.schemas import StructuredOutput
+from shared.schemas import StructuredOutput, ToolCall, ToolFunction, Tools
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -21,13 +21,34 @@ class StreamOptions(_Body):
 
 
 class ChatMessageIn(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict] = Field(description="text, or a list of text parts")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict] | None = Field(
+        default=None, description="text, or a list of text parts; null only for an assistant's tool calls"
+    )
     name: str | None = Field(default=None, max_length=64, description="refused (400) where the chat template drops it")
+    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1, max_length=128, description="an assistant's")
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=64, description="a tool message's call")
+    # what the openai client sends back when a response's message is appended as it came: empty only
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessageIn":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message has a tool_call_id, and no other message does")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: str | list[dict]) -> str | list[dict]:
+    def _text_only(cls, v: str | list[dict] | None) -> str | list[dict] | None:
+        if v is None:
+            return v
         if isinstance(v, list):
             for part in v:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -40,9 +61,30 @@ class ChatMessageIn(_Body):
         return v
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part["text"] for part in self.content)
+
+
+class FunctionIn(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=8192)
+    parameters: dict[str, Any] | None = Field(default=None, description="the arguments' JSON schema")
+    strict: bool | None = Field(default=None, description="arguments are always decoded under the schema")
+
+
+class ToolIn(_Body):
+    type: Literal["function"]
+    function: FunctionIn
+
+
+class FunctionName(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(_Body):
@@ -122,12 +164,49 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="needs logprobs: true")
     response_format: ResponseFormat | None = None
+    tools: list[ToolIn] | None = Field(default=None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        if self.tools is None:
+            if self.tool_choice is not None or self.parallel_tool_calls is not None:
+                raise ValueError("tool_choice and parallel_tool_calls need tools")
+            return self
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        constrained = self.response_format is not None and self.response_format.type != "text"
+        if constrained and self.tool_choice != "none":
+            raise ValueError("response_format together with tools is not supported (unless tool_choice is none)")
+        return self
+
+    def tool_spec(self) -> Tools | None:
+        """The tools as the worker takes them, each function's parameters checked as a JSON schema."""
+        if self.tools is None:
+            return None
+        functions = []
+        for tool in self.tools:
+            parameters = tool.function.parameters
+            if parameters is None:
+                parameters = {"type": "object", "properties": {}}
+            checked_schema(parameters, param="tools")
+            functions.append(
+                ToolFunction(name=tool.function.name, description=tool.function.description, parameters=parameters)
+            )
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            return Tools(functions=functions, choice="function", function_name=choice.function.name, parallel=False)
+        return Tools(functions=functions, choice=choice, parallel=self.parallel_tool_calls is not False)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
