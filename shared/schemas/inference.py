@@ -84,7 +84,7 @@ class StructuredOutput(Message):
 
     kind: Literal["json_object", "json_schema", "structural_tag"]
     json_schema: str | None = Field(default=None, max_length=200_000, description="the schema as a JSON text")
-    structural_tag: str | None = Field(default=None, max_length=1_000_000, description="the tag as a JSON text")
+    structural_tag: str | None = Field(default=None, max_length=400_000, description="the tag as a JSON text")
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> "StructuredOutput":

@@ -146,13 +146,18 @@ async def test_the_openai_sampling_surface_reaches_the_worker(oai):
     assert got["structured"] == {
         "kind": "json_schema",
         "json_schema": json.dumps(schema, sort_keys=True, separators=(",", ":")),
+        "structural_tag": None,
     }
     plain = await oai.completions.create(model=BASE, prompt="dump-sampling", logprobs=0)
     assert echoed(plain.choices[0].text)["logprobs"] is True and echoed(plain.choices[0].text)["top_logprobs"] == 0
     mode = await oai.chat.completions.create(
         model=BASE, messages=[{"role": "user", "content": "dump-sampling"}], response_format={"type": "json_object"}
     )
-    assert echoed(mode.choices[0].message.content)["structured"] == {"kind": "json_object", "json_schema": None}
+    assert echoed(mode.choices[0].message.content)["structured"] == {
+        "kind": "json_object",
+        "json_schema": None,
+        "structural_tag": None,
+    }
 
 
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):

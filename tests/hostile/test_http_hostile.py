@@ -128,8 +128,16 @@ BODIES = [  # (path, JSON body or raw bytes, status, code, param)
         chat(messages=[{"role": "tool", "content": "x"}]),
         400,
         "invalid_request",
+        "messages.0",
+        id="tool-message-without-its-call-id",
+    ),
+    pytest.param(
+        CHAT,
+        chat(messages=[{"role": "developer", "content": "x"}]),
+        400,
+        "invalid_request",
         "messages.0.role",
-        id="role-tool",
+        id="role-unknown",
     ),
     pytest.param(
         CHAT,

@@ -131,3 +131,26 @@ def test_the_worker_constraint_writes_the_format_the_parser_reads():
     assert tag["end"] == tool_calls.CALL_END
     required = json.loads(constraint(Tools(functions=[WEATHER], choice="required")).structural_tag)["format"]
     assert required["type"] == "tags_with_separator" and required["at_least_one"]
+
+
+def test_the_bus_contract_refuses_inconsistent_tool_requests():
+    """What a direct-NATS client could send: checked by the schema before any service acts on it."""
+    from pydantic import ValidationError
+
+    from shared.schemas import InferRequest, SamplingParams, StructuredOutput
+
+    base = {"request_id": "r1", "tenant_id": "t", "model": "m", "base_model": "b", "reply_to": "_INBOX.x"}
+    json_mode = SamplingParams(structured=StructuredOutput(kind="json_object"))
+    with pytest.raises(ValidationError, match="exclusive"):
+        InferRequest(**base, messages=HISTORY[:2], tools=TOOLS, sampling=json_mode)
+    InferRequest(**base, messages=HISTORY[:2], tools=Tools(functions=[WEATHER], choice="none"), sampling=json_mode)
+    with pytest.raises(ValidationError, match="tools come with messages"):
+        InferRequest(**base, prompt="hi", tools=TOOLS)
+    with pytest.raises(ValidationError, match="not among the tools"):
+        Tools(functions=[WEATHER], choice="function", function_name="other")
+    with pytest.raises(ValidationError, match="unique"):
+        Tools(functions=[WEATHER, WEATHER])
+    with pytest.raises(ValidationError, match="tool_call_id"):
+        ChatMessage(role="tool", content="21C")
+    with pytest.raises(ValidationError, match="only an assistant"):
+        ChatMessage(role="user", content="x", tool_calls=[CALLED])
