@@ -202,7 +202,8 @@ async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str
 
 
 def _message(m: ChatMessageIn) -> ChatMessage:
-    return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(role=role, content=m.text(), name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
 
 
 def _answered_calls(messages: list[ChatMessage]) -> None:

@@ -21,7 +21,9 @@ class StreamOptions(_Body):
 
 
 class ChatMessageIn(_Body):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer: OpenAI's newer name for system instructions, rendered as system"
+    )
     content: str | list[dict] | None = Field(
         default=None, description="text, or a list of text parts; null only for an assistant's tool calls"
     )

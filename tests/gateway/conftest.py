@@ -111,7 +111,7 @@ def gateway_settings(nats_url: str, **over) -> GatewaySettings:
         "nats_url": nats_url,
         "api_keys": {"config-key": "configured"},
         "max_body_bytes": 200_000,
-        "max_prompt_tokens": 64,
+        "max_prompt_tokens": 512,  # a chat with tools is ~250 tokens
         "max_tokens_limit": 512,
         "request_timeout_s": 2,
         "accept_timeout_s": 2,

@@ -75,6 +75,8 @@ class FakeWorker:
         )
         if "dump-sampling" in text:  # every sampling field as the worker received it
             echo = s.model_dump_json()
+        if "dump-chat" in text:  # the messages and tools as the worker received them
+            echo = request.model_dump_json(include={"messages", "tools"})
         pieces = ["echo:", echo]
         if "slow" in text:
             pieces = [f" t{i}" for i in range(500)]

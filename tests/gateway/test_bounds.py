@@ -33,11 +33,18 @@ async def test_body_size_is_413(client):
 
 
 async def test_prompt_tokens_over_limit_is_400(client):
-    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 100})
-    assert "over the limit of 64" in error(r, 400, "prompt")
-    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "w " * 60}]})
-    assert "over the limit of 64" in error(r, 400, "messages")
-    assert (await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 20})).status_code == 200
+    r = await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 600})
+    assert "over the limit of 512" in error(r, 400, "prompt")
+    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "w " * 520}]})
+    assert "over the limit of 512" in error(r, 400, "messages")
+    assert (await client.post("/v1/completions", json={"model": BASE, "prompt": "word " * 400})).status_code == 200
+    # a chat's tools count: the signatures and instructions the template renders are prompt tokens
+    chat = {**CHAT, "messages": [{"role": "user", "content": "w " * 300}]}
+    assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+    parameters = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(20)}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    r = await client.post("/v1/chat/completions", json={**chat, "tools": tools})
+    assert "over the limit of 512" in error(r, 400, "messages")
 
 
 @pytest.mark.parametrize(

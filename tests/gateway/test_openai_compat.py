@@ -82,7 +82,7 @@ async def test_n_choices_are_merged_with_their_index(oai, gateway):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "functions": []},
         {"tool_choice": "auto"},
         {"parallel_tool_calls": False},
         {"top_logprobs": 2},
@@ -158,6 +158,38 @@ async def test_the_openai_sampling_surface_reaches_the_worker(oai):
         "json_schema": None,
         "structural_tag": None,
     }
+
+
+async def test_messages_and_tools_reach_the_worker_as_the_contract_says(oai):
+    parameters = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "search", "description": "Search.", "parameters": parameters}}]
+    call = {"id": "call_7", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "find x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "found"},
+        {"role": "user", "content": "dump-chat"},
+    ]
+    named = {"type": "function", "function": {"name": "search"}}
+    c = await oai.chat.completions.create(model=BASE, messages=messages, tools=tools, tool_choice=named)
+    got = echoed(c.choices[0].message.content)
+    assert [m["role"] for m in got["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    assert got["messages"][2]["content"] == "" and got["messages"][2]["tool_calls"] == [call]
+    assert got["messages"][3]["tool_call_id"] == "call_7"
+    function = {"name": "search", "description": "Search.", "parameters": parameters}
+    assert got["tools"] == {"functions": [function], "choice": "function", "function_name": "search", "parallel": False}
+    c = await oai.chat.completions.create(
+        model=BASE, messages=messages, tools=tools, tool_choice="required", parallel_tool_calls=False
+    )
+    assert echoed(c.choices[0].message.content)["tools"]["choice"] == "required"
+    assert echoed(c.choices[0].message.content)["tools"]["parallel"] is False
+    default = {"type": "object", "properties": {}}
+    bare = [{"type": "function", "function": {"name": "now"}}]
+    c = await oai.chat.completions.create(model=BASE, messages=messages[-1:], tools=bare)
+    tools_seen = echoed(c.choices[0].message.content)["tools"]
+    assert tools_seen["choice"] == "auto" and tools_seen["parallel"] is True
+    assert tools_seen["functions"] == [{"name": "now", "description": None, "parameters": default}]
 
 
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):

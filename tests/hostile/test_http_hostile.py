@@ -133,7 +133,7 @@ BODIES = [  # (path, JSON body or raw bytes, status, code, param)
     ),
     pytest.param(
         CHAT,
-        chat(messages=[{"role": "developer", "content": "x"}]),
+        chat(messages=[{"role": "robot", "content": "x"}]),
         400,
         "invalid_request",
         "messages.0.role",
