@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import nats
 import openai
 import pytest
@@ -237,6 +238,52 @@ def test_mixed_adapters_in_one_batch_answer_as_alone(engine_stack):
         together = list(pool.map(lambda model: (model, _text(_ask(client, model, max_tokens=24))), models * 3))
     for model, text in together:
         assert text == alone[model], f"{model} answered differently beside the other adapters"
+
+
+def test_tool_calls_json_schemas_and_logprobs_on_either_engine(engine_stack):
+    """The OpenAI surface is the same whichever engine serves it: a required call, streamed, whose
+    arguments are valid; a JSON schema's answer; logprobs entries for each token."""
+    client = engine_stack.client()
+    parameters = {
+        "type": "object",
+        # bounded: the demo adapters are random weights, whose noise an unbounded integer lets run on
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "op": {"enum": ["add", "sub"]}},
+        "required": ["a", "op"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "add", "parameters": parameters}}]
+    calls: dict[int, dict[str, str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(
+        model="sea-poet",
+        messages=[{"role": "user", "content": "What is 2 plus 40?"}],
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+        stream=True,
+    ):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "tool_calls" and [c["name"] for c in calls.values()] == ["add"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), parameters)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a city as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}},
+        max_tokens=40,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_revoke_evicts_from_every_worker(engine_stack):
