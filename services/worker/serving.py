@@ -246,6 +246,7 @@ class RequestServer:
                         text=out.text,
                         token_ids=out.token_ids,
                         logprobs=out.token_logprobs,
+                        prompt_logprobs=out.prompt_logprobs,
                     ),
                 )
             if out.finished:

@@ -51,6 +51,12 @@ class SamplingParams(Message):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
     logprobs: bool = Field(default=False, description="return each output token's logprob")
     top_logprobs: int = Field(default=0, ge=0, le=20, description="and this many most likely alternatives")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="return each prompt token's logprob and this many alternatives; None: not asked",
+    )
     structured: StructuredOutput | None = None
 
 
@@ -177,6 +183,11 @@ class ReplyToken(Message):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = Field(default=None, description="one per token id, when asked for")
+    prompt_logprobs: list[TokenLogprob] | None = Field(
+        default=None,
+        max_length=2**20,
+        description="on a request's first token, when asked: one per prompt token, the first with logprob None",
+    )
 
 
 class ReplyFinal(Message):
