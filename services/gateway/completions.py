@@ -80,6 +80,7 @@ def _sampling(ctx: GatewayContext, body: Body, index: int, structured: Structure
         stop_token_ids=body.stop_token_ids or [],
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=body.requested_prompt_logprobs() if isinstance(body, CompletionRequest) else None,
         structured=structured,
     )
 
@@ -156,19 +157,27 @@ async def _submit(
         workers=[s.accepted.worker_id for s in subs],
     )
     echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
+    scores_only = isinstance(body, CompletionRequest) and body.scores_only
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo)
-        return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
+        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo, sampling[0].prompt_logprobs is not None)
+        return StreamingResponse(_sse(subs, writer, scores_only), media_type="text/event-stream", headers=headers)
     want_logprobs = sampling[0].logprobs
     finals: dict[int, ReplyFinal] = {}
     logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(body.n)}
+    prompts: dict[int, list[TokenLogprob]] = {}
     async for index, event in merged(subs):
         if isinstance(event, ReplyFinal):
-            finals[index] = event
-        elif event.logprobs is not None:
+            finals[index] = _scored(event) if scores_only else event
+            continue
+        if event.prompt_logprobs is not None:
+            prompts.setdefault(index, event.prompt_logprobs)
+        if event.logprobs is not None and not scores_only:
             logprobs[index].extend(event.logprobs)
-    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo) for i in sorted(finals)]
+    choices = [
+        Choice(finals[i], logprobs[i] if want_logprobs else None, echo, prompts.get(i) if want_logprobs else None)
+        for i in sorted(finals)
+    ]
     return JSONResponse(full_response(chat, request_id, body.model, choices), headers=headers)
 
 
@@ -183,16 +192,27 @@ def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
     }
 
 
-async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str]:
+def _scored(final: ReplyFinal) -> ReplyFinal:
+    """A scoring request's final (``max_tokens`` 0): the one token generated is not part of the answer."""
+    if final.finish_reason == "cancelled":
+        return final
+    usage = final.usage.model_copy(update={"completion_tokens": 0})
+    return final.model_copy(update={"text": "", "finish_reason": "length", "usage": usage})
+
+
+async def _sse(subs: list[Submission], writer: ChunkWriter, scores_only: bool = False) -> AsyncIterator[str]:
     """Stream chunks; a client that goes away cancels every choice on its worker (merged closes them)."""
     yield writer.start(len(subs))
     finals: dict[int, ReplyFinal] = {}
     try:
         async for index, event in merged(subs):
             if isinstance(event, ReplyFinal):
-                finals[index] = event
-                yield writer.finish(index, event)
-            elif event.text or event.logprobs:
+                finals[index] = _scored(event) if scores_only else event
+                yield writer.finish(index, finals[index])
+                continue
+            if event.prompt_logprobs is not None and writer.echo_logprobs:
+                yield writer.echoed(index, event.prompt_logprobs)
+            if (event.text or event.logprobs) and not scores_only:
                 yield writer.token(index, event.text, event.logprobs)
         yield writer.done([finals[i] for i in sorted(finals)])
     except LorafleetError as e:

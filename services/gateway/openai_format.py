@@ -14,6 +14,7 @@ class Choice:
     final: ReplyFinal
     logprobs: list[TokenLogprob] | None = None
     prefix: str = ""  # the echoed prompt (completions echo)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the echoed prompt's entries (echo with logprobs)
 
 
 @dataclass(slots=True)
@@ -43,12 +44,29 @@ def completion_logprobs(entries: list[TokenLogprob], offsets: Offsets) -> dict:
     }
 
 
+def echo_logprobs(entries: list[TokenLogprob], prompt: str) -> dict:
+    """The echoed prompt's entries in the completions shape, offsets counted from 0 across the
+    prompt. Nothing predicts the first token: its logprob and alternatives are null; when the
+    tokenizer added it (a BOS, not part of the prompt's text) it takes no width."""
+    shaped = completion_logprobs(entries, Offsets())
+    if entries:
+        shaped["top_logprobs"][0] = None
+        first = shaped["text_offset"][1] if len(entries) > 1 else 0
+        if not prompt.startswith(entries[0].token):
+            shaped["text_offset"] = [0] + [offset - first for offset in shaped["text_offset"][1:]]
+    return shaped
+
+
 def _choice_logprobs(chat: bool, choice: Choice) -> dict | None:
     if choice.logprobs is None:
         return None
     if chat:
         return chat_logprobs(choice.logprobs)
-    return completion_logprobs(choice.logprobs, Offsets(at=len(choice.prefix)))
+    shaped = completion_logprobs(choice.logprobs, Offsets(at=len(choice.prefix)))
+    if choice.prompt_logprobs is None:
+        return shaped
+    echoed = echo_logprobs(choice.prompt_logprobs, choice.prefix)
+    return {key: echoed[key] + shaped[key] for key in shaped}
 
 
 def usage(finals: list[ReplyFinal]) -> dict:
@@ -94,9 +112,12 @@ def full_response(chat: bool, request_id: str, model: str, choices: list[Choice]
 class ChunkWriter:
     """Writes the SSE ``data:`` lines of one streamed response."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = ""):
+    def __init__(
+        self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = "", echo_logprobs: bool = False
+    ):
         self.chat = chat
         self.echo = echo
+        self.echo_logprobs = echo_logprobs  # the echo chunk waits for the prompt's entries (``echoed``)
         self._offsets: dict[int, Offsets] = {}
         self.id = completion_id(chat, request_id)
         self.model = model
@@ -138,7 +159,14 @@ class ChunkWriter:
     def start(self, n: int) -> str:
         if self.chat:
             return "".join(self._line([self._choice(i, "", None, role=True)]) for i in range(n))
-        return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n)) if self.echo else ""
+        if not self.echo or self.echo_logprobs:
+            return ""
+        return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n))
+
+    def echoed(self, index: int, entries: list[TokenLogprob]) -> str:
+        """The echo chunk of a choice whose prompt logprobs were asked for, carrying them."""
+        shaped = echo_logprobs(entries, self.echo)
+        return self._line([{"index": index, "text": self.echo, "finish_reason": None, "logprobs": shaped}])
 
     def token(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> str:
         return self._line([self._choice(index, text, None, logprobs=logprobs)])

@@ -103,7 +103,16 @@ async def test_unsupported_parameters_are_refused_not_ignored(oai, extra):
 
 
 @pytest.mark.parametrize(
-    "extra", [{"echo": True, "logprobs": 1}, {"logprobs": 21}, {"logit_bias": {"1": -101}}, {"stop_token_ids": [-1]}]
+    "extra",
+    [
+        {"logprobs": 21},
+        {"logit_bias": {"1": -101}},
+        {"stop_token_ids": [-1]},
+        {"max_tokens": 0},
+        {"max_tokens": 0, "echo": False, "logprobs": 1},
+        {"max_tokens": -1, "echo": True},
+        {"echo": True, "logprobs": 21},
+    ],
 )
 async def test_unsupported_completion_shapes_are_refused(oai, extra):
     with pytest.raises(openai.BadRequestError) as e:
@@ -153,6 +162,19 @@ async def test_the_openai_sampling_surface_reaches_the_worker(oai):
         model=BASE, messages=[{"role": "user", "content": "dump-sampling"}], response_format={"type": "json_object"}
     )
     assert echoed(mode.choices[0].message.content)["structured"] == {"kind": "json_object", "json_schema": None}
+
+
+async def test_echo_with_logprobs_asks_for_the_prompt_logprobs(oai):
+    scored = await oai.completions.create(model=BASE, prompt="dump-sampling", echo=True, logprobs=2)
+    got = echoed(scored.choices[0].text.removeprefix("dump-sampling"))
+    assert got["prompt_logprobs"] == 2 and got["logprobs"] is True and got["top_logprobs"] == 2
+    plain = await oai.completions.create(model=BASE, prompt="dump-sampling", logprobs=2)
+    assert echoed(plain.choices[0].text)["prompt_logprobs"] is None
+    only = await oai.completions.create(model=BASE, prompt="dump-sampling", echo=True, max_tokens=0)
+    assert only.choices[0].text == "dump-sampling" and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0
+    chat = await oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "dump-sampling"}])
+    assert echoed(chat.choices[0].message.content)["prompt_logprobs"] is None
 
 
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):
