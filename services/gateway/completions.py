@@ -34,6 +34,7 @@ from shared.schemas import (
     ListModelsRequest,
     ModelInfo,
     ReplyFinal,
+    ReplyPromptLogprobs,
     ResolveRequest,
     SamplingParams,
     StructuredOutput,
@@ -169,10 +170,9 @@ async def _submit(
     async for index, event in merged(subs):
         if isinstance(event, ReplyFinal):
             finals[index] = _scored(event) if scores_only else event
-            continue
-        if event.prompt_logprobs is not None:
-            prompts.setdefault(index, event.prompt_logprobs)
-        if event.logprobs is not None and not scores_only:
+        elif isinstance(event, ReplyPromptLogprobs):
+            prompts.setdefault(index, []).extend(event.entries)
+        elif event.logprobs is not None and not scores_only:
             logprobs[index].extend(event.logprobs)
     choices = [
         Choice(finals[i], logprobs[i] if want_logprobs else None, echo, prompts.get(i) if want_logprobs else None)
@@ -204,15 +204,18 @@ async def _sse(subs: list[Submission], writer: ChunkWriter, scores_only: bool = 
     """Stream chunks; a client that goes away cancels every choice on its worker (merged closes them)."""
     yield writer.start(len(subs))
     finals: dict[int, ReplyFinal] = {}
+    prompts: dict[int, list[TokenLogprob]] = {}
     try:
         async for index, event in merged(subs):
             if isinstance(event, ReplyFinal):
                 finals[index] = _scored(event) if scores_only else event
                 yield writer.finish(index, finals[index])
-                continue
-            if event.prompt_logprobs is not None and writer.echo_logprobs:
-                yield writer.echoed(index, event.prompt_logprobs)
-            if (event.text or event.logprobs) and not scores_only:
+            elif isinstance(event, ReplyPromptLogprobs):
+                entries = prompts.setdefault(index, [])
+                entries.extend(event.entries)
+                if len(entries) == event.total:  # the whole prompt: its echo chunk
+                    yield writer.echoed(index, entries)
+            elif (event.text or event.logprobs) and not scores_only:
                 yield writer.token(index, event.text, event.logprobs)
         yield writer.done([finals[i] for i in sorted(finals)])
     except LorafleetError as e:

@@ -183,11 +183,24 @@ class ReplyToken(Message):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = Field(default=None, description="one per token id, when asked for")
-    prompt_logprobs: list[TokenLogprob] | None = Field(
-        default=None,
-        max_length=2**20,
-        description="on a request's first token, when asked: one per prompt token, the first with logprob None",
-    )
+
+
+class ReplyPromptLogprobs(Message):
+    """A piece of the prompt's logprobs (``SamplingParams.prompt_logprobs``): the pieces come in order,
+    before the first token, each within the bus's payload limit; together one entry per prompt token,
+    the first with logprob None."""
+
+    kind: Literal["prompt_logprobs"] = "prompt_logprobs"
+    request_id: RequestId
+    start: int = Field(ge=0, description="the prompt position of this piece's first entry")
+    total: int = Field(ge=1, description="the prompt's token count: the last piece ends there")
+    entries: list[TokenLogprob] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _within_the_prompt(self) -> "ReplyPromptLogprobs":
+        if self.start + len(self.entries) > self.total:
+            raise ValueError("the piece runs past the prompt's token count")
+        return self
 
 
 class ReplyFinal(Message):
@@ -207,7 +220,9 @@ class ReplyError(Message):
     error: ErrorBody
 
 
-ReplyMessage = Annotated[ReplyAccepted | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")]
+ReplyMessage = Annotated[
+    ReplyAccepted | ReplyPromptLogprobs | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")
+]
 
 
 class ReplyEnvelope(Message):

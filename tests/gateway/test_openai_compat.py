@@ -177,6 +177,34 @@ async def test_echo_with_logprobs_asks_for_the_prompt_logprobs(oai):
     assert echoed(chat.choices[0].message.content)["prompt_logprobs"] is None
 
 
+@pytest.mark.parametrize("max_tokens", [None, 0])
+async def test_echo_logprobs_put_the_prompts_entries_first_streamed_and_not(oai, max_tokens):
+    prompt = "one two three four five"
+    kwargs = {"model": BASE, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": max_tokens}
+    plain = (await oai.completions.create(**kwargs)).choices[0]
+    lp = plain.logprobs
+    assert lp.tokens[:5] == ["one", " two", " three", " four", " five"]
+    assert lp.token_logprobs[:5] == [None, -1.0, -2.0, -3.0, -4.0]
+    assert lp.top_logprobs[:5] == [None, *({w: -float(i), "alt0": -0.5} for i, w in enumerate(lp.tokens[1:5], 1))]
+    assert lp.text_offset[:5] == [0, 3, 7, 13, 18]
+    assert len(lp.tokens) == 5 + (0 if max_tokens == 0 else 2)
+    assert lp.text_offset[5:] == [len(prompt), len(prompt) + len("echo:")][: len(lp.tokens) - 5]
+    assert plain.text == prompt if max_tokens == 0 else plain.text.startswith(prompt + "echo:")
+    stream = await oai.completions.create(**kwargs, stream=True)
+    chunks = [c.choices[0] async for c in stream]
+    assert chunks[0].text == prompt and chunks[0].logprobs.tokens == lp.tokens[:5]
+    assert "".join(c.text for c in chunks) == plain.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for part in streamed for v in getattr(part, key)] == getattr(lp, key)
+
+
+async def test_a_lost_prompt_logprobs_piece_fails_the_request(oai):
+    with pytest.raises(openai.APIStatusError) as e:
+        await oai.completions.create(model=BASE, prompt="lose-piece of the prompt", echo=True, logprobs=0)
+    assert e.value.status_code == 503
+
+
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):
     plain = await oai.completions.create(model=BASE, prompt="hi there", echo=True)
     assert plain.choices[0].text.startswith("hi thereecho:")
