@@ -161,7 +161,8 @@ async def _submit(
     scores_only = isinstance(body, CompletionRequest) and body.scores_only
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo, sampling[0].prompt_logprobs is not None)
+        echo_logprobs = sampling[0].prompt_logprobs is not None
+        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo, echo_logprobs=echo_logprobs)
         return StreamingResponse(_sse(subs, writer, scores_only), media_type="text/event-stream", headers=headers)
     want_logprobs = sampling[0].logprobs
     finals: dict[int, ReplyFinal] = {}
@@ -174,10 +175,9 @@ async def _submit(
             prompts.setdefault(index, []).extend(event.entries)
         elif event.logprobs is not None and not scores_only:
             logprobs[index].extend(event.logprobs)
-    choices = [
-        Choice(finals[i], logprobs[i] if want_logprobs else None, echo, prompts.get(i) if want_logprobs else None)
-        for i in sorted(finals)
-    ]
+    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo) for i in sorted(finals)]
+    for i, choice in enumerate(choices):
+        choice.prompt_logprobs = prompts.get(i) if want_logprobs else None
     return JSONResponse(full_response(chat, request_id, body.model, choices), headers=headers)
 
 
