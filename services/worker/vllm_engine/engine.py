@@ -226,9 +226,10 @@ class VllmEngine:
 
     def _prompt_entries(self, logprobs, request: EngineRequest) -> list[TokenLogprob] | None:  # type: ignore[no-untyped-def]
         """vLLM's prompt logprobs (None for the first token, then per position the prompt token plus
-        the ``k`` most likely, with ranks) -> OpenAI's entries, the first with logprob None."""
+        the ``k`` most likely, with ranks) -> OpenAI's entries, the first with logprob None. With delta
+        outputs vLLM hands them over once, whole, at the end of the prefill (an empty list after that)."""
         k = request.sampling.prompt_logprobs
-        if logprobs is None or k is None or self._token_text is None:
+        if not logprobs or k is None or self._token_text is None:
             return None
         ids = request.prompt_token_ids
         if len(logprobs) != len(ids):
