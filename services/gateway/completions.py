@@ -34,6 +34,7 @@ from shared.schemas import (
     ListModelsRequest,
     ModelInfo,
     ReplyFinal,
+    ReplyPromptLogprobs,
     ResolveRequest,
     SamplingParams,
     StructuredOutput,
@@ -80,6 +81,7 @@ def _sampling(ctx: GatewayContext, body: Body, index: int, structured: Structure
         stop_token_ids=body.stop_token_ids or [],
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=body.requested_prompt_logprobs() if isinstance(body, CompletionRequest) else None,
         structured=structured,
     )
 
@@ -158,19 +160,28 @@ async def _submit(
     echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
     tools = inputs.get("tools")
     calls = tools is not None and tools.choice != "none"  # replies are parsed for tool calls
+    scores_only = isinstance(body, CompletionRequest) and body.scores_only
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChunkWriter(chat, request_id, body.model, include_usage, echo, calls)
-        return StreamingResponse(_sse(subs, writer), media_type="text/event-stream", headers=headers)
+        echo_logprobs = sampling[0].prompt_logprobs is not None
+        writer = ChunkWriter(
+            chat, request_id, body.model, include_usage, echo, echo_logprobs=echo_logprobs, tools=calls
+        )
+        return StreamingResponse(_sse(subs, writer, scores_only), media_type="text/event-stream", headers=headers)
     want_logprobs = sampling[0].logprobs
     finals: dict[int, ReplyFinal] = {}
     logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in range(body.n)}
+    prompts: dict[int, list[TokenLogprob]] = {}
     async for index, event in merged(subs):
         if isinstance(event, ReplyFinal):
-            finals[index] = event
-        elif event.logprobs is not None:
+            finals[index] = _scored(event) if scores_only else event
+        elif isinstance(event, ReplyPromptLogprobs):
+            prompts.setdefault(index, []).extend(event.entries)
+        elif event.logprobs is not None and not scores_only:
             logprobs[index].extend(event.logprobs)
-    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo, calls) for i in sorted(finals)]
+    choices = [Choice(finals[i], logprobs[i] if want_logprobs else None, echo, tools=calls) for i in sorted(finals)]
+    for i, choice in enumerate(choices):
+        choice.prompt_logprobs = prompts.get(i) if want_logprobs else None
     return JSONResponse(full_response(chat, request_id, body.model, choices), headers=headers)
 
 
@@ -185,16 +196,30 @@ def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
     }
 
 
-async def _sse(subs: list[Submission], writer: ChunkWriter) -> AsyncIterator[str]:
+def _scored(final: ReplyFinal) -> ReplyFinal:
+    """A scoring request's final (``max_tokens`` 0): the one token generated is not part of the answer."""
+    if final.finish_reason == "cancelled":
+        return final
+    usage = final.usage.model_copy(update={"completion_tokens": 0})
+    return final.model_copy(update={"text": "", "finish_reason": "length", "usage": usage})
+
+
+async def _sse(subs: list[Submission], writer: ChunkWriter, scores_only: bool = False) -> AsyncIterator[str]:
     """Stream chunks; a client that goes away cancels every choice on its worker (merged closes them)."""
     yield writer.start(len(subs))
     finals: dict[int, ReplyFinal] = {}
+    prompts: dict[int, list[TokenLogprob]] = {}
     try:
         async for index, event in merged(subs):
             if isinstance(event, ReplyFinal):
-                finals[index] = event
-                yield writer.finish(index, event)
-            elif event.text or event.logprobs:
+                finals[index] = _scored(event) if scores_only else event
+                yield writer.finish(index, finals[index])
+            elif isinstance(event, ReplyPromptLogprobs):
+                entries = prompts.setdefault(index, [])
+                entries.extend(event.entries)
+                if len(entries) == event.total:  # the whole prompt: its echo chunk
+                    yield writer.echoed(index, entries)
+            elif (event.text or event.logprobs) and not scores_only:
                 yield writer.token(index, event.text, event.logprobs)
         yield writer.done([finals[i] for i in sorted(finals)])
     except LorafleetError as e:

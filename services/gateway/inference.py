@@ -22,12 +22,22 @@ from shared.errors import (
     UpstreamTimeout,
     from_body,
 )
-from shared.schemas import InferRequest, ReplyAccepted, ReplyEnvelope, ReplyError, ReplyFinal, ReplyToken, WorkerControl
+from shared.schemas import (
+    InferRequest,
+    ReplyAccepted,
+    ReplyEnvelope,
+    ReplyError,
+    ReplyFinal,
+    ReplyPromptLogprobs,
+    ReplyToken,
+    WorkerControl,
+)
 from shared.telemetry import inject, tracer
 
 log = structlog.get_logger("gateway.inference")
 _tracer = tracer("gateway")
-_Reply = ReplyAccepted | ReplyToken | ReplyFinal | ReplyError  # a ReplyEnvelope's body
+_Reply = ReplyAccepted | ReplyPromptLogprobs | ReplyToken | ReplyFinal | ReplyError  # a ReplyEnvelope's body
+Event = ReplyPromptLogprobs | ReplyToken | ReplyFinal  # what a submission relays
 
 
 @dataclass(slots=True)
@@ -42,9 +52,11 @@ class Submission:
     _deadline: float
     finished: bool = False
 
-    async def events(self) -> AsyncIterator[ReplyToken | ReplyFinal]:
-        """Tokens then the final message; a remote error, a lost token or the deadline raises a typed error."""
+    async def events(self) -> AsyncIterator[Event]:
+        """The prompt's logprobs (when asked), tokens, then the final message; a remote error, a lost
+        token or prompt entry, or the deadline raises a typed error."""
         relayed = 0  # tokens passed on so far: the reply stream must account for every one
+        scored, prompt_total = 0, 0  # prompt entries passed on so far, of how many
         try:
             while True:
                 remaining = self._deadline - time.monotonic()
@@ -59,13 +71,29 @@ class Submission:
                     raise from_body(body.error)
                 if isinstance(body, ReplyAccepted):
                     continue
-                relayed = self._check_complete(body, relayed)
+                if isinstance(body, ReplyPromptLogprobs):
+                    scored, prompt_total = self._check_prompt(body, scored), body.total
+                else:
+                    if relayed == 0 and isinstance(body, ReplyToken):
+                        self._check_prompt_done(scored, prompt_total)
+                    relayed = self._check_complete(body, relayed)
                 yield body
                 if isinstance(body, ReplyFinal):
                     self.finished = True
                     return
         finally:
             await self.close()
+
+    def _check_prompt(self, body: ReplyPromptLogprobs, scored: int) -> int:
+        """Prompt entries relayed after ``body``, which must continue them (and must have been asked for)."""
+        if self.request.sampling.prompt_logprobs is None or body.start != scored:
+            raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost prompt logprobs; retry it")
+        return scored + len(body.entries)
+
+    def _check_prompt_done(self, scored: int, total: int) -> None:
+        """The prompt's logprobs, when asked, are all in before the first token."""
+        if self.request.sampling.prompt_logprobs is not None and (scored == 0 or scored != total):
+            raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost prompt logprobs; retry it")
 
     def _check_complete(self, body: ReplyToken | ReplyFinal, relayed: int) -> int:
         """Tokens relayed after ``body``; a gap (a reply lost on the bus, e.g. while NATS reconnected)
@@ -173,7 +201,7 @@ async def submit_all(
     return subs
 
 
-async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken | ReplyFinal]]:
+async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, Event]]:
     """(choice index, event) from every submission as they arrive; the first error raises.
     Leaving early closes (cancels) every unfinished submission."""
     if len(subs) == 1:  # one choice: its events as they come, without a relay task and queue per token
@@ -184,7 +212,7 @@ async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, ReplyToken 
             await subs[0].close()
         return
     # (choice, event); an error ends that choice, and None marks its end
-    queue: asyncio.Queue[tuple[int, ReplyToken | ReplyFinal | LorafleetError | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Event | LorafleetError | None]] = asyncio.Queue()
 
     async def pump(index: int, sub: Submission) -> None:
         try:

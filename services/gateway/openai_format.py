@@ -16,6 +16,7 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     prefix: str = ""  # the echoed prompt (completions echo)
     tools: bool = False  # the reply's text holds tool calls to parse (a chat with tools)
+    prompt_logprobs: list[TokenLogprob] | None = None  # the echoed prompt's entries (echo with logprobs)
 
 
 @dataclass(slots=True)
@@ -45,12 +46,29 @@ def completion_logprobs(entries: list[TokenLogprob], offsets: Offsets) -> dict:
     }
 
 
+def echo_logprobs(entries: list[TokenLogprob], prompt: str) -> dict:
+    """The echoed prompt's entries in the completions shape, offsets counted from 0 across the
+    prompt. Nothing predicts the first token: its logprob and alternatives are null; when the
+    tokenizer added it (a BOS, not part of the prompt's text) it takes no width."""
+    shaped = completion_logprobs(entries, Offsets())
+    if entries:
+        shaped["top_logprobs"][0] = None
+        first = shaped["text_offset"][1] if len(entries) > 1 else 0
+        if not prompt.startswith(entries[0].token):
+            shaped["text_offset"] = [0] + [offset - first for offset in shaped["text_offset"][1:]]
+    return shaped
+
+
 def _choice_logprobs(chat: bool, choice: Choice) -> dict | None:
     if choice.logprobs is None:
         return None
     if chat:
         return chat_logprobs(choice.logprobs)
-    return completion_logprobs(choice.logprobs, Offsets(at=len(choice.prefix)))
+    shaped = completion_logprobs(choice.logprobs, Offsets(at=len(choice.prefix)))
+    if choice.prompt_logprobs is None:
+        return shaped
+    echoed = echo_logprobs(choice.prompt_logprobs, choice.prefix)
+    return {key: echoed[key] + shaped[key] for key in shaped}
 
 
 def usage(finals: list[ReplyFinal]) -> dict:
@@ -113,10 +131,18 @@ class ChunkWriter:
     """Writes the SSE ``data:`` lines of one streamed response."""
 
     def __init__(
-        self, chat: bool, request_id: str, model: str, include_usage: bool, echo: str = "", tools: bool = False
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        echo: str = "",
+        echo_logprobs: bool = False,
+        tools: bool = False,
     ):
         self.chat = chat
         self.echo = echo
+        self.echo_logprobs = echo_logprobs  # the echo chunk waits for the prompt's entries (``echoed``)
         self.tools = tools
         self._parsers: dict[int, tool_calls.ToolCallParser] = {}
         self._offsets: dict[int, Offsets] = {}
@@ -160,7 +186,14 @@ class ChunkWriter:
     def start(self, n: int) -> str:
         if self.chat:
             return "".join(self._line([self._choice(i, "", None, role=True)]) for i in range(n))
-        return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n)) if self.echo else ""
+        if not self.echo or self.echo_logprobs:
+            return ""
+        return "".join(self._line([self._choice(i, self.echo, None)]) for i in range(n))
+
+    def echoed(self, index: int, entries: list[TokenLogprob]) -> str:
+        """The echo chunk of a choice whose prompt logprobs were asked for, carrying them."""
+        shaped = echo_logprobs(entries, self.echo)
+        return self._line([{"index": index, "text": self.echo, "finish_reason": None, "logprobs": shaped}])
 
     def token(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> str:
         if self.chat and self.tools:

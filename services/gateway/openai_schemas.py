@@ -222,17 +222,28 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1)
-    echo: bool = Field(default=False, description="the prompt is prepended to each choice's text")
+    max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt only")
+    echo: bool = Field(
+        default=False, description="the prompt is prepended to each choice's text (with logprobs: and its logprobs)"
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20, description="this many alternatives per token (0: none)")
 
     @model_validator(mode="after")
-    def _echo_logprobs(self) -> "CompletionRequest":
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (the prompt logprobs) is not supported")
+    def _nothing_to_return(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (it returns the prompt only)")
         return self
 
+    @property
+    def scores_only(self) -> bool:
+        """OpenAI's scoring idiom: the echoed prompt (and its logprobs), nothing generated."""
+        return self.max_tokens == 0
+
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.scores_only else self.max_tokens  # the one token generated is not returned
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def requested_logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0

@@ -28,8 +28,10 @@ from shared.schemas import (
     ReplyError,
     ReplyFinal,
     ReplyMessage,
+    ReplyPromptLogprobs,
     ReplyToken,
     ServedBy,
+    TokenLogprob,
     Usage,
 )
 from shared.telemetry import tracer
@@ -39,6 +41,26 @@ _tracer = tracer("worker")
 
 Emit = Callable[[str, ReplyMessage], Awaitable[None]]
 Audit = Callable[[CompletionAudit | RejectionAudit], Awaitable[None]]
+PROMPT_PIECE_BYTES = 256 * 1024  # a prompt-logprobs message's entries, well inside NATS' 1 MiB max_payload
+
+
+def prompt_pieces(request_id: str, entries: list[TokenLogprob]) -> list[ReplyPromptLogprobs]:
+    """The prompt's entries split into messages of at most about PROMPT_PIECE_BYTES of JSON each."""
+    pieces: list[ReplyPromptLogprobs] = []
+    start, size = 0, 0
+    for end, entry in enumerate(entries):
+        entry_size = len(entry.model_dump_json())
+        if end > start and size + entry_size > PROMPT_PIECE_BYTES:
+            pieces.append(
+                ReplyPromptLogprobs(request_id=request_id, start=start, total=len(entries), entries=entries[start:end])
+            )
+            start, size = end, 0
+        size += entry_size
+    if start < len(entries):
+        pieces.append(
+            ReplyPromptLogprobs(request_id=request_id, start=start, total=len(entries), entries=entries[start:])
+        )
+    return pieces
 
 
 @dataclass(slots=True)
@@ -239,6 +261,8 @@ class RequestServer:
             job.ref.engine_id(), job.prompt_ids, request.sampling, adapter=job.key, cache_salt=salt
         )
         async for out in self.engine.generate(engine_request):
+            for piece in prompt_pieces(rid, out.prompt_logprobs or []):
+                await self.emit(request.reply_to, piece)
             if out.token_ids:
                 job.timing.token(out.completion_tokens)
             if out.text or out.token_ids:

@@ -115,6 +115,12 @@ class SamplingParams(Message):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
     logprobs: bool = Field(default=False, description="return each output token's logprob")
     top_logprobs: int = Field(default=0, ge=0, le=20, description="and this many most likely alternatives")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="return each prompt token's logprob and this many alternatives; None: not asked",
+    )
     structured: StructuredOutput | None = None
 
 
@@ -248,6 +254,24 @@ class ReplyToken(Message):
     logprobs: list[TokenLogprob] | None = Field(default=None, description="one per token id, when asked for")
 
 
+class ReplyPromptLogprobs(Message):
+    """A piece of the prompt's logprobs (``SamplingParams.prompt_logprobs``): the pieces come in order,
+    before the first token, each within the bus's payload limit; together one entry per prompt token,
+    the first with logprob None."""
+
+    kind: Literal["prompt_logprobs"] = "prompt_logprobs"
+    request_id: RequestId
+    start: int = Field(ge=0, description="the prompt position of this piece's first entry")
+    total: int = Field(ge=1, description="the prompt's token count: the last piece ends there")
+    entries: list[TokenLogprob] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _within_the_prompt(self) -> "ReplyPromptLogprobs":
+        if self.start + len(self.entries) > self.total:
+            raise ValueError("the piece runs past the prompt's token count")
+        return self
+
+
 class ReplyFinal(Message):
     kind: Literal["final"] = "final"
     request_id: RequestId
@@ -265,7 +289,9 @@ class ReplyError(Message):
     error: ErrorBody
 
 
-ReplyMessage = Annotated[ReplyAccepted | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")]
+ReplyMessage = Annotated[
+    ReplyAccepted | ReplyPromptLogprobs | ReplyToken | ReplyFinal | ReplyError, Field(discriminator="kind")
+]
 
 
 class ReplyEnvelope(Message):

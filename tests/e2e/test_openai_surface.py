@@ -236,3 +236,85 @@ def test_completion_logprobs_zero_equal_transformers(client, loaded, stream):
     assert tokens == [loaded.tokenizer.decode([t]) for t in ids]
     assert logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-4)
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def scored(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab]: fp32 log-softmax at each position, which scores the token after it."""
+    with torch.no_grad():
+        return loaded.model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+
+
+def completion_parts(client: openai.OpenAI, stream: bool, **kwargs: object) -> tuple[str, dict, str]:
+    """(text, logprobs as parallel lists, finish reason) of one completion, assembled from its chunks when streamed."""
+    if not stream:
+        choice = client.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+        lp = choice.logprobs
+        parts = {k: getattr(lp, k) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return choice.text, parts, choice.finish_reason
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]  # type: ignore[call-overload]
+    parts = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for chunk in chunks:
+        if chunk.choices[0].logprobs is not None:
+            for key, values in parts.items():
+                values.extend(getattr(chunk.choices[0].logprobs, key))
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    return "".join(c.choices[0].text for c in chunks), parts, reasons[-1]
+
+
+def assert_prompt_then_output(
+    loaded: LoadedModel, text: str, parts: dict, prompt_ids: list[int], output_ids: list[int], k: int
+) -> None:
+    """The prompt's entries then the output's, each equal to transformers' within 1e-4 (the first
+    prompt token's null), offsets counted from 0 across the echoed prompt."""
+    ids = prompt_ids + output_ids
+    tokens = parts["tokens"]
+    assert tokens == [loaded.tokenizer.decode([t]) for t in ids] and "".join(tokens) == text
+    assert parts["token_logprobs"][0] is None and parts["top_logprobs"][0] is None
+    expected = scored(loaded, ids)
+    for i in range(1, len(ids)):
+        assert parts["token_logprobs"][i] == pytest.approx(float(expected[i - 1, ids[i]]), abs=1e-4)
+        top = expected[i - 1].topk(k)
+        alternatives = {
+            loaded.tokenizer.decode([t]): v for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        }
+        got = parts["top_logprobs"][i]
+        assert {t: got[t] for t in alternatives} == pytest.approx(alternatives, abs=1e-4)
+        assert set(got) <= {*alternatives, tokens[i]}
+    assert parts["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_completion_echo_logprobs_are_the_prompts_then_the_outputs_streamed_and_not(client, loaded):
+    prompt = "The capital of France is"
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 3}
+    text, parts, reason = completion_parts(client, False, **kwargs)
+    prompt_ids = loaded.tokenizer(prompt)["input_ids"]
+    greedy, _ = reference(loaded, prompt_ids, 6)
+    assert reason == "length" and text == prompt + loaded.tokenizer.decode(greedy, skip_special_tokens=True)
+    assert_prompt_then_output(loaded, text, parts, prompt_ids, greedy, 3)
+    streamed_text, streamed, streamed_reason = completion_parts(client, True, **kwargs)
+    assert streamed_text == text and streamed_reason == reason
+    assert streamed["tokens"] == parts["tokens"] and streamed["text_offset"] == parts["text_offset"]
+    assert streamed["token_logprobs"][0] is None and streamed["top_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(parts["token_logprobs"][1:], abs=1e-5)
+    for mine, theirs in zip(streamed["top_logprobs"][1:], parts["top_logprobs"][1:], strict=True):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, loaded, stream):
+    prompt = "Paris is the capital of France."
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    text, parts, reason = completion_parts(client, stream, **kwargs)
+    assert text == prompt and reason == "length"
+    prompt_ids = loaded.tokenizer(prompt)["input_ids"]
+    assert_prompt_then_output(loaded, text, parts, prompt_ids, [], 2)
+    if not stream:
+        usage = client.completions.create(**kwargs).usage
+        assert usage.completion_tokens == 0 and usage.prompt_tokens == len(prompt_ids)
+
+
+def test_max_tokens_zero_without_echo_is_a_typed_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Paris", max_tokens=0)
+    assert e.value.status_code == 400 and e.value.body["code"] == "invalid_request"
+    assert "max_tokens" in e.value.body["message"]

@@ -3,11 +3,14 @@
 Core NATS subscribers see JetStream publishes too, so this listens on ``lf.infer.submit.>``.
 The answer echoes what the request carried (model, adapter, sampling) so tests can check the
 gateway passed it on. A prompt containing "slow" streams a token every 20 ms until cancelled; "quota" is refused as
-the scheduler refuses a tenant over its limits.
+the scheduler refuses a tenant over its limits. Asked for prompt logprobs, it sends one entry per word of the
+prompt (word i: logprob -i, none for the first) in pieces of two words; a prompt containing "lose-piece" loses
+the first piece on its way.
 """
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -21,8 +24,11 @@ from shared.schemas import (
     ReplyEnvelope,
     ReplyError,
     ReplyFinal,
+    ReplyPromptLogprobs,
     ReplyToken,
     ServedBy,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     WorkerControl,
 )
@@ -54,6 +60,25 @@ class FakeWorker:
     async def _send(self, request: InferRequest, body) -> None:
         await self.nc.publish(request.reply_to, encode(ReplyEnvelope(body=body)))
 
+    async def _send_prompt_logprobs(self, request: InferRequest, text: str, k: int) -> None:
+        words = re.findall(r"\s*\S+", text)
+        entries = [
+            TokenLogprob(
+                token=word,
+                logprob=None if i == 0 else -float(i),
+                bytes=list(word.encode()),
+                top_logprobs=[]
+                if i == 0
+                else [TopLogprob(token=f"alt{j}", logprob=-0.5 - j, bytes=[]) for j in range(k)],
+            )
+            for i, word in enumerate(words)
+        ]
+        for start in range(2 if "lose-piece" in text else 0, len(entries), 2):
+            piece = ReplyPromptLogprobs(
+                request_id=request.request_id, start=start, total=len(entries), entries=entries[start : start + 2]
+            )
+            await self._send(request, piece)
+
     async def _answer(self, request: InferRequest) -> None:
         rid = request.request_id
         text = request.prompt if request.prompt is not None else request.messages[-1].content
@@ -73,6 +98,8 @@ class FakeWorker:
                 "max_tokens": s.max_tokens,
             }
         )
+        if s.prompt_logprobs is not None:
+            await self._send_prompt_logprobs(request, text, s.prompt_logprobs)
         if "dump-sampling" in text:  # every sampling field as the worker received it
             echo = s.model_dump_json()
         if "dump-chat" in text:  # the messages and tools as the worker received them
@@ -85,7 +112,8 @@ class FakeWorker:
             if rid in self.cancelled:
                 break
             sent.append(piece)
-            await self._send(request, ReplyToken(request_id=rid, index=i, text=piece, token_ids=[i]))
+            logprobs = [TokenLogprob(token=piece, logprob=-0.25, bytes=list(piece.encode()))] if s.logprobs else None
+            await self._send(request, ReplyToken(request_id=rid, index=i, text=piece, token_ids=[i], logprobs=logprobs))
             if "slow" in text:
                 await asyncio.sleep(0.02)
         reason = "cancelled" if rid in self.cancelled else "stop"

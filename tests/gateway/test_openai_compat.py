@@ -103,7 +103,16 @@ async def test_unsupported_parameters_are_refused_not_ignored(oai, extra):
 
 
 @pytest.mark.parametrize(
-    "extra", [{"echo": True, "logprobs": 1}, {"logprobs": 21}, {"logit_bias": {"1": -101}}, {"stop_token_ids": [-1]}]
+    "extra",
+    [
+        {"logprobs": 21},
+        {"logit_bias": {"1": -101}},
+        {"stop_token_ids": [-1]},
+        {"max_tokens": 0},
+        {"max_tokens": 0, "echo": False, "logprobs": 1},
+        {"max_tokens": -1, "echo": True},
+        {"echo": True, "logprobs": 21},
+    ],
 )
 async def test_unsupported_completion_shapes_are_refused(oai, extra):
     with pytest.raises(openai.BadRequestError) as e:
@@ -190,6 +199,47 @@ async def test_messages_and_tools_reach_the_worker_as_the_contract_says(oai):
     tools_seen = echoed(c.choices[0].message.content)["tools"]
     assert tools_seen["choice"] == "auto" and tools_seen["parallel"] is True
     assert tools_seen["functions"] == [{"name": "now", "description": None, "parameters": default}]
+
+
+async def test_echo_with_logprobs_asks_for_the_prompt_logprobs(oai):
+    scored = await oai.completions.create(model=BASE, prompt="dump-sampling", echo=True, logprobs=2)
+    got = echoed(scored.choices[0].text.removeprefix("dump-sampling"))
+    assert got["prompt_logprobs"] == 2 and got["logprobs"] is True and got["top_logprobs"] == 2
+    plain = await oai.completions.create(model=BASE, prompt="dump-sampling", logprobs=2)
+    assert echoed(plain.choices[0].text)["prompt_logprobs"] is None
+    only = await oai.completions.create(model=BASE, prompt="dump-sampling", echo=True, max_tokens=0)
+    assert only.choices[0].text == "dump-sampling" and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0
+    chat = await oai.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "dump-sampling"}])
+    assert echoed(chat.choices[0].message.content)["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("max_tokens", [None, 0])
+async def test_echo_logprobs_put_the_prompts_entries_first_streamed_and_not(oai, max_tokens):
+    prompt = "one two three four five"
+    kwargs = {"model": BASE, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": max_tokens}
+    plain = (await oai.completions.create(**kwargs)).choices[0]
+    lp = plain.logprobs
+    assert lp.tokens[:5] == ["one", " two", " three", " four", " five"]
+    assert lp.token_logprobs[:5] == [None, -1.0, -2.0, -3.0, -4.0]
+    assert lp.top_logprobs[:5] == [None, *({w: -float(i), "alt0": -0.5} for i, w in enumerate(lp.tokens[1:5], 1))]
+    assert lp.text_offset[:5] == [0, 3, 7, 13, 18]
+    assert len(lp.tokens) == 5 + (0 if max_tokens == 0 else 2)
+    assert lp.text_offset[5:] == [len(prompt), len(prompt) + len("echo:")][: len(lp.tokens) - 5]
+    assert plain.text == prompt if max_tokens == 0 else plain.text.startswith(prompt + "echo:")
+    stream = await oai.completions.create(**kwargs, stream=True)
+    chunks = [c.choices[0] async for c in stream]
+    assert chunks[0].text == prompt and chunks[0].logprobs.tokens == lp.tokens[:5]
+    assert "".join(c.text for c in chunks) == plain.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for part in streamed for v in getattr(part, key)] == getattr(lp, key)
+
+
+async def test_a_lost_prompt_logprobs_piece_fails_the_request(oai):
+    with pytest.raises(openai.APIStatusError) as e:
+        await oai.completions.create(model=BASE, prompt="lose-piece of the prompt", echo=True, logprobs=0)
+    assert e.value.status_code == 503
 
 
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):

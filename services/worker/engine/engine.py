@@ -15,11 +15,15 @@ from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.prompt_logprobs import prompt_entries
 from services.worker.engine.sampler import Sampled, sample
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
 from services.worker.engine.token_text import TokenText
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared import metrics
+from shared.schemas import TokenLogprob
+
+PromptLogprobs = dict[str, list[TokenLogprob]]  # request id -> its prompt's entries
 
 
 def rank_mix(lora: LoraHook | None) -> str:
@@ -130,7 +134,7 @@ class LLMEngine:
             return []
         batch = build_batch(plan.decodes, plan.prefills, self.config.kv_block_size, self.config.device)
         try:
-            logits, lora = self._run(batch)
+            logits, lora, prompts = self._run(batch)
         except BaseException:
             self.blocks.rollback()
             raise
@@ -138,20 +142,34 @@ class LLMEngine:
         constrained = any(seq.matcher is not None for seq in batch.seqs)
         with torch.inference_mode():  # the logits are an inference tensor, changed in place
             sampled = sample(logits, batch.seqs, self.grammars.mask if constrained else None)
-        outputs = self._postprocess(batch.seqs, sampled)
+        outputs = self._postprocess(batch.seqs, sampled, prompts)
         metrics.STEP_TIME.labels(rank_mix(lora)).observe((time.perf_counter() - started) * 1000)
         return outputs
 
-    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None]:
+    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs]:
         lora = None
         if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
             lora = self.adapter_manager.prepare(batch.token_slots)
-        logits = self.model.forward(
-            batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
-        )
-        return logits, lora
+        prefills = batch.seqs[batch.meta.num_decode :]
+        scored = [(seq, bounds) for seq, bounds in zip(prefills, batch.meta.prefill_bounds, strict=True)]
+        scored = [(seq, bounds) for seq, bounds in scored if seq.wants_prompt_logprobs]
+        if not scored:  # the common step: logits of the last positions only
+            logits = self.model.forward(
+                batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices, lora
+            )
+            return logits, lora, {}
+        hidden = self.model.hidden(batch.input_ids, batch.positions, batch.meta, self.cache, lora)
+        prompts = {}
+        for seq, (start, end) in scored:
+            # the prefix cache is bypassed for this prefill (BlockManager), so it covers the whole prompt
+            assert seq.num_cached == 0 and end - start == seq.num_prompt_tokens, "a partial prompt prefill"
+            k = seq.request.sampling.prompt_logprobs or 0
+            prompts[seq.request_id] = prompt_entries(
+                seq.token_ids, hidden[start : end - 1], self.model.logits, k, self.token_text
+            )
+        return self.model.logits(hidden[batch.logits_indices]), lora, prompts
 
-    def _postprocess(self, seqs: list[Sequence], sampled: Sampled) -> list[RequestOutput]:
+    def _postprocess(self, seqs: list[Sequence], sampled: Sampled, prompts: PromptLogprobs) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for row, (seq, token) in enumerate(zip(seqs, sampled.tokens, strict=True)):
@@ -163,7 +181,9 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 del self._seqs[seq.request_id]
-            outputs.append(self._output(seq, [token], sampled, row))
+            output = self._output(seq, [token], sampled, row)
+            output.prompt_logprobs = prompts.get(seq.request_id)
+            outputs.append(output)
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

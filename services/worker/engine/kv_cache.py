@@ -149,8 +149,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _hits(self, seq: "Sequence") -> list[int]:
-        """The leading blocks of ``seq`` already in the cache (never its last token's block)."""
-        if not self.prefix_caching:
+        """The leading blocks of ``seq`` already in the cache (never its last token's block); none for a
+        prefill that reports prompt logprobs, which needs every prompt position's logits."""
+        if not self.prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits = []
         for digest in seq.block_hashes((seq.num_tokens - 1) // self.block_size, self.block_size):

@@ -76,6 +76,18 @@ class LlamaForward:
         lora: LoraHook | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_logits] -> fp32 logits [num_logits, vocab]."""
+        return self.logits(self.hidden(input_ids, positions, meta, cache, lora)[logits_indices])
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        lora: LoraHook | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> the last layer's output [num_tokens, hidden] (before the final norm)."""
         s = self.spec
         q_end, k_end = s.q_size, s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
@@ -120,8 +132,13 @@ class LlamaForward:
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)
             h = h + d if self._residual_mul is None else h + d * self._residual_mul
-        h = self.norm(h[logits_indices], self.w.final_norm)
-        logits = self.lm_head(h)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [rows, hidden] from ``hidden`` -> fp32 logits [rows, vocab]."""
+        s = self.spec
+        logits = self.lm_head(self.norm(h, self.w.final_norm))
         if self._logits_div is not None:
             logits = logits / self._logits_div
         if s.final_softcap is not None:

@@ -43,6 +43,7 @@ class RequestOutput:
     first_token_time: float | None  # time.monotonic() of the first output token
     logprobs: list[float] | None = None
     token_logprobs: list[TokenLogprob] | None = None  # OpenAI's entries, one per token id, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, on the first output, when asked
 
 
 class Status(enum.Enum):
@@ -82,6 +83,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its first prefill must compute every prompt position's logits (none from the prefix cache)."""
+        return self.request.sampling.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def num_new_tokens(self) -> int:

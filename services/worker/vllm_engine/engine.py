@@ -22,7 +22,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from services.worker.engine.async_engine import EngineDead, EngineStats
-from services.worker.engine.errors import DuplicateRequest
+from services.worker.engine.errors import DuplicateRequest, UnsupportedSampling
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
@@ -39,6 +39,9 @@ def _schema_refused(spec: StructuredOutput, error: Exception) -> InvalidSchema:
 
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+# Logprobs of the model's distribution before any sampling transform, as the built-in engine's;
+# vLLM's prompt logprobs are of the raw logits in every mode, so this keeps both the same.
+LOGPROBS_MODE = "raw_logprobs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class VllmEngine:
             enable_prefix_caching=c.enable_prefix_caching,
             gpu_memory_utilization=c.gpu_memory_utilization,
             enforce_eager=True,  # vLLM runs LoRA eagerly on CPU either way
+            logprobs_mode=LOGPROBS_MODE,
             disable_log_stats=False,  # the scheduler stats feed the heartbeat
         )
         self._llm = AsyncLLM.from_engine_args(
@@ -162,6 +166,11 @@ class VllmEngine:
                 raise DuplicateRequest(f"request {rid!r} is already streaming")
             self._streaming.add(rid)
         completion, first_token_time, finished = 0, None, False
+        if request.sampling.prompt_logprobs is not None and llm.model_config.logprobs_mode != LOGPROBS_MODE:
+            raise UnsupportedSampling(
+                f"prompt logprobs are of the raw model; this engine reports {llm.model_config.logprobs_mode}",
+                param="prompt_logprobs",
+            )
         try:
             async for out in llm.generate(prompt, sampling, rid, lora_request=lora):  # type: ignore[arg-type]
                 piece = out.outputs[0]
@@ -183,6 +192,7 @@ class VllmEngine:
                     token_logprobs=self._entries(piece.logprobs, token_ids, request.sampling.top_logprobs)
                     if request.sampling.logprobs
                     else None,
+                    prompt_logprobs=self._prompt_entries(out.prompt_logprobs, request),
                 )
         except VLLMValidationError as e:
             if request.sampling.structured is not None and e.parameter in (None, "structured_outputs", "guided_json"):
@@ -220,6 +230,21 @@ class VllmEngine:
                 )
             )
         return out
+
+    def _prompt_entries(self, logprobs, request: EngineRequest) -> list[TokenLogprob] | None:  # type: ignore[no-untyped-def]
+        """vLLM's prompt logprobs (None for the first token, then per position the prompt token plus
+        the ``k`` most likely, with ranks) -> OpenAI's entries, the first with logprob None. With delta
+        outputs vLLM hands them over once, whole, at the end of the prefill (an empty list after that)."""
+        k = request.sampling.prompt_logprobs
+        if not logprobs or k is None or self._token_text is None:
+            return None
+        ids = request.prompt_token_ids
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} prompt logprobs for {len(ids)} prompt tokens")
+        text, raw = self._token_text.of(ids[0])
+        entries = [TokenLogprob(token=text, logprob=None, bytes=raw)]
+        entries += self._entries(logprobs[1:], ids[1:], k) or []
+        return entries
 
     def _observe(self, stats) -> None:  # type: ignore[no-untyped-def]
         total = self._stats.kv_blocks_total

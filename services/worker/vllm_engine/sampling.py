@@ -12,7 +12,9 @@ from shared.schemas import SamplingParams, StructuredOutput
 # Every field of shared.schemas.SamplingParams that has a vLLM counterpart with the built-in
 # engine's semantics (temperature 0 = greedy, top_k 0 = off, stop strings cut from the text,
 # special tokens skipped, stop token ids end the output without their text, logprobs of the raw
-# distribution, JSON grammars through vLLM's structured outputs, xgrammar backend, compact JSON).
+# distribution, prompt logprobs likewise (vLLM computes them from the raw logits whatever its
+# logprobs_mode; the engine runs "raw_logprobs", so output and prompt logprobs share the
+# convention), JSON grammars through vLLM's structured outputs, xgrammar backend, compact JSON).
 # A field added to the schema and not here is refused when set.
 MAPPED = frozenset(
     {
@@ -31,6 +33,7 @@ MAPPED = frozenset(
         "stop_token_ids",
         "logprobs",
         "top_logprobs",
+        "prompt_logprobs",
         "structured",
     }
 )
@@ -68,6 +71,7 @@ def to_vllm(params: SamplingParams, *, prompt_tokens: int, max_model_len: int, l
             logit_bias=dict(params.logit_bias) or None,
             stop_token_ids=list(params.stop_token_ids),
             logprobs=params.top_logprobs if params.logprobs else (0 if logprobs else None),
+            prompt_logprobs=params.prompt_logprobs,
             structured_outputs=_structured(params.structured),
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
