@@ -100,9 +100,16 @@ class Submission:
         fails the request rather than handing the client a text with a hole in it."""
         if isinstance(body, ReplyToken):
             if body.index + 1 - len(body.token_ids) != relayed:
+                log.warning("reply_tokens_lost", request_id=self.request.request_id, relayed=relayed, index=body.index)
                 raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost tokens; retry it")
             return body.index + 1
         if body.finish_reason != "cancelled" and body.usage.completion_tokens != relayed:
+            log.warning(
+                "reply_tokens_lost",
+                request_id=self.request.request_id,
+                relayed=relayed,
+                completion_tokens=body.usage.completion_tokens,
+            )
             raise ServiceUnavailable(f"the reply stream of {self.request.request_id} lost its last tokens; retry it")
         return relayed
 

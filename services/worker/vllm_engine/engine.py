@@ -166,6 +166,14 @@ class VllmEngine:
                 raise DuplicateRequest(f"request {rid!r} is already streaming")
             self._streaming.add(rid)
         completion, first_token_time, finished = 0, None, False
+        if request.sampling.logprobs and request.sampling.structured is not None:
+            # vLLM applies a grammar's token mask to the logits its logprobs come from; the built-in
+            # engine's (and this platform's) logprobs are the model's own, before any mask
+            raise UnsupportedSampling(
+                "the vLLM engine cannot report the model's logprobs under response_format or tools "
+                "(vLLM computes them after the grammar mask): ask without one of them",
+                param="logprobs",
+            )
         if request.sampling.prompt_logprobs is not None and llm.model_config.logprobs_mode != LOGPROBS_MODE:
             raise UnsupportedSampling(
                 f"prompt logprobs are of the raw model; this engine reports {llm.model_config.logprobs_mode}",
@@ -223,10 +231,10 @@ class VllmEngine:
             return None
         out = []
         for step, token in zip(logprobs, token_ids, strict=True):
-            top = sorted((lp.rank, tid, float(lp.logprob)) for tid, lp in step.items() if lp.rank is not None)[:k]
+            top = sorted((lp.rank, tid, _finite(lp.logprob)) for tid, lp in step.items() if lp.rank is not None)[:k]
             out.append(
                 self._token_text.entry(
-                    token, float(step[token].logprob), [t for _, t, _ in top], [v for _, _, v in top]
+                    token, _finite(step[token].logprob), [t for _, t, _ in top], [v for _, _, v in top]
                 )
             )
         return out
@@ -269,6 +277,11 @@ class VllmEngine:
         if self._llm is None:
             raise EngineDead("the vLLM engine is not started")
         return self._llm
+
+
+def _finite(logprob: float) -> float:
+    """OpenAI's (and vLLM's server's) -9999.0 for a token of probability 0: JSON has no -inf."""
+    return max(float(logprob), -9999.0)
 
 
 def _chosen_logprobs(logprobs, token_ids: list[int]) -> list[float] | None:  # type: ignore[no-untyped-def]
