@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import chat_prompts, environment
+from bench.engine import chat_prompts, environment, load_average
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from shared.schemas import SamplingParams, StructuredOutput
@@ -153,12 +153,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds, tokens = (1, 12) if args.quick else (3, 24)
-    result = {"environment": environment(args.threads), "quick": args.quick, **run(load_model(), rounds, tokens)}
+    load_before = load_average()
+    result = {
+        "environment": environment(args.threads),
+        "quick": args.quick,
+        "load_average_before": load_before,
+        **run(load_model(), rounds, tokens),
+        "load_average_after": load_average(),
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     RESULTS.with_suffix(".md").write_text(table(result) + "\n")
     print(table(result))
-    print(f"\nwrote {RESULTS}")
+    print(f"\nload average before {load_before['uptime']!r}, after {result['load_average_after']['uptime']!r}")
+    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":
