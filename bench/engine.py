@@ -9,6 +9,7 @@ beside the KV budget and the model size.
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -282,6 +283,12 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "wall_s": time.perf_counter() - start,
     }
+
+
+def load_average() -> dict[str, object]:
+    """The machine's 1/5/15-minute load averages and ``uptime``'s line: figures on a shared box need them."""
+    line = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    return {"load_1_5_15": list(os.getloadavg()), "cpus": os.cpu_count(), "uptime": line}
 
 
 def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
