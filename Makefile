@@ -66,7 +66,7 @@ TEST_MARK :=
 endif
 
 test: $(TEST_DEPS)
-	$(BIN)/python -m pytest -q $(TEST_MARK) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(TEST_MARK) $(PYTEST_ARGS)
 
 # The tests that need no process besides pytest and no embedded model (markers set in tests/conftest.py),
 # in under 2 minutes; LF_TEST_TIER=fast fails any of them that starts a process or reads the model cache.

@@ -108,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     target = open_target(config)
+    outcomes = None
     try:
         outcomes, wall_s = asyncio.run(fire(target, config))
-    finally:
-        target.close()
+    finally:  # a run with errors keeps the services' logs
+        target.close(keep_logs=outcomes is None or any(o.status != "completed" for o in outcomes))
     result = result_of(config, target, outcomes, wall_s)
     print(write(result, outcomes, args.out))
     return 1 if result["lost"] or not result["completed"] else 0

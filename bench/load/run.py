@@ -55,9 +55,11 @@ class Target:
     stack: BenchStack | None = None
     registration: dict | None = None
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
         if self.stack is not None:
-            self.stack.stop()
+            self.stack.stop(keep_logs=keep_logs)
+            if keep_logs:
+                progress(f"logs kept: {self.stack.root / 'logs'}")
 
 
 def progress(message: str) -> None:

@@ -1,13 +1,12 @@
-"""Tool calling end to end with the official openai client, on SmolLM2 and on a demo adapter: a
-call -> tool result -> answer round trip, streamed and not, in OpenAI's exact shapes."""
+"""Tool calling end to end with the official openai client on SmolLM2: a call -> tool result ->
+answer round trip, streamed and not, in OpenAI's exact shapes. Calls through an adapter, on either
+worker engine: tests/e2e/test_engines.py."""
 
 import json
 
 import jsonschema
 import openai
 import pytest
-
-from tests.e2e.test_adapters import adapters  # noqa: F401  (the released demo adapters)
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER_PARAMETERS = {
@@ -139,27 +138,3 @@ def test_auto_choice_answers_in_text_or_valid_calls(client):
             choice.message.tool_calls
         ) or choice.finish_reason == "length"
         assert choice.message.content or choice.message.tool_calls
-
-
-def test_required_calls_on_an_adapter(client, adapters):  # noqa: F811
-    """sql-helper is random LoRA weights: whatever it would write, its calls are well formed."""
-    answered = 0
-    for seed in range(3):
-        reply = client.chat.completions.create(
-            model="sql-helper",
-            messages=[ASK],
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            max_tokens=120,
-            temperature=1.0,
-            seed=seed,
-        )
-        choice = reply.choices[0]
-        if choice.finish_reason == "length":  # noise may fill a string up to the token limit
-            continue
-        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-        call = choice.message.tool_calls[0]
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-        answered += 1
-    assert answered  # the arguments are bounded (maxLength, enum, integers): some call ends in 120 tokens
