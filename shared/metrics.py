@@ -23,7 +23,19 @@ TPOT = Histogram(
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 ADAPTER_TOKENS = Counter(
-    "adapter_tokens", "generated tokens per adapter (top adapters, the rest as other)", ["adapter"]
+    "adapter_tokens", "generated tokens per adapter (the first N adapters seen, the rest as other)", ["adapter"]
+)
+ADAPTER_TTFT = Histogram(
+    "adapter_ttft_ms",
+    "time to first token per adapter (the first N adapters seen, the rest as other)",
+    ["adapter"],
+    buckets=_MS,
+)
+ADAPTER_TPOT = Histogram(
+    "adapter_tpot_ms",
+    "time per output token per adapter (the first N adapters seen, the rest as other)",
+    ["adapter"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
 STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)

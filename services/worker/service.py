@@ -174,6 +174,7 @@ async def run(settings: WorkerSettings) -> None:
             cache,
             served.loader.digest_of,
             grants,
+            settings.adapter_metric_labels,
         )
 
         async def on_dispatch(msg) -> None:

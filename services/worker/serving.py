@@ -98,6 +98,7 @@ class RequestServer:
         cache: CacheHierarchy | None = None,
         digest_of: Callable[[str], str | None] = lambda _: None,
         grants: Grants | None = None,
+        adapter_metric_labels: int = 50,
     ):
         self.engine = engine
         self.prompts = prompts
@@ -112,7 +113,7 @@ class RequestServer:
         self.tasks: dict[RequestRef, asyncio.Task] = {}
         self._jobs: dict[RequestRef, Job] = {}
         self._stop_errors: dict[RequestRef, LorafleetError] = {}
-        self._adapter_label = metrics.BoundedLabel(50)
+        self._adapter_label = metrics.BoundedLabel(adapter_metric_labels)
         self._recent: OrderedDict[RequestRef, None] = OrderedDict()  # accepted or cancelled here
         self._cancelled: OrderedDict[RequestRef, None] = OrderedDict()
 
@@ -306,12 +307,17 @@ class RequestServer:
 
     def _observe(self, job: Job, outcome: str) -> None:
         hit = "true" if job.cache_hit else "false"
+        adapter = self._adapter_label(job.key or "base")
         metrics.REQUESTS.labels("worker", outcome).inc()
         if job.timing.first_token is not None:
-            metrics.TTFT.labels(hit).observe(job.timing.ttft_ms())
+            ttft = job.timing.ttft_ms()
+            metrics.TTFT.labels(hit).observe(ttft)
+            metrics.ADAPTER_TTFT.labels(adapter).observe(ttft)
         if job.timing.tokens >= 2:
-            metrics.TPOT.labels(hit).observe(job.timing.tpot_ms())
-        metrics.ADAPTER_TOKENS.labels(self._adapter_label(job.key or "base")).inc(job.timing.tokens)
+            tpot = job.timing.tpot_ms()
+            metrics.TPOT.labels(hit).observe(tpot)
+            metrics.ADAPTER_TPOT.labels(adapter).observe(tpot)
+        metrics.ADAPTER_TOKENS.labels(adapter).inc(job.timing.tokens)
 
     def _audit_record(self, job: Job, outcome: str, usage: Usage) -> CompletionAudit:
         adapter = job.request.adapter

@@ -300,3 +300,23 @@ def test_vllm_image_installs_the_cuda_wheel_of_the_release_the_cpu_build_tests()
     assert 'CMD ["python", "-m", "services.worker"]' in worker
     last = re.findall(r"^FROM .* AS ([\w-]+)$", DOCKERFILE, re.M)[-1]
     assert last == "runtime"  # a plain `docker build .` still builds the services' image
+
+
+def test_prometheus_scrapes_every_service_where_its_metrics_listen(deploy_dir: Path, workers: dict[str, dict]) -> None:
+    """Each service binds /metrics to all interfaces on the port Prometheus's generated config scrapes."""
+    scrape = yaml.safe_load((deploy_dir / "deploy" / "prometheus.yml").read_text())
+    targets = {
+        job["job_name"]: {t for c in job["static_configs"] for t in c["targets"]} for job in scrape["scrape_configs"]
+    }
+    services = {**SERVICES, **workers}
+    expected: dict[str, set[str]] = {"gateway": {f"gateway:{SERVICES['gateway']['environment']['LF_PORT']}"}}
+    for name in ("registry", "scheduler", "auditor", *workers):
+        env = services[name]["environment"]
+        assert env["LF_METRICS_HOST"] == "0.0.0.0", name
+        assert int(env["LF_METRICS_PORT"]) > 0, name
+        job = "worker" if name in workers else name
+        expected.setdefault(job, set()).add(f"{name}:{env['LF_METRICS_PORT']}")
+    assert targets == expected
+    prometheus = SERVICES["prometheus"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]

@@ -25,6 +25,7 @@ class RunningStack:
     api_key: str
     db_path: Path
     spans_path: Path
+    worker_metrics_port: int = 0  # the worker binds /metrics to 0.0.0.0 on this port (as in compose)
 
     def ready(self, services: tuple[str, ...] = SERVICES, timeout_s: float = 300) -> None:
         asyncio.run(wait_ready(self.nats.url, self.stack, services, timeout_s))
@@ -58,11 +59,19 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
     }
     stack = Stack(env, root / "logs")
     running = RunningStack(
-        stack, nats, redis, f"http://127.0.0.1:{port}", API_KEY, root / "audit.sqlite3", root / "spans.jsonl"
+        stack,
+        nats,
+        redis,
+        f"http://127.0.0.1:{port}",
+        API_KEY,
+        root / "audit.sqlite3",
+        root / "spans.jsonl",
+        worker_metrics_port=free_port(),
     )
+    worker_metrics = {"LF_METRICS_HOST": "0.0.0.0", "LF_METRICS_PORT": str(running.worker_metrics_port)}
     try:
         for name in SERVICES:
-            stack.start(name)
+            stack.start(name, worker_metrics if name == "worker" else None)
         running.ready()
         yield running
     finally:

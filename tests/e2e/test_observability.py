@@ -3,10 +3,12 @@
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import nats
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.bus import decode
@@ -80,3 +82,38 @@ def test_metrics_families_have_values_after_traffic(running_stack):
     assert "prefix_cache_queried_tokens_total 0.0" not in worker and "prefix_cache_queried_tokens_total" in worker
     gateway = httpx.get(f"{running_stack.gateway_url}/metrics").text
     assert "admission_rejections_total" in gateway
+
+
+def _listen_address(port: int) -> str:
+    """The local address the TCP listener on ``port`` is bound to, from /proc/net/tcp (hex, as the kernel writes it)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            return address
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_worker_metrics_bind_where_configured_and_time_steps_by_rank_mix(running_stack):
+    """The worker's LF_METRICS_HOST/LF_METRICS_PORT (0.0.0.0 on a chosen port, as in compose) are honoured,
+    and engine_step_time_ms carries a rank_mix label once it has served."""
+    client = openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
+    port = running_stack.worker_metrics_port
+    assert asyncio.run(_metrics_ports(running_stack.nats.url))["worker"] == port
+    assert _listen_address(port) == "00000000"  # 0.0.0.0, not 127.0.0.1 (0100007F)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    steps = {
+        sample.labels["rank_mix"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "engine_step_time_ms_count"
+    }
+    assert steps.get("base", 0) >= 4, steps  # one step per generated token of the base-model request at least
+    ttft = [
+        sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "adapter_ttft_ms_count"
+    ]
+    assert any(sample.labels["adapter"] == "base" and sample.value >= 1 for sample in ttft), ttft

@@ -263,3 +263,70 @@ async def test_two_tenants_run_one_request_id_at_once_and_a_cancel_stops_only_it
         ]
     finally:
         engine.shutdown()
+
+
+def _adapter_series(family: str) -> dict[str, float]:
+    """``<family>_count`` by its adapter label, scraped from the exposition text."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for metric in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in metric.samples:
+            if sample.name == f"{family}_count":
+                counts[sample.labels["adapter"]] = sample.value
+    return counts
+
+
+@pytest.mark.parametrize("labels", [1, 2])
+async def test_per_adapter_series_stop_at_the_configured_count_and_the_rest_read_other(
+    loaded, cold_adapter, labels: int
+):
+    manager = AdapterManager(
+        LoraConfig(
+            rank_classes=(8,), memory_budget_bytes=2**24, max_slots_per_class=2, target_modules=("q_proj", "v_proj")
+        ),
+        ModelShapes.from_hf_config(loaded.model.config),
+    )
+    cache = CacheHierarchy(manager, lambda _key: manager.read_adapter(cold_adapter), CacheConfig())
+    engine = AsyncEngine.from_loaded(
+        loaded,
+        EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256),
+        adapter_manager=manager,
+    )
+    engine.start()
+    finals: list[str] = []
+
+    async def emit(reply_to: str, message) -> None:
+        if isinstance(message, ReplyFinal):
+            finals.append(reply_to)
+
+    async def audit(_) -> None:
+        return None
+
+    prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
+    server = RequestServer(
+        engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16, cache=cache, adapter_metric_labels=labels
+    )
+    before = {family: _adapter_series(family) for family in ("adapter_ttft_ms", "adapter_tpot_ms")}
+    try:
+        for rid, adapter in ((f"base-{labels}", False), (f"cold-{labels}", True)):  # base first: it takes a label
+            await server.accept(request(loaded, rid, adapter=adapter))
+            deadline = time.monotonic() + 60
+            while f"_INBOX.{rid}" not in finals:
+                assert time.monotonic() < deadline, f"{rid} never finished"
+                await asyncio.sleep(0.01)
+        while server.tasks:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    finally:
+        cache.close()
+        engine.shutdown()
+    for family, earlier in before.items():
+        after = _adapter_series(family)
+        grew = {
+            label: after[label] - earlier.get(label, 0.0) for label in after if after[label] > earlier.get(label, 0)
+        }
+        adapter_label = "other" if labels == 1 else next(label for label in grew if label not in ("base", "other"))
+        assert grew == {"base": 1, adapter_label: 1}, (family, grew)
+        assert "cold" in adapter_label or labels == 1, adapter_label
