@@ -91,6 +91,7 @@ MODEL_FIXTURES = frozenset(
         "tests/worker/test_serving_cache.py::loaded",
         "tests/worker/test_engine_grammar.py::loaded",
         "tests/worker/test_engine_sampling.py::loaded",
+        "tests/worker/test_engine_tools.py::loaded",
         "tests/worker/test_engine_prompt_logprobs.py::loaded",
         "tests/worker/test_async_engine.py::parts",
         "tests/worker/test_sampler.py::tokenizer",
