@@ -1,4 +1,4 @@
-"""A file:// register source must lie inside a trusted directory (remote sources: test_remote_sources.py)."""
+"""A file:// register source must lie inside a trusted directory (remote sources: tests/registry/remote/)."""
 
 from pathlib import Path
 
