@@ -29,7 +29,7 @@ async def main() -> None:
         "reply_to": inbox,
     }
     await nc.jetstream().publish(f"lf.infer.submit.{tenant}", json.dumps(request).encode())
-    while True:  # accepted, then tokens, then final (or one error)
+    while True:  # accepted, (prompt_logprobs pieces, when asked,) then tokens, then final (or one error)
         body = json.loads((await replies.next_msg(timeout=60)).data)["body"]
         if body["kind"] == "token":
             print(body["text"], end="", flush=True)
