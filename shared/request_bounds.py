@@ -32,7 +32,7 @@ async def check_submission(
         raise InvalidRequest(f"{param} exceed {bounds.max_prompt_chars} characters", param=param)
     if tokens is None or bounds.max_prompt_tokens == 0:
         return
-    count = await tokens.count(request.messages, request.prompt)
+    count = await tokens.count(request.messages, request.prompt, request.tools)
     if count > bounds.max_prompt_tokens:
         raise InvalidRequest(
             f"the prompt has {count} tokens, over the limit of {bounds.max_prompt_tokens}", param=param

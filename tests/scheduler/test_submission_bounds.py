@@ -9,7 +9,7 @@ import pytest
 from shared.config import SchedulerSettings
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
-from shared.schemas import ChatMessage, TenantQuota
+from shared.schemas import ChatMessage, TenantQuota, Tools
 from tests.scheduler.test_dispatcher import World
 
 
@@ -19,8 +19,12 @@ class CharTokens(PromptTokens):
     def __init__(self) -> None:
         pass
 
-    def count_sync(self, messages: list[ChatMessage] | None, prompt: str | None) -> int:
-        return len(prompt or "") + sum(len(m.content) for m in messages or ())
+    def count_sync(self, messages: list[ChatMessage] | None, prompt: str | None, tools: Tools | None = None) -> int:
+        return (
+            len(prompt or "")
+            + sum(len(m.content) for m in messages or ())
+            + len(tools.model_dump_json() if tools else "")
+        )
 
 
 @pytest.fixture
@@ -41,6 +45,9 @@ async def world(redis_url):
     await redis.aclose()
 
 
+TOOL = {"name": "f", "parameters": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4)}}}
+
+
 @pytest.mark.parametrize(
     "over, code",
     [
@@ -49,6 +56,10 @@ async def world(redis_url):
         ({"prompt": "x" * 1001}, "invalid_request"),
         ({"prompt": "x" * 101}, "invalid_request"),
         ({"prompt": None, "messages": [{"role": "user", "content": "x" * 101}]}, "invalid_request"),
+        (  # a chat's tools are prompt tokens too: short messages, long signatures
+            {"prompt": None, "messages": [{"role": "user", "content": "x" * 20}], "tools": {"functions": [TOOL]}},
+            "invalid_request",
+        ),
         ({"prompt": "x" * 90, "sampling": {"max_tokens": 64, "stop": ["y", "z"]}}, None),
     ],
 )
