@@ -176,12 +176,8 @@ async def test_a_request_cancelled_while_running_is_refused_if_dispatched_again(
         engine.shutdown()
 
 
-async def test_another_tenants_finished_request_under_the_same_id_is_no_duplicate(loaded):
-    engine = AsyncEngine.from_loaded(
-        loaded, EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256)
-    )
-    engine.start()
-    finals: list[str] = []
+def _server(loaded, engine: AsyncEngine, finals: list[str], **options) -> RequestServer:
+    """A request server on ``engine`` that records the inbox of every final reply in ``finals``."""
 
     async def emit(reply_to: str, message) -> None:
         if isinstance(message, ReplyFinal):
@@ -191,7 +187,16 @@ async def test_another_tenants_finished_request_under_the_same_id_is_no_duplicat
         return None
 
     prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
-    server = RequestServer(engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16)
+    return RequestServer(engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16, **options)
+
+
+async def test_another_tenants_finished_request_under_the_same_id_is_no_duplicate(loaded):
+    engine = AsyncEngine.from_loaded(
+        loaded, EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256)
+    )
+    engine.start()
+    finals: list[str] = []
+    server = _server(loaded, engine, finals)
 
     async def served(tenant: str) -> None:
         first = request(loaded, "same-id").model_copy(
@@ -297,18 +302,7 @@ async def test_per_adapter_series_stop_at_the_configured_count_and_the_rest_read
     )
     engine.start()
     finals: list[str] = []
-
-    async def emit(reply_to: str, message) -> None:
-        if isinstance(message, ReplyFinal):
-            finals.append(reply_to)
-
-    async def audit(_) -> None:
-        return None
-
-    prompts = PromptIds.for_model(loaded.tokenizer, loaded.directory)
-    server = RequestServer(
-        engine, prompts, "w1", loaded.name, emit, audit, max_waiting=16, cache=cache, adapter_metric_labels=labels
-    )
+    server = _server(loaded, engine, finals, cache=cache, adapter_metric_labels=labels)
     before = {family: _adapter_series(family) for family in ("adapter_ttft_ms", "adapter_tpot_ms")}
     try:
         for rid, adapter in ((f"base-{labels}", False), (f"cold-{labels}", True)):  # base first: it takes a label
