@@ -8,6 +8,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from shared.schemas.base import SloClass
+
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -156,6 +158,9 @@ class DefaultQuota(BaseModel):
     )
     max_gpu_adapter_slots: int = Field(
         default=16, ge=0, le=100_000, description="GPU adapter slots per rank class on one worker"
+    )
+    slo_tier: SloClass = Field(
+        default="standard", description="the highest SLO class a tenant's requests may ask for, unless its own says"
     )
 
 

@@ -63,6 +63,12 @@ class Forbidden(LorafleetError):
     error_type = "permission_error"
 
 
+class PriorityNotAllowed(Forbidden):
+    """The request asks for an SLO class above its tenant's tier."""
+
+    code = "priority_not_allowed"
+
+
 class ModelNotFound(LorafleetError):
     """Unknown model, or one this tenant may not use: the same answer for both, by design."""
 
@@ -95,6 +101,13 @@ class QuotaExceeded(LorafleetError):
     status = 429
     code = "quota_exceeded"
     error_type = "rate_limit_error"
+
+
+class Overloaded(QuotaExceeded):
+    """The fleet is past what it serves within this request's SLO class target: refused at once, with
+    the delay after which the estimate would admit it, instead of queued to miss its target."""
+
+    code = "overloaded"
 
 
 class ServiceUnavailable(LorafleetError):

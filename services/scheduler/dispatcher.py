@@ -12,7 +12,7 @@ import structlog
 
 from services.scheduler.admission import Admission, AlreadyDispatched, Grant, token_cost
 from services.scheduler.dedupe import Dispatched
-from services.scheduler.fairness import FairQueue, Priority
+from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
@@ -39,6 +39,7 @@ from shared.schemas import (
     InferRequest,
     ResolveReply,
     ResolveRequest,
+    SloClass,
     WorkerControl,
 )
 
@@ -88,8 +89,8 @@ class Queued:
         return self.request.tenant_id
 
     @property
-    def priority(self) -> Priority:
-        return self.request.priority
+    def priority(self) -> SloClass:
+        return self.request.priority or "standard"  # set at admission: the tenant's tier when the client named none
 
     @property
     def request_id(self) -> str:
@@ -283,9 +284,9 @@ class Dispatcher:
         metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
         self.queue.charge(request.tenant_id, *token_cost(request))
         waited = time.monotonic() - item.enqueued
-        metrics.SCHEDULER_QUEUE_WAIT.labels(request.priority).observe(waited * 1000)
-        if waited > self.slo_s[request.priority]:
-            metrics.SLO_MISSES.labels(request.priority).inc()
+        metrics.SCHEDULER_QUEUE_WAIT.labels(item.priority).observe(waited * 1000)
+        if waited > self.slo_s[item.priority]:
+            metrics.SLO_MISSES.labels(item.priority).inc()
         log.info("dispatched", request_id=rid, worker_id=worker_id, tenant=request.tenant_id)
         ended = self.early.pop(ref, {}).get(worker_id)  # other workers' runs of it were withdrawn
         try:

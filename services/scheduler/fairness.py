@@ -10,9 +10,11 @@ ranks as interactive (batch never starves)."""
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-Priority = Literal["interactive", "batch"]
+from shared.schemas import SloClass
+
+Priority = SloClass
 
 
 class Queueable(Protocol):

@@ -141,7 +141,11 @@ class RequestServer:
                 raise InvalidRequest("this worker serves the base model only")
             job.key = adapter_key(request.adapter.adapter_id, request.adapter.version)
             job.lookup = self.cache.acquire(
-                job.key, request.adapter.rank, request.tenant_id, request.priority, request.tenant_gpu_slots
+                job.key,
+                request.adapter.rank,
+                request.tenant_id,
+                request.priority or "standard",
+                request.tenant_gpu_slots,
             )
         self._remember(ref)
         self._jobs[ref] = job

@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from shared.schemas.base import Identifier, Message, RequestId
+from shared.schemas.base import Identifier, Message, RequestId, SloClass
 from shared.schemas.registry import Actor, AdapterStatus
 from shared.schemas.release import DecisionAction, VersionFigures
 
@@ -29,6 +29,7 @@ class CompletionAudit(Message):
     completion_tokens: int = Field(ge=0)
     worker_id: Identifier
     outcome: Literal["stop", "length", "cancelled", "error"]
+    slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
 
 
 class RejectionAudit(Message):

@@ -1,11 +1,20 @@
 """Identifiers, the Message base and the error body every reply may carry."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+# SLO classes, highest first: a tenant's tier is the highest class its requests may ask for
+SloClass = Literal["interactive", "standard", "batch"]
+SLO_CLASSES: tuple[SloClass, ...] = ("interactive", "standard", "batch")
+
+
+def slo_rank(slo_class: SloClass) -> int:
+    """0 for the highest class (interactive), growing downwards."""
+    return SLO_CLASSES.index(slo_class)
 
 
 class Message(BaseModel):

@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from shared.schemas.base import ErrorBody, Identifier, Message, RequestId
+from shared.schemas.base import ErrorBody, Identifier, Message, RequestId, SloClass
 
 # ---- inference ---------------------------------------------------------------------------
 
@@ -168,7 +168,16 @@ class InferRequest(Message):
         pattern=r"^_INBOX[._][A-Za-z0-9_.-]+$",
         description="the requester's inbox: _INBOX.<id> (gateway) or _INBOX_<tenant>.<id> (direct tenant clients)",
     )
-    priority: Literal["interactive", "batch"] = "interactive"
+    priority: SloClass | None = Field(
+        default=None,
+        description="the request's SLO class, at most its tenant's tier; None = the tier (the scheduler sets it)",
+    )
+    ttft_target_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=86400,
+        description="the class's time-to-first-token target (set by the scheduler from its config, never the client's)",
+    )
     created_at: float = Field(
         default_factory=time.time, description="epoch seconds; the scheduler overwrites it with its admission time"
     )

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from shared.schemas.base import Identifier, Message
+from shared.schemas.base import Identifier, Message, SloClass
 from shared.schemas.registry import Actor, Sha256Hex
 
 # ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
@@ -26,6 +26,9 @@ class TenantQuota(Message):
     tokens_per_min: int | None = Field(default=None, ge=0, le=10_000_000_000)
     max_concurrent: int | None = Field(default=None, ge=0, le=100_000)
     max_gpu_adapter_slots: int | None = Field(default=None, ge=0, le=100_000)
+    slo_tier: SloClass | None = Field(
+        default=None, description="the highest SLO class the tenant's requests may ask for (set by a platform admin)"
+    )
 
 
 class TenantRecord(Message):

@@ -35,6 +35,9 @@ class CacheConfig(BaseModel):
     batch_weight: float = Field(
         default=0.5, gt=0, le=1, description="score multiplier of batch-class adapters: they leave before interactive"
     )
+    standard_weight: float = Field(
+        default=0.75, gt=0, le=1, description="score multiplier of standard-class adapters (interactive: 1)"
+    )
     tenant_slot_share: float = Field(
         default=1.0,
         gt=0,

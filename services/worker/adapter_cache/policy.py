@@ -8,12 +8,12 @@ requests in flight never are) and enforce tenant quotas; the policy sees every a
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from services.worker.adapter_cache.config import CacheConfig, PolicyName
 from shared.decay import DecayedRate
+from shared.schemas import SloClass
 
-Slo = Literal["interactive", "batch"]
+Slo = SloClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +82,18 @@ class HeatPolicy(EvictionPolicy):
     """Decayed request rate, local (LRFU-like: recency and frequency in one number) plus the fleet heat.
 
     score = slo_weight * (local_rate + heat_weight * fleet_rate), slo_weight = batch_weight for batch
-    adapters, 1 for interactive. The local rate remembers evicted adapters until it decays away, so a
+    adapters, standard_weight for standard ones, 1 for interactive. The local rate remembers evicted adapters until it decays away, so a
     returning hot adapter is not the next victim the way it is under LRU.
     """
 
-    def __init__(self, half_life_s: float, heat_weight: float = 1.0, batch_weight: float = 0.5):
+    def __init__(
+        self, half_life_s: float, heat_weight: float = 1.0, batch_weight: float = 0.5, standard_weight: float = 0.75
+    ):
         super().__init__()
         self.local = DecayedRate(half_life_s)
         self.heat_weight = heat_weight
         self.batch_weight = batch_weight
+        self._slo_weight = {"interactive": 1.0, "standard": standard_weight, "batch": batch_weight}
         self._fleet: dict[str, float] = {}
 
     def touch(self, key: str, now: float) -> None:
@@ -107,7 +110,7 @@ class HeatPolicy(EvictionPolicy):
 
     def score(self, entry: Entry, now: float) -> float:
         rate = self.local.rate(entry.key, now) + self.heat_weight * self._fleet.get(entry.key, 0.0)
-        return rate * (self.batch_weight if entry.slo == "batch" else 1.0)
+        return rate * self._slo_weight[entry.slo]
 
 
 def make_policy(name: PolicyName, config: CacheConfig, half_life_s: float | None = None) -> EvictionPolicy:
@@ -116,4 +119,6 @@ def make_policy(name: PolicyName, config: CacheConfig, half_life_s: float | None
         return LruPolicy()
     if name == "lfu":
         return LfuPolicy()
-    return HeatPolicy(half_life_s or config.half_life_s, config.heat_weight, config.batch_weight)
+    return HeatPolicy(
+        half_life_s or config.half_life_s, config.heat_weight, config.batch_weight, config.standard_weight
+    )
