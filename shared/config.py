@@ -5,7 +5,7 @@ import socket
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from shared.schemas.base import SloClass
@@ -164,6 +164,26 @@ class DefaultQuota(BaseModel):
     )
 
 
+class SloTargets(BaseModel):
+    """Seconds from admission to the first token each SLO class aims for. A request waiting past its
+    class's target ranks as interactive in the queue, so no class starves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    interactive: float = Field(default=2.0, gt=0, le=3600)
+    standard: float = Field(default=8.0, gt=0, le=3600)
+    batch: float = Field(default=60.0, gt=0, le=86400)
+
+    def of(self, slo_class: SloClass) -> float:
+        return float(getattr(self, slo_class))
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SloTargets":
+        if not self.interactive <= self.standard <= self.batch:
+            raise ValueError("SLO targets must not shrink from interactive to standard to batch")
+        return self
+
+
 class SchedulerSettings(RequestBounds):
     dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
     no_worker_grace_s: float = Field(
@@ -185,9 +205,17 @@ class SchedulerSettings(RequestBounds):
     )
     vtc_input_weight: float = Field(default=1.0, ge=0, le=100, description="fairness charge per prompt token")
     vtc_output_weight: float = Field(default=2.0, ge=0, le=100, description="fairness charge per generated token")
-    slo_interactive_s: float = Field(default=2.0, gt=0, le=3600, description="queue-wait target of interactive")
-    slo_batch_s: float = Field(
-        default=30.0, gt=0, le=86400, description="queue-wait target of batch; past it a batch request goes first"
+    slo_ttft_s: SloTargets = Field(
+        default_factory=lambda: SloTargets(),
+        description="time-to-first-token target of each SLO class (LF_SLO_TTFT_S__<CLASS>)",
+    )
+    shed_overload: bool = Field(
+        default=True,
+        description="refuse at once (429 overloaded + Retry-After) a request the fleet's measured service rate "
+        "says would miss its class's TTFT target, instead of queueing it to miss it",
+    )
+    shed_min_samples: int = Field(
+        default=16, ge=1, le=100_000, description="completed requests measured before shedding starts"
     )
     capacity_headroom: int = Field(
         default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)"

@@ -71,7 +71,21 @@ ADAPTER_CPU_TIER_BYTES = Gauge("adapter_cpu_tier_bytes", "bytes of verified adap
 SCHEDULER_QUEUE_WAIT = Histogram(
     "scheduler_queue_wait_ms", "time a request waited in the scheduler's fair queue", ["priority"], buckets=_MS
 )
-SLO_MISSES = Counter("scheduler_slo_misses", "requests that waited past their class's queue-wait target", ["priority"])
+SLO_MISSES = Counter(
+    "scheduler_slo_misses", "requests that waited in the queue past their class's TTFT target", ["priority"]
+)
+SCHEDULER_SHED = Counter(
+    "scheduler_shed",
+    "requests refused at admission (429 overloaded): they would have missed their class's TTFT target",
+    ["slo_class"],
+)
+SCHEDULER_PREDICTED_TTFT = Gauge(
+    "scheduler_predicted_ttft_ms", "the last admission's predicted time to first token, by SLO class", ["slo_class"]
+)
+SCHEDULER_SERVICE_RATE = Gauge(
+    "scheduler_service_rate",
+    "requests/s the fleet serves for this scheduler (Little's law: running / mean service time)",
+)
 WORKERS_LOST = Counter("workers_lost", "workers dropped for silence, with requests failed over", ["outcome"])
 SCHEDULER_CONTROLS = Counter("scheduler_controls", "prefetch/evict directives sent to workers", ["action"])
 SCHEDULER_DISPATCHES = Counter("scheduler_dispatches", "requests a worker accepted from this scheduler", ["worker"])

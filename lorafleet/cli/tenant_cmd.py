@@ -14,6 +14,7 @@ from shared import subjects
 from shared.bus import request
 from shared.errors import LorafleetError
 from shared.schemas import (
+    SLO_CLASSES,
     ApiKeyCreatedReply,
     ApiKeysReply,
     CreateApiKeyRequest,
@@ -35,6 +36,7 @@ def _quota(args: argparse.Namespace) -> TenantQuota:
         tokens_per_min=args.tpm,
         max_concurrent=args.concurrent,
         max_gpu_adapter_slots=args.gpu_slots,
+        slo_tier=args.tier,
     )
 
 
@@ -115,6 +117,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     qset.add_argument("--tpm", type=int, help="tokens per minute")
     qset.add_argument("--concurrent", type=int, help="requests in flight at once")
     qset.add_argument("--gpu-slots", type=int, help="GPU adapter slots the tenant may hold")
+    qset.add_argument(
+        "--tier", choices=SLO_CLASSES, help="the highest SLO class its requests may ask for (x-lorafleet-priority)"
+    )
     for parser in (tenant, key, quota):
         for choice in parser.choices.values():
             choice.set_defaults(func=run)

@@ -29,6 +29,7 @@ from shared import subjects
 from shared.bus import request as bus_request
 from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
+    SLO_CLASSES,
     ChatMessage,
     ListModelsReply,
     ListModelsRequest,
@@ -37,6 +38,7 @@ from shared.schemas import (
     ReplyPromptLogprobs,
     ResolveRequest,
     SamplingParams,
+    SloClass,
     StructuredOutput,
     TokenLogprob,
 )
@@ -48,6 +50,7 @@ _tracer = tracer("gateway")
 log = structlog.get_logger("gateway")
 Body = ChatCompletionRequest | CompletionRequest
 CLIENT_CLOSED = 499
+PRIORITY_HEADER = "x-lorafleet-priority"
 
 
 def _ctx(request: Request) -> GatewayContext:
@@ -98,6 +101,26 @@ async def _check_prompt(ctx: GatewayContext, inputs: dict) -> None:
         )
 
 
+def _priority(request: Request, body: Body) -> SloClass | None:
+    """The SLO class the client asks for, in the header or the body (both: they must agree); the
+    scheduler checks it against the tenant's tier, for direct-NATS clients too."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is None:
+        return body.priority
+    value = header.strip().lower()
+    for slo_class in SLO_CLASSES:
+        if value == slo_class:
+            if body.priority is not None and body.priority != slo_class:
+                raise InvalidRequest(
+                    f"the {PRIORITY_HEADER} header ({slo_class}) and the body's priority ({body.priority}) differ",
+                    param="priority",
+                )
+            return slo_class
+    raise InvalidRequest(
+        f"{PRIORITY_HEADER} must be one of {', '.join(SLO_CLASSES)}, not {header[:32]!r}", param=PRIORITY_HEADER
+    )
+
+
 async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Response:
     """The handler's response; a client gone before it is ready cancels the request downstream."""
     try:
@@ -107,17 +130,23 @@ async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Respo
 
 
 async def _run(
-    ctx: GatewayContext, tenant: str, body: Body, inputs: dict, preview: bool = False
+    ctx: GatewayContext, tenant: str, body: Body, inputs: dict, preview: bool, priority: SloClass | None
 ) -> JSONResponse | StreamingResponse:
     request_id = uuid.uuid4().hex
     with _tracer.start_as_current_span(
         "gateway.request", attributes={"lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}
     ):
-        return await _submit(ctx, tenant, body, request_id, inputs, preview)
+        return await _submit(ctx, tenant, body, request_id, inputs, preview, priority)
 
 
 async def _submit(
-    ctx: GatewayContext, tenant: str, body: Body, request_id: str, inputs: dict, preview: bool
+    ctx: GatewayContext,
+    tenant: str,
+    body: Body,
+    request_id: str,
+    inputs: dict,
+    preview: bool,
+    priority: SloClass | None,
 ) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
     structured = body.structured()
@@ -143,6 +172,7 @@ async def _submit(
             sampling=sampling[i],
             stream=body.stream,
             timeout_s=ctx.settings.request_timeout_s,
+            priority=priority,
             **inputs,
         )
         for i in range(body.n)
@@ -258,7 +288,8 @@ async def chat_completions(
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
     _answered_calls(messages)
     inputs = {"messages": messages, "tools": body.tool_spec()}
-    return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes))
+    priority = _priority(request, body)
+    return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes, priority))
 
 
 @router.post(
@@ -269,7 +300,8 @@ async def completions(body: CompletionRequest, request: Request, caller: Princip
     ctx = _ctx(request)
     if len(body.prompt) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {ctx.settings.max_prompt_chars} characters", param="prompt")
-    return await _answer(request, _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes))
+    run = _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes, _priority(request, body))
+    return await _answer(request, run)
 
 
 async def _models(ctx: GatewayContext, tenant: str) -> ListModelsReply:

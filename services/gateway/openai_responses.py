@@ -86,12 +86,12 @@ class ModelList(BaseModel):
 _MEANING = {
     400: "invalid request: malformed body, unsupported parameter, or a bound exceeded",
     401: "missing, unknown or revoked API key",
-    403: "the API key lacks the scope this route needs",
+    403: "the API key lacks the scope this route needs, or asks for a priority above its tenant's tier",
     404: "unknown model or object, or one this tenant may not see (same answer for both)",
     409: "conflicts with the current state",
     410: "the adapter version was revoked",
     413: "request body too large",
-    429: "over the tenant's quota; see Retry-After",
+    429: "over the tenant's quota, or the fleet cannot serve the request's SLO class in time; see Retry-After",
     503: "no worker, scheduler or registry available",
     504: "the request exceeded its time bound",
 }

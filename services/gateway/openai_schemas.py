@@ -7,7 +7,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.errors import InvalidSchema
-from shared.schemas import StructuredOutput, ToolCall, ToolFunction, Tools
+from shared.schemas import SloClass, StructuredOutput, ToolCall, ToolFunction, Tools
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -150,6 +150,11 @@ class _Sampling(_Body):
         default=None, max_length=64, description="lorafleet extension (as vLLM): token ids that end the output"
     )
     ignore_eos: bool = Field(default=False, description="lorafleet extension, for benchmarks")
+    priority: SloClass | None = Field(
+        default=None,
+        description="lorafleet extension (or the x-lorafleet-priority header): the request's SLO class, at most "
+        "the tenant's tier (above it: 403 priority_not_allowed); unset = the tier",
+    )
 
     def bias(self) -> dict[int, float]:
         return {int(token): value for token, value in (self.logit_bias or {}).items()}

@@ -16,6 +16,7 @@ from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
+from services.scheduler.shedding import LoadShedder
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics
 from shared.catalog import Catalog
@@ -23,6 +24,7 @@ from shared.config import RequestBounds
 from shared.errors import (
     LorafleetError,
     NoResponders,
+    PriorityNotAllowed,
     QuotaExceeded,
     RequestIdInUse,
     ServiceUnavailable,
@@ -40,7 +42,9 @@ from shared.schemas import (
     ResolveReply,
     ResolveRequest,
     SloClass,
+    TenantQuota,
     WorkerControl,
+    slo_rank,
 )
 
 log = structlog.get_logger("scheduler")
@@ -51,6 +55,19 @@ def past_accept_deadline(request: InferRequest, wall: float) -> UpstreamTimeout 
     if request.accept_deadline is None or wall <= request.accept_deadline:
         return None
     return UpstreamTimeout("the request's accept deadline passed before it was scheduled")
+
+
+def slo_class_of(request: InferRequest, quota: TenantQuota) -> SloClass:
+    """The class the request runs in: the one it asks for, at most its tenant's tier (above it:
+    refused, never lowered silently), or the tier when it asks for none."""
+    tier = quota.slo_tier or "standard"
+    if request.priority is None:
+        return tier
+    if slo_rank(request.priority) < slo_rank(tier):
+        raise PriorityNotAllowed(
+            f"priority {request.priority} is above tenant {request.tenant_id}'s tier ({tier})", param="priority"
+        )
+    return request.priority
 
 
 class Handle(Protocol):
@@ -107,6 +124,7 @@ class Inflight:
     worker_id: str
     grant: Grant
     seq: int | None = None
+    started: float = field(default_factory=time.monotonic)  # when the worker accepted it
 
 
 @dataclass
@@ -118,7 +136,7 @@ class Dispatcher:
     quotas: Quotas
     fleet: Fleet
     queue: FairQueue[Queued]
-    slo_s: dict[str, float]
+    shedder: LoadShedder
     bounds: RequestBounds
     prompt_tokens: PromptTokens | None = None  # None: prompts bounded in characters only
     # request ids are per tenant: every in-flight map is keyed by (tenant, request id)
@@ -163,9 +181,14 @@ class Dispatcher:
         if self.dispatched.seen_here(tenant, rid):
             await self._served_before(request, handle, seq)
             return
+        quota = self.quotas.of(request.tenant_id)
         try:
+            slo_class = slo_class_of(request, quota)
             await check_submission(request, len(data), self.bounds, self.prompt_tokens)
             request = await self.grants.grant(request, preview)
+            now = time.monotonic()
+            room = self.fleet.choose(request, now=now) is not None
+            self.shedder.check(slo_class, self.queue.ahead_of(slo_class, now), room, len(self.inflight), now)
         except LorafleetError as e:
             if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
                 await self._served_before(request, handle, seq)
@@ -173,7 +196,6 @@ class Dispatcher:
             await self._refuse(request, e)
             await handle.term()
             return
-        quota = self.quotas.of(request.tenant_id)
         try:
             grant = await self.admission.admit(request, quota, self.dispatched.key(tenant, rid))
         except AlreadyDispatched:  # another scheduler (or this one before a restart) dispatched it
@@ -185,15 +207,18 @@ class Dispatcher:
             return
         # these are the scheduler's, never the client's (a direct-NATS client writes them): a client's
         # created_at would let the inflight sweep free the slot of a request still running, its
-        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time, and its
-        # preview would let the worker serve a staging version
+        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time, its
+        # preview would let the worker serve a staging version, and its TTFT target would be measured
         request = request.model_copy(
             update={
                 "created_at": time.time(),
                 "tenant_gpu_slots": quota.max_gpu_adapter_slots or None,  # the quota's 0 = no limit = None
                 "preview": preview,
+                "priority": slo_class,
+                "ttft_target_s": self.shedder.targets.of(slo_class),
             }
         )
+        self.shedder.admitted(slo_class, time.monotonic())
         item = Queued(request, handle, grant, seq)
         self.held[ref] = item
         self.queue.push(item)
@@ -285,7 +310,7 @@ class Dispatcher:
         self.queue.charge(request.tenant_id, *token_cost(request))
         waited = time.monotonic() - item.enqueued
         metrics.SCHEDULER_QUEUE_WAIT.labels(item.priority).observe(waited * 1000)
-        if waited > self.slo_s[item.priority]:
+        if waited > self.shedder.targets.of(item.priority):
             metrics.SLO_MISSES.labels(item.priority).inc()
         log.info("dispatched", request_id=rid, worker_id=worker_id, tenant=request.tenant_id)
         ended = self.early.pop(ref, {}).get(worker_id)  # other workers' runs of it were withdrawn
@@ -314,6 +339,8 @@ class Dispatcher:
             return  # another run
         del self.inflight[ref]
         self.fleet.ended(entry.worker_id, ref)
+        if event.outcome in ("stop", "length"):  # what a served request costs the fleet
+            self.shedder.ended(time.monotonic() - entry.started, event.ttft_ms / 1000)
         prompt_est, max_tokens = token_cost(entry.request)
         self.queue.charge(
             entry.request.tenant_id, event.prompt_tokens - prompt_est, event.completion_tokens - max_tokens

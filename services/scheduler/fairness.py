@@ -1,20 +1,21 @@
 """Fair queueing across tenants with virtual token counters (VTC, "Fairness in Serving Large
-Language Models", OSDI '24) inside two priority classes.
+Language Models", OSDI '24) inside three SLO classes.
 
 Each tenant has a counter charged ``input_weight`` per prompt token and ``output_weight`` per
 generated token. The backlogged tenant with the lowest counter is served next; a tenant that
 returns from idle is lifted to the lowest active counter, so idling earns no credit. Interactive
-requests go before batch ones, except a batch request waiting past its SLO target, which then
-ranks as interactive (batch never starves)."""
+requests go before standard ones and those before batch, except a request waiting past its class's
+TTFT target, which then ranks as interactive (no class starves)."""
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from shared.schemas import SloClass
+from shared.schemas import SloClass, slo_rank
 
 Priority = SloClass
+DEFAULT_TARGETS_S: Mapping[str, float] = {"interactive": 2.0, "standard": 8.0, "batch": 60.0}
 
 
 class Queueable(Protocol):
@@ -35,7 +36,7 @@ Q = TypeVar("Q", bound=Queueable)
 class FairQueue(Generic[Q]):
     input_weight: float = 1.0
     output_weight: float = 2.0
-    batch_slo_s: float = 30.0
+    targets_s: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TARGETS_S))  # class -> TTFT target
     counters: dict[str, float] = field(default_factory=dict)
     _queues: dict[str, deque[Q]] = field(default_factory=dict)  # tenant -> FIFO of its requests
     _floor: float = 0.0  # the lowest counter last seen active: where a returning tenant starts
@@ -96,8 +97,16 @@ class FairQueue(Generic[Q]):
             self._take(item)
         return found
 
+    def ahead_of(self, slo_class: SloClass, now: float) -> int:
+        """How many queued requests go before a new one of ``slo_class``: those of its class or higher,
+        and those promoted for waiting past their target."""
+        rank = slo_rank(slo_class)
+        return sum(1 for item in self if self._class_rank(item, now) <= rank)
+
     def _class_rank(self, item: Q, now: float) -> int:
-        return 0 if item.priority == "interactive" or now - item.enqueued > self.batch_slo_s else 1
+        if now - item.enqueued > self.targets_s[item.priority]:
+            return 0  # past its target: it ranks as interactive, so no class starves
+        return slo_rank(item.priority)
 
     def _take(self, item: Q) -> None:
         q = self._queues[item.tenant]

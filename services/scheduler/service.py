@@ -26,6 +26,7 @@ from services.scheduler.placement import Fleet
 from services.scheduler.ports import bus_ports
 from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
+from services.scheduler.shedding import LoadShedder
 from services.scheduler.upkeep import Periods, Upkeep
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
@@ -41,11 +42,12 @@ from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
-from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
+from shared.metrics import QUEUE_DEPTH, SCHEDULER_SERVICE_RATE, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef
 from shared.schemas import (
+    SLO_CLASSES,
     AuditEnvelope,
     CompletionAudit,
     WorkerControl,
@@ -99,8 +101,10 @@ def build(
         heat=Heat(redis, guard, prefix, settings.heat_half_life_s),
         quotas=Quotas.from_settings(settings),
         fleet=Fleet(settings.liveness_timeout_s, settings.capacity_headroom),
-        queue=FairQueue(settings.vtc_input_weight, settings.vtc_output_weight, settings.slo_batch_s),
-        slo_s={"interactive": settings.slo_interactive_s, "batch": settings.slo_batch_s},
+        queue=FairQueue(
+            settings.vtc_input_weight, settings.vtc_output_weight, {c: settings.slo_ttft_s.of(c) for c in SLO_CLASSES}
+        ),
+        shedder=LoadShedder(settings.slo_ttft_s, settings.shed_overload, settings.shed_min_samples),
         bounds=settings,
         prompt_tokens=prompt_tokens,
     )
@@ -264,6 +268,7 @@ class Scheduler:
     def _export_gauges(self) -> None:
         """Queue depth, and per worker what placement counts against it: a phantom shows here."""
         QUEUE_DEPTH.labels("scheduler").set(len(self.core.held))
+        SCHEDULER_SERVICE_RATE.set(self.core.shedder.rate(len(self.core.inflight)) or 0.0)
         workers = self.core.fleet.workers
         for gone in self._gauged - workers.keys():
             SCHEDULER_WORKER_INFLIGHT.remove(gone)

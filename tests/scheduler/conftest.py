@@ -83,6 +83,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "LF_DEFAULT_QUOTA__REQUESTS_PER_MIN": "0",
         "LF_DEFAULT_QUOTA__TOKENS_PER_MIN": "0",
         "LF_DEFAULT_QUOTA__MAX_CONCURRENT": "0",
+        "LF_SHED_OVERLOAD": "false",  # nor load shedding: a test turns it on where it is the subject
     }
     stack = Stack(env, root / "logs")
     running = Fleet(stack, nats, redis, f"http://127.0.0.1:{port}", model_dir)

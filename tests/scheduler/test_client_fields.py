@@ -56,3 +56,9 @@ async def test_a_queued_request_past_its_accept_deadline_is_answered_audited_and
     assert world.errors == {"late": "upstream_timeout"} and audited == [("acme", "late", "upstream_timeout")]
     after = await world.submit("after")  # the late request's concurrency slot is free again
     assert after.acts == [] and ("acme", "after") in world.core.held and "after" not in world.errors
+
+
+async def test_a_client_written_ttft_target_is_replaced_by_its_classs(world):
+    world.beat("w1")
+    await world.submit("lax", ttft_target_s=3600.0, priority="batch")  # a target it would always meet
+    assert world.requests["lax"].ttft_target_s == world.core.shedder.targets.batch

@@ -60,13 +60,24 @@ def test_returning_tenant_is_lifted_to_the_active_minimum_not_credited_for_idlin
 
 
 def test_interactive_goes_before_batch_until_batch_waits_past_its_slo():
-    queue = FairQueue(input_weight=1, output_weight=1, batch_slo_s=30)
+    queue = FairQueue(input_weight=1, output_weight=1, targets_s={"interactive": 2, "standard": 8, "batch": 30})
     old_batch = Item("b", priority="batch", enqueued=0.0)
     queue.push(old_batch)
     queue.push(Item("i", priority="interactive", enqueued=5.0))
     assert queue.pop(10.0, lambda _: True).tenant == "i"
     queue.push(Item("i", priority="interactive", enqueued=35.0))
     assert queue.pop(40.0, lambda _: True) is old_batch
+
+
+def test_three_classes_go_in_order_whatever_the_counters_and_count_what_goes_ahead():
+    queue = FairQueue(input_weight=1, output_weight=1, targets_s={"interactive": 2, "standard": 8, "batch": 30})
+    queue.charge("i", 0, 10_000)  # the interactive tenant has used far more: class still comes first
+    batch, standard, interactive = Item("b", "batch", 1.0), Item("s", "standard", 1.0), Item("i", "interactive", 1.0)
+    for item in (batch, standard, interactive):
+        queue.push(item)
+    assert [queue.ahead_of(c, 2.0) for c in ("interactive", "standard", "batch")] == [1, 2, 3]
+    assert queue.ahead_of("interactive", 9.5) == 2  # the standard one waited past 8 s: it ranks as interactive
+    assert [queue.pop(2.0, lambda _: True) for _ in range(3)] == [interactive, standard, batch]
 
 
 def test_a_request_no_worker_can_take_does_not_block_others():

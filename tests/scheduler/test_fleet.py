@@ -9,19 +9,30 @@ import nats
 import pytest
 
 from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.stack import wait_ready
 from shared import subjects
 from shared.bus import request
+from shared.errors import Conflict
 from shared.fingerprint import fingerprint_model_dir
-from shared.schemas import AdapterRecordsReply, CreateTenantRequest, PromoteRequest, TenantQuota, TenantsReply
+from shared.schemas import (
+    AdapterRecordsReply,
+    CreateTenantRequest,
+    PromoteRequest,
+    SetQuotaRequest,
+    TenantQuota,
+    TenantsReply,
+)
 from tests.scheduler.conftest import MODEL, Fleet
 
 BOUND_S = 90  # no request may take longer: "none hangs"
 
 
-async def chat(client: httpx.AsyncClient, key: str, model: str = MODEL, max_tokens: int = 4) -> httpx.Response:
+async def chat(
+    client: httpx.AsyncClient, key: str, model: str = MODEL, max_tokens: int = 4, priority: str | None = None
+) -> httpx.Response:
     return await client.post(
         "/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
+        headers={"Authorization": f"Bearer {key}", **({"x-lorafleet-priority": priority} if priority else {})},
         json={
             "model": model,
             "messages": [{"role": "user", "content": "Tell me about the sea."}],
@@ -131,6 +142,78 @@ async def test_a_flooding_tenant_leaves_the_quiet_one_its_fair_share(fleet):
         await asyncio.wait_for(asyncio.gather(*flood, *quiet), BOUND_S)
     last_quiet = max(i for i, name in enumerate(done) if name == "quiet")
     assert done[last_quiet + 1 :].count("flood") >= 12, done  # first come, first served would leave none
+
+
+async def _tier(fleet: Fleet, tenant: str, quota: TenantQuota) -> None:
+    """Give ``tenant`` this quota (creating it), then let the scheduler's mirror of the tenants bucket catch up."""
+    try:
+        await _registry(
+            fleet, "tenant_create", CreateTenantRequest(tenant_id=tenant, quota=quota, actor="t"), TenantsReply
+        )
+    except Conflict:
+        await _registry(fleet, "quota_set", SetQuotaRequest(tenant_id=tenant, quota=quota, actor="t"), TenantsReply)
+    await asyncio.sleep(1.0)
+
+
+async def _probes_under_flood(fleet: Fleet, flood_class: str, probe_class: str) -> list[float]:
+    """Seconds each of 4 one-token probes of ``probe_class`` took while the same tenant's flood of
+    ``flood_class`` requests queues in the scheduler (3 workers of 2 sequences take 6 at a time)."""
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+
+        async def timed(priority: str, max_tokens: int) -> float:
+            start = time.monotonic()
+            response = await chat(client, "key-demo", max_tokens=max_tokens, priority=priority)
+            assert response.status_code == 200, response.text
+            return time.monotonic() - start
+
+        flood = [asyncio.create_task(timed(flood_class, 24)) for _ in range(42)]
+        await asyncio.sleep(0.5)
+        probes = await asyncio.wait_for(asyncio.gather(*(timed(probe_class, 1) for _ in range(4))), BOUND_S)
+        await asyncio.wait_for(asyncio.gather(*flood), BOUND_S)
+    return sorted(probes)
+
+
+async def test_interactive_requests_overtake_a_batch_flood_that_one_class_would_make_them_wait_behind(fleet):
+    await _tier(fleet, "demo", TenantQuota(slo_tier="interactive"))
+    one_class = await _probes_under_flood(fleet, "standard", "standard")  # no classes: first come, first served
+    classes = await _probes_under_flood(fleet, "batch", "interactive")
+    # behind the flood the probes wait for about 6 of its waves; ahead of it, at most for one
+    assert classes[-1] < one_class[0] / 2, (classes, one_class)
+
+
+async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_scheduler_sheds_at_once(fleet):
+    await _tier(fleet, "other", TenantQuota(slo_tier="batch"))
+    async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+        raised = await chat(client, "key-other", priority="standard")
+        assert raised.status_code == 403 and raised.json()["error"]["code"] == "priority_not_allowed", raised.text
+        assert (await chat(client, "key-other", priority="batch")).status_code == 200
+    # a scheduler whose targets no queued request can meet: once it has measured the fleet, what
+    # would queue is refused in the admission, and what is admitted runs
+    await asyncio.to_thread(fleet.stack.stop, "scheduler")
+    tight = {"LF_SHED_OVERLOAD": "true", "LF_SHED_MIN_SAMPLES": "6"}
+    tight |= {f"LF_SLO_TTFT_S__{c}": "0.05" for c in ("INTERACTIVE", "STANDARD", "BATCH")}
+    fleet.stack.start("scheduler", tight)
+    try:
+        await asyncio.wait_for(wait_ready(fleet.nats.url, fleet.stack, ("scheduler",), 60), 90)
+        assert outcomes(await many(fleet, "key-demo", 6, max_tokens=4)) == {200: 6}  # measured: 6 samples
+        async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
+
+            async def timed() -> tuple[httpx.Response, float]:
+                start = time.monotonic()
+                response = await chat(client, "key-demo", max_tokens=24)
+                return response, time.monotonic() - start
+
+            results = await asyncio.wait_for(asyncio.gather(*(timed() for _ in range(30))), BOUND_S)
+        codes = outcomes([r for r, _ in results])
+        assert set(codes) == {200, 429} and codes[200] >= 6, codes  # the fleet's 6 sequences stay busy
+        for response, took in results:
+            if response.status_code == 429:
+                assert response.json()["error"]["code"] == "overloaded", response.text
+                assert int(response.headers["Retry-After"]) >= 1
+                assert took < 3.0, took  # refused at admission, not after waiting in the queue
+    finally:
+        await asyncio.to_thread(fleet.stack.stop, "scheduler")
+        await asyncio.to_thread(fleet.start_scheduler)
 
 
 async def test_scheduler_restart_mid_load_loses_nothing(fleet):
