@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from bench.load.run import RESULTS, LoadConfig, fire, open_target, result_of, write
 from bench.load.stack import VLLM_PYTHON
+from bench.load.traffic import parse_slo_mix
 
 QUICK = {
     "base_model": "tiny",
@@ -68,6 +69,9 @@ def add_load_options(parser: argparse.ArgumentParser, defaults: LoadConfig = DEF
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="client bound of one request")
     parser.add_argument("--drain-s", type=float, default=d.drain_s, help="wait for in-flight after the last send")
     parser.add_argument("--rank-mix", default=d.rank_mix, help="rank:weight,... of the registered adapters")
+    parser.add_argument(
+        "--slo-mix", default=d.slo_mix, help="interactive:w,standard:w,batch:w: the class each request asks for"
+    )
     parser.add_argument("--workers", type=int, default=d.workers, help="worker processes of the started stack")
     parser.add_argument("--push-concurrency", type=int, default=d.push_concurrency, help="adapters pushed at once")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="base-model requests before the run")
@@ -88,6 +92,7 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
             )
         if not VLLM_PYTHON.exists():
             raise ValueError(f"--engine vllm needs {VLLM_PYTHON}: run `make venv-vllm`")
+    parse_slo_mix(args.slo_mix)  # a ValueError names the bad entry
     if not 0 < args.adapters <= 1000 or args.tenants < 1 or args.count < 1 or args.duration_s <= 0:
         raise ValueError("want 1 <= --adapters <= 1000, --tenants >= 1, --count >= 1, --duration-s > 0")
     fields = {k: v for k, v in vars(args).items() if k in LoadConfig.__dataclass_fields__ and k != "keys"}

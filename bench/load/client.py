@@ -35,6 +35,8 @@ class Outcome:
     cache_hit: bool | None = None
     adapter: str | None = None  # as the gateway served it ("" = the base model)
     worker: str | None = None
+    priority: str | None = None  # the SLO class it asked for
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
 @dataclass(slots=True)
@@ -75,7 +77,7 @@ def _error_code(status: int, body: bytes) -> str:
 
 def chat_body(arrival: Arrival, max_tokens: int) -> dict:
     """Greedy, EOS ignored: every request generates exactly ``max_tokens`` tokens."""
-    return {
+    body = {
         "model": arrival.model,
         "messages": [{"role": "user", "content": arrival.prompt}],
         "max_tokens": max_tokens,
@@ -84,13 +86,18 @@ def chat_body(arrival: Arrival, max_tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if arrival.priority is not None:
+        body["priority"] = arrival.priority
+    return body
 
 
 async def send(
     client: httpx.AsyncClient, key: str, arrival: Arrival, *, max_tokens: int, timeout_s: float, lag_ms: float = 0.0
 ) -> Outcome:
     """One streamed chat request, bounded by ``timeout_s`` end to end."""
-    out = Outcome(arrival.index, arrival.tenant, arrival.model, "lost", None, arrival.at_s, lag_ms)
+    out = Outcome(
+        arrival.index, arrival.tenant, arrival.model, "lost", None, arrival.at_s, lag_ms, priority=arrival.priority
+    )
     stream = _Stream()
     started = time.perf_counter()
     try:
@@ -107,6 +114,9 @@ async def send(
                     out.cache_hit = r.headers["x-lorafleet-cache-hit"] == "true"
                 if r.status_code != 200:
                     out.status, out.code = "error", _error_code(r.status_code, await r.aread())
+                    out.latency_ms = (time.perf_counter() - started) * 1000  # how long a refusal took
+                    if "retry-after" in r.headers:
+                        out.retry_after_s = float(r.headers["retry-after"])
                     return out
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):

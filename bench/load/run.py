@@ -19,7 +19,7 @@ from bench.load.adapters import parse_rank_mix, plan_adapters, register_adapters
 from bench.load.client import Outcome, run_open_loop, send
 from bench.load.report import markdown, plot, summarize
 from bench.load.stack import BenchStack, create_tenants, list_models, start_stack, wait_keys
-from bench.load.traffic import Arrival, Population, prompt, schedule
+from bench.load.traffic import Arrival, Population, parse_slo_mix, prompt, schedule
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -40,6 +40,7 @@ class LoadConfig:
     timeout_s: float = 120.0
     drain_s: float = 130.0
     rank_mix: str = "8:4,16:3,32:2,64:1"
+    slo_mix: str = ""  # interactive:w,standard:w,batch:w: the SLO class each request asks for ('' = none)
     workers: int = 1
     push_concurrency: int = 8
     warmup: int = 2
@@ -141,6 +142,7 @@ def arrivals_for(target: Target, config: LoadConfig) -> list[Arrival]:
         zipf_s=config.zipf_s,
         base_share=config.base_share,
         seed=config.seed,
+        slo_mix=parse_slo_mix(config.slo_mix),
     )
 
 

@@ -18,7 +18,15 @@ from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared import subjects
 from shared.base_model import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from shared.bus import request
-from shared.schemas import ApiKeyCreatedReply, CreateApiKeyRequest, CreateTenantRequest, TenantsReply
+from shared.schemas import (
+    ApiKeyCreatedReply,
+    CreateApiKeyRequest,
+    CreateTenantRequest,
+    SetQuotaRequest,
+    SloClass,
+    TenantQuota,
+    TenantsReply,
+)
 
 # a benchmark measures the platform's capacity, not the tenant limits a deployment starts with
 UNLIMITED_QUOTAS = {
@@ -165,6 +173,18 @@ async def create_tenants(nats_url: str, tenants: list[str]) -> dict[str, str]:
     finally:
         await nc.drain()
     return keys
+
+
+async def set_tiers(nats_url: str, tenants: list[str], tier: SloClass) -> None:
+    """Give each tenant the SLO tier ``tier`` (its other limits stay unlimited by the stack's defaults)."""
+    nc = await cli_connect(nats_url)
+    try:
+        for tenant in tenants:
+            quota = TenantQuota(slo_tier=tier)
+            message = SetQuotaRequest(tenant_id=tenant, quota=quota, actor=ACTOR)
+            await request(nc, subjects.registry("quota_set"), message, TenantsReply, 10)
+    finally:
+        await nc.drain()
 
 
 async def list_models(url: str, key: str) -> list[dict]:

@@ -52,6 +52,7 @@ class Arrival:
     tenant: str
     model: str  # an adapter id, or the base model
     prompt: str
+    priority: str | None = None  # the SLO class asked for (x-lorafleet-priority); None = the tenant's tier
 
 
 def poisson_times(rate: float, count: int, duration_s: float, rng: random.Random) -> list[float]:
@@ -85,14 +86,40 @@ def prompt(rng: random.Random) -> str:
     return rng.choice(ASKS).format(topic=rng.choice(TOPICS))
 
 
+def parse_slo_mix(text: str) -> dict[str, float]:
+    """``interactive:1,standard:2,batch:1`` -> class -> weight ('' = no classes asked for)."""
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = part.partition(":")
+        if name not in ("interactive", "standard", "batch") or not weight:
+            raise ValueError(f"bad SLO mix entry {part!r}: want interactive|standard|batch:<weight>")
+        mix[name] = float(weight)
+        if mix[name] < 0:
+            raise ValueError(f"bad SLO mix weight {part!r}")
+    if mix and sum(mix.values()) <= 0:
+        raise ValueError("an SLO mix needs a positive weight")
+    return mix
+
+
 def schedule(
-    population: Population, *, rate: float, count: int, duration_s: float, zipf_s: float, base_share: float, seed: int
+    population: Population,
+    *,
+    rate: float,
+    count: int,
+    duration_s: float,
+    zipf_s: float,
+    base_share: float,
+    seed: int,
+    slo_mix: dict[str, float] | None = None,
 ) -> list[Arrival]:
     """Every request of a run, in time order.
 
     A request asks for the base model with probability ``base_share`` (its tenant uniform), else for an
-    adapter drawn zipf(``zipf_s``) over all adapters, sent by the adapter's owner."""
+    adapter drawn zipf(``zipf_s``) over all adapters, sent by the adapter's owner. With ``slo_mix`` each
+    asks for an SLO class drawn by weight, from its own seeded stream: the models and times stay those
+    of the same seed without a mix."""
     rng = random.Random(seed)
+    classes = random.Random(f"slo-{seed}")
     times = poisson_times(rate, count, duration_s, rng)
     ranked = popularity_order(population.adapters, seed)
     cumulative = list(accumulate(zipf_weights(len(ranked), zipf_s))) if ranked else []
@@ -102,5 +129,6 @@ def schedule(
             tenant, model = rng.choice(population.tenants), population.base_model
         else:
             model, tenant = rng.choices(ranked, cum_weights=cumulative)[0]
-        arrivals.append(Arrival(index, at_s, tenant, model, prompt(rng)))
+        priority = classes.choices(list(slo_mix), weights=list(slo_mix.values()))[0] if slo_mix else None
+        arrivals.append(Arrival(index, at_s, tenant, model, prompt(rng), priority))
     return arrivals
