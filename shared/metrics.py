@@ -1,9 +1,14 @@
 """Prometheus metric families, defined once; each service exports the ones it records."""
 
+import contextlib
 import threading
+import time
+from collections.abc import Callable
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from shared.decay import DecayedRate
 
 log = structlog.get_logger("metrics")
 
@@ -23,17 +28,17 @@ TPOT = Histogram(
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 ADAPTER_TOKENS = Counter(
-    "adapter_tokens", "generated tokens per adapter (the first N adapters seen, the rest as other)", ["adapter"]
+    "adapter_tokens", "generated tokens per adapter (the top N adapters by traffic, the rest as other)", ["adapter"]
 )
 ADAPTER_TTFT = Histogram(
     "adapter_ttft_ms",
-    "time to first token per adapter (the first N adapters seen, the rest as other)",
+    "time to first token per adapter (the top N adapters by traffic, the rest as other)",
     ["adapter"],
     buckets=_MS,
 )
 ADAPTER_TPOT = Histogram(
     "adapter_tpot_ms",
-    "time per output token per adapter (the first N adapters seen, the rest as other)",
+    "time per output token per adapter (the top N adapters by traffic, the rest as other)",
     ["adapter"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
@@ -95,22 +100,59 @@ SCHEDULER_WORKER_INFLIGHT = Gauge(
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 
 
-class BoundedLabel:
-    """Keeps a label's cardinality bounded: the first ``limit`` values are kept, the rest read ``other``."""
+class TopLabels:
+    """Keeps a label's cardinality bounded to the ``limit`` values with the most traffic, the rest
+    reading ``other``.
 
-    def __init__(self, limit: int = 50):
+    Traffic is a decayed request rate (half-life ``half_life_s``). Until ``limit`` values are seen each
+    new one gets its own series. Every ``rerank_s`` the top ``limit`` by rate are chosen again: a value
+    that leaves the top has its series removed from ``families`` (Prometheus marks them stale), and its
+    later traffic reads ``other``. A value that enters the top starts a series of its own from then on."""
+
+    def __init__(
+        self,
+        limit: int,
+        families: tuple[Counter | Histogram | Gauge, ...] = (),
+        half_life_s: float = 300.0,
+        rerank_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.limit = limit
-        self._seen: set[str] = set()
+        self.families = families
+        self.rerank_s = rerank_s
+        self._clock = clock
+        self._rate = DecayedRate(half_life_s)
+        self._top: set[str] = set()
+        self._ranked_at = clock()
         self._lock = threading.Lock()
 
     def __call__(self, value: str) -> str:
         with self._lock:
-            if value in self._seen:
+            now = self._clock()
+            self._rate.bump(value, now)
+            if now - self._ranked_at >= self.rerank_s:
+                self._rerank(now)
+            if value in self._top:
                 return value
-            if len(self._seen) < self.limit:
-                self._seen.add(value)
+            if len(self._top) < self.limit:
+                self._top.add(value)
                 return value
         return "other"
+
+    def top(self) -> set[str]:
+        with self._lock:
+            return set(self._top)
+
+    def _rerank(self, now: float) -> None:
+        self._ranked_at = now
+        rates = self._rate.snapshot(now)
+        ranked = sorted(rates, key=lambda v: (-rates[v], v))[: self.limit]
+        keep = set(ranked)
+        for gone in self._top - keep:
+            for family in self.families:
+                with contextlib.suppress(KeyError):
+                    family.remove(gone)
+        self._top = keep
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int | None:

@@ -113,7 +113,9 @@ class RequestServer:
         self.tasks: dict[RequestRef, asyncio.Task] = {}
         self._jobs: dict[RequestRef, Job] = {}
         self._stop_errors: dict[RequestRef, LorafleetError] = {}
-        self._adapter_label = metrics.BoundedLabel(adapter_metric_labels)
+        self._adapter_label = metrics.TopLabels(
+            adapter_metric_labels, (metrics.ADAPTER_TOKENS, metrics.ADAPTER_TTFT, metrics.ADAPTER_TPOT)
+        )
         self._recent: OrderedDict[RequestRef, None] = OrderedDict()  # accepted or cancelled here
         self._cancelled: OrderedDict[RequestRef, None] = OrderedDict()
 

@@ -35,7 +35,11 @@ class WorkerSettings(WorkerIdentity):
     )
     heat_refresh_s: float = Field(default=5.0, gt=0, le=600, description="how often fleet heat is read from Redis")
     adapter_metric_labels: int = Field(
-        default=50, ge=0, le=10_000, description="adapters with their own per-adapter metric series; the rest: other"
+        default=50,
+        ge=0,
+        le=10_000,
+        description="adapters with their own per-adapter metric series: the top N by traffic, re-ranked every "
+        "30 s; the rest: other",
     )
 
     @model_validator(mode="after")
