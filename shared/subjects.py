@@ -22,6 +22,7 @@ AUDITOR_QUERY = f"{PREFIX}.auditor.query"  # outside lf.audit.> so the AUDIT str
 AUDIT_HEADS_STREAM = "AUDIT_HEADS"
 AUDITOR_HEAD_ALL = f"{PREFIX}.auditor.head.>"
 SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
+SUPERVISOR_STATUS = f"{PREFIX}.supervisor.status"  # lorafleet up's restarts, for the gateway's /readyz
 # CatalogSync: registry write -> every catalog mirror (gateways, schedulers, workers); named for the first
 GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"
 SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request

@@ -142,6 +142,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 subjects.SERVICE_HEARTBEAT_ALL,
                 subjects.WORKER_HEARTBEAT,
                 subjects.GATEWAY_CATALOG_SYNC,
+                subjects.SUPERVISOR_STATUS,
             ),
             allow_responses=True,  # its catalog-sync confirmations
         ),

@@ -5,15 +5,18 @@ import asyncio
 import json
 import os
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lorafleet.cli.demo import curl_example, seed_demo_adapters
 from lorafleet.cli.demo_fit import ServedModel
 from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
-from lorafleet.cli.infra import pick_port, start_redis
-from lorafleet.cli.nats_auth import start_secured_nats
+from lorafleet.cli.infra import Server, pick_port, start_redis
+from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats
 from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
+from lorafleet.cli.supervisor import Child, Supervisor, supervise
 from shared.errors import LorafleetError
 
 
@@ -45,6 +48,34 @@ def example(port: int, key: str, model: str) -> str:
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
+
+
+def _children(stack: Stack, nats: Server, redis: Server, auth: LocalAuth) -> list[Child]:
+    """nats-server, redis-server and each service, as the supervisor restarts them."""
+    children = [
+        Child("nats", lambda: nats.proc, nats.start, nats.log_file),
+        Child("redis", lambda: redis.proc, redis.start, redis.log_file),
+    ]
+    children.extend(
+        Child(
+            name,
+            lambda name=name: stack.procs[name],  # type: ignore[misc]
+            lambda name=name: stack.start(name, extra_env=auth.service_env(name)),  # type: ignore[misc]
+            stack.log_dir / f"{name}.log",
+        )
+        for name in SERVICES
+    )
+    return children
+
+
+def _say_to(log_file: Path) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}"
+        print(stamped, flush=True)
+        with open(log_file, "a") as f:
+            f.write(stamped + "\n")
+
+    return say
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,10 +143,14 @@ def run(args: argparse.Namespace) -> int:
             f"direct NATS as the demo tenant (README, 'Use NATS directly'; one NATS user per worker):\n"
             f"  {tenant_env(nats.url, DEMO_TENANT, auth.tenant_password(DEMO_TENANT))}"
         )
+        print(
+            f"every process is supervised: one that exits is restarted with backoff "
+            f"(log: {state / 'logs' / 'supervisor.log'}; pids: {state / 'processes.json'})"
+        )
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
-        while True:
-            signal.pause()
+        supervisor = Supervisor(_children(stack, nats, redis, auth), say=_say_to(state / "logs" / "supervisor.log"))
+        asyncio.run(supervise(supervisor, auth.admin_url(nats.url), state / "processes.json"))
     except (KeyboardInterrupt, RuntimeError, TimeoutError, LorafleetError) as e:
         if not isinstance(e, KeyboardInterrupt):
             print(f"error: {e}")

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from shared.liveness import Liveness
-from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+from shared.schemas import ServiceHeartbeat, SupervisorStatus, WorkerHeartbeat
 
 REQUIRED = ("scheduler",)
 # the registry answers refusals, new models and the admin API; a gateway whose catalog mirror is
@@ -16,9 +16,11 @@ class ClusterView:
     timeout_s: float
     services: dict[str, Liveness[ServiceHeartbeat]] = field(default_factory=dict)
     workers: Liveness[WorkerHeartbeat] = field(init=False)
+    supervisors: Liveness[SupervisorStatus] = field(init=False)  # lorafleet up's, by host
 
     def __post_init__(self) -> None:
         self.workers = Liveness(self.timeout_s)
+        self.supervisors = Liveness(self.timeout_s)
         for name in REQUIRED + OPTIONAL:
             self.services[name] = Liveness(self.timeout_s)
 
@@ -28,6 +30,18 @@ class ClusterView:
 
     def on_worker(self, beat: WorkerHeartbeat) -> None:
         self.workers.seen(beat.worker_id, beat)
+
+    def on_supervisor(self, status: SupervisorStatus) -> None:
+        self.supervisors.seen(status.host, status)
+
+    def supervised(self) -> dict[str, str]:
+        """Process -> "restarting: ..." / "failed: ..." for those a live supervisor does not have running."""
+        out: dict[str, str] = {}
+        for status in self.supervisors.alive().values():
+            for p in status.processes:
+                if p.state != "running":
+                    out[p.name] = f"{p.state}: {p.detail.splitlines()[0] if p.detail else ''}".rstrip(": ")
+        return out
 
     def unavailable(self) -> str | None:
         """Why a request cannot be served right now (a missing piece of its path), or None."""
@@ -53,6 +67,13 @@ class ClusterView:
                 components[name] = "missing"
         workers = self.ready_workers()
         components["workers"] = f"{len(workers)} ready" if workers else "missing"
+        supervised = self.supervised()
+        for name, state in supervised.items():  # a missing component the supervisor is bringing back
+            component = "workers" if name == "worker" else name
+            if components.get(component, "missing") == "missing":
+                components[component] = state
+        if self.supervisors.alive():
+            components["supervisor"] = "; ".join(f"{n} {s}" for n, s in sorted(supervised.items())) or "ok"
         components["catalog"] = "mirrored" if catalog_loaded else "loading"
         ready = (
             all(components[name] == "ok" for name in REQUIRED)

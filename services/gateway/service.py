@@ -18,7 +18,7 @@ from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.prompt_tokens import PromptTokens
-from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+from shared.schemas import ServiceHeartbeat, SupervisorStatus, WorkerHeartbeat
 from shared.telemetry import setup_tracing
 
 
@@ -44,8 +44,15 @@ async def run(settings: GatewaySettings) -> None:
             except Exception as e:
                 log.warning("bad_heartbeat", error=str(e))
 
+        async def on_supervisor(msg) -> None:
+            try:
+                cluster.on_supervisor(decode(SupervisorStatus, msg.data))
+            except Exception as e:
+                log.warning("bad_supervisor_status", error=str(e))
+
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_service)
         await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker)
+        await nc.subscribe(subjects.SUPERVISOR_STATUS, cb=on_supervisor)
         tokens = None
         if settings.max_prompt_tokens:
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))

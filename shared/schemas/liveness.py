@@ -69,3 +69,18 @@ class ServiceHeartbeat(Message):
     detail: str = Field(default="", max_length=500)
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
     ts: float = Field(default_factory=time.time)
+
+
+class SupervisedProcess(Message):
+    name: str = Field(min_length=1, max_length=64)
+    state: Literal["running", "restarting", "failed"]
+    restarts: int = Field(ge=0, description="restarts since the supervisor started it")
+    detail: str = Field(default="", max_length=2000, description="why it restarts, or its last log lines")
+
+
+class SupervisorStatus(Message):
+    """What ``lorafleet up`` supervises on one machine and the state of each process it started."""
+
+    host: str = Field(min_length=1, max_length=256)
+    processes: list[SupervisedProcess] = Field(default_factory=list, max_length=64)
+    ts: float = Field(default_factory=time.time)

@@ -103,3 +103,59 @@ def test_the_printed_example_answers_through_the_gateway(up: Up) -> None:
     assert answer["model"] == MODEL
     assert answer["choices"] and answer["choices"][0]["finish_reason"] in ("stop", "length")
     assert answer["usage"]["completion_tokens"] > 0
+
+
+SUPERVISED = ("worker", "scheduler", "gateway", "registry", "auditor", "redis", "nats")
+BACK_S = 150  # bound on a process being back and the stack answering again
+
+
+def _serves(url: str, key: str, body: dict) -> bool:
+    try:
+        reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    except httpx.HTTPError:
+        return False
+    return reply.status_code == 200
+
+
+@pytest.mark.timeout(BACK_S * len(SUPERVISED) + 60)
+def test_every_process_it_started_comes_back_after_kill_9_and_the_stack_serves_again(up: Up) -> None:
+    url, key, body = _example(up.lines)
+    body = {**body, "max_tokens": 4}
+    pids_file = up.state / "processes.json"
+    assert set(json.loads(pids_file.read_text())) == set(SUPERVISED)
+    answered: list[int | str] = []  # light load all along: every request ends, served or with a typed error
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=90)
+                answered.append(reply.status_code if reply.status_code == 200 else reply.json()["error"]["code"])
+            except httpx.TransportError:  # the gateway itself is down: nothing was accepted
+                answered.append("no_connection")
+            stop.wait(0.5)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        for name in SUPERVISED:
+            old = json.loads(pids_file.read_text())[name]
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + BACK_S
+            while json.loads(pids_file.read_text())[name] == old:
+                assert time.monotonic() < deadline, f"{name} was not restarted"
+                time.sleep(0.2)
+            while not _serves(url, key, body):
+                assert time.monotonic() < deadline, f"not serving again after {name} was killed"
+                time.sleep(0.5)
+    finally:
+        stop.set()
+        loader.join(120)
+    assert up.proc.poll() is None
+    assert not loader.is_alive()  # no request hung past its bound
+    assert answered.count(200) > len(SUPERVISED), answered
+    log = (up.state / "logs" / "supervisor.log").read_text()
+    for name in SUPERVISED:
+        assert f"{name} exited with code -9" in log and f"{name} restarted (1 so far)" in log, log
+    ready = httpx.get(url.replace("/v1/chat/completions", "/readyz"), timeout=10).json()
+    assert ready["ready"] and ready["components"]["supervisor"] == "ok", ready

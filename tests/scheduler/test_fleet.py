@@ -9,6 +9,7 @@ import nats
 import pytest
 
 from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.infra import free_port
 from lorafleet.cli.stack import wait_ready
 from shared import subjects
 from shared.bus import request
@@ -144,6 +145,14 @@ async def test_a_flooding_tenant_leaves_the_quiet_one_its_fair_share(fleet):
     assert done[last_quiet + 1 :].count("flood") >= 12, done  # first come, first served would leave none
 
 
+def _sample(text: str, series: str) -> float:
+    """The value of one series in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in the scrape")
+
+
 async def _tier(fleet: Fleet, tenant: str, quota: TenantQuota) -> None:
     """Give ``tenant`` this quota (creating it), then let the scheduler's mirror of the tenants bucket catch up."""
     try:
@@ -190,7 +199,8 @@ async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_schedu
     # a scheduler whose targets no queued request can meet: once it has measured the fleet, what
     # would queue is refused in the admission, and what is admitted runs
     await asyncio.to_thread(fleet.stack.stop, "scheduler")
-    tight = {"LF_SHED_OVERLOAD": "true", "LF_SHED_MIN_SAMPLES": "6"}
+    metrics_port = free_port()
+    tight = {"LF_SHED_OVERLOAD": "true", "LF_SHED_MIN_SAMPLES": "6", "LF_METRICS_PORT": str(metrics_port)}
     tight |= {f"LF_SLO_TTFT_S__{c}": "0.05" for c in ("INTERACTIVE", "STANDARD", "BATCH")}
     fleet.stack.start("scheduler", tight)
     try:
@@ -211,6 +221,13 @@ async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_schedu
                 assert response.json()["error"]["code"] == "overloaded", response.text
                 assert int(response.headers["Retry-After"]) >= 1
                 assert took < 3.0, took  # refused at admission, not after waiting in the queue
+        async with httpx.AsyncClient(timeout=10) as client:
+            scraped = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        shed = _sample(scraped, 'scheduler_shed_total{slo_class="interactive"}')
+        assert shed == codes[429], scraped  # each refusal counted under its class (demo's tier)
+        assert _sample(scraped, 'scheduler_predicted_ttft_ms{slo_class="interactive"}') > 0
+        assert _sample(scraped, "scheduler_service_rate") > 0
+        assert _sample(scraped, 'scheduler_queue_wait_ms_count{priority="interactive"}') >= codes[200]
     finally:
         await asyncio.to_thread(fleet.stack.stop, "scheduler")
         await asyncio.to_thread(fleet.start_scheduler)
