@@ -1,9 +1,11 @@
 """NATS plumbing: connect with reconnect, JetStream streams, typed request-reply, shutdown signals."""
 
 import asyncio
+import dataclasses
 import io
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import nats
@@ -13,7 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel, ValidationError
@@ -44,10 +46,14 @@ MAX_MESSAGE_BYTES = 1_048_576
 PLAIN_GET_MAX_BYTES = 2 * 2**20  # objects up to this size are read with nats-py's plain get
 
 
-def streams(limits: StreamLimits) -> tuple[StreamConfig, ...]:
-    """The platform's streams, bounded by ``limits``. INFER refuses a submission beyond its bounds
-    (the publisher gets a typed refusal, see ``publish_refusal``); AUDIT and ADAPTER_EVENTS drop their
-    oldest messages instead."""
+def streams(limits: StreamLimits, replicas: int = 1) -> tuple[StreamConfig, ...]:
+    """The platform's streams, bounded by ``limits``, each on ``replicas`` servers. INFER refuses a
+    submission beyond its bounds (the publisher gets a typed refusal, see ``publish_refusal``); AUDIT
+    and ADAPTER_EVENTS drop their oldest messages instead."""
+    return tuple(dataclasses.replace(c, num_replicas=replicas) for c in _streams(limits))
+
+
+def _streams(limits: StreamLimits) -> tuple[StreamConfig, ...]:
     return (
         StreamConfig(
             name=subjects.INFER_STREAM,
@@ -157,6 +163,7 @@ async def connect(
 
 
 _COMPARED = (
+    "num_replicas",
     "subjects",
     "retention",
     "storage",
@@ -185,21 +192,77 @@ def _drifted(wanted: StreamConfig, actual: StreamConfig) -> bool:
     return False
 
 
-async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = None) -> None:
-    """Create a missing stream, or bring a drifted one to this configuration; ``limits`` default
-    to this process's ``LF_STREAMS__*``.
+async def ensure_streams(
+    js: JetStreamContext, limits: StreamLimits | None = None, replicas: int | None = None
+) -> list["Placement"]:
+    """Create a missing stream, or bring a drifted one to this configuration; ``limits`` and
+    ``replicas`` default to this process's ``LF_STREAMS__*`` and ``LF_JETSTREAM_REPLICAS``. Returns
+    where each stream lives; a stream on fewer servers than asked for raises ``PlacementError``.
 
     A stream already as configured costs one ``STREAM.INFO``, so a service whose NATS user
     may not create or update streams starts fine once ``lorafleet nats setup`` made them."""
-    for config in streams(limits or CommonSettings().streams):
+    settings = CommonSettings()
+    wanted = replicas or settings.jetstream_replicas
+    placed = []
+    for config in streams(limits or settings.streams, wanted):
         assert config.name is not None, "every platform stream is named"
         try:
             info = await js.stream_info(config.name)
         except NotFoundError:
-            await js.add_stream(config)
-            continue
-        if _drifted(config, info.config):
-            await js.update_stream(config)
+            info = await js.add_stream(config)
+        else:
+            if _drifted(config, info.config):
+                info = await js.update_stream(config)
+        placed.append(checked_placement(info, wanted))
+    return placed
+
+
+async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int | None = None, check: bool = False) -> int:
+    """The replica count ``stream`` (a KV bucket's or object store's) should have (``replicas``, default
+    ``LF_JETSTREAM_REPLICAS``); an existing one with another count is updated to it. With ``check``
+    its placement is verified and logged (``PlacementError`` if short)."""
+    wanted = replicas or CommonSettings().jetstream_replicas
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return wanted  # created next, with this count
+    if (info.config.num_replicas or 1) != wanted:
+        info = await js.update_stream(dataclasses.replace(info.config, num_replicas=wanted))
+    if check:
+        checked_placement(info, wanted)
+    return wanted
+
+
+class PlacementError(RuntimeError):
+    """A stream, KV bucket or object store lives on fewer servers than its replica count asks for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    stream: str
+    replicas: int  # asked for
+    leader: str | None  # None: a single server (no cluster)
+    peers: tuple[str, ...]  # the other servers holding a copy
+
+    def __str__(self) -> str:
+        where = f"leader {self.leader}, peers {', '.join(self.peers) or '-'}" if self.leader else "single server"
+        return f"{self.stream}: R{self.replicas} ({where})"
+
+
+def checked_placement(info: StreamInfo, wanted: int) -> Placement:
+    """Where the stream of ``info`` lives, logged; ``PlacementError`` if on fewer servers than ``wanted``."""
+    name = str(info.config.name)
+    cluster = info.cluster
+    peers = tuple(sorted(p.name for p in (cluster.replicas or []) if p.name)) if cluster else ()
+    placement = Placement(name, info.config.num_replicas or 1, cluster.leader if cluster else None, peers)
+    holders = (1 if placement.leader else 0) + len(peers) if cluster else 1
+    if placement.replicas < wanted or holders < wanted:
+        raise PlacementError(
+            f"{name} is on {holders} server(s) with replicas={placement.replicas}, but LF_JETSTREAM_REPLICAS is "
+            f"{wanted}: run a NATS cluster of at least {wanted} nodes with JetStream on each"
+        )
+    log.info("stream_placement", stream=name, replicas=placement.replicas, leader=placement.leader, peers=peers)
+    return placement
 
 
 FOLLOW_HEARTBEAT_S = 1.0  # an ordered consumer silent for two of these is rebuilt (after a server restart)

@@ -78,6 +78,13 @@ class CommonSettings(BaseSettings):
         default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key"
     )
     streams: StreamLimits = Field(default_factory=StreamLimits, description="JetStream stream bounds (LF_STREAMS__*)")
+    jetstream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="replicas of every stream, KV bucket and object store (3 on a 3-node NATS cluster); every "
+        "process that creates them applies it, so give all the same value",
+    )
 
     def nats_credentials(self) -> tuple[str, str] | None:
         """(user, password) for NATS, or None when this deployment runs without NATS auth."""

@@ -1,13 +1,17 @@
 """Start the embedded infrastructure: nats-server (JetStream) and redis-server, on chosen ports."""
 
+import asyncio
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import nats
 
 
 class InfraError(RuntimeError):
@@ -111,6 +115,74 @@ def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config:
     proc = _spawn(args, log_file)
     wait_port(port, 15, proc)
     return Server("nats", port, proc, f"nats://127.0.0.1:{port}", args, log_file)
+
+
+def start_nats_cluster(
+    ports: Sequence[int],
+    state_dir: Path,
+    log_dir: Path | None = None,
+    config: Path | None = None,
+    name: str = "lorafleet",
+) -> list[Server]:
+    """A NATS cluster on this machine: one nats-server per client port in ``ports``, each with JetStream
+    (its store under ``state_dir/<node>``) and routes to all the others on free cluster ports, so that
+    streams with replicas up to ``len(ports)`` can be placed. Node ``i`` is named ``<name>-n<i>``;
+    ``config`` (the permission model) applies to every node. Each server restarts as it was with
+    ``Server.start``; clients take ``cluster_url(servers)``."""
+    cluster_ports = [free_port() for _ in ports]
+    routes = ",".join(f"nats://127.0.0.1:{p}" for p in cluster_ports)
+    servers = []
+    for i, (port, cluster_port) in enumerate(zip(ports, cluster_ports, strict=True), start=1):
+        node = f"{name}-n{i}"
+        (state_dir / node).mkdir(parents=True, exist_ok=True)
+        args: tuple[str, ...] = (
+            nats_server_binary(),
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-sd",
+            str(state_dir / node),
+            "-n",
+            node,
+            "--cluster_name",
+            name,
+            "--cluster",
+            f"nats://127.0.0.1:{cluster_port}",
+            "--routes",
+            routes,
+        )
+        if config is not None:
+            args += ("-c", str(config))
+        log_file = log_dir / f"{node}.log" if log_dir else None
+        servers.append(Server(node, port, _spawn(args, log_file), f"nats://127.0.0.1:{port}", args, log_file))
+    for server in servers:
+        wait_port(server.port, 15, server.proc)
+    return servers
+
+
+def cluster_url(servers: Sequence[Server]) -> str:
+    """Every node's client URL, comma separated: what LF_NATS_URL takes."""
+    return ",".join(server.url for server in servers)
+
+
+async def wait_jetstream(url: str, timeout_s: float = 30.0, credentials: tuple[str, str] | None = None) -> None:
+    """Return once JetStream answers (a new cluster has elected its meta leader); else InfraError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        user, password = credentials or (None, None)
+        try:
+            nc = await nats.connect(url.split(","), user=user, password=password, connect_timeout=2)
+            try:
+                await nc.jetstream().account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception as e:
+            if time.monotonic() > deadline:
+                raise InfraError(f"JetStream not available at {url} after {timeout_s:.0f}s: {e}") from None
+            await asyncio.sleep(0.5)
 
 
 def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Server:

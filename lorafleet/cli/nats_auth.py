@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from lorafleet.cli import nats_snippets
-from lorafleet.cli.infra import Server, start_nats
+from lorafleet.cli.infra import Server, cluster_url, start_nats, start_nats_cluster, wait_jetstream
 from lorafleet.cli.nats_permissions import (
     ADMIN,
     AUDIT_READER,
@@ -290,8 +290,9 @@ class LocalAuth:
         return ADMIN, self.creds.users[ADMIN]
 
     def admin_url(self, nats_url: str) -> str:
-        """``nats_url`` with the admin credentials in it, for in-process clients (wait_ready)."""
-        return nats_url.replace("nats://", f"nats://{ADMIN}:{self.creds.users[ADMIN]}@", 1)
+        """``nats_url`` (one URL or a cluster's, comma separated) with the admin credentials in each,
+        for in-process clients (wait_ready)."""
+        return nats_url.replace("nats://", f"nats://{ADMIN}:{self.creds.users[ADMIN]}@")
 
 
 def local_auth(state_dir: Path, workers: Sequence[str] = (LOCAL_WORKER,), tenants: Sequence[str] = ()) -> LocalAuth:
@@ -328,11 +329,35 @@ def start_secured_nats(
     return server, auth
 
 
-async def setup_streams(nats_url: str, admin: tuple[str, str] | None) -> None:
-    """Create or update the shared streams as the admin, so services only need STREAM.INFO."""
+def start_secured_nats_cluster(
+    ports: Sequence[int],
+    state_dir: Path,
+    log_dir: Path | None = None,
+    workers: Sequence[str] = (LOCAL_WORKER,),
+    tenants: Sequence[str] = (),
+) -> tuple[list[Server], LocalAuth]:
+    """``start_secured_nats`` as a cluster: one node per port in ``ports`` (``start_nats_cluster``), the
+    same permission model on each, and the streams created with one replica per node."""
+    auth = local_auth(state_dir, workers, tenants)
+    servers = start_nats_cluster(ports, state_dir / "nats-cluster", log_dir, config=auth.config)
+    try:
+        url = cluster_url(servers)
+        asyncio.run(wait_jetstream(url, 60, auth.admin()))
+        asyncio.run(setup_streams(url, auth.admin(), replicas=len(servers)))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers, auth
+
+
+async def setup_streams(nats_url: str, admin: tuple[str, str] | None, replicas: int | None = None) -> None:
+    """Create or update the shared streams as the admin, so services only need STREAM.INFO; print
+    where each one lives."""
     nc = await connect(nats_url, "lorafleet-setup", admin)
     try:
-        await ensure_streams(nc.jetstream())
+        for placement in await ensure_streams(nc.jetstream(), replicas=replicas):
+            print(f"stream {placement}")
     finally:
         await nc.close()
 

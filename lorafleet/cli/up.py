@@ -12,8 +12,8 @@ from pathlib import Path
 from lorafleet.cli.demo import curl_example, seed_demo_adapters
 from lorafleet.cli.demo_fit import ServedModel
 from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
-from lorafleet.cli.infra import Server, pick_port, start_redis
-from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats
+from lorafleet.cli.infra import Server, cluster_url, pick_port, start_redis
+from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats, start_secured_nats_cluster
 from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from lorafleet.cli.supervisor import Child, Supervisor, supervise
@@ -27,6 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-port", type=int, default=6379)
     p.add_argument("--state-dir", type=Path, default=Path(".lorafleet"))
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every service")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a 3-node NATS cluster (ports --nats-port and the next two) with every stream, KV bucket and "
+        "object store at replicas 3, instead of one nats-server",
+    )
     p.set_defaults(func=run)
 
 
@@ -50,12 +56,13 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _children(stack: Stack, nats: Server, redis: Server, auth: LocalAuth) -> list[Child]:
-    """nats-server, redis-server and each service, as the supervisor restarts them."""
+def _children(stack: Stack, nodes: list[Server], redis: Server, auth: LocalAuth) -> list[Child]:
+    """nats-server (each node of a cluster), redis-server and each service, as the supervisor restarts them."""
     children = [
-        Child("nats", lambda: nats.proc, nats.start, nats.log_file),
-        Child("redis", lambda: redis.proc, redis.start, redis.log_file),
+        Child("nats" if len(nodes) == 1 else node.name, lambda node=node: node.proc, node.start, node.log_file)  # type: ignore[misc]
+        for node in nodes
     ]
+    children.append(Child("redis", lambda: redis.proc, redis.start, redis.log_file))
     children.extend(
         Child(
             name,
@@ -88,10 +95,18 @@ def run(args: argparse.Namespace) -> int:
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
+    if args.cluster:
+        node_ports = [ports["nats"], *(pick_port(ports["nats"] + i) for i in (1, 2))]
+        nodes, auth = start_secured_nats_cluster(node_ports, state, state / "logs", tenants=(DEMO_TENANT,))
+        print(f"NATS cluster of {len(nodes)} nodes on ports {', '.join(map(str, node_ports))} (replicas 3)")
+    else:
+        nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
+        nodes = [nats]
+    nats_url = cluster_url(nodes)
     redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
     env = {
-        "LF_NATS_URL": nats.url,
+        "LF_NATS_URL": nats_url,
+        "LF_JETSTREAM_REPLICAS": str(len(nodes)),
         "LF_REDIS_URL": redis.url,
         "LF_PORT": str(ports["gateway"]),
         "LF_DB_PATH": str(state / "audit.sqlite3"),
@@ -107,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting services on the base model in {model_dir}...")
         else:
             print("starting services (the first start converts the base model once, about a minute)...")
-        asyncio.run(wait_ready(auth.admin_url(nats.url), stack, SERVICES, args.ready_timeout))
+        asyncio.run(wait_ready(auth.admin_url(nats_url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
         served = ServedModel.resolve(model_dir, state / "models")
-        key = asyncio.run(ensure_demo_key(auth.admin_url(nats.url), state))
+        key = asyncio.run(ensure_demo_key(auth.admin_url(nats_url), state))
         model = served.name
         print(
             f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
@@ -120,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         print("releasing the example adapters (signed, evaluated through the gateway, gated)...")
         demos, fit = asyncio.run(
             seed_demo_adapters(
-                auth.admin_url(nats.url), f"http://127.0.0.1:{ports['gateway']}", state, served, DEMO_TENANT, ACTOR
+                auth.admin_url(nats_url), f"http://127.0.0.1:{ports['gateway']}", state, served, DEMO_TENANT, ACTOR
             )
         )
         for line in fit.skip_lines():
@@ -141,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             f"direct NATS as the demo tenant (README, 'Use NATS directly'; one NATS user per worker):\n"
-            f"  {tenant_env(nats.url, DEMO_TENANT, auth.tenant_password(DEMO_TENANT))}"
+            f"  {tenant_env(nats_url, DEMO_TENANT, auth.tenant_password(DEMO_TENANT))}"
         )
         print(
             f"every process is supervised: one that exits is restarted with backoff "
@@ -149,8 +164,8 @@ def run(args: argparse.Namespace) -> int:
         )
         print("Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
-        supervisor = Supervisor(_children(stack, nats, redis, auth), say=_say_to(state / "logs" / "supervisor.log"))
-        asyncio.run(supervise(supervisor, auth.admin_url(nats.url), state / "processes.json"))
+        supervisor = Supervisor(_children(stack, nodes, redis, auth), say=_say_to(state / "logs" / "supervisor.log"))
+        asyncio.run(supervise(supervisor, auth.admin_url(nats_url), state / "processes.json"))
     except (KeyboardInterrupt, RuntimeError, TimeoutError, LorafleetError) as e:
         if not isinstance(e, KeyboardInterrupt):
             print(f"error: {e}")
@@ -161,5 +176,6 @@ def run(args: argparse.Namespace) -> int:
         print("stopping...")
         stack.stop_all()
         redis.stop()
-        nats.stop()
+        for node in nodes:
+            node.stop()
     return 0

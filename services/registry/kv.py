@@ -5,13 +5,19 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from shared import subjects
+from shared.bus import ensure_replicas
 from shared.catalog import record_key
 from shared.schemas import AdapterRecord, SignerRecord
 
 
-async def open_bucket(js: JetStreamContext, name: str) -> KeyValue:
-    """A registry KV bucket (file storage, 5 revisions), created when missing."""
-    return await js.create_key_value(config=KeyValueConfig(bucket=name, history=5, storage=StorageType.FILE))
+async def open_bucket(js: JetStreamContext, name: str, replicas: int | None = None) -> KeyValue:
+    """A registry KV bucket (file storage, 5 revisions, ``LF_JETSTREAM_REPLICAS`` copies), created when
+    missing; one made with another replica count is brought to this one."""
+    wanted = await ensure_replicas(js, f"KV_{name}", replicas)
+    config = KeyValueConfig(bucket=name, history=5, storage=StorageType.FILE, replicas=wanted)
+    kv = await js.create_key_value(config=config)
+    await ensure_replicas(js, f"KV_{name}", wanted, check=True)
+    return kv
 
 
 async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:

@@ -23,7 +23,7 @@ from nats.js.object_store import ObjectStore
 
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
-from shared.bus import read_object
+from shared.bus import ensure_replicas, read_object
 from shared.errors import InvalidRequest
 
 
@@ -34,8 +34,13 @@ def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None) -
     return f"{adapter_id}/{version}"
 
 
-async def open_object_store(js: JetStreamContext, bucket: str) -> ObjectStore:
-    return await js.create_object_store(bucket, config=ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE))
+async def open_object_store(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
+    """The object store (file storage, ``LF_JETSTREAM_REPLICAS`` copies), created when missing."""
+    wanted = await ensure_replicas(js, f"OBJ_{bucket}", replicas)
+    config = ObjectStoreConfig(bucket=bucket, storage=StorageType.FILE, replicas=wanted)
+    store = await js.create_object_store(bucket, config=config)
+    await ensure_replicas(js, f"OBJ_{bucket}", wanted, check=True)
+    return store
 
 
 def decode_inline(files: dict[str, str]) -> dict[str, bytes]:

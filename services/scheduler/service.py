@@ -42,7 +42,7 @@ from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
-from shared.metrics import QUEUE_DEPTH, SCHEDULER_SERVICE_RATE, SCHEDULER_WORKER_INFLIGHT, serve_metrics
+from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef
@@ -268,7 +268,6 @@ class Scheduler:
     def _export_gauges(self) -> None:
         """Queue depth, and per worker what placement counts against it: a phantom shows here."""
         QUEUE_DEPTH.labels("scheduler").set(len(self.core.held))
-        SCHEDULER_SERVICE_RATE.set(self.core.shedder.rate(len(self.core.inflight)) or 0.0)
         workers = self.core.fleet.workers
         for gone in self._gauged - workers.keys():
             SCHEDULER_WORKER_INFLIGHT.remove(gone)

@@ -71,6 +71,7 @@ class LoadShedder:
         mu = self.rate(running)
         if mu is None:
             return None
+        metrics.SCHEDULER_SERVICE_RATE.set(mu)
         above = sum(self.arrivals.rate(c, now) for c in SLO_CLASSES[: slo_rank(slo_class)])
         left = mu - above
         if ahead == 0 and room:
