@@ -39,6 +39,10 @@ def _spread(key: str | None, worker_id: str) -> float:
     return zlib.crc32(f"{key}|{worker_id}".encode()) / 2**32
 
 
+def _classes(beat: WorkerHeartbeat) -> frozenset[int]:
+    return frozenset(int(r) for r in beat.slots) | frozenset(beat.rank_pool)
+
+
 @dataclass(slots=True)
 class WorkerView:
     beat: WorkerHeartbeat
@@ -47,6 +51,10 @@ class WorkerView:
     inflight: int = 0  # this scheduler's accepted requests on it that have not ended
     backed_off: bool = False  # it refused for load: nothing more until its next heartbeat
     recent: dict[str, float] = field(default_factory=dict)  # adapter key -> when we placed it here
+    classes: frozenset[int] = field(init=False)  # its rank classes: slot classes and pool, from the heartbeat
+
+    def __post_init__(self) -> None:
+        self.classes = _classes(self.beat)
 
     @property
     def load(self) -> int:
@@ -62,7 +70,7 @@ class WorkerView:
 
     def rank_class(self, rank: int) -> int | None:
         """The rank class of this worker that holds ``rank`` (None: none does, or none is announced)."""
-        return class_of(rank, {int(r) for r in self.beat.slots} | set(self.beat.rank_pool))
+        return class_of(rank, self.classes)
 
     def role(self, rank: int | None) -> int:
         """OWN_POOL, NO_POOL or OTHER_POOL for a request of adapter ``rank`` (None: the base model)."""
@@ -92,6 +100,7 @@ class Fleet:
             self.workers[beat.worker_id] = WorkerView(beat, now)
             return
         view.beat, view.seen_at, view.backed_off = beat, now, False
+        view.classes = _classes(beat)
         view.sent = {ref: t for ref, t in view.sent.items() if t > beat.ts}
         view.recent = {k: t for k, t in view.recent.items() if now - t < RECENT_S}
 
