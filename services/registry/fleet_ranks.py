@@ -16,6 +16,11 @@ class RankClasses:
         return f"{', '.join(map(str, self.classes)) or 'none'} ({self.source})"
 
 
+def default_fleet() -> RankClasses:
+    """The workers' default rank classes (LF_LORA__RANK_CLASSES), for a registry told of no fleet."""
+    return RankClasses((8, 16, 32, 64), "the workers' default classes")
+
+
 @dataclass(slots=True)
 class FleetRanks:
     base_model: str

@@ -16,7 +16,7 @@ import structlog
 from pydantic import BaseModel
 
 from services.registry import lifecycle
-from services.registry.fleet_ranks import RankClasses
+from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.registry.kv import RecordsKV
@@ -86,8 +86,8 @@ class Registry:
         trusted_dirs: tuple[Path, ...],
         remote: RemoteIntake,
         publish: Publish,
-        fleet: Callable[[], RankClasses],
         gate: GatePolicy = GatePolicy(),
+        fleet: Callable[[], RankClasses] = default_fleet,
         sync_gateways: SyncGateways = _no_gateways,
     ) -> None:
         self.catalog = catalog
