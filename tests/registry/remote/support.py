@@ -61,7 +61,7 @@ async def resolve(host: str, port: int) -> list[str]:
 
 
 async def start_registry(
-    nats_url: str, base_dir: Path, remote: RemoteSourceSettings
+    nats_url: str, base_dir: Path, remote: RemoteSourceSettings, fleet_rank_classes: tuple[int, ...] = (8, 16, 32, 64)
 ) -> tuple[asyncio.Event, asyncio.Task]:
     settings = RegistrySettings(
         nats_url=nats_url,
@@ -70,6 +70,7 @@ async def start_registry(
         heartbeat_interval_s=0.1,
         max_rank=16,
         remote=remote,
+        fleet_rank_classes=fleet_rank_classes,
     )
     nc = await connect(nats_url, "registry-remote-wait")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))
