@@ -23,7 +23,7 @@ from tests.faults.observe import audited, completions, readyz
 from tests.faults.traffic import chat, check_served_or_refused, gateway, steady
 from tests.scheduler.conftest import MODEL, wait_workers
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test also pays for starting the cluster and the stack
 MAX_TOKENS = 24
 REPLICATED = (
     *STREAM_NAMES,
@@ -86,7 +86,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFleet]:
         for worker in WORKERS:
             stack.start("worker", {"LF_WORKER_ID": worker}, key=worker)
         fleet.ready(180)
-        asyncio.run(release(fleet.nats_url, model_dir, make_adapter(model_dir, root / ADAPTER, 7), ADAPTER))
+        asyncio.run(release(nodes[0].url, model_dir, make_adapter(model_dir, root / ADAPTER, 7), ADAPTER))
         yield fleet
     finally:
         stack.stop_all()
