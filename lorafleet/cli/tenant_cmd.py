@@ -35,6 +35,7 @@ def _quota(args: argparse.Namespace) -> TenantQuota:
         tokens_per_min=args.tpm,
         max_concurrent=args.concurrent,
         max_gpu_adapter_slots=args.gpu_slots,
+        enforce=args.enforce,
     )
 
 
@@ -115,6 +116,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     qset.add_argument("--tpm", type=int, help="tokens per minute")
     qset.add_argument("--concurrent", type=int, help="requests in flight at once")
     qset.add_argument("--gpu-slots", type=int, help="GPU adapter slots the tenant may hold")
+    qset.add_argument(
+        "--enforce",
+        choices=["soft", "hard"],
+        default="soft",
+        help="soft: at its slots the tenant evicts its own first, others' when none of its own can go; "
+        "hard: it waits for one of its own slots and never evicts another tenant's adapter",
+    )
     for parser in (tenant, key, quota):
         for choice in parser.choices.values():
             choice.set_defaults(func=run)

@@ -17,6 +17,8 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
+from services.registry.pins import FleetSlots, Pins
+from services.registry.pins_kv import open_pins
 from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
@@ -47,8 +49,10 @@ from shared.schemas import (
     ListApiKeysRequest,
     ListKeysRequest,
     ListModelsRequest,
+    ListPinsRequest,
     ListSourcesRequest,
     ListTenantsRequest,
+    PinRequest,
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
@@ -65,6 +69,7 @@ from shared.schemas import (
     SetQuotaRequest,
     TrustKeyRequest,
     UntrustKeyRequest,
+    WorkerHeartbeat,
 )
 from shared.telemetry import setup_tracing
 
@@ -129,7 +134,7 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
 
 
 async def subscribe(
-    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController
+    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController, pins: Pins
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, Handler] = {
@@ -159,6 +164,9 @@ async def subscribe(
         "sources": _op(ListSourcesRequest, sources.list_sources),
         "release_start": _op(ReleaseStartRequest, releases.start),
         "release_status": _op(ReleaseStatusRequest, releases.status),
+        "pin": _op(PinRequest, pins.pin),
+        "unpin": _op(PinRequest, pins.unpin),
+        "pins": _op(ListPinsRequest, pins.list_pins),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
@@ -184,13 +192,23 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
                 log.warning("bad_heartbeat", error=e.message)
 
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
+        fleet = FleetSlots(settings.liveness_timeout_s)
+
+        async def on_worker_heartbeat(msg) -> None:
+            try:
+                fleet.on_heartbeat(decode(WorkerHeartbeat, msg.data))
+            except LorafleetError as e:
+                log.warning("bad_worker_heartbeat", error=e.message)
+
+        await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker_heartbeat)
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
         registry = await open_registry(nc, settings, base, gateways, sources, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources, releases)
+        pins = await open_pins(nc.jetstream(), registry.catalog, fleet)
+        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources, releases, pins)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():

@@ -34,6 +34,9 @@ class WorkerSettings(WorkerIdentity):
         default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)"
     )
     heat_refresh_s: float = Field(default=5.0, gt=0, le=600, description="how often fleet heat is read from Redis")
+    pin_refresh_s: float = Field(
+        default=2.0, gt=0, le=600, description="how often the pins are applied again (a failed pinned load retried)"
+    )
     adapter_metric_labels: int = Field(
         default=50, ge=0, le=10_000, description="adapters with their own per-adapter metric series; the rest: other"
     )

@@ -10,6 +10,7 @@ from shared.schemas.registry import Actor, Sha256Hex
 
 # ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
 
+SlotEnforce = Literal["soft", "hard"]
 ApiScope = Literal["inference", "admin", "platform_admin"]
 
 
@@ -26,6 +27,11 @@ class TenantQuota(Message):
     tokens_per_min: int | None = Field(default=None, ge=0, le=10_000_000_000)
     max_concurrent: int | None = Field(default=None, ge=0, le=100_000)
     max_gpu_adapter_slots: int | None = Field(default=None, ge=0, le=100_000)
+    enforce: SlotEnforce = Field(
+        default="soft",
+        description="soft: at its slot quota a tenant evicts its own adapters first, others' when it has none "
+        "to spare; hard: it waits for one of its own slots and never evicts another tenant's adapter",
+    )
 
 
 class TenantRecord(Message):
