@@ -7,9 +7,11 @@ there first, then recorded on the AUDIT stream (``AdminAudit`` ``adapter_pinned`
 registry replicas never work from a stale copy.
 
 Pins never exceed a worker's slots: of each rank class, pins may hold every slot but one (so the
-class's unpinned adapters still load). A pin that would pass that on a live worker it names,
-counted from the workers' heartbeats, is refused with ``PinsExceedSlots``; a worker that joins
-later with fewer slots holds the pins up to its cap and reports the rest (``pins_refused``).
+class's unpinned adapters still load), and a tenant's pins no more of a class than its own GPU slot
+quota (``TenantQuota.max_gpu_adapter_slots`` when set), so pinning cannot lift that quota. A pin that
+would pass either on a live worker it names, counted from the workers' heartbeats, is refused with
+``PinsExceedSlots``; a worker that joins later with fewer slots holds the pins up to its cap and
+reports the rest (``pins_refused``).
 """
 
 import asyncio
@@ -26,6 +28,7 @@ Load = Callable[[], Awaitable[dict[str, bytes]]]
 Put = Callable[[str, bytes], Awaitable[None]]
 Delete = Callable[[str], Awaitable[None]]
 Audit = Callable[[AdminAudit], Awaitable[None]]
+SlotQuota = Callable[[str], int | None]  # tenant -> its own GPU slot quota per rank class (None: none set)
 PinAction = Literal["adapter_pinned", "adapter_unpinned"]
 
 
@@ -51,9 +54,11 @@ def class_of(rank: int, slots: dict[int, int]) -> int | None:
 
 
 class Pins:
-    def __init__(self, catalog: Catalog, fleet: FleetSlots, load: Load, put: Put, delete: Delete, audit: Audit):
+    def __init__(self, catalog: Catalog, fleet: FleetSlots, load: Load, put: Put, delete: Delete, audit: Audit,
+                 slot_quota: SlotQuota = lambda _: None):  # fmt: skip
         self._catalog = catalog
         self._fleet = fleet
+        self._slot_quota = slot_quota
         self._load, self._put, self._delete, self._audit = load, put, delete, audit
         self._lock = asyncio.Lock()
 
@@ -109,13 +114,24 @@ class Pins:
         """Refuse when, on some live worker, the pins of one rank class would hold every one of its slots."""
         for worker, slots in sorted(self._fleet.live().items()):
             by_class: dict[int, set[str]] = {}
+            by_tenant: dict[tuple[str, int], set[str]] = {}
             for pin in pins:
                 if not pin.applies_to(worker):
                     continue
                 for record in pinned_versions(pin, self._catalog):
                     rank_class = class_of(record.rank, slots)
                     if rank_class is not None:
-                        by_class.setdefault(rank_class, set()).add(f"{record.adapter_id}@{record.version}")
+                        key = f"{record.adapter_id}@{record.version}"
+                        by_class.setdefault(rank_class, set()).add(key)
+                        by_tenant.setdefault((record.tenant_id, rank_class), set()).add(key)
+            for (tenant, rank_class), keys in sorted(by_tenant.items()):
+                quota = self._slot_quota(tenant)
+                if quota and len(keys) > quota:
+                    raise PinsExceedSlots(
+                        f"tenant {tenant} may hold {quota} rank-{rank_class} slots of a worker: this would pin "
+                        f"{len(keys)} on worker {worker}",
+                        param="adapter_id",
+                    )
             for rank_class, keys in sorted(by_class.items()):
                 if len(keys) > slots[rank_class] - 1:
                     raise PinsExceedSlots(

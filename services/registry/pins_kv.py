@@ -5,7 +5,7 @@ import uuid
 from nats.js import JetStreamContext
 
 from services.registry.kv import load_all, open_bucket
-from services.registry.pins import FleetSlots, Pins
+from services.registry.pins import FleetSlots, Pins, SlotQuota
 from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.catalog import Catalog
@@ -13,7 +13,7 @@ from shared.errors import ServiceUnavailable
 from shared.schemas import AdminAudit
 
 
-async def open_pins(js: JetStreamContext, catalog: Catalog, fleet: FleetSlots) -> Pins:
+async def open_pins(js: JetStreamContext, catalog: Catalog, fleet: FleetSlots, slot_quota: SlotQuota) -> Pins:
     bucket = await open_bucket(js, subjects.REGISTRY_PINS_BUCKET)
 
     async def load() -> dict[str, bytes]:
@@ -29,4 +29,4 @@ async def open_pins(js: JetStreamContext, catalog: Catalog, fleet: FleetSlots) -
         if not await publish_audit(js, event, f"admin.{uuid.uuid4().hex}"):
             raise ServiceUnavailable(f"{event.action} of {event.target} is stored, but its audit record is not yet")
 
-    return Pins(catalog, fleet, load, put, delete, audit)
+    return Pins(catalog, fleet, load, put, delete, audit, slot_quota)

@@ -207,8 +207,9 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)
-        pins = await open_pins(nc.jetstream(), registry.catalog, fleet)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources, releases, pins)
+        tenants = await open_tenants(nc.jetstream())
+        pins = await open_pins(nc.jetstream(), registry.catalog, fleet, tenants.slot_quota)
+        await subscribe(nc, registry, tenants, sources, releases, pins)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():

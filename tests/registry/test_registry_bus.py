@@ -115,6 +115,7 @@ class Wired:
     published: list[tuple[str, BaseModel]] = field(default_factory=list)
     pins: dict[str, bytes] = field(default_factory=dict)  # the lf_pins bucket
     fleet: FleetSlots = field(default_factory=lambda: FleetSlots(liveness_timeout_s=60))
+    slot_quotas: dict[str, int] = field(default_factory=dict)  # tenant -> its own GPU slot quota
 
     async def call(self, op: str, message: BaseModel, reply: type[BaseModel]):
         return await request(self.nc, subjects.registry(op), message, reply, 5)
@@ -192,7 +193,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         Tenants({}, put, audit),
         Sources(load, put_source, delete_source, audit),
         releases,
-        Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit),
+        Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
     )
     yield wired
     await wired.nc.close()
@@ -400,3 +401,17 @@ async def test_pins_beyond_a_live_workers_slots_but_one_are_refused_typed(wired:
         await wired.call("pin", _pin("big"), PinsReply)
     await wired.call("pin", _pin("big", worker_id="w2"), PinsReply)
     assert sorted(wired.pins) == ["big.w-w2.served", "p0.fleet.served", "p1.w-w1.served"]
+
+
+async def test_a_tenant_pins_no_more_of_a_workers_rank_class_than_its_own_slot_quota(wired: Wired) -> None:
+    for i in range(2):
+        wired.registry.catalog.put(make_record(f"q{i}", 1, "demo", status="production", traffic_percent=100))
+    beat = {"base_model": "tiny-llama", "ready": True, "running": 0, "waiting": 0, "max_running": 4,
+            "kv_blocks_free": 1, "kv_blocks_total": 1}  # fmt: skip
+    wired.fleet.on_heartbeat(WorkerHeartbeat(worker_id="w1", slots={"8": [0, 8]}, **beat))
+    wired.slot_quotas["demo"] = 1
+    await wired.call("pin", _pin("q0", tenant_id="demo"), PinsReply)
+    with pytest.raises(PinsExceedSlots, match="tenant demo may hold 1 rank-8 slots of a worker"):
+        await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)  # pinning never lifts the slot quota
+    wired.slot_quotas["demo"] = 2
+    await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)
