@@ -205,6 +205,12 @@ class ReleaseGateFailed(Conflict):
     code = "release_gate_failed"
 
 
+class PinsExceedSlots(Conflict):
+    """A pin that would leave a rank class of some worker with more pinned adapters than slots."""
+
+    code = "pins_exceed_slots"
+
+
 class SignerNotAuthorized(Forbidden):
     """A push signed by a trusted signer that is not bound to the pushing tenant."""
 

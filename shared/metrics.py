@@ -55,6 +55,9 @@ RANK_CLASS_TPOT = Histogram(
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
+ADAPTER_QUOTA_WAITS = Counter(
+    "adapter_quota_waits", "adapter loads that waited for one of their tenant's own slots (hard slot quota)"
+)
 STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)
 RANK_SKEW = Gauge(
     "engine_rank_skew_ratio",

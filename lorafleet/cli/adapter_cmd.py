@@ -28,6 +28,10 @@ from shared.schemas import (
     AdapterRecordsReply,
     GetAdapterRequest,
     ListAdaptersRequest,
+    ListPinsRequest,
+    PinRecord,
+    PinRequest,
+    PinsReply,
     PromoteRequest,
     RegisterRequest,
     RetireRequest,
@@ -129,6 +133,30 @@ def _print(records: list[AdapterRecord], as_json: bool) -> None:
         )
 
 
+def _print_pins(pins: list[PinRecord], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([p.model_dump() for p in pins], indent=2))
+        return
+    print(f"{'adapter':<24} {'version':<8} {'worker':<16} {'tenant':<12} actor")
+    for p in pins:
+        version = "served" if p.version is None else str(p.version)
+        print(f"{p.adapter_id:<24} {version:<8} {p.worker_id or 'every':<16} {p.tenant_id:<12} {p.actor}")
+
+
+async def _pins(args: argparse.Namespace) -> list[PinRecord]:
+    """pin, unpin (an operator's: any tenant's adapter) and the pins listing."""
+    nc = await cli_connect(args.nats_url)
+    try:
+        if args.adapter_cmd == "pins":
+            message: BaseModel = ListPinsRequest(adapter_id=args.id)
+        else:
+            message = PinRequest(adapter_id=args.id, version=args.version, worker_id=args.worker, actor=actor())
+        op = subjects.registry(args.adapter_cmd)
+        return (await request(nc, op, message, PinsReply, TIMEOUT_S)).pins
+    finally:
+        await nc.drain()
+
+
 async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
     nc = await cli_connect(args.nats_url)
     try:
@@ -160,6 +188,9 @@ async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.adapter_cmd in ("pin", "unpin", "pins"):
+            _print_pins(asyncio.run(_pins(args)), args.json)
+            return 0
         records = asyncio.run(_run(args))
     except LorafleetError as e:
         print(f"error ({e.code}): {e.message}")
@@ -220,3 +251,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     revoke = sub.add_parser("revoke", parents=[opts], help="security stop: one version, or all without --version")
     revoke.add_argument("id")
     revoke.add_argument("--version", type=int)
+    for name, text in (("pin", "keep an adapter in a GPU slot (every worker, or --worker), across restarts"),
+                       ("unpin", "remove a pin (the same --version and --worker it was made with)")):  # fmt: skip
+        pin = sub.add_parser(name, parents=[opts], help=text)
+        pin.add_argument("id")
+        pin.add_argument("--worker", help="one worker's id; default: every worker")
+        pin.add_argument("--version", type=int, help="one version; default: whatever version is served")
+    sub.add_parser("pins", parents=[opts], help="the pins, of one adapter or all").add_argument("id", nargs="?")

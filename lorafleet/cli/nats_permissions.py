@@ -157,6 +157,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_write(subjects.REGISTRY_TENANTS_BUCKET),
                 *kv_write(subjects.REGISTRY_SOURCES_BUCKET),
                 *kv_write(subjects.REGISTRY_RELEASES_BUCKET),
+                *kv_write(subjects.REGISTRY_PINS_BUCKET),
                 *stream_reader(subjects.AUDIT_STREAM),  # the release controller's live figures
                 *obj_write(subjects.ADAPTER_STORE_BUCKET),
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
@@ -164,7 +165,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}",
                 subjects.GATEWAY_CATALOG_SYNC,
             ),
-            # worker heartbeats: the fleet's rank classes, which a push's rank must fit
+            # worker heartbeats: the fleet's rank classes (a push's rank must fit) and slots (pins must fit)
             subscribe=("_INBOX.>", "lf.registry.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
             allow_responses=True,
         ),
@@ -221,6 +222,7 @@ def worker_permissions(worker_id: str, tenants: Iterable[str] = ()) -> Permissio
             *stream_reader(subjects.ADAPTER_EVENTS_STREAM),
             *kv_read(subjects.REGISTRY_RECORDS_BUCKET),
             *kv_read(subjects.REGISTRY_SIGNERS_BUCKET),
+            *kv_read(subjects.REGISTRY_PINS_BUCKET),  # the pins it keeps resident
             *obj_read(subjects.ADAPTER_STORE_BUCKET),
         ),
         subscribe=(

@@ -37,6 +37,7 @@ def _quota(args: argparse.Namespace) -> TenantQuota:
         max_concurrent=args.concurrent,
         max_gpu_adapter_slots=args.gpu_slots,
         slo_tier=args.tier,
+        enforce=args.enforce,
     )
 
 
@@ -119,6 +120,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     qset.add_argument("--gpu-slots", type=int, help="GPU adapter slots the tenant may hold")
     qset.add_argument(
         "--tier", choices=SLO_CLASSES, help="the highest SLO class its requests may ask for (x-lorafleet-priority)"
+    )
+    qset.add_argument(
+        "--enforce",
+        choices=["soft", "hard"],
+        default="soft",
+        help="soft: at its slots the tenant evicts its own first, others' when none of its own can go; "
+        "hard: it waits for one of its own slots and never evicts another tenant's adapter",
     )
     for parser in (tenant, key, quota):
         for choice in parser.choices.values():

@@ -21,6 +21,9 @@ from shared.schemas import (
     GetAdapterRequest,
     Identifier,
     ListAdaptersRequest,
+    ListPinsRequest,
+    PinRequest,
+    PinsReply,
     PromoteRequest,
     RegisterRequest,
     RetireRequest,
@@ -60,6 +63,12 @@ class Retire(BaseModel):
 class Revoke(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int | None = Field(default=None, ge=1, description="None = every version")
+
+
+class Pin(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int | None = Field(default=None, ge=1, description="None = whatever version is served")
+    worker: Identifier | None = Field(default=None, description="None = every worker")
 
 
 def not_found(adapter_id: str) -> NotFound:
@@ -210,3 +219,41 @@ async def revoke(
     await owned(request, caller, adapter_id)
     message = RevokeRequest(adapter_id=adapter_id, version=body.version, actor=actor(caller))
     return await registry_call(request, "revoke", message, AdapterRecordsReply)
+
+
+@router.get("/{adapter_id}/pins", response_model=PinsReply, responses=ERRORS)
+async def list_pins(
+    request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> PinsReply:
+    """The adapter's pins: which version (null = the served one) on which worker (null = every worker)."""
+    await owned(request, caller, adapter_id)
+    return await registry_call(request, "pins", ListPinsRequest(adapter_id=adapter_id), PinsReply)
+
+
+@router.post("/{adapter_id}/pin", response_model=PinsReply, responses=CHANGE_ERRORS)
+async def pin(
+    request: Request, body: Pin | None = None, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> PinsReply:
+    """Keep the adapter in a GPU slot on one worker or every worker; 409 pins_exceed_slots when the pins of
+    its rank class would hold every slot of a worker but one."""
+    return await registry_call(request, "pin", _pin_request(body, adapter_id, caller), PinsReply)
+
+
+@router.post("/{adapter_id}/unpin", response_model=PinsReply, responses=CHANGE_ERRORS)
+async def unpin(
+    request: Request, body: Pin | None = None, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> PinsReply:
+    """Remove the pin with exactly this version and worker (404 when there is none): the adapter is evictable again."""
+    return await registry_call(request, "unpin", _pin_request(body, adapter_id, caller), PinsReply)
+
+
+def _pin_request(body: Pin | None, adapter_id: str, caller: Principal) -> PinRequest:
+    """The registry checks the caller owns the adapter: a tenant admin names its tenant, a platform admin none."""
+    body = body or Pin()
+    return PinRequest(
+        adapter_id=adapter_id,
+        version=body.version,
+        worker_id=body.worker,
+        tenant_id=None if caller.platform_admin else caller.tenant_id,
+        actor=actor(caller),
+    )

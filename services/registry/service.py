@@ -18,6 +18,8 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
+from services.registry.pins import FleetSlots, Pins
+from services.registry.pins_kv import open_pins
 from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
@@ -48,8 +50,10 @@ from shared.schemas import (
     ListApiKeysRequest,
     ListKeysRequest,
     ListModelsRequest,
+    ListPinsRequest,
     ListSourcesRequest,
     ListTenantsRequest,
+    PinRequest,
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
@@ -135,7 +139,7 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
 
 
 async def subscribe(
-    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController
+    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController, pins: Pins
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``."""
     handlers: dict[str, Handler] = {
@@ -165,6 +169,9 @@ async def subscribe(
         "sources": _op(ListSourcesRequest, sources.list_sources),
         "release_start": _op(ReleaseStartRequest, releases.start),
         "release_status": _op(ReleaseStatusRequest, releases.status),
+        "pin": _op(PinRequest, pins.pin),
+        "unpin": _op(PinRequest, pins.unpin),
+        "pins": _op(ListPinsRequest, pins.list_pins),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
@@ -191,10 +198,13 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
 
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
         fleet = FleetRanks(base.name, settings.fleet_rank_classes, settings.liveness_timeout_s)
+        slots = FleetSlots(settings.liveness_timeout_s)
 
         async def on_worker_heartbeat(msg) -> None:
             try:
-                fleet.heartbeat(decode(WorkerHeartbeat, msg.data))
+                beat = decode(WorkerHeartbeat, msg.data)
+                fleet.heartbeat(beat)  # the rank classes a push must fit
+                slots.on_heartbeat(beat)  # the slots pins must fit
             except LorafleetError as e:
                 log.warning("bad_worker_heartbeat", error=e.message)
 
@@ -205,7 +215,9 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)
-        await subscribe(nc, registry, await open_tenants(nc.jetstream()), sources, releases)
+        tenants = await open_tenants(nc.jetstream())
+        pins = await open_pins(nc.jetstream(), registry.catalog, slots, tenants.slot_quota)
+        await subscribe(nc, registry, tenants, sources, releases, pins)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():

@@ -122,6 +122,11 @@ class Tenants:
         records = sorted(self.keys.values(), key=lambda r: (r.tenant_id, r.created_at))
         return ApiKeysReply(keys=[info(r) for r in records if req.tenant_id in (None, r.tenant_id)])
 
+    def slot_quota(self, tenant_id: str) -> int | None:
+        """The tenant's own GPU slot quota per rank class; None when it sets none (or 0, no limit)."""
+        record = self.tenants.get(tenant_id)
+        return (record.quota.max_gpu_adapter_slots or None) if record else None
+
     def _tenant(self, tenant_id: str) -> TenantRecord:
         record = self.tenants.get(tenant_id)
         if record is None:

@@ -207,12 +207,14 @@ class Dispatcher:
             return
         # these are the scheduler's, never the client's (a direct-NATS client writes them): a client's
         # created_at would let the inflight sweep free the slot of a request still running, its
-        # tenant_gpu_slots would lift the quota the worker's cache enforces at eviction time, its
-        # preview would let the worker serve a staging version, and its TTFT target would be measured
+        # tenant_gpu_slots or tenant_slot_enforce would lift the quota the worker's cache enforces at
+        # eviction time, its preview would let the worker serve a staging version, and its TTFT target
+        # would be measured against a bound of its own choosing
         request = request.model_copy(
             update={
                 "created_at": time.time(),
                 "tenant_gpu_slots": quota.max_gpu_adapter_slots or None,  # the quota's 0 = no limit = None
+                "tenant_slot_enforce": quota.enforce,
                 "preview": preview,
                 "priority": slo_class,
                 "ttft_target_s": self.shedder.targets.of(slo_class),

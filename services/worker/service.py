@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 from services.worker import engines
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_events import on_adapter_event
+from services.worker.pins import PinFollower
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from shared import event_loop, metrics, subjects
@@ -25,11 +26,13 @@ from shared.bus import (
     reply_error,
     shutdown_event,
 )
+from shared.catalog import Catalog
 from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
 from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
+from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef
@@ -80,6 +83,8 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, served: engines.Se
             resident_adapters=residency.gpu_adapters,
             cpu_adapters=residency.cpu_adapters,
             slots={str(rank): list(used) for rank, used in residency.slots.items()},
+            pinned=residency.pinned,
+            pins_refused=residency.pins_refused,
             cache_hit_ratio=residency.hit_ratio,
             load_ms_mean=residency.load_ms_mean,
             capability=served.capability,
@@ -108,7 +113,14 @@ async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
         await redis.aclose()
 
 
-def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy) -> None:
+async def _keep_pins(pins: PinFollower, refresh_s: float) -> None:
+    """Apply the pins again every ``refresh_s``: a served version moved, or a pinned load failed."""
+    while True:
+        await asyncio.sleep(refresh_s)
+        pins.reconcile()
+
+
+def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy, catalog: Catalog) -> None:
     if control.action == "cancel":
         assert control.request_id and control.tenant_id, "WorkerControl validates that a cancel names its request"
         server.cancel(RequestRef(control.tenant_id, control.request_id))
@@ -121,7 +133,9 @@ def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarch
     elif control.action == "evict":
         cache.evict(key)
     elif control.action == "pin":
-        cache.pin(key)
+        record = catalog.get(control.adapter_id, control.adapter_version)
+        if not cache.pin(key, record.rank if record else None, record.tenant_id if record else None):
+            raise InvalidMessage(f"pin of {key} refused: its rank class is full of pins")
     elif control.action == "unpin":
         cache.unpin(key)
 
@@ -198,7 +212,7 @@ async def run(settings: WorkerSettings) -> None:
 
         async def on_control(msg) -> None:
             try:
-                _control(decode(WorkerControl, msg.data), server, cache)
+                _control(decode(WorkerControl, msg.data), server, cache, resolver.mirror.catalog)
             except LorafleetError as e:
                 log.warning("bad_control_message", error=e.message)
                 if msg.reply:
@@ -209,7 +223,10 @@ async def run(settings: WorkerSettings) -> None:
                 on_adapter_event(decode(AdapterEvent, msg.data), cache, server)
             except LorafleetError as e:
                 log.warning("bad_adapter_event", error=e.message)
+                return
+            pins.reconcile()  # a promotion or rollback moves a pin of the served version
 
+        pins = PinFollower(settings.worker_id, cache, lambda: resolver.mirror.catalog)
         await follow(js, subjects.ADAPTER_EVENTS_STREAM, subjects.ADAPTER_EVENTS_ALL, on_event)
         await nc.subscribe(subjects.worker_dispatch(settings.worker_id), cb=on_dispatch)
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)
@@ -217,6 +234,10 @@ async def run(settings: WorkerSettings) -> None:
         background = [
             asyncio.create_task(_worker_heartbeats(nc, server, served, settings)),
             asyncio.create_task(_follow_heat(settings, cache)),
+            asyncio.create_task(
+                follow_bucket(nc, subjects.REGISTRY_PINS_BUCKET, pins.apply, lambda: log.info("pins_loaded"))
+            ),
+            asyncio.create_task(_keep_pins(pins, settings.pin_refresh_s)),
         ]
         loading.update({"ready": True, "detail": ""})
         log.info(

@@ -3,6 +3,7 @@
 NATS-free: replies and audit records go out through injected callables."""
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from services.worker.prompt_ids import PromptIds
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
-from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable
+from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable, UpstreamTimeout
 from shared.grants import Grants, IsolationAttempt
 from shared.request_ref import RequestRef
 from shared.schemas import (
@@ -151,6 +152,7 @@ class RequestServer:
                 request.tenant_id,
                 request.priority or "standard",
                 request.tenant_gpu_slots,
+                hard=request.tenant_slot_enforce == "hard",
             )
         self._remember(ref)
         self._jobs[ref] = job
@@ -253,7 +255,14 @@ class RequestServer:
         assert job.key is not None and granted is not None, "submit sets the key and lookup of an adapter request"
         if not job.lookup.hit:
             with _tracer.start_as_current_span("worker.adapter_load", attributes={"lf.tier": job.lookup.tier}):
-                await asyncio.wrap_future(job.lookup.ready)
+                # bounded by the request's own deadline: a load held to a hard slot quota waits for a slot of
+                # the tenant's own; waiting on a copy of the shared future leaves it to the other waiters
+                left = job.request.created_at + job.request.timeout_s - time.time()
+                loaded = asyncio.wrap_future(job.lookup.ready)
+                done, _ = await asyncio.wait({loaded}, timeout=max(0.0, left))
+                if not done:
+                    raise UpstreamTimeout(f"{job.key}: no GPU slot was free within the request's timeout")
+                loaded.result()
         job.digest = self.digest_of(job.key)
         if job.digest is not None and job.digest != granted.digest:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()

@@ -40,6 +40,9 @@ class WorkerSettings(WorkerIdentity):
         description="LF_WORKER_RANK_POOL: rank classes this worker serves as a pool, placed here first: high "
         "(its largest class) or a list of its classes (32,64); empty: no pool, it serves all classes alike",
     )
+    pin_refresh_s: float = Field(
+        default=2.0, gt=0, le=600, description="how often the pins are applied again (a failed pinned load retried)"
+    )
     adapter_metric_labels: int = Field(
         default=50,
         ge=0,

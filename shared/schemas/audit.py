@@ -73,8 +73,10 @@ class AdminAudit(Message):
         "source_added",
         "source_removed",
         "source_approved",
+        "adapter_pinned",
+        "adapter_unpinned",
     ]
-    target: str = Field(max_length=128, description="the tenant, key id or signer changed")
+    target: str = Field(max_length=128, description="the tenant, key id, signer or adapter changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")
 
 

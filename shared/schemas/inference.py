@@ -188,6 +188,10 @@ class InferRequest(Message):
         le=100_000,
         description="the tenant's GPU adapter slot quota per rank class (set by the scheduler from its limits)",
     )
+    tenant_slot_enforce: Literal["soft", "hard"] = Field(
+        default="soft",
+        description="how the worker holds the tenant to tenant_gpu_slots (set by the scheduler from its limits)",
+    )
     preview: bool = Field(
         default=False,
         description="a pinned staging version may be served: set by the scheduler from the submission's "

@@ -56,6 +56,11 @@ class WorkerHeartbeat(Message):
         default_factory=list, description="adapter keys held verified in the worker's CPU tier (a cheap load)"
     )
     slots: dict[str, list[int]] = Field(default_factory=dict, description="rank class -> [slots used, slots]")
+    pinned: list[str] = Field(default_factory=list, description="adapter keys pinned on this worker")
+    pins_refused: list[str] = Field(
+        default_factory=list,
+        description="pinned adapter keys this worker cannot hold: their rank class is full of pins",
+    )
     cache_hit_ratio: dict[str, float] = Field(default_factory=dict, description="tier -> share of adapter lookups")
     load_ms_mean: dict[str, float] = Field(default_factory=dict, description="source tier -> mean adapter load ms")
     capability: EngineCapability = Field(default_factory=EngineCapability, description="the engine and its LoRA limits")

@@ -10,6 +10,7 @@ from shared.schemas.registry import Actor, Sha256Hex
 
 # ---- tenants and API keys (registry ops; the gateway mirrors the KV bucket) -----------------
 
+SlotEnforce = Literal["soft", "hard"]
 ApiScope = Literal["inference", "admin", "platform_admin"]
 
 
@@ -28,6 +29,11 @@ class TenantQuota(Message):
     max_gpu_adapter_slots: int | None = Field(default=None, ge=0, le=100_000)
     slo_tier: SloClass | None = Field(
         default=None, description="the highest SLO class the tenant's requests may ask for (set by a platform admin)"
+    )
+    enforce: SlotEnforce = Field(
+        default="soft",
+        description="soft: at its slot quota a tenant evicts its own adapters first, others' when it has none "
+        "to spare; hard: it waits for one of its own slots and never evicts another tenant's adapter",
     )
 
 

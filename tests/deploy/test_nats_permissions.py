@@ -11,14 +11,15 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorafleet.cli.nats_permissions import AUDIT_READER
-from services.registry.kv import RecordsKV
+from services.registry.kv import RecordsKV, open_bucket
 from services.registry.releases_kv import ReleasesKV
 from services.registry.stores import open_object_store
 from services.worker.adapter_verify import fetch_adapter_files
 from shared import signing, subjects
 from shared.adapter_format import ADAPTER_FILES
 from shared.bus import follow
-from shared.schemas import ReleaseState, SignerRecord
+from shared.kv_follow import follow_bucket
+from shared.schemas import PinRecord, ReleaseState, SignerRecord
 
 JS_TIMEOUT = 1.0
 
@@ -57,6 +58,11 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     releases = await ReleasesKV.open(rjs)
     await releases.write(ReleaseState(adapter_id="tiny", tenant_id="acme", version=2, steps=[100], actor="t"), None)
     assert list(await releases.load()) == ["tiny"]
+    pins = await open_bucket(rjs, subjects.REGISTRY_PINS_BUCKET)  # pins, checked against the workers' heartbeats
+    pin = PinRecord(adapter_id="tiny", tenant_id="acme", actor="t")
+    await pins.put(pin.key, pin.model_dump_json().encode())
+    await registry.nc.subscribe(subjects.WORKER_HEARTBEAT)
+    await registry.nc.flush()
     await rjs.subscribe(
         subjects.AUDIT_COMPLETION_ALL,
         stream=subjects.AUDIT_STREAM,
@@ -74,6 +80,18 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     assert SignerRecord.model_validate_json((await signers.get("ops")).value or b"") == signer
     records = await wjs.key_value(subjects.REGISTRY_RECORDS_BUCKET)
     await expect_js_refused(worker, records.put("tiny.1", b"{}"), f"$KV.{subjects.REGISTRY_RECORDS_BUCKET}.tiny.1")
+    followed: list[tuple[str, bytes | None]] = []
+    watch = asyncio.create_task(
+        follow_bucket(worker.nc, subjects.REGISTRY_PINS_BUCKET, lambda k, v, _: followed.append((k, v)), lambda: None)
+    )
+    for _ in range(200):  # the worker follows the pins as its PinFollower does
+        if followed:
+            break
+        await asyncio.sleep(0.025)
+    watch.cancel()
+    assert followed == [(pin.key, pin.model_dump_json().encode())]
+    worker_pins = await wjs.key_value(subjects.REGISTRY_PINS_BUCKET)
+    await expect_js_refused(worker, worker_pins.put(pin.key, b"{}"), f"$KV.{subjects.REGISTRY_PINS_BUCKET}.{pin.key}")
     worker_store = await wjs.object_store(subjects.ADAPTER_STORE_BUCKET)
     with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, TimeoutError)):
         await worker_store.put("tiny/2/x", b"evil")

@@ -80,6 +80,10 @@ ADMIN = [
     ("post", "/admin/adapters/{m}/rollback", None),
     ("post", "/admin/adapters/{m}/retire", {"version": 1}),
     ("post", "/admin/adapters/{m}/revoke", {"version": None}),
+    ("get", "/admin/adapters/{m}/pins", None),
+    ("post", "/admin/adapters/{m}/pin", None),
+    ("post", "/admin/adapters/{m}/pin", {"worker": "w1", "version": 1}),
+    ("post", "/admin/adapters/{m}/unpin", {}),
 ]
 
 

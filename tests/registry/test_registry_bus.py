@@ -16,6 +16,7 @@ from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
+from services.registry.pins import FleetSlots, Pins
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import Stored
@@ -35,6 +36,7 @@ from shared.errors import (
     InvalidRequest,
     ModelNotFound,
     NotFound,
+    PinsExceedSlots,
     ReleaseGateFailed,
     from_body,
 )
@@ -52,6 +54,9 @@ from shared.schemas import (
     ErrorBody,
     GetAdapterRequest,
     ListApiKeysRequest,
+    ListPinsRequest,
+    PinRequest,
+    PinsReply,
     PromoteRequest,
     RecordEvalRequest,
     RejectionAudit,
@@ -63,6 +68,7 @@ from shared.schemas import (
     RevokeApiKeyRequest,
     ServiceHeartbeat,
     TenantsReply,
+    WorkerHeartbeat,
 )
 from tests.helpers.records import make_record
 
@@ -107,6 +113,9 @@ class Wired:
     gateways: GatewaySync
     tenant_writes: dict[str, bytes] = field(default_factory=dict)
     published: list[tuple[str, BaseModel]] = field(default_factory=list)
+    pins: dict[str, bytes] = field(default_factory=dict)  # the lf_pins bucket
+    fleet: FleetSlots = field(default_factory=lambda: FleetSlots(liveness_timeout_s=60))
+    slot_quotas: dict[str, int] = field(default_factory=dict)  # tenant -> its own GPU slot quota
 
     async def call(self, op: str, message: BaseModel, reply: type[BaseModel]):
         return await request(self.nc, subjects.registry(op), message, reply, 5)
@@ -161,6 +170,15 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
     async def delete_source(key: str) -> None:
         sources.pop(key, None)
 
+    async def load_pins() -> dict[str, bytes]:
+        return dict(wired.pins)
+
+    async def put_pin(key: str, value: bytes) -> None:
+        wired.pins[key] = value
+
+    async def delete_pin(key: str) -> None:
+        del wired.pins[key]
+
     releases = ReleaseController(
         wired.registry,
         ReleasesKVStub(),  # type: ignore[arg-type]
@@ -175,6 +193,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         Tenants({}, put, audit),
         Sources(load, put_source, delete_source, audit),
         releases,
+        Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
     )
     yield wired
     await wired.nc.close()
@@ -325,3 +344,74 @@ async def test_a_release_start_is_gated_and_its_status_shows_the_refusal(wired: 
     assert state.decisions[-1].reasons == [
         "sea v2 has no recorded eval: run `lorafleet eval sea@2` first (or promote with --force)"
     ]
+
+
+def _pin(adapter_id: str = "sea", **fields) -> PinRequest:
+    return PinRequest(adapter_id=adapter_id, actor="apikey:k1", **fields)
+
+
+async def test_a_pin_is_stored_listed_audited_and_unpinned_by_its_owner_only(wired: Wired) -> None:
+    reply = await wired.call("pin", _pin(tenant_id="demo"), PinsReply)
+    (pin,) = reply.pins
+    assert (pin.adapter_id, pin.tenant_id, pin.version, pin.worker_id) == ("sea", "demo", None, None)
+    assert list(wired.pins) == ["sea.fleet.served"] == [pin.key]  # written through before the reply
+    on_w2 = await wired.call("pin", _pin(tenant_id="demo", version=2, worker_id="w2"), PinsReply)
+    assert [p.key for p in on_w2.pins] == ["sea.fleet.served", "sea.w-w2.v2"]
+    again = await wired.call("pin", _pin(tenant_id="demo"), PinsReply)  # the same pin again changes nothing
+    assert again == on_w2
+    for foreign in (_pin(tenant_id="other"), _pin("nope", tenant_id="demo")):  # another's adapter = a missing one
+        with pytest.raises(NotFound, match="does not exist or you do not have access to it"):
+            await wired.call("pin", foreign, PinsReply)
+    with pytest.raises(NotFound, match="does not exist or you do not have access"):
+        await wired.call("unpin", _pin(tenant_id="other"), PinsReply)
+    with pytest.raises(NotFound, match="no version 9"):
+        await wired.call("pin", _pin(tenant_id="demo", version=9), PinsReply)
+    with pytest.raises(NotFound, match="has no such pin"):
+        await wired.call("unpin", _pin(tenant_id="demo", worker_id="w1"), PinsReply)
+    assert len(wired.pins) == 2  # refusals store nothing
+    listed = await wired.call("pins", ListPinsRequest(tenant_id="other"), PinsReply)
+    assert listed.pins == []
+    left = await wired.call("unpin", _pin(worker_id="w2", version=2), PinsReply)  # an operator: any adapter
+    assert [p.key for p in left.pins] == ["sea.fleet.served"] and list(wired.pins) == ["sea.fleet.served"]
+    audits = [m.body for s, m in wired.published if isinstance(m, AuditEnvelope) and isinstance(m.body, AdminAudit)]
+    trail = [(a.action, a.tenant_id, a.target, a.actor, a.detail) for a in audits]
+    assert trail == [
+        ("adapter_pinned", "demo", "sea", "apikey:k1", {"version": None, "worker_id": None}),
+        ("adapter_pinned", "demo", "sea", "apikey:k1", {"version": 2, "worker_id": "w2"}),
+        ("adapter_unpinned", "demo", "sea", "apikey:k1", {"version": 2, "worker_id": "w2"}),
+    ]
+
+
+async def test_pins_beyond_a_live_workers_slots_but_one_are_refused_typed(wired: Wired) -> None:
+    catalog = wired.registry.catalog
+    for i in range(3):
+        catalog.put(make_record(f"p{i}", 1, "demo", status="production", traffic_percent=100))
+    catalog.put(make_record("big", 1, "demo", rank=16, status="production", traffic_percent=100))
+    beat = {"base_model": "tiny-llama", "ready": True, "running": 0, "waiting": 0, "max_running": 4,
+            "kv_blocks_free": 1, "kv_blocks_total": 1}  # fmt: skip
+    wired.fleet.on_heartbeat(WorkerHeartbeat(worker_id="w1", slots={"8": [0, 3], "16": [0, 1]}, **beat))
+    wired.fleet.on_heartbeat(WorkerHeartbeat(worker_id="w2", slots={"8": [0, 2], "16": [0, 2]}, **beat))
+    await wired.call("pin", _pin("p0"), PinsReply)
+    with pytest.raises(PinsExceedSlots, match="worker w2 has 2 rank-8 slots: pins may hold 1"):
+        await wired.call("pin", _pin("p1"), PinsReply)  # w2's second rank-8 slot stays unpinned
+    await wired.call("pin", _pin("p1", worker_id="w1"), PinsReply)  # w1 has room for two
+    with pytest.raises(PinsExceedSlots, match="worker w1 has 3 rank-8 slots"):
+        await wired.call("pin", _pin("p2", worker_id="w1"), PinsReply)
+    with pytest.raises(PinsExceedSlots, match="worker w1 has 1 rank-16 slots: pins may hold 0"):
+        await wired.call("pin", _pin("big"), PinsReply)
+    await wired.call("pin", _pin("big", worker_id="w2"), PinsReply)
+    assert sorted(wired.pins) == ["big.w-w2.served", "p0.fleet.served", "p1.w-w1.served"]
+
+
+async def test_a_tenant_pins_no_more_of_a_workers_rank_class_than_its_own_slot_quota(wired: Wired) -> None:
+    for i in range(2):
+        wired.registry.catalog.put(make_record(f"q{i}", 1, "demo", status="production", traffic_percent=100))
+    beat = {"base_model": "tiny-llama", "ready": True, "running": 0, "waiting": 0, "max_running": 4,
+            "kv_blocks_free": 1, "kv_blocks_total": 1}  # fmt: skip
+    wired.fleet.on_heartbeat(WorkerHeartbeat(worker_id="w1", slots={"8": [0, 8]}, **beat))
+    wired.slot_quotas["demo"] = 1
+    await wired.call("pin", _pin("q0", tenant_id="demo"), PinsReply)
+    with pytest.raises(PinsExceedSlots, match="tenant demo may hold 1 rank-8 slots of a worker"):
+        await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)  # pinning never lifts the slot quota
+    wired.slot_quotas["demo"] = 2
+    await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)

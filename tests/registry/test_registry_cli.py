@@ -103,3 +103,29 @@ async def test_release_starts_a_controlled_rollout_and_returns_and_status_shows_
     assert "started at 1%: offline eval gate skipped by" in lines[-1] and lines[-1].endswith(": hotfix")
     code, out = await lorafleet(["release", "cli-rel", "two", *url], capsys)
     assert code == 1 and "error (invalid_request): version 'two'" in out
+
+
+async def test_adapter_pin_unpin_and_pins_from_the_cli(
+    registry: NATS, nats_url: str, peft_adapter_dir: Path, base_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    url = ["--nats-url", nats_url]
+    await lorafleet(["keys", "gen", "cli-pinner", "--out", str(tmp_path)], capsys)
+    await lorafleet(["keys", "trust", "cli-pinner", str(tmp_path / "cli-pinner.pub"), "--tenant", "acme", *url], capsys)
+    push = ["adapter", "push", str(peft_adapter_dir), "--id", "cli-pin", "--tenant", "acme", "--task", "t",
+            "--sign-key", str(tmp_path / "cli-pinner.key"), "--base-model-dir", str(base_dir), *url]  # fmt: skip
+    assert (await lorafleet(push, capsys))[0] == 0
+    code, out = await lorafleet(["adapter", "pin", "cli-pin", *url], capsys)
+    assert code == 0 and out.splitlines()[1].split()[:4] == ["cli-pin", "served", "every", "acme"]
+    code, out = await lorafleet(["adapter", "pin", "cli-pin", "--worker", "w1", "--version", "1", *url], capsys)
+    assert code == 0 and len(out.splitlines()) == 3
+    code, out = await lorafleet(["adapter", "pins", "cli-pin", "--json", *url], capsys)
+    assert [(p["version"], p["worker_id"]) for p in json.loads(out)] == [(None, None), (1, "w1")]
+    code, out = await lorafleet(["adapter", "pin", "cli-pin", "--version", "2", *url], capsys)
+    assert code == 1 and "error (not_found): adapter 'cli-pin' has no version 2" in out
+    code, out = await lorafleet(["adapter", "unpin", "cli-pin", *url], capsys)
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["cli-pin", "1", "w1"]
+    code, out = await lorafleet(["adapter", "unpin", "cli-pin", *url], capsys)
+    assert code == 1 and "error (not_found): adapter 'cli-pin' has no such pin" in out
+    code, out = await lorafleet(["adapter", "pin", "nothing", *url], capsys)
+    assert code == 1 and "error (not_found)" in out

@@ -130,9 +130,11 @@ async def test_cli_manages_tenants_keys_and_quotas(registry, nats_url):
     key = next(line for line in created.splitlines() if line.startswith("lf-"))
     key_id, _ = parse_key(key)
     assert "admin,inference" in created
-    await _cli(nats_url, "quota", "set", "umbrella", "--rpm", "30", "--gpu-slots", "2", "--tier", "interactive")
+    await _cli(
+        nats_url, "quota", "set", "umbrella", "--rpm", "30", "--gpu-slots", "2", "--enforce", "hard", "--tier", "batch"
+    )
     listed = (await _cli(nats_url, "tenant", "list")).replace(" ", "")
-    assert '"requests_per_min":30' in listed and '"slo_tier":"interactive"' in listed
+    assert '"requests_per_min":30' in listed and '"enforce":"hard"' in listed and '"slo_tier":"batch"' in listed
     await _cli(nats_url, "key", "revoke", key_id)
     listed = await _cli(nats_url, "key", "list", "--tenant", "umbrella")
     assert key_id in listed and "revoked" in listed and key.split("-")[2] not in listed

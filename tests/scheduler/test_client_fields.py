@@ -29,6 +29,16 @@ async def test_a_client_written_gpu_slot_quota_is_replaced_by_the_tenants(world)
     assert slots == [DefaultQuota().max_gpu_adapter_slots, 2, None]
 
 
+async def test_a_client_written_soft_slot_enforcement_is_replaced_by_the_tenants_hard_one(world):
+    world.beat("w1")
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=1, enforce="hard"))
+    await world.submit("hard", tenant_slot_enforce="soft")
+    world.core.quotas.set("acme", TenantQuota(max_gpu_adapter_slots=1))
+    await world.submit("soft", tenant_slot_enforce="hard")
+    enforced = [(world.requests[r].tenant_gpu_slots, world.requests[r].tenant_slot_enforce) for r in ("hard", "soft")]
+    assert enforced == [(1, "hard"), (1, "soft")]
+
+
 async def test_a_submission_past_its_accept_deadline_is_refused_typed_not_run(world):
     world.beat("w1")
     msg = await world.submit("late", accept_deadline=time.time() - 1)

@@ -227,9 +227,8 @@ def test_random_churn_never_evicts_in_flight_or_pinned(cache: CacheHierarchy) ->
             key = rng.choice(sorted(+model))
             model[key] -= 1
             cache.release(key)
-        elif op < 0.9 and len(pins) < 1:
+        elif op < 0.9 and len(pins) < 1 and cache.pin(key):  # a rank class's last slot is never pinned
             pins.add(key)
-            cache.pin(key)
         elif op < 0.95 and pins:
             key = pins.pop()
             cache.unpin(key)
@@ -245,6 +244,66 @@ def test_random_churn_never_evicts_in_flight_or_pinned(cache: CacheHierarchy) ->
     stats = cache.stats()
     assert violations == [] and stats.in_flight == {} and stats.waiting_for_slot == 0
     assert set(stats.gpu_adapters) == set(cache.manager.resident()) and set(pins) <= set(stats.gpu_adapters)
+
+
+def _quota_waits() -> float:
+    return REGISTRY.get_sample_value("adapter_quota_waits_total") or 0.0
+
+
+@pytest.mark.parametrize("enforce", ["soft", "hard"])
+def test_a_hard_quota_tenant_waits_for_its_own_slot_and_never_evicts_another_tenants(
+    cache: CacheHierarchy, enforce: str
+) -> None:
+    hard, waits = enforce == "hard", _quota_waits()
+    cache.acquire(RANK8[0], 8, tenant="other").ready.result(WAIT)
+    cache.release(RANK8[0])  # idle, and the coldest: LRU's first victim
+    cache.acquire(RANK8[1], 8, tenant="acme", slot_limit=1, hard=hard).ready.result(
+        WAIT
+    )  # acme at its quota, in flight
+    waiting = cache.acquire(RANK8[2], 8, tenant="acme", slot_limit=1, hard=hard)
+    if not hard:  # soft: none of its own can go, so the other tenant's colder adapter leaves
+        waiting.ready.result(WAIT)
+        assert RANK8[0] not in cache.manager.resident() and _quota_waits() == waits
+        return
+    _wait_for(lambda: cache.stats().waiting_for_slot == 1)
+    assert not waiting.ready.done() and RANK8[0] in cache.manager.resident()
+    assert _quota_waits() == waits + 1
+    third = cache.acquire(RANK8[3], 8, tenant="third")  # a load behind the waiting one is not held up by it
+    third.ready.result(WAIT)
+    assert RANK8[0] not in cache.manager.resident() and not waiting.ready.done()
+    fourth = cache.acquire(RANK8[4], 8, tenant="fourth")  # every slot in flight: it queues behind acme's
+    _wait_for(lambda: cache.stats().waiting_for_slot == 2)
+    cache.release(RANK8[3])  # a slot acme may not take frees: the load queued behind acme's gets it
+    fourth.ready.result(WAIT)
+    assert not waiting.ready.done()
+    cache.release(RANK8[1])  # acme's own slot frees: its waiting load takes it, evicting only its own
+    waiting.ready.result(WAIT)
+    assert set(cache.manager.resident()) == {RANK8[2], RANK8[4]}
+    assert cache.stats().evictions == {"gpu/capacity": 3}
+
+
+def test_a_hard_quota_tenant_at_its_quota_takes_no_free_slot_but_its_own(cache: CacheHierarchy) -> None:
+    cache.acquire(RANK8[0], 8, tenant="acme", slot_limit=1, hard=True).ready.result(WAIT)
+    cache.release(RANK8[0])
+    cache.acquire(RANK8[1], 8, tenant="acme", slot_limit=1, hard=True).ready.result(WAIT)
+    assert set(cache.manager.resident()) == {RANK8[1]}  # a slot stays free for the others
+    cache.acquire(RANK8[2], 8, tenant="other").ready.result(WAIT)
+    assert set(cache.manager.resident()) == {RANK8[1], RANK8[2]}
+
+
+def test_pins_take_every_slot_of_a_class_but_one_and_report_the_rest(cache: CacheHierarchy) -> None:
+    assert cache.pin(RANK8[0], 8, "acme")
+    assert not cache.pin(RANK8[1], 8, "acme")  # the second rank-8 slot stays for unpinned adapters
+    assert not cache.pin(RANK16[0], 16)  # the one rank-16 slot likewise
+    _wait_for(lambda: RANK8[0] in cache.manager.resident())  # pinned while absent: loaded, and kept
+    stats = cache.stats()
+    assert stats.pinned == [RANK8[0]] and stats.pins_refused == sorted([RANK8[1], RANK16[0]])
+    for key in RANK8[1:4]:
+        cache.acquire(key, 8).ready.result(WAIT)
+        cache.release(key)
+    assert RANK8[0] in cache.manager.resident()
+    cache.unpin(RANK8[0])
+    assert cache.pin(RANK8[1], 8) and cache.stats().pins_refused == [RANK16[0]]
 
 
 def _wait_for(condition, timeout: float = WAIT) -> None:  # type: ignore[no-untyped-def]

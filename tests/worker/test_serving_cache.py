@@ -324,3 +324,67 @@ async def test_per_adapter_series_stop_at_the_configured_count_and_the_rest_read
         adapter_label = "other" if labels == 1 else next(label for label in grew if label not in ("base", "other"))
         assert grew == {"base": 1, adapter_label: 1}, (family, grew)
         assert "cold" in adapter_label or labels == 1, adapter_label
+
+
+def _quota_request(loaded: LoadedModel, rid: str, tenant: str, adapter: str, enforce: str, tokens: int) -> InferRequest:
+    resolved = ResolvedAdapter(adapter_id=adapter, version=1, rank=8, digest=DIGEST, storage_uri="test://x", alpha=16)
+    return InferRequest(
+        request_id=rid, tenant_id=tenant, model="m", base_model=loaded.name, adapter=resolved,
+        prompt="Once upon a time", reply_to=f"_INBOX.{rid}", tenant_gpu_slots=1, tenant_slot_enforce=enforce,
+        sampling=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("enforce", ["soft", "hard"])
+async def test_a_hard_quota_request_waits_for_its_tenants_own_slot_on_the_serving_path(
+    loaded, cold_adapter, enforce: str
+):
+    """Two rank-8 slots: another tenant's idle adapter and acme's running one. acme's second adapter (quota 1)
+    evicts the other tenant's under soft; under hard it waits until acme's own running request ends."""
+    from prometheus_client import REGISTRY
+
+    manager = AdapterManager(
+        LoraConfig(
+            rank_classes=(8,), memory_budget_bytes=2**24, max_slots_per_class=2, target_modules=("q_proj", "v_proj")
+        ),
+        ModelShapes.from_hf_config(loaded.model.config),
+    )
+    cache = CacheHierarchy(manager, lambda _key: manager.read_adapter(cold_adapter), CacheConfig(policy="lru"))
+    engine = AsyncEngine.from_loaded(
+        loaded,
+        EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256, max_num_batched_tokens=256),
+        adapter_manager=manager,
+    )
+    engine.start()
+    finals: list[str] = []
+    server = _server(loaded, engine, finals, cache=cache)
+    waits = REGISTRY.get_sample_value("adapter_quota_waits_total") or 0.0
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    try:
+        await server.accept(_quota_request(loaded, "o", "other", "o", "soft", 2))
+        await until(lambda: "_INBOX.o" in finals, "the other tenant's request never finished")
+        await server.accept(_quota_request(loaded, "a1", "acme", "a1", enforce, 240))  # runs for the whole test
+        await until(lambda: "a1@1" in cache.stats().gpu_adapters, "acme's first adapter never loaded")
+        await server.accept(_quota_request(loaded, "a2", "acme", "a2", enforce, 2))
+        if enforce == "soft":
+            await until(lambda: "_INBOX.a2" in finals, "soft: a2 never ran")
+            assert set(cache.stats().gpu_adapters) == {"a1@1", "a2@1"}  # the other tenant's adapter left
+            assert "_INBOX.a1" not in finals
+        else:
+            await until(lambda: cache.stats().waiting_for_slot == 1, "hard: a2 never queued for acme's own slot")
+            assert set(cache.stats().gpu_adapters) == {"o@1", "a1@1"} and "_INBOX.a1" not in finals
+            assert (REGISTRY.get_sample_value("adapter_quota_waits_total") or 0.0) == waits + 1
+            assert server.cancel(RequestRef("acme", "a1"))  # acme's own slot frees: a2 takes it, not o's
+            await until(lambda: "_INBOX.a2" in finals, "hard: a2 never ran once acme's slot freed")
+            assert set(cache.stats().gpu_adapters) == {"o@1", "a2@1"}
+        server.cancel(RequestRef("acme", "a1"))
+        await until(lambda: not server.tasks, "requests left running")
+    finally:
+        cache.close()
+        engine.shutdown()

@@ -5,6 +5,8 @@ however it ends. A lookup never blocks: a miss starts one load on the loader thr
 misses of one adapter share it) and the engine's ``AdapterManager.slot_of`` stays None until the copy
 lands, so the request waits while the others run. An adapter with requests in flight, or pinned, is
 never evicted; when every slot of a rank class is so held, loads for that class wait in FIFO order.
+Pins hold at most every slot of a rank class but one, so unpinned adapters of the class still load;
+a pin beyond that is refused (``pin`` answers False and ``stats().pins_refused`` lists it).
 """
 
 import threading
@@ -56,7 +58,8 @@ class CacheHierarchy:
         self._slots = SlotTier({c.rank: c.slots for c in classes}, gpu_policy, config.slot_quota)
         self._cpu = CpuTier(config.cpu_budget_bytes, make_policy(config.cpu_policy, config, config.cpu_half_life_s))
         self._refs: Counter[str] = Counter()  # key -> requests in flight
-        self._pins: set[str] = set()
+        self._pins: dict[str, int | None] = {}  # pinned key -> its rank class (None: not known yet)
+        self._pins_refused: set[str] = set()
         self._draining: set[str] = set()  # invalidated with requests in flight: unloaded on the last release
         self._counters = CacheCounters()
         self._lock = threading.Lock()
@@ -72,14 +75,16 @@ class CacheHierarchy:
         self._loader.close()
 
     def acquire(
-        self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive", slot_limit: int | None = None
-    ) -> Lookup:
+        self, key: str, rank: int, tenant: str | None = None, slo: Slo = "interactive", slot_limit: int | None = None,
+        hard: bool = False,
+    ) -> Lookup:  # fmt: skip
         """Count one request in flight on ``key`` and look it up; a miss starts (or joins) its load.
 
-        ``slot_limit``: the tenant's GPU slot quota per rank class; at it, the tenant evicts its own first.
+        ``slot_limit``: the tenant's GPU slot quota per rank class; at it, the tenant evicts its own first, and
+        with ``hard`` only its own: the load waits for one of them to be released rather than evict another's.
         Each acquire needs one release. Raises AdapterRevoked while an invalidated version drains.
         """
-        entry = Entry(key, rank, tenant, slo, slot_limit)
+        entry = Entry(key, rank, tenant, slo, slot_limit, hard)
         with self._lock:
             if self._revoked(key):
                 raise AdapterRevoked(f"adapter {key} was invalidated")
@@ -136,19 +141,33 @@ class CacheHierarchy:
         self._loader.submit(ready)
         return True
 
-    def pin(self, key: str) -> None:
-        """Never evict ``key``; it is loaded if absent, waiting for a slot like a request does."""
+    def pin(self, key: str, rank: int | None = None, tenant: str | None = None) -> bool:
+        """Never evict ``key``; it is loaded if absent (again, if a load failed), waiting for a slot like a request.
+
+        False, pinning nothing, when the pins of its rank class already hold every slot of it but one. The cap
+        needs the class: from ``rank``, else the resident copy; without either (no rank given, not resident)
+        the pin is taken uncapped, so callers that can (the worker's pin follower does) give the rank.
+        """
         with self._lock:
-            self._pins.add(key)
+            rank_class = self._slots.class_of(rank) if rank is not None else self._slots.class_of_key(key)
+            if key not in self._pins and rank_class is not None:
+                pinned = sum(c == rank_class for c in self._pins.values())
+                if pinned >= self._slots.slots[rank_class] - 1:
+                    self._pins_refused.add(key)
+                    return False
+            self._pins[key] = rank_class
+            self._pins_refused.discard(key)
             load = self._loader.loads.get(key)
             if load is not None:
                 load.prefetch = False
             elif key not in self._slots and not self._revoked(key):
-                self._loader.start(Entry(key, 0), prefetch=False, now=self._clock())
+                self._loader.start(Entry(key, rank or 0, tenant), prefetch=False, now=self._clock())
+            return True
 
     def unpin(self, key: str) -> None:
         with self._lock:
-            self._pins.discard(key)
+            self._pins.pop(key, None)
+            self._pins_refused.discard(key)
             ready = self._loader.drain(self._clock())
         self._loader.submit(ready)
 
@@ -180,7 +199,7 @@ class CacheHierarchy:
                 self._loader.cancel(load)
                 keys.add(load.entry.key)
             for key in keys:
-                self._pins.discard(key)
+                self._pins.pop(key, None)
                 self._slots.policy.forget(key)
                 self._cpu.policy.forget(key)
             metrics.ADAPTER_CPU_TIER_BYTES.set(self._cpu.nbytes)
@@ -201,6 +220,7 @@ class CacheHierarchy:
             c = self._counters
             return CacheStats(
                 gpu_adapters=self._slots.keys(), cpu_adapters=self._cpu.keys(), pinned=sorted(self._pins),
+                pins_refused=sorted(self._pins_refused),
                 in_flight=dict(self._refs), loading=list(self._loader.loads),
                 waiting_for_slot=sum(len(q) for q in self._loader.queues.values()), lookups=dict(c.lookups),
                 hit_ratio=c.hit_ratio(), loads=dict(c.loads), load_ms_mean=c.load_ms_mean(),

@@ -3,7 +3,8 @@
 One load per adapter at a time, shared by every request that waits on it. A load reserves a slot
 of its rank class, evicting at most one unprotected victim; when the class has none, it joins the
 class's FIFO (by arrival) and the next release that frees a slot drains it. A prefetch never queues and never
-evicts an adapter the policy scores higher.
+evicts an adapter the policy scores higher. A load of a tenant held to a hard slot quota waits in the FIFO for
+one of its own slots without holding up the loads queued behind it.
 """
 
 import bisect
@@ -36,6 +37,7 @@ class Load:
     weights: Cached | None = None
     queued_at: float = 0.0
     copying: bool = False  # holds a reserved slot: manager.load_adapter may be running
+    reserved_for: str | None = None  # the tenant whose quota the reserved slot counts toward
     cancelled: bool = False
 
 
@@ -83,13 +85,15 @@ class SlotLoader:
     def drain(self, now: float) -> list[Load]:
         """Reserve slots for queued loads, head first, while their rank class has room; pass them to submit."""
         ready: list[Load] = []
-        for rank_class, queue in self.queues.items():
-            while queue and self._room(queue[0].entry, now, prefetch=False):
-                load = queue.popleft()
-                self._slots.reserve(rank_class)
-                load.copying = True
-                self._counters.waited((now - load.queued_at) * 1000)
-                ready.append(load)
+        for queue in self.queues.values():
+            for load in list(queue):
+                if self._room(load.entry, now, prefetch=False):
+                    queue.remove(load)
+                    self._reserve(load)
+                    self._counters.waited((now - load.queued_at) * 1000)
+                    ready.append(load)
+                elif not self._slots.held_to_quota(load.entry):
+                    break  # the class is full for everyone: the loads behind it wait their turn
         return ready
 
     def submit(self, ready: list[Load]) -> None:
@@ -138,21 +142,28 @@ class SlotLoader:
     def _place(self, load: Load, now: float) -> bool:
         """Reserve a slot for ``load``, or queue it; a prefetch never queues."""
         queue = self.queues[self._slots.class_of(load.entry.rank)]
-        if not queue and self._room(load.entry, now, load.prefetch):
-            self._slots.reserve(self._slots.class_of(load.entry.rank))
-            load.copying = True
+        ahead = [queued for queued in queue if not self._slots.held_to_quota(queued.entry)]
+        if not ahead and self._room(load.entry, now, load.prefetch):
+            self._reserve(load)
             return True
         if load.prefetch:
             del self.loads[load.entry.key]
             load.future.cancel()
         else:
+            if self._slots.held_to_quota(load.entry):
+                metrics.ADAPTER_QUOTA_WAITS.inc()
             load.queued_at = now
             bisect.insort(queue, load, key=lambda queued: queued.seq)
         return False
 
+    def _reserve(self, load: Load) -> None:
+        self._slots.reserve(self._slots.class_of(load.entry.rank), load.entry.tenant)
+        load.copying, load.reserved_for = True, load.entry.tenant
+
     def _room(self, entry: Entry, now: float, prefetch: bool) -> bool:
-        """Whether entry's rank class has a slot free, evicting the policy's victim if needed."""
-        if self._slots.free(self._slots.class_of(entry.rank)) > 0:
+        """Whether entry's rank class has a slot free, evicting the policy's victim if needed; a tenant held to
+        its hard quota takes no free slot beyond it, only one of its own."""
+        if self._slots.free(self._slots.class_of(entry.rank)) > 0 and not self._slots.held_to_quota(entry):
             return True
         victim = self._slots.victim(entry, now, self._protected)
         policy = self._slots.policy
@@ -167,7 +178,7 @@ class SlotLoader:
             slot = self.manager.load_adapter(key, load.weights)  # type: ignore[arg-type]
         except Exception as error:
             with self._lock:
-                self._slots.unreserve(rank_class)
+                self._slots.unreserve(rank_class, load.reserved_for)
                 self.undoing.discard(key)
                 ready = self.drain(self._clock())
             self._fail(load, error)
@@ -176,10 +187,10 @@ class SlotLoader:
         with self._lock:
             if load.cancelled:
                 self.manager.unload(key)
-                self._slots.unreserve(rank_class)
+                self._slots.unreserve(rank_class, load.reserved_for)
                 self.undoing.discard(key)
             else:
-                self._slots.commit(load.entry)
+                self._slots.commit(load.entry, load.reserved_for)
                 del self.loads[key]
                 self._counters.loaded(load.source, (self._clock() - load.started) * 1000)
                 self._occupancy()

@@ -25,6 +25,7 @@ class Entry:
     tenant: str | None = None
     slo: Slo = "interactive"
     slot_limit: int | None = None  # the tenant's quota from its limits; tighter than the config share wins
+    hard: bool = False  # at its quota the tenant waits for its own slots instead of evicting others'
 
 
 class EvictionPolicy(ABC):

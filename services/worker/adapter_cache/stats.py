@@ -18,6 +18,7 @@ class CacheStats:
     gpu_adapters: list[str]
     cpu_adapters: list[str]
     pinned: list[str]
+    pins_refused: list[str]  # pins beyond the cap of their rank class (every slot but one)
     in_flight: dict[str, int]  # adapter -> requests holding it
     loading: list[str]  # loads started, not yet resident (waiting for a slot included)
     waiting_for_slot: int
