@@ -1,5 +1,6 @@
 """The fleet as the scheduler sees it (heartbeats plus its own dispatches since), and which worker
-takes a request: adapter residency (GPU > CPU tier > load), then load, then KV headroom. A worker whose
+takes a request: adapter residency (GPU > CPU tier > load), then load (weighed by the request's SLO
+class), then KV headroom. A worker whose
 engine cannot serve the adapter's rank or modules (its heartbeat's capability) never takes it.
 
 Rank pools: a worker may declare rank classes it serves as a pool (``WorkerHeartbeat.rank_pool``). An
@@ -21,6 +22,11 @@ from shared.slot_size import class_of
 # residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
 # slot is worth a whole worker's load; a saturated worker ranks after every unsaturated one
 TIER_COST = {"gpu": 0.0, "cpu": 0.5, "free_slot": 0.75, "miss": 1.0}
+# how much a worker's load counts against residency, by SLO class: an interactive request goes to a less
+# loaded worker even at the cost of copying its adapter from a CPU tier (its first token comes sooner),
+# a batch one stays with the worker holding its adapter even when that one is busier (throughput, and
+# no eviction of others' adapters for it)
+LOAD_WEIGHT = {"interactive": 2.0, "standard": 1.0, "batch": 0.5}
 HOME_WEIGHT = 0.5  # an adapter held nowhere goes to its rendezvous-hash home unless that worker is busier
 RECENT_S = 5.0  # a worker we just sent an adapter to is treated as holding it until heartbeats show it
 # a worker's role for one request: in the pool of the request's rank class, outside every pool, or
@@ -144,6 +150,7 @@ class Fleet:
         key, skip = adapter_key_of(request), set(exclude)
         rank = request.adapter.rank if request.adapter else None
         pooled = self.pooled(request)
+        load_weight = LOAD_WEIGHT[request.priority or "standard"]
         best: tuple | None = None
         for worker_id, v in self.workers.items():
             if worker_id in skip or not self._fits(v, request) or not self.has_room(v):
@@ -155,7 +162,8 @@ class Fleet:
             # a pooled adapter leaves its pool only when the pool is saturated; the rest keep off pools
             # while a worker outside them has room
             band = (saturated, role) if pooled else (role, saturated)
-            score = (*band, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free, worker_id)
+            cost = TIER_COST[tier] + home + load_weight * v.load / v.beat.max_running
+            score = (*band, cost, -v.beat.kv_blocks_free, worker_id)
             if best is None or score < best:
                 best = score
         return best[-1] if best else None

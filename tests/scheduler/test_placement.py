@@ -31,14 +31,21 @@ def beat(
     )
 
 
-def req(adapter: str | None = "ad", version: int = 1, rid: str = "r") -> InferRequest:
+def req(adapter: str | None = "ad", version: int = 1, rid: str = "r", priority: str | None = None) -> InferRequest:
     resolved = (
         ResolvedAdapter(adapter_id=adapter, version=version, rank=8, digest=DIGEST, storage_uri="x", alpha=16)
         if adapter
         else None
     )
     return InferRequest(
-        request_id=rid, tenant_id="t", model=BASE, base_model=BASE, prompt="hi", reply_to="_INBOX.a", adapter=resolved
+        request_id=rid,
+        tenant_id="t",
+        model=BASE,
+        base_model=BASE,
+        prompt="hi",
+        reply_to="_INBOX.a",
+        adapter=resolved,
+        priority=priority,
     )
 
 
@@ -54,6 +61,12 @@ def test_residency_wins_gpu_then_cpu_then_load():
     assert f.choose(req(), now=0) == "c"
     assert f.choose(req(), exclude={"c"}, now=0) == "b"
     assert f.choose(req(adapter=None), now=0) == "a"  # the base model is resident everywhere: least loaded
+
+
+def test_interactive_trades_residency_for_a_less_loaded_worker_and_batch_stays_with_the_holder():
+    f = fleet(beat("busy", running=3, gpu=("ad@1",)), beat("idle", cpu=("ad@1",)))
+    assert f.choose(req(priority="interactive"), now=0) == "idle"  # a CPU-tier copy beats a queue
+    assert f.choose(req(priority="batch"), now=0) == "busy"  # no copy, no eviction for a batch request
 
 
 def test_a_saturated_holder_spills_the_hot_adapter_to_an_idle_worker():
