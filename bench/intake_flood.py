@@ -77,8 +77,10 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
         admitted = asyncio.Event()
         submit = core.submit
 
-        async def watched(subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
-            await submit(subject, data, handle, seq)
+        async def watched(
+            subject: str, data: bytes, handle: Handle, seq: int | None = None, stored_at: float | None = None
+        ) -> None:
+            await submit(subject, data, handle, seq, stored_at)
             if QUIET in core.held:
                 admitted.set()
 

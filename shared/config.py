@@ -224,6 +224,9 @@ class SchedulerSettings(RequestBounds):
     shed_min_samples: int = Field(
         default=16, ge=1, le=100_000, description="completed requests measured before shedding starts"
     )
+    shed_margin: float = Field(
+        default=0.8, gt=0, le=1, description="admit while the predicted TTFT is within this share of the target"
+    )
     capacity_headroom: int = Field(
         default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)"
     )

@@ -136,6 +136,26 @@ async def _cancel_queued(nc: NATS, request: InferRequest) -> None:
         log.warning("cancel_publish_failed", request_id=request.request_id, error=str(e))
 
 
+PUBLISH_RETRY_S = 0.25
+
+
+async def _publish(js: JetStreamContext, request: InferRequest, preview: bool, deadline: float) -> None:
+    """Store the submission on INFER. While the stream has no leader (a NATS node failing over: no
+    responder on its subject) try again until ``deadline`` (epoch seconds); the message id makes a
+    retry of a submission that was stored after all a duplicate the stream drops."""
+    subject = subjects.infer_submit(request.tenant_id, subjects.VIA_PREVIEW if preview else subjects.VIA_GATEWAY)
+    data, headers = encode(request), inject({"Nats-Msg-Id": request.request_id})
+    while True:
+        left = deadline - time.time()
+        try:
+            await js.publish(subject, data, headers=headers, timeout=max(0.1, left))
+            return
+        except NoStreamResponseError:
+            if left <= PUBLISH_RETRY_S:
+                raise
+            await asyncio.sleep(PUBLISH_RETRY_S)
+
+
 async def submit(
     nc: NATS, js: JetStreamContext, request_fields: dict, accept_timeout_s: float, preview: bool = False
 ) -> Submission:
@@ -161,12 +181,7 @@ async def submit(
     request = InferRequest(reply_to=inbox, accept_deadline=accept_deadline, **request_fields)
     try:
         with _tracer.start_as_current_span("gateway.publish"):
-            await js.publish(
-                subjects.infer_submit(request.tenant_id, subjects.VIA_PREVIEW if preview else subjects.VIA_GATEWAY),
-                encode(request),
-                headers=inject({"Nats-Msg-Id": request.request_id}),
-                timeout=accept_timeout_s,
-            )
+            await _publish(js, request, preview, accept_deadline)
     except (NoStreamResponseError, TimeoutError) as e:
         await sub.unsubscribe()
         raise ServiceUnavailable(f"the request queue is not available ({type(e).__name__})") from None

@@ -150,9 +150,12 @@ class Dispatcher:
     def __post_init__(self) -> None:
         self.grants = Grants(self.ports.resolve, self.ports.catalog)
 
-    async def submit(self, subject: str, data: bytes, handle: Handle, seq: int | None = None) -> None:
+    async def submit(
+        self, subject: str, data: bytes, handle: Handle, seq: int | None = None, stored_at: float | None = None
+    ) -> None:
         """A submission from the work queue (``seq``: its stream sequence, which tells a redelivery
-        from a new submission reusing a request id): refuse, drop, or admit and queue it."""
+        from a new submission reusing a request id; ``stored_at``: epoch seconds the stream stored
+        it): refuse, drop, or admit and queue it."""
         try:
             request, preview = parse_submission(subject, data)
         except LorafleetError as e:
@@ -188,7 +191,9 @@ class Dispatcher:
             request = await self.grants.grant(request, preview)
             now = time.monotonic()
             room = self.fleet.choose(request, now=now) is not None
-            self.shedder.check(slo_class, self.queue.ahead_of(slo_class, now), room, len(self.inflight), now)
+            waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0
+            ahead = self.queue.ahead_of(slo_class, now)
+            self.shedder.check(slo_class, ahead, room, len(self.inflight), now, waited)
         except LorafleetError as e:
             if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
                 await self._served_before(request, handle, seq)
@@ -245,20 +250,26 @@ class Dispatcher:
     def pump(self) -> None:
         """Start a dispatch for every queued request a worker has room for, in fair order."""
         now = time.monotonic()
-        chosen: dict[RequestRef, str] = {}  # the worker placeable() found for a request, this round
+        # whether any worker has room, per placement signature, this round: the fair queue asks it of
+        # every queued request, and a full placement per request would cost queue x workers a dispatch
+        fits: dict[tuple, bool] = {}
 
         def placeable(item: Queued) -> bool:
-            worker = self.fleet.choose(item.request, now=now)
-            if worker is not None:
-                chosen[item.ref] = worker
-            return worker is not None
+            signature = self.fleet.signature(item.request)
+            ok = fits.get(signature)
+            if ok is None:
+                ok = fits[signature] = self.fleet.choose(item.request, now=now) is not None
+            return ok
 
         while True:
-            chosen.clear()
+            fits.clear()
             item = self.queue.pop(now, placeable)
             if item is None:
                 return
-            worker = chosen[item.ref]
+            worker = self.fleet.choose(item.request, now=now)  # the best one for this request itself
+            if worker is None:  # cannot be: its signature found room this round
+                self.queue.push(item, front=True)
+                return
             self._note_spill(item.request, worker)
             self.fleet.sent(worker, item.request, now)
             task = asyncio.create_task(self._dispatch_logged(item, worker))

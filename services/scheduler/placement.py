@@ -130,6 +130,15 @@ class Fleet:
         return any(v.beat.ready and self._fits(v, request) for v in self.workers.values())
 
     @staticmethod
+    def signature(request: InferRequest) -> tuple:
+        """What decides whether some worker can take ``request`` (``choose`` is None or not): its base
+        model, and its adapter's rank and modules. Which worker is best depends on more."""
+        adapter = request.adapter
+        if adapter is None:
+            return (request.base_model,)
+        return (request.base_model, adapter.rank, tuple(adapter.target_modules or ()))
+
+    @staticmethod
     def _fits(view: WorkerView, request: InferRequest) -> bool:
         adapter = request.adapter
         if view.beat.base_model != request.base_model:

@@ -104,7 +104,9 @@ def build(
         queue=FairQueue(
             settings.vtc_input_weight, settings.vtc_output_weight, {c: settings.slo_ttft_s.of(c) for c in SLO_CLASSES}
         ),
-        shedder=LoadShedder(settings.slo_ttft_s, settings.shed_overload, settings.shed_min_samples),
+        shedder=LoadShedder(
+            settings.slo_ttft_s, settings.shed_overload, settings.shed_min_samples, settings.shed_margin
+        ),
         bounds=settings,
         prompt_tokens=prompt_tokens,
     )
@@ -222,7 +224,8 @@ class Scheduler:
     async def on_submission(self, msg: Msg) -> None:
         try:
             with continued(msg.headers), _tracer.start_as_current_span("scheduler.admit"):
-                await self.core.submit(msg.subject, msg.data, msg, msg.metadata.sequence.stream)
+                stored = msg.metadata.timestamp  # the server's time of storing it: what the client has waited
+                await self.core.submit(msg.subject, msg.data, msg, msg.metadata.sequence.stream, stored.timestamp())
         except Exception:
             log.exception("submission_crashed", subject=msg.subject)
             await msg.nak(delay=1)

@@ -14,8 +14,11 @@ admits keeps its target; what it refuses is told within the admission's own time
   class. The wait of a new request is ``(ahead + 1) / mu_c`` (``ahead``: queued requests that go before
   it), none when nothing goes before it and a worker has room. Batch is shed first: it is overtaken by
   every class and left the least capacity.
-- Predicted TTFT = wait + the mean worker-side TTFT (prefill, adapter load: the completions' ttft_ms).
-  A request that will not queue (nothing before it, a worker with room) is never refused.
+- Predicted TTFT = the time it already waited to be admitted (since the work queue stored it) + the
+  wait + the mean worker-side TTFT (prefill, adapter load: the completions' ttft_ms). It is admitted
+  while that is within ``margin`` of its target: admitting up to the target itself would have about
+  half of the requests admitted at the edge miss it. A request that will not queue (nothing before
+  it, a worker with room) is never refused.
 
 No estimate, no shedding: until ``min_samples`` requests have completed, everything is admitted."""
 
@@ -44,6 +47,7 @@ class LoadShedder:
     targets: SloTargets
     enabled: bool = True
     min_samples: int = 16
+    margin: float = 0.8  # admit while the predicted TTFT is within this share of the target
     service_s: float = 0.0  # EWMA of dispatch -> end
     worker_ttft_s: float = 0.0  # EWMA of the worker's own time to first token
     samples: int = 0
@@ -67,7 +71,9 @@ class LoadShedder:
             return None
         return running / self.service_s
 
-    def estimate(self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float) -> Estimate | None:
+    def estimate(
+        self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float, waited_s: float = 0.0
+    ) -> Estimate | None:
         mu = self.rate(running)
         if mu is None:
             return None
@@ -80,24 +86,27 @@ class LoadShedder:
             wait = float("inf")
         else:
             wait = (ahead + 1) / left
-        return Estimate(wait, wait + self.worker_ttft_s, max(left, 0.0))
+        return Estimate(wait, waited_s + wait + self.worker_ttft_s, max(left, 0.0))
 
-    def check(self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float) -> None:
-        """Raise ``Overloaded`` when a request of ``slo_class`` would miss its TTFT target."""
-        est = self.estimate(slo_class, ahead, room, running, now)
+    def check(
+        self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float, waited_s: float = 0.0
+    ) -> None:
+        """Raise ``Overloaded`` when a request of ``slo_class`` would miss its TTFT target (``waited_s``:
+        how long it already waited to be admitted, since the work queue stored it)."""
+        est = self.estimate(slo_class, ahead, room, running, now, waited_s)
         if est is None or est.wait_s == 0:  # it will not queue: refusing it would spare nobody any wait
             return
         metrics.SCHEDULER_PREDICTED_TTFT.labels(slo_class).set(min(est.ttft_s, 1e6) * 1000)
         target = self.targets.of(slo_class)
-        if not self.enabled or est.ttft_s <= target:
+        if not self.enabled or est.ttft_s <= self.margin * target:
             return
         metrics.SCHEDULER_SHED.labels(slo_class).inc()
         # by then the queue ahead has drained to what the target allows; when higher classes take all
         # the capacity, look again after one target
-        retry = est.ttft_s - target if est.rate > 0 else target
+        retry = est.ttft_s - self.margin * target if est.rate > 0 else target
         raise Overloaded(
             f"the fleet is overloaded for {slo_class} requests: predicted time to first token "
-            f"{_seconds(est.ttft_s)} exceeds the class's target {target:g}s",
+            f"{_seconds(est.ttft_s)} leaves no margin within the class's target {target:g}s",
             retry_after_s=min(MAX_RETRY_AFTER_S, max(1.0, retry)),
         )
 

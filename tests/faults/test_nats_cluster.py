@@ -120,7 +120,7 @@ def test_every_stream_bucket_and_object_store_has_three_replicas(cluster):
 def _kill_under_load(cluster: ClusterFleet, victim: Server) -> list:
     async def run() -> list:
         async with gateway(cluster.gateway_url) as client:
-            load = asyncio.create_task(steady(client, 30, 0.25, MAX_TOKENS))
+            load = asyncio.create_task(steady(client, 48, 0.25, MAX_TOKENS))
             await asyncio.sleep(2.0)  # several in flight, more arriving
             victim.proc.send_signal(signal.SIGKILL)
             victim.proc.wait()

@@ -71,8 +71,10 @@ class Run:
         self.quiet_in = asyncio.Event()
         submit = core.submit
 
-        async def recording(subject: str, data: bytes, handle, seq: int | None = None) -> None:
-            await submit(subject, data, handle, seq)
+        async def recording(
+            subject: str, data: bytes, handle, seq: int | None = None, stored_at: float | None = None
+        ) -> None:
+            await submit(subject, data, handle, seq, stored_at)
             request = InferRequest.model_validate_json(data)
             rid = request.request_id
             if (request.tenant_id, rid) in core.held:

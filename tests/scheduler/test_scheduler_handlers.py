@@ -5,6 +5,7 @@ tick each, around a real Dispatcher on a real Redis: what they change, what they
 import itertools
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -32,8 +33,11 @@ class Delivery(Msg):
     def __init__(self, data: bytes, subject: str = "") -> None:
         super().__init__()
         self.data, self.subject = data, subject
-        # JetStream's metadata, as nats-py parses it from the reply subject: the stream sequence
-        self.metadata = SimpleNamespace(sequence=SimpleNamespace(stream=next(self.sequence)))
+        # JetStream's metadata, as nats-py parses it from the reply subject: the stream sequence and
+        # when the stream stored it
+        self.metadata = SimpleNamespace(
+            sequence=SimpleNamespace(stream=next(self.sequence)), timestamp=datetime.now(UTC)
+        )
 
 
 @pytest.fixture
