@@ -37,6 +37,26 @@ ADAPTER_TPOT = Histogram(
     ["adapter"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
+SLO_TTFT = Histogram(
+    "slo_ttft_ms",
+    "time to first token by SLO class, from the scheduler's admission (InferRequest.created_at) to the first token",
+    ["slo_class"],
+    buckets=_MS,
+)
+SLO_TPOT = Histogram(
+    "slo_tpot_ms",
+    "time per output token after the first, by SLO class",
+    ["slo_class"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+SLO_REQUESTS = Counter(
+    "slo_requests",
+    "requests with a TTFT target, by SLO class and whether their first token came within it (met, missed)",
+    ["slo_class", "outcome"],
+)
+SLO_ATTAINMENT = Gauge(
+    "slo_attainment_ratio", "share of the class's most recent requests with a TTFT target that met it", ["slo_class"]
+)
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
 STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)
 TENANT_ISOLATION_ERRORS = Counter("tenant_isolation_errors", "requests served or attempted across tenants")

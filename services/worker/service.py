@@ -175,6 +175,7 @@ async def run(settings: WorkerSettings) -> None:
             served.loader.digest_of,
             grants,
             settings.adapter_metric_labels,
+            settings.slo_window,
         )
 
         async def on_dispatch(msg) -> None:

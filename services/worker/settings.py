@@ -37,6 +37,12 @@ class WorkerSettings(WorkerIdentity):
     adapter_metric_labels: int = Field(
         default=50, ge=0, le=10_000, description="adapters with their own per-adapter metric series; the rest: other"
     )
+    slo_window: int = Field(
+        default=500,
+        ge=1,
+        le=100_000,
+        description="recent requests per SLO class that slo_attainment_ratio is computed over",
+    )
 
     @model_validator(mode="after")
     def _lora_fits_engine(self) -> "WorkerSettings":
