@@ -2,12 +2,17 @@
 
 import time
 from collections import deque
+from typing import Literal
 
 from shared import metrics
 from shared.schemas import SLO_CLASSES, SloClass
 
+SloOutcome = Literal["met", "missed"]
 
-def ttft_outcome(created_at: float, first_token_wall: float | None, target_s: float | None, failed: bool) -> str | None:
+
+def ttft_outcome(
+    created_at: float, first_token_wall: float | None, target_s: float | None, failed: bool
+) -> SloOutcome | None:
     """``met``, ``missed``, or None when the request does not count: it had no target, or it was
     cancelled without a token before its target passed (the client left; the platform was not late).
 
@@ -29,7 +34,7 @@ class SloAttainment:
     def __init__(self, window: int = 500):
         self._recent: dict[str, deque[bool]] = {c: deque(maxlen=window) for c in SLO_CLASSES}
 
-    def record(self, slo_class: SloClass, outcome: str) -> float:
+    def record(self, slo_class: SloClass, outcome: SloOutcome) -> float:
         """Count one outcome; the class's attainment ratio over its window."""
         recent = self._recent[slo_class]
         recent.append(outcome == "met")
