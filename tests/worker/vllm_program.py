@@ -249,7 +249,7 @@ async def _first_tokens(policy: Literal["priority", "fcfs"], spec: dict) -> dict
                     started.set()
 
     try:
-        long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
         short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         started = asyncio.Event()
         running = asyncio.create_task(serve(EngineRequest("running", prompt, long, slo_class="batch"), started))
@@ -258,7 +258,7 @@ async def _first_tokens(policy: Literal["priority", "fcfs"], spec: dict) -> dict
         tasks = []
         for rid, slo in queued:  # each added to vLLM before the next (the add is awaited in generate)
             tasks.append(asyncio.create_task(serve(EngineRequest(rid, prompt, short, slo_class=slo))))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
         await asyncio.gather(running, *tasks)
         reported = engine._running().vllm_config.scheduler_config.policy
     finally:
