@@ -54,6 +54,26 @@ RANK_CLASS_TPOT = Histogram(
     ["rank_class"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
+SLO_TTFT = Histogram(
+    "slo_ttft_ms",
+    "time to first token by SLO class, from the scheduler's admission (InferRequest.created_at) to the first token",
+    ["slo_class"],
+    buckets=_MS,
+)
+SLO_TPOT = Histogram(
+    "slo_tpot_ms",
+    "time per output token after the first, by SLO class",
+    ["slo_class"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+SLO_REQUESTS = Counter(
+    "slo_requests",
+    "requests with a TTFT target, by SLO class and whether their first token came within it (met, missed)",
+    ["slo_class", "outcome"],
+)
+SLO_ATTAINMENT = Gauge(
+    "slo_attainment_ratio", "share of the class's most recent requests with a TTFT target that met it", ["slo_class"]
+)
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
 ADAPTER_QUOTA_WAITS = Counter(
     "adapter_quota_waits", "adapter loads that waited for one of their tenant's own slots (hard slot quota)"

@@ -89,6 +89,7 @@ MODEL_FIXTURES = frozenset(
         "tests/worker/test_engine.py::loaded",  # load_model(): the embedded SmolLM2
         "tests/worker/test_prefix_cache.py::loaded",
         "tests/worker/test_serving_cache.py::loaded",
+        "tests/worker/test_serving_slo.py::loaded",
         "tests/worker/test_engine_grammar.py::loaded",
         "tests/worker/test_engine_sampling.py::loaded",
         "tests/worker/test_engine_tools.py::loaded",

@@ -191,6 +191,7 @@ async def run(settings: WorkerSettings) -> None:
             grants,
             settings.adapter_metric_labels,
             served.rank_classes,
+            settings.slo_window,
         )
 
         async def on_dispatch(msg) -> None:

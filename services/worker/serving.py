@@ -15,6 +15,7 @@ from services.worker.adapter_cache.hierarchy import CacheHierarchy, Lookup
 from services.worker.engine.sequence import EngineRequest
 from services.worker.engine_port import WorkerEngine
 from services.worker.prompt_ids import PromptIds
+from services.worker.slo_attainment import SloAttainment, ttft_outcome
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
@@ -32,6 +33,7 @@ from shared.schemas import (
     ReplyPromptLogprobs,
     ReplyToken,
     ServedBy,
+    SloClass,
     TokenLogprob,
     Usage,
 )
@@ -79,6 +81,10 @@ class Job:
         return RequestRef.of(self.request)
 
     @property
+    def slo_class(self) -> SloClass:
+        return self.request.priority or "standard"  # None: it bypassed the scheduler
+
+    @property
     def cache_hit(self) -> bool:
         return self.lookup is None or self.lookup.hit
 
@@ -102,6 +108,7 @@ class RequestServer:
         grants: Grants | None = None,
         adapter_metric_labels: int = 50,
         rank_classes: tuple[int, ...] = (),
+        slo_window: int = 500,
     ):
         self.engine = engine
         self.prompts = prompts
@@ -120,6 +127,7 @@ class RequestServer:
             adapter_metric_labels, (metrics.ADAPTER_TOKENS, metrics.ADAPTER_TTFT, metrics.ADAPTER_TPOT)
         )
         self.rank_classes = rank_classes  # the engine's, for the rank-class metric label
+        self._slo = SloAttainment(slo_window)
         self._recent: OrderedDict[RequestRef, None] = OrderedDict()  # accepted or cancelled here
         self._cancelled: OrderedDict[RequestRef, None] = OrderedDict()
 
@@ -277,7 +285,12 @@ class RequestServer:
         # Cached prompt K/V is shared only within a tenant, and only for the exact adapter weights.
         salt = f"{request.tenant_id}/{job.digest or ''}"
         engine_request = EngineRequest(
-            job.ref.engine_id(), job.prompt_ids, request.sampling, adapter=job.key, cache_salt=salt
+            job.ref.engine_id(),
+            job.prompt_ids,
+            request.sampling,
+            adapter=job.key,
+            cache_salt=salt,
+            slo_class=job.slo_class,
         )
         async for out in self.engine.generate(engine_request):
             for piece in prompt_pieces(rid, out.prompt_logprobs or []):
@@ -339,6 +352,19 @@ class RequestServer:
             metrics.ADAPTER_TPOT.labels(adapter).observe(tpot)
             metrics.RANK_CLASS_TPOT.labels(rank_class).observe(tpot)
         metrics.ADAPTER_TOKENS.labels(adapter).inc(job.timing.tokens)
+        self._observe_slo(job, outcome)
+
+    def _observe_slo(self, job: Job, outcome: str) -> None:
+        """TTFT from the scheduler's admission (wall clocks of two processes: skew counts in it) and
+        TPOT by class; met or missed against the class's target, when the scheduler set one."""
+        slo_class, timing, request = job.slo_class, job.timing, job.request
+        if timing.first_token_wall is not None:
+            metrics.SLO_TTFT.labels(slo_class).observe(max(0.0, timing.first_token_wall - request.created_at) * 1000)
+        if timing.tokens >= 2:
+            metrics.SLO_TPOT.labels(slo_class).observe(timing.tpot_ms())
+        counted = ttft_outcome(request.created_at, timing.first_token_wall, request.ttft_target_s, outcome == "error")
+        if counted is not None:
+            self._slo.record(slo_class, counted)
 
     def _rank_class(self, request: InferRequest) -> str:
         """``base``, or the rank class holding the adapter (its own rank where no class is known)."""
@@ -363,4 +389,5 @@ class RequestServer:
             completion_tokens=job.timing.tokens,
             worker_id=self.worker_id,
             outcome=outcome,
+            slo_class=job.slo_class,
         )

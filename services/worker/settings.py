@@ -50,6 +50,12 @@ class WorkerSettings(WorkerIdentity):
         description="adapters with their own per-adapter metric series: the top N by traffic, re-ranked every "
         "30 s; the rest: other",
     )
+    slo_window: int = Field(
+        default=500,
+        ge=1,
+        le=100_000,
+        description="recent requests per SLO class that slo_attainment_ratio is computed over",
+    )
 
     @model_validator(mode="after")
     def _lora_fits_engine(self) -> "WorkerSettings":

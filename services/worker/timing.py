@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 class Timing:
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    first_token_wall: float | None = None  # time.time() of the first token, to measure from another process's clock
     last_token: float | None = None
     tokens: int = 0
 
     def token(self, completion_tokens: int) -> None:
         now = time.monotonic()
-        self.first_token = self.first_token or now
+        if self.first_token is None:
+            self.first_token, self.first_token_wall = now, time.time()
         self.last_token = now
         self.tokens = completion_tokens
 

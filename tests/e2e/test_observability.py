@@ -11,8 +11,16 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
-from shared.bus import decode
-from shared.schemas import ServiceHeartbeat
+from shared.bus import decode, request
+from shared.schemas import (
+    DispatchReply,
+    InferRequest,
+    ReplyEnvelope,
+    ReplyFinal,
+    SamplingParams,
+    ServiceHeartbeat,
+    WorkerHeartbeat,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -120,3 +128,64 @@ def test_worker_metrics_bind_where_configured_and_time_steps_by_rank_mix(running
         if sample.name == "adapter_ttft_ms_count"
     ]
     assert any(sample.labels["adapter"] == "base" and sample.value >= 1 for sample in ttft), ttft
+
+
+async def _dispatch_with_targets(nats_url: str) -> set[str]:
+    """Two requests straight to the worker as the scheduler dispatches them, class and TTFT target set:
+    an interactive one with a target it meets, a batch one with a target no request can meet."""
+    nc = await nats.connect(nats_url)
+    beats = await nc.subscribe(subjects.WORKER_HEARTBEAT)
+    beat = decode(WorkerHeartbeat, (await beats.next_msg(timeout=10)).data)
+    finals: set[str] = set()
+    done = asyncio.Event()
+
+    async def on_reply(msg) -> None:
+        body = decode(ReplyEnvelope, msg.data).body
+        if isinstance(body, ReplyFinal):
+            finals.add(body.request_id)
+            if len(finals) == 2:
+                done.set()
+
+    await nc.subscribe("_INBOX.slo.>", cb=on_reply)
+    for rid, slo_class, target_s in (("slo-met", "interactive", 600.0), ("slo-missed", "batch", 1e-3)):
+        dispatch = InferRequest(
+            request_id=rid,
+            tenant_id="demo",
+            model=MODEL,
+            base_model=beat.base_model,
+            prompt="Hello there",
+            reply_to=f"_INBOX.slo.{rid}",
+            sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+            priority=slo_class,
+            ttft_target_s=target_s,
+        )
+        reply = await request(nc, subjects.worker_dispatch(beat.worker_id), dispatch, DispatchReply, timeout=10)
+        assert reply.accepted, reply
+    await asyncio.wait_for(done.wait(), timeout=120)
+    await nc.close()
+    return finals
+
+
+def test_slo_families_by_class_on_a_worker_scrape(running_stack):
+    """slo_ttft_ms, slo_tpot_ms, slo_requests (met, missed) and slo_attainment_ratio by class; a request
+    through the gateway is measured under its tenant's class (standard)."""
+    client = openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
+    assert asyncio.run(_dispatch_with_targets(running_stack.nats.url)) == {"slo-met", "slo-missed"}
+    text = httpx.get(f"http://127.0.0.1:{running_stack.worker_metrics_port}/metrics").text
+    values = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float | None:
+        return values.get((name, tuple(sorted(labels.items()))))
+
+    for slo_class in ("interactive", "batch", "standard"):
+        assert (value("slo_ttft_ms_count", slo_class=slo_class) or 0) >= 1, slo_class
+        assert (value("slo_tpot_ms_count", slo_class=slo_class) or 0) >= 1, slo_class
+    assert value("slo_requests_total", slo_class="interactive", outcome="met") == 1
+    assert value("slo_requests_total", slo_class="batch", outcome="missed") == 1
+    assert value("slo_attainment_ratio", slo_class="interactive") == 1.0
+    assert value("slo_attainment_ratio", slo_class="batch") == 0.0

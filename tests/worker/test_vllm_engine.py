@@ -292,3 +292,13 @@ def test_with_every_lora_slot_in_use_the_worker_keeps_one_free_and_base_rows_sta
     )
     assert result["most_adapters_in_vllm"] == 2
     assert {key: served(result["guarded"], key) for key in expected} == expected
+
+
+def test_slo_classes_are_vllms_priorities_under_its_priority_policy(reference: tuple[Path, dict]) -> None:
+    """One sequence slot, a batch request running, then batch, batch and interactive requests queued in
+    that order: under the priority policy (the worker's default) the interactive one starts next; under
+    fcfs, which the worker passes no priority, last. vLLM reports the policy it was started with."""
+    work, spec = reference
+    result = _program(work, spec, "priority")
+    assert result["priority"] == {"order": ["running", "interactive", "batch-1", "batch-2"], "policy": "priority"}
+    assert result["fcfs"] == {"order": ["running", "batch-1", "batch-2", "interactive"], "policy": "fcfs"}

@@ -1,9 +1,10 @@
 """Run by tests/worker/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
 the project's transformers): drives services.worker.vllm_engine and prints what it saw as one JSON line.
 
-argv[1]: JSON {"mode": "engine" | "guard", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
+argv[1]: JSON {"mode": "engine" | "guard" | "priority", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
 "prompts": [[ids]], "max_tokens"}. "engine" drives VllmEngine alone; "guard" runs base and both adapters in one
 batch with max_loras=3, first through the worker's cache tiers (VllmSlots), then straight on the engine.
+"priority" queues batch and interactive requests behind a running one on one sequence slot, under each policy.
 """
 
 import asyncio
@@ -11,6 +12,7 @@ import json
 import stat
 import sys
 from pathlib import Path
+from typing import Literal
 
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
@@ -230,7 +232,46 @@ async def guard(spec: dict) -> dict[str, object]:
     }
 
 
+async def _first_tokens(policy: Literal["priority", "fcfs"], spec: dict) -> dict[str, object]:
+    """One sequence slot: a long batch request runs; then batch, batch and interactive requests queue
+    behind it, in that order. The order of their first tokens, and the policy vLLM reports."""
+    config = VllmConfig(max_model_len=512, max_num_seqs=1, max_loras=2, max_cpu_loras=2, scheduling_policy=policy)
+    engine = VllmEngine(spec["model_dir"], config, AdapterDir(spec["scratch"]))
+    engine.start()
+    order: list[str] = []
+    prompt = spec["prompts"][0]
+
+    async def serve(request: EngineRequest, started: asyncio.Event | None = None) -> None:
+        async for out in engine.generate(request):
+            if out.token_ids and request.request_id not in order:
+                order.append(request.request_id)
+                if started is not None:
+                    started.set()
+
+    try:
+        long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        started = asyncio.Event()
+        running = asyncio.create_task(serve(EngineRequest("running", prompt, long, slo_class="batch"), started))
+        await started.wait()
+        queued = [("batch-1", "batch"), ("batch-2", "batch"), ("interactive", "interactive")]
+        tasks = []
+        for rid, slo in queued:  # each added to vLLM before the next (the add is awaited in generate)
+            tasks.append(asyncio.create_task(serve(EngineRequest(rid, prompt, short, slo_class=slo))))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(running, *tasks)
+        reported = engine._running().vllm_config.scheduler_config.policy
+    finally:
+        engine.shutdown()
+    return {"order": order, "policy": reported}
+
+
+async def priority(spec: dict) -> dict[str, object]:
+    return {policy: await _first_tokens(policy, spec) for policy in ("priority", "fcfs")}
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    result = asyncio.run(guard(spec) if spec["mode"] == "guard" else main(spec))
+    modes = {"guard": guard, "priority": priority}
+    result = asyncio.run(modes.get(spec["mode"], main)(spec))
     print(RESULT + json.dumps(result), flush=True)

@@ -1,12 +1,12 @@
 """Iteration-level scheduling: decodes keep running, waiting requests join while KV and budget allow."""
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache import BlockManager
 from services.worker.engine.lora_hook import LoraProvider
 from services.worker.engine.sequence import Sequence, Status
+from services.worker.engine.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -21,16 +21,25 @@ class SchedulerOutput:
 
 
 class BatchScheduler:
-    """FCFS with preemption by recompute: when KV runs out mid-generation the newest sequence yields."""
+    """FCFS within an SLO class, the higher class first, with preemption by recompute.
+
+    Waiting sequences are admitted interactive first, then standard, then batch, while KV blocks,
+    sequence slots and the token budget allow. When KV runs out mid-generation the lowest class
+    yields, its newest sequence first. A waiting sequence kept out for ``class_preempt_after_steps``
+    steps preempts running sequences of lower classes when their room lets it in; never one of its
+    own class or above. With every request of one class this is plain FCFS, the newest yielding.
+    """
 
     def __init__(self, config: EngineConfig, blocks: BlockManager, adapters: LoraProvider | None = None):
         self.config = config
         self.blocks = blocks
         self.adapters = adapters
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting = WaitingQueue()
+        self.running: list[Sequence] = []  # highest class first, in admission order within a class
+        self.steps = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.waiting_since = self.steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -47,44 +56,83 @@ class BatchScheduler:
         return slot is not None
 
     def schedule(self) -> SchedulerOutput:
+        self.steps += 1
         out = SchedulerOutput()
+        self.running.sort(key=lambda seq: seq.rank)  # stable: admission order stays within a class
+        self._preempt_for_waiting(out)
+        if self._decode(out):
+            self._admit(out, budget=self.config.max_num_batched_tokens - len(out.decodes))
+        return out
+
+    def _decode(self, out: SchedulerOutput) -> bool:
+        """Give every running sequence room for its next token; False when KV ran out on the way."""
         kept: list[Sequence] = []
+        enough = True
         while self.running:
             seq = self.running.pop(0)
             while not self.blocks.can_append(seq) and self.running:
-                self._preempt(self.running.pop(), out)
+                self._preempt(self.running.pop(), out)  # the lowest class, its newest sequence
+                enough = False
             if not self.blocks.can_append(seq):
                 self._preempt(seq, out)
+                enough = False
                 break
             kept.append(seq)
             if self._resident(seq):
                 self.blocks.append(seq)
                 out.decodes.append(seq)
         self.running = kept
-        if not out.preempted:
-            self._admit(out, budget=self.config.max_num_batched_tokens - len(out.decodes))
-        return out
+        return enough
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Preempt lower-class sequences for the first waiting one once it has waited its delay, and
+        only when the room they free lets it in: each preemption costs a recompute."""
+        delay = self.config.class_preempt_after_steps
+        seq = next((s for s in self.waiting if self._resident(s)), None)
+        if delay is None or seq is None or self.steps - seq.waiting_since < delay:
+            return
+        staying = list(self.running)
+        if self._fits(seq, staying, freed=0):
+            return  # no help needed: it is admitted below
+        victims: list[Sequence] = []
+        freed = 0
+        while staying and staying[-1].rank > seq.rank:  # the lowest class first, its newest first
+            victim = staying.pop()
+            victims.append(victim)
+            freed += self.blocks.freeable(victim)
+            if self._fits(seq, staying, freed):
+                for victim in victims:
+                    self.running.remove(victim)
+                    self._preempt(victim, out)
+                return
+
+    def _fits(self, seq: Sequence, staying: list[Sequence], freed: int) -> bool:
+        """Whether ``seq`` is admitted beside ``staying`` once ``freed`` more blocks are free."""
+        c = self.config
+        if len(staying) >= c.max_num_seqs or seq.num_tokens > c.max_num_batched_tokens - len(staying):
+            return False
+        growth = sum(self.blocks.growth(s) for s in staying)  # their next tokens are placed first
+        return self.blocks.shortfall(seq) + growth <= freed
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Sequence] = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):  # the highest class first, FCFS within it
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             if not self._resident(seq):
-                skipped.append(self.waiting.popleft())
-                continue
+                continue  # waits for its adapter; who comes next is not held up by it
             if seq.num_tokens > budget or not self.blocks.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             budget -= seq.num_new_tokens  # a cached prefix costs nothing this step
             self.running.append(seq)
             out.prefills.append(seq)
-        self.waiting.extendleft(reversed(skipped))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free(seq)
         seq.preempt()
+        seq.waiting_since = self.steps
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 

@@ -42,6 +42,15 @@ class EngineConfig(BaseModel):
         description="share the K/V of full prompt blocks between requests with the same tenant, "
         "adapter and leading tokens (computed once, kept until their blocks are needed)",
     )
+    class_preempt_after_steps: int | None = Field(
+        default=2,
+        ge=0,
+        le=100_000,
+        description="steps a waiting request that cannot be admitted (KV blocks, sequence slots or token budget "
+        "short) waits before running requests of a lower SLO class are preempted (recomputed later) to make room "
+        "for it; a delay in steps, so a stream of interactive arrivals cannot preempt batch work every step; "
+        "None = never preempt for a waiting request",
+    )
     num_threads: int | None = Field(
         default=None, ge=1, le=1024, description="torch intra-op threads (process-wide); None keeps torch's"
     )

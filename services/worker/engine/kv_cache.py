@@ -98,6 +98,10 @@ class BlockAllocator:
     def is_referenced(self, block: int) -> bool:
         return self._refs[block] > 0
 
+    def holders(self, block: int) -> int:
+        """How many sequences read ``block``."""
+        return self._refs[block]
+
     def share(self, block: int) -> None:
         """One more sequence reads ``block`` (found by ``lookup``)."""
         if self._refs[block] == 0:
@@ -162,9 +166,21 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: "Sequence") -> bool:
+        return self.shortfall(seq) <= 0
+
+    def shortfall(self, seq: "Sequence") -> int:
+        """Blocks the admission of ``seq`` lacks now (zero or less when it fits)."""
         hits = self._hits(seq)
         idle_hits = sum(not self.allocator.is_referenced(b) for b in hits)  # sharing takes them off the free count
-        return self.blocks_needed(seq.num_tokens) - len(hits) <= self.allocator.num_free - idle_hits
+        return self.blocks_needed(seq.num_tokens) - len(hits) - (self.allocator.num_free - idle_hits)
+
+    def freeable(self, seq: "Sequence") -> int:
+        """Blocks that freeing ``seq`` would return to the allocator (those no other sequence reads)."""
+        return sum(self.allocator.holders(block) == 1 for block in seq.block_table)
+
+    def growth(self, seq: "Sequence") -> int:
+        """Blocks the next ``append`` of ``seq`` takes: 1 when its newest token starts a block, else 0."""
+        return self._missing(seq)
 
     def allocate(self, seq: "Sequence") -> None:
         """Blocks for every token of ``seq`` (a prefill, or a recompute after preemption); cached

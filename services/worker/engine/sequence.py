@@ -11,7 +11,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.detokenizer import IncrementalDetokenizer
-from shared.schemas import SamplingParams, TokenLogprob
+from shared.schemas import SamplingParams, SloClass, TokenLogprob, slo_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,8 @@ class EngineRequest:
     # Who may share this request's cached prompt K/V: only requests with the same salt and adapter
     # (the worker passes tenant and adapter digest, so no tenant can time another's prompts).
     cache_salt: str | None = None
+    # the SLO class it is admitted by (services/worker/engine/batch_scheduler.py): interactive first
+    slo_class: SloClass = "standard"
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -64,6 +66,8 @@ class Sequence:
         self._block_hashes: list[bytes] = []
         self.block_table: list[int] = []
         self.status = Status.WAITING
+        self.rank = slo_rank(request.slo_class)  # 0 = interactive, the highest class
+        self.waiting_since = 0  # the scheduler step it last joined the waiting queue at
         self.slot = -1
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids, request.sampling.stop)
         self.first_token_time: float | None = None

@@ -29,6 +29,12 @@ class VllmConfig(BaseModel):
         max_length=256,
         description="VLLM_CPU_OMP_THREADS_BIND on the CPU build: nobind, auto, or a core list such as 0-3",
     )
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        default="priority",
+        description="vLLM's scheduling policy: priority admits by SLO class (interactive, standard, batch; "
+        "arrival order within a class) and preempts the lowest class first when KV runs out; fcfs serves "
+        "every request in arrival order whatever its class (the worker then passes vLLM no priority)",
+    )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of GPU memory vLLM may hold")
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ from services.worker.vllm_engine.adapter_dir import AdapterDir
 from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.sampling import to_vllm
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
-from shared.schemas import StructuredOutput, TokenLogprob
+from shared.schemas import StructuredOutput, TokenLogprob, slo_rank
 
 
 def _schema_refused(spec: StructuredOutput, error: Exception) -> InvalidSchema:
@@ -99,11 +99,16 @@ class VllmEngine:
             gpu_memory_utilization=c.gpu_memory_utilization,
             enforce_eager=True,  # vLLM runs LoRA eagerly on CPU either way
             logprobs_mode=LOGPROBS_MODE,
+            scheduling_policy=c.scheduling_policy,
             disable_log_stats=False,  # the scheduler stats feed the heartbeat
         )
         self._llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[lambda cfg, index: _SchedulerView(cfg, index, sink=self)]
         )
+        policy = self._llm.vllm_config.scheduler_config.policy
+        if policy != c.scheduling_policy:  # a platform that swapped the scheduler would drop the classes silently
+            self._llm.shutdown()
+            raise RuntimeError(f"vLLM runs scheduling policy {policy!r}, not the configured {c.scheduling_policy!r}")
         total = self._llm.vllm_config.cache_config.num_gpu_blocks or 0
         self._stats = EngineStats(0, 0, total, total)
         self._token_text = TokenText(AutoTokenizer.from_pretrained(self.model_dir))
@@ -157,6 +162,8 @@ class VllmEngine:
             logprobs=request.logprobs,
         )
         lora = self._lora_of(request.adapter)
+        # lower runs earlier; with fcfs vLLM ignores it, so none is passed rather than one that means nothing
+        priority = slo_rank(request.slo_class) if self.config.scheduling_policy == "priority" else 0
         wants_logprobs = request.logprobs or request.sampling.logprobs
         prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.cache_salt:
@@ -180,7 +187,7 @@ class VllmEngine:
                 param="prompt_logprobs",
             )
         try:
-            async for out in llm.generate(prompt, sampling, rid, lora_request=lora):  # type: ignore[arg-type]
+            async for out in llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority):  # type: ignore[arg-type]
                 piece = out.outputs[0]
                 token_ids = list(piece.token_ids)
                 completion += len(token_ids)
