@@ -3,7 +3,7 @@
 import os
 import socket
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
@@ -275,6 +275,16 @@ class RegistrySettings(CommonSettings):
     model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
     dev_mode: bool = Field(default=False, description="admit unsigned adapters; never in production")
     max_rank: int = Field(default=64, ge=1, le=1024, description="largest LoRA rank admitted")
+    fleet_rank_classes: tuple[int, ...] = Field(
+        default=(8, 16, 32, 64),
+        min_length=1,
+        max_length=16,
+        description="the fleet's rank classes while no worker of the base model is live (JSON list); with live "
+        "workers, the classes their heartbeats announce: a push whose rank none holds is refused",
+    )
+    fleet_slot_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="the workers' slot dtype (their LF_ENGINE__DTYPE): sizes the recorded slot bytes"
+    )
     max_adapter_bytes: int = Field(
         default=256 * 1_048_576, ge=1024, le=8 * 1024**3, description="largest adapter_model.safetensors admitted"
     )
@@ -334,6 +344,13 @@ class RegistrySettings(CommonSettings):
         "workers) to hold it (0 = no wait); keep it under the gateways' registry_timeout_s, which bounds "
         "their admin calls",
     )
+
+    @field_validator("fleet_rank_classes")
+    @classmethod
+    def _ascending_classes(cls, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        if any(r < 1 or r > 1024 for r in ranks) or list(ranks) != sorted(set(ranks)):
+            raise ValueError("strictly ascending ranks in [1, 1024]")
+        return ranks
 
     @field_validator("release_steps")
     @classmethod

@@ -218,6 +218,12 @@ class RequestIdInUse(Conflict):
     code = "request_id_in_use"
 
 
+class RankNotServed(InvalidRequest):
+    """A push of an adapter whose rank no rank class of the fleet (live workers, else LF_FLEET_RANK_CLASSES) holds."""
+
+    code = "rank_not_served"
+
+
 class RemoteSourceDisabled(Forbidden):
     """The registry does not fetch from this kind of remote source (s3 / https are off by default)."""
 

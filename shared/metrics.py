@@ -37,8 +37,27 @@ ADAPTER_TPOT = Histogram(
     ["adapter"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
+RANK_CLASS_TTFT = Histogram(
+    "rank_class_ttft_ms",
+    "time to first token by the adapter's rank class on the worker (base: no adapter)",
+    ["rank_class"],
+    buckets=_MS,
+)
+RANK_CLASS_TPOT = Histogram(
+    "rank_class_tpot_ms",
+    "time per output token after the first by the adapter's rank class on the worker (base: no adapter)",
+    ["rank_class"],
+    buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
 ADAPTER_EVICTIONS = Counter("adapter_evictions", "adapters evicted from a tier", ["tier", "reason"])
 STEP_TIME = Histogram("engine_step_time_ms", "engine step time by the step's rank mix", ["rank_mix"], buckets=_MS)
+RANK_SKEW = Gauge(
+    "engine_rank_skew_ratio",
+    "mean step time of steps whose highest rank class is rank_class (above the worker's lowest) over the mean "
+    "step time of steps reading only the lowest rank class, both among steps of batch_tokens tokens (the "
+    "step's token count rounded up to a power of two); running means since start, set once both are seen",
+    ["rank_class", "batch_tokens"],
+)
 TENANT_ISOLATION_ERRORS = Counter("tenant_isolation_errors", "requests served or attempted across tenants")
 INTEGRITY_ERRORS = Counter("integrity_errors", "adapter digest/signature/fingerprint mismatches", ["service"])
 QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adapter", "version"])
@@ -91,6 +110,11 @@ SCHEDULER_CONTROLS = Counter("scheduler_controls", "prefetch/evict directives se
 SCHEDULER_DISPATCHES = Counter("scheduler_dispatches", "requests a worker accepted from this scheduler", ["worker"])
 SCHEDULER_WORKER_INFLIGHT = Gauge(
     "scheduler_worker_inflight", "requests this scheduler placed on a worker that have not ended", ["worker"]
+)
+RANK_SPILLS = Counter(
+    "scheduler_rank_spills",
+    "requests of a rank class a worker pool serves placed outside that pool (every pool worker saturated)",
+    ["rank_class"],
 )
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 

@@ -163,7 +163,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_UPLOADS_BUCKET}",
                 subjects.GATEWAY_CATALOG_SYNC,
             ),
-            subscribe=("_INBOX.>", "lf.registry.>", subjects.SERVICE_HEARTBEAT_ALL),
+            # worker heartbeats: the fleet's rank classes, which a push's rank must fit
+            subscribe=("_INBOX.>", "lf.registry.>", subjects.SERVICE_HEARTBEAT_ALL, subjects.WORKER_HEARTBEAT),
             allow_responses=True,
         ),
         "scheduler": Permissions(

@@ -7,13 +7,15 @@ refusal leaves nothing behind.
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.registry.fleet_ranks import RankClasses
 from shared import signing
 from shared.access import SHARED_TENANT
 from shared.adapter_format import AdapterBytes, AdapterLimits, validate_adapter
 from shared.catalog import Catalog, Change
-from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
+from shared.errors import Conflict, IntegrityError, RankNotServed, SignerNotAuthorized
 from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord, SourceOrigin
+from shared.slot_size import slot_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,21 @@ class BaseModelIdentity:
 class IntakePolicy:
     limits: AdapterLimits
     dev_mode: bool  # admits unsigned adapters; never in production
+    slot_element_bytes: int = 4  # bytes per weight in the workers' slots (LF_FLEET_SLOT_DTYPE)
+
+
+def _slot_bytes(
+    rank: int, modules: list[str], base: BaseModelSpec, fleet: RankClasses, element_bytes: int
+) -> dict[str, int]:
+    """Rank class -> one slot's bytes, for every fleet class that holds ``rank``; refuses a rank none holds."""
+    sizes = slot_bytes(rank, fleet.classes, base.num_layers, base.projection_dims(), modules, element_bytes)
+    if not sizes:
+        raise RankNotServed(
+            f"rank {rank} fits no rank class of the fleet: classes {fleet.describe()}; the largest holds rank "
+            f"{max(fleet.classes, default=0)}",
+            param="r",
+        )
+    return {str(c): size for c, size in sizes.items()}
 
 
 def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
@@ -61,12 +78,16 @@ def admit(
     signers: Mapping[str, SignerRecord],
     storage_uri: str,
     origin: SourceOrigin | None = None,
+    *,
+    fleet: RankClasses,
 ) -> Change:
     """The staging record of a new version, or a typed error saying what is wrong. A signed push
-    needs a trusted signer, its current key, and a signer bound to the pushing tenant. Every
-    source (upload, inline, trusted directory, remote fetch) passes through here alike."""
+    needs a trusted signer, its current key, and a signer bound to the pushing tenant; its rank
+    needs a class of the ``fleet`` that holds it. Every source (upload, inline, trusted directory,
+    remote fetch) passes through here alike."""
     version = _check_identity(catalog, req)
     summary = validate_adapter(files, base.spec, policy.limits)
+    sizes = _slot_bytes(summary.rank, list(summary.target_modules), base.spec, fleet, policy.slot_element_bytes)
     manifest = signing.manifest_bytes(summary.file_sha256, req.adapter_id, version, req.tenant_id, base.fingerprint)
     if req.signature is not None and req.signer is not None:
         signer = signers.get(req.signer)
@@ -98,5 +119,6 @@ def admit(
         aliases=req.aliases,
         eval_results=req.eval_results,
         origin=origin,
+        slot_bytes=sizes,
     )
     return Change(kind="registered", before=None, after=record)

@@ -16,6 +16,7 @@ import structlog
 from pydantic import BaseModel
 
 from services.registry import lifecycle
+from services.registry.fleet_ranks import RankClasses
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.registry.kv import RecordsKV
@@ -85,6 +86,7 @@ class Registry:
         trusted_dirs: tuple[Path, ...],
         remote: RemoteIntake,
         publish: Publish,
+        fleet: Callable[[], RankClasses],
         gate: GatePolicy = GatePolicy(),
         sync_gateways: SyncGateways = _no_gateways,
     ) -> None:
@@ -100,6 +102,7 @@ class Registry:
         self._publish = publish
         self._gate = gate
         self._sync_gateways = sync_gateways
+        self._fleet = fleet  # the fleet's rank classes now, which a push's rank must fit
         self._lock = asyncio.Lock()
         self._started = int(time.time())
         self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
@@ -232,6 +235,7 @@ class Registry:
                         self._policy,
                         self.signers,
                         self._approved.uri(prefix),
+                        fleet=self._fleet(),
                     )
                     await self._approved.put(prefix, files)
                     await self._commit([change], req.actor)
@@ -266,6 +270,7 @@ class Registry:
                     self.signers,
                     self._approved.uri(prefix),
                     fetched.origin,
+                    fleet=self._fleet(),
                 )
             await self._approved.put(prefix, fetched.paths)
             await self._commit([change], req.actor, f"fetched from {fetched.uri}"[:500])

@@ -12,6 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from pydantic import BaseModel
 
+from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
@@ -65,7 +66,9 @@ from shared.schemas import (
     SetQuotaRequest,
     TrustKeyRequest,
     UntrustKeyRequest,
+    WorkerHeartbeat,
 )
+from shared.slot_size import DTYPE_BYTES
 from shared.telemetry import setup_tracing
 
 log = structlog.get_logger("registry")
@@ -91,6 +94,7 @@ async def open_registry(
     base: BaseModelIdentity,
     gateways: GatewaySync,
     sources: Sources,
+    fleet: FleetRanks,
     resolve: Resolver = system_resolve,
 ) -> Registry:
     """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
@@ -110,10 +114,12 @@ async def open_registry(
         policy=IntakePolicy(
             limits=AdapterLimits(max_rank=settings.max_rank, max_weights_bytes=settings.max_adapter_bytes),
             dev_mode=settings.dev_mode,
+            slot_element_bytes=DTYPE_BYTES[settings.fleet_slot_dtype],
         ),
         trusted_dirs=tuple(Path(d) for d in settings.trusted_source_dirs),
         remote=RemoteIntake(settings.remote, sources, RemoteFetcher(settings.remote, resolve)),
         publish=publish,
+        fleet=fleet.current,
         gate=GatePolicy(
             require_eval=settings.release_require_eval,
             min_score=settings.release_min_score,
@@ -184,9 +190,18 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
                 log.warning("bad_heartbeat", error=e.message)
 
         await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
+        fleet = FleetRanks(base.name, settings.fleet_rank_classes, settings.liveness_timeout_s)
+
+        async def on_worker_heartbeat(msg) -> None:
+            try:
+                fleet.heartbeat(decode(WorkerHeartbeat, msg.data))
+            except LorafleetError as e:
+                log.warning("bad_worker_heartbeat", error=e.message)
+
+        await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker_heartbeat)
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
-        registry = await open_registry(nc, settings, base, gateways, sources, resolve)
+        registry = await open_registry(nc, settings, base, gateways, sources, fleet, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)

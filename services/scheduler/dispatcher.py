@@ -257,10 +257,27 @@ class Dispatcher:
             if item is None:
                 return
             worker = chosen[item.ref]
+            self._note_spill(item.request, worker)
             self.fleet.sent(worker, item.request, now)
             task = asyncio.create_task(self._dispatch_logged(item, worker))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+
+    def _note_spill(self, request: InferRequest, worker_id: str) -> None:
+        """Count and log a pooled adapter placed outside its rank pool (every pool worker saturated)."""
+        rank_class = self.fleet.spilled_from(request, worker_id)
+        if rank_class is None or request.adapter is None:
+            return
+        metrics.RANK_SPILLS.labels(str(rank_class)).inc()
+        log.info(
+            "rank_spill",
+            request_id=request.request_id,
+            tenant=request.tenant_id,
+            adapter=adapter_key_of(request),
+            rank=request.adapter.rank,
+            rank_class=rank_class,
+            worker_id=worker_id,
+        )
 
     async def _dispatch_logged(self, item: Queued, worker_id: str) -> None:
         try:

@@ -1,6 +1,12 @@
 """The fleet as the scheduler sees it (heartbeats plus its own dispatches since), and which worker
 takes a request: adapter residency (GPU > CPU tier > load), then load, then KV headroom. A worker whose
-engine cannot serve the adapter's rank or modules (its heartbeat's capability) never takes it."""
+engine cannot serve the adapter's rank or modules (its heartbeat's capability) never takes it.
+
+Rank pools: a worker may declare rank classes it serves as a pool (``WorkerHeartbeat.rank_pool``). An
+adapter whose rank class on some live worker is in that worker's pool is *pooled*: it goes to an
+unsaturated worker of its pool, and spills to the others only while every pool worker is saturated
+(running+waiting >= max_running). Every other request keeps off pool workers while a worker outside
+any pool has room."""
 
 import time
 import zlib
@@ -10,12 +16,16 @@ from dataclasses import dataclass, field
 from shared.adapter_keys import adapter_key
 from shared.request_ref import RequestRef
 from shared.schemas import InferRequest, WorkerHeartbeat
+from shared.slot_size import class_of
 
 # residency cost in units of load (running+waiting over max_running): an adapter already in a GPU
 # slot is worth a whole worker's load; a saturated worker ranks after every unsaturated one
 TIER_COST = {"gpu": 0.0, "cpu": 0.5, "free_slot": 0.75, "miss": 1.0}
 HOME_WEIGHT = 0.5  # an adapter held nowhere goes to its rendezvous-hash home unless that worker is busier
 RECENT_S = 5.0  # a worker we just sent an adapter to is treated as holding it until heartbeats show it
+# a worker's role for one request: in the pool of the request's rank class, outside every pool, or
+# in a pool of other classes
+OWN_POOL, NO_POOL, OTHER_POOL = 0, 1, 2
 
 
 def adapter_key_of(request: InferRequest) -> str | None:
@@ -29,6 +39,10 @@ def _spread(key: str | None, worker_id: str) -> float:
     return zlib.crc32(f"{key}|{worker_id}".encode()) / 2**32
 
 
+def _classes(beat: WorkerHeartbeat) -> frozenset[int]:
+    return frozenset(int(r) for r in beat.slots) | frozenset(beat.rank_pool)
+
+
 @dataclass(slots=True)
 class WorkerView:
     beat: WorkerHeartbeat
@@ -37,6 +51,10 @@ class WorkerView:
     inflight: int = 0  # this scheduler's accepted requests on it that have not ended
     backed_off: bool = False  # it refused for load: nothing more until its next heartbeat
     recent: dict[str, float] = field(default_factory=dict)  # adapter key -> when we placed it here
+    classes: frozenset[int] = field(init=False)  # its rank classes: slot classes and pool, from the heartbeat
+
+    def __post_init__(self) -> None:
+        self.classes = _classes(self.beat)
 
     @property
     def load(self) -> int:
@@ -49,6 +67,16 @@ class WorkerView:
         if key in self.beat.cpu_adapters:
             return "cpu"
         return "free_slot" if rank is not None and self.free_slot(rank) else "miss"
+
+    def rank_class(self, rank: int) -> int | None:
+        """The rank class of this worker that holds ``rank`` (None: none does, or none is announced)."""
+        return class_of(rank, self.classes)
+
+    def role(self, rank: int | None) -> int:
+        """OWN_POOL, NO_POOL or OTHER_POOL for a request of adapter ``rank`` (None: the base model)."""
+        if not self.beat.rank_pool:
+            return NO_POOL
+        return OWN_POOL if rank is not None and self.rank_class(rank) in self.beat.rank_pool else OTHER_POOL
 
     def free_slot(self, rank: int) -> bool:
         """Whether the smallest rank class that holds ``rank`` has a free slot on this worker."""
@@ -72,6 +100,7 @@ class Fleet:
             self.workers[beat.worker_id] = WorkerView(beat, now)
             return
         view.beat, view.seen_at, view.backed_off = beat, now, False
+        view.classes = _classes(beat)
         view.sent = {ref: t for ref, t in view.sent.items() if t > beat.ts}
         view.recent = {k: t for k, t in view.recent.items() if now - t < RECENT_S}
 
@@ -104,21 +133,42 @@ class Fleet:
     def has_room(self, view: WorkerView) -> bool:
         return view.beat.ready and not view.backed_off and view.load < view.beat.max_running + self.headroom
 
+    def pooled(self, request: InferRequest) -> bool:
+        """Whether a live worker fitting the request holds its adapter's rank class in its pool."""
+        rank = request.adapter.rank if request.adapter else None
+        return any(v.beat.ready and self._fits(v, request) and v.role(rank) == OWN_POOL for v in self.workers.values())
+
     def choose(self, request: InferRequest, exclude: Iterable[str] = (), now: float | None = None) -> str | None:
         """The best worker with room for ``request``, or None."""
         now = time.monotonic() if now is None else now
         key, skip = adapter_key_of(request), set(exclude)
+        rank = request.adapter.rank if request.adapter else None
+        pooled = self.pooled(request)
         best: tuple | None = None
         for worker_id, v in self.workers.items():
             if worker_id in skip or not self._fits(v, request) or not self.has_room(v):
                 continue
-            tier = v.tier(key, now, request.adapter.rank if request.adapter else None)
+            tier = v.tier(key, now, rank)
             home = HOME_WEIGHT * _spread(key, worker_id) if tier != "gpu" else 0.0
             saturated = v.load >= v.beat.max_running  # a busy holder spills its adapter to idle workers
-            score = (saturated, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free, worker_id)
+            role = v.role(rank)
+            # a pooled adapter leaves its pool only when the pool is saturated; the rest keep off pools
+            # while a worker outside them has room
+            band = (saturated, role) if pooled else (role, saturated)
+            score = (*band, TIER_COST[tier] + home + v.load / v.beat.max_running, -v.beat.kv_blocks_free, worker_id)
             if best is None or score < best:
                 best = score
-        return best[3] if best else None
+        return best[-1] if best else None
+
+    def spilled_from(self, request: InferRequest, worker_id: str) -> int | None:
+        """The pooled rank class ``request`` leaves by going to ``worker_id`` (None: no spill)."""
+        view = self.workers.get(worker_id)
+        if request.adapter is None or view is None or not self.pooled(request):
+            return None
+        if view.role(request.adapter.rank) == OWN_POOL:
+            return None
+        rank = request.adapter.rank
+        return min(v.rank_class(rank) or rank for v in self.workers.values() if v.role(rank) == OWN_POOL)
 
     def sent(self, worker_id: str, request: InferRequest, now: float | None = None) -> None:
         """A dispatch is on its way to ``worker_id``: count it against the worker until heartbeats do."""

@@ -31,6 +31,8 @@ class Served:
     model_name: str
     max_running: int
     capability: EngineCapability
+    rank_classes: tuple[int, ...]  # ascending, as the slots are grouped
+    rank_pool: tuple[int, ...]  # the classes served as a pool (LF_WORKER_RANK_POOL); () = none
 
 
 def _loader(nc, settings: WorkerSettings, directory: Path, shapes: ModelShapes) -> StoreLoader:  # type: ignore[no-untyped-def]
@@ -69,7 +71,18 @@ async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack
     capability = EngineCapability(
         engine="builtin", max_lora_rank=settings.lora.max_rank, lora_modules=list(settings.lora.target_modules)
     )
-    return Served(engine, cache, loader, prompts, loaded.name, settings.engine.max_num_seqs, capability)
+    classes = settings.lora.rank_classes
+    return Served(
+        engine,
+        cache,
+        loader,
+        prompts,
+        loaded.name,
+        settings.engine.max_num_seqs,
+        capability,
+        classes,
+        settings.rank_pool(classes),
+    )
 
 
 async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -> Served:  # type: ignore[no-untyped-def]
@@ -95,6 +108,7 @@ async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -
     stack.callback(cache.close)
     prompts = await asyncio.to_thread(PromptIds.for_model, tokenizer, directory)
     capability = EngineCapability(engine="vllm", max_lora_rank=rank, lora_modules=list(settings.lora.target_modules))
-    return Served(
-        engine, cache, loader, prompts, served_model_name(settings.model_dir, directory), c.max_num_seqs, capability
-    )
+    name = served_model_name(settings.model_dir, directory)
+    # vLLM holds every adapter in one class of its max rank: any declared pool is that class
+    pool = (rank,) if settings.worker_rank_pool else ()
+    return Served(engine, cache, loader, prompts, name, c.max_num_seqs, capability, (rank,), pool)

@@ -83,6 +83,7 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, served: engines.Se
             cache_hit_ratio=residency.hit_ratio,
             load_ms_mean=residency.load_ms_mean,
             capability=served.capability,
+            rank_pool=list(served.rank_pool),
         )
         if nc.is_connected:
             with contextlib.suppress(Exception):
@@ -175,6 +176,7 @@ async def run(settings: WorkerSettings) -> None:
             served.loader.digest_of,
             grants,
             settings.adapter_metric_labels,
+            served.rank_classes,
         )
 
         async def on_dispatch(msg) -> None:
@@ -217,7 +219,13 @@ async def run(settings: WorkerSettings) -> None:
             asyncio.create_task(_follow_heat(settings, cache)),
         ]
         loading.update({"ready": True, "detail": ""})
-        log.info("worker_ready", worker_id=settings.worker_id, model=served.model_name, engine=settings.worker_engine)
+        log.info(
+            "worker_ready",
+            worker_id=settings.worker_id,
+            model=served.model_name,
+            engine=settings.worker_engine,
+            rank_pool=list(served.rank_pool),
+        )
         await stop.wait()
         loading.update({"ready": False, "detail": "draining"})
         for task in background:

@@ -34,6 +34,7 @@ from shared.schemas import (
     TokenLogprob,
     Usage,
 )
+from shared.slot_size import class_of
 from shared.telemetry import tracer
 
 log = structlog.get_logger("worker")
@@ -99,6 +100,7 @@ class RequestServer:
         digest_of: Callable[[str], str | None] = lambda _: None,
         grants: Grants | None = None,
         adapter_metric_labels: int = 50,
+        rank_classes: tuple[int, ...] = (),
     ):
         self.engine = engine
         self.prompts = prompts
@@ -114,6 +116,7 @@ class RequestServer:
         self._jobs: dict[RequestRef, Job] = {}
         self._stop_errors: dict[RequestRef, LorafleetError] = {}
         self._adapter_label = metrics.BoundedLabel(adapter_metric_labels)
+        self.rank_classes = rank_classes  # the engine's, for the rank-class metric label
         self._recent: OrderedDict[RequestRef, None] = OrderedDict()  # accepted or cancelled here
         self._cancelled: OrderedDict[RequestRef, None] = OrderedDict()
 
@@ -312,16 +315,25 @@ class RequestServer:
     def _observe(self, job: Job, outcome: str) -> None:
         hit = "true" if job.cache_hit else "false"
         adapter = self._adapter_label(job.key or "base")
+        rank_class = self._rank_class(job.request)
         metrics.REQUESTS.labels("worker", outcome).inc()
         if job.timing.first_token is not None:
             ttft = job.timing.ttft_ms()
             metrics.TTFT.labels(hit).observe(ttft)
             metrics.ADAPTER_TTFT.labels(adapter).observe(ttft)
+            metrics.RANK_CLASS_TTFT.labels(rank_class).observe(ttft)
         if job.timing.tokens >= 2:
             tpot = job.timing.tpot_ms()
             metrics.TPOT.labels(hit).observe(tpot)
             metrics.ADAPTER_TPOT.labels(adapter).observe(tpot)
+            metrics.RANK_CLASS_TPOT.labels(rank_class).observe(tpot)
         metrics.ADAPTER_TOKENS.labels(adapter).inc(job.timing.tokens)
+
+    def _rank_class(self, request: InferRequest) -> str:
+        """``base``, or the rank class holding the adapter (its own rank where no class is known)."""
+        if request.adapter is None:
+            return "base"
+        return str(class_of(request.adapter.rank, self.rank_classes) or request.adapter.rank)
 
     def _audit_record(self, job: Job, outcome: str, usage: Usage) -> CompletionAudit:
         adapter = job.request.adapter

@@ -34,6 +34,12 @@ class WorkerSettings(WorkerIdentity):
         default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)"
     )
     heat_refresh_s: float = Field(default=5.0, gt=0, le=600, description="how often fleet heat is read from Redis")
+    worker_rank_pool: str = Field(
+        default="",
+        pattern=r"^(|high|[0-9]{1,4}(,[0-9]{1,4}){0,7})$",
+        description="LF_WORKER_RANK_POOL: rank classes this worker serves as a pool, placed here first: high "
+        "(its largest class) or a list of its classes (32,64); empty: no pool, it serves all classes alike",
+    )
     adapter_metric_labels: int = Field(
         default=50, ge=0, le=10_000, description="adapters with their own per-adapter metric series; the rest: other"
     )
@@ -43,3 +49,18 @@ class WorkerSettings(WorkerIdentity):
         if self.lora.max_num_tokens < self.engine.max_num_batched_tokens:
             raise ValueError("lora.max_num_tokens must be >= engine.max_num_batched_tokens")
         return self
+
+    @model_validator(mode="after")
+    def _pool_of_own_classes(self) -> "WorkerSettings":
+        listed = self.worker_rank_pool not in ("", "high")
+        if listed and not set(self.rank_pool(self.lora.rank_classes)) <= set(self.lora.rank_classes):
+            raise ValueError(f"LF_WORKER_RANK_POOL names a class not in lora.rank_classes {self.lora.rank_classes}")
+        return self
+
+    def rank_pool(self, classes: tuple[int, ...]) -> tuple[int, ...]:
+        """The pool's rank classes among ``classes`` (the engine's own): () = no pool."""
+        if self.worker_rank_pool == "high":
+            return (max(classes),)
+        if not self.worker_rank_pool:
+            return ()
+        return tuple(sorted({int(r) for r in self.worker_rank_pool.split(",")}))

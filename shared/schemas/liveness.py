@@ -59,6 +59,12 @@ class WorkerHeartbeat(Message):
     cache_hit_ratio: dict[str, float] = Field(default_factory=dict, description="tier -> share of adapter lookups")
     load_ms_mean: dict[str, float] = Field(default_factory=dict, description="source tier -> mean adapter load ms")
     capability: EngineCapability = Field(default_factory=EngineCapability, description="the engine and its LoRA limits")
+    rank_pool: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="rank classes this worker serves as a pool (adapters of those classes go here first); "
+        "empty: no pool, it serves all its classes alike",
+    )
     ts: float = Field(default_factory=time.time)
 
 

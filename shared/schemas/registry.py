@@ -93,6 +93,13 @@ class AdapterRecord(Message):
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
     eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
     origin: SourceOrigin | None = Field(default=None, description="the remote source it was fetched from, if any")
+    slot_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="rank class -> bytes of one GPU slot holding this version in that class (A and B of its "
+        "target modules over every layer, padded to the class rank, at LF_FLEET_SLOT_DTYPE), for each class "
+        "of the fleet at push that holds its rank",
+    )
 
 
 class AdapterEvent(Message):

@@ -74,6 +74,9 @@ def test_metrics_families_have_values_after_traffic(running_stack):
     ):
         assert family in worker, family
     assert 'ttft_ms_count{cache_hit="true"}' in worker
+    # a base-model request's TTFT / TPOT by rank class: no adapter, no class
+    assert 'rank_class_ttft_ms_count{rank_class="base"}' in worker
+    assert 'rank_class_tpot_ms_count{rank_class="base"}' in worker
     deadline = time.monotonic() + 10  # the prefix-cache counters are brought up to date at each heartbeat
     while "prefix_cache_queried_tokens_total 0.0" in worker and time.monotonic() < deadline:
         time.sleep(0.5)

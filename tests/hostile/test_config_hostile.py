@@ -145,6 +145,21 @@ INVALID = [  # (settings model, variable, value, the field's location, fragment 
         "lora.max_num_tokens must be",
         id="lora-tokens-under-engine-batch",
     ),
+    pytest.param(
+        WorkerSettings, "LF_WORKER_RANK_POOL", "64;8", ("worker_rank_pool",), "pattern", id="rank-pool-garbage"
+    ),
+    pytest.param(WorkerSettings, "LF_WORKER_RANK_POOL", "48", (), "not in lora.rank_classes", id="rank-pool-no-class"),
+    pytest.param(
+        RegistrySettings,
+        "LF_FLEET_RANK_CLASSES",
+        "[64, 8]",
+        ("fleet_rank_classes",),
+        "strictly ascending",
+        id="fleet-classes-descending",
+    ),
+    pytest.param(
+        RegistrySettings, "LF_FLEET_SLOT_DTYPE", "int4", ("fleet_slot_dtype",), "Input should be", id="slot-dtype-int4"
+    ),
 ]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from services.registry.fleet_ranks import RankClasses
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
@@ -25,7 +26,9 @@ def signed_record(
     """The record the registry admits for the peft adapter, signed by the trusted key."""
     unsigned = IntakePolicy(limits=policy.limits, dev_mode=True)
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
-    draft = admit(Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere").after
+    draft = admit(
+        Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere", fleet=RankClasses((8, 16, 32, 64), "test")
+    ).after
     manifest = signing.manifest_bytes(draft.files, "summarize", 1, "acme", base.fingerprint)
     signature = signing.sign(manifest, signing.load_private_key(signer_keys.private_pem))
     return draft.model_copy(update={"signature": signature, "signer": "release"})

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from services.registry.fleet_ranks import RankClasses
 from services.registry.ops import Registry
 from shared.catalog import Catalog
 from shared.errors import ModelNotFound
@@ -31,6 +32,7 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
         trusted_dirs=(),
         remote=None,
         publish=slow_publish,
+        fleet=lambda: RankClasses((8, 16, 32, 64), "test"),
     )
     for model in ("globex-sql", "nobody-sql"):
         started = time.monotonic()

@@ -11,6 +11,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from pydantic import BaseModel
 
+from services.registry.fleet_ranks import RankClasses
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
@@ -143,6 +144,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         trusted_dirs=(),
         remote=None,  # type: ignore[arg-type]  # only register reaches it
         publish=publish,
+        fleet=lambda: RankClasses((8, 16, 32, 64), "test"),
         gate=GatePolicy(require_eval=True),
         sync_gateways=gateways.wait,
     )

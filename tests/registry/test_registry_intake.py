@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 import pytest
 
+from services.registry.fleet_ranks import RankClasses
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from shared import signing
 from shared.adapter_format import validate_adapter
@@ -13,6 +14,7 @@ from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 from shared.signing import KeyPair
 
 URI = "nats-os://lf_adapter_store/summarize/1"
+FLEET = RankClasses((8, 16, 32, 64), "test")
 Files = dict[str, bytes]
 
 
@@ -43,7 +45,7 @@ def test_signed_adapter_becomes_a_staging_record(
     adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair, sign_request: Callable
 ) -> None:
     req = sign_request(adapter_files, signer_keys, aliases=["sum"])
-    change = admit(Catalog(), req, adapter_files, base, policy, release(signer_keys), URI)
+    change = admit(Catalog(), req, adapter_files, base, policy, release(signer_keys), URI, fleet=FLEET)
     record = change.after
     assert (change.kind, change.before, record.status, record.version) == ("registered", None, "staging", 1)
     assert (record.rank, record.alpha, record.signer, record.aliases) == (8, 16.0, "release", ["sum"])
@@ -55,9 +57,9 @@ def test_unsigned_adapter_is_refused_unless_dev_mode(
 ) -> None:
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
     with pytest.raises(IntegrityError, match="the adapter is unsigned"):
-        admit(Catalog(), req, adapter_files, base, policy, {}, URI)
+        admit(Catalog(), req, adapter_files, base, policy, {}, URI, fleet=FLEET)
     dev = IntakePolicy(limits=policy.limits, dev_mode=True)
-    assert admit(Catalog(), req, adapter_files, base, dev, {}, URI).after.signature is None
+    assert admit(Catalog(), req, adapter_files, base, dev, {}, URI, fleet=FLEET).after.signature is None
 
 
 def test_forged_signatures_are_refused(
@@ -76,7 +78,7 @@ def test_forged_signatures_are_refused(
     for req, files in cases:
         req = req.model_copy(update={"version": 1, "tenant_id": "acme"})
         with pytest.raises(IntegrityError, match="signature does not match the manifest"):
-            admit(Catalog(), req, files, base, policy, trusted, URI)
+            admit(Catalog(), req, files, base, policy, trusted, URI, fleet=FLEET)
 
 
 def test_identity_rules(
@@ -86,15 +88,15 @@ def test_identity_rules(
     trusted = release(signer_keys)
     catalog = Catalog([make_record("summarize", 1, "acme"), make_record("other", 1, "acme", aliases=["qa"])])
     with pytest.raises(Conflict, match="versions are immutable"):
-        admit(catalog, sign_request(adapter_files, signer_keys), adapter_files, base, policy, trusted, URI)
+        admit(catalog, sign_request(adapter_files, signer_keys), adapter_files, base, policy, trusted, URI, fleet=FLEET)
     with pytest.raises(Conflict, match="is not available"):
         req = sign_request(adapter_files, signer_keys, tenant_id="globex", version=2)
-        admit(catalog, req, adapter_files, base, policy, trusted, URI)
+        admit(catalog, req, adapter_files, base, policy, trusted, URI, fleet=FLEET)
     with pytest.raises(Conflict, match="alias 'qa' already names another adapter"):
         req = sign_request(adapter_files, signer_keys, version=2, aliases=["qa"])
-        admit(catalog, req, adapter_files, base, policy, trusted, URI)
+        admit(catalog, req, adapter_files, base, policy, trusted, URI, fleet=FLEET)
     req = sign_request(adapter_files, signer_keys, version=2)
-    assert admit(catalog, req, adapter_files, base, policy, trusted, URI).after.version == 2
+    assert admit(catalog, req, adapter_files, base, policy, trusted, URI, fleet=FLEET).after.version == 2
 
 
 def test_a_signer_signs_only_for_the_tenants_it_is_bound_to(
@@ -102,9 +104,9 @@ def test_a_signer_signs_only_for_the_tenants_it_is_bound_to(
 ) -> None:
     req = sign_request(adapter_files, signer_keys, tenant_id="globex")  # a valid signature, for another tenant
     with pytest.raises(SignerNotAuthorized, match="may not sign adapters of tenant globex") as refused:
-        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme"), URI)
+        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme"), URI, fleet=FLEET)
     assert (refused.value.status, refused.value.code) == (403, "signer_not_authorized")
-    assert admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme", "globex"), URI)
+    assert admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, "acme", "globex"), URI, fleet=FLEET)
 
 
 def test_an_untrusted_or_rotated_out_key_signs_no_new_push(
@@ -112,9 +114,9 @@ def test_an_untrusted_or_rotated_out_key_signs_no_new_push(
 ) -> None:
     req = sign_request(adapter_files, signer_keys)
     with pytest.raises(IntegrityError, match="'release' is not a trusted signer"):
-        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, trusted=False), URI)
+        admit(Catalog(), req, adapter_files, base, policy, release(signer_keys, trusted=False), URI, fleet=FLEET)
     new = signing.generate_keypair()
     rotated = release(new, retired_keys=[signer_keys.public_b64])
     with pytest.raises(IntegrityError, match="signature does not match"):
-        admit(Catalog(), req, adapter_files, base, policy, rotated, URI)
-    assert admit(Catalog(), sign_request(adapter_files, new), adapter_files, base, policy, rotated, URI)
+        admit(Catalog(), req, adapter_files, base, policy, rotated, URI, fleet=FLEET)
+    assert admit(Catalog(), sign_request(adapter_files, new), adapter_files, base, policy, rotated, URI, fleet=FLEET)

@@ -40,6 +40,7 @@ class ToyManager:
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
     calls: list[list[int]] = field(default_factory=list)
+    rank_classes: tuple[int, ...] = (8,)
 
     def slot_of(self, adapter: str) -> int | None:
         return self.resident.get(adapter)

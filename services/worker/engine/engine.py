@@ -16,6 +16,7 @@ from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.prompt_logprobs import prompt_entries
+from services.worker.engine.rank_skew import RankSkew
 from services.worker.engine.sampler import Sampled, sample
 from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequence
 from services.worker.engine.token_text import TokenText
@@ -62,6 +63,7 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache)
         self.token_text = TokenText(tokenizer)
         self._seqs: dict[str, Sequence] = {}
+        self.rank_skew = RankSkew(min(adapter_manager.rank_classes)) if adapter_manager is not None else None
 
     @classmethod
     def from_loaded(
@@ -143,7 +145,10 @@ class LLMEngine:
         with torch.inference_mode():  # the logits are an inference tensor, changed in place
             sampled = sample(logits, batch.seqs, self.grammars.mask if constrained else None)
         outputs = self._postprocess(batch.seqs, sampled, prompts)
-        metrics.STEP_TIME.labels(rank_mix(lora)).observe((time.perf_counter() - started) * 1000)
+        step_ms = (time.perf_counter() - started) * 1000
+        metrics.STEP_TIME.labels(rank_mix(lora)).observe(step_ms)
+        if lora is not None and self.rank_skew is not None:
+            self.rank_skew.observe(lora.ranks, len(batch.input_ids), step_ms)
         return outputs
 
     def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs]:

@@ -31,6 +31,11 @@ class LoraProvider(Protocol):
         """The adapter's slot, or None while it is not resident (its requests wait, others run)."""
         ...
 
+    @property
+    def rank_classes(self) -> tuple[int, ...]:
+        """The slot pool's rank classes, ascending (the lowest is the rank-skew gauge's baseline)."""
+        ...
+
     def prepare(self, token_slots: torch.Tensor) -> LoraHook | None:
         """token_slots: int64 [num_tokens], -1 = base model only. Called once per step with any slot >= 0."""
         ...

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 import torch
 
+from shared.slot_size import params_per_rank
+
 Module = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODULES: tuple[Module, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -37,7 +39,7 @@ class ModelShapes:
 
     def params_per_rank(self, modules: tuple[str, ...]) -> int:
         """A and B elements of one rank unit over every layer: slot elements = rank * this."""
-        return self.num_layers * sum(self.dims[m][0] + self.dims[m][1] for m in modules)
+        return params_per_rank(self.num_layers, self.dims, modules)
 
 
 @dataclass(frozen=True, slots=True)

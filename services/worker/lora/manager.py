@@ -108,6 +108,10 @@ class AdapterManager:
             slot = self._slots.pop(name)
             self.pool.release(slot)
 
+    @property
+    def rank_classes(self) -> tuple[int, ...]:
+        return self.config.rank_classes
+
     def slot_of(self, adapter: str) -> int | None:
         return self._slots.get(adapter)
 
