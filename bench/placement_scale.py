@@ -216,7 +216,7 @@ class Simulation:
         self.worker_ttft = np.zeros(n)
         self.refs: dict[int, RequestRef] = {}
         self.inflight = 0
-        self.room: bool | None = None  # whether a worker has room (None: ask the fleet)
+        self.with_room: set[str] = set()  # workers the fleet gives room to, as of their last change
         self.spills = 0
         self.placed: Counter[tuple[int, bool]] = Counter()  # (rank, on a pool worker) -> dispatches
         self.events: list[tuple[float, int, int, object]] = []
@@ -248,6 +248,7 @@ class Simulation:
     def run(self) -> Outcome:
         for i, w in enumerate(self.workers):
             self.fleet.heartbeat(w.beat(), 0.0)
+            self.review(w.worker_id)
             self.push(HEARTBEAT_S * (i + 1) / len(self.workers), BEAT, w)
         self.push(0.0, HEAT, None)
         self.push(float(self.arrivals[0]), ARRIVE, 0)
@@ -290,12 +291,17 @@ class Simulation:
 
     def has_room(self, item: Item) -> bool:
         """Whether ``Fleet.choose`` would find a worker for ``item``: one that fits it and has room.
-        Every simulated worker serves every rank, so the answer is the same for every request until
-        the fleet's view changes (a dispatch, a completion, a heartbeat): it is kept until then."""
-        if self.room is None:
-            fleet = self.fleet
-            self.room = any(fleet._fits(v, item.request) and fleet.has_room(v) for v in fleet.workers.values())
-        return self.room
+        Every simulated worker serves every rank, so a worker's room is the same for every request
+        and changes only with the fleet's view of it (a dispatch, a completion, its heartbeat): each
+        worker's is asked of the fleet again only then (``review``)."""
+        return bool(self.with_room)
+
+    def review(self, worker_id: str) -> None:
+        fleet, view = self.fleet, self.fleet.workers[worker_id]
+        if fleet._fits(view, self.templates[0]) and fleet.has_room(view):
+            self.with_room.add(worker_id)
+        else:
+            self.with_room.discard(worker_id)
 
     def pump(self, now: float) -> None:
         if self.policy == "fcfs":
@@ -321,7 +327,7 @@ class Simulation:
         self.fleet.accepted(chosen)
         self.fair.charge(item.tenant, PROMPT_TOKENS, float(self.trace.tokens[item.index]))
         self.inflight += 1
-        self.room = None
+        self.review(chosen)
         self.dispatched_at[item.index] = now
         self.by_id[chosen].waiting.append(item)
         self.start_waiting(self.by_id[chosen], now)
@@ -331,12 +337,12 @@ class Simulation:
         self.shedder.ended(now - self.dispatched_at[item.index], self.worker_ttft[item.index])
         self.inflight -= 1
         self.pending -= 1
-        self.room = None
+        self.review(worker.worker_id)
 
     def on_beat(self, now: float, worker: object) -> None:
         assert isinstance(worker, Worker)
         self.fleet.heartbeat(worker.beat(), now)
-        self.room = None
+        self.review(worker.worker_id)
         self.push(now + HEARTBEAT_S, BEAT, worker)
         self.pump(now)
 
