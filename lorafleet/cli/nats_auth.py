@@ -352,12 +352,11 @@ def start_secured_nats_cluster(
 
 
 async def setup_streams(nats_url: str, admin: tuple[str, str] | None, replicas: int | None = None) -> None:
-    """Create or update the shared streams as the admin, so services only need STREAM.INFO; print
-    where each one lives."""
+    """Create or update the shared streams as the admin, so services only need STREAM.INFO (where each
+    one lives is logged: ``stream_placement``)."""
     nc = await connect(nats_url, "lorafleet-setup", admin)
     try:
-        for placement in await ensure_streams(nc.jetstream(), replicas=replicas):
-            print(f"stream {placement}")
+        await ensure_streams(nc.jetstream(), replicas=replicas)
     finally:
         await nc.close()
 
