@@ -244,10 +244,6 @@ class Placement:
     leader: str | None  # None: a single server (no cluster)
     peers: tuple[str, ...]  # the other servers holding a copy
 
-    def __str__(self) -> str:
-        where = f"leader {self.leader}, peers {', '.join(self.peers) or '-'}" if self.leader else "single server"
-        return f"{self.stream}: R{self.replicas} ({where})"
-
 
 def checked_placement(info: StreamInfo, wanted: int) -> Placement:
     """Where the stream of ``info`` lives, logged; ``PlacementError`` if on fewer servers than ``wanted``."""
