@@ -68,6 +68,11 @@ def rate_figures(outcomes: list[Outcome], wall_s: float, span_s: float, targets:
         "refusals": codes,
         "refusal_latency_ms": percentiles([o.latency_ms for o in refused if o.latency_ms is not None])
         | {"max": max((o.latency_ms or 0.0 for o in refused), default=None)},
+        "refusal_latency_ms_by_code": {
+            code: percentiles([o.latency_ms for o in refused if str(o.code) == code and o.latency_ms is not None])
+            | {"max": max((o.latency_ms or 0.0 for o in refused if str(o.code) == code), default=None)}
+            for code in codes
+        },
         "by_class": by_class,
     }
 
@@ -93,6 +98,12 @@ def headline(sweep: dict[str, dict[str, dict]], rates: list[float], knee_share: 
         out["p95_ratio_double_vs_knee"] = at_double / at_knee
     refusals = [row["refusal_latency_ms"]["max"] for row in on.values() if row["refusal_latency_ms"]["max"]]
     out["on_slowest_refusal_ms"] = max(refusals, default=None)
+    shed = [
+        row["refusal_latency_ms_by_code"]["overloaded"]["max"]
+        for row in on.values()
+        if "overloaded" in row.get("refusal_latency_ms_by_code", {})
+    ]
+    out["on_slowest_overloaded_ms"] = max(shed, default=None)
     if off.get(str(double)) is not None and on.get(str(double)) is not None:
         out["goodput_at_double_knee"] = {m: sweep[m][str(double)]["goodput_req_s"] for m in ("off", "on")}
     return out
@@ -121,17 +132,18 @@ def _ms(value: float | None) -> str:
 def markdown(result: dict) -> str:
     lines = [
         "| shedding | rate/s | goodput/s | admitted TTFT p50 / p95 ms | interactive p95 | refused | "
-        "refusal p95 / max ms | lost |",
-        "|---|---|---|---|---|---|---|---|",
+        "refusal p95 / max ms | overloaded p95 / max ms | lost |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, rows in result["sweep"].items():
         for rate, r in rows.items():
             inter = r["by_class"].get("interactive", {}).get("ttft_ms", {}).get("p95")
             lat = r["refusal_latency_ms"]
+            shed = r.get("refusal_latency_ms_by_code", {}).get("overloaded", {"p95": None, "max": None})
             lines.append(
                 f"| {mode} | {rate} | {r['goodput_req_s']:.2f} | {_ms(r['ttft_ms']['p50'])} / {_ms(r['ttft_ms']['p95'])} "
                 f"| {_ms(inter)} | {sum(r['refusals'].values())} {r['refusals'] or ''} | "
-                f"{_ms(lat['p95'])} / {_ms(lat['max'])} | {r['lost']} |"
+                f"{_ms(lat['p95'])} / {_ms(lat['max'])} | {_ms(shed['p95'])} / {_ms(shed['max'])} | {r['lost']} |"
             )
     return "\n".join(lines)
 

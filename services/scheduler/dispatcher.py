@@ -193,7 +193,8 @@ class Dispatcher:
             room = self.fleet.choose(request, now=now) is not None
             waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0
             ahead = self.queue.ahead_of(slo_class, now)
-            self.shedder.check(slo_class, ahead, room, len(self.inflight), now, waited)
+            patience = request.accept_deadline - time.time() if request.accept_deadline is not None else None
+            self.shedder.check(slo_class, ahead, room, len(self.inflight), now, waited, patience)
         except LorafleetError as e:
             if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
                 await self._served_before(request, handle, seq)

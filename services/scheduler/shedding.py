@@ -89,15 +89,26 @@ class LoadShedder:
         return Estimate(wait, waited_s + wait + self.worker_ttft_s, max(left, 0.0))
 
     def check(
-        self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float, waited_s: float = 0.0
+        self,
+        slo_class: SloClass,
+        ahead: int,
+        room: bool,
+        running: int,
+        now: float,
+        waited_s: float = 0.0,
+        patience_s: float | None = None,
     ) -> None:
         """Raise ``Overloaded`` when a request of ``slo_class`` would miss its TTFT target (``waited_s``:
-        how long it already waited to be admitted, since the work queue stored it)."""
+        how long it already waited to be admitted, since the work queue stored it; ``patience_s``: how
+        much longer its client waits for a worker to take it, its accept deadline: a tighter bound
+        than a long class target, since a request still queued then is answered 503 anyway)."""
         est = self.estimate(slo_class, ahead, room, running, now, waited_s)
         if est is None or est.wait_s == 0:  # it will not queue: refusing it would spare nobody any wait
             return
         metrics.SCHEDULER_PREDICTED_TTFT.labels(slo_class).set(min(est.ttft_s, 1e6) * 1000)
         target = self.targets.of(slo_class)
+        if patience_s is not None:
+            target = min(target, waited_s + max(0.0, patience_s))
         if not self.enabled or est.ttft_s <= self.margin * target:
             return
         metrics.SCHEDULER_SHED.labels(slo_class).inc()
@@ -106,7 +117,8 @@ class LoadShedder:
         retry = est.ttft_s - self.margin * target if est.rate > 0 else target
         raise Overloaded(
             f"the fleet is overloaded for {slo_class} requests: predicted time to first token "
-            f"{_seconds(est.ttft_s)} leaves no margin within the class's target {target:g}s",
+            f"{_seconds(est.ttft_s)} leaves no margin within its bound {target:.1f}s (the class's target, "
+            "or the client's accept deadline if sooner)",
             retry_after_s=min(MAX_RETRY_AFTER_S, max(1.0, retry)),
         )
 

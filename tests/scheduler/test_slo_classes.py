@@ -112,6 +112,14 @@ def test_the_wait_before_admission_counts_against_the_target():
         shedder.check("interactive", ahead=0, room=False, running=1, now=0.0, waited_s=3.5)
 
 
+def test_a_long_class_target_is_cut_to_the_clients_accept_deadline():
+    shedder = LoadShedder(TARGETS, min_samples=1)
+    shedder.ended(service_s=1.0, worker_ttft_s=0.0)
+    shedder.check("batch", ahead=9, room=False, running=1, now=0.0)  # 10 s of queue: within 30 s
+    with pytest.raises(Overloaded):  # but its client stops waiting for a worker in 8 s: refused now, not a 503 then
+        shedder.check("batch", ahead=9, room=False, running=1, now=0.0, patience_s=8.0)
+
+
 def test_batch_is_shed_first_when_higher_classes_take_the_capacity():
     shedder = LoadShedder(TARGETS, min_samples=1)
     shedder.ended(service_s=1.0, worker_ttft_s=0.0)
