@@ -246,7 +246,9 @@ class Placement:
 
 
 def checked_placement(info: StreamInfo, wanted: int) -> Placement:
-    """Where the stream of ``info`` lives, logged; ``PlacementError`` if on fewer servers than ``wanted``."""
+    """Where the stream of ``info`` lives (``lorafleet nats setup`` reports it); ``PlacementError`` if on
+    fewer servers than ``wanted``. Not logged: CLI commands that make sure of the streams write their
+    own output on stdout."""
     name = str(info.config.name)
     cluster = info.cluster
     peers = tuple(sorted(p.name for p in (cluster.replicas or []) if p.name)) if cluster else ()
@@ -257,7 +259,6 @@ def checked_placement(info: StreamInfo, wanted: int) -> Placement:
             f"{name} is on {holders} server(s) with replicas={placement.replicas}, but LF_JETSTREAM_REPLICAS is "
             f"{wanted}: run a NATS cluster of at least {wanted} nodes with JetStream on each"
         )
-    log.info("stream_placement", stream=name, replicas=placement.replicas, leader=placement.leader, peers=peers)
     return placement
 
 

@@ -352,11 +352,13 @@ def start_secured_nats_cluster(
 
 
 async def setup_streams(nats_url: str, admin: tuple[str, str] | None, replicas: int | None = None) -> None:
-    """Create or update the shared streams as the admin, so services only need STREAM.INFO (where each
-    one lives is logged: ``stream_placement``)."""
+    """Create or update the shared streams as the admin, so services only need STREAM.INFO; where each
+    one lives is reported on stderr."""
     nc = await connect(nats_url, "lorafleet-setup", admin)
     try:
-        await ensure_streams(nc.jetstream(), replicas=replicas)
+        for p in await ensure_streams(nc.jetstream(), replicas=replicas):
+            where = f"leader {p.leader}, peers {', '.join(p.peers) or '-'}" if p.leader else "one server"
+            print(f"stream {p.stream}: {p.replicas} replica(s), {where}", file=sys.stderr)
     finally:
         await nc.close()
 
