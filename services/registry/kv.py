@@ -1,13 +1,18 @@
 """Registry data in JetStream KV: adapter records and trusted signer keys."""
 
+import uuid
+from dataclasses import dataclass
+
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from shared import subjects
+from shared.audit_publish import publish_audit
 from shared.bus import ensure_replicas
 from shared.catalog import record_key
-from shared.schemas import AdapterRecord, SignerRecord
+from shared.errors import ServiceUnavailable
+from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
 
 
 async def open_bucket(js: JetStreamContext, name: str, replicas: int | None = None) -> KeyValue:
@@ -72,3 +77,29 @@ def _signer(name: str, value: bytes) -> SignerRecord:
     if text.startswith("{"):
         return SignerRecord.model_validate_json(text)
     return SignerRecord(signer=name, public_key=text.strip(), tenants=[])
+
+
+@dataclass(frozen=True, slots=True)
+class AuditedBucket:
+    """A registry KV bucket as the load / put / delete / audit callables its ops take, each change's
+    ``AdminAudit`` published on the AUDIT stream."""
+
+    js: JetStreamContext
+    bucket: KeyValue
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, name: str) -> "AuditedBucket":
+        return cls(js, await open_bucket(js, name))
+
+    async def load(self) -> dict[str, bytes]:
+        return await load_all(self.bucket)
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self.bucket.put(key, value)
+
+    async def delete(self, key: str) -> None:
+        await self.bucket.delete(key)
+
+    async def audit(self, event: AdminAudit) -> None:
+        if not await publish_audit(self.js, event, f"admin.{uuid.uuid4().hex}"):
+            raise ServiceUnavailable(f"{event.action} of {event.target} is stored, but its audit record is not yet")
