@@ -1,6 +1,7 @@
 """Start the embedded infrastructure: nats-server (JetStream) and redis-server, on chosen ports."""
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -107,11 +108,33 @@ def _spawn(args: tuple[str, ...], log_file: Path | None) -> subprocess.Popen:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+# JetStream's ceiling over every stream, KV bucket and object store together, written into each
+# server's config. Without it nats-server takes 75% of the disk that is free when it starts, so a
+# machine with less than ~13 GB free refuses the platform's streams (their bounds, shared/config.py
+# StreamLimits, reserve ~9.3 GB) with "insufficient storage resources". The streams' own bounds keep
+# real use far below it; set LF_JETSTREAM_MAX_FILE_STORE to what the disk can give.
+def jetstream_limits() -> dict[str, str]:
+    return {
+        "max_memory_store": os.environ.get("LF_JETSTREAM_MAX_MEMORY_STORE", "256M"),
+        "max_file_store": os.environ.get("LF_JETSTREAM_MAX_FILE_STORE", "64G"),
+    }
+
+
+def server_config(state_dir: Path, config: Path | None) -> Path:
+    """``state_dir/server.conf``: JetStream stored in ``state_dir`` within ``jetstream_limits()``, and
+    ``config`` (the permission model) included, by a path relative to it as nats-server wants."""
+    lines = [f"jetstream: {json.dumps({'store_dir': str(state_dir.resolve()), **jetstream_limits()})}"]
+    if config is not None:
+        lines.append(f"include {json.dumps(os.path.relpath(config.resolve(), state_dir.resolve()))}")
+    path = state_dir / "server.conf"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def start_nats(port: int, state_dir: Path, log_file: Path | None = None, config: Path | None = None) -> Server:
     state_dir.mkdir(parents=True, exist_ok=True)
-    args: tuple[str, ...] = (nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(state_dir))
-    if config is not None:
-        args += ("-c", str(config))
+    conf = server_config(state_dir, config)
+    args: tuple[str, ...] = (nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-c", str(conf))
     proc = _spawn(args, log_file)
     wait_port(port, 15, proc)
     return Server("nats", port, proc, f"nats://127.0.0.1:{port}", args, log_file)
@@ -142,8 +165,8 @@ def start_nats_cluster(
             "127.0.0.1",
             "-p",
             str(port),
-            "-sd",
-            str(state_dir / node),
+            "-c",
+            str(server_config(state_dir / node, config)),
             "-n",
             node,
             "--cluster_name",
@@ -153,8 +176,6 @@ def start_nats_cluster(
             "--routes",
             routes,
         )
-        if config is not None:
-            args += ("-c", str(config))
         log_file = log_dir / f"{node}.log" if log_dir else None
         servers.append(Server(node, port, _spawn(args, log_file), f"nats://127.0.0.1:{port}", args, log_file))
     for server in servers:

@@ -18,7 +18,6 @@ Permissions themselves live in lorafleet/cli/nats_permissions.py.
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from lorafleet.cli import nats_snippets
-from lorafleet.cli.infra import Server, cluster_url, start_nats, start_nats_cluster, wait_jetstream
+from lorafleet.cli.infra import Server, cluster_url, jetstream_limits, start_nats, start_nats_cluster, wait_jetstream
 from lorafleet.cli.nats_permissions import (
     ADMIN,
     AUDIT_READER,
@@ -117,14 +116,9 @@ def write_private(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-# JetStream's ceiling over every stream, KV bucket and object store together, so a flood meets a
-# refused publish, not a full disk; above the streams' own bounds (shared/config.py StreamLimits).
-# Set when `init` runs: LF_JETSTREAM_MAX_FILE_STORE=200G python -m lorafleet.cli.nats_auth init
-COMPOSE_JETSTREAM = {
-    "store_dir": "/data",
-    "max_memory_store": os.environ.get("LF_JETSTREAM_MAX_MEMORY_STORE", "256M"),
-    "max_file_store": os.environ.get("LF_JETSTREAM_MAX_FILE_STORE", "64G"),
-}
+# JetStream's ceiling (lorafleet.cli.infra.jetstream_limits), set when `init` runs:
+# LF_JETSTREAM_MAX_FILE_STORE=200G python -m lorafleet.cli.nats_auth init
+COMPOSE_JETSTREAM = {"store_dir": "/data", **jetstream_limits()}
 COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": COMPOSE_JETSTREAM}
 COMPOSE_TLS = {
     "cert_file": "/etc/nats/tls/server.pem",
