@@ -97,8 +97,9 @@ def kv_read(bucket: str) -> list[str]:
 
 
 def kv_write(bucket: str) -> list[str]:
-    """Own a KV bucket: create it, put and delete keys (puts are publishes to ``$KV.<bucket>.<key>``)."""
-    return [*kv_read(bucket), f"{API}.STREAM.CREATE.KV_{bucket}", f"$KV.{bucket}.>"]
+    """Own a KV bucket: create it, update its stream (replicas, atomic batches), put and delete keys
+    (puts, and batches of them, are publishes to ``$KV.<bucket>.<key>``)."""
+    return [*kv_read(bucket), f"{API}.STREAM.CREATE.KV_{bucket}", f"{API}.STREAM.UPDATE.KV_{bucket}", f"$KV.{bucket}.>"]
 
 
 def obj_read(bucket: str) -> list[str]:

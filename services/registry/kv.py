@@ -1,10 +1,20 @@
-"""Registry data in JetStream KV: adapter records and trusted signer keys."""
+"""Registry data in JetStream KV: adapter records and trusted signer keys.
 
+Any number of registry replicas share these buckets; none holds state the others lack. Every
+write is a compare-and-set against the revision the writer planned from: one change of several
+records is one atomic batch (JetStream atomic batch publish, each message with its key's expected
+last revision, 0 for a new key), so two replicas changing one adapter at once never interleave:
+one commits whole, the other is refused whole (``StaleRecords``), reloads and plans again.
+"""
+
+import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from shared import subjects
@@ -20,7 +30,13 @@ async def open_bucket(js: JetStreamContext, name: str, replicas: int | None = No
     missing; one made with another replica count is brought to this one."""
     wanted = await ensure_replicas(js, f"KV_{name}", replicas)
     config = KeyValueConfig(bucket=name, history=5, storage=StorageType.FILE, replicas=wanted)
-    kv = await js.create_key_value(config=config)
+    try:
+        kv = await js.key_value(name)  # made before (its stream may have settings nats-py's KV config lacks)
+    except BucketNotFoundError:
+        try:
+            kv = await js.create_key_value(config=config)
+        except BadRequestError:  # another replica made it first
+            kv = await js.key_value(name)
     await ensure_replicas(js, f"KV_{name}", wanted, check=True)
     return kv
 
@@ -40,37 +56,116 @@ async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:
     return values
 
 
+class StaleRecords(Exception):
+    """A compare-and-set write found a key at another revision than planned from: another replica
+    changed it first. Nothing of the batch was written."""
+
+
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-last-subject-sequence check
+
+
+async def allow_atomic(js: JetStreamContext, bucket: str) -> None:
+    """Let the bucket's stream take atomic batches (nats-server 2.12+); nats-py's KV config has no
+    such field, so the stream is updated after creation."""
+    info = await js.stream_info(f"KV_{bucket}")
+    if not info.config.allow_atomic:
+        await js.update_stream(dataclasses.replace(info.config, allow_atomic=True))
+
+
 class RecordsKV:
-    def __init__(self, records: KeyValue, signers: KeyValue) -> None:
+    def __init__(self, records: KeyValue, signers: KeyValue, js: JetStreamContext | None = None) -> None:
         self._records = records
         self._signers = signers
+        self._js = js
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> "RecordsKV":
         records = await open_bucket(js, subjects.REGISTRY_RECORDS_BUCKET)
+        await allow_atomic(js, subjects.REGISTRY_RECORDS_BUCKET)
         signers = await open_bucket(js, subjects.REGISTRY_SIGNERS_BUCKET)
-        return cls(records, signers)
+        return cls(records, signers, js)
 
     async def load_records(self) -> list[AdapterRecord]:
         return [AdapterRecord.model_validate_json(v) for v in (await load_all(self._records)).values()]
 
-    async def load_adapter(self, adapter_id: str) -> list[AdapterRecord]:
-        """Every stored version of one adapter."""
-        found = await load_all(self._records, record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*")
-        return [AdapterRecord.model_validate_json(v) for v in found.values()]
+    async def load_adapter(self, adapter_id: str) -> list[tuple[AdapterRecord, int]]:
+        """Every stored version of one adapter, each with its bucket revision."""
+        found: list[tuple[AdapterRecord, int]] = []
+        watcher = await self._records.watch(record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*", ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                found.append((AdapterRecord.model_validate_json(entry.value or b""), entry.revision or 0))
+        finally:
+            await watcher.stop()
+        return found
+
+    async def commit(self, writes: list[tuple[AdapterRecord, int]]) -> list[int]:
+        """Write every record at once if each key is still at its given revision (0: absent), or none
+        (``StaleRecords``). Returns each write's bucket revision (a batch is stored as consecutive
+        messages ending at the acknowledged sequence)."""
+        assert writes, "a commit writes at least one record"
+        assert self._js is not None, "opened with RecordsKV.open"
+        nc = self._js._nc  # nats-py's JetStream context has no batch publish: its connection sends it
+        batch = uuid.uuid4().hex
+        bucket = subjects.REGISTRY_RECORDS_BUCKET
+        for i, (record, revision) in enumerate(writes, start=1):
+            subject = f"$KV.{bucket}.{record_key(record.adapter_id, record.version)}"
+            headers = {
+                "Nats-Batch-Id": batch,
+                "Nats-Batch-Sequence": str(i),
+                "Nats-Expected-Last-Subject-Sequence": str(revision),
+            }
+            data = record.model_dump_json().encode()
+            if i < len(writes):
+                await nc.publish(subject, data, headers=headers)
+                continue
+            headers["Nats-Batch-Commit"] = "1"
+            reply = json.loads((await nc.request(subject, data, headers=headers, timeout=5.0)).data)
+            error = reply.get("error")
+            if error is None:
+                last, count = int(reply["seq"]), int(reply.get("count", 1))
+                assert count == len(writes), f"batch of {len(writes)} acknowledged as {count}"
+                return list(range(last - count + 1, last + 1))
+            if error.get("err_code") == WRONG_LAST_SEQUENCE:
+                raise StaleRecords(f"{record.adapter_id}: {error.get('description')}")
+            raise ServiceUnavailable(f"records of {record.adapter_id} not stored: {error.get('description')}")
+        raise AssertionError("unreachable")
 
     async def put_record(self, record: AdapterRecord) -> int:
-        """Store the record; returns the bucket revision of the write."""
+        """Store the record unconditionally (migrations, tests); returns the bucket revision of the write."""
         return await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
     async def load_signers(self) -> dict[str, SignerRecord]:
-        return {k: _signer(k, v) for k, v in (await load_all(self._signers)).items()}
+        return {k: signer_from_kv(k, v) for k, v in (await load_all(self._signers)).items()}
 
-    async def put_signer(self, record: SignerRecord) -> None:
-        await self._signers.put(record.signer, record.model_dump_json().encode())
+    async def load_signer(self, name: str) -> tuple[SignerRecord | None, int]:
+        """One signer as stored now, with its revision (0: none)."""
+        try:
+            entry = await self._signers.get(name)
+        except KeyNotFoundError:
+            return None, 0
+        if entry.value is None:
+            return None, entry.revision or 0
+        return signer_from_kv(name, entry.value), entry.revision or 0
+
+    async def put_signer(self, record: SignerRecord, revision: int | None = None) -> None:
+        """Store the signer; with ``revision`` only if it is still at it (0: absent), else ``StaleRecords``."""
+        value = record.model_dump_json().encode()
+        if revision is None:
+            await self._signers.put(record.signer, value)
+            return
+        try:
+            if revision == 0:
+                await self._signers.create(record.signer, value)
+            else:
+                await self._signers.update(record.signer, value, last=revision)
+        except KeyWrongLastSequenceError as e:
+            raise StaleRecords(f"signer {record.signer}: {e}") from None
 
 
-def _signer(name: str, value: bytes) -> SignerRecord:
+def signer_from_kv(name: str, value: bytes) -> SignerRecord:
     """A stored signer; one stored as a bare key (before tenant binding) may sign for no tenant
     until it is rotated with its tenants named."""
     text = value.decode()

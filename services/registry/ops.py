@@ -2,13 +2,20 @@
 
 Every change is written to KV first, then applied to the in-memory catalog, then confirmed by
 every live gateway's catalog mirror, then announced (an AdapterEvent and a registry_change audit
-record), all under one lock so that lifecycle steps never interleave.
+record), all under one lock so that lifecycle steps of this replica never interleave.
+
+Replicas: the catalog and the signers follow their KV buckets (a watch), never memory alone, and
+every write is a compare-and-set on the revisions it was planned from (``RecordsKV.commit``). A
+change another replica beat to one of its records is planned again on the records as they are now
+(up to ``COMMIT_ATTEMPTS`` times), so two replicas registering one adapter at once get two
+versions, never one twice or one lost, and each push's files lie under a prefix of its own.
 """
 
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -19,7 +26,7 @@ from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
-from services.registry.kv import RecordsKV
+from services.registry.kv import RecordsKV, StaleRecords, signer_from_kv
 from services.registry.remote_intake import RemoteIntake
 from services.registry.stores import (
     ApprovedStore,
@@ -32,11 +39,12 @@ from services.registry.stores import (
 from shared import metrics, subjects
 from shared.access import SHARED_TENANT, may_use
 from shared.adapter_format import read_adapter_dir
-from shared.catalog import Catalog, Change
+from shared.catalog import Catalog, Change, record_key
 from shared.errors import Conflict, LorafleetError, ModelNotFound, NotFound
 from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
+    AdapterRecord,
     AdapterRecordsReply,
     AdminAudit,
     AuditEnvelope,
@@ -66,6 +74,7 @@ log = structlog.get_logger("registry")
 Publish = Callable[[str, BaseModel], Awaitable[None]]
 SignerAction = Literal["signer_trusted", "signer_rotated", "signer_untrusted"]
 SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
+COMMIT_ATTEMPTS = 5  # plans of one change against records another replica keeps changing
 
 
 async def _no_gateways(_: int) -> None:
@@ -106,6 +115,28 @@ class Registry:
         self._lock = asyncio.Lock()
         self._started = int(time.time())
         self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
+        self._revisions: dict[str, int] = {}  # record key -> the bucket revision the catalog holds
+
+    def apply_entry(self, key: str, value: bytes | None, revision: int) -> None:
+        """One entry of the records bucket's watch (records are never deleted): any replica's write."""
+        if value is not None and revision > self._revisions.get(key, 0):
+            self.catalog.put(AdapterRecord.model_validate_json(value))
+            self._revisions[key] = revision
+
+    def apply_signer(self, key: str, value: bytes | None, revision: int) -> None:
+        """One entry of the signers bucket's watch."""
+        if value is None:
+            self.signers.pop(key, None)
+        else:
+            self.signers[key] = signer_from_kv(key, value)
+
+    async def _refresh(self, adapter_id: str) -> None:
+        """One adapter's records and revisions as KV holds them now."""
+        for record, revision in await self._kv.load_adapter(adapter_id):
+            key = record_key(record.adapter_id, record.version)
+            if revision > self._revisions.get(key, 0):
+                self.catalog.put(record)
+                self._revisions[key] = revision
 
     async def resolve(self, req: ResolveRequest) -> ResolveReply:
         try:
@@ -156,46 +187,54 @@ class Registry:
     async def trust_key(self, req: TrustKeyRequest) -> TrustedKeysReply:
         """Trust a new signer for its tenants; changing a known one (key, tenants, trust) needs
         ``rotate``. Asking again for exactly what is stored changes nothing and is no error."""
-        async with self._lock:
-            before = self.signers.get(req.signer)
-            if (
-                before is not None
-                and before.trusted
-                and (before.public_key, before.tenants)
-                == (
-                    req.public_key,
-                    sorted(set(req.tenants)),
+        for _ in range(COMMIT_ATTEMPTS):
+            async with self._lock:
+                before, revision = await self._kv.load_signer(req.signer)  # as stored now, by any replica
+                if (
+                    before is not None
+                    and before.trusted
+                    and (before.public_key, before.tenants) == (req.public_key, sorted(set(req.tenants)))
+                ):
+                    self.signers[req.signer] = before
+                    return self._signers_reply()
+                if before is None and req.rotate:
+                    raise NotFound(f"signer {req.signer!r} is not known; trust it without rotate", param="signer")
+                if before is not None and not req.rotate:
+                    raise Conflict(
+                        f"signer {req.signer!r} is already known; replacing its key or tenants needs rotate",
+                        param="signer",
+                    )
+                retired = before.retired_keys if before else []
+                if before is not None and before.public_key != req.public_key:
+                    retired = [*retired, before.public_key]
+                record = SignerRecord(
+                    signer=req.signer, public_key=req.public_key, tenants=sorted(set(req.tenants)), retired_keys=retired
                 )
-            ):
-                return self._signers_reply()
-            if before is None and req.rotate:
-                raise NotFound(f"signer {req.signer!r} is not known; trust it without rotate", param="signer")
-            if before is not None and not req.rotate:
-                raise Conflict(
-                    f"signer {req.signer!r} is already known; replacing its key or tenants needs rotate", param="signer"
-                )
-            retired = before.retired_keys if before else []
-            if before is not None and before.public_key != req.public_key:
-                retired = [*retired, before.public_key]
-            record = SignerRecord(
-                signer=req.signer, public_key=req.public_key, tenants=sorted(set(req.tenants)), retired_keys=retired
-            )
-            await self._kv.put_signer(record)
-            self.signers[req.signer] = record
-            await self._audit_signer("signer_rotated" if before else "signer_trusted", req.actor, before, record)
-        return self._signers_reply()
+                try:
+                    await self._kv.put_signer(record, revision)
+                except StaleRecords:
+                    continue
+                self.signers[req.signer] = record
+                await self._audit_signer("signer_rotated" if before else "signer_trusted", req.actor, before, record)
+            return self._signers_reply()
+        raise _contended(f"signer {req.signer}")
 
     async def untrust_key(self, req: UntrustKeyRequest) -> TrustedKeysReply:
         """New pushes signed by it are refused; the versions it signed stay until they are revoked."""
-        async with self._lock:
-            before = self.signers.get(req.signer)
-            if before is None:
-                raise NotFound(f"signer {req.signer!r} is not known", param="signer")
-            record = before.model_copy(update={"trusted": False, "updated_at": time.time()})
-            await self._kv.put_signer(record)
-            self.signers[req.signer] = record
-            await self._audit_signer("signer_untrusted", req.actor, before, record)
-        return self._signers_reply()
+        for _ in range(COMMIT_ATTEMPTS):
+            async with self._lock:
+                before, revision = await self._kv.load_signer(req.signer)
+                if before is None:
+                    raise NotFound(f"signer {req.signer!r} is not known", param="signer")
+                record = before.model_copy(update={"trusted": False, "updated_at": time.time()})
+                try:
+                    await self._kv.put_signer(record, revision)
+                except StaleRecords:
+                    continue
+                self.signers[req.signer] = record
+                await self._audit_signer("signer_untrusted", req.actor, before, record)
+            return self._signers_reply()
+        raise _contended(f"signer {req.signer}")
 
     def _signers_reply(self) -> TrustedKeysReply:
         records = [self.signers[name] for name in sorted(self.signers)]
@@ -222,23 +261,27 @@ class Registry:
             if req.source_uri is not None and not is_local_source(req.source_uri):
                 change = await self._register_remote(req, req.source_uri)
             else:
-                async with self._lock:
-                    files = await self._read_source(req)
-                    prefix = object_prefix(req.adapter_id, self._next_version(req))
-                    # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
-                    change = await asyncio.to_thread(
-                        admit,
-                        self.catalog,
-                        req,
-                        files,
-                        self._base,
-                        self._policy,
-                        self.signers,
-                        self._approved.uri(prefix),
-                        fleet=self._fleet(),
-                    )
-                    await self._approved.put(prefix, files)
-                    await self._commit([change], req.actor)
+                files = await self._read_source(req)
+                for _ in range(COMMIT_ATTEMPTS):
+                    async with self._lock:
+                        prefix = object_prefix(req.adapter_id, self._next_version(req), attempt=_attempt())
+                        # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
+                        change = await asyncio.to_thread(
+                            admit,
+                            self.catalog,
+                            req,
+                            files,
+                            self._base,
+                            self._policy,
+                            self.signers,
+                            self._approved.uri(prefix),
+                            fleet=self._fleet(),
+                        )
+                        await self._approved.put(prefix, files)
+                        if await self._committed([change], req.actor, prefix, files):
+                            break
+                else:
+                    raise _contended(req.adapter_id)
         except LorafleetError as e:
             refusal = RejectionAudit(
                 request_id=f"register.{req.adapter_id}",
@@ -257,24 +300,42 @@ class Registry:
     async def _register_remote(self, req: RegisterRequest, uri: str) -> Change:
         """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
-        async with self._remote.fetched(uri, req.tenant_id) as fetched, self._lock:
-            prefix = object_prefix(req.adapter_id, self._next_version(req), req.tenant_id)
-            with fetched.mapped() as files:
-                change = await asyncio.to_thread(
-                    admit,
-                    self.catalog,
-                    req,
-                    files,
-                    self._base,
-                    self._policy,
-                    self.signers,
-                    self._approved.uri(prefix),
-                    fetched.origin,
-                    fleet=self._fleet(),
-                )
-            await self._approved.put(prefix, fetched.paths)
-            await self._commit([change], req.actor, f"fetched from {fetched.uri}"[:500])
-        return change
+        async with self._remote.fetched(uri, req.tenant_id) as fetched:
+            for _ in range(COMMIT_ATTEMPTS):
+                async with self._lock:
+                    prefix = object_prefix(req.adapter_id, self._next_version(req), req.tenant_id, _attempt())
+                    with fetched.mapped() as files:
+                        change = await asyncio.to_thread(
+                            admit,
+                            self.catalog,
+                            req,
+                            files,
+                            self._base,
+                            self._policy,
+                            self.signers,
+                            self._approved.uri(prefix),
+                            fetched.origin,
+                            fleet=self._fleet(),
+                        )
+                    await self._approved.put(prefix, fetched.paths)
+                    reason = f"fetched from {fetched.uri}"[:500]
+                    if await self._committed([change], req.actor, prefix, fetched.paths, reason):
+                        return change
+        raise _contended(req.adapter_id)
+
+    async def _committed(
+        self, changes: list[Change], actor: str, prefix: str, files: Mapping[str, object], reason: str | None = None
+    ) -> bool:
+        """Commit a push's record; False (its files removed, the adapter's records read again) when
+        another replica took that version first."""
+        try:
+            await self._commit(changes, actor, reason)
+        except StaleRecords as e:
+            log.info("push_replanned", adapter=changes[0].after.adapter_id, reason=str(e))
+            await self._approved.delete(prefix, files)
+            await self._refresh(changes[0].after.adapter_id)
+            return False
+        return True
 
     def _next_version(self, req: RegisterRequest) -> int:
         latest = self.catalog.latest(req.adapter_id)
@@ -319,16 +380,22 @@ class Registry:
     async def _change(
         self, actor: str, plan: Callable[[], list[Change]], reason: str | None = None
     ) -> AdapterRecordsReply:
-        async with self._lock:
-            changes = plan()
-            await self._commit(changes, actor, reason)
-        return AdapterRecordsReply(records=[c.after for c in changes])
+        for _ in range(COMMIT_ATTEMPTS):
+            async with self._lock:
+                changes = plan()
+                try:
+                    await self._commit(changes, actor, reason)
+                except StaleRecords as e:  # planned on records another replica changed since: plan again
+                    log.info("change_replanned", adapter=changes[0].after.adapter_id, reason=str(e))
+                    await self._refresh(changes[0].after.adapter_id)
+                    continue
+            return AdapterRecordsReply(records=[c.after for c in changes])
+        raise _contended(changes[0].after.adapter_id)
 
     async def reload(self, adapter_id: str) -> None:
-        """Take one adapter's records from KV: another replica may have changed them since this one loaded."""
+        """Take one adapter's records from KV: another replica may have changed them since the watch's last entry."""
         async with self._lock:
-            for record in await self._kv.load_adapter(adapter_id):
-                self.catalog.put(record)
+            await self._refresh(adapter_id)
 
     async def _read_source(self, req: RegisterRequest) -> dict[str, bytes]:
         limits = self._policy.limits
@@ -340,10 +407,19 @@ class Registry:
         return read_adapter_dir(trusted_source_dir(req.source_uri, self._trusted_dirs), limits)
 
     async def _commit(self, changes: list[Change], actor: str, reason: str | None = None) -> None:
-        revision = 0
-        for change in changes:
-            revision = max(revision, await self._kv.put_record(change.after))
+        """Write ``changes`` at once if their records are still as planned from (``StaleRecords`` if
+        not), then apply, confirm and announce them."""
+        if not changes:
+            return
+        keys = [record_key(c.after.adapter_id, c.after.version) for c in changes]
+        # a new version must still be absent; a changed one at the revision its plan read (the watch
+        # may bring another replica's write of that key while this one is planned: it must not pass)
+        expected = [0 if c.before is None else self._revisions.get(k, 0) for c, k in zip(changes, keys, strict=True)]
+        revisions = await self._kv.commit([(c.after, e) for c, e in zip(changes, expected, strict=True)])
         self.catalog.apply(changes)
+        for key, written in zip(keys, revisions, strict=True):  # this replica's next plan starts from them
+            self._revisions[key] = max(self._revisions.get(key, 0), written)
+        revision = max(revisions)
         if changes:  # the caller's next request, through any gateway, sees this write
             await self._sync_gateways(revision)
         for change in changes:
@@ -369,3 +445,14 @@ class Registry:
                 reason=reason,
             )
             await self._publish(subjects.audit("registry_change", after.tenant_id), AuditEnvelope(body=audit))
+
+
+def _attempt() -> str:
+    """A push's own token in its files' prefix."""
+    return uuid.uuid4().hex[:12]
+
+
+def _contended(what: str) -> Conflict:
+    return Conflict(
+        f"{what} was changed by other registry replicas {COMMIT_ATTEMPTS} times while this change was planned; retry"
+    )

@@ -38,6 +38,7 @@ from shared.config import RegistrySettings, load_settings
 from shared.errors import LorafleetError
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
+from shared.kv_follow import Apply, follow_bucket
 from shared.logs import configure_logging
 from shared.metrics import QUALITY_SCORE, serve_metrics
 from shared.schemas import (
@@ -76,6 +77,7 @@ from shared.slot_size import DTYPE_BYTES
 from shared.telemetry import setup_tracing
 
 log = structlog.get_logger("registry")
+QUEUE = "registry"  # every replica serves the ops; NATS gives each request to one of them
 
 M = TypeVar("M", bound=BaseModel)
 # an op's request model and its handler; _op checks that the handler takes that model
@@ -99,18 +101,20 @@ async def open_registry(
     gateways: GatewaySync,
     sources: Sources,
     fleet: FleetRanks,
+    tasks: set[asyncio.Task],
     resolve: Resolver = system_resolve,
 ) -> Registry:
-    """Open every bucket, load the catalog and trusted keys, and return the ready registry."""
+    """Open every bucket, follow the catalog and trusted keys (watch tasks added to ``tasks``), and
+    return the registry once both are loaded."""
     js = nc.jetstream()
     kv = await RecordsKV.open(js)
 
     async def publish(subject: str, message: BaseModel) -> None:
         await js.publish(subject, encode(message))
 
-    return Registry(
-        catalog=Catalog(await kv.load_records()),
-        signers=await kv.load_signers(),
+    registry = Registry(
+        catalog=Catalog(),
+        signers={},
         kv=kv,
         approved=await open_approved_store(js, settings.store_dir),
         uploads=Uploads(await open_object_store(js, subjects.ADAPTER_UPLOADS_BUCKET)),
@@ -131,6 +135,22 @@ async def open_registry(
         ),
         sync_gateways=gateways.wait,
     )
+    # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
+    await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks)
+    await follow_loaded(nc, subjects.REGISTRY_SIGNERS_BUCKET, registry.apply_signer, tasks)
+    return registry
+
+
+async def follow_loaded(nc: NATS, bucket: str, apply: Apply, tasks: set[asyncio.Task]) -> None:
+    """Follow ``bucket`` into ``apply`` (a task added to ``tasks``), returning once its values are in."""
+    loaded = asyncio.Event()
+    task = asyncio.create_task(follow_bucket(nc, bucket, apply, loaded.set))
+    tasks.add(task)
+    waiting = asyncio.create_task(loaded.wait())
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if task.done():
+        task.result()  # raises what stopped the watch
 
 
 def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> Handler:
@@ -141,7 +161,8 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
 async def subscribe(
     nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController, pins: Pins
 ) -> list[Subscription]:
-    """One typed request-reply handler per op on ``lf.registry.<op>``."""
+    """One typed request-reply handler per op on ``lf.registry.<op>``, in the ``registry`` queue group:
+    each request reaches one of the running replicas."""
     handlers: dict[str, Handler] = {
         "resolve": _op(ResolveRequest, registry.resolve),
         "list": _op(ListModelsRequest, registry.list_models),
@@ -177,7 +198,7 @@ async def subscribe(
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
     # own task, so one slow source does not hold up the pushes behind it
     return [
-        await serve(nc, subjects.registry(op), model, handler, concurrent=op == "register")
+        await serve(nc, subjects.registry(op), model, handler, queue=QUEUE, concurrent=op == "register")
         for op, (model, handler) in handlers.items()
     ]
 
@@ -211,11 +232,14 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker_heartbeat)
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
-        registry = await open_registry(nc, settings, base, gateways, sources, fleet, resolve)
+        watches: set[asyncio.Task] = set()
+        stack.callback(lambda: [t.cancel() for t in watches])
+        registry = await open_registry(nc, settings, base, gateways, sources, fleet, watches, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)
         tenants = await open_tenants(nc.jetstream())
+        await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches)  # other replicas' changes
         pins = await open_pins(nc.jetstream(), registry.catalog, slots, tenants.slot_quota)
         await subscribe(nc, registry, tenants, sources, releases, pins)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))

@@ -12,7 +12,7 @@ import binascii
 import contextlib
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -27,11 +27,14 @@ from shared.bus import ensure_replicas, read_object
 from shared.errors import InvalidRequest
 
 
-def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None) -> str:
-    """Where a version's files lie in the store; under ``tenants/<tenant>/`` when fetched remotely."""
+def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None, attempt: str | None = None) -> str:
+    """Where a version's files lie in the store; under ``tenants/<tenant>/`` when fetched remotely.
+    ``attempt`` (the registry's per-push token) keeps two replicas that planned the same version at
+    once from writing over each other's files: only the one whose record commits is referenced."""
+    leaf = f"{version}.{attempt}" if attempt else str(version)
     if tenant_id is not None:
-        return f"tenants/{tenant_id}/{adapter_id}/{version}"
-    return f"{adapter_id}/{version}"
+        return f"tenants/{tenant_id}/{adapter_id}/{leaf}"
+    return f"{adapter_id}/{leaf}"
 
 
 async def open_object_store(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
@@ -125,6 +128,16 @@ class ApprovedStore:
                     await self._objects.put(f"{prefix}/{name}", reader)
             else:
                 await self._objects.put(f"{prefix}/{name}", data)
+
+    async def delete(self, prefix: str, names: Iterable[str]) -> None:
+        """Remove the files a push stored under ``prefix`` whose record did not commit."""
+        if self._file_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self._file_dir / prefix, True)
+            return
+        assert self._objects is not None
+        for name in names:
+            with contextlib.suppress(NotFoundError):
+                await self._objects.delete(f"{prefix}/{name}")
 
 
 async def open_approved_store(js: JetStreamContext, file_dir: str | None) -> ApprovedStore:

@@ -75,6 +75,21 @@ class Tenants:
         self._audit = audit
         self._lock = asyncio.Lock()
 
+    def apply(self, key: str, value: bytes | None, revision: int) -> None:
+        """One entry of ``lf_tenants``' watch: a change any registry replica made."""
+        if key.startswith(TENANT_PREFIX):
+            if value is None:
+                self.tenants.pop(key.removeprefix(TENANT_PREFIX), None)
+            else:
+                record = TenantRecord.model_validate_json(value)
+                self.tenants[record.tenant_id] = record
+        elif key.startswith(KEY_PREFIX):
+            if value is None:
+                self.keys.pop(key.removeprefix(KEY_PREFIX), None)
+            else:
+                api_key = ApiKeyRecord.model_validate_json(value)
+                self.keys[api_key.key_id] = api_key
+
     async def create_tenant(self, req: CreateTenantRequest) -> TenantsReply:
         if req.tenant_id == SHARED_TENANT:
             raise InvalidRequest(f"'{SHARED_TENANT}' is reserved for adapters shared across tenants", param="tenant_id")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from services.registry.gate import GatePolicy
 from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
+from services.registry.kv import StaleRecords
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
 from services.registry.pins import FleetSlots, Pins
@@ -26,7 +27,7 @@ from services.registry.tenants import Tenants
 from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.bus import ERROR_HEADER, decode, encode, request
-from shared.catalog import Catalog
+from shared.catalog import Catalog, record_key
 from shared.catalog_follow import answer_catalog_sync
 from shared.catalog_mirror import CatalogMirror
 from shared.errors import (
@@ -67,6 +68,7 @@ from shared.schemas import (
     ResolveRequest,
     RevokeApiKeyRequest,
     ServiceHeartbeat,
+    SignerRecord,
     TenantsReply,
     WorkerHeartbeat,
 )
@@ -76,18 +78,38 @@ SYNC_TIMEOUT_S = 0.3
 
 
 class RecordsKVStub:
-    """What the ops write through to KV: the records bucket's revision grows with every put."""
+    """What the ops write through to KV, with its compare-and-set: the bucket's revision grows with
+    every record written, and a batch planned from another revision of one of its keys is refused."""
 
     def __init__(self) -> None:
         self.records: list = []
-        self.signers: dict[str, str] = {}
+        self.revisions: dict[str, int] = {}
+        self.signers: dict[str, tuple[SignerRecord, int]] = {}
+        self.signer_writes = 0
 
-    async def put_record(self, record) -> int:
-        self.records.append(record)
-        return len(self.records)
+    async def commit(self, writes) -> list[int]:
+        stale = [r for r, revision in writes if self.revisions.get(record_key(r.adapter_id, r.version), 0) != revision]
+        if stale:
+            raise StaleRecords(f"{stale[0].adapter_id} v{stale[0].version}")
+        written = []
+        for record, _ in writes:
+            self.records.append(record)
+            self.revisions[record_key(record.adapter_id, record.version)] = len(self.records)
+            written.append(len(self.records))
+        return written
 
-    async def put_signer(self, signer: str, public_key: str) -> None:
-        self.signers[signer] = public_key
+    async def load_adapter(self, adapter_id: str) -> list:
+        latest = {(r.adapter_id, r.version): r for r in self.records if r.adapter_id == adapter_id}
+        return [(r, self.revisions[record_key(*k)]) for k, r in latest.items()]
+
+    async def load_signer(self, name: str) -> tuple[SignerRecord | None, int]:
+        return self.signers.get(name, (None, 0))
+
+    async def put_signer(self, record: SignerRecord, revision: int | None = None) -> None:
+        if revision is not None and self.signers.get(record.signer, (None, 0))[1] != revision:
+            raise StaleRecords(record.signer)
+        self.signer_writes += 1
+        self.signers[record.signer] = (record, self.signer_writes)
 
 
 class ReleasesKVStub:

@@ -102,7 +102,8 @@ async def test_lifecycle_over_nats(
     v2 = await push_adapter(nc, peft_adapter_dir, **push)
     assert (v1.version, v2.version, v1.status, v1.signer) == (1, 2, "staging", "release")
     assert await object_names(nc, subjects.ADAPTER_UPLOADS_BUCKET) == []  # consumed uploads are deleted
-    assert f"{ID}/1/{WEIGHTS_FILE}" in await object_names(nc, subjects.ADAPTER_STORE_BUCKET)
+    stored = await object_names(nc, subjects.ADAPTER_STORE_BUCKET)
+    assert [n.split("/")[1].split(".")[0] for n in stored if n.endswith(WEIGHTS_FILE)] == ["1", "2"]
 
     await call(nc, "promote", PromoteRequest(adapter_id=ID, version=1, traffic_percent=100, actor="test"))
     await call(nc, "promote", PromoteRequest(adapter_id=ID, version=2, traffic_percent=10, actor="test"))
@@ -192,6 +193,8 @@ async def test_tampered_store_object_is_refused_by_the_worker(
     store = await nc.jetstream().object_store(subjects.ADAPTER_STORE_BUCKET)
     weights = bytearray((peft_adapter_dir / WEIGHTS_FILE).read_bytes())
     weights[-4:] = b"\x00\x00\x80\x7f"  # one value becomes +Inf after admission
-    await store.put(f"svc-tamper/{record.version}/{WEIGHTS_FILE}", bytes(weights))
+    prefix = record.storage_uri.removeprefix(f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/")
+    assert prefix.startswith(f"svc-tamper/{record.version}.")  # the version, then the push's own token
+    await store.put(f"{prefix}/{WEIGHTS_FILE}", bytes(weights))
     with pytest.raises(IntegrityError, match="does not match"):
         await fetch_verified(nc.jetstream(), record, base.fingerprint, {"release": signer_keys.public_b64})

@@ -9,6 +9,7 @@ prefix) and is audited as a registry rejection of the pushing tenant."""
 import argparse
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,9 @@ async def test_a_signed_s3_adapter_is_registered_under_the_tenants_prefix_and_ve
     changes = await push.nc.subscribe(subjects.audit("registry_change", push.tenant))
     record = await push.register(adapter_id, f"s3://models/{key}", adapter_files)
 
-    assert record.storage_uri == f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/tenants/{push.tenant}/{adapter_id}/1"
+    # v1 under the tenant's prefix, in the push's own leaf (1.<attempt token>)
+    prefix = f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/tenants/{push.tenant}/{adapter_id}/1."
+    assert record.storage_uri.startswith(prefix) and re.fullmatch(r"[0-9a-f]{12}", record.storage_uri[len(prefix) :])
     assert record.origin is not None and record.origin.uri == f"s3://models/{key}"
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         assert record.origin.etags[name] == servers.s3.client.head_object(Bucket="models", Key=key + name)["ETag"]

@@ -1,0 +1,173 @@
+"""Two registry replicas on one NATS: they serve the ops as a queue group, each follows the records,
+signers and tenants buckets (never memory alone), and every write is a compare-and-set, so pushes
+of one adapter racing through both get distinct, increasing versions with their own files, none lost,
+and a stale plan is refused whole."""
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from lorafleet.cli.adapter_cmd import push_adapter
+from services.registry.intake import BaseModelIdentity
+from services.registry.kv import RecordsKV, StaleRecords
+from services.registry.service import run
+from services.worker.adapter_verify import fetch_verified
+from shared import subjects
+from shared.bus import connect, request
+from shared.catalog import record_key
+from shared.config import RegistrySettings
+from shared.errors import Conflict
+from shared.schemas import (
+    AdapterRecord,
+    AdapterRecordsReply,
+    CreateTenantRequest,
+    ListAdaptersRequest,
+    ListTenantsRequest,
+    PromoteRequest,
+    RegisterRequest,
+    ServiceHeartbeat,
+    TenantsReply,
+    TrustedKeysReply,
+    TrustKeyRequest,
+)
+from shared.signing import KeyPair
+from tests.helpers.records import make_record
+
+ID = "replicated"
+PUSHES = 8
+
+
+@pytest.fixture
+async def replicas(nats_url: str, base_dir: Path, tmp_path: Path) -> AsyncIterator[NATS]:
+    """Two running registry replicas and a client connection."""
+    nc = await connect(nats_url, "replicas-test")
+    beats = await nc.subscribe(subjects.service_heartbeat("registry"))
+    stop = asyncio.Event()
+    services = []
+    for instance in ("reg-a", "reg-b"):
+        settings = RegistrySettings(
+            nats_url=nats_url,
+            model_dir=str(base_dir),
+            instance_id=instance,
+            heartbeat_interval_s=0.1,
+            max_rank=16,
+            trusted_source_dirs=(str(tmp_path),),
+            dev_mode=True,  # unsigned pushes too: the registry then picks the version itself
+        )
+        services.append(asyncio.create_task(run(settings, stop)))
+    ready: set[str] = set()
+    while ready != {"reg-a", "reg-b"}:
+        beat = ServiceHeartbeat.model_validate_json((await beats.next_msg(timeout=60)).data)
+        if beat.ready:
+            ready.add(beat.instance_id)
+    await beats.unsubscribe()
+    yield nc
+    stop.set()
+    await asyncio.gather(*services)
+    await nc.drain()
+
+
+async def answers(nc: NATS, op: str, message, reply_type, times: int = 12) -> list:
+    """The same question asked ``times`` times: the queue group spreads them over both replicas."""
+    return [await request(nc, subjects.registry(op), message, reply_type, 10.0) for _ in range(times)]
+
+
+async def push_signed(nc: NATS, adapter_dir: Path, **push) -> AdapterRecord:
+    """A signed push names its version; one another push took first is refused (409), and the client
+    signs the next one, as the CLI's user would."""
+    while True:
+        try:
+            return await push_adapter(nc, adapter_dir, **push)
+        except Conflict:
+            continue
+
+
+async def test_signed_pushes_racing_through_both_replicas_get_distinct_increasing_versions_with_their_own_files(
+    replicas: NATS, peft_adapter_dir: Path, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
+) -> None:
+    nc = replicas
+    trust = TrustKeyRequest(signer="release", public_key=signer_keys.public_b64, tenants=["acme"], actor="t")
+    await request(nc, subjects.registry("trust_key"), trust, TrustedKeysReply, 10.0)
+    key_file = tmp_path / "release.key"
+    key_file.write_bytes(signer_keys.private_pem)
+    # the other replica follows the signers bucket: a push through either is verified against the key
+    push = {"adapter_id": ID, "tenant_id": "acme", "task_type": "t", "base_fingerprint": base.fingerprint,
+            "sign_key": key_file}  # fmt: skip
+    pushed = await asyncio.gather(*(push_signed(nc, peft_adapter_dir, **push) for _ in range(PUSHES)))
+    assert sorted(r.version for r in pushed) == list(range(1, PUSHES + 1))  # none twice, none lost
+    assert len({r.storage_uri for r in pushed}) == PUSHES  # each version's files under its own prefix
+    for record in pushed:  # no push wrote over another's files
+        await fetch_verified(nc.jetstream(), record, base.fingerprint, {"release": signer_keys.public_b64})
+    await same_on_every_replica(nc, pushed)
+
+    # a promotion through one replica is what the other plans its next change from
+    for version in (PUSHES, 1):
+        promote = PromoteRequest(adapter_id=ID, version=version, traffic_percent=100, actor="t", force=True)
+        await request(nc, subjects.registry("promote"), promote, AdapterRecordsReply, 10.0)
+    for reply in await answers(nc, "adapters", ListAdaptersRequest(tenant_id="acme"), AdapterRecordsReply):
+        production = [r.version for r in reply.records if r.status == "production"]
+        assert production == [1], [(r.version, r.status) for r in reply.records]
+
+
+async def test_unsigned_registrations_racing_through_both_replicas_are_numbered_by_the_registry(
+    replicas: NATS, adapter_files: dict[str, bytes], base: BaseModelIdentity
+) -> None:
+    nc = replicas
+    inline = {name: base64.b64encode(data).decode() for name, data in adapter_files.items()}
+    req = RegisterRequest(adapter_id="numbered", tenant_id="acme", task_type="t", inline_files=inline, actor="t")
+    replies = await asyncio.gather(
+        *(request(nc, subjects.registry("register"), req, AdapterRecordsReply, 30.0) for _ in range(PUSHES))
+    )
+    pushed = [r.records[0] for r in replies]
+    assert sorted(r.version for r in pushed) == list(range(1, PUSHES + 1))  # every one acknowledged, each once
+    for record in pushed:
+        await fetch_verified(nc.jetstream(), record, base.fingerprint, {}, require_signature=False)
+    await same_on_every_replica(nc, pushed, "numbered")
+
+
+async def same_on_every_replica(nc: NATS, pushed: list[AdapterRecord], adapter_id: str = ID) -> None:
+    """Every answer, from either replica, holds every version as stored in KV."""
+    stored = await RecordsKV.open(nc.jetstream())
+    expected = sorted((r.version, r.storage_uri) for r in pushed)
+    assert sorted((r.version, r.storage_uri) for r, _ in await stored.load_adapter(adapter_id)) == expected
+    for reply in await answers(nc, "adapters", ListAdaptersRequest(tenant_id="acme"), AdapterRecordsReply):
+        assert sorted((r.version, r.storage_uri) for r in reply.records if r.adapter_id == adapter_id) == expected
+
+
+async def test_a_tenant_made_through_one_replica_is_known_to_both(replicas: NATS) -> None:
+    nc = replicas
+    await request(nc, subjects.registry("tenant_create"), CreateTenantRequest(tenant_id="t-new", actor="t"),
+                  TenantsReply, 10.0)  # fmt: skip
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:  # the other replica's watch brings it within a delivery
+        listed = await answers(nc, "tenants", ListTenantsRequest(), TenantsReply)
+        if all("t-new" in {t.tenant_id for t in reply.tenants} for reply in listed):
+            break
+        assert asyncio.get_running_loop().time() < deadline, "a replica never learnt the tenant"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_batch_planned_from_a_stale_revision_is_refused_whole(nats_url: str) -> None:
+    nc = await connect(nats_url, "cas-test")
+    try:
+        kv = await RecordsKV.open(nc.jetstream())
+        v1 = make_record("cas", 1, "acme", status="production", traffic_percent=100)
+        (first,) = await kv.commit([(v1, 0)])
+        v2 = make_record("cas", 2, "acme")
+        with pytest.raises(StaleRecords):  # v1 is not new any more
+            await kv.commit([(v2, 0), (v1.model_copy(update={"status": "retired"}), 0)])
+        assert [r.version for r, _ in await kv.load_adapter("cas")] == [1]  # v2 of that batch was not written
+        retired = v1.model_copy(update={"status": "retired"})
+        written = await kv.commit([(v2, 0), (retired, first)])
+        stored = {r.version: (r.status, rev) for r, rev in await kv.load_adapter("cas")}
+        assert stored == {1: ("retired", written[1]), 2: (v2.status, written[0])}
+        with pytest.raises(StaleRecords):  # the revision v1 had before is stale now
+            await kv.commit([(v1, first)])
+        bucket = await nc.jetstream().key_value(subjects.REGISTRY_RECORDS_BUCKET)
+        assert (await bucket.get(record_key("cas", 1))).revision == written[1]
+    finally:
+        await nc.drain()
