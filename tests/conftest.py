@@ -81,6 +81,7 @@ SERVER_FIXTURES = frozenset(
         "engine_stack",  # tests/e2e/test_engines.py: the stack on each worker engine
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
+        "tests/shared/test_redis_sentinel.py::replicated",  # a Redis master, a replica and three sentinels
     }
 )
 MODEL_FIXTURES = frozenset(

@@ -320,12 +320,13 @@ def wait_sentinels(
             for server in running:
                 with redis.Redis(port=server.port, password=password, socket_timeout=2, decode_responses=True) as r:
                     state = r.sentinel_master(name)
-                    if int(state["num-slaves"]) < replicas or int(state["num-other-sentinels"]) < len(running) - 1:
+                    # a dead replica stays listed, flagged s_down: count only those that answer
+                    up = sum(not (s["is_sdown"] or s["is_disconnected"]) for s in r.sentinel_slaves(name))
+                    if up < replicas or int(state["num-other-sentinels"]) < len(running) - 1:
                         raise InfraError(
-                            f"{server.name}: {state['num-slaves']} replicas, "
-                            f"{state['num-other-sentinels']} other sentinels"
+                            f"{server.name}: {up} replicas up, {state['num-other-sentinels']} other sentinels"
                         )
-                    if "s_down" in state["flags"] or "o_down" in state["flags"]:
+                    if state["is_sdown"] or state["is_odown"]:
                         raise InfraError(f"{server.name}: master flags {state['flags']}")
                     masters.add((state["ip"], int(state["port"])))
             if len(masters) == 1:
