@@ -82,6 +82,7 @@ SERVER_FIXTURES = frozenset(
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
         "tests/shared/test_redis_sentinel.py::replicated",  # a Redis master, a replica and three sentinels
+        "tests/scheduler/test_dedupe_outage.py::restartable_redis",  # a redis-server it stops and starts
     }
 )
 MODEL_FIXTURES = frozenset(
