@@ -107,6 +107,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/cli/test_nats_limits.py": "nats-server",
+    "tests/cli/test_up_redis.py": "redis-server and its sentinels",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
     "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
     "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",
