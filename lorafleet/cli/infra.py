@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats
+import redis
 
 
 class InfraError(RuntimeError):
@@ -309,8 +310,6 @@ def wait_sentinels(
 ) -> tuple[str, int]:
     """Once every sentinel that runs knows the master, its ``replicas`` replicas and the other running
     sentinels (what a failover needs), the master's (host, port); else InfraError."""
-    import redis
-
     running = [s for s in servers if s.proc.poll() is None]
     deadline = time.monotonic() + timeout_s
     last = ""
