@@ -48,6 +48,17 @@ class StreamLimits(BaseModel):
     )
 
 
+def parse_sentinels(value: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` -> [(host, port), ...]; ValueError naming the bad entry."""
+    addresses = []
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"sentinel address {entry!r} is not host:port with a port in 1..65535")
+        addresses.append((host.strip("[]"), int(port)))
+    return addresses
+
+
 class CommonSettings(BaseSettings):
     """What every service needs: where NATS and Redis are, logging, liveness timing."""
 
@@ -65,6 +76,15 @@ class CommonSettings(BaseSettings):
     nats_password: SecretStr | None = Field(default=None, description="NATS password; prefer nats_password_file")
     nats_password_file: Path | None = Field(default=None, description="file holding the NATS password")
     redis_password_file: Path | None = Field(default=None, description="file holding the Redis AUTH password")
+    redis_sentinels: str = Field(
+        default="",
+        description="Redis Sentinel addresses, host:port comma separated; when set, every Redis client follows "
+        "the master that they name LF_REDIS_SENTINEL_MASTER (LF_REDIS_URL then gives only the db and password, "
+        "and the sentinels take the same password)",
+    )
+    redis_sentinel_master: str = Field(
+        default="lorafleet", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="the master name the sentinels monitor"
+    )
     trace_exporter: str = Field(
         default="none",
         pattern=r"^(none|console|otlp|file:.+)$",
@@ -97,6 +117,16 @@ class CommonSettings(BaseSettings):
     def redis_password(self) -> str | None:
         """The Redis AUTH password from ``redis_password_file``; a password in ``redis_url`` wins over it."""
         return self.redis_password_file.read_text().strip() if self.redis_password_file else None
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses_parse(cls, value: str) -> str:
+        parse_sentinels(value)
+        return value
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of every configured sentinel; empty = a plain Redis at ``redis_url``."""
+        return parse_sentinels(self.redis_sentinels)
 
 
 class RequestBounds(CommonSettings):

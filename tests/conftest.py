@@ -81,6 +81,8 @@ SERVER_FIXTURES = frozenset(
         "engine_stack",  # tests/e2e/test_engines.py: the stack on each worker engine
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
+        "tests/shared/test_redis_sentinel.py::replicated",  # a Redis master, a replica and three sentinels
+        "tests/scheduler/test_dedupe_outage.py::restartable_redis",  # a redis-server it stops and starts
     }
 )
 MODEL_FIXTURES = frozenset(
@@ -105,6 +107,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/cli/test_nats_limits.py": "nats-server",
+    "tests/cli/test_up_redis.py": "redis-server and its sentinels",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
     "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
     "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats
+import redis
 
 
 class InfraError(RuntimeError):
@@ -206,8 +207,19 @@ async def wait_jetstream(url: str, timeout_s: float = 30.0, credentials: tuple[s
             await asyncio.sleep(0.5)
 
 
-def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Server:
+def start_redis(
+    port: int,
+    state_dir: Path,
+    log_file: Path | None = None,
+    password: str | None = None,
+    replicaof: Server | None = None,
+) -> Server:
+    """redis-server on ``port``; with ``replicaof``, a replica of that master (``Server.url`` still names
+    this one). With ``password`` it asks clients for it and gives it to its master (``masterauth``), so
+    that a replica Sentinel promotes, or a master it demotes, syncs with the other."""
     state_dir.mkdir(parents=True, exist_ok=True)
+    auth = ("--requirepass", password, "--masterauth", password) if password else ()
+    replica = ("--replicaof", "127.0.0.1", str(replicaof.port)) if replicaof else ()
     args = (
         redis_server_binary(),
         "--port",
@@ -222,7 +234,105 @@ def start_redis(port: int, state_dir: Path, log_file: Path | None = None) -> Ser
         "no",
         "--protected-mode",
         "yes",
+        *auth,
+        *replica,
     )
     proc = _spawn(args, log_file)
     wait_port(port, 15, proc)
-    return Server("redis", port, proc, f"redis://127.0.0.1:{port}/0", args, log_file)
+    return Server("redis-replica" if replicaof else "redis", port, proc, f"redis://127.0.0.1:{port}/0", args, log_file)
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelTiming:
+    """How fast the sentinels fail a master over: ``down_after_ms`` of silence makes a sentinel call it
+    down, ``quorum`` of them agreeing starts the failover, which one leader runs; a failover that does
+    not finish within ``failover_timeout_ms`` is retried (by a leader elected anew)."""
+
+    down_after_ms: int = 5000
+    failover_timeout_ms: int = 60_000
+    quorum: int = 2
+
+
+def sentinel_config(
+    port: int, master: Server, state_dir: Path, name: str, timing: SentinelTiming, password: str | None
+) -> Path:
+    """``state_dir/sentinel.conf``; Sentinel rewrites it with what it learns (replicas, other sentinels,
+    the current master), so it is a file of its own per sentinel."""
+    lines = [
+        f"port {port}",
+        "bind 127.0.0.1",
+        f"dir {json.dumps(str(state_dir.resolve()))}",
+        f"sentinel monitor {name} 127.0.0.1 {master.port} {timing.quorum}",
+        f"sentinel down-after-milliseconds {name} {timing.down_after_ms}",
+        f"sentinel failover-timeout {name} {timing.failover_timeout_ms}",
+        f"sentinel parallel-syncs {name} 1",
+    ]
+    if password:  # the same password for the servers and for the sentinels themselves
+        lines += [f"sentinel auth-pass {name} {password}", f"requirepass {password}"]
+    path = state_dir / "sentinel.conf"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_sentinels(
+    ports: Sequence[int],
+    master: Server,
+    state_dir: Path,
+    log_dir: Path | None = None,
+    name: str = "lorafleet",
+    timing: SentinelTiming = SentinelTiming(),
+    password: str | None = None,
+) -> list[Server]:
+    """One Redis Sentinel per port in ``ports`` (``redis-server --sentinel``, the binary ``start_redis``
+    runs) monitoring ``master`` under ``name``; they find its replicas and each other through it.
+    Clients take ``sentinel_addresses(servers)`` as LF_REDIS_SENTINELS; ``wait_sentinels`` returns once
+    they can fail it over."""
+    servers = []
+    for i, port in enumerate(ports, start=1):
+        node = f"sentinel-{i}"
+        (state_dir / node).mkdir(parents=True, exist_ok=True)
+        conf = sentinel_config(port, master, state_dir / node, name, timing, password)
+        args: tuple[str, ...] = (redis_server_binary(), str(conf), "--sentinel")
+        log_file = log_dir / f"{node}.log" if log_dir else None
+        servers.append(Server(node, port, _spawn(args, log_file), f"redis://127.0.0.1:{port}", args, log_file))
+    for server in servers:
+        wait_port(server.port, 15, server.proc)
+    return servers
+
+
+def sentinel_addresses(servers: Sequence[Server]) -> str:
+    """``127.0.0.1:port,...``: what LF_REDIS_SENTINELS takes."""
+    return ",".join(f"127.0.0.1:{server.port}" for server in servers)
+
+
+def wait_sentinels(
+    servers: Sequence[Server], name: str, replicas: int, timeout_s: float = 60.0, password: str | None = None
+) -> tuple[str, int]:
+    """Once every sentinel that runs knows the master, its ``replicas`` replicas and the other running
+    sentinels (what a failover needs), the master's (host, port); else InfraError."""
+    running = [s for s in servers if s.proc.poll() is None]
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        try:
+            masters = set()
+            for server in running:
+                with redis.Redis(port=server.port, password=password, socket_timeout=2, decode_responses=True) as r:
+                    state = r.sentinel_master(name)
+                    # a dead replica stays listed, flagged s_down: count only those that answer
+                    up = sum(not (s["is_sdown"] or s["is_disconnected"]) for s in r.sentinel_slaves(name))
+                    if up < replicas or int(state["num-other-sentinels"]) < len(running) - 1:
+                        raise InfraError(
+                            f"{server.name}: {up} replicas up, {state['num-other-sentinels']} other sentinels"
+                        )
+                    if state["is_sdown"] or state["is_odown"]:
+                        raise InfraError(f"{server.name}: master flags {state['flags']}")
+                    masters.add((state["ip"], int(state["port"])))
+            if len(masters) == 1:
+                return masters.pop()
+            last = f"sentinels disagree on the master: {masters}"
+        except (InfraError, redis.RedisError, OSError) as e:
+            last = str(e)
+        if time.monotonic() > deadline:
+            raise InfraError(f"the sentinels of {name} are not ready after {timeout_s:.0f}s: {last}")
+        time.sleep(0.2)

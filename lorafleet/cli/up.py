@@ -12,7 +12,7 @@ from pathlib import Path
 from lorafleet.cli.demo import curl_example, seed_demo_adapters
 from lorafleet.cli.demo_fit import ServedModel
 from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
-from lorafleet.cli.infra import Server, cluster_url, pick_port, start_redis
+from lorafleet.cli.infra import Server, cluster_url, pick_port, sentinel_addresses, start_redis, start_sentinels
 from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats, start_secured_nats_cluster
 from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
@@ -31,8 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--cluster",
         action="store_true",
         help="a 3-node NATS cluster (ports --nats-port and the next two) with every stream, KV bucket and "
-        "object store at replicas 3, instead of one nats-server",
+        "object store at replicas 3, instead of one nats-server; and Redis with a replica and 3 sentinels "
+        "(ports --redis-port and the next one, --sentinel-port and the next two) that fail it over",
     )
+    p.add_argument("--sentinel-port", type=int, default=26379, help="first Redis Sentinel port (with --cluster)")
     p.set_defaults(func=run)
 
 
@@ -56,13 +58,36 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _children(stack: Stack, nodes: list[Server], redis: Server, auth: LocalAuth) -> list[Child]:
-    """nats-server (each node of a cluster), redis-server and each service, as the supervisor restarts them."""
+def start_redis_set(
+    cluster: bool, redis_port: int, sentinel_port: int, state: Path
+) -> tuple[list[Server], dict[str, str]]:
+    """redis-server alone, or (``cluster``) a master, its replica and three sentinels watching them
+    (master name ``lorafleet``); the servers and the LF_REDIS_* environment that reaches them."""
+    logs = state / "logs"
+    master = start_redis(redis_port, state / "redis", logs / "redis.log")
+    env = {"LF_REDIS_URL": master.url}
+    if not cluster:
+        return [master], env
+    replica = start_redis(
+        pick_port(redis_port + 1), state / "redis-replica", logs / "redis-replica.log", replicaof=master
+    )
+    ports = [pick_port(sentinel_port + i) for i in range(3)]
+    sentinels = start_sentinels(ports, master, state / "sentinels", logs, "lorafleet")
+    env |= {"LF_REDIS_SENTINELS": sentinel_addresses(sentinels), "LF_REDIS_SENTINEL_MASTER": "lorafleet"}
+    return [master, replica, *sentinels], env
+
+
+def _children(stack: Stack, nodes: list[Server], redis: list[Server], auth: LocalAuth) -> list[Child]:
+    """nats-server (each node of a cluster), redis-server (and its replica and sentinels) and each
+    service, as the supervisor restarts them."""
     children = [
         Child("nats" if len(nodes) == 1 else node.name, lambda node=node: node.proc, node.start, node.log_file)  # type: ignore[misc]
         for node in nodes
     ]
-    children.append(Child("redis", lambda: redis.proc, redis.start, redis.log_file))
+    children.extend(
+        Child(server.name, lambda server=server: server.proc, server.start, server.log_file)  # type: ignore[misc]
+        for server in redis
+    )
     children.extend(
         Child(
             name,
@@ -103,11 +128,15 @@ def run(args: argparse.Namespace) -> int:
         nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
         nodes = [nats]
     nats_url = cluster_url(nodes)
-    redis = start_redis(ports["redis"], state / "redis", state / "logs" / "redis.log")
+    redis, redis_env = start_redis_set(args.cluster, ports["redis"], args.sentinel_port, state)
+    if args.cluster:
+        print(
+            f"Redis {redis[0].port} with replica {redis[1].port}, sentinels on {', '.join(str(s.port) for s in redis[2:])}"
+        )
     env = {
         "LF_NATS_URL": nats_url,
         "LF_JETSTREAM_REPLICAS": str(len(nodes)),
-        "LF_REDIS_URL": redis.url,
+        **redis_env,
         "LF_PORT": str(ports["gateway"]),
         "LF_DB_PATH": str(state / "audit.sqlite3"),
         "LF_MODEL_CACHE": str(state / "models"),
@@ -175,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("stopping...")
         stack.stop_all()
-        redis.stop()
+        for server in reversed(redis):
+            server.stop()
         for node in nodes:
             node.stop()
     return 0

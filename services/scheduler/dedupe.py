@@ -2,7 +2,11 @@
 with a TTL, and in process) with the work-queue sequence of the submission that carried it, so a
 redelivery of that submission is acknowledged, never run again, while a new submission reusing
 the id is told it is in use. Tenants never share a request-id namespace: one tenant using another's
-id neither sees nor shadows it."""
+id neither sees nor shadows it.
+
+A marker that could not reach Redis (down, or failing over to a replica) is kept and written at the
+first mark that reaches it again, so that once Redis is back every scheduler sees what this one
+dispatched during the outage, not only this one."""
 
 from collections import OrderedDict
 
@@ -21,6 +25,7 @@ class Dispatched:
         self._prefix = f"{key_prefix}dispatched:"
         self._ttl_ms = int(ttl_s * 1000)
         self._local: OrderedDict[Key, int | None] = OrderedDict()  # -> the submission's stream sequence
+        self._unsynced: OrderedDict[Key, str] = OrderedDict()  # marked while Redis was away -> its value
 
     async def mark(self, tenant: str, request_id: str, seq: int | None) -> bool:
         """Record that a worker took the request carried by work-queue message ``seq``; False if it
@@ -33,7 +38,34 @@ class Dispatched:
         ok, set_now = await self._guard.call(
             "dedupe", lambda: self._redis.set(self.key(tenant, request_id), value, nx=True, px=self._ttl_ms)
         )
-        return bool(set_now) if ok else first
+        if not ok:
+            self._unsynced[(tenant, request_id)] = value
+            while len(self._unsynced) > LOCAL_LIMIT:
+                self._unsynced.popitem(last=False)
+            return first
+        if self._unsynced:
+            await self._sync()
+        return bool(set_now)
+
+    async def _sync(self) -> None:
+        """Write the markers kept while Redis was away (``SET NX``: one another scheduler wrote wins)."""
+        pending = list(self._unsynced.items())
+
+        async def write() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for (tenant, request_id), value in pending:
+                    pipe.set(self.key(tenant, request_id), value, nx=True, px=self._ttl_ms)
+                await pipe.execute()
+
+        ok, _ = await self._guard.call("dedupe_sync", write)
+        if ok:
+            for key, _value in pending:
+                self._unsynced.pop(key, None)
+
+    @property
+    def unsynced(self) -> int:
+        """Markers kept in process only, waiting for Redis to answer again."""
+        return len(self._unsynced)
 
     def key(self, tenant: str, request_id: str) -> str:
         """The Redis marker of the request: admission's script checks it in the same round trip.

@@ -44,7 +44,7 @@ from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
-from shared.redis_conn import connect_redis
+from shared.redis_conn import redis_from
 from shared.request_ref import RequestRef
 from shared.schemas import (
     SLO_CLASSES,
@@ -303,7 +303,7 @@ async def run(settings: SchedulerSettings) -> None:
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await ensure_streams(js)
-        redis = connect_redis(settings.redis_url, password=settings.redis_password())
+        redis = redis_from(settings)
         stack.push_async_callback(redis.aclose)
         resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
         # a promote, rollback or revoke returns once this mirror holds it: direct submissions see it at once

@@ -34,7 +34,7 @@ from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
-from shared.redis_conn import connect_redis
+from shared.redis_conn import redis_from
 from shared.request_ref import RequestRef
 from shared.schemas import (
     AdapterEvent,
@@ -98,7 +98,7 @@ async def _worker_heartbeats(nc: NATS, server: RequestServer, served: engines.Se
 
 async def _follow_heat(settings: WorkerSettings, cache: CacheHierarchy) -> None:
     """Feed the fleet's adapter heat (Redis, written by the scheduler) to the eviction policy."""
-    redis = connect_redis(settings.redis_url, password=settings.redis_password())
+    redis = redis_from(settings)
     try:
         while True:
             try:

@@ -31,6 +31,8 @@ class Outcome:
     finishes: list[str] = field(default_factory=list)  # finish_reason of every finishing chunk
     done_markers: int = 0  # "data: [DONE]" lines
     completion_tokens: int | None = None
+    started_s: float = 0.0  # time.monotonic() when the request was sent
+    ttft_s: float | None = None  # to the first content (streamed) or to the whole answer (plain)
 
     @property
     def served(self) -> bool:
@@ -84,6 +86,7 @@ async def _plain(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) 
     out.text = answer["choices"][0]["message"]["content"]
     out.finishes = [answer["choices"][0]["finish_reason"]]
     out.completion_tokens = answer["usage"]["completion_tokens"]
+    out.ttft_s = time.monotonic() - out.started_s
 
 
 async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) -> None:
@@ -109,6 +112,8 @@ async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcom
             if chunk.get("usage"):
                 out.completion_tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk["choices"]:
+                if choice["delta"].get("content") and out.ttft_s is None:
+                    out.ttft_s = time.monotonic() - out.started_s
                 out.text += choice["delta"].get("content") or ""
                 if choice["finish_reason"]:
                     out.finishes.append(choice["finish_reason"])
@@ -119,7 +124,7 @@ async def chat(
 ) -> Outcome:
     """One chat completion, plain or streamed, with the transport's failures recorded, not raised."""
     out = Outcome(status=0, model=model, stream=stream, elapsed_s=0.0)
-    start = time.monotonic()
+    start = out.started_s = time.monotonic()
     try:
         await asyncio.wait_for(
             (_streamed if stream else _plain)(client, key, _body(model, max_tokens, stream), out), BOUND_S
