@@ -22,6 +22,7 @@ from shared.audit_publish import publish_audit
 from shared.bus import ensure_replicas
 from shared.catalog import record_key
 from shared.errors import ServiceUnavailable
+from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
 
 
@@ -138,7 +139,7 @@ class RecordsKV:
         return await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
     async def load_signers(self) -> dict[str, SignerRecord]:
-        return {k: signer_from_kv(k, v) for k, v in (await load_all(self._signers)).items()}
+        return {k: parse_signer(k, v) for k, v in (await load_all(self._signers)).items()}
 
     async def load_signer(self, name: str) -> tuple[SignerRecord | None, int]:
         """One signer as stored now, with its revision (0: none)."""
@@ -148,7 +149,7 @@ class RecordsKV:
             return None, 0
         if entry.value is None:
             return None, entry.revision or 0
-        return signer_from_kv(name, entry.value), entry.revision or 0
+        return parse_signer(name, entry.value), entry.revision or 0
 
     async def put_signer(self, record: SignerRecord, revision: int | None = None) -> None:
         """Store the signer; with ``revision`` only if it is still at it (0: absent), else ``StaleRecords``."""
@@ -163,15 +164,6 @@ class RecordsKV:
                 await self._signers.update(record.signer, value, last=revision)
         except KeyWrongLastSequenceError as e:
             raise StaleRecords(f"signer {record.signer}: {e}") from None
-
-
-def signer_from_kv(name: str, value: bytes) -> SignerRecord:
-    """A stored signer; one stored as a bare key (before tenant binding) may sign for no tenant
-    until it is rotated with its tenants named."""
-    text = value.decode()
-    if text.startswith("{"):
-        return SignerRecord.model_validate_json(text)
-    return SignerRecord(signer=name, public_key=text.strip(), tenants=[])
 
 
 @dataclass(frozen=True, slots=True)

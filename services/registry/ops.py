@@ -26,7 +26,7 @@ from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
-from services.registry.kv import RecordsKV, StaleRecords, signer_from_kv
+from services.registry.kv import RecordsKV, StaleRecords
 from services.registry.remote_intake import RemoteIntake
 from services.registry.stores import (
     ApprovedStore,
@@ -41,6 +41,7 @@ from shared.access import SHARED_TENANT, may_use
 from shared.adapter_format import read_adapter_dir
 from shared.catalog import Catalog, Change, record_key
 from shared.errors import Conflict, LorafleetError, ModelNotFound, NotFound
+from shared.registry_client import parse_signer
 from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
@@ -128,7 +129,7 @@ class Registry:
         if value is None:
             self.signers.pop(key, None)
         else:
-            self.signers[key] = signer_from_kv(key, value)
+            self.signers[key] = parse_signer(key, value)
 
     async def _refresh(self, adapter_id: str) -> None:
         """One adapter's records and revisions as KV holds them now."""

@@ -16,7 +16,7 @@ from services.worker.lora.peft_loader import load_peft_files
 from shared import metrics
 from shared.adapter_keys import parse_adapter_key
 from shared.errors import IntegrityError
-from shared.registry_client import fetch_record, fetch_trusted_keys
+from shared.registry_client import read_record, read_trusted_keys
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -84,9 +84,10 @@ class StoreLoader:
         return checksum, files, weights
 
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
-        record = await fetch_record(self.nc, adapter_id, version, self.timeout_s)
-        keys = await fetch_trusted_keys(self.nc, self.timeout_s)
-        files = await fetch_verified(
-            self.nc.jetstream(), record, self.base_fingerprint, keys, require_signature=self.require_signature
-        )
+        # the record and the signers straight from their KV buckets (served by NATS itself): no
+        # registry replica, dead or stalled, is on a cold load's path
+        js = self.nc.jetstream(timeout=self.timeout_s)
+        record = await read_record(js, adapter_id, version)
+        keys = await read_trusted_keys(js)
+        files = await fetch_verified(js, record, self.base_fingerprint, keys, require_signature=self.require_signature)
         return record.checksum, files
