@@ -260,16 +260,19 @@ class Registry:
         """Validate, verify, store, record. A refusal stores nothing, drops the upload and is audited."""
         try:
             if req.source_uri is not None and not is_local_source(req.source_uri):
-                change = await self._register_remote(req, req.source_uri)
+                record = await self._register_remote(req, req.source_uri)
             else:
                 files = await self._read_source(req)
                 for _ in range(COMMIT_ATTEMPTS):
                     async with self._lock:
-                        prefix = object_prefix(req.adapter_id, self._next_version(req), attempt=_attempt())
+                        if (stored := self._stored_push(req)) is not None:
+                            return AdapterRecordsReply(records=[stored])
+                        view = self._intake_view(req)
+                        prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
                         # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
                         change = await asyncio.to_thread(
                             admit,
-                            self.catalog,
+                            view,
                             req,
                             files,
                             self._base,
@@ -280,6 +283,7 @@ class Registry:
                         )
                         await self._approved.put(prefix, files)
                         if await self._committed([change], req.actor, prefix, files):
+                            record = change.after
                             break
                 else:
                     raise _contended(req.adapter_id)
@@ -296,19 +300,22 @@ class Registry:
         finally:
             if req.upload_id is not None:
                 await self._uploads.delete(req.upload_id)
-        return AdapterRecordsReply(records=[change.after])
+        return AdapterRecordsReply(records=[record])
 
-    async def _register_remote(self, req: RegisterRequest, uri: str) -> Change:
+    async def _register_remote(self, req: RegisterRequest, uri: str) -> AdapterRecord:
         """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
         async with self._remote.fetched(uri, req.tenant_id) as fetched:
             for _ in range(COMMIT_ATTEMPTS):
                 async with self._lock:
-                    prefix = object_prefix(req.adapter_id, self._next_version(req), req.tenant_id, _attempt())
+                    if (stored := self._stored_push(req)) is not None:
+                        return stored
+                    view = self._intake_view(req)
+                    prefix = object_prefix(req.adapter_id, _next_version(view, req), req.tenant_id, _attempt())
                     with fetched.mapped() as files:
                         change = await asyncio.to_thread(
                             admit,
-                            self.catalog,
+                            view,
                             req,
                             files,
                             self._base,
@@ -321,7 +328,7 @@ class Registry:
                     await self._approved.put(prefix, fetched.paths)
                     reason = f"fetched from {fetched.uri}"[:500]
                     if await self._committed([change], req.actor, prefix, fetched.paths, reason):
-                        return change
+                        return change.after
         raise _contended(req.adapter_id)
 
     async def _committed(
@@ -338,9 +345,28 @@ class Registry:
             return False
         return True
 
-    def _next_version(self, req: RegisterRequest) -> int:
-        latest = self.catalog.latest(req.adapter_id)
-        return req.version or (latest.version + 1 if latest else 1)
+    def _stored_push(self, req: RegisterRequest) -> AdapterRecord | None:
+        """The stored record of exactly this signed push, when a client retries one that was stored
+        (its answer lost to a timeout, or to the replica that stored it dying): the signature covers
+        the files' digests, the id, the version, the tenant and the base, so the same signature by the
+        same signer is the same push, answered again instead of refused as a taken version."""
+        if req.version is None or req.signature is None:
+            return None
+        stored = self.catalog.get(req.adapter_id, req.version)
+        if stored is None or (stored.signature, stored.signer, stored.tenant_id) != (
+            req.signature,
+            req.signer,
+            req.tenant_id,
+        ):
+            return None
+        return stored
+
+    def _intake_view(self, req: RegisterRequest) -> Catalog:
+        """A copy of what admission reads of the catalog (the adapter, its aliases' holders): admission
+        runs in a thread while the records watch may change the catalog itself."""
+        names = {req.adapter_id, *req.aliases}
+        names |= {held for alias in req.aliases if (held := self.catalog.alias_owner(req.tenant_id, alias))}
+        return Catalog(record for name in names for record in self.catalog.versions(name))
 
     async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:
         """staging -> canary/production, through the release gate unless ``force`` (audited with the reason)."""
@@ -457,3 +483,8 @@ def _contended(what: str) -> Conflict:
     return Conflict(
         f"{what} was changed by other registry replicas {COMMIT_ATTEMPTS} times while this change was planned; retry"
     )
+
+
+def _next_version(catalog: Catalog, req: RegisterRequest) -> int:
+    latest = catalog.latest(req.adapter_id)
+    return req.version or (latest.version + 1 if latest else 1)

@@ -5,6 +5,7 @@ and a stale plan is refused whole."""
 
 import asyncio
 import base64
+import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import push_adapter
+from lorafleet.cli.infra import Server
 from services.registry.intake import BaseModelIdentity
 from services.registry.kv import RecordsKV, StaleRecords
 from services.registry.service import run
 from services.worker.adapter_verify import fetch_verified
-from shared import subjects
+from shared import signing, subjects
 from shared.bus import connect, request
 from shared.catalog import record_key
 from shared.config import RegistrySettings
@@ -42,8 +44,9 @@ PUSHES = 8
 
 
 @pytest.fixture
-async def replicas(nats_url: str, base_dir: Path, tmp_path: Path) -> AsyncIterator[NATS]:
-    """Two running registry replicas and a client connection."""
+async def replicas(own_nats: Server, base_dir: Path, tmp_path: Path) -> AsyncIterator[NATS]:
+    """Two running registry replicas on a NATS of their own, and a client connection."""
+    nats_url = own_nats.url
     nc = await connect(nats_url, "replicas-test")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))
     stop = asyncio.Event()
@@ -87,7 +90,7 @@ async def push_signed(nc: NATS, adapter_dir: Path, **push) -> AdapterRecord:
 
 
 async def test_signed_pushes_racing_through_both_replicas_get_distinct_increasing_versions_with_their_own_files(
-    replicas: NATS, peft_adapter_dir: Path, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
+    replicas: NATS, variant, base: BaseModelIdentity, signer_keys: KeyPair, tmp_path: Path
 ) -> None:
     nc = replicas
     trust = TrustKeyRequest(signer="release", public_key=signer_keys.public_b64, tenants=["acme"], actor="t")
@@ -97,7 +100,7 @@ async def test_signed_pushes_racing_through_both_replicas_get_distinct_increasin
     # the other replica follows the signers bucket: a push through either is verified against the key
     push = {"adapter_id": ID, "tenant_id": "acme", "task_type": "t", "base_fingerprint": base.fingerprint,
             "sign_key": key_file}  # fmt: skip
-    pushed = await asyncio.gather(*(push_signed(nc, peft_adapter_dir, **push) for _ in range(PUSHES)))
+    pushed = await asyncio.gather(*(push_signed(nc, distinct(variant, tmp_path, i), **push) for i in range(PUSHES)))
     assert sorted(r.version for r in pushed) == list(range(1, PUSHES + 1))  # none twice, none lost
     assert len({r.storage_uri for r in pushed}) == PUSHES  # each version's files under its own prefix
     for record in pushed:  # no push wrote over another's files
@@ -111,6 +114,20 @@ async def test_signed_pushes_racing_through_both_replicas_get_distinct_increasin
     for reply in await answers(nc, "adapters", ListAdaptersRequest(tenant_id="acme"), AdapterRecordsReply):
         production = [r.version for r in reply.records if r.status == "production"]
         assert production == [1], [(r.version, r.status) for r in reply.records]
+
+
+def distinct(variant, root: Path, i: int) -> Path:
+    """The adapter with one weight scaled by its own factor: a push of other content than the rest."""
+
+    def scale(tensors: dict) -> None:
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name] * (1.0 + (i + 1) / 64)
+
+    directory = root / f"variant-{i}"
+    directory.mkdir()
+    for name, data in variant(tensors=scale).items():
+        (directory / name).write_bytes(data)
+    return directory
 
 
 async def test_unsigned_registrations_racing_through_both_replicas_are_numbered_by_the_registry(
@@ -151,8 +168,8 @@ async def test_a_tenant_made_through_one_replica_is_known_to_both(replicas: NATS
         await asyncio.sleep(0.2)
 
 
-async def test_a_batch_planned_from_a_stale_revision_is_refused_whole(nats_url: str) -> None:
-    nc = await connect(nats_url, "cas-test")
+async def test_a_batch_planned_from_a_stale_revision_is_refused_whole(own_nats: Server) -> None:
+    nc = await connect(own_nats.url, "cas-test")
     try:
         kv = await RecordsKV.open(nc.jetstream())
         v1 = make_record("cas", 1, "acme", status="production", traffic_percent=100)
@@ -171,3 +188,29 @@ async def test_a_batch_planned_from_a_stale_revision_is_refused_whole(nats_url: 
         assert (await bucket.get(record_key("cas", 1))).revision == written[1]
     finally:
         await nc.drain()
+
+
+async def test_a_retried_signed_push_is_answered_with_the_stored_record(
+    replicas: NATS, adapter_files: dict[str, bytes], base: BaseModelIdentity, signer_keys: KeyPair
+) -> None:
+    """A client whose answer was lost sends the same signed push again: whichever replica gets it
+    answers the version stored the first time, and stores nothing more."""
+    nc = replicas
+    trust = TrustKeyRequest(signer="release", public_key=signer_keys.public_b64, tenants=["acme"], actor="t")
+    await request(nc, subjects.registry("trust_key"), trust, TrustedKeysReply, 10.0)
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in adapter_files.items()}
+    manifest = signing.manifest_bytes(digests, "retried", 1, "acme", base.fingerprint)
+    signature = signing.sign(manifest, signing.load_private_key(signer_keys.private_pem))
+    inline = {name: base64.b64encode(data).decode() for name, data in adapter_files.items()}
+    req = RegisterRequest(adapter_id="retried", tenant_id="acme", task_type="t", version=1, inline_files=inline,
+                          signature=signature, signer="release", actor="t")  # fmt: skip
+    first = (await request(nc, subjects.registry("register"), req, AdapterRecordsReply, 30.0)).records[0]
+    again = [r.records[0] for r in await answers(nc, "register", req, AdapterRecordsReply, times=6)]
+    assert all(r == first for r in again)
+    stored = await RecordsKV.open(nc.jetstream())
+    assert [r for r, _ in await stored.load_adapter("retried")] == [first]
+    other = req.model_copy(
+        update={"signature": signing.sign(manifest + b"x", signing.load_private_key(signer_keys.private_pem))}
+    )
+    with pytest.raises(Conflict):  # the same version with other content is still a taken version
+        await request(nc, subjects.registry("register"), other, AdapterRecordsReply, 30.0)

@@ -103,7 +103,10 @@ async def test_lifecycle_over_nats(
     assert (v1.version, v2.version, v1.status, v1.signer) == (1, 2, "staging", "release")
     assert await object_names(nc, subjects.ADAPTER_UPLOADS_BUCKET) == []  # consumed uploads are deleted
     stored = await object_names(nc, subjects.ADAPTER_STORE_BUCKET)
-    assert [n.split("/")[1].split(".")[0] for n in stored if n.endswith(WEIGHTS_FILE)] == ["1", "2"]
+    assert [n.split("/")[1].split(".")[0] for n in stored if n.startswith(f"{ID}/") and n.endswith(WEIGHTS_FILE)] == [
+        "1",
+        "2",
+    ]
 
     await call(nc, "promote", PromoteRequest(adapter_id=ID, version=1, traffic_percent=100, actor="test"))
     await call(nc, "promote", PromoteRequest(adapter_id=ID, version=2, traffic_percent=10, actor="test"))

@@ -101,7 +101,7 @@ async def test_a_signed_https_adapter_is_fetched_from_the_pinned_address_through
     record = await push.register(adapter_id, base + path, adapter_files)
     assert record.origin is not None and record.origin.etags == {CONFIG_FILE: '"cfg-1"', WEIGHTS_FILE: '"w-1"'}
     assert record.checksum == sha256(adapter_files[WEIGHTS_FILE])
-    assert record.storage_uri.endswith(f"/tenants/{push.tenant}/{adapter_id}/1")
+    assert re.search(f"/tenants/{push.tenant}/{adapter_id}/1\\.[0-9a-f]{{12}}$", record.storage_uri)
 
 
 # ---- permission: allow-list, tenant binding, approval, the switch ----------------------------
@@ -206,8 +206,9 @@ async def test_each_tenant_gets_its_own_fetch_and_copy_of_the_same_uri(
     assert record.checksum == sha256(updated[WEIGHTS_FILE]) != first.checksum
     assert f"/tenants/{other}/" in record.storage_uri and f"/tenants/{push.tenant}/" in first.storage_uri
     names = await stored_names(push.nc)
-    assert f"tenants/{push.tenant}/{first_id}/1/{WEIGHTS_FILE}" in names
-    assert f"tenants/{other}/{second_id}/1/{WEIGHTS_FILE}" in names
+    leaves = {re.sub(r"/1\.[0-9a-f]{12}/", "/1/", n) for n in names}  # each push's own leaf under v1
+    assert f"tenants/{push.tenant}/{first_id}/1/{WEIGHTS_FILE}" in leaves
+    assert f"tenants/{other}/{second_id}/1/{WEIGHTS_FILE}" in leaves
     keys = {push.signer: push.keys.public_b64}
     assert (await fetch_verified(push.nc.jetstream(), first, push.base.fingerprint, keys)) == adapter_files
     await call(push.nc, "promote", PromoteRequest(adapter_id=first_id, version=1, traffic_percent=100, actor="t"))
