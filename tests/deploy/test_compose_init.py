@@ -24,7 +24,7 @@ from tests.deploy.compose_files import (
     waits_for_init,
 )
 
-FRESH = {"single": ("compose.yaml",)}
+FRESH = {"single": ("compose.yaml",), "cluster": ("compose.cluster.yaml",)}
 CREDENTIAL_FILES = ("LF_NATS_PASSWORD_FILE", "LF_REDIS_PASSWORD_FILE")
 
 
