@@ -162,7 +162,7 @@ def test_volumes_and_bind_mounts_exist(deploy_dir: Path, workers: dict[str, dict
     assert Path(SERVICES["auditor"]["environment"]["LF_DB_PATH"]).parent == Path(targets["audit"])
     conf = yaml.safe_load((deploy_dir / "deploy" / "nats.conf").read_text())  # JSON is YAML
     assert conf["jetstream"]["store_dir"] == targets["nats-data"]
-    assert SERVICES["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert SERVICES["nats"]["command"] == ["-c", "/etc/nats/secrets/nats.conf"]
 
 
 def test_generated_nats_config_is_accepted_by_nats_server(deploy_dir: Path) -> None:
