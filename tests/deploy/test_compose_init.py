@@ -5,13 +5,20 @@ accepts, the same on a second run."""
 
 import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import nats as nats_client
 import pytest
 import yaml
+from nats import errors as nats_errors
+from redis import exceptions as redis_exceptions
 
-from lorafleet.cli.infra import nats_server_binary
+from lorafleet.cli.infra import Server, free_port, nats_server_binary, redis_server_binary, start_nats, wait_port
 from lorafleet.cli.nats_auth import compose_worker_ids, init_deploy
+from shared.bus import connect
+from shared.config import CommonSettings
+from shared.redis_conn import connect_redis
 from tests.deploy.compose_files import (
     INIT,
     REPO,
@@ -176,3 +183,60 @@ def test_secrets_from_nats_auth_init_are_imported(tmp_path: Path) -> None:
     prometheus = compose["services"]["prometheus"]["volumes"]
     assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus
     assert (tmp_path / "deploy" / "prometheus.yml").exists()
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[tuple[dict, dict[str, Path], Server, Server]]:
+    """compose.yaml's init run, a nats-server with the users it wrote and a redis-server on its redis.conf."""
+    compose = load("compose.yaml")
+    dirs, done = run_init(compose, tmp_path / "volumes")
+    assert done.returncode == 0, done.stderr
+    nats = start_nats(free_port(), tmp_path / "nats", tmp_path / "nats.log", config=dirs["secrets-nats"] / "auth.conf")
+    port = free_port()
+    args = (
+        redis_server_binary(),
+        str(dirs["secrets-redis"] / "redis.conf"),
+        *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path), "--save", ""),
+    )
+    redis = Server(
+        "redis", port, subprocess.Popen(args, stdout=subprocess.DEVNULL), f"redis://127.0.0.1:{port}/0", args
+    )
+    try:
+        wait_port(port, 15, redis.proc)
+        yield compose, dirs, nats, redis
+    finally:
+        redis.stop()
+        nats.stop()
+
+
+async def test_services_connect_with_the_credentials_in_their_volumes(
+    started: tuple[dict, dict[str, Path], Server, Server],
+) -> None:
+    """A real nats-server with the users the init service wrote and a real redis-server started from its
+    redis.conf admit each service by the password files its compose settings name, and refuse a guess."""
+    compose, dirs, nats, redis = started
+    checked = []
+    for name, service in compose["services"].items():
+        env = service.get("environment", {})
+        if "LF_NATS_USER" not in env:
+            continue
+        files = {k: in_volume(service, dirs, env[k]) for k in CREDENTIAL_FILES if k in env}
+        settings = CommonSettings(
+            nats_user=env["LF_NATS_USER"],
+            nats_password_file=files["LF_NATS_PASSWORD_FILE"],
+            redis_password_file=files.get("LF_REDIS_PASSWORD_FILE"),
+        )
+        nc = await connect(nats.url, f"test-{name}", settings.nats_credentials())
+        await nc.close()
+        if settings.redis_password_file is not None:
+            client = connect_redis(redis.url, password=settings.redis_password())
+            assert await client.ping()
+            await client.aclose()
+        checked.append(name)
+    assert len(checked) == 7, checked  # nats-setup, gateway, registry, scheduler, auditor, the two workers
+    with pytest.raises(nats_errors.Error):
+        await nats_client.connect(nats.url, user="gateway", password="guess", allow_reconnect=False)
+    anonymous = connect_redis(redis.url)
+    with pytest.raises(redis_exceptions.AuthenticationError):
+        await anonymous.ping()
+    await anonymous.aclose()
