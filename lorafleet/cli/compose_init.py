@@ -40,11 +40,6 @@ NATS_PASSWORD = "nats-password"
 REDIS_PASSWORD = "redis-password"
 
 
-def consumers(workers: Sequence[str]) -> list[str]:
-    """The volumes ``--root`` holds, one per consumer: state, nats, redis, each service, each worker."""
-    return [STATE, NATS, REDIS, *SERVICES, ADMIN, *(worker_user(w) for w in workers)]
-
-
 def write_if_changed(path: Path, text: str, uid: int | None) -> bool:
     """Write ``text`` to ``path`` (0600, owned by ``uid`` when running as root) unless it holds it already."""
     if path.exists() and path.read_text() == text:
@@ -126,7 +121,9 @@ def creds_raw(creds: Secrets) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lorafleet.cli.compose_init", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lorafleet.cli.compose_init", description="every credential into named volumes, one per consumer"
+    )
     parser.add_argument("--root", type=Path, required=True, help="the directory every secrets volume is mounted under")
     parser.add_argument("--workers", default=",".join(DEFAULT_WORKERS), help="worker ids, comma separated")
     parser.add_argument("--nats-cluster", default="", help="NATS node hostnames, comma separated (cluster profile)")
