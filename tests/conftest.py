@@ -110,6 +110,9 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/cli/test_up_redis.py": "redis-server and its sentinels",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
     "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
+    "tests/deploy/test_compose_init.py": "compose's init command, git ls-files and nats-server -t",
+    "tests/deploy/test_compose_cluster.py": "compose's init command and nats-server -t",
+    "tests/deploy/test_k8s.py": "create-secrets.sh's init command, nats-server -t and kubectl kustomize",
     "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
 }

@@ -390,7 +390,7 @@ def _init(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.dir / 'nats.conf'}, {args.dir / WORKERS_COMPOSE_FILE} and {args.dir / 'secrets'}/ "
         f"(keep them out of images and git); workers: {', '.join(creds.workers)}\n"
-        f"start: docker compose -f compose.yaml -f {args.dir / WORKERS_COMPOSE_FILE}"
+        f"start: docker compose -f compose.yaml -f compose.secrets-dir.yaml -f {args.dir / WORKERS_COMPOSE_FILE}"
         f"{' --profile ' + VLLM_PROFILE if any(w.startswith('vllm-') for w in creds.workers) else ''} up -d"
     )
     return 0

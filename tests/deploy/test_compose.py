@@ -1,5 +1,7 @@
 """compose.yaml and the Dockerfile refer only to things that exist: modules, health probes,
-settings, build args, generated secret files, volumes and ports matching the config defaults."""
+settings, build args, generated secret files, volumes and ports matching the config defaults.
+Here compose.yaml is read as operators who keep their secrets in deploy/ run it (`nats_auth init`,
+compose.secrets-dir.yaml, deploy/compose.workers.yaml); test_compose_init.py covers a fresh `up`."""
 
 import importlib.util
 import json
@@ -30,6 +32,7 @@ from shared.config import (
     RegistrySettings,
     SchedulerSettings,
 )
+from tests.deploy.compose_files import env_files, load, merge_service
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,8 +42,9 @@ def field_of(env_key: str) -> str:
     return env_key[3:].lower().split("__")[0]
 
 
-COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+COMPOSE = load("compose.yaml", "compose.secrets-dir.yaml")
 SERVICES = COMPOSE["services"]
+BASE_WORKERS = {name: WorkerSettings for name in SERVICES if name.startswith("worker-")}
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 SETTINGS = {
     "gateway": GatewaySettings,
@@ -50,13 +54,6 @@ SETTINGS = {
     "nats-setup": CommonSettings,
 }
 OURS = tuple(SETTINGS)
-
-
-def env_files(service: dict) -> list[tuple[str, bool]]:
-    """(path, required) of each env_file entry, in either compose syntax."""
-    return [
-        (e, True) if isinstance(e, str) else (e["path"], e.get("required", True)) for e in service.get("env_file", [])
-    ]
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -74,10 +71,14 @@ def deploy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(deploy_dir: Path) -> dict[str, dict]:
-    """The generated worker services (deploy/compose.workers.yaml), merged into the project by ``-f``."""
+    """The generated worker services (deploy/compose.workers.yaml) as ``-f`` merges them into the project:
+    one named like a compose.yaml worker (cpu-1) is that worker, with the same identity."""
     generated = yaml.safe_load((deploy_dir / "deploy" / WORKERS_COMPOSE_FILE).read_text())["services"]
-    assert not set(generated) & set(SERVICES)
-    return generated
+    for name in set(generated) & set(SERVICES):
+        env = read_env(deploy_dir / env_files(generated[name])[0][0])
+        base = SERVICES[name]["environment"]
+        assert (env["LF_NATS_USER"], env["LF_WORKER_ID"]) == (base["LF_NATS_USER"], base["LF_WORKER_ID"])
+    return {name: merge_service(SERVICES.get(name, {}), spec) for name, spec in generated.items()}
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -86,7 +87,7 @@ def read_env(path: Path) -> dict[str, str]:
 
 def test_every_service_runs_an_existing_module(workers: dict[str, dict]) -> None:
     services = {**SERVICES, **workers}
-    for name in (*OURS, *workers):
+    for name in (*OURS, "lorafleet-init", *BASE_WORKERS, *workers):
         command = services[name]["command"]
         assert command[:2] == ["python", "-m"], name
         assert importlib.util.find_spec(command[2]) is not None, command
@@ -115,7 +116,7 @@ def test_health_checks_probe_real_endpoints_and_services(workers: dict[str, dict
 
 def test_environment_names_real_settings(deploy_dir: Path, workers: dict[str, dict]) -> None:
     services = {**SERVICES, **workers}
-    for name, settings in {**SETTINGS, **dict.fromkeys(workers, WorkerSettings)}.items():
+    for name, settings in {**SETTINGS, **BASE_WORKERS, **dict.fromkeys(workers, WorkerSettings)}.items():
         keys = dict(services[name].get("environment", {}))
         for path, required in env_files(services[name]):
             file = deploy_dir / path
@@ -150,8 +151,10 @@ def test_volumes_and_bind_mounts_exist(deploy_dir: Path, workers: dict[str, dict
     for name, service in {**SERVICES, **workers}.items():
         for volume in service.get("volumes", []):
             source, target = volume.split(":")[:2]
-            if source.startswith("./"):
-                assert (deploy_dir / source).exists(), source
+            if source.startswith("./deploy/compose/"):
+                assert (REPO / source).exists(), source  # shipped
+            elif source.startswith("./"):
+                assert (deploy_dir / source).exists(), source  # written by `nats_auth init --dir deploy`
             else:
                 assert source in named, (name, source)
                 targets[source] = target
@@ -159,7 +162,7 @@ def test_volumes_and_bind_mounts_exist(deploy_dir: Path, workers: dict[str, dict
     assert Path(SERVICES["auditor"]["environment"]["LF_DB_PATH"]).parent == Path(targets["audit"])
     conf = yaml.safe_load((deploy_dir / "deploy" / "nats.conf").read_text())  # JSON is YAML
     assert conf["jetstream"]["store_dir"] == targets["nats-data"]
-    assert SERVICES["nats"]["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert SERVICES["nats"]["command"] == ["-c", "/etc/nats/secrets/nats.conf"]
 
 
 def test_generated_nats_config_is_accepted_by_nats_server(deploy_dir: Path) -> None:
@@ -231,7 +234,7 @@ def test_redis_password_goes_only_to_the_services_that_use_redis(deploy_dir: Pat
     redis_password = read_env(secrets / "redis.env")["REDIS_PASSWORD"]
     for name in ("gateway", "registry", "auditor", "admin"):
         assert redis_password not in (secrets / f"{name}.env").read_text(), name
-    for service in (SERVICES["scheduler"], *workers.values()):
+    for service in workers.values():
         env = read_env(deploy_dir / env_files(service)[0][0])
         assert env["LF_REDIS_URL"] == f"redis://:{redis_password}@redis:6379/0"
     assert "redis" not in SERVICES["gateway"].get("depends_on", {})
@@ -259,7 +262,9 @@ def test_every_file_init_writes_is_ignored_by_git(deploy_dir: Path) -> None:
     unignored = [line.split("\t")[1] for line in done.stdout.splitlines() if line.startswith("::")]
     assert unignored == []
     tracked = subprocess.run(["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True, timeout=30)
-    assert tracked.stdout == ""  # nothing tracked under deploy/ that an ignore could hide
+    shipped = tracked.stdout.splitlines()
+    assert shipped and not set(shipped) & set(written)  # nothing init writes is tracked, where an ignore hides it
+    assert all(p.startswith(("deploy/compose/", "deploy/k8s/")) for p in shipped), shipped
 
 
 def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
