@@ -41,10 +41,18 @@ end
 local hold = tonumber(ARGV[1])
 local backlogged, lifted, charged, wanted = list(), list(), list(), list()
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - hold)
+local function counters(tenants)  -- HMGET in chunks (unpack has a stack limit)
+  local out = {}
+  for s = 1, #tenants, 1000 do
+    local part = redis.call('HMGET', KEYS[1], unpack(tenants, s, math.min(s + 999, #tenants)))
+    for j = 1, #part do out[#out + 1] = part[j] or '0' end
+  end
+  return out
+end
 local function lowest()
   local low = nil
-  for _, tenant in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-    local v = tonumber(redis.call('HGET', KEYS[1], tenant) or '0')
+  for _, v in ipairs(counters(redis.call('ZRANGE', KEYS[2], 0, -1))) do
+    v = tonumber(v)
     if low == nil or v < low then low = v end
   end
   return low
@@ -60,8 +68,8 @@ for j = 1, #charged, 2 do redis.call('HINCRBYFLOAT', KEYS[1], charged[j], charge
 for _, tenant in ipairs(backlogged) do redis.call('ZADD', KEYS[2], now, tenant) end
 local low = lowest()
 if low then floor = low; redis.call('SET', KEYS[3], tostring(low)) end
-local out = {tostring(floor)}
-for j, tenant in ipairs(wanted) do out[j + 1] = redis.call('HGET', KEYS[1], tenant) or '0' end
+local out = counters(wanted)
+table.insert(out, 1, tostring(floor))
 return out
 """
 
