@@ -242,6 +242,13 @@ class SchedulerSettings(RequestBounds):
     )
     vtc_input_weight: float = Field(default=1.0, ge=0, le=100, description="fairness charge per prompt token")
     vtc_output_weight: float = Field(default=2.0, ge=0, le=100, description="fairness charge per generated token")
+    vtc_hand_off_s: float = Field(
+        default=0.1,
+        gt=0,
+        le=10,
+        description="how often the fairness counters are handed to and read from Redis (shared by every "
+        "scheduler): how far behind the other schedulers' charges one scheduler's fair order may be",
+    )
     slo_ttft_s: SloTargets = Field(
         default_factory=lambda: SloTargets(),
         description="time-to-first-token target of each SLO class (LF_SLO_TTFT_S__<CLASS>)",

@@ -1,7 +1,10 @@
-"""At most once, per tenant: a (tenant, request id) a worker accepted is remembered (Redis ``SET NX``
-with a TTL, and in process) with the work-queue sequence of the submission that carried it, so a
-redelivery of that submission is acknowledged, never run again, while a new submission reusing
-the id is told it is in use. Tenants never share a request-id namespace: one tenant using another's
+"""At most once, per tenant: a (tenant, request id) is claimed before it is dispatched to a worker
+(Redis ``SET NX`` with a TTL, and in process) with the work-queue sequence of the submission that
+carried it, so a redelivery of that submission (to this scheduler or, after it died, to another)
+is acknowledged, never run again, while a new submission reusing the id is told it is in use. A
+claim whose dispatch no worker took is released (compare-and-delete), so the request can be placed
+again; one held by a scheduler that died mid-dispatch is never released: at most once wins over
+at least once, and that request's client gets its typed timeout. Tenants never share a request-id namespace: one tenant using another's
 id neither sees nor shadows it.
 
 A marker that could not reach Redis (down, or failing over to a replica) is kept and written at the
@@ -16,6 +19,10 @@ from services.scheduler.redis_guard import RedisGuard
 
 LOCAL_LIMIT = 100_000
 Key = tuple[str, str]  # (tenant, request id)
+RELEASE = """\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class Dispatched:
@@ -26,10 +33,14 @@ class Dispatched:
         self._ttl_ms = int(ttl_s * 1000)
         self._local: OrderedDict[Key, int | None] = OrderedDict()  # -> the submission's stream sequence
         self._unsynced: OrderedDict[Key, str] = OrderedDict()  # marked while Redis was away -> its value
+        self._unreleased: dict[Key, str] = {}  # released while Redis was away -> the value to delete
+        self._release = redis.register_script(RELEASE)
 
     async def mark(self, tenant: str, request_id: str, seq: int | None) -> bool:
-        """Record that a worker took the request carried by work-queue message ``seq``; False if it
-        was recorded before."""
+        """Claim the request carried by work-queue message ``seq`` for a dispatch; False if it was
+        claimed before (here, or by another scheduler)."""
+        if (tenant, request_id) in self._unreleased:  # this scheduler's own released claim, still in Redis
+            await self._released(tenant, request_id)  # if Redis is away, so is the claim's SET NX below
         first = (tenant, request_id) not in self._local
         self._local[(tenant, request_id)] = seq
         while len(self._local) > LOCAL_LIMIT:
@@ -46,6 +57,23 @@ class Dispatched:
         if self._unsynced:
             await self._sync()
         return bool(set_now)
+
+    async def release(self, tenant: str, request_id: str, seq: int | None) -> None:
+        """Forget the claim of a dispatch no worker took, so the request may be dispatched again."""
+        self._local.pop((tenant, request_id), None)
+        value = self._unsynced.pop((tenant, request_id), None)
+        if value is None:
+            self._unreleased[(tenant, request_id)] = "" if seq is None else str(seq)
+            await self._released(tenant, request_id)
+
+    async def _released(self, tenant: str, request_id: str) -> bool:
+        value = self._unreleased[(tenant, request_id)]
+        ok, _ = await self._guard.call(
+            "dedupe_release", lambda: self._release(keys=[self.key(tenant, request_id)], args=[value])
+        )
+        if ok:
+            del self._unreleased[(tenant, request_id)]
+        return ok
 
     async def _sync(self) -> None:
         """Write the markers kept while Redis was away (``SET NX``: one another scheduler wrote wins)."""

@@ -301,6 +301,16 @@ class Dispatcher:
 
     async def _dispatch(self, item: Queued, worker_id: str) -> None:
         request, ref = item.request, item.ref
+        if not await self.dispatched.mark(request.tenant_id, request.request_id, item.seq):
+            # claimed before: its submission was redelivered here after another scheduler (or this one
+            # before a restart) dispatched it; it runs once
+            self.fleet.refused(worker_id, ref, back_off=False)
+            self.held.pop(ref, None)
+            self.early.pop(ref, None)
+            await self.admission.release(item.grant, 0)
+            await self._served_before(request, item.handle, item.seq)
+            self.pump()
+            return
         try:
             reply = await self.ports.dispatch(worker_id, request, item.handle.headers)
         except (UpstreamTimeout, NoResponders) as e:
@@ -313,7 +323,10 @@ class Dispatcher:
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         if reply.accepted:
             await self._accepted(item, worker_id)
-        elif reply.error is not None and reply.error.status < 500:
+            self.pump()
+            return
+        await self.dispatched.release(request.tenant_id, request.request_id, item.seq)
+        if reply.error is not None and reply.error.status < 500:
             self.fleet.refused(worker_id, ref, back_off=False)
             self.held.pop(ref, None)
             self.early.pop(ref, None)
@@ -347,7 +360,6 @@ class Dispatcher:
         ended = self.early.pop(ref, {}).get(worker_id)  # other workers' runs of it were withdrawn
         try:
             await item.handle.ack()
-            await self.dispatched.mark(request.tenant_id, rid, item.seq)
             key = adapter_key_of(request)
             if key is not None:
                 await self.heat.bump(key)

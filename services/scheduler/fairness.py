@@ -5,7 +5,10 @@ Each tenant has a counter charged ``input_weight`` per prompt token and ``output
 generated token. The backlogged tenant with the lowest counter is served next; a tenant that
 returns from idle is lifted to the lowest active counter, so idling earns no credit. Interactive
 requests go before standard ones and those before batch, except a request waiting past its class's
-TTFT target, which then ranks as interactive (no class starves)."""
+TTFT target, which then ranks as interactive (no class starves).
+
+With several schedulers the counters are shared (``vtc.SharedCounters``): the queue records what it
+charged and whom it lifted since the last hand-off, and adopts the shared values it is given back."""
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -40,6 +43,8 @@ class FairQueue(Generic[Q]):
     counters: dict[str, float] = field(default_factory=dict)
     _queues: dict[str, deque[Q]] = field(default_factory=dict)  # tenant -> FIFO of its requests
     _floor: float = 0.0  # the lowest counter last seen active: where a returning tenant starts
+    _charged: dict[str, float] = field(default_factory=dict)  # tenant -> charged since the last hand-off
+    _lifted: set[str] = field(default_factory=set)  # tenants that became backlogged since the last hand-off
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -56,6 +61,7 @@ class FairQueue(Generic[Q]):
             floor = min(active) if active else self._floor
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
             self._queues[tenant] = deque()
+            self._lifted.add(tenant)
         if front:
             self._queues[tenant].appendleft(item)
         else:
@@ -77,9 +83,35 @@ class FairQueue(Generic[Q]):
 
     def charge(self, tenant: str, input_tokens: float, output_tokens: float) -> None:
         """Add served tokens to the tenant's counter (negative corrects an earlier estimate)."""
-        self.counters[tenant] = (
-            self.counters.get(tenant, 0.0) + self.input_weight * input_tokens + self.output_weight * output_tokens
-        )
+        cost = self.input_weight * input_tokens + self.output_weight * output_tokens
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
+        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost
+
+    def backlogged(self) -> list[str]:
+        """Tenants with a request queued here."""
+        return list(self._queues)
+
+    def take_changes(self) -> tuple[dict[str, float], set[str]]:
+        """Hand off what was charged (tenant -> amount) and who was lifted since the last hand-off."""
+        charged, lifted = self._charged, self._lifted
+        self._charged, self._lifted = {}, set()
+        return charged, lifted
+
+    def give_back_changes(self, charged: dict[str, float], lifted: set[str]) -> None:
+        """Keep changes a hand-off could not deliver, to hand off again with later ones."""
+        for tenant, cost in charged.items():
+            self._charged[tenant] = self._charged.get(tenant, 0.0) + cost
+        self._lifted |= lifted
+
+    def adopt(self, shared: Mapping[str, float], floor: float) -> None:
+        """Take the shared counters (as of a hand-off) as this queue's own, plus what was charged here
+        since; a tenant lifted here since keeps its lift until the next hand-off carries it."""
+        for tenant, value in shared.items():
+            value += self._charged.get(tenant, 0.0)
+            lifted = tenant in self._lifted
+            self.counters[tenant] = max(value, self.counters.get(tenant, 0.0)) if lifted else value
+        if not self._queues:
+            self._floor = floor
 
     def remove(self, ref: tuple[str, str]) -> Q | None:
         """Take out the item of (tenant, request id), if queued."""

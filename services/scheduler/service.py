@@ -28,6 +28,7 @@ from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.upkeep import Periods, Upkeep
+from services.scheduler.vtc import SharedCounters
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
 from shared.bus import (
@@ -114,7 +115,8 @@ def build(
         settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3, settings.heat_decay_interval_s
     )
     prefetcher = Prefetcher(settings.hot_rate_per_worker, settings.cold_rate, settings.max_controls_per_tick)
-    return core, Upkeep(core, prefetcher, periods)
+    counters = SharedCounters(redis, guard, prefix, core.queue, settings.vtc_hand_off_s)
+    return core, Upkeep(core, prefetcher, periods, counters)
 
 
 @dataclass(eq=False)
@@ -325,6 +327,7 @@ async def run(settings: SchedulerSettings) -> None:
                 )
             ),
             asyncio.create_task(scheduler.ticking()),
+            asyncio.create_task(upkeep.counters.run()),
             asyncio.create_task(_follow_quotas(js, core.quotas)),
             catalog_watch,
         ]

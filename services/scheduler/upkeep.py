@@ -8,6 +8,7 @@ import structlog
 
 from services.scheduler.dispatcher import Dispatcher, past_accept_deadline
 from services.scheduler.prefetch import Prefetcher
+from services.scheduler.vtc import SharedCounters
 from shared import metrics
 from shared.errors import NoWorkerAvailable, WorkerLost
 
@@ -27,6 +28,7 @@ class Upkeep:
     core: Dispatcher
     prefetcher: Prefetcher
     periods: Periods
+    counters: SharedCounters  # the fair queue's counters, shared with the other schedulers on their own clock
     _last_keep_alive: float = 0.0
     _last_renew: float = 0.0
     _last_heat: float = 0.0

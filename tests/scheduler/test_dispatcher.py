@@ -113,7 +113,7 @@ class World:
     async def settle(self) -> None:
         for _ in range(5):
             await asyncio.sleep(0)
-        if self.core.tasks:
+        while self.core.tasks:  # a dispatch that failed starts the next one
             await asyncio.wait(list(self.core.tasks))
 
     async def finish(self, rid: str, tenant: str | None = None) -> None:
