@@ -38,7 +38,7 @@ from services.registry.stores import (
 )
 from shared import metrics, subjects
 from shared.access import SHARED_TENANT, may_use
-from shared.adapter_format import read_adapter_dir
+from shared.adapter_format import AdapterBytes, read_adapter_dir
 from shared.catalog import Catalog, Change, record_key
 from shared.errors import Conflict, LorafleetError, ModelNotFound, NotFound
 from shared.registry_client import parse_signer
@@ -66,6 +66,7 @@ from shared.schemas import (
     RollbackRequest,
     RolloutRequest,
     SignerRecord,
+    SourceOrigin,
     TrustedKeysReply,
     TrustKeyRequest,
     UntrustKeyRequest,
@@ -269,18 +270,7 @@ class Registry:
                             return AdapterRecordsReply(records=[stored])
                         view = self._intake_view(req)
                         prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
-                        # validation reads every tensor: off the event loop, so resolves keep flowing meanwhile
-                        change = await asyncio.to_thread(
-                            admit,
-                            view,
-                            req,
-                            files,
-                            self._base,
-                            self._policy,
-                            self.signers,
-                            self._approved.uri(prefix),
-                            fleet=self._fleet(),
-                        )
+                        change = await self._admit(view, req, files, prefix)
                         await self._approved.put(prefix, files)
                         if await self._committed([change], req.actor, prefix, files):
                             record = change.after
@@ -313,23 +303,27 @@ class Registry:
                     view = self._intake_view(req)
                     prefix = object_prefix(req.adapter_id, _next_version(view, req), req.tenant_id, _attempt())
                     with fetched.mapped() as files:
-                        change = await asyncio.to_thread(
-                            admit,
-                            view,
-                            req,
-                            files,
-                            self._base,
-                            self._policy,
-                            self.signers,
-                            self._approved.uri(prefix),
-                            fetched.origin,
-                            fleet=self._fleet(),
-                        )
+                        change = await self._admit(view, req, files, prefix, fetched.origin)
                     await self._approved.put(prefix, fetched.paths)
                     reason = f"fetched from {fetched.uri}"[:500]
                     if await self._committed([change], req.actor, prefix, fetched.paths, reason):
                         return change.after
         raise _contended(req.adapter_id)
+
+    async def _admit(
+        self,
+        view: Catalog,
+        req: RegisterRequest,
+        files: Mapping[str, AdapterBytes],
+        prefix: str,
+        origin: SourceOrigin | None = None,
+    ) -> Change:
+        """The push's staging record, its files to lie under ``prefix``. Validation reads every
+        tensor: off the event loop, so resolves keep flowing meanwhile."""
+        uri = self._approved.uri(prefix)
+        return await asyncio.to_thread(
+            admit, view, req, files, self._base, self._policy, self.signers, uri, origin, fleet=self._fleet()
+        )
 
     async def _committed(
         self, changes: list[Change], actor: str, prefix: str, files: Mapping[str, object], reason: str | None = None
