@@ -8,6 +8,7 @@ from shared import subjects
 from shared.bus import request
 from shared.catalog import record_key
 from shared.errors import ModelNotFound
+from shared.kv_read import read_latest
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,
@@ -60,13 +61,7 @@ async def read_trusted_keys(js: JetStreamContext) -> dict[str, list[str]]:
     """``fetch_trusted_keys``'s answer read from the signers bucket itself (no registry round trip)."""
     bucket = await js.key_value(subjects.REGISTRY_SIGNERS_BUCKET)
     keys: dict[str, list[str]] = {}
-    watcher = await bucket.watchall(ignore_deletes=True)
-    try:
-        async for entry in watcher:
-            if entry is None:
-                break
-            signer = parse_signer(entry.key, entry.value or b"")
-            keys[signer.signer] = signer.verify_keys()
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves KeyWatcher unannotated
+    for entry in await read_latest(bucket):
+        signer = parse_signer(entry.key, entry.value)
+        keys[signer.signer] = signer.verify_keys()
     return keys

@@ -22,6 +22,7 @@ from shared.audit_publish import publish_audit
 from shared.bus import ensure_replicas
 from shared.catalog import record_key
 from shared.errors import ServiceUnavailable
+from shared.kv_read import read_latest
 from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
 
@@ -45,16 +46,7 @@ async def open_bucket(js: JetStreamContext, name: str, replicas: int | None = No
 async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:
     """Every live key's value (of those ``keys`` matches), streamed by one watcher (one round trip,
     not one per key)."""
-    values: dict[str, bytes] = {}
-    watcher = await kv.watch(keys, ignore_deletes=True)
-    try:
-        async for entry in watcher:
-            if entry is None:
-                break
-            values[entry.key] = entry.value or b""
-    finally:
-        await watcher.stop()
-    return values
+    return {v.key: v.value for v in await read_latest(kv, keys)}
 
 
 class StaleRecords(Exception):
@@ -91,16 +83,10 @@ class RecordsKV:
 
     async def load_adapter(self, adapter_id: str) -> list[tuple[AdapterRecord, int]]:
         """Every stored version of one adapter, each with its bucket revision."""
-        found: list[tuple[AdapterRecord, int]] = []
-        watcher = await self._records.watch(record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*", ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                found.append((AdapterRecord.model_validate_json(entry.value or b""), entry.revision or 0))
-        finally:
-            await watcher.stop()
-        return found
+        versions = record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*"
+        return [
+            (AdapterRecord.model_validate_json(v.value), v.revision) for v in await read_latest(self._records, versions)
+        ]
 
     async def commit(self, writes: list[tuple[AdapterRecord, int]]) -> list[int]:
         """Write every record at once if each key is still at its given revision (0: absent), or none

@@ -9,6 +9,7 @@ from nats.js.kv import KeyValue
 
 from services.registry.kv import open_bucket
 from shared import subjects
+from shared.kv_read import read_latest
 from shared.schemas import ReleaseState
 
 
@@ -32,16 +33,10 @@ class ReleasesKV:
 
     async def load(self) -> dict[str, Stored]:
         """Every rollout by adapter id, with the revision to write it back against."""
-        found: dict[str, Stored] = {}
-        watcher = await self._bucket.watchall(ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                found[entry.key] = Stored(ReleaseState.model_validate_json(entry.value or b""), entry.revision or 0)
-        finally:
-            await watcher.stop()
-        return found
+        return {
+            v.key: Stored(ReleaseState.model_validate_json(v.value), v.revision)
+            for v in await read_latest(self._bucket)
+        }
 
     async def write(self, state: ReleaseState, revision: int | None) -> int:
         """Store ``state`` if the record is still at ``revision`` (None: if there is none yet)."""
