@@ -204,13 +204,8 @@ async def test_interactive_requests_overtake_a_batch_flood_that_one_class_would_
     assert classes[-1] < one_class[0] / 2, (classes, one_class)
 
 
-@pytest.mark.xfail(
-    reason="#23 regression under investigation: since this session's merges the shedding scheduler admits 4 of "
-    "the 30 (the fleet has 6 sequences) or its shed counter is missing from the scrape; it passed in the CI of "
-    "1506433",
-    strict=False,
-)
 async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_scheduler_sheds_at_once(fleet):
+    await _tier(fleet, "demo", TenantQuota(slo_tier="interactive"))  # its refusals are counted under this class
     await _tier(fleet, "other", TenantQuota(slo_tier="batch"))
     async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
         raised = await chat(client, "key-other", priority="standard")
