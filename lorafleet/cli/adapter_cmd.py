@@ -21,7 +21,7 @@ from shared.adapter_format import read_adapter_dir
 from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.config import CommonSettings
-from shared.errors import InvalidRequest, LorafleetError, ServiceUnavailable
+from shared.errors import InvalidRequest, LorafleetError, NoResponders, ServiceUnavailable, UpstreamTimeout
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecord,
@@ -41,6 +41,8 @@ from shared.schemas import (
 )
 
 TIMEOUT_S = 30.0
+PUSH_ATTEMPTS = 3  # a push whose answer was lost (a timeout, a registry replica gone) is sent again
+PUSH_RETRY_S = 1.0
 
 
 def actor() -> str:
@@ -99,26 +101,35 @@ async def push_adapter(
         manifest = signing.manifest_bytes(digests, adapter_id, version, tenant_id, base_fingerprint)
         signature = signing.sign(manifest, signing.load_private_key(await asyncio.to_thread(sign_key.read_bytes)))
         signer = sign_key.stem
-    upload_id = None
-    if source_uri is None:
-        upload_id = secrets.token_hex(12)
-        uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
-        for name, data in files.items():
-            await uploads.put(f"{upload_id}/{name}", data)
-    req = RegisterRequest(
-        adapter_id=adapter_id,
-        tenant_id=tenant_id,
-        task_type=task_type,
-        version=version,
-        upload_id=upload_id,
-        source_uri=source_uri,
-        signature=signature,
-        signer=signer,
-        aliases=aliases or [],
-        allowed_scopes=scopes or [],
-        actor=who,
-    )
-    return (await call(nc, "register", req)).records[0]
+    push_key = secrets.token_hex(16)  # every attempt of this push: the registry stores it once
+    for attempt in range(1, PUSH_ATTEMPTS + 1):
+        upload_id = None
+        if source_uri is None:  # the registry drops an upload once it has read it: a retry sends its own
+            upload_id = secrets.token_hex(12)
+            uploads = await nc.jetstream().object_store(subjects.ADAPTER_UPLOADS_BUCKET)
+            for name, data in files.items():
+                await uploads.put(f"{upload_id}/{name}", data)
+        req = RegisterRequest(
+            adapter_id=adapter_id,
+            tenant_id=tenant_id,
+            task_type=task_type,
+            version=version,
+            upload_id=upload_id,
+            source_uri=source_uri,
+            signature=signature,
+            signer=signer,
+            aliases=aliases or [],
+            allowed_scopes=scopes or [],
+            push_key=push_key,
+            actor=who,
+        )
+        try:
+            return (await call(nc, "register", req)).records[0]
+        except (UpstreamTimeout, NoResponders, ServiceUnavailable):
+            if attempt == PUSH_ATTEMPTS:
+                raise
+            await asyncio.sleep(PUSH_RETRY_S * attempt)  # its answer lost, or its replica gone: the same push again
+    raise AssertionError("unreachable")
 
 
 def _print(records: list[AdapterRecord], as_json: bool) -> None:

@@ -4,6 +4,7 @@ Pure: the service fetches the files and stores them only after ``admit`` returns
 refusal leaves nothing behind.
 """
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -69,6 +70,44 @@ def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
     return req.version or next_version
 
 
+def file_digests(files: Mapping[str, AdapterBytes]) -> dict[str, str]:
+    """File name -> sha256 hex, as a record's ``files`` holds them."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def stored_push(catalog: Catalog, req: RegisterRequest, digests: Mapping[str, str]) -> AdapterRecord | None:
+    """The stored version of exactly this push, when a client retries one that was stored (its
+    answer lost to a timeout, or to the replica that stored it dying), answered again instead of
+    refused as a taken version or stored twice:
+
+    - a push key (signed or not) names one push: the version stored under it, if its files are
+      these; the same key with other files is refused (a client reusing keys would lose a push);
+    - a signed push without one: the signature covers the files' digests, the id, the version, the
+      tenant and the base, so the same signature by the same signer is the same push."""
+    if req.push_key is not None:
+        for stored in catalog.versions(req.adapter_id):
+            if stored.push_key != req.push_key or stored.tenant_id != req.tenant_id:
+                continue
+            if stored.files != dict(digests):
+                raise Conflict(
+                    f"push key {req.push_key!r} already stored {req.adapter_id} v{stored.version} with other "
+                    "files; a new push needs a new key",
+                    param="push_key",
+                )
+            return stored
+        return None
+    if req.version is None or req.signature is None:
+        return None
+    signed = catalog.get(req.adapter_id, req.version)
+    if signed is None or (signed.signature, signed.signer, signed.tenant_id) != (
+        req.signature,
+        req.signer,
+        req.tenant_id,
+    ):
+        return None
+    return signed
+
+
 def admit(
     catalog: Catalog,
     req: RegisterRequest,
@@ -119,6 +158,7 @@ def admit(
         aliases=req.aliases,
         eval_results=req.eval_results,
         origin=origin,
+        push_key=req.push_key,
         slot_bytes=sizes,
     )
     return Change(kind="registered", before=None, after=record)

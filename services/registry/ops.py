@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
+from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, file_digests, stored_push
 from services.registry.kv import RecordsKV, StaleRecords
 from services.registry.remote_intake import RemoteIntake
 from services.registry.stores import (
@@ -264,9 +264,10 @@ class Registry:
                 record = await self._register_remote(req, req.source_uri)
             else:
                 files = await self._read_source(req)
+                digests = await asyncio.to_thread(file_digests, files)
                 for _ in range(COMMIT_ATTEMPTS):
                     async with self._lock:
-                        if (stored := self._stored_push(req)) is not None:
+                        if (stored := stored_push(self.catalog, req, digests)) is not None:
                             return AdapterRecordsReply(records=[stored])
                         view = self._intake_view(req)
                         prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
@@ -296,9 +297,11 @@ class Registry:
         """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
         async with self._remote.fetched(uri, req.tenant_id) as fetched:
+            with fetched.mapped() as files:
+                digests = await asyncio.to_thread(file_digests, files)
             for _ in range(COMMIT_ATTEMPTS):
                 async with self._lock:
-                    if (stored := self._stored_push(req)) is not None:
+                    if (stored := stored_push(self.catalog, req, digests)) is not None:
                         return stored
                     view = self._intake_view(req)
                     prefix = object_prefix(req.adapter_id, _next_version(view, req), req.tenant_id, _attempt())
@@ -338,22 +341,6 @@ class Registry:
             await self._refresh(changes[0].after.adapter_id)
             return False
         return True
-
-    def _stored_push(self, req: RegisterRequest) -> AdapterRecord | None:
-        """The stored record of exactly this signed push, when a client retries one that was stored
-        (its answer lost to a timeout, or to the replica that stored it dying): the signature covers
-        the files' digests, the id, the version, the tenant and the base, so the same signature by the
-        same signer is the same push, answered again instead of refused as a taken version."""
-        if req.version is None or req.signature is None:
-            return None
-        stored = self.catalog.get(req.adapter_id, req.version)
-        if stored is None or (stored.signature, stored.signer, stored.tenant_id) != (
-            req.signature,
-            req.signer,
-            req.tenant_id,
-        ):
-            return None
-        return stored
 
     def _intake_view(self, req: RegisterRequest) -> Catalog:
         """A copy of what admission reads of the catalog (the adapter, its aliases' holders): admission

@@ -93,6 +93,7 @@ class AdapterRecord(Message):
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
     eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
     origin: SourceOrigin | None = Field(default=None, description="the remote source it was fetched from, if any")
+    push_key: Identifier | None = Field(default=None, description="the idempotency key of the push that stored it")
     slot_bytes: dict[str, int] = Field(
         default_factory=dict,
         max_length=16,
@@ -130,6 +131,11 @@ class RegisterRequest(Message):
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
     allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
     eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+    push_key: Identifier | None = Field(
+        default=None,
+        description="the client's idempotency key for this push: a retry with the same key (and the same "
+        "files) gets the version it stored back, signed or not",
+    )
     actor: Actor
 
     @model_validator(mode="after")

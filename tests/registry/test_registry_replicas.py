@@ -6,23 +6,27 @@ and a stale plan is refused whole."""
 import asyncio
 import base64
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
+from transformers import AutoConfig
 
 from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.infra import Server
 from services.registry.intake import BaseModelIdentity
 from services.registry.kv import RecordsKV, StaleRecords
 from services.registry.service import run
+from services.worker.adapter_source import StoreLoader
 from services.worker.adapter_verify import fetch_verified
+from services.worker.lora import LoraConfig, ModelShapes
 from shared import signing, subjects
 from shared.bus import connect, request
 from shared.catalog import record_key
 from shared.config import RegistrySettings
-from shared.errors import Conflict
+from shared.errors import Conflict, ServiceUnavailable
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,
@@ -214,3 +218,73 @@ async def test_a_retried_signed_push_is_answered_with_the_stored_record(
     )
     with pytest.raises(Conflict):  # the same version with other content is still a taken version
         await request(nc, subjects.registry("register"), other, AdapterRecordsReply, 30.0)
+
+
+async def test_a_retried_push_with_its_push_key_is_answered_with_the_stored_version_signed_or_not(
+    replicas: NATS, adapter_files: dict[str, bytes]
+) -> None:
+    """An unsigned push has no signature to recognise it by: its push key does. Retries of one key
+    (with or without the version it named) get the one stored version back from either replica; the
+    same key with other files is refused; another key is another push."""
+    nc = replicas
+    inline = {name: base64.b64encode(data).decode() for name, data in adapter_files.items()}
+    req = RegisterRequest(adapter_id="keyed", tenant_id="acme", task_type="t", inline_files=inline,
+                          push_key="push-1", actor="t")  # fmt: skip
+    first = (await request(nc, subjects.registry("register"), req, AdapterRecordsReply, 30.0)).records[0]
+    assert (first.version, first.push_key) == (1, "push-1")
+    again = [r.records[0] for r in await answers(nc, "register", req, AdapterRecordsReply, times=6)]
+    named = req.model_copy(update={"version": 1})  # the CLI's form: it names the version it planned
+    again += [r.records[0] for r in await answers(nc, "register", named, AdapterRecordsReply, times=4)]
+    assert all(r == first for r in again)
+    stored = await RecordsKV.open(nc.jetstream())
+    assert [r for r, _ in await stored.load_adapter("keyed")] == [first]
+
+    changed = dict(adapter_files)
+    changed["adapter_config.json"] = adapter_files["adapter_config.json"].replace(b"{", b'{"revision": "x", ', 1)
+    other_files = {name: base64.b64encode(data).decode() for name, data in changed.items()}
+    with pytest.raises(Conflict, match="new push needs a new key"):
+        await request(nc, subjects.registry("register"), req.model_copy(update={"inline_files": other_files}),
+                      AdapterRecordsReply, 30.0)  # fmt: skip
+    second = await request(
+        nc, subjects.registry("register"), req.model_copy(update={"push_key": "push-2"}), AdapterRecordsReply, 30.0
+    )
+    assert second.records[0].version == 2
+    assert [r.version for r, _ in await stored.load_adapter("keyed")] == [1, 2]
+
+
+async def test_a_cold_load_rides_out_nats_being_away_and_is_refused_typed_when_it_stays_away(
+    own_nats: Server, replicas: NATS, adapter_files: dict[str, bytes], base_dir: Path
+) -> None:
+    """A worker's cold load reads KV and the object store with short tries: NATS gone for a few
+    seconds (a node restarting, a cluster electing leaders) delays the load, it does not fail it;
+    NATS gone for longer than the loader's bound is a typed 503, not a bare timeout."""
+    nc = replicas
+    inline = {name: base64.b64encode(data).decode() for name, data in adapter_files.items()}
+    req = RegisterRequest(adapter_id="cold", tenant_id="acme", task_type="t", inline_files=inline, actor="t")
+    record = (await request(nc, subjects.registry("register"), req, AdapterRecordsReply, 30.0)).records[0]
+    shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(base_dir))
+    worker = await connect(own_nats.url, "cold-load-test")
+    try:
+        loop = asyncio.get_running_loop()
+        loader = StoreLoader(worker, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
+                             lora=LoraConfig(rank_classes=(16,)), require_signature=False, timeout_s=20.0)  # fmt: skip
+        own_nats.stop()
+        load = asyncio.ensure_future(asyncio.to_thread(loader.files, f"cold@{record.version}"))
+        await asyncio.sleep(3.0)
+        assert not load.done()
+        own_nats.start()
+        loaded = await asyncio.wait_for(load, 30)
+        assert loaded.digest == record.checksum and loaded.files == adapter_files
+
+        short = StoreLoader(worker, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
+                            lora=LoraConfig(rank_classes=(16,)), require_signature=False, timeout_s=2.0)  # fmt: skip
+        own_nats.stop()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match="did not answer within 2 s"):
+                await asyncio.to_thread(short.files, f"cold@{record.version}")
+            assert time.monotonic() - started < 5.0
+        finally:
+            own_nats.start()
+    finally:
+        await worker.close()
