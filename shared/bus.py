@@ -2,11 +2,13 @@
 
 import asyncio
 import dataclasses
+import functools
 import io
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import nats
 import nats.errors
@@ -39,7 +41,34 @@ from shared.telemetry import continued, inject, tracer
 _tracer = tracer("bus")
 
 M = TypeVar("M", bound=BaseModel)
+P = ParamSpec("P")
+R = TypeVar("R")
 log = structlog.get_logger("bus")
+SETTLE_S = 60.0  # how long idempotent JetStream setup is tried again while the API times out
+SETTLE_PAUSE_S = 0.5
+
+
+def settling(setup: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """For idempotent JetStream setup (create or bind a stream, bucket or object store, bring its
+    config to what is wanted): call it again while the API times out, for up to ``SETTLE_S``. On a
+    fresh cluster, replicated streams made for several processes starting at once (two registries)
+    can take longer than one API timeout (nats-py's 5 s); each call reads what exists first, so what
+    another process made meanwhile is found, not made twice."""
+
+    @functools.wraps(setup)
+    async def again(*args: P.args, **kwargs: P.kwargs) -> R:
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            try:
+                return await setup(*args, **kwargs)
+            except nats.errors.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("jetstream_setup_timed_out", setup=setup.__name__, retry_in_s=SETTLE_PAUSE_S)
+                await asyncio.sleep(SETTLE_PAUSE_S)
+
+    return again
+
 
 ERROR_HEADER = "Lf-Error"
 MAX_MESSAGE_BYTES = 1_048_576
@@ -192,6 +221,7 @@ def _drifted(wanted: StreamConfig, actual: StreamConfig) -> bool:
     return False
 
 
+@settling
 async def ensure_streams(
     js: JetStreamContext, limits: StreamLimits | None = None, replicas: int | None = None
 ) -> list["Placement"]:
@@ -217,6 +247,7 @@ async def ensure_streams(
     return placed
 
 
+@settling
 async def ensure_replicas(js: JetStreamContext, stream: str, replicas: int | None = None, check: bool = False) -> int:
     """The replica count ``stream`` (a KV bucket's or object store's) should have (``replicas``, default
     ``LF_JETSTREAM_REPLICAS``); an existing one with another count is updated to it. With ``check``
@@ -358,6 +389,17 @@ async def request(nc: NATS, subject: str, message: BaseModel, reply_type: type[M
     if msg.headers and ERROR_HEADER in msg.headers:
         raise from_body(decode(ErrorBody, msg.data))
     return decode(reply_type, msg.data)
+
+
+async def drain_or_close(nc: NATS) -> None:
+    """A stopping service's last step: drain (finish what is in flight, then close), or, while the
+    connection is down and reconnecting (nothing can be flushed), close it at once."""
+    if nc.is_closed:
+        return
+    if nc.is_connecting or nc.is_reconnecting:
+        await nc.close()
+        return
+    await nc.drain()
 
 
 def shutdown_event() -> asyncio.Event:

@@ -17,7 +17,7 @@ from services.auditor.heads import HeadSigner, load_or_create_key
 from services.auditor.store import AuditStore
 from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
-from shared.bus import MAX_MESSAGE_BYTES, connect, decode, ensure_streams, serve, shutdown_event
+from shared.bus import MAX_MESSAGE_BYTES, connect, decode, drain_or_close, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
 from shared.errors import IntegrityError, LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
 from shared.heartbeat import publish_heartbeats
@@ -146,7 +146,7 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(store.close)
         nc = await connect(settings.nats_url, f"auditor-{settings.instance_id}")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
         records = RecordCache(nc)

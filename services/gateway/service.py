@@ -13,7 +13,7 @@ from services.gateway.key_watch import follow_keys
 from services.gateway.readiness import ClusterView
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
-from shared.bus import connect, decode, ensure_streams, shutdown_event
+from shared.bus import connect, decode, drain_or_close, ensure_streams, shutdown_event
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
@@ -27,7 +27,7 @@ async def run(settings: GatewaySettings) -> None:
     setup_tracing("gateway", settings.trace_exporter)
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"gateway-{settings.instance_id}")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
         cluster = ClusterView(settings.liveness_timeout_s)

@@ -19,7 +19,7 @@ from nats.js.kv import KeyValue
 
 from shared import subjects
 from shared.audit_publish import publish_audit
-from shared.bus import ensure_replicas
+from shared.bus import ensure_replicas, settling
 from shared.catalog import record_key
 from shared.errors import ServiceUnavailable
 from shared.kv_read import read_latest
@@ -27,6 +27,7 @@ from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
 
 
+@settling
 async def open_bucket(js: JetStreamContext, name: str, replicas: int | None = None) -> KeyValue:
     """A registry KV bucket (file storage, 5 revisions, ``LF_JETSTREAM_REPLICAS`` copies), created when
     missing; one made with another replica count is brought to this one."""
@@ -57,6 +58,7 @@ class StaleRecords(Exception):
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-last-subject-sequence check
 
 
+@settling
 async def allow_atomic(js: JetStreamContext, bucket: str) -> None:
     """Let the bucket's stream take atomic batches (nats-server 2.12+); nats-py's KV config has no
     such field, so the stream is updated after creation."""

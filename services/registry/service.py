@@ -32,7 +32,7 @@ from services.registry.tenants_kv import open_tenants
 from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.base_model import resolve_model_dir, served_model_name
-from shared.bus import connect, decode, encode, ensure_streams, serve, shutdown_event
+from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
 from shared.catalog import Catalog
 from shared.config import RegistrySettings, load_settings
 from shared.errors import LorafleetError
@@ -208,7 +208,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
     base = await asyncio.to_thread(base_model_identity, settings)
     async with AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(drain_or_close, nc)
         gateways = GatewaySync(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
 
         async def on_heartbeat(msg) -> None:

@@ -23,7 +23,7 @@ from nats.js.object_store import ObjectStore
 
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
-from shared.bus import ensure_replicas, read_object
+from shared.bus import ensure_replicas, read_object, settling
 from shared.errors import InvalidRequest
 
 
@@ -37,6 +37,7 @@ def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None, a
     return f"{adapter_id}/{leaf}"
 
 
+@settling
 async def open_object_store(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
     """The object store (file storage, ``LF_JETSTREAM_REPLICAS`` copies), created when missing."""
     wanted = await ensure_replicas(js, f"OBJ_{bucket}", replicas)

@@ -34,8 +34,10 @@ from shared.base_model import resolve_model_dir
 from shared.bus import (
     connect,
     decode,
+    drain_or_close,
     ensure_streams,
     follow,
+    settling,
     shutdown_event,
 )
 from shared.catalog_follow import answer_catalog_sync, follow_catalog
@@ -57,7 +59,10 @@ from shared.schemas import (
 from shared.telemetry import continued, setup_tracing, tracer
 
 CONSUMER = "scheduler"
-ACK_WAIT_S = 30
+# a submission fetched but never acknowledged comes back this long after: one whose fetch reply was
+# lost (a NATS node dying under the consumer's leader change) or whose scheduler died; held ones are
+# kept with in_progress every ACK_WAIT_S / 3
+ACK_WAIT_S = 10
 TICK_S = 0.25
 FETCH_POLL_S = 0.5  # the long poll of an idle intake
 DRAIN_POLL_S = 0.05  # how long a batch fetch may wait once nothing more is stored
@@ -150,7 +155,7 @@ class Scheduler:
             max_deliver=5,
             max_ack_pending=MAX_UNACKED,
         )
-        await js.add_consumer(subjects.INFER_STREAM, config)  # creates, or updates one made before
+        await settling(js.add_consumer)(subjects.INFER_STREAM, config)  # creates, or updates one made before
         return await js.pull_subscribe_bind(CONSUMER, stream=subjects.INFER_STREAM)
 
     async def consume(self, psub: JetStreamContext.PullSubscription, stop: asyncio.Event) -> None:
@@ -302,7 +307,7 @@ async def run(settings: SchedulerSettings) -> None:
     setup_tracing("scheduler", settings.trace_exporter)
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"scheduler-{settings.instance_id}")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
         redis = redis_from(settings)

@@ -5,8 +5,11 @@ loop, so a slow store never blocks the step loop or the dispatch handler."""
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
+import nats.errors
+import structlog
 from nats.aio.client import Client as NATS
 
 from services.worker.adapter_verify import fetch_verified
@@ -15,8 +18,14 @@ from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.peft_loader import load_peft_files
 from shared import metrics
 from shared.adapter_keys import parse_adapter_key
-from shared.errors import IntegrityError
+from shared.errors import IntegrityError, ServiceUnavailable
 from shared.registry_client import read_record, read_trusted_keys
+
+ATTEMPT_S = 5.0  # one try of a cold load's store reads
+RETRY_PAUSE_S = 0.5
+# what a try meets while NATS is away or electing: no answer, no responder, a connection reconnecting
+RETRIED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError)
+log = structlog.get_logger("worker.adapter_source")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,10 +81,13 @@ class StoreLoader:
         adapter_id, version = parse_adapter_key(key)
         future = asyncio.run_coroutine_threadsafe(self._fetch(adapter_id, version), self.loop)
         try:
-            checksum, files = future.result(self.timeout_s)
+            checksum, files = future.result(self.timeout_s + 1.0)  # _fetch bounds itself by timeout_s
         except IntegrityError:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
             raise
+        except TimeoutError:
+            future.cancel()
+            raise ServiceUnavailable(f"{key}: the adapter store did not answer within {self.timeout_s:g} s") from None
         weights = load_peft_files(
             files, self.shapes, max_rank=self.lora.max_rank, allowed_modules=self.lora.target_modules
         )
@@ -84,10 +96,26 @@ class StoreLoader:
         return checksum, files, weights
 
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
-        # the record and the signers straight from their KV buckets (served by NATS itself): no
-        # registry replica, dead or stalled, is on a cold load's path
-        js = self.nc.jetstream(timeout=self.timeout_s)
-        record = await read_record(js, adapter_id, version)
-        keys = await read_trusted_keys(js)
-        files = await fetch_verified(js, record, self.base_fingerprint, keys, require_signature=self.require_signature)
-        return record.checksum, files
+        """The record and the signers straight from their KV buckets (served by NATS itself: no
+        registry replica, dead or stalled, is on a cold load's path), then the files. Each try has
+        ``ATTEMPT_S``: while a NATS cluster elects new leaders for the buckets of a node that died
+        (a few seconds), a JetStream request goes unanswered or finds no responder; it is sent again
+        until ``timeout_s`` is spent, instead of waiting out the whole bound once."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            js = self.nc.jetstream(timeout=max(0.1, min(ATTEMPT_S, left)))
+            try:
+                record = await read_record(js, adapter_id, version)
+                keys = await read_trusted_keys(js)
+                files = await fetch_verified(
+                    js, record, self.base_fingerprint, keys, require_signature=self.require_signature
+                )
+                return record.checksum, files
+            except (*RETRIED, ServiceUnavailable) as e:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise ServiceUnavailable(
+                        f"{adapter_id} v{version}: the adapter store did not answer within {self.timeout_s:g} s"
+                    ) from e
+                log.warning("adapter_fetch_retry", adapter_id=adapter_id, version=version, error=type(e).__name__)
+                await asyncio.sleep(RETRY_PAUSE_S)

@@ -20,6 +20,7 @@ from shared.audit_publish import publish_audit
 from shared.bus import (
     connect,
     decode,
+    drain_or_close,
     encode,
     ensure_streams,
     follow,
@@ -148,7 +149,7 @@ async def run(settings: WorkerSettings) -> None:
         nc = await connect(
             settings.nats_url, f"worker-{settings.worker_id}", inbox_prefix=subjects.worker_inbox(settings.worker_id)
         )
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
         stop = shutdown_event()
