@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.load.run import RESULTS, LoadConfig, fire, open_target, result_of, write
-from bench.load.stack import VLLM_PYTHON
+from bench.load.stack import SHAPES, VLLM_PYTHON
 from bench.load.traffic import parse_slo_mix
 
 QUICK = {
@@ -73,6 +73,22 @@ def add_load_options(parser: argparse.ArgumentParser, defaults: LoadConfig = DEF
         "--slo-mix", default=d.slo_mix, help="interactive:w,standard:w,batch:w: the class each request asks for"
     )
     parser.add_argument("--workers", type=int, default=d.workers, help="worker processes of the started stack")
+    parser.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default=d.shape,
+        help="the started stack: single (one of each process) or cluster (3 NATS nodes at replicas 3, "
+        "2 registries, 2 schedulers, 2 gateways the client alternates between)",
+    )
+    parser.add_argument(
+        "--kill-nats-at-s", type=float, default=d.kill_nats_at_s, help="kill -9 a NATS node this far into the run"
+    )
+    parser.add_argument(
+        "--kill-nats",
+        choices=("infer_leader", "follower"),
+        default=d.kill_nats,
+        help="which node --kill-nats-at-s kills",
+    )
     parser.add_argument("--push-concurrency", type=int, default=d.push_concurrency, help="adapters pushed at once")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="base-model requests before the run")
     parser.add_argument("--url", help="target an already running gateway (loopback only) instead of starting one")
@@ -92,6 +108,13 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
             )
         if not VLLM_PYTHON.exists():
             raise ValueError(f"--engine vllm needs {VLLM_PYTHON}: run `make venv-vllm`")
+    if url is not None and args.shape != "single":
+        raise ValueError("--shape picks the shape of the stack the bench starts: not with --url")
+    if args.kill_nats_at_s is not None:
+        if args.shape != "cluster":
+            raise ValueError("--kill-nats-at-s needs --shape cluster (a single NATS node is the whole bus)")
+        if not 0 < args.kill_nats_at_s < args.duration_s:
+            raise ValueError("--kill-nats-at-s must fall inside the run (0 < it < --duration-s)")
     parse_slo_mix(args.slo_mix)  # a ValueError names the bad entry
     if not 0 < args.adapters <= 1000 or args.tenants < 1 or args.count < 1 or args.duration_s <= 0:
         raise ValueError("want 1 <= --adapters <= 1000, --tenants >= 1, --count >= 1, --duration-s > 0")

@@ -7,6 +7,7 @@ never produce: every request it accepts ends served or with an error, within its
 """
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ def _classify(out: Outcome, stream: _Stream, started: float, ended: float) -> Ou
 
 
 async def run_open_loop(
-    url: str,
+    urls: list[str],
     keys: dict[str, str],
     arrivals: list[Arrival],
     *,
@@ -161,12 +162,19 @@ async def run_open_loop(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send every arrival at its scheduled time, whatever is still in flight; (outcomes, wall seconds).
+    With several gateway ``urls`` the arrivals go to each in turn (what a round-robin balancer does).
 
     After the last arrival, in-flight requests get ``drain_s`` more; any still running then is lost."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(
-        base_url=url, timeout=httpx.Timeout(timeout_s + 5), limits=limits, transport=transport
-    ) as client:
+    async with contextlib.AsyncExitStack() as clients:
+        gateways = [
+            await clients.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url, timeout=httpx.Timeout(timeout_s + 5), limits=limits, transport=transport
+                )
+            )
+            for url in urls
+        ]
         tasks: dict[asyncio.Task, Arrival] = {}
         start = time.perf_counter()
         for arrival in arrivals:
@@ -174,6 +182,7 @@ async def run_open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)
             lag_ms = max(0.0, (time.perf_counter() - start - arrival.at_s) * 1000)
+            client = gateways[len(tasks) % len(gateways)]
             task = asyncio.create_task(
                 send(client, keys[arrival.tenant], arrival, max_tokens=max_tokens, timeout_s=timeout_s, lag_ms=lag_ms)
             )

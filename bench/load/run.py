@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,9 @@ from bench.load.client import Outcome, run_open_loop, send
 from bench.load.report import markdown, plot, summarize
 from bench.load.stack import BenchStack, create_tenants, list_models, start_stack, wait_keys
 from bench.load.traffic import Arrival, Population, parse_slo_mix, prompt, schedule
+from lorafleet.cli.adapter_cmd import cli_connect
+from lorafleet.cli.infra import cluster_url
+from shared import subjects
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -42,6 +46,9 @@ class LoadConfig:
     rank_mix: str = "8:4,16:3,32:2,64:1"
     slo_mix: str = ""  # interactive:w,standard:w,batch:w: the SLO class each request asks for ('' = none)
     workers: int = 1
+    shape: str = "single"  # the started stack: single | cluster (bench/load/stack.py)
+    kill_nats_at_s: float | None = None  # kill -9 one NATS node this long into the run (cluster shape)
+    kill_nats: str = "infer_leader"  # which node: infer_leader | follower (leads no INFER replica)
     push_concurrency: int = 8
     warmup: int = 2
     url: str | None = None
@@ -55,6 +62,11 @@ class Target:
     population: Population
     stack: BenchStack | None = None
     registration: dict | None = None
+    fault: dict | None = None  # what was killed during the run, and when
+
+    @property
+    def urls(self) -> list[str]:
+        return self.stack.urls if self.stack is not None else [self.url]
 
     def close(self, keep_logs: bool = False) -> None:
         if self.stack is not None:
@@ -79,6 +91,7 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
         request_timeout_s=max(1.0, config.timeout_s - 15),  # the platform's bound comes first
         extra_env=extra_env,
         engine=config.engine,
+        shape=config.shape,
     )
     progress(
         f"stack ready in {time.perf_counter() - started:.0f} s (logs {stack.root / 'logs'}); "
@@ -97,12 +110,13 @@ def open_target(config: LoadConfig, extra_env: dict[str, str] | None = None) -> 
 
 async def _populate(config: LoadConfig, stack: BenchStack) -> Target:
     tenants = [f"load-t{i:02d}" for i in range(config.tenants)]
-    keys = await create_tenants(stack.nats.url, tenants)
+    keys = await create_tenants(stack.nats_url, tenants)
     plans = plan_adapters(config.adapters, tenants, parse_rank_mix(config.rank_mix), config.seed)
     registration = await register_adapters(
-        stack.nats.url, stack.model_dir, plans, concurrency=config.push_concurrency, seed=config.seed
+        stack.nats_url, stack.model_dir, plans, concurrency=config.push_concurrency, seed=config.seed
     )
-    await wait_keys(stack.url, keys)
+    for url in stack.urls:
+        await wait_keys(url, keys)
     population = Population(stack.model_name, tuple(tenants), tuple((p.adapter_id, p.tenant) for p in plans))
     return Target(stack.url, keys, population, stack, registration)
 
@@ -155,14 +169,62 @@ async def fire(target: Target, config: LoadConfig) -> tuple[list[Outcome], float
         f"firing {len(arrivals)} requests over {span:.0f} s at {config.rate}/s "
         f"(then up to {config.drain_s:.0f} s drain)"
     )
-    return await run_open_loop(
-        target.url,
-        target.keys,
-        arrivals,
-        max_tokens=config.max_tokens,
-        timeout_s=config.timeout_s,
-        drain_s=config.drain_s,
-    )
+    killer = None
+    if config.kill_nats_at_s is not None:
+        assert target.stack is not None, "config_from refuses a fault without a started stack"
+        killer = asyncio.create_task(kill_nats_node(target, config.kill_nats, config.kill_nats_at_s))
+    try:
+        return await run_open_loop(
+            target.urls,
+            target.keys,
+            arrivals,
+            max_tokens=config.max_tokens,
+            timeout_s=config.timeout_s,
+            drain_s=config.drain_s,
+        )
+    finally:
+        if killer is not None:
+            target.fault = await killer
+
+
+async def kill_nats_node(target: Target, which: str, at_s: float) -> dict:
+    """After ``at_s`` s, kill -9 the NATS node leading the INFER stream (``infer_leader``) or one leading
+    none of its replicas (``follower``); what was killed, when, and where the stream's leader went."""
+    assert target.stack is not None
+    nodes = target.stack.nodes
+    await asyncio.sleep(at_s)
+    leader = await infer_leader(target.stack.nats_url)
+    victim = next(n for n in nodes if (n.name == leader) == (which == "infer_leader"))
+    victim.proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(victim.proc.wait)
+    progress(f"killed NATS node {victim.name} ({which}, INFER leader was {leader}) at {at_s:.0f} s")
+    survivors = cluster_url([n for n in nodes if n is not victim])
+    deadline = time.monotonic() + 60
+    moved = None
+    while time.monotonic() < deadline:  # a new leader is elected among the survivors
+        try:
+            moved = await infer_leader(survivors)
+        except Exception:  # the cluster is still electing: ask again
+            moved = None
+        if moved is not None and moved != victim.name:
+            break
+        await asyncio.sleep(0.2)
+    return {
+        "killed": victim.name,
+        "which": which,
+        "at_s": at_s,
+        "infer_leader_before": leader,
+        "infer_leader_after": moved,
+    }
+
+
+async def infer_leader(nats_url: str) -> str | None:
+    nc = await cli_connect(nats_url)
+    try:
+        info = await nc.jetstream().stream_info(subjects.INFER_STREAM)
+        return info.cluster.leader if info.cluster else None
+    finally:
+        await nc.close()
 
 
 def environment(config: LoadConfig, target: Target) -> dict:
@@ -180,7 +242,19 @@ def environment(config: LoadConfig, target: Target) -> dict:
         "git_commit": git_commit(),
         "load_avg_1m": os.getloadavg()[0],
         "target": "started by the bench" if target.stack else config.url,
+        "shape": describe_shape(target),
     }
+
+
+def describe_shape(target: Target) -> dict | None:
+    """How many of each process the started stack ran (None: a running target's is unknown)."""
+    if target.stack is None:
+        return None
+    counts: dict[str, int] = {"nats-server": len(target.stack.nodes)}
+    for key in target.stack.stack.procs:
+        name = key.split("-")[0]
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def result_of(config: LoadConfig, target: Target, outcomes: list[Outcome], wall_s: float) -> dict:
@@ -193,6 +267,7 @@ def result_of(config: LoadConfig, target: Target, outcomes: list[Outcome], wall_
         "adapters_registered": len(target.population.adapters),
         "tenants": len(target.population.tenants),
         "registration": target.registration,
+        "fault": target.fault,
         "environment": environment(config, target),
         "summary": summary,
         "outcomes": [asdict(o) for o in outcomes],

@@ -1,5 +1,10 @@
 """The stack a load run targets: nats-server, redis-server and the five services on loopback, a base
-model (the embedded SmolLM2 or a tiny random Llama), tenants with their API keys."""
+model (the embedded SmolLM2 or a tiny random Llama), tenants with their API keys.
+
+Two shapes: ``single`` (one nats-server, one process of each service: ``lorafleet up``'s) and
+``cluster`` (the HA profile of docs/operations.md: a 3-node NATS cluster with every stream, bucket
+and object store at replicas 3, two registries, two schedulers, two gateways; the load client
+spreads its requests over both gateways, as the load balancer in front of them would)."""
 
 import asyncio
 import os
@@ -13,7 +18,15 @@ import httpx
 
 from bench.tiny_model import cached_tiny_model
 from lorafleet.cli.adapter_cmd import cli_connect
-from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.infra import (
+    Server,
+    cluster_url,
+    free_port,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    wait_jetstream,
+)
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from shared import subjects
 from shared.base_model import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
@@ -39,30 +52,40 @@ ACTOR = "bench-load"
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 TINY_KINDS = {"tiny": "tiny-llama", "tiny-h64": "tiny-llama-h64"}  # --base-model -> cache name
+SHAPES = ("single", "cluster")
+CLUSTER_NODES = 3
+CLUSTER_REPLICAS = {"registry": 2, "scheduler": 2, "gateway": 2}  # processes of each service (others: 1)
 
 
 @dataclass(slots=True)
 class BenchStack:
     root: Path
-    nats: Server
+    nodes: list[Server]  # nats-server: one, or each node of the cluster
     redis: Server
     stack: Stack
-    url: str
+    urls: list[str]  # every gateway
     model_dir: Path
     model_name: str
 
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    @property
+    def nats_url(self) -> str:
+        return cluster_url(self.nodes)
+
     def pids(self) -> dict[str, int]:
         """Process id of every service and of nats-server and redis-server, by name."""
-        return {
-            **{k: p.pid for k, p in self.stack.procs.items()},
-            "nats-server": self.nats.proc.pid,
-            "redis-server": self.redis.proc.pid,
-        }
+        nats = {f"nats-server{'' if i == 0 else f'-{i}'}": n.proc.pid for i, n in enumerate(self.nodes)}
+        return {**{k: p.pid for k, p in self.stack.procs.items()}, **nats, "redis-server": self.redis.proc.pid}
 
     def stop(self, keep_logs: bool = False) -> None:
         self.stack.stop_all()
         self.redis.stop()
-        self.nats.stop()
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.stop()
         if not keep_logs:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -100,23 +123,34 @@ def start_stack(
     ready_timeout_s: float = 600,
     extra_env: dict[str, str] | None = None,
     engine: str = "builtin",
+    shape: str = "single",
 ) -> BenchStack:
-    """Every process on free loopback ports; dev mode (unsigned adapters admitted), metrics off; the
-    workers on ``engine`` (``worker_launch``)."""
+    """Every process on free loopback ports, in ``shape`` (``single`` or ``cluster``); dev mode
+    (unsigned adapters admitted), metrics off; the workers on ``engine`` (``worker_launch``)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown stack shape {shape!r}: {' or '.join(SHAPES)}")
     worker_python, worker_env = worker_launch(engine)
     model_dir, model_name = base_model_dir(kind)
     root = Path(tempfile.mkdtemp(prefix="lf-load-"))
-    nats = start_nats(free_port(), root / "nats")
+    if shape == "cluster":
+        nodes = start_nats_cluster([free_port() for _ in range(CLUSTER_NODES)], root / "nats", root)
+    else:
+        nodes = [start_nats(free_port(), root / "nats")]
     try:
+        if shape == "cluster":
+            asyncio.run(wait_jetstream(cluster_url(nodes), 60))
         redis = start_redis(free_port(), root / "redis")
     except BaseException:
-        nats.stop()
+        for node in nodes:
+            node.stop()
         raise
-    port = free_port()
+    replicas = CLUSTER_REPLICAS if shape == "cluster" else {}
+    ports = [free_port() for _ in range(replicas.get("gateway", 1))]
     env = {
-        "LF_NATS_URL": nats.url,
+        "LF_NATS_URL": cluster_url(nodes),
+        "LF_JETSTREAM_REPLICAS": str(len(nodes)),
         "LF_REDIS_URL": redis.url,
-        "LF_PORT": str(port),
+        "LF_PORT": str(ports[0]),
         "LF_HOST": "127.0.0.1",
         "LF_DB_PATH": str(root / "audit.sqlite3"),
         "LF_LOG_LEVEL": "WARNING",
@@ -130,11 +164,15 @@ def start_stack(
         **(extra_env or {}),
     }
     stack = Stack(env, root / "logs")
-    running = BenchStack(root, nats, redis, stack, f"http://127.0.0.1:{port}", model_dir, model_name)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    running = BenchStack(root, nodes, redis, stack, urls, model_dir, model_name)
     try:
         for name in SERVICES:
-            if name != "worker":
-                stack.start(name)
+            if name == "worker":
+                continue
+            for i in range(replicas.get(name, 1)):
+                own = {"LF_INSTANCE_ID": f"{name}-{i}"} | ({"LF_PORT": str(ports[i])} if name == "gateway" else {})
+                stack.start(name, own, key=name if i == 0 else f"{name}-{i}")
         for i in range(workers):
             stack.start(
                 "worker",
@@ -142,11 +180,29 @@ def start_stack(
                 key=f"worker-{i}" if workers > 1 else "worker",
                 python=worker_python,
             )
-        asyncio.run(wait_ready(nats.url, stack, SERVICES, ready_timeout_s))
+        asyncio.run(wait_ready(cluster_url(nodes), stack, SERVICES, ready_timeout_s))
+        asyncio.run(wait_gateways(urls, ready_timeout_s))
     except BaseException:
         running.stop(keep_logs=True)
         raise
     return running
+
+
+async def wait_gateways(urls: list[str], timeout_s: float) -> None:
+    """Return once every gateway answers ``/readyz`` with 200 (a second replica's heartbeat may come
+    after the first's, which is all ``wait_ready`` waits for)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        for url in urls:
+            while True:
+                try:
+                    if (await client.get(f"{url}/readyz")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the gateway at {url} is not ready after {timeout_s:.0f} s")
+                await asyncio.sleep(0.2)
 
 
 async def create_tenants(nats_url: str, tenants: list[str]) -> dict[str, str]:

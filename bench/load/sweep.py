@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = False
         try:
             assert target.stack is not None
-            asyncio.run(set_tiers(target.stack.nats.url, list(target.keys), "interactive"))
+            asyncio.run(set_tiers(target.stack.nats_url, list(target.keys), "interactive"))
             time.sleep(1.5)  # the scheduler follows the tenants bucket
             sweep[mode] = asyncio.run(_one_mode(target, config, rates, targets, args.settle_s))
             env = environment(config, target)

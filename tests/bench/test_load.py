@@ -208,7 +208,7 @@ async def test_requests_go_out_on_schedule_whatever_is_in_flight():
     arrivals = [Arrival(i, 0.05 * i, "t0", "a00", "hi") for i in range(8)]
     started = time.perf_counter()
     outcomes, _ = await run_open_loop(
-        "http://127.0.0.1:1",
+        ["http://127.0.0.1:1"],
         {"t0": "key"},
         arrivals,
         max_tokens=3,
@@ -224,7 +224,7 @@ async def test_requests_go_out_on_schedule_whatever_is_in_flight():
 async def test_requests_still_running_when_the_drain_ends_are_lost():
     arrivals = [Arrival(i, 0.0, "t0", "a00", "hi") for i in range(3)]
     outcomes, wall_s = await run_open_loop(
-        "http://127.0.0.1:1",
+        ["http://127.0.0.1:1"],
         {"t0": "key"},
         arrivals,
         max_tokens=3,
@@ -233,6 +233,37 @@ async def test_requests_still_running_when_the_drain_ends_are_lost():
         transport=streaming(COMPLETE, hang_after=1),
     )
     assert wall_s < 2 and [(o.status, o.code) for o in outcomes] == [("lost", "unfinished_at_drain")] * 3
+
+
+async def test_arrivals_go_to_each_gateway_in_turn():
+    seen: list[int | None] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.port)
+        return httpx.Response(200, headers=HEADERS, content=b"".join(COMPLETE))
+
+    arrivals = [Arrival(i, 0.0, "t0", "a00", "hi") for i in range(6)]
+    outcomes, _ = await run_open_loop(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        {"t0": "key"},
+        arrivals,
+        max_tokens=3,
+        timeout_s=5,
+        drain_s=5,
+        transport=httpx.MockTransport(handler),
+    )
+    assert [o.status for o in outcomes] == ["completed"] * 6
+    assert Counter(seen) == {1: 3, 2: 3}
+
+
+def test_a_nats_fault_needs_the_cluster_shape_and_a_time_inside_the_run():
+    assert config_from(parsed("--shape", "cluster", "--kill-nats-at-s", "10")).kill_nats_at_s == 10
+    with pytest.raises(ValueError, match="cluster"):
+        config_from(parsed("--kill-nats-at-s", "10"))
+    with pytest.raises(ValueError, match="inside the run"):
+        config_from(parsed("--shape", "cluster", "--kill-nats-at-s", "900", "--duration-s", "60"))
+    with pytest.raises(ValueError, match="not with --url"):
+        config_from(parsed("--shape", "cluster", "--url", "http://127.0.0.1:8000", "--key", "k"))
 
 
 @pytest.mark.slow
