@@ -1,10 +1,12 @@
 """Base-model throughput of the engine against transformers ``generate``, and memory at 64 x 512 tokens.
 
-``python -m bench.engine [--quick] [--threads N]``: for each batch size, the same chat prompts
-(20-60 tokens) run through HF generate (left-padded batch, EOS suppressed by min_new_tokens) and
-the engine (ignore_eos), interleaved round by round, fp32; best round per system is reported.
-Then a fresh process holds 64 sequences of 512 tokens at once and reports its peak RSS
-beside the KV budget and the model size.
+``python -m bench.engine [--quick] [--rounds N] [--threads N]``: the machine's roofline first (read
+bandwidth, GEMM FLOP/s and the decode floors they set). Then for each batch size, the same chat
+prompts (20-60 tokens) run through HF generate (left-padded batch, EOS suppressed by min_new_tokens)
+and the engine (ignore_eos), fp32, in 5 rounds (3 with --quick) in which every system runs once, the
+order rotating from round to round; each figure is the median round, with min and max beside it, and
+each TPOT is also a multiple of its decode step floor. Then a fresh process holds 64 sequences of
+512 tokens at once and reports its peak RSS beside the KV budget and the model size.
 """
 
 import argparse
@@ -12,46 +14,25 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NotRequired, TypedDict, cast
+from typing import TypedDict, cast
 
 import torch
 from transformers import GenerationMixin, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
+from bench.roofline import Limits, machine_limits, physical_cores, roofline, roofline_line, step_floor_ms, weights_of
+from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.weights import spec_of
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine.json"
-
-
-class Run(TypedDict):
-    """One round of one system: its wall time, and each request's TTFT and TPOT."""
-
-    wall_s: float
-    ttft_s: list[float]
-    tpot_s: list[float]
-    prefix_hit_tokens: NotRequired[int]  # the engine's alone
-    prompt_tokens: NotRequired[int]
-
-
-class Summary(TypedDict):
-    """A system's best round of several."""
-
-    tok_s: float
-    wall_s: float
-    ttft_ms: dict[str, float]
-    tpot_ms: dict[str, float]
-    rounds_wall_s: list[float]
-    prefix_hit_tokens: NotRequired[int]
-    prompt_tokens: NotRequired[int]
 
 
 class ThroughputRow(TypedDict):
@@ -62,6 +43,8 @@ class ThroughputRow(TypedDict):
     speedup_vs_hf: float
     speedup_vs_hf_no_prefix_cache: float
     tpot_ratio_vs_hf: float
+    step_floor_ms: float
+    tpot_vs_floor: dict[str, float]  # each system's median TPOT p50 / step_floor_ms
 
 
 TOPICS = [
@@ -103,11 +86,6 @@ def chat_prompts(loaded: LoadedModel, count: int) -> list[list[int]]:
     return [chat_ids(loaded.tokenizer, t) for t in texts]
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]}
-
-
 class StepClock(BaseStreamer):
     """Timestamps each generate step (the first ``put`` is the prompt)."""
 
@@ -126,8 +104,9 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> Ru
     model = loaded.model
     assert isinstance(model, GenerationMixin)  # a causal LM's class mixes generate in; PreTrainedModel's has none
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(loaded.model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     clock = StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -176,30 +155,17 @@ def run_engine(
     }
 
 
-def summarise(runs: list[Run], tokens: int) -> Summary:
-    best = min(runs, key=lambda r: r["wall_s"])
-    summary: Summary = {
-        "tok_s": tokens / best["wall_s"],
-        "wall_s": best["wall_s"],
-        "ttft_ms": {k: v * 1e3 for k, v in percentiles(best["ttft_s"]).items()},
-        "tpot_ms": {k: v * 1e3 for k, v in percentiles(best["tpot_s"]).items()},
-        "rounds_wall_s": [r["wall_s"] for r in runs],
-    }
-    if "prefix_hit_tokens" in best:
-        summary["prefix_hit_tokens"] = best["prefix_hit_tokens"]
-        summary["prompt_tokens"] = best["prompt_tokens"]
-    return summary
-
-
 def throughput(
     loaded: LoadedModel,
+    limits: Limits,
     batches: list[int],
     new_tokens: int,
     rounds: int,
     dtype: str = "float32",
     linear_split: bool = False,
+    device: str = "cpu",
 ) -> list[ThroughputRow]:
-    """Every round starts from an empty prefix cache: the engine shares only what one batch's own
+    """Every system once per round, the first to run rotating. Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
     token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear")."""
     variants = {
@@ -216,6 +182,7 @@ def throughput(
                 max_num_seqs=64,
                 max_num_batched_tokens=2048,
                 dtype=dtype,
+                device=device,
                 cpu_linear=linear,
                 enable_prefix_caching=prefix,
             ),
@@ -227,13 +194,19 @@ def throughput(
         prompts = chat_prompts(loaded, batch)
         for engine in engines.values():
             run_engine(engine, prompts[:1], 2)
-        runs: dict[str, list[Run]] = {"hf": [], **{name: [] for name in engines}}
-        for _ in range(rounds):
-            runs["hf"].append(run_hf(loaded, prompts, new_tokens))
-            for name, engine in engines.items():
-                runs[name].append(run_engine(engine, prompts, new_tokens))
+        order = ["hf", *engines]
+        runs: dict[str, list[Run]] = {name: [] for name in order}
+        for turn in range(rounds):
+            for name in order[turn % len(order) :] + order[: turn % len(order)]:
+                run = (
+                    run_hf(loaded, prompts, new_tokens)
+                    if name == "hf"
+                    else run_engine(engines[name], prompts, new_tokens)
+                )
+                runs[name].append(run)
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
+        floor = step_floor_ms(limits, batch)
         rows.append(
             {
                 "batch": batch,
@@ -243,6 +216,8 @@ def throughput(
                 "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
                 "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
                 "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
+                "step_floor_ms": floor,
+                "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
             }
         )
     return rows
@@ -291,12 +266,12 @@ def load_average() -> dict[str, object]:
     return {"load_1_5_15": list(os.getloadavg()), "cpus": os.cpu_count(), "uptime": line}
 
 
-def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
+def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     return {
         "torch": torch.__version__,
         "threads": threads,
-        "device": "cpu",
+        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name()})",
         "dtype": dtype,
         "cpu_linear": "auto",
         "cpu": platform.processor() or platform.machine(),
@@ -308,18 +283,21 @@ def environment(threads: int, dtype: str = "float32") -> dict[str, object]:
 
 def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
     lines = [
-        "| batch | system | tok/s | speedup vs hf | TTFT p50 / p95 ms | TPOT p50 / p95 ms |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| batch | system | tok/s median (min-max) | speedup vs hf | TTFT p50 / p95 ms | "
+        "TPOT p50 ms median (min-max) | TPOT p95 ms | TPOT / floor |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         for name, s in row["systems"].items():
             speed = f"{s['tok_s'] / row['systems']['hf']['tok_s']:.2f}x"
             lines.append(
-                f"| {row['batch']} | {name} | {s['tok_s']:.1f} | {speed} | "
+                f"| {row['batch']} | {name} | {spread_text(s['spread']['tok_s'])} | {speed} | "
                 f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
-                f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |"
+                f"{spread_text(s['spread']['tpot_p50_ms'])} | {s['tpot_ms']['p95']:.1f} | "
+                f"{row['tpot_vs_floor'][name]:.1f}x |"
             )
     lines.append("")
+    lines += [f"batch {row['batch']}: decode step floor {row['step_floor_ms']:.1f} ms" for row in rows]
     for row in rows:
         s = row["systems"]["engine"]
         lines.append(
@@ -334,10 +312,48 @@ def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def rounds_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help=f"rounds, every system once in each (default {DEFAULT_ROUNDS}, {QUICK_ROUNDS} with --quick)",
+    )
+
+
+def threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=physical_cores(),
+        help="torch intra-op threads, pinned (default: the machine's physical cores)",
+    )
+
+
+def device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="of the weights, KV cache and every system (the memory probe stays on the CPU)",
+    )
+
+
+def memory_probe(threads: int, quick: bool) -> dict[str, object]:
+    seqs, seq_len = (64, 32) if quick else (64, 512)
+    probe = subprocess.run(
+        [sys.executable, "-m", "bench.engine", "--threads", str(threads), "--rss-probe", str(seqs), str(seq_len)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return cast(dict[str, object], json.loads(probe.stdout.strip().splitlines()[-1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    rounds_argument(parser)
+    threads_argument(parser)
     parser.add_argument(
         "--dtype",
         nargs="+",
@@ -351,6 +367,8 @@ def main() -> None:
         action="store_true",
         help="also run the engine on plain F.linear, to separate the oneDNN matmuls' share",
     )
+    device_argument(parser)
+    parser.add_argument("--out", type=Path, help=f"result file (default {RESULTS}; other dtypes get -<dtype>)")
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rss_probe:
@@ -358,32 +376,34 @@ def main() -> None:
         print(json.dumps(rss_probe(num_seqs, seq_len, args.threads)))
         return
     torch.set_num_threads(args.threads)
-    seqs, seq_len = (64, 32) if args.quick else (64, 512)
-    probe = subprocess.run(
-        [sys.executable, "-m", "bench.engine", "--threads", str(args.threads), "--rss-probe", str(seqs), str(seq_len)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    memory = json.loads(probe.stdout.strip().splitlines()[-1])
-    batches, new_tokens, rounds = ([1, 32], 8, 1) if args.quick else ([1, 8, 32], 64, 3)
+    batches, new_tokens = ([1, 32], 8) if args.quick else ([1, 8, 32], 64)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    memory: dict[str, object] | None = None
     for dtype in args.dtype:
-        loaded = load_model(dtype=getattr(torch, dtype))
-        rows = throughput(loaded, batches, new_tokens, rounds, dtype, args.linear_split)
+        loaded = load_model(dtype=getattr(torch, dtype), device=args.device)
+        limits = machine_limits(weights_of(loaded.model), getattr(torch, dtype), args.device)
+        print(roofline_line(limits, dtype, args.threads, args.device), flush=True)
+        memory = memory or memory_probe(args.threads, args.quick)
+        rows = throughput(loaded, limits, batches, new_tokens, rounds, dtype, args.linear_split, args.device)
         del loaded
         result = {
-            "environment": environment(args.threads, dtype),
+            "environment": environment(args.threads, dtype, args.device),
             "quick": args.quick,
+            "rounds": rounds,
+            "headline": "median",
+            "roofline": roofline(limits),
             "throughput": rows,
             "memory": memory,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "adapters": 0,
             "rank_mix": None,
         }
-        path = RESULTS if dtype == "float32" else RESULTS.with_name(f"engine-{dtype}.json")
+        path = args.out or RESULTS
+        if dtype != "float32":
+            path = path.with_name(f"{path.stem}-{dtype}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
-        print(f"\n## {dtype}\n")
+        print(f"\n## {dtype}: median of {rounds} rounds (min-max)\n")
         print(table(rows, memory))
         print(f"\nwrote {path}")
 

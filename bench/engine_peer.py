@@ -2,7 +2,7 @@
 
 ``python -m bench.engine_peer builtin|vllm SPEC``: ``builtin`` is the worker's AsyncEngine over the
 built-in LLMEngine; ``vllm`` is the worker's VllmEngine (run it with .venv-vllm's interpreter). SPEC is
-JSON {"model_dir", "dtype", "max_batch", "adapters": {name: PEFT dir}, "scratch"}. The peer loads the
+JSON {"model_dir", "dtype", "max_batch", "adapters": {name: PEFT dir}, "scratch", "threads"}. The peer loads the
 model and every adapter, prints one READY line, then answers each job line on stdin
 ({"prompts": [[ids]], "adapters": [name | null], "max_tokens": n}) with one RESULT line, a
 bench.engine.Run, until stdin closes. TTFT and TPOT are what the worker would see: the time its
@@ -20,7 +20,7 @@ from typing import TypedDict
 
 import torch
 
-from bench.engine import Run
+from bench.rounds import Run
 from services.worker.engine import EngineConfig
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.loader import load_model
@@ -43,6 +43,7 @@ class Spec(TypedDict):
     max_batch: int
     adapters: dict[str, str]
     scratch: str
+    threads: int
 
 
 class Job(TypedDict):
@@ -77,6 +78,7 @@ async def run_batch(engine: WorkerEngine, job: Job) -> Run:
 def builtin_engine(spec: Spec) -> AsyncEngine:
     """The worker's built-in engine at bench.multilora's sizing, every adapter resident, renice off
     (vLLM's engine core runs at normal priority)."""
+    torch.set_num_threads(spec["threads"])
     loaded = load_model(spec["model_dir"], dtype=getattr(torch, spec["dtype"]))
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     budget = len(spec["adapters"]) * RANK * shapes.params_per_rank(MODULES) * 4

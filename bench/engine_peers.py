@@ -1,13 +1,15 @@
 """The worker's two engines side by side: built-in vs vLLM, on bench.multilora's workload.
 
-``python -m bench.engine_peers [--quick] [--model smollm2|tiny] [--batches 1 8 32]``: each engine runs in
-a process of its own behind the worker's engine port (bench/engine_peer.py; vLLM's with .venv-vllm's
-interpreter), on the same model, dtype, chat prompts (20-60 tokens), adapters and token counts, greedy,
-EOS ignored, prefix caching off. Per batch size: base, each request on its own random rank-16 q,v
-adapter, and the same on all seven projections. The two systems alternate within every repetition
-(the first to run switches each time); best repetition reported. The machine's limits are measured
-first: every decode step is also compared with its floor (weight bytes / read bandwidth, or
-2 x params x batch / GEMM FLOP/s, whichever is larger).
+``python -m bench.engine_peers [--quick] [--model smollm2|tiny] [--batches 1 8 32] [--rounds N] [--threads N]``:
+each engine runs in a process of its own behind the worker's engine port (bench/engine_peer.py; vLLM's
+with .venv-vllm's interpreter), both with the same pinned thread count, on the same model, dtype, chat
+prompts (20-60 tokens), adapters and token counts, greedy, EOS ignored, prefix caching off. Per batch
+size: base, each request on its own random rank-16 q,v adapter, and the same on all seven projections.
+5 rounds (3 with --quick); the two systems alternate within every round (the first to run switches
+each time); each figure is the median round, min and max beside it. The machine's roofline is
+measured and printed first (bench/roofline.py): every decode step is also compared with its floor.
+The headlines, at the top of the JSON: batch1_tpot_ratio_vs_vllm (built-in / vLLM base TPOT p50 at
+the smallest batch) and multilora_speedup_vs_vllm (built-in / vLLM q,v multi-LoRA tok/s at the largest).
 """
 
 import argparse
@@ -27,10 +29,12 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.engine import STYLES, TOPICS, Run, Summary, chat_ids, environment, summarise
+from bench.engine import STYLES, TOPICS, chat_ids, environment, rounds_argument, threads_argument
 from bench.engine_peer import READY, RESULT, Job, Spec
 from bench.load.stack import base_model_dir
 from bench.multilora import QV, RANK, save_adapters
+from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
+from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
 from services.worker.lora import MODULES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,13 +42,6 @@ RESULTS = REPO / "bench" / "results" / "engine_peers.json"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SYSTEMS = ("builtin", "vllm")
 WORKLOADS = {"base": (), "qv": QV, "all": MODULES}  # workload -> target modules of its adapters
-
-
-class Limits(TypedDict):
-    read_gb_s: float
-    gemm_gflop_s: float
-    weight_mb: float
-    params: int
 
 
 class Row(TypedDict):
@@ -57,38 +54,14 @@ class Row(TypedDict):
     builtin_vs_vllm: dict[str, float]
 
 
-def machine_limits(weights: list[torch.Tensor], dtype: torch.dtype) -> Limits:
-    """Best of several: read bandwidth of a 512 MiB ``torch.sum``, and FLOP/s of a 2048^3 matmul in ``dtype``."""
-    x = torch.ones(128 * 2**20)
-    a = torch.randn(2048, 2048, dtype=dtype)
-    reads, gemms = [], []
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        reads.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        a @ a
-        gemms.append(time.perf_counter() - start)
-    return {
-        "read_gb_s": x.numel() * x.element_size() / min(reads) / 1e9,
-        "gemm_gflop_s": 2 * 2048**3 / min(gemms) / 1e9,
-        "weight_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
-        "params": sum(w.numel() for w in weights),
-    }
-
-
-def step_floor_ms(limits: Limits, batch: int) -> float:
-    memory = limits["weight_mb"] / 1e3 / limits["read_gb_s"]
-    compute = 2 * limits["params"] * batch / (limits["gemm_gflop_s"] * 1e9)
-    return max(memory, compute) * 1e3
-
-
 class Peer:
     """One engine process: a job line in, a Run line out."""
 
     def __init__(self, kind: str, spec: Spec, log: IO[str]):
         python = str(VLLM_PYTHON) if kind == "vllm" else sys.executable
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING"}
+        # OMP_NUM_THREADS sets torch's intra-op threads in both peers (vLLM's engine core included)
+        threads = str(spec["threads"])
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": threads}
         self.kind = kind
         self.log = log
         self.proc = subprocess.Popen(
@@ -213,17 +186,34 @@ def rows_of(runs: dict[tuple[int, str], dict[str, list[Run]]], limits: Limits, n
     return rows
 
 
+def headlines(rows: list[Row]) -> dict[str, object]:
+    """Built-in / vLLM base TPOT p50 at the smallest batch, and q,v multi-LoRA tok/s at the largest
+    (1 and 32 in the full run), from the median rounds."""
+    by = {(r["batch"], r["workload"]): r["systems"] for r in rows}
+    small, large = min(b for b, _ in by), max(b for b, _ in by)
+    base, multi = by[(small, "base")], by[(large, "qv")]
+    return {
+        "batch1_tpot_ratio_vs_vllm": base["builtin"]["tpot_ms"]["p50"] / base["vllm"]["tpot_ms"]["p50"],
+        "multilora_speedup_vs_vllm": multi["builtin"]["tok_s"] / multi["vllm"]["tok_s"],
+        "headline_batches": {"batch1_tpot_ratio_vs_vllm": small, "multilora_speedup_vs_vllm": large},
+    }
+
+
 def table(result: dict) -> str:
     lines = [
-        "| batch | workload | system | tok/s | vs base | TTFT p50 / p95 ms | TPOT p50 / p95 ms | TPOT / floor |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        f"Median of {result['rounds']} rounds (min-max)",
+        "",
+        "| batch | workload | system | tok/s median (min-max) | vs base | TTFT p50 / p95 ms | "
+        "TPOT p50 ms median (min-max) | TPOT p95 ms | TPOT / floor |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         for kind, s in row["systems"].items():
             lines.append(
-                f"| {row['batch']} | {row['workload']} | {kind} | {s['tok_s']:.1f} | {row['ratio_vs_base'][kind]:.2f} | "
-                f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
-                f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} | {row['tpot_vs_floor'][kind]:.1f}x |"
+                f"| {row['batch']} | {row['workload']} | {kind} | {spread_text(s['spread']['tok_s'])} | "
+                f"{row['ratio_vs_base'][kind]:.2f} | {s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
+                f"{spread_text(s['spread']['tpot_p50_ms'])} | {s['tpot_ms']['p95']:.1f} | "
+                f"{row['tpot_vs_floor'][kind]:.1f}x |"
             )
     lines += ["", "| batch | workload | builtin / vllm tok/s | vllm / builtin TTFT p50 | vllm / builtin TPOT p50 |"]
     lines.append("|---:|---|---:|---:|---:|")
@@ -240,19 +230,26 @@ def table(result: dict) -> str:
         + ", ".join(f"batch {row['batch']} {row['step_floor_ms']:.1f} ms" for row in result["rows"][::3]),
         "Peak RSS (process tree): "
         + ", ".join(f"{k} {s['peak_rss_mb']:.0f} MB (ready in {s['start_s']:.0f} s)" for k, s in systems.items()),
+        "",
+        f"Headline: built-in / vLLM base TPOT p50 at batch {result['headline_batches']['batch1_tpot_ratio_vs_vllm']} "
+        f"= {result['batch1_tpot_ratio_vs_vllm']:.2f}x; multi-LoRA tok/s at batch "
+        f"{result['headline_batches']['multilora_speedup_vs_vllm']} = {result['multilora_speedup_vs_vllm']:.2f}x",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine_peers", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: batches 1 and 4, 4 tokens, one round")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"tiny sizes: batches 1 and 4, 4 tokens, {QUICK_ROUNDS} rounds"
+    )
     parser.add_argument(
         "--model", choices=("smollm2", "tiny-h64"), default="smollm2", help="base model (tiny-h64: 2-layer, for tests)"
     )
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 8 32)")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per request (default 32)")
-    parser.add_argument("--rounds", type=int, help="repetitions of every job (default 2)")
+    rounds_argument(parser)
+    threads_argument(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of both engines")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -260,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{VLLM_PYTHON} is missing: run `make venv-vllm`")
     batches = args.batches or ([1, 4] if args.quick else [1, 8, 32])
     new_tokens = args.new_tokens or (4 if args.quick else 32)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    torch.set_num_threads(args.threads)
     model_dir, model_name = base_model_dir(args.model)
     dtype = getattr(torch, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [STYLES[i % len(STYLES)].format(TOPICS[i % len(TOPICS)]) for i in range(max(batches))]
     prompts = [chat_ids(tokenizer, t) for t in texts]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    limits = machine_limits(list(model.state_dict().values()), dtype)
+    limits = machine_limits(weights_of(model), dtype)
+    print(roofline_line(limits, args.dtype, args.threads), flush=True)
     with tempfile.TemporaryDirectory(prefix="lf-engine-peers-") as tmp:
         root = Path(tmp)
         adapters: dict[str, str] = {}
@@ -283,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch": max(batches),
             "adapters": adapters,
             "scratch": str(root),
+            "threads": args.threads,
         }
         progress(f"{len(adapters)} adapters saved; starting the engines")
         logs = Path(tempfile.mkdtemp(prefix="lf-engine-peers-logs-"))  # kept when an engine fails
@@ -291,20 +291,24 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure(running, batches, prompts, new_tokens, rounds)
             systems = {k: {"peak_rss_mb": p.peak_rss_mb(), "start_s": p.start_s} for k, p in running.items()}
     shutil.rmtree(logs)
+    rows = rows_of(runs, limits, new_tokens)
     result = {
-        "environment": {**environment(torch.get_num_threads(), args.dtype), "model": model_name},
+        **headlines(rows),
+        "environment": {**environment(args.threads, args.dtype), "model": model_name},
         "quick": args.quick,
         "dtype": args.dtype,
         "new_tokens": new_tokens,
         "rounds": rounds,
+        "headline": "median",
         "batches": batches,
         "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
         "adapters": {w: max(batches) for w, m in WORKLOADS.items() if m},
         "rank_mix": {str(RANK): len(adapters)},
         "target_modules": {w: list(m) for w, m in WORKLOADS.items() if m},
         "limits": limits,
+        "roofline": roofline(limits),
         "systems": systems,
-        "rows": rows_of(runs, limits, new_tokens),
+        "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

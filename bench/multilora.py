@@ -1,9 +1,11 @@
 """Multi-LoRA throughput: the engine with 32 distinct adapters vs itself without, HF PEFT and plain HF.
 
-``python -m bench.multilora [--quick] [--threads N]``: SmolLM2 fp32, one batch of chat prompts
-(20-60 tokens), each request with its own random rank-16 adapter, EOS ignored so every system
-generates the same tokens; systems interleaved round by round, best round reported. The same
-figures for adapters on all seven projections follow, then rank skew: decode step time of 31
+``python -m bench.multilora [--quick] [--rounds N] [--threads N] [--device cpu|cuda]``: the machine's
+roofline first (bench/roofline.py). Then SmolLM2 fp32, one batch of chat prompts (20-60 tokens), each
+request with its own random rank-16 adapter, EOS ignored so every system generates the same tokens;
+5 rounds (3 with --quick), every system once per round, the first to run rotating; each figure is
+the median round (min and max beside it), each TPOT also a multiple of its decode step floor. The
+same figures for adapters on all seven projections follow, then rank skew: decode step time of 31
 rank-8 + 1 rank-64 requests, and of every adapter zero-padded to rank 64, vs 32 rank-8 requests.
 """
 
@@ -24,7 +26,17 @@ from peft import PeftModel, get_peft_model
 from peft import __version__ as peft_version
 from transformers import GenerationMixin, PreTrainedModel
 
-from bench.engine import Run, StepClock, Summary, chat_prompts, environment, run_engine, summarise
+from bench.engine import (
+    StepClock,
+    chat_prompts,
+    device_argument,
+    environment,
+    rounds_argument,
+    run_engine,
+    threads_argument,
+)
+from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
+from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
@@ -38,12 +50,17 @@ RANK = 16
 class RankSkew(TypedDict):
     ratio: float
     padded_ratio: float
-    step_ms: dict[str, float]
+    step_ms: dict[str, float]  # median decode step of each case
+    step_spread_ms: dict[str, Spread]
+    step_vs_floor: dict[str, float]
 
 
 class Result(TypedDict):
     environment: dict[str, object]
     quick: bool
+    rounds: int
+    headline: str
+    roofline: dict[str, float]
     batch_size: int
     new_tokens: int
     prompt_tokens: list[int]
@@ -54,6 +71,8 @@ class Result(TypedDict):
     tok_s: dict[str, float]
     ttft_ms: dict[str, dict[str, float]]
     tpot_ms: dict[str, dict[str, float]]
+    step_floor_ms: float
+    tpot_vs_floor: dict[str, float]  # each system's median TPOT p50 / step_floor_ms
     ratio_vs_base: float
     speedup_vs_peft: float
     speedup_vs_hf: float
@@ -92,8 +111,9 @@ def run_generate(
         model, GenerationMixin | PeftModel
     )  # a causal LM's class mixes generate in; PreTrainedModel's has none
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     clock = StepClock()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -122,7 +142,9 @@ def random_weights(shapes: ModelShapes, rank: int, seed: int) -> AdapterWeights:
     return AdapterWeights(rank=rank, scale=2.0, a=a, b=b)
 
 
-def engine_with(loaded: LoadedModel, lora: LoraConfig, batch: int) -> tuple[LLMEngine, AdapterManager]:
+def engine_with(
+    loaded: LoadedModel, lora: LoraConfig, batch: int, device: str = "cpu"
+) -> tuple[LLMEngine, AdapterManager]:
     # Prefix caching off: base requests would share the chat template's K/V, which 32 requests on
     # 32 distinct adapters cannot, so ratio_vs_base would mix that in with the LoRA cost it measures.
     config = EngineConfig(
@@ -131,8 +153,9 @@ def engine_with(loaded: LoadedModel, lora: LoraConfig, batch: int) -> tuple[LLME
         max_num_seqs=max(64, batch),
         max_num_batched_tokens=2048,
         enable_prefix_caching=False,
+        device=device,
     )
-    manager = AdapterManager(lora, ModelShapes.from_hf_config(loaded.model.config))
+    manager = AdapterManager(lora, ModelShapes.from_hf_config(loaded.model.config), device=device)
     return LLMEngine.from_loaded(loaded, config, manager), manager
 
 
@@ -144,7 +167,9 @@ def start_decode(engine: LLMEngine, prompts: list[list[int]], adapters: list[str
     engine.step()
 
 
-def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds: int) -> RankSkew:
+def rank_skew(
+    loaded: LoadedModel, limits: Limits, prompts: list[list[int]], steps: int, rounds: int, device: str = "cpu"
+) -> RankSkew:
     """Median decode step: 31 rank-8 + 1 rank-64, and all rank-8 padded into a rank-64 pool, over 32 rank-8.
 
     The three batches run in three engines stepped in turn, so machine noise hits them alike.
@@ -162,9 +187,9 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
     padded_pool = LoraConfig(
         rank_classes=(64,), target_modules=QV, memory_budget_bytes=64 * batch * unit, max_num_tokens=2048
     )
-    rank8, mixed_manager = engine_with(loaded, mixed_pool, batch)
+    rank8, mixed_manager = engine_with(loaded, mixed_pool, batch, device)
     skew = LLMEngine.from_loaded(loaded, rank8.config, mixed_manager)
-    padded, padded_manager = engine_with(loaded, padded_pool, batch)
+    padded, padded_manager = engine_with(loaded, padded_pool, batch, device)
     names = [f"s{i}" for i in range(batch)]
     for i, name in enumerate(names):
         mixed_manager.load_adapter(name, random_weights(shapes, 8, i))
@@ -180,18 +205,22 @@ def rank_skew(loaded: LoadedModel, prompts: list[list[int]], steps: int, rounds:
                 start = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - start)
-    median = {name: statistics.median(t) for name, t in times.items()}
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    floor = step_floor_ms(limits, batch)
     return {
         "ratio": median["skew"] / median["rank8"],
         "padded_ratio": median["padded"] / median["rank8"],
-        "step_ms": {name: t * 1e3 for name, t in median.items()},
+        "step_ms": median,
+        "step_spread_ms": {name: spread([x * 1e3 for x in t]) for name, t in times.items()},
+        "step_vs_floor": {name: t / floor for name, t in median.items()},
     }
 
 
 def throughput(
-    loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path
+    loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, rounds: int, root: Path, device: str = "cpu"
 ) -> dict[str, Summary]:
-    """All six runs interleaved per round: base, multilora, peft, hf, then the all-seven-projection pair."""
+    """All six runs once per round (base, multilora, peft, hf, then the all-seven-projection pair),
+    the first to run rotating from round to round."""
     batch = len(prompts)
     names = {"qv": [f"qv{i}" for i in range(batch)], "all": [f"all{i}" for i in range(batch)]}
     modules = {"qv": QV, "all": MODULES}
@@ -199,7 +228,7 @@ def throughput(
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     budget = 2 * batch * RANK * shapes.params_per_rank(MODULES) * 4
     engine, manager = engine_with(
-        loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget, max_num_tokens=2048), batch
+        loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget, max_num_tokens=2048), batch, device
     )
     for k in names:
         for name, directory in zip(names[k], dirs[k], strict=True):
@@ -215,21 +244,30 @@ def throughput(
         "peft_all": lambda: run_generate(pefts["all"], pad, prompts, new_tokens, adapter_names=names["all"]),
     }
     run_engine(engine, prompts[:2], 2, [*names["qv"][:1], None])
-    runs: dict[str, list[Run]] = {name: [] for name in systems}
-    for _ in range(rounds):
-        for name, system in systems.items():
-            runs[name].append(system())
+    order = list(systems)
+    runs: dict[str, list[Run]] = {name: [] for name in order}
+    for turn in range(rounds):
+        for name in order[turn % len(order) :] + order[: turn % len(order)]:
+            runs[name].append(systems[name]())
     return {name: summarise(r, batch * new_tokens) for name, r in runs.items()}
 
 
 def table(result: Result) -> str:
     systems = result["systems"]
-    lines = ["| system | tok/s | vs base | TTFT p50 / p95 ms | TPOT p50 / p95 ms |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"Median of {result['rounds']} rounds (min-max); decode step floor at batch {result['batch_size']}: "
+        f"{result['step_floor_ms']:.1f} ms",
+        "",
+        "| system | tok/s median (min-max) | vs base | TTFT p50 / p95 ms | TPOT p50 ms median (min-max) | "
+        "TPOT p95 ms | TPOT / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in systems.items():
         lines.append(
-            f"| {name} | {s['tok_s']:.1f} | {s['tok_s'] / systems['base']['tok_s']:.2f}x | "
+            f"| {name} | {spread_text(s['spread']['tok_s'])} | {s['tok_s'] / systems['base']['tok_s']:.2f}x | "
             f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p95']:.0f} | "
-            f"{s['tpot_ms']['p50']:.1f} / {s['tpot_ms']['p95']:.1f} |"
+            f"{spread_text(s['spread']['tpot_p50_ms'])} | {s['tpot_ms']['p95']:.1f} | "
+            f"{result['tpot_vs_floor'][name]:.1f}x |"
         )
     skew, every, batch = result["rank_skew"], result["all_modules"], result["batch_size"]
     lines += [
@@ -241,7 +279,8 @@ def table(result: Result) -> str:
         f"| speedup_vs_hf | {result['speedup_vs_hf']:.2f}x | | |",
         "",
         f"Rank skew (decode step): {batch - 1} x r8 + 1 x r64 = {skew['ratio']:.2f}x of {batch} x r8 "
-        f"(target <= 1.15x); all padded to r64 = {skew['padded_ratio']:.2f}x. Peak RSS {result['peak_rss_mb']:.0f} MB.",
+        f"(target <= 1.15x); all padded to r64 = {skew['padded_ratio']:.2f}x; the r8 step is "
+        f"{skew['step_vs_floor']['rank8']:.1f}x its floor. Peak RSS {result['peak_rss_mb']:.0f} MB.",
     ]
     return "\n".join(lines)
 
@@ -249,19 +288,29 @@ def table(result: Result) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, finishes in under a minute")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    rounds_argument(parser)
+    threads_argument(parser)
+    device_argument(parser)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    batch, new_tokens, rounds, skew_steps = (4, 4, 1, 2) if args.quick else (32, 32, 2, 6)
-    loaded = load_model()
+    batch, new_tokens, skew_steps = (4, 4, 2) if args.quick else (32, 32, 6)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    loaded = load_model(device=args.device)
+    limits = machine_limits(weights_of(loaded.model), torch.float32, args.device)
+    print(roofline_line(limits, "float32", args.threads, args.device), flush=True)
     prompts = chat_prompts(loaded, batch)
     with tempfile.TemporaryDirectory() as root:
-        systems = throughput(loaded, prompts, new_tokens, rounds, Path(root))
-    skew = rank_skew(loaded, prompts, skew_steps, rounds)
+        systems = throughput(loaded, prompts, new_tokens, rounds, Path(root), args.device)
+    skew = rank_skew(loaded, limits, prompts, skew_steps, rounds, args.device)
     tok = {name: s["tok_s"] for name, s in systems.items()}
+    floor = step_floor_ms(limits, batch)
     result: Result = {
-        "environment": {**environment(args.threads), "peft": peft_version},
+        "environment": {**environment(args.threads, "float32", args.device), "peft": peft_version},
         "quick": args.quick,
+        "rounds": rounds,
+        "headline": "median",
+        "roofline": roofline(limits),
         "batch_size": batch,
         "new_tokens": new_tokens,
         "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
@@ -272,6 +321,8 @@ def main() -> None:
         "tok_s": tok,
         "ttft_ms": {name: s["ttft_ms"] for name, s in systems.items()},
         "tpot_ms": {name: s["tpot_ms"] for name, s in systems.items()},
+        "step_floor_ms": floor,
+        "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
         "ratio_vs_base": tok["multilora"] / tok["base"],
         "speedup_vs_peft": tok["multilora"] / tok["peft"],
         "speedup_vs_hf": tok["multilora"] / tok["hf"],
@@ -282,10 +333,10 @@ def main() -> None:
         "rank_skew": skew,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
     print(table(result))
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

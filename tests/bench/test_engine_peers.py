@@ -1,5 +1,5 @@
-"""bench.engine_peers: the decode-step floor it compares against, and one tiny run of both engines (the
-vLLM one in .venv-vllm) whose JSON carries every figure the benchmark protocol names."""
+"""bench.engine_peers: one tiny run of both engines (the vLLM one in .venv-vllm) whose JSON carries every
+figure the benchmark protocol names, headlines from the median rounds at its top level."""
 
 import json
 import os
@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_peers import Limits, step_floor_ms
+from bench.roofline import step_floor_ms
 from services.worker.lora import MODULES
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-LIMITS: Limits = {"read_gb_s": 10.0, "gemm_gflop_s": 100.0, "weight_mb": 500.0, "params": 125_000_000}
-
-
-def test_the_step_floor_is_weight_reads_at_batch_one_and_flops_at_a_large_batch():
-    assert step_floor_ms(LIMITS, 1) == pytest.approx(50.0)  # 0.5 GB / 10 GB/s
-    assert step_floor_ms(LIMITS, 32) == pytest.approx(80.0)  # 2 x 125e6 x 32 / 100e9
 
 
 @pytest.mark.vllm
@@ -42,6 +36,7 @@ def test_a_tiny_run_reports_both_engines_on_every_batch_and_workload(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["dtype"] == result["environment"]["dtype"] == "float32"
+    assert result["rounds"] == 3 and result["headline"] == "median" and result["environment"]["threads"] >= 1
     assert result["environment"]["model"] == "tiny-llama-h64" and result["new_tokens"] == 3
     assert result["adapters"] == {"qv": 2, "all": 2} and result["rank_mix"] == {"16": 4}
     assert result["target_modules"] == {"qv": ["q_proj", "v_proj"], "all": list(MODULES)}
@@ -56,7 +51,8 @@ def test_a_tiny_run_reports_both_engines_on_every_batch_and_workload(tmp_path):
         systems = row["systems"]
         assert set(systems) == {"builtin", "vllm"}
         for s in systems.values():
-            assert s["tok_s"] > 0 and len(s["rounds_wall_s"]) == 1
+            assert s["tok_s"] > 0 and len(s["rounds_wall_s"]) == s["rounds"] == 3
+            assert s["spread"]["tok_s"]["min"] <= s["tok_s"] == s["spread"]["tok_s"]["median"]
             assert set(s["ttft_ms"]) == set(s["tpot_ms"]) == {"p50", "p95"}
             assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p95"]
         ratio = systems["builtin"]["tok_s"] / systems["vllm"]["tok_s"]
@@ -65,3 +61,9 @@ def test_a_tiny_run_reports_both_engines_on_every_batch_and_workload(tmp_path):
         assert row["step_floor_ms"] == pytest.approx(step_floor_ms(result["limits"], row["batch"]))
         if row["workload"] == "base":
             assert row["ratio_vs_base"] == {"builtin": 1.0, "vllm": 1.0}
+    rows = {(r["batch"], r["workload"]): r["systems"] for r in result["rows"]}
+    base, multi = rows[(1, "base")], rows[(2, "qv")]
+    tpot = base["builtin"]["tpot_ms"]["p50"] / base["vllm"]["tpot_ms"]["p50"]
+    assert result["batch1_tpot_ratio_vs_vllm"] == pytest.approx(tpot)
+    assert result["multilora_speedup_vs_vllm"] == pytest.approx(multi["builtin"]["tok_s"] / multi["vllm"]["tok_s"])
+    assert result["headline_batches"] == {"batch1_tpot_ratio_vs_vllm": 1, "multilora_speedup_vs_vllm": 2}

@@ -1,11 +1,16 @@
-"""Run the Triton kernels on CPU: the interpreter must be chosen before any kernel is decorated."""
+"""Run the Triton kernels on CPU under the interpreter, or compiled on a GPU with LF_KERNEL_DEVICE=cuda
+(bench/gpu_check.sh): the choice must be made before any kernel is decorated."""
 
 import os
+from collections.abc import Iterator
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "0" if os.environ.get("LF_KERNEL_DEVICE", "cpu").startswith("cuda") else "1"
 
 import pytest
 import torch
+
+DEVICE = torch.device(os.environ.get("LF_KERNEL_DEVICE", "cpu"))
+ON_CPU = DEVICE.type == "cpu"
 
 # Absolute and relative tolerance of each dtype against the fp32 loop, scaled for outputs of order 1.
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
@@ -70,6 +75,17 @@ def loop_lora(
     return out
 
 
+@pytest.fixture(autouse=True)
+def on_device() -> Iterator[None]:
+    """Every tensor a test creates lands on DEVICE: compiled kernels take CUDA tensors only."""
+    if ON_CPU:
+        yield
+        return
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(None)
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+    return torch.Generator(device=DEVICE).manual_seed(0)

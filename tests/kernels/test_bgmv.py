@@ -1,11 +1,11 @@
-"""BGMV kernels under the Triton interpreter against the torch reference and the fp32 loop."""
+"""BGMV kernels (interpreted on CPU, compiled on CUDA: tests/kernels/conftest.py) against the torch reference and the fp32 loop."""
 
 import pytest
 import torch
 
 from kernels import index_for, reference
 from kernels.bgmv import bgmv_expand, bgmv_shrink
-from tests.kernels.conftest import KERNEL_CASES, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import DEVICE, KERNEL_CASES, ON_CPU, TOLERANCE, loop_lora, make_weights, spread_rows
 
 SHAPES = [(64, 96), (160, 48)]  # (in, out); 160 and 48 are not powers of two
 
@@ -18,7 +18,7 @@ def test_bgmv_matches_reference_and_loop(dtype: torch.dtype, rank: int, spread: 
     rows = spread_rows(spread, num_tokens, num_rows, gen)
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
     y = torch.randn(num_tokens, out_features, generator=gen).to(dtype)
-    index = index_for(rows)
+    index = index_for(rows, DEVICE)
 
     h = torch.empty(index.num_tokens, rank)
     bgmv_shrink(x, a, index.token_idx, index.token_row, h)
@@ -40,7 +40,7 @@ def test_bgmv_expand_adds_into_a_column_view_of_a_fused_output(gen: torch.Genera
     fused = torch.randn(5, 64, generator=gen)
     expected = fused.clone()
     expected[:, 16:40] = loop_lora(x, fused[:, 16:40], a, b, scale, rows)
-    index = index_for(rows)
+    index = index_for(rows, DEVICE)
     h = torch.empty(index.num_tokens, 8)
     bgmv_shrink(x, a, index.token_idx, index.token_row, h)
     bgmv_expand(h, b, scale, index.token_idx, index.token_row, fused[:, 16:40])
@@ -49,7 +49,7 @@ def test_bgmv_expand_adds_into_a_column_view_of_a_fused_output(gen: torch.Genera
 
 def test_bgmv_launcher_refuses_bad_operands(gen: torch.Generator) -> None:
     a, b, scale = make_weights(2, 32, 8, 16, torch.float32, gen)
-    index = index_for(torch.tensor([0, 1]))
+    index = index_for(torch.tensor([0, 1]), DEVICE)
     x = torch.randn(2, 32)
     h = torch.empty(2, 8)
     with pytest.raises(AssertionError, match=r"dtype|is torch"):
@@ -65,10 +65,10 @@ def test_bgmv_launcher_refuses_bad_operands(gen: torch.Generator) -> None:
         bgmv_expand(h.half(), b, scale, index.token_idx, index.token_row, torch.zeros(2, 16))
 
 
-def test_interpreter_really_runs_the_kernel() -> None:
-    """Under TRITON_INTERPRET the jit function is interpreted on CPU tensors, not compiled for a GPU."""
+def test_the_kernel_is_interpreted_on_cpu_and_compiled_on_cuda() -> None:
+    """Under TRITON_INTERPRET the jit function is interpreted on CPU tensors; on CUDA it is compiled."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from kernels import bgmv
 
-    assert isinstance(bgmv._bgmv_shrink_kernel, InterpretedFunction)
+    assert isinstance(bgmv._bgmv_shrink_kernel, InterpretedFunction) == ON_CPU

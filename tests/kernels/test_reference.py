@@ -5,7 +5,9 @@ import torch
 
 from kernels import add_lora, dispatch, find_segments, index_for, reference
 from kernels.bags import add_lora_bags
-from tests.kernels.conftest import DTYPES, RANKS, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import DTYPES, ON_CPU, RANKS, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
+
+pytestmark = pytest.mark.skipif(not ON_CPU, reason="the torch reference and the CPU dispatch run on the CPU")
 
 
 @pytest.mark.parametrize("spread", SPREADS)

@@ -1,11 +1,11 @@
-"""SGMV kernels under the Triton interpreter against the torch reference and the fp32 loop."""
+"""SGMV kernels (interpreted on CPU, compiled on CUDA: tests/kernels/conftest.py) against the torch reference and the fp32 loop."""
 
 import pytest
 import torch
 
 from kernels import index_for, reference
 from kernels.sgmv import BLOCK_M, sgmv_expand, sgmv_shrink
-from tests.kernels.conftest import KERNEL_CASES, TOLERANCE, loop_lora, make_weights, spread_rows
+from tests.kernels.conftest import DEVICE, KERNEL_CASES, TOLERANCE, loop_lora, make_weights, spread_rows
 
 SHAPES = [(64, 96), (160, 48)]  # (in, out); 160 and 48 are not powers of two
 
@@ -13,7 +13,7 @@ SHAPES = [(64, 96), (160, 48)]  # (in, out); 160 and 48 are not powers of two
 def run_sgmv(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
-    index = index_for(rows)
+    index = index_for(rows, DEVICE)
     h = torch.empty(index.num_tokens, a.shape[2])
     segs = (index.seg_start, index.seg_row, index.max_seg_len)
     sgmv_shrink(x, a, index.token_idx, index.token_row, *segs, h)
@@ -62,7 +62,7 @@ def test_sgmv_expand_adds_into_a_column_view_of_a_fused_output(gen: torch.Genera
 
 def test_sgmv_launcher_refuses_bad_segments(gen: torch.Generator) -> None:
     a, _, _ = make_weights(2, 32, 8, 16, torch.float32, gen)
-    index = index_for(torch.tensor([0, 0, 1]))
+    index = index_for(torch.tensor([0, 0, 1]), DEVICE)
     h = torch.empty(3, 8)
     x, idx, rows = torch.randn(3, 32), index.token_idx, index.token_row
     with pytest.raises(AssertionError, match="num_segments"):

@@ -1,0 +1,103 @@
+"""The machine's limits and the decode floors they set, printed first by the engine benchmarks.
+
+A decode step reads every weight once (batch 1 is bound by read bandwidth) and does 2 x params
+FLOPs per token (a large batch is bound by GEMM FLOP/s); the step cannot be faster than the larger
+of the two. Each decode figure is also given as its ratio to that floor (1.0 = at the limit).
+"""
+
+import time
+from collections.abc import Callable
+from typing import TypedDict
+
+import psutil
+import torch
+
+BATCH_FLOOR_AT = 32  # the batch whose compute floor the roofline line names
+
+
+class Limits(TypedDict):
+    read_gb_s: float
+    gemm_gflop_s: float
+    weight_mb: float
+    params: int
+
+
+def physical_cores() -> int:
+    """The machine's physical cores (hyperthreads share a core's FMA units), else its logical CPUs."""
+    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+
+
+def weights_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each parameter once: a tied embedding is read once per step, as the LM head (the embedding
+    lookup reads only the batch's rows)."""
+    return list(model.parameters())
+
+
+def machine_limits(weights: list[torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> Limits:
+    """Best of five after a warm-up, at the current torch thread count: read bandwidth of a 512 MiB
+    ``torch.sum``, and FLOP/s of a 2048^3 matmul in ``dtype``; ``weights`` are what one decode step reads."""
+    x = torch.ones(128 * 2**20, device=device)
+    a = torch.randn(2048, 2048, dtype=dtype, device=device)
+    reads, gemms = [], []
+    for _ in range(6):
+        reads.append(timed(lambda: x.sum(), device))
+        gemms.append(timed(lambda: a @ a, device))
+    return {
+        "read_gb_s": x.numel() * x.element_size() / min(reads[1:]) / 1e9,
+        "gemm_gflop_s": 2 * 2048**3 / min(gemms[1:]) / 1e9,
+        "weight_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
+        "params": sum(w.numel() for w in weights),
+    }
+
+
+def timed(op: Callable[[], object], device: str) -> float:
+    """Seconds of one ``op``, finished on the device (CUDA runs asynchronously)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    op()
+    sync()
+    return time.perf_counter() - start
+
+
+def bandwidth_floor_ms(limits: Limits) -> float:
+    """Weight bytes / read bandwidth: one step's time to read the weights once."""
+    return limits["weight_mb"] / limits["read_gb_s"]  # MB / (GB/s) = ms
+
+
+def compute_floor_ms(limits: Limits, batch: int) -> float:
+    """2 x params x batch / GEMM FLOP/s: one step's matmul time for ``batch`` tokens."""
+    return 2 * limits["params"] * batch / (limits["gemm_gflop_s"] * 1e9) * 1e3
+
+
+def step_floor_ms(limits: Limits, batch: int) -> float:
+    """The decode step floor at ``batch``: the larger of the bandwidth and compute floors."""
+    return max(bandwidth_floor_ms(limits), compute_floor_ms(limits, batch))
+
+
+def vs_floor(step_ms: float, limits: Limits, batch: int) -> float:
+    """A decode step (or TPOT) at ``batch`` as a multiple of its floor."""
+    return step_ms / step_floor_ms(limits, batch)
+
+
+def roofline(limits: Limits) -> dict[str, float]:
+    """The limits and the two floors the roofline line names, for a result's JSON."""
+    return {
+        "read_gb_s": limits["read_gb_s"],
+        "gemm_gflop_s": limits["gemm_gflop_s"],
+        "weight_mb": limits["weight_mb"],
+        "params": limits["params"],
+        "batch1_bandwidth_floor_ms": bandwidth_floor_ms(limits),
+        f"batch{BATCH_FLOOR_AT}_compute_floor_ms": compute_floor_ms(limits, BATCH_FLOOR_AT),
+    }
+
+
+def roofline_line(limits: Limits, dtype: str, threads: int, device: str = "cpu") -> str:
+    where = f"{threads} threads" if device == "cpu" else device
+    return (
+        f"Roofline ({dtype}, {where}): read {limits['read_gb_s']:.1f} GB/s, "
+        f"GEMM {limits['gemm_gflop_s']:.0f} GFLOP/s; weights {limits['weight_mb']:.0f} MB "
+        f"({limits['params'] / 1e6:.1f} M params): batch-1 decode floor {bandwidth_floor_ms(limits):.1f} ms "
+        f"(weight bytes / bandwidth), batch-{BATCH_FLOOR_AT} floor {compute_floor_ms(limits, BATCH_FLOOR_AT):.1f} ms "
+        f"(2 x params x {BATCH_FLOOR_AT} / FLOP/s)"
+    )

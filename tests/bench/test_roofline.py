@@ -1,0 +1,55 @@
+"""bench.roofline: the decode floors a machine's bandwidth and FLOP/s set, and a step's ratio to them."""
+
+import pytest
+import torch
+
+from bench.roofline import (
+    Limits,
+    bandwidth_floor_ms,
+    compute_floor_ms,
+    machine_limits,
+    physical_cores,
+    roofline,
+    roofline_line,
+    step_floor_ms,
+    vs_floor,
+    weights_of,
+)
+
+LIMITS: Limits = {"read_gb_s": 10.0, "gemm_gflop_s": 100.0, "weight_mb": 500.0, "params": 125_000_000}
+
+
+def test_the_step_floor_is_weight_reads_at_batch_one_and_flops_at_a_large_batch():
+    assert bandwidth_floor_ms(LIMITS) == pytest.approx(50.0)  # 0.5 GB / 10 GB/s
+    assert compute_floor_ms(LIMITS, 1) == pytest.approx(2.5)  # 2 x 125e6 / 100e9
+    assert step_floor_ms(LIMITS, 1) == pytest.approx(50.0)
+    assert step_floor_ms(LIMITS, 32) == pytest.approx(80.0)  # 2 x 125e6 x 32 / 100e9
+    assert step_floor_ms(LIMITS, 20) == pytest.approx(50.0)  # the two floors cross at batch 20
+
+
+def test_a_decode_figure_is_a_multiple_of_its_batchs_floor():
+    assert vs_floor(50.0, LIMITS, 1) == pytest.approx(1.0)  # at the limit
+    assert vs_floor(200.0, LIMITS, 32) == pytest.approx(2.5)
+
+
+def test_the_json_and_the_line_name_both_floors():
+    figures = roofline(LIMITS)
+    assert figures["batch1_bandwidth_floor_ms"] == pytest.approx(50.0)
+    assert figures["batch32_compute_floor_ms"] == pytest.approx(80.0)
+    assert {k: figures[k] for k in LIMITS} == LIMITS
+    line = roofline_line(LIMITS, "float32", 2)
+    assert line.startswith("Roofline (float32, 2 threads): read 10.0 GB/s, GEMM 100 GFLOP/s")
+    assert "batch-1 decode floor 50.0 ms" in line and "batch-32 floor 80.0 ms" in line
+
+
+def test_a_tied_embedding_counts_once():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    assert sum(w.numel() for w in weights_of(model)) == 40
+
+
+def test_the_measured_limits_are_positive_and_count_the_weights():
+    limits = machine_limits([torch.zeros(1000), torch.zeros(10, 10)], torch.float32)
+    assert limits["read_gb_s"] > 0 and limits["gemm_gflop_s"] > 0
+    assert limits["params"] == 1100 and limits["weight_mb"] == pytest.approx(4400 / 1e6)
+    assert physical_cores() >= 1
