@@ -285,9 +285,9 @@ class Simulation:
         if self.policy == "fcfs":
             self.fifo.append(item)
         else:
-            room = self.has_room(item)
+            free = self.free_sequences()
             try:
-                self.shedder.check(item.priority, self.fair.ahead_of(item.priority, now), room, self.inflight, now)
+                self.shedder.check(item.priority, self.fair.ahead_of(item.priority, now), free, self.inflight, now)
             except Overloaded:
                 self.pending -= 1
                 return
@@ -301,6 +301,12 @@ class Simulation:
         and changes only with the fleet's view of it (a dispatch, a completion, its heartbeat): each
         worker's is asked of the fleet again only then (``review``)."""
         return bool(self.with_room)
+
+    def free_sequences(self) -> int:
+        """``Fleet.free_sequences`` for any request (every simulated worker serves every rank), over
+        the workers with room only: the others have none."""
+        workers, headroom = self.fleet.workers, self.fleet.headroom
+        return sum(max(0, workers[w].beat.max_running + headroom - workers[w].load) for w in self.with_room)
 
     def review(self, worker_id: str) -> None:
         fleet, view = self.fleet, self.fleet.workers[worker_id]

@@ -24,6 +24,7 @@ from shared.config import RequestBounds
 from shared.errors import (
     LorafleetError,
     NoResponders,
+    Overloaded,
     PriorityNotAllowed,
     QuotaExceeded,
     RequestIdInUse,
@@ -190,11 +191,17 @@ class Dispatcher:
             await check_submission(request, len(data), self.bounds, self.prompt_tokens)
             request = await self.grants.grant(request, preview)
             now = time.monotonic()
-            room = self.fleet.choose(request, now=now) is not None
+            free = self.fleet.free_sequences(request)
             waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0
             ahead = self.queue.ahead_of(slo_class, now)
             patience = request.accept_deadline - time.time() if request.accept_deadline is not None else None
-            self.shedder.check(slo_class, ahead, room, len(self.inflight), now, waited, patience)
+            try:
+                self.shedder.check(slo_class, ahead, free, len(self.inflight), now, waited, patience)
+            except Overloaded:
+                loads = {w: (v.load, v.beat.max_running) for w, v in self.fleet.workers.items()}
+                log.info("request_shed", request_id=rid, tenant=tenant, slo_class=slo_class, ahead=ahead,
+                         free=free, waited_s=round(waited, 3), worker_loads=loads)  # fmt: skip
+                raise
         except LorafleetError as e:
             if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
                 await self._served_before(request, handle, seq)
@@ -381,7 +388,7 @@ class Dispatcher:
         if entry.worker_id != event.worker_id:
             return  # another run
         del self.inflight[ref]
-        self.fleet.ended(entry.worker_id, ref)
+        self.fleet.ended(entry.worker_id, ref, event.ts)
         if event.outcome in ("stop", "length"):  # what a served request costs the fleet
             self.shedder.ended(time.monotonic() - entry.started, event.ttft_ms / 1000)
         prompt_est, max_tokens = token_cost(entry.request)

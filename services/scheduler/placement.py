@@ -54,6 +54,8 @@ class WorkerView:
     beat: WorkerHeartbeat
     seen_at: float
     sent: dict[RequestRef, float] = field(default_factory=dict)  # request -> wall time, dispatched since the heartbeat
+    # this scheduler's requests the heartbeat counts as running that have ended since (-> when they ended)
+    ended_since: dict[RequestRef, float] = field(default_factory=dict)
     inflight: int = 0  # this scheduler's accepted requests on it that have not ended
     backed_off: bool = False  # it refused for load: nothing more until its next heartbeat
     recent: dict[str, float] = field(default_factory=dict)  # adapter key -> when we placed it here
@@ -64,7 +66,10 @@ class WorkerView:
 
     @property
     def load(self) -> int:
-        return max(self.beat.running + self.beat.waiting + len(self.sent), self.inflight)
+        """What runs or waits there: its heartbeat's count, less what of it has ended since, plus what
+        was sent since; never less than this scheduler's own requests on it."""
+        beat = max(0, self.beat.running + self.beat.waiting - len(self.ended_since))
+        return max(beat + len(self.sent), self.inflight)
 
     def tier(self, key: str | None, now: float, rank: int | None = None) -> str:
         """Where the adapter is: gpu, cpu (a cheap copy), free_slot (a load needing no eviction), miss."""
@@ -108,6 +113,7 @@ class Fleet:
         view.beat, view.seen_at, view.backed_off = beat, now, False
         view.classes = _classes(beat)
         view.sent = {ref: t for ref, t in view.sent.items() if t > beat.ts}
+        view.ended_since = {ref: t for ref, t in view.ended_since.items() if t > beat.ts}
         view.recent = {k: t for k, t in view.recent.items() if now - t < RECENT_S}
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -152,6 +158,15 @@ class Fleet:
         """Whether a live worker fitting the request holds its adapter's rank class in its pool."""
         rank = request.adapter.rank if request.adapter else None
         return any(v.beat.ready and self._fits(v, request) and v.role(rank) == OWN_POOL for v in self.workers.values())
+
+    def free_sequences(self, request: InferRequest) -> int:
+        """How many more requests like ``request`` the live workers that fit it would take now (the
+        room ``has_room`` counts, summed)."""
+        return sum(
+            max(0, v.beat.max_running + self.headroom - v.load)
+            for v in self.workers.values()
+            if self._fits(v, request) and v.beat.ready and not v.backed_off
+        )
 
     def choose(self, request: InferRequest, exclude: Iterable[str] = (), now: float | None = None) -> str | None:
         """The best worker with room for ``request``, or None."""
@@ -202,11 +217,15 @@ class Fleet:
         if view is not None:
             view.inflight += 1
 
-    def ended(self, worker_id: str, ref: RequestRef) -> None:
-        """A request this scheduler placed there finished (it no longer loads the worker)."""
+    def ended(self, worker_id: str, ref: RequestRef, at: float | None = None) -> None:
+        """A request this scheduler placed there finished at wall time ``at`` (the worker's clock, as
+        its heartbeats'; None: not known). It no longer loads the worker: one sent since the last
+        heartbeat leaves ``sent``; one that heartbeat counted as running is taken off its count until
+        a heartbeat taken after it ended, so its sequence is free at once, not at the next beat."""
         view = self.workers.get(worker_id)
         if view is not None:
-            view.sent.pop(ref, None)
+            if view.sent.pop(ref, None) is None and at is not None and at > view.beat.ts:
+                view.ended_since[ref] = at
             view.inflight = max(0, view.inflight - 1)
 
     def refused(self, worker_id: str, ref: RequestRef, back_off: bool) -> None:

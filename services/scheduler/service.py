@@ -64,6 +64,7 @@ CONSUMER = "scheduler"
 # kept with in_progress every ACK_WAIT_S / 3
 ACK_WAIT_S = 10
 TICK_S = 0.25
+FLEET_DISCOVERY_INTERVALS = 1.5  # heartbeat intervals a starting scheduler listens before taking work
 FETCH_POLL_S = 0.5  # the long poll of an idle intake
 DRAIN_POLL_S = 0.05  # how long a batch fetch may wait once nothing more is stored
 INTAKE_BATCH = 256
@@ -136,6 +137,7 @@ class Scheduler:
     _overflow: deque[Msg] = field(default_factory=deque)  # fetched past a full tenant intake: to refuse
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when the intake gains a message
     _gauged: set[str] = field(default_factory=set)  # workers whose in-flight gauge is exported
+    discovered: bool = False  # it has listened to the workers' heartbeats long enough to know the fleet
 
     async def subscribe(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
         """Heartbeats, completions and cancels on their handlers; the work queue's pull subscription."""
@@ -290,7 +292,9 @@ class Scheduler:
         detail = f"{ready} workers, {len(self.core.held)} queued" + (
             "" if self.core.admission.guard.healthy else ", redis unavailable"
         )
-        return self.nc.is_connected, detail
+        if not self.discovered:
+            detail = f"learning the fleet from heartbeats ({detail})"
+        return self.nc.is_connected and self.discovered, detail
 
     async def drain(self, background: list[asyncio.Task], timeout_s: float) -> None:
         """Stop the clocks, let dispatches in progress finish, hand queued requests back to the work queue."""
@@ -336,7 +340,11 @@ async def run(settings: SchedulerSettings) -> None:
             asyncio.create_task(_follow_quotas(js, core.quotas)),
             catalog_watch,
         ]
-        log.info("scheduler_started")
+        # a scheduler that took work at once would place and shed it on the first worker it heard of:
+        # every worker heartbeats within an interval, so it listens that long (and half again) first
+        await asyncio.sleep(FLEET_DISCOVERY_INTERVALS * settings.heartbeat_interval_s)
+        scheduler.discovered = True
+        log.info("scheduler_started", workers=len(core.fleet.workers))
         await scheduler.consume(psub, stop)
         await scheduler.drain(background, settings.dispatch_timeout_s + 1)
         log.info("scheduler_stopped")

@@ -12,13 +12,14 @@ admits keeps its target; what it refuses is told within the admission's own time
 - A queued request is overtaken by every later arrival of a higher class, so a class is left the
   capacity those do not take: ``mu_c = mu - lambda_above(c)``, ``lambda`` the decayed admission rate per
   class. The wait of a new request is ``(ahead + 1) / mu_c`` (``ahead``: queued requests that go before
-  it), none when nothing goes before it and a worker has room. Batch is shed first: it is overtaken by
+  it), none when fewer go before it than the fleet has free sequences for it (``free``: a burst of
+  arrivals is admitted before the first of them is dispatched, so each finds the earlier ones queued). Batch is shed first: it is overtaken by
   every class and left the least capacity.
 - Predicted TTFT = the time it already waited to be admitted (since the work queue stored it) + the
   wait + the mean worker-side TTFT (prefill, adapter load: the completions' ttft_ms). It is admitted
   while that is within ``margin`` of its target: admitting up to the target itself would have about
-  half of the requests admitted at the edge miss it. A request that will not queue (nothing before
-  it, a worker with room) is never refused.
+  half of the requests admitted at the edge miss it. A request that will not queue (fewer before it
+  than free sequences) is never refused.
 
 No estimate, no shedding: until ``min_samples`` requests have completed, everything is admitted."""
 
@@ -72,7 +73,7 @@ class LoadShedder:
         return running / self.service_s
 
     def estimate(
-        self, slo_class: SloClass, ahead: int, room: bool, running: int, now: float, waited_s: float = 0.0
+        self, slo_class: SloClass, ahead: int, free: int, running: int, now: float, waited_s: float = 0.0
     ) -> Estimate | None:
         mu = self.rate(running)
         if mu is None:
@@ -80,7 +81,7 @@ class LoadShedder:
         metrics.SCHEDULER_SERVICE_RATE.set(mu)
         above = sum(self.arrivals.rate(c, now) for c in SLO_CLASSES[: slo_rank(slo_class)])
         left = mu - above
-        if ahead == 0 and room:
+        if ahead < free:
             wait = 0.0
         elif left <= 0:
             wait = float("inf")
@@ -92,7 +93,7 @@ class LoadShedder:
         self,
         slo_class: SloClass,
         ahead: int,
-        room: bool,
+        free: int,
         running: int,
         now: float,
         waited_s: float = 0.0,
@@ -102,7 +103,7 @@ class LoadShedder:
         how long it already waited to be admitted, since the work queue stored it; ``patience_s``: how
         much longer its client waits for a worker to take it, its accept deadline: a tighter bound
         than a long class target, since a request still queued then is answered 503 anyway)."""
-        est = self.estimate(slo_class, ahead, room, running, now, waited_s)
+        est = self.estimate(slo_class, ahead, free, running, now, waited_s)
         if est is None or est.wait_s == 0:  # it will not queue: refusing it would spare nobody any wait
             return
         metrics.SCHEDULER_PREDICTED_TTFT.labels(slo_class).set(min(est.ttft_s, 1e6) * 1000)

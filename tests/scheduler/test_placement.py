@@ -1,3 +1,5 @@
+import time
+
 from services.scheduler.placement import Fleet
 from services.scheduler.prefetch import Prefetcher
 from shared.request_ref import RequestRef
@@ -151,3 +153,30 @@ def test_an_engine_that_announces_no_limits_serves_any_adapter():
     f = fleet(legacy, _limited("unknown-modules", 64))
     assert f.choose(_adapter_req(64, ("q_proj", "down_proj")), exclude={"old"}, now=0) == "unknown-modules"
     assert f.choose(_adapter_req(1024, ("q_proj",)), exclude={"unknown-modules"}, now=0) == "old"
+
+
+def test_a_request_that_ended_after_the_heartbeat_frees_its_sequence_before_the_next_one():
+    """The heartbeat counted it as running; its end (worker clock) after that heartbeat takes it off
+    the count at once, and the next heartbeat, taken after it ended, replaces the correction."""
+    f = Fleet(timeout_s=5, headroom=0)
+    f.heartbeat(beat("w", running=4, ts=100.0), now=0)
+    assert f.choose(req(), now=0) is None  # 4 of 4 running
+    f.workers["w"].inflight = 4
+    f.ended("w", RequestRef("t", "old"), at=101.0)
+    assert f.workers["w"].load == 3 and f.choose(req(), now=0) == "w"
+    f.ended("w", RequestRef("t", "older"), at=99.0)  # ended before the heartbeat: already off its count
+    assert f.workers["w"].load == 3
+    f.heartbeat(beat("w", running=2, ts=102.0), now=1)  # taken after both ended
+    assert f.workers["w"].load == 2
+    new = req(rid="new")
+    f.sent("w", new)  # sent after that heartbeat: counted as sent, not in the heartbeat
+    assert f.workers["w"].load == 3
+    f.ended("w", RequestRef.of(new), at=time.time())  # leaves ``sent``; the heartbeat's count stays
+    assert f.workers["w"].load == 2
+
+
+def test_free_sequences_sum_the_room_of_the_workers_that_fit():
+    f = fleet(beat("a", running=1), beat("b", running=4), beat("c", running=2), beat("other", model="other-model"))
+    assert f.free_sequences(req()) == (4 + 1 - 1) + 1 + (4 + 1 - 2)  # max_running 4, headroom 1
+    f.refused("c", RequestRef("t", "x"), back_off=True)
+    assert f.free_sequences(req()) == 4 + 1

@@ -97,27 +97,38 @@ async def test_the_refusal_carries_a_retry_after_from_the_estimate(world):
     measured(shedder, service_s=1.0, worker_ttft_s=0.5)
     now = time.monotonic()
     with pytest.raises(Overloaded) as refused:
-        shedder.check("interactive", ahead=9, room=False, running=1, now=now)  # 10 s wait + 0.5 s
+        shedder.check("interactive", ahead=9, free=0, running=1, now=now)  # 10 s wait + 0.5 s
     # admitted while within 80% of the target: Retry-After is what stands above that
     assert refused.value.status == 429
     assert refused.value.retry_after_s == pytest.approx(10.5 - 0.8 * TARGETS.interactive)
-    shedder.check("interactive", ahead=0, room=True, running=1, now=now)  # a worker has room: no wait
+    shedder.check("interactive", ahead=0, free=1, running=1, now=now)  # a worker has room: no wait
+
+
+def test_a_burst_is_admitted_up_to_the_free_sequences_before_any_of_it_is_dispatched():
+    """30 arrive at once on 6 free sequences: the 6th finds 5 admitted ahead of it, still queued (the
+    pump has not dispatched them yet), and will not wait; the 7th would."""
+    shedder = LoadShedder(SloTargets(interactive=0.05, standard=0.05, batch=0.05), min_samples=1)
+    shedder.ended(service_s=1.0, worker_ttft_s=0.0)
+    for ahead in range(6):
+        shedder.check("interactive", ahead=ahead, free=6, running=0, now=0.0)
+    with pytest.raises(Overloaded):
+        shedder.check("interactive", ahead=6, free=6, running=6, now=0.0)
 
 
 def test_the_wait_before_admission_counts_against_the_target():
     shedder = LoadShedder(TARGETS, min_samples=1)
     shedder.ended(service_s=1.0, worker_ttft_s=0.0)
-    shedder.check("interactive", ahead=0, room=False, running=1, now=0.0)  # 1 s of queue: within 4 s
+    shedder.check("interactive", ahead=0, free=0, running=1, now=0.0)  # 1 s of queue: within 4 s
     with pytest.raises(Overloaded):  # the same, after 3.5 s in the scheduler's intake
-        shedder.check("interactive", ahead=0, room=False, running=1, now=0.0, waited_s=3.5)
+        shedder.check("interactive", ahead=0, free=0, running=1, now=0.0, waited_s=3.5)
 
 
 def test_a_long_class_target_is_cut_to_the_clients_accept_deadline():
     shedder = LoadShedder(TARGETS, min_samples=1)
     shedder.ended(service_s=1.0, worker_ttft_s=0.0)
-    shedder.check("batch", ahead=9, room=False, running=1, now=0.0)  # 10 s of queue: within 30 s
+    shedder.check("batch", ahead=9, free=0, running=1, now=0.0)  # 10 s of queue: within 30 s
     with pytest.raises(Overloaded):  # but its client stops waiting for a worker in 8 s: refused now, not a 503 then
-        shedder.check("batch", ahead=9, room=False, running=1, now=0.0, patience_s=8.0)
+        shedder.check("batch", ahead=9, free=0, running=1, now=0.0, patience_s=8.0)
 
 
 def test_batch_is_shed_first_when_higher_classes_take_the_capacity():
@@ -126,22 +137,22 @@ def test_batch_is_shed_first_when_higher_classes_take_the_capacity():
     now = 100.0
     for i in range(90):  # interactive arriving at 3 requests/s, faster than 2 running serve them
         shedder.admitted("interactive", now - 30 + i / 3)
-    estimates = {c: shedder.estimate(c, ahead=1, room=False, running=2, now=now) for c in ("interactive", "batch")}
+    estimates = {c: shedder.estimate(c, ahead=1, free=0, running=2, now=now) for c in ("interactive", "batch")}
     assert estimates["interactive"].ttft_s == pytest.approx(1.0)  # 2 ahead-or-self at 2 requests/s
     assert estimates["batch"].ttft_s > TARGETS.batch  # nothing is left to it: refused despite its long target
-    shedder.check("interactive", ahead=1, room=False, running=2, now=now)
+    shedder.check("interactive", ahead=1, free=0, running=2, now=now)
     with pytest.raises(Overloaded):
-        shedder.check("batch", ahead=1, room=False, running=2, now=now)
+        shedder.check("batch", ahead=1, free=0, running=2, now=now)
 
 
 def test_nothing_is_shed_before_the_service_is_measured_or_when_shedding_is_off():
     shedder = LoadShedder(TARGETS, min_samples=4)
     for _ in range(3):
         shedder.ended(60.0, 0.0)
-    shedder.check("interactive", ahead=1000, room=False, running=1, now=0.0)  # 3 samples: no estimate yet
+    shedder.check("interactive", ahead=1000, free=0, running=1, now=0.0)  # 3 samples: no estimate yet
     off = LoadShedder(TARGETS, enabled=False, min_samples=1)
     off.ended(60.0, 0.0)
-    off.check("interactive", ahead=1000, room=False, running=1, now=0.0)
+    off.check("interactive", ahead=1000, free=0, running=1, now=0.0)
 
 
 def test_slo_targets_may_not_shrink_down_the_classes():
