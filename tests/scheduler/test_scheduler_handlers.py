@@ -84,6 +84,8 @@ def inflight_gauge(worker_id: str) -> float | None:
 
 async def test_messages_place_and_end_requests_and_the_ticks_export_each_workers_inflight(wired):
     world, scheduler = wired
+    assert scheduler.status() == (False, "learning the fleet from heartbeats (0 workers, 0 queued)")
+    scheduler.discovered = True  # run() sets it once it has listened to the heartbeats
     await scheduler.on_heartbeat(beat("hw1"))
     first, second = submission("a"), submission("b")
     await scheduler.on_submission(first)
