@@ -1,6 +1,7 @@
 """NATS plumbing: connect with reconnect, JetStream streams, typed request-reply, shutdown signals."""
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import io
@@ -397,7 +398,8 @@ async def drain_or_close(nc: NATS) -> None:
     if nc.is_closed:
         return
     if nc.is_connecting or nc.is_reconnecting:
-        await nc.close()
+        with contextlib.suppress(OSError):  # nats-py flushes the lost socket on close: nothing to flush
+            await nc.close()
         return
     await nc.drain()
 

@@ -8,6 +8,7 @@ stalled and is started over. A mirror lags its bucket by at most about two check
 """
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 import structlog
@@ -26,6 +27,49 @@ POLL_S = 0.25  # how often a quiet watch looks for a reconnect
 
 # (key, value or None for a delete/purge, revision = the entry's stream sequence)
 Apply = Callable[[str, bytes | None, int], None]
+CATCH_UP_S = 5.0
+
+
+class Position:
+    """How far a mirror has applied its bucket: the newest revision (stream sequence) applied. Its
+    ``caught_up`` is a read barrier: the mirror holds every write the bucket had acknowledged when
+    it was called, whichever process made it (another replica's create, then this one's read)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.revision = 0
+        self._moved = asyncio.Event()
+
+    def tracking(self, apply: Apply) -> Apply:
+        """``apply``, recording each entry's revision once it is applied."""
+
+        def applied(key: str, value: bytes | None, revision: int) -> None:
+            try:
+                apply(key, value, revision)
+            finally:  # a bad entry is skipped (logged by the follower), not waited for
+                if revision > self.revision:
+                    self.revision = revision
+                    self._moved.set()
+
+        return applied
+
+    async def caught_up(self, bucket: KeyValue, timeout_s: float = CATCH_UP_S) -> None:
+        """Return once the mirror has applied the bucket's last revision as of now; ``StaleMirror``
+        if the watch does not bring it within ``timeout_s`` (it is restarted by then if stalled)."""
+        target = (await bucket.status()).stream_info.state.last_seq
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.revision < target:
+            self._moved.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise StaleMirror(f"the {self.name} mirror is at revision {self.revision}, the bucket at {target}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), left)
+
+
+class StaleMirror(Exception):
+    """A mirror did not catch up with its bucket within the barrier's bound."""
 
 
 class StaleWatch(Exception):

@@ -4,12 +4,14 @@ import asyncio
 import gc
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from services.registry.fleet_ranks import FleetRanks
@@ -35,10 +37,10 @@ from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
 from shared.catalog import Catalog
 from shared.config import RegistrySettings, load_settings
-from shared.errors import LorafleetError
+from shared.errors import LorafleetError, ServiceUnavailable
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
-from shared.kv_follow import Apply, follow_bucket
+from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
 from shared.metrics import QUALITY_SCORE, serve_metrics
 from shared.schemas import (
@@ -102,10 +104,11 @@ async def open_registry(
     sources: Sources,
     fleet: FleetRanks,
     tasks: set[asyncio.Task],
+    mirrors: list["Followed"],
     resolve: Resolver = system_resolve,
 ) -> Registry:
-    """Open every bucket, follow the catalog and trusted keys (watch tasks added to ``tasks``), and
-    return the registry once both are loaded."""
+    """Open every bucket, follow the catalog and trusted keys (watch tasks added to ``tasks``, the
+    mirrors to ``mirrors``), and return the registry once both are loaded."""
     js = nc.jetstream()
     kv = await RecordsKV.open(js)
 
@@ -136,21 +139,48 @@ async def open_registry(
         sync_gateways=gateways.wait,
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
-    await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks)
-    await follow_loaded(nc, subjects.REGISTRY_SIGNERS_BUCKET, registry.apply_signer, tasks)
+    mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
+    mirrors.append(await follow_loaded(nc, subjects.REGISTRY_SIGNERS_BUCKET, registry.apply_signer, tasks))
     return registry
 
 
-async def follow_loaded(nc: NATS, bucket: str, apply: Apply, tasks: set[asyncio.Task]) -> None:
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """A bucket this replica mirrors in memory, and how far the mirror has applied it."""
+
+    bucket: KeyValue
+    position: Position
+
+
+async def follow_loaded(nc: NATS, bucket: str, apply: Apply, tasks: set[asyncio.Task]) -> Followed:
     """Follow ``bucket`` into ``apply`` (a task added to ``tasks``), returning once its values are in."""
-    loaded = asyncio.Event()
-    task = asyncio.create_task(follow_bucket(nc, bucket, apply, loaded.set))
+    loaded, position = asyncio.Event(), Position(bucket)
+    task = asyncio.create_task(follow_bucket(nc, bucket, position.tracking(apply), loaded.set))
     tasks.add(task)
     waiting = asyncio.create_task(loaded.wait())
     await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
     waiting.cancel()
     if task.done():
         task.result()  # raises what stopped the watch
+    return Followed(await nc.jetstream().key_value(bucket), position)
+
+
+def read_your_writes(
+    mirrors: list[Followed], handler: Callable[[M], Awaitable[BaseModel]]
+) -> Callable[[M], Awaitable[BaseModel]]:
+    """``handler`` once every mirror holds what its bucket held when the request came: a write made
+    through another replica (a tenant created there, then its key asked for here) is seen here."""
+
+    async def after_barrier(request: M) -> BaseModel:
+        try:
+            await asyncio.gather(*(m.position.caught_up(m.bucket) for m in mirrors))
+        except StaleMirror as e:
+            raise ServiceUnavailable(
+                f"this registry replica is behind its state ({e}); retry", retry_after_s=1.0
+            ) from None
+        return await handler(request)
+
+    return after_barrier
 
 
 def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> Handler:
@@ -159,10 +189,17 @@ def _op(request_type: type[M], handler: Callable[[M], Awaitable[BaseModel]]) -> 
 
 
 async def subscribe(
-    nc: NATS, registry: Registry, tenants: Tenants, sources: Sources, releases: ReleaseController, pins: Pins
+    nc: NATS,
+    registry: Registry,
+    tenants: Tenants,
+    sources: Sources,
+    releases: ReleaseController,
+    pins: Pins,
+    mirrors: list[Followed],
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``, in the ``registry`` queue group:
-    each request reaches one of the running replicas."""
+    each request reaches one of the running replicas, and is handled once that replica's mirrors
+    hold every write acknowledged before it came (``read_your_writes``)."""
     handlers: dict[str, Handler] = {
         "resolve": _op(ResolveRequest, registry.resolve),
         "list": _op(ListModelsRequest, registry.list_models),
@@ -198,7 +235,14 @@ async def subscribe(
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
     # own task, so one slow source does not hold up the pushes behind it
     return [
-        await serve(nc, subjects.registry(op), model, handler, queue=QUEUE, concurrent=op == "register")
+        await serve(
+            nc,
+            subjects.registry(op),
+            model,
+            read_your_writes(mirrors, handler),
+            queue=QUEUE,
+            concurrent=op == "register",
+        )
         for op, (model, handler) in handlers.items()
     ]
 
@@ -234,14 +278,16 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         sources = await open_sources(nc.jetstream())
         watches: set[asyncio.Task] = set()
         stack.callback(lambda: [t.cancel() for t in watches])
-        registry = await open_registry(nc, settings, base, gateways, sources, fleet, watches, resolve)
+        mirrors: list[Followed] = []
+        registry = await open_registry(nc, settings, base, gateways, sources, fleet, watches, mirrors, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)
         tenants = await open_tenants(nc.jetstream())
-        await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches)  # other replicas' changes
+        # other replicas' changes
+        mirrors.append(await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches))
         pins = await open_pins(nc.jetstream(), registry.catalog, slots, tenants.slot_quota)
-        await subscribe(nc, registry, tenants, sources, releases, pins)
+        await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
         for adapter_id in registry.catalog.adapters():

@@ -4,11 +4,12 @@ consumer gone) instead of serving a stale copy forever."""
 import asyncio
 import uuid
 
+import pytest
 from nats.js.api import KeyValueConfig
 
 from shared import metrics
 from shared.bus import connect
-from shared.kv_follow import follow_bucket
+from shared.kv_follow import Position, StaleMirror, follow_bucket
 
 
 async def _until(condition, timeout_s: float) -> None:
@@ -67,4 +68,29 @@ async def test_a_bucket_created_later_is_waited_for(nats_url):
     finally:
         follow.cancel()
         await asyncio.gather(follow, return_exceptions=True)
+        await nc.close()
+
+
+async def test_the_read_barrier_waits_for_the_mirror_to_hold_the_buckets_last_write(nats_url):
+    nc = await connect(nats_url, "kv-barrier")
+    js = nc.jetstream()
+    name = f"barrier_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name, history=5))
+    position, mirror = Position(name), {}
+    apply = position.tracking(lambda key, value, revision: mirror.__setitem__(key, value))
+    try:
+        await position.caught_up(kv, timeout_s=0.1)  # an empty bucket: nothing to wait for
+        first = await kv.put("a", b"1")
+        last = await kv.put("b", b"2")
+        with pytest.raises(StaleMirror, match=f"at revision 0, the bucket at {last}"):
+            await position.caught_up(kv, timeout_s=0.2)
+        apply("a", b"1", first)
+        waiting = asyncio.create_task(position.caught_up(kv, timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # "b" is not in the mirror yet
+        apply("b", b"2", last)
+        await asyncio.wait_for(waiting, 1)
+        assert mirror == {"a": b"1", "b": b"2"}
+    finally:
+        await js.delete_key_value(name)
         await nc.close()
