@@ -6,7 +6,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from shared import subjects
-from shared.bus import decode, encode
+from shared.bus import decode, encode, settling
 from shared.schemas import SignedHead
 
 READ_TIMEOUT_S = 5.0
@@ -20,6 +20,7 @@ class HeadLog:
     async def append(self, head: SignedHead) -> None:
         await self._js.publish(self._subject, encode(head), stream=subjects.AUDIT_HEADS_STREAM)
 
+    @settling  # read at start-up, when a new cluster may still be placing the stream
     async def latest(self) -> SignedHead | None:
         try:
             msg = await self._js.get_last_msg(subjects.AUDIT_HEADS_STREAM, self._subject)
