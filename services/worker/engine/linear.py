@@ -4,11 +4,11 @@ decode steps.
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
 blocked layout runs the matmuls of a decode step faster there at every batch size up to 128: 1.2-2.3x
-at 8-128 rows, and it reads the weights near the memory-bandwidth floor for one row, where MKL's
-matrix-vector path reaches about half of it (a batch-1 decode step 47 -> 22 ms, a batch-4 one
-68 -> 25 ms); a large prefill is as fast or faster on ``F.linear``. So ``auto`` keeps both: the plain
-weight (which the transformers model shares) and a packed copy used for 1 to 128 rows, at the price
-of holding the dense weights twice.
+at 8-128 rows, and for 1-7 rows it reads the weights near the memory bandwidth, where MKL's
+matrix-vector path reaches about a third of it (a batch-1 step's projections and lm_head 38 -> 13 ms,
+the whole step 47 -> 22 ms; a batch-4 step 68 -> 25 ms); a large prefill is as fast or faster on
+``F.linear``. So ``auto`` keeps both: the plain weight (which the transformers model shares) and a
+packed copy used for 1 to 128 rows, at the price of holding the dense weights twice.
 
 The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits for
 CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
