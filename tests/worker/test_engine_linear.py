@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.linear import AUTO_MAX_ROWS, AUTO_MIN_ROWS, LinearFactory, onednn_usable, padded_rows
+from services.worker.engine.linear import AUTO_MAX_ROWS, LinearFactory, onednn_usable, padded_rows
 
 
 def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -22,7 +22,7 @@ def test_onednn_is_usable_for_fp32_on_this_cpu_and_never_for_bf16():
     assert not onednn_usable(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [1, AUTO_MIN_ROWS - 1, AUTO_MIN_ROWS, 9, 33, 41, 127, 200])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, 41, 127, 200])
 @pytest.mark.parametrize("shape", [(832, 576), (576, 1536), (1000, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool):
@@ -33,9 +33,9 @@ def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bo
 
 
 def test_rows_choose_the_path(monkeypatch):
-    x_small, weight, _ = _case(AUTO_MIN_ROWS - 1, 64, 32, False)
-    x_big = torch.randn(AUTO_MIN_ROWS, 32)
-    x_prefill = torch.randn(AUTO_MAX_ROWS + 1, 32)
+    """auto packs every decode step, a single row unpadded; a prefill past AUTO_MAX_ROWS takes F.linear."""
+    _, weight, _ = _case(1, 64, 32, False)
+    rows = [1, 5, 8, AUTO_MAX_ROWS, AUTO_MAX_ROWS + 1]
     linear = LinearFactory("auto", "cpu", torch.float32)(weight)
     everything = LinearFactory("onednn", "cpu", torch.float32)(weight)  # (its probe runs a packed matmul too)
     calls: list[int] = []
@@ -45,16 +45,13 @@ def test_rows_choose_the_path(monkeypatch):
         calls.append(x.shape[0])
         return real(x, *args)
 
-    monkeypatch.setattr(
-        "services.worker.engine.linear._packed_linear", lambda x, packed, bias: spy(x, packed, bias, "none", [], "")
-    )
-    linear(x_small)
-    linear(x_big)
-    linear(x_prefill)
-    assert calls == [AUTO_MIN_ROWS]
-    everything(x_small)
-    everything(x_prefill)
-    assert calls == [AUTO_MIN_ROWS, AUTO_MIN_ROWS - 1, AUTO_MAX_ROWS + 1]
+    monkeypatch.setattr("torch.ops.mkldnn._linear_pointwise", spy)
+    for count in rows:
+        assert linear(torch.randn(count, 32)).shape == (count, 64)
+    assert calls == [1, 8, 8, AUTO_MAX_ROWS]
+    calls.clear()
+    everything(torch.randn(AUTO_MAX_ROWS + 1, 32))
+    assert calls == [padded_rows(AUTO_MAX_ROWS + 1)]
 
 
 def test_torch_mode_and_other_dtypes_never_pack():
@@ -66,12 +63,13 @@ def test_torch_mode_and_other_dtypes_never_pack():
 
 
 def test_packed_row_counts_are_few_buckets_with_bounded_padding():
-    """oneDNN keeps a primitive (and its memory) per row count: the packed path runs at 12 row counts
-    over 8-128, never pads more than 25% past 32 rows (7 rows below), and never shrinks an input."""
-    buckets = {padded_rows(r) for r in range(AUTO_MIN_ROWS, AUTO_MAX_ROWS + 1)}
-    assert buckets == {8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128}
+    """oneDNN keeps a primitive (and its memory) per row count: the packed path runs at 13 row counts
+    over 1-128 (one row unpadded), never pads more than 25% past 32 rows (7 rows below), and never
+    shrinks an input."""
+    buckets = {padded_rows(r) for r in range(1, AUTO_MAX_ROWS + 1)}
+    assert buckets == {1, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128}
     for rows in range(1, 5000):
         padded = padded_rows(rows)
         assert padded >= rows and padded_rows(padded) == padded
         assert padded - rows <= (7 if rows <= 32 else rows // 4)
-    assert len({padded_rows(r) for r in range(1, 2049)}) == 4 + 4 * 6  # four per doubling past 32
+    assert len({padded_rows(r) for r in range(1, 2049)}) == 1 + 4 + 4 * 6  # four per doubling past 32

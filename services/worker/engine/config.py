@@ -34,7 +34,7 @@ class EngineConfig(BaseModel):
     grammar_cache: int = Field(default=512, ge=1, le=100_000, description="compiled JSON grammars kept, by digest")
     cpu_linear: CpuLinear = Field(
         default="auto",
-        description="CPU dense matmuls: auto (oneDNN-prepacked weights for 8-128 rows, F.linear else; "
+        description="CPU dense matmuls: auto (oneDNN-prepacked weights for 1-128 rows, F.linear else; "
         "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
     )
     enable_prefix_caching: bool = Field(

@@ -1,12 +1,14 @@
 """The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight for
-batched rows.
+decode steps.
 
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
-blocked layout runs many-row matmuls (a decode step of many sequences, a prefill) 1.2-2.3x faster
-there (decode steps of 8-128 rows); a single row, and a large prefill, are as fast or faster on
-``F.linear``. So ``auto`` keeps both: the plain weight (which the transformers model shares) and
-a packed copy used for 8 to 128 rows, at the price of holding the dense weights twice.
+blocked layout runs the matmuls of a decode step faster there at every batch size up to 128: 1.2-2.3x
+at 8-128 rows, and for 1-7 rows it reads the weights near the memory bandwidth, where MKL's
+matrix-vector path reaches about a third of it (a batch-1 step's projections and lm_head 38 -> 13 ms,
+the whole step 47 -> 22 ms; a batch-4 step 68 -> 25 ms); a large prefill is as fast or faster on
+``F.linear``. So ``auto`` keeps both: the plain weight (which the transformers model shares) and a
+packed copy used for 1 to 128 rows, at the price of holding the dense weights twice.
 
 The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits for
 CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
@@ -21,20 +23,23 @@ import torch
 import torch.nn.functional as F
 
 CpuLinear = Literal["auto", "torch", "onednn"]
-AUTO_MIN_ROWS = 8
 # Larger steps (prefill) gain little from the packed path.
 AUTO_MAX_ROWS = 128
 log = structlog.get_logger("engine")
 
 
 def padded_rows(rows: int) -> int:
-    """The row count a packed matmul of ``rows`` rows runs at: 8, 16, 24, 32, then four steps per
-    doubling (40, 48, 56, 64, 80, 96, 112, 128, 160, ...), so at most 25% of the rows are padding.
+    """The row count a packed matmul of ``rows`` rows runs at: 1 (a batch-1 decode, unpadded: its
+    matrix-vector kernel reads the weight once, 1.3x faster than padding it to 8), then 8, 16, 24,
+    32, then four steps per doubling (40, 48, 56, 64, 80, 96, 112, 128, 160, ...), so past one row
+    at most 25% of the rows are padding.
 
     oneDNN builds and keeps a primitive per input shape, about 2.3 MB for this model's projections
     together at each row count: over the 121 row counts of 8-128 that was +282 MB of worker RSS,
-    reached slowly as prompts of new lengths arrived (the soak saw it as a creep). Twelve buckets
+    reached slowly as prompts of new lengths arrived (the soak saw it as a creep). Thirteen buckets
     there bound it to a tenth of that, reached within minutes."""
+    if rows <= 1:
+        return rows
     if rows <= 32:
         return -(-rows // 8) * 8
     step = 1 << (rows - 1).bit_length() - 3
@@ -75,16 +80,15 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of ``min_rows`` to ``max_rows`` rows."""
+    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of up to ``max_rows`` rows."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
-    min_rows: int = AUTO_MIN_ROWS
     max_rows: int = AUTO_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.min_rows <= x.shape[0] <= self.max_rows:
+        if self.packed is not None and x.shape[0] <= self.max_rows:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -97,8 +101,8 @@ class LinearFactory:
         self.pack = wanted and onednn_usable(dtype)
         if wanted and not self.pack and mode == "onednn":
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
-        self.min_rows, self.max_rows = (1, 2**31) if mode == "onednn" else (AUTO_MIN_ROWS, AUTO_MAX_ROWS)
+        self.max_rows = 2**31 if mode == "onednn" else AUTO_MAX_ROWS
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
-        return Linear(weight, bias, packed, self.min_rows, self.max_rows)
+        return Linear(weight, bias, packed, self.max_rows)
