@@ -216,6 +216,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         Sources(load, put_source, delete_source, audit),
         releases,
         Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
+        [],  # in-memory state, no KV mirror to wait for
     )
     yield wired
     await wired.nc.close()
