@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.load.cli import add_load_options, config_from
+from bench.load.cli import add_load_options, parse_load_args
 from bench.load.run import RESULTS, LoadConfig, fire, open_target, progress, result_of, write
 
 QUICK = {"adapters": 20, "tenants": 2, "rate": 4.0, "count": 60, "duration_s": 15.0, "max_tokens": 8}
@@ -129,14 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="20 adapters, 60 requests over 15 s")
     parser.add_argument("--out", type=Path, default=RESULTS / "ha.json")
     add_load_options(parser, DEFAULTS)
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
-    try:
-        config = config_from(args)
-    except ValueError as e:
-        parser.error(str(e))
+    args, config = parse_load_args(parser, argv, QUICK)
     if config.url is not None:
         parser.error("bench.ha starts each stack itself: not with --url")
     results = {name: one(name, run, args.out.parent) for name, run in runs_of(config, args.kill_nats).items()}

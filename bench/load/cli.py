@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import ipaddress
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -122,19 +123,27 @@ def config_from(args: argparse.Namespace) -> LoadConfig:
     return LoadConfig(**{**fields, "url": url, "keys": tuple(args.key)})
 
 
+def parse_load_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, quick: Mapping[str, object]
+) -> tuple[argparse.Namespace, LoadConfig]:
+    """The arguments (``--quick`` sets the ``quick`` defaults) and the load run they describe; a bad
+    combination ends the program with the parser's usage error."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args(argv)
+    try:
+        return args, config_from(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 20 adapters, 40 requests (< 1 min)")
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json", help="JSON path (.md, .png beside)")
     add_load_options(parser)
-    args = parser.parse_args(argv)
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
-    try:
-        config = config_from(args)
-    except ValueError as e:
-        parser.error(str(e))
+    args, config = parse_load_args(parser, argv, QUICK)
     target = open_target(config)
     outcomes = None
     try:

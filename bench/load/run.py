@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from nats.aio.client import Client as NATS
 
 from bench.cache_sim import git_commit
 from bench.load.adapters import parse_rank_mix, plan_adapters, register_adapters
@@ -198,17 +199,20 @@ async def kill_nats_node(target: Target, which: str, at_s: float) -> dict:
     victim.proc.send_signal(signal.SIGKILL)
     await asyncio.to_thread(victim.proc.wait)
     progress(f"killed NATS node {victim.name} ({which}, INFER leader was {leader}) at {at_s:.0f} s")
-    survivors = cluster_url([n for n in nodes if n is not victim])
+    survivors = await cli_connect(cluster_url([n for n in nodes if n is not victim]))
     deadline = time.monotonic() + 60
     moved = None
-    while time.monotonic() < deadline:  # a new leader is elected among the survivors
-        try:
-            moved = await infer_leader(survivors)
-        except Exception:  # the cluster is still electing: ask again
-            moved = None
-        if moved is not None and moved != victim.name:
-            break
-        await asyncio.sleep(0.2)
+    try:
+        while time.monotonic() < deadline:  # a new leader is elected among the survivors: one client asks
+            try:
+                moved = await _leader_of_infer(survivors)
+            except Exception:  # the cluster is still electing: ask again
+                moved = None
+            if moved is not None and moved != victim.name:
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        await survivors.close()
     return {
         "killed": victim.name,
         "which": which,
@@ -221,10 +225,14 @@ async def kill_nats_node(target: Target, which: str, at_s: float) -> dict:
 async def infer_leader(nats_url: str) -> str | None:
     nc = await cli_connect(nats_url)
     try:
-        info = await nc.jetstream().stream_info(subjects.INFER_STREAM)
-        return info.cluster.leader if info.cluster else None
+        return await _leader_of_infer(nc)
     finally:
         await nc.close()
+
+
+async def _leader_of_infer(nc: NATS) -> str | None:
+    info = await nc.jetstream().stream_info(subjects.INFER_STREAM)
+    return info.cluster.leader if info.cluster else None
 
 
 def environment(config: LoadConfig, target: Target) -> dict:
