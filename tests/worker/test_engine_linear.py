@@ -17,9 +17,11 @@ def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torc
     )
 
 
-def test_onednn_is_usable_for_fp32_on_this_cpu_and_never_for_bf16():
+def test_onednn_is_usable_for_fp32_and_bf16_on_this_cpu_and_never_for_fp16():
     assert onednn_usable(torch.float32)  # x86 torch builds ship oneDNN: the probe must find it
-    assert not onednn_usable(torch.bfloat16)
+    # bf16 wherever oneDNN has a bf16 path (AVX-512BW or newer, as on the CI machines)
+    assert onednn_usable(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not onednn_usable(torch.float16)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33, 41, 127, 200])
@@ -30,6 +32,22 @@ def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bo
     linear = LinearFactory("auto", "cpu", torch.float32)(weight, b)
     assert linear.packed is not None
     torch.testing.assert_close(linear(x), F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not onednn_usable(torch.bfloat16), reason="oneDNN has no bf16 path on this CPU")
+@pytest.mark.parametrize("rows", [1, 2, 9, 33, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_auto_linear_in_bf16_equals_f_linear_within_bf16_rounding(rows: int, bias: bool):
+    """Both accumulate in fp32; the outputs differ by at most the rounding of a bf16 result."""
+    x, weight, b = _case(rows, 832, 576, bias)
+    x, weight = x.bfloat16(), weight.bfloat16()
+    b = b.bfloat16() if b is not None else None
+    linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
+    assert linear.packed is not None
+    got = linear(x)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), weight.float(), b.float() if b is not None else None)
+    torch.testing.assert_close(got.float(), exact, rtol=2**-7, atol=2**-7)
 
 
 def test_rows_choose_the_path(monkeypatch):
@@ -57,9 +75,10 @@ def test_rows_choose_the_path(monkeypatch):
 def test_torch_mode_and_other_dtypes_never_pack():
     _, weight, _ = _case(1, 64, 32, False)
     assert LinearFactory("torch", "cpu", torch.float32)(weight).packed is None
-    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).packed is None
+    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight.bfloat16()).packed is None
+    assert LinearFactory("auto", "cpu", torch.float16)(weight.half()).packed is None
     with pytest.raises(ValueError, match="not usable"):
-        LinearFactory("onednn", "cpu", torch.bfloat16)
+        LinearFactory("onednn", "cpu", torch.float16)
 
 
 def test_packed_row_counts_are_few_buckets_with_bounded_padding():

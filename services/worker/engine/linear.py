@@ -1,5 +1,5 @@
 """The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight for
-decode steps.
+decode steps, in fp32 and bf16.
 
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
@@ -61,18 +61,29 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+# The probe's tolerance per dtype: both sides accumulate in fp32, a bf16 output is rounded to 8 bits.
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
 def onednn_usable(dtype: torch.dtype) -> bool:
-    """Whether prepacked oneDNN linears work here for ``dtype`` and agree with ``F.linear``."""
+    """Whether prepacked oneDNN linears work here for ``dtype`` and agree with ``F.linear``: fp32, and
+    bf16 where oneDNN has a bf16 path on this CPU (AVX-512 BF16 or AMX natively, AVX-512BW emulated)."""
     # torch leaves torch.backends.mkldnn.is_available unannotated
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if dtype not in _PROBE_TOLERANCE or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     try:
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 40, generator=generator)
-        bias = torch.randn(48, generator=generator)
-        x = torch.randn(9, 40, generator=generator)
-        got = _packed_linear(x, _pack(weight), bias)
-        return bool(torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4))
+        weight = torch.randn(48, 40, generator=generator).to(dtype)
+        bias = torch.randn(48, generator=generator).to(dtype)
+        tolerance = _PROBE_TOLERANCE[dtype]
+        for rows in (1, 9):  # the unpadded matrix-vector path and a padded one
+            x = torch.randn(rows, 40, generator=generator).to(dtype)
+            got = _packed_linear(x, _pack(weight), bias)
+            if not torch.allclose(got, F.linear(x, weight, bias), rtol=tolerance, atol=tolerance):
+                return False
+        return True
     except (RuntimeError, AttributeError) as e:
         log.warning("onednn_linear_unavailable", error=str(e))
         return False
