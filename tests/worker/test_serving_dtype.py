@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
-from services.worker.engine.linear import LinearFactory
+from services.worker.engine.linear import CpuLinear, LinearFactory
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
@@ -32,8 +32,8 @@ def _storages(model: PreTrainedModel) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
-def _engine_logits(weights: ModelWeights, prompt: list[int]) -> torch.Tensor:
-    forward = LlamaForward(weights, LinearFactory("torch", "cpu", BF16))
+def _engine_logits(weights: ModelWeights, prompt: list[int], linear: CpuLinear = "auto") -> torch.Tensor:
+    forward = LlamaForward(weights, LinearFactory(linear, "cpu", BF16))
     cache = KVCache(weights.spec, 64, BLOCK, BF16, "cpu")
     seq = Sequence(EngineRequest("0", prompt), None)  # type: ignore[arg-type]
     BlockManager(64, BLOCK).allocate(seq)
@@ -80,7 +80,40 @@ def test_bf16_logits_within_the_documented_tolerance(family_dir: tuple[PreTraine
         with torch.no_grad():
             expected = hf_bf16(torch.tensor([prompt])).logits[0].float()
             truth = fp32_model(torch.tensor([prompt])).logits[0].float()
-        _assert_within_bf16_tolerance(_engine_logits(weights, prompt), expected, truth)
+        for linear in ("auto", "torch"):  # oneDNN-packed bf16 projections (the default) and F.linear
+            _assert_within_bf16_tolerance(_engine_logits(weights, prompt, linear), expected, truth)
+
+
+def _engine_decode_logits(weights: ModelWeights, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's last-position logits from a batched decode step: every prompt but its last token is
+    prefilled first, so the last token goes through the decode attention over the paged cache."""
+    forward = LlamaForward(weights, LinearFactory("auto", "cpu", BF16))
+    cache = KVCache(weights.spec, 64, BLOCK, BF16, "cpu")
+    blocks = BlockManager(64, BLOCK)
+    seqs = [Sequence(EngineRequest(str(i), p[:-1]), None) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
+    for seq in seqs:
+        blocks.allocate(seq)
+    batch = build_batch([], seqs, BLOCK, "cpu")
+    forward.forward(batch.input_ids, batch.positions, batch.meta, cache, batch.logits_indices)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        seq.num_cached = seq.num_tokens
+        seq.token_ids.append(prompt[-1])
+        blocks.append(seq)
+    batch = build_batch(seqs, [], BLOCK, "cpu")
+    logits = forward.forward(batch.input_ids, batch.positions, batch.meta, cache, batch.logits_indices).float()
+    return list(logits)
+
+
+def test_bf16_decode_logits_within_the_documented_tolerance(family_dir: tuple[PreTrainedModel, Path]) -> None:
+    """The decode path (paged K/V gather, batched decode attention with fp32 softmax) keeps the bound too."""
+    fp32_model, directory = family_dir
+    weights = load_weights(load_model(str(directory), dtype=BF16).model, BF16, "cpu", MAX_LEN)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=BF16).eval()
+    for prompt, got in zip(PROMPTS, _engine_decode_logits(weights, PROMPTS), strict=True):
+        with torch.no_grad():
+            expected = hf_bf16(torch.tensor([prompt])).logits[0, -1:].float()
+            truth = fp32_model(torch.tensor([prompt])).logits[0, -1:].float()
+        _assert_within_bf16_tolerance(got.unsqueeze(0), expected, truth)
 
 
 def test_a_tolerance_breach_is_caught(family_dir: tuple[PreTrainedModel, Path]) -> None:

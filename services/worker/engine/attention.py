@@ -103,13 +103,17 @@ def _decode_attention(
     """softmax(q k^T * scale + bias) v for the decodes: q [kv_heads, n, group, d], k and v
     [kv_heads, n, length, d], bias [1, n, 1, length].
 
-    In fp32, two batched matmuls and a softmax: for a decode's few query rows per KV head, 4% faster
-    per decode step than SDPA's CPU flash kernel (batch 32, 2 threads). Half dtypes keep SDPA,
-    which accumulates the scores in fp32."""
-    if q.dtype != torch.float32:
+    Two batched matmuls and a softmax: for a decode's few query rows per KV head, 4% faster per
+    decode step than SDPA's CPU flash kernel in fp32 and 2x faster in bf16 (batch 32, 2 threads).
+    A half dtype's scores are scaled, masked and softmaxed in fp32 and the probabilities cast back
+    for the second matmul, as transformers' eager attention does; on CUDA, SDPA's fused kernels win."""
+    if q.dtype == torch.float32:
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)
+        return torch.matmul(torch.softmax(scores, -1), v)
+    if q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(bias)
-    return torch.matmul(torch.softmax(scores, -1), v)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(bias)
+    return torch.matmul(torch.softmax(scores, -1).to(q.dtype), v)
 
 
 def _softcapped_attention(
