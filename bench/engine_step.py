@@ -164,20 +164,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="decode steps per round (default 32; 8 with --quick)")
     rounds_argument(parser)
     threads_argument(parser)
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"result file (default {RESULTS})")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="serving dtype of weights and KV cache"
+    )
+    parser.add_argument("--out", type=Path, help=f"result file (default {RESULTS}; other dtypes get -<dtype>)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = args.batches or ([1, 32] if args.quick else [1, 8, 32])
     steps = args.steps or (8 if args.quick else 32)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else 5)
-    loaded = load_model()
-    limits = machine_limits(weights_of(loaded.model), torch.float32, "cpu")
-    print(roofline_line(limits, "float32", args.threads, "cpu"), flush=True)
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model(dtype=dtype)
+    limits = machine_limits(weights_of(loaded.model), dtype, "cpu")
+    print(roofline_line(limits, args.dtype, args.threads, "cpu"), flush=True)
     clock = StageClock()
     install(clock, loaded.model.config.vocab_size)
     try:
         engine = LLMEngine.from_loaded(
-            loaded, EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64)
+            loaded,
+            EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, dtype=args.dtype),
         )
         rows: list[BatchRow] = []
         for batch in batches:
@@ -193,12 +198,18 @@ def main() -> None:
             )
     finally:
         clock.remove()
-    result = {"environment": environment(args.threads), "rounds": rounds, "headline": "median", "batches": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    result = {
+        "environment": environment(args.threads, args.dtype),
+        "rounds": rounds,
+        "headline": "median",
+        "batches": rows,
+    }
+    out = args.out or (RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine_step-{args.dtype}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(f"\n## decode step by part: median of {rounds} rounds of {steps} steps (min-max)\n")
     print(table(rows))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
