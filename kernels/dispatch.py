@@ -13,7 +13,8 @@ BGMV_MAX_MEAN_SEG_LEN = 1.5
 # CPU: the per-token forms (embedding bags for fp32, else the gathered bmm, which copies one weight
 # row per token) against the segment loop, which pays a few op launches per segment. 32 tokens,
 # rank 16, 576 x 576, 1 thread: gathered wins ~3x at 1 token per segment, they tie at ~8, segments
-# win ~4x at 16 and ~10x on prefill (bench/lora_ops.py).
+# win ~4x at 16 and ~10x on prefill (bench/lora_ops.py). A single segment (a batch-1 decode, or one
+# adapter's tokens) always takes the loop: one fp32 matmul pair on views, 10 us against the bags' 19.
 GATHER_MAX_MEAN_SEG_LEN = 4.0
 
 
@@ -89,7 +90,7 @@ def add_lora(
     if n == 0:
         return
     if not x.is_cuda:
-        if index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
+        if len(index.segments) == 1 or index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
         elif usable(x, a, b):
             add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags)

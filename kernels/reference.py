@@ -75,9 +75,11 @@ def add_lora_segments(
 
     x, y, a, b, scale: as in :func:`add_lora_gathered`; token_idx: [n]; segments: host tuples
     (start, end, row, first token of a contiguous run or -1), so the loop never reads a tensor back.
-    One matmul pair per segment; a contiguous run reads and writes views of x and y (no copies):
-    fastest on CPU when tokens share rows (prefill).
+    One matmul pair per segment; a contiguous run reads and writes views of x and y (no copies, and in
+    fp32 the expand is one ``addmm_`` into y): fastest on CPU when tokens share rows (prefill) and
+    when a step has only a few segments (a decode batch of one or two adapters).
     """
+    in_place = x.dtype == y.dtype == a.dtype == b.dtype == torch.float32
     for start, end, row, first in segments:
         if first >= 0:
             xs = x[first : first + end - start]
@@ -85,6 +87,9 @@ def add_lora_segments(
             idx = token_idx[start:end]
             xs = x.index_select(0, idx)
         h = torch.mm(xs.float(), a[row].float()).mul_(scale[row])
+        if in_place and first >= 0:  # fp32 on a view: the expand accumulates straight into y
+            y[first : first + end - start].addmm_(h, b[row])
+            continue
         delta = torch.mm(h, b[row].float()).to(y.dtype)
         if first >= 0:
             y[first : first + end - start].add_(delta)

@@ -76,3 +76,24 @@ def test_cpu_dispatch_takes_the_bag_path_for_fp32_decode_and_the_gathered_one_fo
         add_lora(x, y, a, b, scale, index_for(rows), torch.empty(0))
         torch.testing.assert_close(y.float(), expected, atol=TOLERANCE[dtype][0], rtol=TOLERANCE[dtype][1])
     assert taken == ["bags", "gathered"]
+
+
+@pytest.mark.parametrize("rows", [[2], [3, 3, 3, 3], [-1, 1, 1, -1]])
+def test_cpu_dispatch_takes_the_segment_loop_for_a_single_segment(
+    rows: list[int], monkeypatch: pytest.MonkeyPatch, gen: torch.Generator
+) -> None:
+    """A batch-1 decode (or one adapter's tokens) is one matmul pair on views, accumulated into the
+    fused output's column view in place, not a bag per token."""
+    taken: list[str] = []
+    real_segments = dispatch.add_lora_segments
+    monkeypatch.setattr(dispatch, "add_lora_segments", lambda *a: (taken.append("segments"), real_segments(*a)))
+    monkeypatch.setattr(dispatch, "add_lora_bags", lambda *a: taken.append("bags"))
+    a, b, scale = make_weights(4, 32, 16, 24, torch.float32, gen)
+    token_rows = torch.tensor(rows)
+    x = torch.randn(len(rows), 32, generator=gen)
+    fused = torch.randn(len(rows), 48, generator=gen)
+    expected = fused.clone()
+    expected[:, :24] = loop_lora(x, fused[:, :24], a, b, scale, token_rows)
+    add_lora(x, fused[:, :24], a, b, scale, index_for(token_rows), torch.empty(0))
+    torch.testing.assert_close(fused, expected, atol=2e-5, rtol=1e-4)
+    assert taken == ["segments"]
