@@ -4,7 +4,13 @@
 import pytest
 import torch
 
-from services.worker.engine.attention import AttentionMetadata, gather_blocks, paged_attention, write_kv
+from services.worker.engine.attention import (
+    AttentionMetadata,
+    block_index,
+    gather_blocks,
+    paged_attention,
+    write_kv,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -25,7 +31,7 @@ def test_gather_blocks_copies_each_heads_blocks_in_table_order():
     cache = torch.randn(2, KV_HEADS, 32 * BLOCK, HEAD_DIM, generator=g)
     blocks = torch.tensor([17, 3, 29, 3, 0, 11])
     out = torch.empty(2 * KV_HEADS, len(blocks), BLOCK * HEAD_DIM)
-    gather_blocks(cache, blocks, BLOCK, out)
+    gather_blocks(cache, block_index(blocks, cache, BLOCK), BLOCK, out)
     expected = cache.view(2, KV_HEADS, -1, BLOCK, HEAD_DIM).index_select(2, blocks)
     assert torch.equal(out.view_as(expected), expected)
 
