@@ -54,7 +54,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     out_ids, out_weight = _padded(outputs, device)
     counts = torch.zeros(len(rows), vocab, device=device).scatter_add_(1, out_ids, out_weight)
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    if bool((repetition != 1.0).any()):
+    if any(p.repetition_penalty != 1.0 for p in params):
         prompt_ids, prompt_weight = _padded([seqs[row].request.prompt_token_ids for row in rows], device)
         seen = counts > 0
         seen |= torch.zeros(len(rows), vocab, device=device).scatter_add_(1, prompt_ids, prompt_weight) > 0
