@@ -153,7 +153,7 @@ class LLMEngine:
 
     def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs]:
         lora = None
-        if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
+        if self.adapter_manager is not None and batch.has_adapters:
             lora = self.adapter_manager.prepare(batch.token_slots)
         prefills = batch.seqs[batch.meta.num_decode :]
         scored = [(seq, bounds) for seq, bounds in zip(prefills, batch.meta.prefill_bounds, strict=True)]
