@@ -1,8 +1,10 @@
-"""Device -> host reads per step: the sampler brings its results back in one transfer, and a whole
-engine step (schedule, batch, forward, sample, postprocess) reads the device once.
+"""Host syncs per step: the sampler brings its results back in one transfer, a whole engine step
+(schedule, batch, forward, sample, postprocess) reads the device once, and nothing is uploaded in a
+way that would wait for the device.
 
-On the CPU every read is counted through a TorchFunctionMode (tolist, item, bool(), int(), ...):
-on a GPU each of them would be a host sync."""
+On the CPU every read is counted through a TorchFunctionMode (tolist, item, bool(), int(), ...), as is
+every upload that would be blocking on CUDA (``torch.tensor(..., device=)``, ``.to(device)`` without
+``non_blocking``, indexing with a Python list): on a GPU each of them would be a host sync."""
 
 from collections.abc import Iterator
 from typing import Any
@@ -21,18 +23,34 @@ from shared.schemas import SamplingParams
 READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"})
 
 
+def _blocking_upload(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    if name in ("tensor", "as_tensor"):
+        return kwargs.get("device") is not None
+    if name == "to":
+        device = kwargs.get("device") is not None or any(isinstance(a, str | torch.device) for a in args[1:])
+        return device and not kwargs.get("non_blocking", False)
+    if name in ("__getitem__", "__setitem__"):
+        index = args[1]
+        return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+    return False
+
+
 class HostReads(TorchFunctionMode):
-    """Records the name of each tensor -> host read made under it."""
+    """Records the name of each tensor -> host read, and of each blocking upload, made under it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self.uploads: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in READS:
             self.reads.append(name)
-        return func(*args, **(kwargs or {}))
+        if _blocking_upload(name, args, kwargs):
+            self.uploads.append(name)
+        return func(*args, **kwargs)
 
 
 MIXED = [
@@ -54,6 +72,7 @@ def test_the_sampler_reads_its_results_back_once_for_a_mixed_batch() -> None:
     with HostReads() as counted:
         out = sample(logits.clone(), _seqs(MIXED))
     assert counted.reads == ["tolist"]
+    assert counted.uploads == []
     assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
     for row, token in enumerate(out.tokens):
         assert out.logprobs[row] == pytest.approx(float(raw[row, token]), abs=1e-6)
@@ -90,11 +109,11 @@ class _NullTokenizer:
         return "".join(chr(0x4E00 + i) for i in ids)
 
 
-def _steps(engine: LLMEngine) -> Iterator[list[str]]:
+def _steps(engine: LLMEngine) -> Iterator[tuple[list[str], list[str]]]:
     while engine.has_unfinished():
         with HostReads() as counted:
             engine.step()
-        yield counted.reads
+        yield counted.reads, counted.uploads
 
 
 def test_each_engine_step_reads_the_device_once(weights: ModelWeights) -> None:
@@ -106,4 +125,4 @@ def test_each_engine_step_reads_the_device_once(weights: ModelWeights) -> None:
         )
     steps = list(_steps(engine))
     assert len(steps) == 5  # a prefill step, then four decode steps
-    assert steps == [["tolist"]] * 5
+    assert steps == [(["tolist"], [])] * 5

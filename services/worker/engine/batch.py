@@ -11,6 +11,7 @@ import torch
 
 from services.worker.engine.attention import AttentionMetadata
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.upload import to_device, upload
 
 
 @dataclass(slots=True)
@@ -57,9 +58,7 @@ def build_batch(decodes: list[Sequence], prefills: list[Sequence], block_size: i
     last = list(range(len(decodes))) + [end - 1 for _, end in bounds]
     t, d = len(ids), len(decodes)
     host = torch.tensor(ids + positions + slots + last + lengths + blocks + adapters, dtype=torch.int64)
-    fields = host[: host.shape[0] - t]  # the adapter slots stay on the host, where the LoRA metadata is built
-    if torch.device(device).type == "cuda":
-        fields = fields.pin_memory().to(device, non_blocking=True)
+    fields = upload(host[: host.shape[0] - t], device)  # the adapter slots stay on the host, for the LoRA metadata
     s = len(last)
     input_ids, position_ids, slot_mapping, logits_indices, lens, decode_blocks = torch.split(
         fields, [t, t, t, s, d, d * max_blocks]
@@ -91,4 +90,4 @@ def _prefix_context(slots: list[int], cached: int, device: str) -> tuple[torch.T
     n = len(slots)
     rows = torch.arange(cached, n).unsqueeze(1)
     bias = torch.zeros(n - cached, n).masked_fill_(torch.arange(n).unsqueeze(0) > rows, float("-inf"))
-    return torch.tensor(slots, dtype=torch.int64, device=device), bias.to(device)
+    return to_device(slots, device), upload(bias, device)

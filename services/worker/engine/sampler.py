@@ -14,6 +14,7 @@ import torch
 
 from services.worker.engine.penalties import apply_logit_bias, apply_penalties
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.upload import to_device, upload
 
 MaskFn = Callable[[torch.Tensor, list[Sequence]], None]
 
@@ -28,7 +29,7 @@ class Sampled:
 
 def _column(seqs: list[Sequence], name: str, device: torch.device) -> torch.Tensor:
     """[rows, 1] fp32 of one sampling parameter."""
-    return torch.tensor([float(getattr(s.request.sampling, name)) for s in seqs], device=device).unsqueeze(1)
+    return to_device([float(getattr(s.request.sampling, name)) for s in seqs], device).unsqueeze(1)
 
 
 def _restrict(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -44,7 +45,7 @@ def _restrict(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     ks = [min(p.top_k or vocab, vocab) for p in params]
     if any(k < vocab for k in ks) or any(p.top_p < 1.0 for p in params):
-        top_k = torch.tensor(ks, device=device).unsqueeze(1)
+        top_k = to_device(ks, device).unsqueeze(1)
         top_p = _column(seqs, "top_p", device)
         ordered, order = logits.sort(-1, descending=True)
         kth = ordered.gather(1, top_k - 1)
@@ -68,9 +69,9 @@ def _uniforms(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     u = torch.empty(len(seqs), dtype=torch.float64, device=device)
     unseeded = [row for row, s in enumerate(seqs) if s.generator is None]
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+        u[to_device(unseeded, device)] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
     own = [torch.rand((), generator=seqs[row].generator, dtype=torch.float64) for row in seeded]
-    u[seeded] = torch.stack(own).to(device)
+    u[to_device(seeded, device)] = upload(torch.stack(own), device)
     return u
 
 
@@ -112,7 +113,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: MaskFn | None = Non
     sampled = [row for row, seq in enumerate(seqs) if not _greedy(seq)]
     if sampled:
         picked = [seqs[row] for row in sampled]
-        rows = torch.tensor(sampled, device=logits.device)
+        rows = to_device(sampled, logits.device)
         scaled = _restrict(logits[rows] / _column(picked, "temperature", logits.device), picked)
         chosen[rows] = _draw(scaled.softmax(-1), picked)
     if raw is None:
