@@ -128,16 +128,11 @@ def test_with_the_flag_off_there_are_no_graphs_and_no_scratch_block(weights: Mod
     assert engine.cache.num_blocks == engine.num_blocks == 32
 
 
-@cuda
-@pytest.mark.cuda
-def test_captured_graphs_give_the_eager_tokens_with_one_host_sync_per_step() -> None:
-    on_gpu = load_weights(_tiny_llama(), torch.float32, "cuda", 64)
-    expected = _tokens(_engine(on_gpu, device="cuda"))
-    engine = _engine(on_gpu, device="cuda", cuda_graphs=True)
-    assert engine.graphs is not None and sorted(engine.graphs._graphs) == graph_batch_sizes(64)
-    assert engine.cache.num_blocks == engine.num_blocks + 1
+def _synced_steps(engine: LLMEngine) -> tuple[dict[str, list[int]], list[int]]:
+    """Step to completion under CUDA's sync debug mode: the tokens, and the host syncs of each step."""
     tokens: dict[str, list[int]] = {}
     syncs: list[int] = []
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         while engine.has_unfinished():
@@ -149,5 +144,18 @@ def test_captured_graphs_give_the_eager_tokens_with_one_host_sync_per_step() -> 
                 tokens.setdefault(out.request_id, []).extend(out.token_ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    return tokens, syncs
+
+
+@cuda
+@pytest.mark.cuda
+def test_captured_graphs_give_the_eager_tokens_with_one_host_sync_per_step() -> None:
+    on_gpu = load_weights(_tiny_llama(), torch.float32, "cuda", 64)
+    expected, eager_syncs = _synced_steps(_engine(on_gpu, device="cuda"))
+    engine = _engine(on_gpu, device="cuda", cuda_graphs=True)
+    assert engine.graphs is not None and sorted(engine.graphs._graphs) == graph_batch_sizes(64)
+    assert engine.cache.num_blocks == engine.num_blocks + 1
+    tokens, graphed_syncs = _synced_steps(engine)
     assert tokens == expected
-    assert syncs == [1] * len(syncs), syncs
+    assert eager_syncs == [1] * len(eager_syncs), eager_syncs
+    assert graphed_syncs == [1] * len(graphed_syncs), graphed_syncs

@@ -6,6 +6,7 @@ On the CPU every read is counted through a TorchFunctionMode (tolist, item, bool
 every upload that would be blocking on CUDA (``torch.tensor(..., device=)``, ``.to(device)`` without
 ``non_blocking``, indexing with a Python list): on a GPU each of them would be a host sync."""
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +81,23 @@ def test_the_sampler_reads_its_results_back_once_for_a_mixed_batch() -> None:
     assert out.top_ids[1] == top.indices.tolist()
     assert out.top_logprobs[1] == pytest.approx(top.values.tolist(), abs=1e-6)
     assert out.tokens[0] == int(logits[0].argmax())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_sampler_syncs_once_for_a_mixed_batch() -> None:
+    logits = (torch.randn(len(MIXED), 300, generator=torch.Generator().manual_seed(0)) * 3).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sample(logits, _seqs(MIXED))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert len(out.tokens) == len(MIXED)
 
 
 def test_a_uniform_that_rounds_up_to_the_total_takes_the_last_token_with_probability(
