@@ -19,6 +19,7 @@ from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, sampl
 from services.worker.engine.sampler import sample
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
+from services.worker.lora.metadata import LoraMetadata
 from shared.schemas import SamplingParams
 
 READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"})
@@ -98,6 +99,25 @@ def test_on_a_gpu_the_sampler_syncs_once_for_a_mixed_batch() -> None:
     syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
     assert len(syncs) == 1, syncs
     assert len(out.tokens) == len(MIXED)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_lora_metadata_reaches_the_device_without_a_sync() -> None:
+    meta = LoraMetadata.allocate(max_tokens=16, class_first_slots=[0, 4, 6, 8], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for slots in ([5, 1, 1, -1, 4, 1, 0, 5], [-1, 7, 7, 6]):  # the second refills the host buffers
+                indexes = meta.fill(torch.tensor(slots))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [str(w.message) for w in caught if "synchronizing" in str(w.message)] == []
+    (only_high,) = [index for index in indexes if index is not None]
+    assert only_high.token_idx.is_cuda and only_high.token_idx.tolist() == [3, 1, 2]
+    assert only_high.seg_start.tolist() == [0, 1, 3]
 
 
 def test_a_uniform_that_rounds_up_to_the_total_takes_the_last_token_with_probability(
