@@ -1,12 +1,14 @@
 """Base-model throughput of the engine against transformers ``generate``, and memory at 64 x 512 tokens.
 
-``python -m bench.engine [--quick] [--rounds N] [--threads N]``: the machine's roofline first (read
-bandwidth, GEMM FLOP/s and the decode floors they set). Then for each batch size, the same chat
-prompts (20-60 tokens) run through HF generate (left-padded batch, EOS suppressed by min_new_tokens)
-and the engine (ignore_eos), fp32, in 5 rounds (3 with --quick) in which every system runs once, the
-order rotating from round to round; each figure is the median round, with min and max beside it, and
-each TPOT is also a multiple of its decode step floor. Then a fresh process holds 64 sequences of
-512 tokens at once and reports its peak RSS beside the KV budget and the model size.
+``python -m bench.engine [--quick] [--rounds N] [--threads N] [--device cuda [--cuda-graphs]]``: the
+machine's roofline first (read bandwidth, GEMM FLOP/s and the decode floors they set). Then for each
+batch size, the same chat prompts (20-60 tokens) run through HF generate (left-padded batch, EOS
+suppressed by min_new_tokens) and the engine (ignore_eos), fp32, in 5 rounds (3 with --quick) in which
+every system runs once, the order rotating from round to round; each figure is the median round, with
+min and max beside it, and each TPOT is also a multiple of its decode step floor. ``--cuda-graphs``
+adds the engine replaying CUDA graphs of its decode steps, and its tok/s ratio to the eager engine's.
+Then a fresh process holds 64 sequences of 512 tokens at once and reports its peak RSS beside the KV
+budget and the model size.
 """
 
 import argparse
@@ -19,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import NotRequired, TypedDict, cast
 
 import torch
 from transformers import GenerationMixin, PreTrainedTokenizerBase
@@ -45,6 +47,7 @@ class ThroughputRow(TypedDict):
     tpot_ratio_vs_hf: float
     step_floor_ms: float
     tpot_vs_floor: dict[str, float]  # each system's median TPOT p50 / step_floor_ms
+    cuda_graphs_speedup: NotRequired[float]  # engine_cuda_graphs tok/s / engine tok/s, with --cuda-graphs
 
 
 TOPICS = [
@@ -164,14 +167,17 @@ def throughput(
     dtype: str = "float32",
     linear_split: bool = False,
     device: str = "cpu",
+    cuda_graphs: bool = False,
 ) -> list[ThroughputRow]:
     """Every system once per round, the first to run rotating. Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
-    token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear")."""
+    token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear"),
+    ``cuda_graphs`` the engine replaying CUDA graphs of its decode steps ("engine_cuda_graphs")."""
     variants = {
-        "engine": ("auto", True),
-        "engine_no_prefix_cache": ("auto", False),
-        **({"engine_f_linear": ("torch", True)} if linear_split else {}),
+        "engine": ("auto", True, False),
+        "engine_no_prefix_cache": ("auto", False, False),
+        **({"engine_f_linear": ("torch", True, False)} if linear_split else {}),
+        **({"engine_cuda_graphs": ("auto", True, True)} if cuda_graphs else {}),
     }
     engines = {
         name: LLMEngine.from_loaded(
@@ -185,9 +191,10 @@ def throughput(
                 device=device,
                 cpu_linear=linear,
                 enable_prefix_caching=prefix,
+                cuda_graphs=graphs,
             ),
         )
-        for name, (linear, prefix) in variants.items()
+        for name, (linear, prefix, graphs) in variants.items()
     }
     rows: list[ThroughputRow] = []
     for batch in batches:
@@ -207,19 +214,20 @@ def throughput(
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
         floor = step_floor_ms(limits, batch)
-        rows.append(
-            {
-                "batch": batch,
-                "new_tokens": new_tokens,
-                "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
-                "systems": systems,
-                "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
-                "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
-                "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
-                "step_floor_ms": floor,
-                "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
-            }
-        )
+        row: ThroughputRow = {
+            "batch": batch,
+            "new_tokens": new_tokens,
+            "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+            "systems": systems,
+            "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
+            "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
+            "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
+            "step_floor_ms": floor,
+            "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
+        }
+        if cuda_graphs:
+            row["cuda_graphs_speedup"] = systems["engine_cuda_graphs"]["tok_s"] / systems["engine"]["tok_s"]
+        rows.append(row)
     return rows
 
 
@@ -298,6 +306,11 @@ def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
             )
     lines.append("")
     lines += [f"batch {row['batch']}: decode step floor {row['step_floor_ms']:.1f} ms" for row in rows]
+    lines += [
+        f"batch {row['batch']}: CUDA graphs {row['cuda_graphs_speedup']:.2f}x the eager engine's tok/s"
+        for row in rows
+        if "cuda_graphs_speedup" in row
+    ]
     for row in rows:
         s = row["systems"]["engine"]
         lines.append(
@@ -368,9 +381,16 @@ def main() -> None:
         help="also run the engine on plain F.linear, to separate the oneDNN matmuls' share",
     )
     device_argument(parser)
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also run the engine with EngineConfig.cuda_graphs (decode steps replayed as CUDA graphs; --device cuda)",
+    )
     parser.add_argument("--out", type=Path, help=f"result file (default {RESULTS}; other dtypes get -<dtype>)")
     parser.add_argument("--rss-probe", nargs=2, type=int, metavar=("SEQS", "LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.rss_probe:
         num_seqs, seq_len = args.rss_probe
         print(json.dumps(rss_probe(num_seqs, seq_len, args.threads)))
@@ -384,7 +404,9 @@ def main() -> None:
         limits = machine_limits(weights_of(loaded.model), getattr(torch, dtype), args.device)
         print(roofline_line(limits, dtype, args.threads, args.device), flush=True)
         memory = memory or memory_probe(args.threads, args.quick)
-        rows = throughput(loaded, limits, batches, new_tokens, rounds, dtype, args.linear_split, args.device)
+        rows = throughput(
+            loaded, limits, batches, new_tokens, rounds, dtype, args.linear_split, args.device, args.cuda_graphs
+        )
         del loaded
         result = {
             "environment": environment(args.threads, dtype, args.device),

@@ -2,9 +2,12 @@
 # The GPU check of issue #24, one command on a CUDA machine, a few minutes in all:
 #   1. kernels:      tests/kernels/test_bgmv.py and test_sgmv.py with Triton compiled (TRITON_INTERPRET=0,
 #                    LF_KERNEL_DEVICE=cuda), against the torch reference and the fp32 loop
-#   2. engine_bf16:  python -m bench.engine --quick --device cuda --dtype bfloat16
-#   3. multilora:    python -m bench.multilora --device cuda (batch 32, 32 distinct rank-16 adapters)
-#   4. engine_peers: python -m bench.engine_peers --quick (built-in vs vLLM; skipped without .venv-vllm)
+#   2. cuda_tests:   the tests marked `cuda` (pytest -m cuda): the engine's captured decode graphs against
+#                    its eager steps, and one host sync per engine step and per sampled batch
+#   3. engine_bf16:  python -m bench.engine --quick --device cuda --dtype bfloat16
+#   4. engine_graphs: the same with --cuda-graphs: the engine with and without CUDA graphs of its decode steps
+#   5. multilora:    python -m bench.multilora --device cuda (batch 32, 32 distinct rank-16 adapters)
+#   6. engine_peers: python -m bench.engine_peers --quick (built-in vs vLLM; skipped without .venv-vllm)
 # Each step writes its JSON under bench/results/gpu/ and a log beside it; a summary closes the run.
 # The GPU's settings are only read (nvidia-smi --query-gpu), never changed: no clocks, power, MIG or
 # persistence mode. A failed step does not stop the others; the exit status is 1 if any failed.
@@ -48,7 +51,11 @@ run_step() {
 
 run_step kernels env LF_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_bgmv.py tests/kernels/test_sgmv.py --junitxml="$OUT/kernels.xml"
+run_step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+    tests/worker/test_cuda_graph.py tests/worker/test_host_syncs.py --junitxml="$OUT/cuda_tests.xml"
 run_step engine_bf16 "$PY" -m bench.engine --quick --device cuda --dtype bfloat16 --out "$OUT/engine.json"
+run_step engine_graphs "$PY" -m bench.engine --quick --device cuda --dtype bfloat16 --cuda-graphs \
+    --out "$OUT/engine_graphs.json"
 run_step multilora "$PY" -m bench.multilora --device cuda --out "$OUT/multilora.json"
 if [ -x .venv-vllm/bin/python ]; then
     run_step engine_peers "$PY" -m bench.engine_peers --quick --out "$OUT/engine_peers.json"
@@ -61,7 +68,7 @@ fi
 echo
 echo "## GPU check summary ($(head -2 "$OUT/gpu.csv" | tail -1))"
 failed=0
-for name in kernels engine_bf16 multilora engine_peers; do
+for name in kernels cuda_tests engine_bf16 engine_graphs multilora engine_peers; do
     echo "- $name: ${STATUS[$name]} (${SECONDS_OF[$name]} s)"
     case "${STATUS[$name]}" in FAILED*) failed=1 ;; esac
 done
@@ -73,11 +80,12 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 summary: dict[str, object] = {}
-if (out / "kernels.xml").exists():
-    suite = ET.parse(out / "kernels.xml").getroot().find("testsuite")
-    if suite is not None:
-        summary["kernels"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        print("kernels (compiled Triton): {tests} tests, {failures} failures, {errors} errors, {skipped} skipped".format(**summary["kernels"]))
+for name, what in (("kernels", "kernels (compiled Triton)"), ("cuda_tests", "cuda tests (graphs, host syncs)")):
+    if (out / f"{name}.xml").exists():
+        suite = ET.parse(out / f"{name}.xml").getroot().find("testsuite")
+        if suite is not None:
+            summary[name] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            print("{}: {tests} tests, {failures} failures, {errors} errors, {skipped} skipped".format(what, **summary[name]))
 if (path := out / "engine-bfloat16.json").exists():
     engine = json.loads(path.read_text())
     summary["engine_bf16"] = {
@@ -87,6 +95,16 @@ if (path := out / "engine-bfloat16.json").exists():
     }
     for batch, f in summary["engine_bf16"].items():
         print(f"engine bf16 batch {batch}: {f['tok_s']:.0f} tok/s, {f['speedup_vs_hf']:.2f}x hf, "
+              f"TPOT {f['tpot_vs_floor']:.1f}x its floor")
+if (path := out / "engine_graphs-bfloat16.json").exists():
+    graphs = json.loads(path.read_text())
+    summary["engine_graphs"] = {
+        r["batch"]: {"tok_s": r["systems"]["engine_cuda_graphs"]["tok_s"], "speedup_vs_eager": r["cuda_graphs_speedup"],
+                     "tpot_vs_floor": r["tpot_vs_floor"]["engine_cuda_graphs"]}
+        for r in graphs["throughput"]
+    }
+    for batch, f in summary["engine_graphs"].items():
+        print(f"engine bf16 + CUDA graphs batch {batch}: {f['tok_s']:.0f} tok/s, {f['speedup_vs_eager']:.2f}x eager, "
               f"TPOT {f['tpot_vs_floor']:.1f}x its floor")
 if (path := out / "multilora.json").exists():
     m = json.loads(path.read_text())

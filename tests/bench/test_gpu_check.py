@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,32 @@ def test_it_names_each_step_with_its_command():
     text = SCRIPT.read_text()
     steps = {
         "kernels": r"LF_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 .*-m pytest.*\s+tests/kernels/test_bgmv.py tests/kernels/test_sgmv.py",
+        "cuda_tests": r"-m pytest .*-m cuda \\\s+tests/worker/test_cuda_graph.py tests/worker/test_host_syncs.py",
         "engine_bf16": r"-m bench.engine --quick --device cuda --dtype bfloat16 --out \"\$OUT/engine.json\"",
+        "engine_graphs": r"-m bench.engine --quick --device cuda --dtype bfloat16 --cuda-graphs \\\s+--out \"\$OUT/engine_graphs.json\"",
         "multilora": r"-m bench.multilora --device cuda --out \"\$OUT/multilora.json\"",
         "engine_peers": r"-m bench.engine_peers --quick --out \"\$OUT/engine_peers.json\"",
     }
     for name, command in steps.items():
         assert re.search(rf"run_step {name} .*{command}", text, re.DOTALL), name
     assert "OUT=bench/results/gpu" in text
+    summary = re.search(r"for name in ([\w ]+); do", text)
+    assert summary is not None and summary.group(1).split() == list(steps)  # every step is in the summary
+
+
+def test_its_cuda_step_selects_the_gpu_tests() -> None:
+    """The cuda_tests step is not empty: its files hold tests marked ``cuda`` (skipped here without a GPU)."""
+    files = ["tests/worker/test_cuda_graph.py", "tests/worker/test_host_syncs.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda", *files],
+        cwd=SCRIPT.parents[1],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 2 and all(line.startswith(tuple(files)) for line in collected), run.stdout
 
 
 def test_it_only_queries_the_gpu():

@@ -64,11 +64,24 @@ class EngineConfig(BaseModel):
         "cores at once to the latency-bound I/O, in the worker and in services sharing the machine; 0 = off",
     )
 
+    cuda_graphs: bool = Field(
+        default=False,
+        description="replay a CUDA graph per batch-size bucket for decode-only steps without adapter tokens "
+        "(cuda devices only; prefill, mixed and adapter steps run eagerly); reserves one KV block for the "
+        "padding rows, and its decode attention spans max_model_len whatever the sequences' lengths",
+    )
+
     @model_validator(mode="after")
     def _prompt_fits_one_step(self) -> "EngineConfig":
         # A (re)prefill is never split across steps, so a full sequence must fit in one step.
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len")
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> "EngineConfig":
+        if self.cuda_graphs and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cuda_graphs needs a cuda device, not {self.device!r}")
         return self
 
     @property

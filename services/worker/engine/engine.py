@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerBase
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedSampling
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
@@ -55,10 +56,15 @@ class LLMEngine:
         )
         if num_blocks < 1:
             raise ValueError("kv_cache_bytes is too small for one KV block")
-        self.cache = KVCache(spec, num_blocks, config.kv_block_size, config.torch_dtype, config.device)
+        scratch = 1 if config.cuda_graphs else 0  # the graphs' padding rows write to a block past the allocator's
+        self.cache = KVCache(spec, num_blocks + scratch, config.kv_block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
         self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:
+            sizes = graph_batch_sizes(config.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.cache, num_blocks, config.max_model_len, sizes)
         self.vocab_size = spec.vocab_size
         self.grammars = Grammars(tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache)
         self.token_text = TokenText(tokenizer)
@@ -79,7 +85,8 @@ class LLMEngine:
 
     @property
     def num_blocks(self) -> int:
-        return self.cache.num_blocks
+        """KV blocks the sequences may hold (the cache has one more, the graphs' scratch, with cuda_graphs)."""
+        return self.blocks.allocator.num_blocks
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; raises RequestTooLarge when it could never fit this engine."""
@@ -134,26 +141,37 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        batch = build_batch(plan.decodes, plan.prefills, self.config.kv_block_size, self.config.device)
+        seqs = plan.decodes + plan.prefills
         try:
-            logits, lora, prompts = self._run(batch)
+            logits, lora, prompts, num_tokens = self._forward(plan.decodes, plan.prefills)
         except BaseException:
             self.blocks.rollback()
             raise
         self.blocks.commit()
-        constrained = any(seq.matcher is not None for seq in batch.seqs)
+        constrained = any(seq.matcher is not None for seq in seqs)
         with torch.inference_mode():  # the logits are an inference tensor, changed in place
-            sampled = sample(logits, batch.seqs, self.grammars.mask if constrained else None)
-        outputs = self._postprocess(batch.seqs, sampled, prompts)
+            sampled = sample(logits, seqs, self.grammars.mask if constrained else None)
+        outputs = self._postprocess(seqs, sampled, prompts)
         step_ms = (time.perf_counter() - started) * 1000
         metrics.STEP_TIME.labels(rank_mix(lora)).observe(step_ms)
         if lora is not None and self.rank_skew is not None:
-            self.rank_skew.observe(lora.ranks, len(batch.input_ids), step_ms)
+            self.rank_skew.observe(lora.ranks, num_tokens, step_ms)
         return outputs
+
+    def _forward(
+        self, decodes: list[Sequence], prefills: list[Sequence]
+    ) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs, int]:
+        """The step's logits (a decode-only base-model step through the CUDA graphs when they hold it),
+        its LoRA hook, prompt logprobs and token count."""
+        if self.graphs is not None and not prefills and self.graphs.fits(decodes):
+            return self.graphs.run(decodes), None, {}, len(decodes)
+        batch = build_batch(decodes, prefills, self.config.kv_block_size, self.config.device)
+        logits, lora, prompts = self._run(batch)
+        return logits, lora, prompts, len(batch.input_ids)
 
     def _run(self, batch: StepBatch) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs]:
         lora = None
-        if self.adapter_manager is not None and bool((batch.token_slots >= 0).any()):
+        if self.adapter_manager is not None and batch.has_adapters:
             lora = self.adapter_manager.prepare(batch.token_slots)
         prefills = batch.seqs[batch.meta.num_decode :]
         scored = [(seq, bounds) for seq, bounds in zip(prefills, batch.meta.prefill_bounds, strict=True)]

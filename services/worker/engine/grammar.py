@@ -10,6 +10,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.upload import upload
 from shared.errors import InvalidSchema
 from shared.schemas import StructuredOutput
 
@@ -82,7 +83,7 @@ class Grammars:
             assert matcher is not None
             matcher.fill_next_token_bitmask(self._bitmask, row)
         if rows:
-            bitmask = self._bitmask[: len(seqs)].to(logits.device)
+            bitmask = upload(self._bitmask[: len(seqs)], logits.device)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
 
 

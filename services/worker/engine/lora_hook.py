@@ -37,5 +37,5 @@ class LoraProvider(Protocol):
         ...
 
     def prepare(self, token_slots: torch.Tensor) -> LoraHook | None:
-        """token_slots: int64 [num_tokens], -1 = base model only. Called once per step with any slot >= 0."""
+        """token_slots: int64 [num_tokens] on the host, -1 = base model only. Called once per step with any slot >= 0."""
         ...

@@ -3,6 +3,7 @@
 import torch
 
 from services.worker.engine.sequence import Sequence
+from services.worker.engine.upload import to_device, upload
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -16,8 +17,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             tokens.append(token)
             values.append(bias)
     if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+        index = (to_device(rows, logits.device), to_device(tokens, logits.device))
+        logits.index_put_(index, to_device(values, logits.device), accumulate=True)
 
 
 def _penalised(seq: Sequence) -> bool:
@@ -33,7 +34,7 @@ def _padded(id_lists: list[list[int]], device: torch.device) -> tuple[torch.Tens
     for i, row in enumerate(id_lists):
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
         weight[i, : len(row)] = 1.0
-    return ids.to(device), weight.to(device)
+    return upload(ids, device), upload(weight, device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -47,20 +48,21 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if not rows:
         return
     device = logits.device
-    sub = logits[rows]
+    index = to_device(rows, device)
+    sub = logits[index]
     vocab = sub.shape[1]
     params = [seqs[row].request.sampling for row in rows]
     outputs = [seqs[row].token_ids[seqs[row].num_prompt_tokens :] for row in rows]
     out_ids, out_weight = _padded(outputs, device)
     counts = torch.zeros(len(rows), vocab, device=device).scatter_add_(1, out_ids, out_weight)
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    if bool((repetition != 1.0).any()):
+    repetition = to_device([p.repetition_penalty for p in params], device).unsqueeze(1)
+    if any(p.repetition_penalty != 1.0 for p in params):
         prompt_ids, prompt_weight = _padded([seqs[row].request.prompt_token_ids for row in rows], device)
         seen = counts > 0
         seen |= torch.zeros(len(rows), vocab, device=device).scatter_add_(1, prompt_ids, prompt_weight) > 0
         penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalised, sub)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    frequency = to_device([p.frequency_penalty for p in params], device).unsqueeze(1)
+    presence = to_device([p.presence_penalty for p in params], device).unsqueeze(1)
     sub = sub - frequency * counts - presence * (counts > 0).float()
-    logits[rows] = sub
+    logits[index] = sub

@@ -1,7 +1,7 @@
 """Per-step LoRA metadata: tokens sorted by (rank class, slot) and cut into segments, in place.
 
-Built on the host from the step's token slots (one device -> host read per step, not per
-projection), then copied into device buffers allocated once at max size. Global slot ids
+Built on the host from the step's token slots (which the engine keeps on the host: no device read),
+then copied into device buffers allocated once at max size, non-blocking from pinned memory. Global slot ids
 ascend with the rank class, so one sort groups tokens by class and, within it, by slot.
 """
 
@@ -32,6 +32,7 @@ class LoraMetadata:
     first_slots: torch.Tensor  # [num_classes + 1] int64, first global slot of each class, then the slot count
     num_tokens: int = 0  # adapter tokens of the last fill
     num_segments: int = 0  # segments of the last fill, all classes
+    copied: torch.cuda.Event | None = None  # recorded after the last fill's host -> device copies (CUDA)
 
     @classmethod
     def allocate(cls, max_tokens: int, class_first_slots: list[int], device: torch.device | str) -> "LoraMetadata":
@@ -61,6 +62,10 @@ class LoraMetadata:
         class, None for a class no token uses."""
         if token_slots.shape[0] > self.host_idx.shape[0]:
             raise ValueError(f"{token_slots.shape[0]} tokens exceed the {self.host_idx.shape[0]} the metadata holds")
+        if self.copied is not None:
+            # The last fill's copies must have read the host buffers before they are rewritten: done
+            # at once in the engine, whose every step ends by reading its results from the device.
+            self.copied.synchronize()
         sorted_slots, order = torch.sort(token_slots.to("cpu", torch.int64), stable=True)
         bounds = torch.searchsorted(sorted_slots, self.first_slots).tolist()
         if bounds[-1] != sorted_slots.shape[0] or (bounds[0] and sorted_slots[0] < -1):
@@ -89,11 +94,13 @@ class LoraMetadata:
         self.host_seg_row[: len(rows)].copy_(torch.tensor(rows, dtype=INDEX_DTYPE))
         self.num_tokens, self.num_segments = n, len(rows)
         if self.token_idx is not self.host_idx:
-            # Blocking: the next step rewrites these host buffers, which must not race this copy.
+            # Non-blocking: a blocking copy would wait for the whole stream; the next fill waits for these alone.
             for dst, src in zip(
                 (self.token_idx, self.token_row, self.seg_start, self.seg_row), self._host(), strict=True
             ):
-                dst[: src.shape[0]].copy_(src)
+                dst[: src.shape[0]].copy_(src, non_blocking=True)
+            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.copied.record()
         return self._indexes(bounds, per_class)
 
     def _host(self) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,169 @@
+"""CUDA graphs of the decode step: the bucketing, the padded static-buffer forward a graph captures
+(run here without capture, on the CPU) against the eager step, the flag's validation, and on a GPU
+the captured graphs themselves."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.batch import build_batch
+from services.worker.engine.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphs, bucket_for, graph_batch_sizes
+from services.worker.engine.sequence import Sequence
+from services.worker.engine.weights import ModelWeights, load_weights
+from shared.schemas import SamplingParams
+from tests.helpers.families import FAMILIES
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# Six greedy requests finishing at different steps: decode steps of 6, 5, 4, 4, 3, then 1 sequences,
+# which pad to buckets 8, 8, 4, 4, 4, then 1.
+MAX_TOKENS = [2, 3, 5, 6, 6, 9]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21]]
+
+
+def test_batch_sizes_are_1_2_4_then_multiples_of_8_up_to_max_num_seqs() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(10) == [1, 2, 4, 8, 10]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    capped = graph_batch_sizes(4096)
+    assert capped[-1] == MAX_GRAPH_BATCH and capped[3:] == list(range(8, MAX_GRAPH_BATCH + 1, 8))
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+def test_bucket_for_takes_the_smallest_bucket_that_holds_the_step() -> None:
+    sizes = graph_batch_sizes(10)
+    assert [bucket_for(n, sizes) for n in range(1, 12)] == [1, 2, 4, 4, 8, 8, 8, 8, 10, 10, None]
+    with pytest.raises(ValueError):
+        bucket_for(0, sizes)
+
+
+def test_cuda_graphs_on_a_cpu_device_are_refused() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs needs a cuda device"):
+        EngineConfig(cuda_graphs=True)
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def weights() -> ModelWeights:
+    return load_weights(_tiny_llama(), torch.float32, "cpu", 64)
+
+
+class _NullTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
+def _engine(weights: ModelWeights, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = {"num_blocks": 32, "kv_block_size": 4, "max_model_len": 64}
+    config = EngineConfig(**{**settings, "max_num_batched_tokens": 64, **overrides})
+    engine = LLMEngine(weights, tokenizer=_NullTokenizer(), config=config, eos_token_ids=set())  # type: ignore[arg-type]
+    for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        engine.add_request(EngineRequest(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    return engine
+
+
+def _tokens(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+class Beside(DecodeGraphs):
+    """The padded static path without capture; each run also takes the eager forward of the same step."""
+
+    def __init__(self, engine: LLMEngine, scratch: int):
+        config = engine.config
+        sizes = graph_batch_sizes(config.max_num_seqs)
+        super().__init__(engine.model, engine.cache, scratch, config.max_model_len, sizes, capture=False)
+        self.engine = engine
+        self.runs: list[tuple[int, float]] = []  # (sequences, max |padded - eager| of their logits)
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        assert not self.engine.blocks.allocator.is_referenced(self.scratch_block)
+        padded = super().run(seqs).clone()
+        batch = build_batch(seqs, [], self.cache.block_size, "cpu")  # rewrites the same K/V to the same slots
+        eager = self.model.forward(batch.input_ids, batch.positions, batch.meta, self.cache, batch.logits_indices)
+        assert padded.shape == eager.shape
+        self.runs.append((len(seqs), float((padded - eager).abs().max())))
+        return padded
+
+
+# sliding windows (their decode biases built before the first layer), soft-caps and local RoPE beside Llama's
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral-window-8", "gemma2-window-8-softcaps", "gemma3-window-8-local-rope"]
+)
+def test_the_padded_static_decode_gives_the_eager_steps_logits_and_tokens(family: str) -> None:
+    model = _tiny_llama() if family == "llama" else FAMILIES[family]()
+    weights = load_weights(model, torch.float32, "cpu", 64)
+    eager = _engine(weights)
+    expected = _tokens(eager)
+    graphed = _engine(weights)
+    scratch = graphed.num_blocks - 1  # the allocator hands out the low blocks first: this one stays free
+    graphed.graphs = beside = Beside(graphed, scratch)
+    assert _tokens(graphed) == expected
+    assert [n for n, _ in beside.runs] == [6, 5, 4, 4, 3, 1, 1, 1]
+    assert max(diff for _, diff in beside.runs) < 1e-4
+    cache = graphed.cache
+    scratch_slots = cache.data[:, :, :, scratch * cache.block_size : (scratch + 1) * cache.block_size]
+    if not family.startswith("gemma"):  # Gemma embeds token 0, its padding id, as zeros
+        assert bool(scratch_slots[:, :, :, 0].abs().sum() > 0)  # the padding rows wrote their K/V there
+    assert float(scratch_slots[:, :, :, 1:].abs().sum()) == 0.0  # and to its first slot only
+
+
+def test_with_the_flag_off_there_are_no_graphs_and_no_scratch_block(weights: ModelWeights) -> None:
+    engine = _engine(weights)
+    assert engine.graphs is None
+    assert engine.cache.num_blocks == engine.num_blocks == 32
+
+
+def _synced_steps(engine: LLMEngine) -> tuple[dict[str, list[int]], list[int]]:
+    """Step to completion under CUDA's sync debug mode: the tokens, and the host syncs of each step."""
+    tokens: dict[str, list[int]] = {}
+    syncs: list[int] = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outputs = engine.step()
+            syncs.append(sum("synchronizing" in str(w.message) for w in caught))
+            for out in outputs:
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return tokens, syncs
+
+
+@cuda
+@pytest.mark.cuda
+def test_captured_graphs_give_the_eager_tokens_with_one_host_sync_per_step() -> None:
+    on_gpu = load_weights(_tiny_llama(), torch.float32, "cuda", 64)
+    expected, eager_syncs = _synced_steps(_engine(on_gpu, device="cuda"))
+    engine = _engine(on_gpu, device="cuda", cuda_graphs=True)
+    assert engine.graphs is not None and sorted(engine.graphs._graphs) == graph_batch_sizes(64)
+    assert engine.cache.num_blocks == engine.num_blocks + 1
+    tokens, graphed_syncs = _synced_steps(engine)
+    assert tokens == expected
+    assert eager_syncs == [1] * len(eager_syncs), eager_syncs
+    assert graphed_syncs == [1] * len(graphed_syncs), graphed_syncs
