@@ -274,6 +274,16 @@ def load_average() -> dict[str, object]:
     return {"load_1_5_15": list(os.getloadavg()), "cpus": os.cpu_count(), "uptime": line}
 
 
+def cpu_bf16_flags() -> list[str]:
+    """The CPU's native bf16 instruction sets (avx512_bf16, amx_bf16), from /proc/cpuinfo; [] elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> dict[str, object]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     return {
@@ -283,6 +293,7 @@ def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> di
         "dtype": dtype,
         "cpu_linear": "auto",
         "cpu": platform.processor() or platform.machine(),
+        "cpu_bf16": cpu_bf16_flags(),
         "model": "SmolLM2-135M-Instruct",
         "python": platform.python_version(),
         "git_commit": commit or None,
@@ -323,6 +334,20 @@ def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
         f"MiB + model {memory['model_mib']:.0f} MiB (RSS after load {memory['rss_after_load_mib']:.0f} MiB)"
     )
     return "\n".join(lines)
+
+
+def vs_float32(rows: list[ThroughputRow], fp32: list[ThroughputRow]) -> dict[int, dict[str, float]]:
+    """Per batch, the engine's median tok/s over fp32's and fp32's median TPOT p50 over this dtype's
+    (both > 1 when faster). The dtypes run one after the other, not interleaved."""
+    base = {row["batch"]: row["systems"]["engine"] for row in fp32}
+    return {
+        row["batch"]: {
+            "tok_s": row["systems"]["engine"]["tok_s"] / base[row["batch"]]["tok_s"],
+            "tpot": base[row["batch"]]["tpot_ms"]["p50"] / row["systems"]["engine"]["tpot_ms"]["p50"],
+        }
+        for row in rows
+        if row["batch"] in base
+    }
 
 
 def rounds_argument(parser: argparse.ArgumentParser) -> None:
@@ -399,7 +424,8 @@ def main() -> None:
     batches, new_tokens = ([1, 32], 8) if args.quick else ([1, 8, 32], 64)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     memory: dict[str, object] | None = None
-    for dtype in args.dtype:
+    done: dict[str, list[ThroughputRow]] = {}
+    for dtype in sorted(args.dtype, key=lambda d: d != "float32"):  # fp32 first: the others are compared with it
         loaded = load_model(dtype=getattr(torch, dtype), device=args.device)
         limits = machine_limits(weights_of(loaded.model), getattr(torch, dtype), args.device)
         print(roofline_line(limits, dtype, args.threads, args.device), flush=True)
@@ -420,6 +446,9 @@ def main() -> None:
             "adapters": 0,
             "rank_mix": None,
         }
+        done[dtype] = rows
+        if dtype != "float32" and "float32" in done:
+            result["vs_float32"] = vs_float32(rows, done["float32"])
         path = args.out or RESULTS
         if dtype != "float32":
             path = path.with_name(f"{path.stem}-{dtype}.json")
@@ -427,6 +456,11 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=2))
         print(f"\n## {dtype}: median of {rounds} rounds (min-max)\n")
         print(table(rows, memory))
+        for batch, ratio in cast(dict[int, dict[str, float]], result.get("vs_float32", {})).items():
+            print(
+                f"{dtype} vs float32, batch {batch}: engine tok/s {ratio['tok_s']:.2f}x, "
+                f"decode TPOT p50 {ratio['tpot']:.2f}x faster"
+            )
         print(f"\nwrote {path}")
 
 
