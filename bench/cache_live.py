@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
-from bench.engine import environment
+from bench.environment import environment
 from bench.rounds import percentiles
 from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig

@@ -13,8 +13,6 @@ budget and the model size.
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -27,7 +25,8 @@ import torch
 from transformers import GenerationMixin, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from bench.roofline import Limits, machine_limits, physical_cores, roofline, roofline_line, step_floor_ms, weights_of
+from bench.environment import device_argument, environment, rounds_argument, threads_argument
+from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
@@ -268,38 +267,6 @@ def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
     }
 
 
-def load_average() -> dict[str, object]:
-    """The machine's 1/5/15-minute load averages and ``uptime``'s line: figures on a shared box need them."""
-    line = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    return {"load_1_5_15": list(os.getloadavg()), "cpus": os.cpu_count(), "uptime": line}
-
-
-def cpu_bf16_flags() -> list[str]:
-    """The CPU's native bf16 instruction sets (avx512_bf16, amx_bf16), from /proc/cpuinfo; [] elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted({"avx512_bf16", "amx_bf16"} & set(flags))
-
-
-def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> dict[str, object]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    return {
-        "torch": torch.__version__,
-        "threads": threads,
-        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name()})",
-        "dtype": dtype,
-        "cpu_linear": "auto",
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_bf16": cpu_bf16_flags(),
-        "model": "SmolLM2-135M-Instruct",
-        "python": platform.python_version(),
-        "git_commit": commit or None,
-    }
-
-
 def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
     lines = [
         "| batch | system | tok/s median (min-max) | speedup vs hf | TTFT p50 / p95 ms | "
@@ -348,32 +315,6 @@ def vs_float32(rows: list[ThroughputRow], fp32: list[ThroughputRow]) -> dict[int
         for row in rows
         if row["batch"] in base
     }
-
-
-def rounds_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        help=f"rounds, every system once in each (default {DEFAULT_ROUNDS}, {QUICK_ROUNDS} with --quick)",
-    )
-
-
-def threads_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=physical_cores(),
-        help="torch intra-op threads, pinned (default: the machine's physical cores)",
-    )
-
-
-def device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="of the weights, KV cache and every system (the memory probe stays on the CPU)",
-    )
 
 
 def memory_probe(threads: int, quick: bool) -> dict[str, object]:

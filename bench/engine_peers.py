@@ -29,8 +29,9 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.engine import STYLES, TOPICS, chat_ids, environment, rounds_argument, threads_argument
+from bench.engine import STYLES, TOPICS, chat_ids
 from bench.engine_peer import READY, RESULT, Job, Spec
+from bench.environment import environment, rounds_argument, threads_argument
 from bench.load.stack import base_model_dir
 from bench.multilora import QV, RANK, save_adapters
 from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of

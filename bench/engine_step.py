@@ -23,7 +23,8 @@ import torch
 import services.worker.engine.attention as attention
 import services.worker.engine.engine as engine_module
 import services.worker.engine.model as model_module
-from bench.engine import chat_prompts, environment, rounds_argument, threads_argument
+from bench.engine import chat_prompts
+from bench.environment import environment, rounds_argument, threads_argument
 from bench.roofline import machine_limits, roofline_line, step_floor_ms, weights_of
 from bench.rounds import QUICK_ROUNDS, Spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine

@@ -32,7 +32,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from bench.engine import environment, load_average
+from bench.environment import environment, load_average
 from bench.load.stack import base_model_dir
 from bench.rounds import percentiles
 from bench.structured import BATCH, schema

@@ -27,15 +27,8 @@ from peft import PeftModel, get_peft_model
 from peft import __version__ as peft_version
 from transformers import GenerationMixin, PreTrainedModel
 
-from bench.engine import (
-    StepClock,
-    chat_prompts,
-    device_argument,
-    environment,
-    rounds_argument,
-    run_engine,
-    threads_argument,
-)
+from bench.engine import StepClock, chat_prompts, run_engine
+from bench.environment import device_argument, environment, rounds_argument, threads_argument
 from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import chat_prompts, environment, load_average
+from bench.engine import chat_prompts
+from bench.environment import environment, load_average
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from shared.schemas import SamplingParams, StructuredOutput
