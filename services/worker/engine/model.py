@@ -9,7 +9,7 @@ from services.worker.engine.attention import AttentionMetadata, AttentionParams,
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
-from services.worker.engine.rope import apply_rope
+from services.worker.engine.rope import apply_rope, rope_factors
 from services.worker.engine.weights import ModelWeights
 
 
@@ -91,8 +91,8 @@ class LlamaForward:
         s = self.spec
         q_end, k_end = s.q_size, s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
-        rope = self.w.rope[positions]
-        rope_local = self.w.rope_local[positions] if self.w.rope_local is not None else rope
+        rope = rope_factors(self.w.rope[positions])
+        rope_local = rope_factors(self.w.rope_local[positions]) if self.w.rope_local is not None else rope
         h = self.w.embed[input_ids]
         if self._embed_mul is not None:
             h = h * self._embed_mul
@@ -107,7 +107,7 @@ class LlamaForward:
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
                 qk = self._head_norm(qk, layer.qk_norm)
-            qk = apply_rope(qk, rope_local if layer.local_rope else rope)
+            qk = apply_rope(qk, *(rope_local if layer.local_rope else rope))
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)

@@ -54,16 +54,25 @@ def inverse_frequencies(params: dict[str, Any], head_dim: int, max_model_len: in
 
 
 def cos_sin_table(inv_freq: torch.Tensor, max_len: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """[max_len, 2, head_dim] table: row p holds cos and sin of position p, halves duplicated as HF does."""
+    """[max_len, 2, head_dim] table: row p holds cos and a signed sin of position p, halves duplicated as
+    HF does, the sin's first half negated so that ``rotate_half(x) * sin == roll(x, half) * signed_sin``."""
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.stack([emb.cos(), emb.sin()], dim=1).to(device=device, dtype=dtype)
+    half = inv_freq.shape[0]
+    signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+    return torch.stack([emb.cos(), signed], dim=1).to(device=device, dtype=dtype)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos_sin: [num_tokens, 2, head_dim] -> rotated copy of x."""
-    cos = cos_sin[:, 0].unsqueeze(1)
-    sin = cos_sin[:, 1].unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+def rope_factors(cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin: a step's rows of the table [num_tokens, 2, head_dim] -> (cos, signed sin), each
+    [num_tokens, 1, head_dim]: split once per step, not once per layer."""
+    return cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, signed_sin: [num_tokens, 1, head_dim] -> rotated copy of x.
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``: the roll gives
+    ``cat(x2, x1)`` in one op and the table's sin carries the minus, so the products are bit-identical
+    in three ops where the cat of a negated slice took six."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), signed_sin)

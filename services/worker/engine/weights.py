@@ -67,7 +67,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
-    rope: torch.Tensor  # [max_model_len, 2, head_dim]
+    rope: torch.Tensor  # [max_model_len, 2, head_dim]: cos and the signed sin (rope.cos_sin_table)
     rope_local: torch.Tensor | None = None  # [max_model_len, 2, head_dim]: Gemma 3's sliding-layer rope
 
 
