@@ -77,6 +77,10 @@ class Result(TypedDict):
     tpot_ms: dict[str, dict[str, float]]
     step_floor_ms: float
     tpot_vs_floor: dict[str, float]  # each system's median TPOT p50 / step_floor_ms
+    # Distinct adapters' A and B read per decode step (every token its own adapter), fp32, and that read at
+    # the machine's bandwidth: what multi-LoRA adds to a step at the least ("qv", "all")
+    lora_read_mb: dict[str, float]
+    lora_floor_ms: dict[str, float]
     ratio_vs_base: float
     speedup_vs_peft: float
     speedup_vs_hf: float
@@ -328,6 +332,11 @@ def table(result: Result) -> str:
         f"| ratio_vs_base | {result['ratio_vs_base']:.2f} | {every['ratio_vs_base']:.2f} | >= 0.85 |",
         f"| speedup_vs_peft | {result['speedup_vs_peft']:.2f}x | {every['speedup_vs_peft']:.2f}x | >= 2.5x |",
         f"| speedup_vs_hf | {result['speedup_vs_hf']:.2f}x | | |",
+        f"| adapter MB read per decode step (floor ms) | {result['lora_read_mb']['qv']:.0f} "
+        f"({result['lora_floor_ms']['qv']:.1f}) | {result['lora_read_mb']['all']:.0f} "
+        f"({result['lora_floor_ms']['all']:.1f}) | |",
+        f"| TPOT added over base (ms) | {result['tpot_ms']['multilora']['p50'] - result['tpot_ms']['base']['p50']:.1f} "
+        f"| {result['tpot_ms']['multilora_all']['p50'] - result['tpot_ms']['base']['p50']:.1f} | |",
         "",
         f"Rank skew (decode step): {batch - 1} x r8 + 1 x r64 = {skew['ratio']:.2f}x of {batch} x r8 "
         f"(target <= 1.15x); all padded to r64 = {skew['padded_ratio']:.2f}x; the r8 step is "
@@ -369,6 +378,8 @@ def main() -> None:
     skew = rank_skew(loaded, limits, prompts, skew_steps, rounds, args.device)
     tok = {name: s["tok_s"] for name, s in systems.items()}
     floor = step_floor_ms(limits, batch)
+    shapes = ModelShapes.from_hf_config(loaded.model.config)
+    lora_mb = {k: batch * RANK * shapes.params_per_rank(m) * 4 / 1e6 for k, m in (("qv", QV), ("all", MODULES))}
     result: Result = {
         "environment": {**environment(args.threads, "float32", args.device), "peft": peft_version},
         "quick": args.quick,
@@ -390,6 +401,8 @@ def main() -> None:
         "ratio_vs_base": tok["multilora"] / tok["base"],
         "speedup_vs_peft": tok["multilora"] / tok["peft"],
         "speedup_vs_hf": tok["multilora"] / tok["hf"],
+        "lora_read_mb": lora_mb,
+        "lora_floor_ms": {k: mb / limits["read_gb_s"] for k, mb in lora_mb.items()},  # MB / (GB/s) = ms
         "all_modules": {
             "ratio_vs_base": tok["multilora_all"] / tok["base"],
             "speedup_vs_peft": tok["multilora_all"] / tok["peft_all"],
