@@ -34,8 +34,9 @@ class EngineConfig(BaseModel):
     grammar_cache: int = Field(default=512, ge=1, le=100_000, description="compiled JSON grammars kept, by digest")
     cpu_linear: CpuLinear = Field(
         default="auto",
-        description="CPU dense matmuls: auto (oneDNN-prepacked weights for 1-128 rows, F.linear else; "
-        "holds the weights twice), torch (F.linear only), onednn (prepacked for every row count)",
+        description="CPU dense matmuls: auto (oneDNN-prepacked weights, fp32 and bf16, where oneDNN's probe "
+        "passes, else F.linear; holds the weights twice), torch (F.linear only), onednn (prepacked, refusing "
+        "to start where the probe fails)",
     )
     enable_prefix_caching: bool = Field(
         default=True,

@@ -1,18 +1,19 @@
-"""The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight for
-decode steps, in fp32 and bf16.
+"""The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight, in fp32
+and bf16.
 
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
-blocked layout runs the matmuls of a decode step faster there at every batch size up to 128: 1.2-2.3x
-at 8-128 rows, and for 1-7 rows it reads the weights near the memory bandwidth, where MKL's
-matrix-vector path reaches about a third of it (a batch-1 step's projections and lm_head 38 -> 13 ms,
-the whole step 47 -> 22 ms; a batch-4 step 68 -> 25 ms); a large prefill is as fast or faster on
-``F.linear``. So ``auto`` keeps both: the plain weight (which the transformers model shares) and a
-packed copy used for 1 to 128 rows, at the price of holding the dense weights twice.
+blocked layout is faster there at every row count: for 1-7 rows it reads the weights near the memory
+bandwidth, where MKL's matrix-vector path reaches about a third of it (a batch-1 step's projections
+and lm_head 38 -> 13 ms, the whole step 47 -> 22 ms), 1.2-2.3x at 8-128 rows, and 2.0-2.4x on a
+prefill of 129-1405 rows (SmolLM2's four projections, 2 threads). In bf16, ``F.linear`` already runs
+oneDNN: the packed path is 2x faster at one row and within 10% of it past 128. So ``auto`` packs
+every projection where the probe passes, keeping the plain weight too (the transformers model shares
+it; ``torch`` mode and a failed probe use it), at the price of holding the dense weights twice.
 
 The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own inductor emits for
 CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
-weight is packed, else the engine stays on ``F.linear``.
+weight is packed, else ``auto`` stays on ``F.linear`` (``onednn`` refuses to start).
 """
 
 from dataclasses import dataclass
@@ -23,8 +24,6 @@ import torch
 import torch.nn.functional as F
 
 CpuLinear = Literal["auto", "torch", "onednn"]
-# Larger steps (prefill) gain little from the packed path.
-AUTO_MAX_ROWS = 128
 log = structlog.get_logger("engine")
 
 
@@ -37,7 +36,8 @@ def padded_rows(rows: int) -> int:
     oneDNN builds and keeps a primitive per input shape, about 2.3 MB for this model's projections
     together at each row count: over the 121 row counts of 8-128 that was +282 MB of worker RSS,
     reached slowly as prompts of new lengths arrived (the soak saw it as a creep). Thirteen buckets
-    there bound it to a tenth of that, reached within minutes."""
+    there bound it to a tenth of that, reached within minutes; prefills add four per doubling (16 up
+    to a 2048-token step)."""
     if rows <= 1:
         return rows
     if rows <= 32:
@@ -91,15 +91,14 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias``; ``packed`` (if any) serves inputs of up to ``max_rows`` rows."""
+    """``y = x @ weight.T + bias``, through ``packed`` when there is one."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
-    max_rows: int = AUTO_MAX_ROWS
+    packed: torch.Tensor | None = None  # oneDNN's blocked layout of weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.max_rows:
+        if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -112,8 +111,7 @@ class LinearFactory:
         self.pack = wanted and onednn_usable(dtype)
         if wanted and not self.pack and mode == "onednn":
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
-        self.max_rows = 2**31 if mode == "onednn" else AUTO_MAX_ROWS
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
-        return Linear(weight, bias, packed, self.max_rows)
+        return Linear(weight, bias, packed)
