@@ -55,6 +55,21 @@ def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedMode
     return model
 
 
+def tiny_llama() -> LlamaForCausalLM:
+    """A plain seeded Llama (vocab 256, hidden 64, 2 layers, 4 heads on 2 KV heads) for tests of the
+    engine's mechanics rather than a family's math."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
 GEMMA: dict[str, Any] = {
     "head_dim": 16,
     "query_pre_attn_scalar": 24,

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch import build_batch
@@ -14,7 +13,7 @@ from services.worker.engine.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphs, buc
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
-from tests.helpers.families import FAMILIES
+from tests.helpers.families import FAMILIES, tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -48,22 +47,9 @@ def test_cuda_graphs_on_a_cpu_device_are_refused() -> None:
         EngineConfig(cuda_graphs=True)
 
 
-def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def weights() -> ModelWeights:
-    return load_weights(_tiny_llama(), torch.float32, "cpu", 64)
+    return load_weights(tiny_llama(), torch.float32, "cpu", 64)
 
 
 class _NullTokenizer:
@@ -113,7 +99,7 @@ class Beside(DecodeGraphs):
     "family", ["llama", "mistral-window-8", "gemma2-window-8-softcaps", "gemma3-window-8-local-rope"]
 )
 def test_the_padded_static_decode_gives_the_eager_steps_logits_and_tokens(family: str) -> None:
-    model = _tiny_llama() if family == "llama" else FAMILIES[family]()
+    model = tiny_llama() if family == "llama" else FAMILIES[family]()
     weights = load_weights(model, torch.float32, "cpu", 64)
     eager = _engine(weights)
     expected = _tokens(eager)
@@ -158,7 +144,7 @@ def _synced_steps(engine: LLMEngine) -> tuple[dict[str, list[int]], list[int]]:
 @cuda
 @pytest.mark.cuda
 def test_captured_graphs_give_the_eager_tokens_with_one_host_sync_per_step() -> None:
-    on_gpu = load_weights(_tiny_llama(), torch.float32, "cuda", 64)
+    on_gpu = load_weights(tiny_llama(), torch.float32, "cuda", 64)
     expected, eager_syncs = _synced_steps(_engine(on_gpu, device="cuda"))
     engine = _engine(on_gpu, device="cuda", cuda_graphs=True)
     assert engine.graphs is not None and sorted(engine.graphs._graphs) == graph_batch_sizes(64)

@@ -4,12 +4,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.lora_hook import MODULES
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
+from tests.helpers.families import tiny_llama
 
 PROMPTS = {"base": [5, 6, 7, 8, 9], "a": [10, 11, 12], "b": [13, 14, 15, 16]}
 RANK = 4
@@ -52,16 +52,7 @@ class ToyManager:
 
 @pytest.fixture(scope="module")
 def weights() -> ModelWeights:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 64)
+    return load_weights(tiny_llama(), torch.float32, "cpu", 64)
 
 
 def make_manager(weights: ModelWeights) -> ToyManager:

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, sampler
 from services.worker.engine.sampler import sample
@@ -21,6 +20,7 @@ from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from services.worker.lora.metadata import LoraMetadata
 from shared.schemas import SamplingParams
+from tests.helpers.families import tiny_llama
 
 READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"})
 
@@ -130,16 +130,7 @@ def test_a_uniform_that_rounds_up_to_the_total_takes_the_last_token_with_probabi
 
 @pytest.fixture(scope="module")
 def weights() -> ModelWeights:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 64)
+    return load_weights(tiny_llama(), torch.float32, "cpu", 64)
 
 
 class _NullTokenizer:
