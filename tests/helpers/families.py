@@ -70,6 +70,13 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+class NullTokenizer:
+    """Decodes each id to one CJK character: an engine's detokeniser runs without a vocabulary."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
 GEMMA: dict[str, Any] = {
     "head_dim": 16,
     "query_pre_attn_scalar": 24,

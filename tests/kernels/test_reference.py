@@ -51,8 +51,8 @@ def test_segments_mark_contiguous_runs_only() -> None:
     assert find_segments(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)) == ()
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 1, 1, 1, 0, 0, -1, 3], [2] * 9 + [-1, 0, 0] + [2] * 4])
-def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
+def _check_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
+    """add_lora into the first 24 columns of a 48-wide fused output equals the loop, other columns untouched."""
     a, b, scale = make_weights(4, 32, 16, 24, torch.float32, gen)
     token_rows = torch.tensor(rows)
     x = torch.randn(len(rows), 32, generator=gen)
@@ -61,6 +61,11 @@ def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.
     expected[:, :24] = loop_lora(x, fused[:, :24], a, b, scale, token_rows)
     add_lora(x, fused[:, :24], a, b, scale, index_for(token_rows), torch.empty(0))
     torch.testing.assert_close(fused, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 1, 1, 1, 0, 0, -1, 3], [2] * 9 + [-1, 0, 0] + [2] * 4])
+def test_cpu_dispatch_adds_into_a_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
+    _check_fused_column_view(rows, gen)
 
 
 def test_cpu_dispatch_takes_the_bag_path_for_fp32_decode_and_the_gathered_one_for_half(monkeypatch, gen) -> None:
@@ -88,12 +93,5 @@ def test_cpu_dispatch_takes_the_segment_loop_for_a_single_segment(
     real_segments = dispatch.add_lora_segments
     monkeypatch.setattr(dispatch, "add_lora_segments", lambda *a: (taken.append("segments"), real_segments(*a)))
     monkeypatch.setattr(dispatch, "add_lora_bags", lambda *a: taken.append("bags"))
-    a, b, scale = make_weights(4, 32, 16, 24, torch.float32, gen)
-    token_rows = torch.tensor(rows)
-    x = torch.randn(len(rows), 32, generator=gen)
-    fused = torch.randn(len(rows), 48, generator=gen)
-    expected = fused.clone()
-    expected[:, :24] = loop_lora(x, fused[:, :24], a, b, scale, token_rows)
-    add_lora(x, fused[:, :24], a, b, scale, index_for(token_rows), torch.empty(0))
-    torch.testing.assert_close(fused, expected, atol=2e-5, rtol=1e-4)
+    _check_fused_column_view(rows, gen)
     assert taken == ["segments"]

@@ -13,7 +13,7 @@ from services.worker.engine.cuda_graph import MAX_GRAPH_BATCH, DecodeGraphs, buc
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
-from tests.helpers.families import FAMILIES, tiny_llama
+from tests.helpers.families import FAMILIES, NullTokenizer, tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -52,15 +52,10 @@ def weights() -> ModelWeights:
     return load_weights(tiny_llama(), torch.float32, "cpu", 64)
 
 
-class _NullTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
-
-
 def _engine(weights: ModelWeights, **overrides: object) -> LLMEngine:
     settings: dict[str, object] = {"num_blocks": 32, "kv_block_size": 4, "max_model_len": 64}
     config = EngineConfig(**{**settings, "max_num_batched_tokens": 64, **overrides})
-    engine = LLMEngine(weights, tokenizer=_NullTokenizer(), config=config, eos_token_ids=set())  # type: ignore[arg-type]
+    engine = LLMEngine(weights, tokenizer=NullTokenizer(), config=config, eos_token_ids=set())  # type: ignore[arg-type]
     for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
         engine.add_request(EngineRequest(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
     return engine

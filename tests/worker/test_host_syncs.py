@@ -20,7 +20,7 @@ from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from services.worker.lora.metadata import LoraMetadata
 from shared.schemas import SamplingParams
-from tests.helpers.families import tiny_llama
+from tests.helpers.families import NullTokenizer, tiny_llama
 
 READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"})
 
@@ -133,11 +133,6 @@ def weights() -> ModelWeights:
     return load_weights(tiny_llama(), torch.float32, "cpu", 64)
 
 
-class _NullTokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x4E00 + i) for i in ids)
-
-
 def _steps(engine: LLMEngine) -> Iterator[tuple[list[str], list[str]]]:
     while engine.has_unfinished():
         with HostReads() as counted:
@@ -147,7 +142,7 @@ def _steps(engine: LLMEngine) -> Iterator[tuple[list[str], list[str]]]:
 
 def test_each_engine_step_reads_the_device_once(weights: ModelWeights) -> None:
     config = EngineConfig(num_blocks=32, kv_block_size=4, max_model_len=64, max_num_batched_tokens=64)
-    engine = LLMEngine(weights, tokenizer=_NullTokenizer(), config=config, eos_token_ids=set())
+    engine = LLMEngine(weights, tokenizer=NullTokenizer(), config=config, eos_token_ids=set())
     for i, params in enumerate(MIXED):
         engine.add_request(
             EngineRequest(str(i), [5 + i, 6, 7, 8][: 2 + i % 3], params.model_copy(update={"max_tokens": 5}))
