@@ -71,7 +71,7 @@ def lora_forms(x: torch.Tensor, y: torch.Tensor, rank: int, rows: torch.Tensor) 
     index = index_for(rows)
     return {
         "gathered": lambda: add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row),
-        "bags": lambda: add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags),
+        "bags": lambda: add_lora_bags(x, y, a, b, scale, index.bag_plan()),
         "segments": lambda: add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments),
         "dispatch": lambda: add_lora(x, y, a, b, scale, index, NO_WORKSPACE),
     }

@@ -1,10 +1,10 @@
 """One step's token -> row index for a rank class, and the op that picks Triton (CUDA) or torch (CPU)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kernels.bags import Bags, add_lora_bags, usable
+from kernels.bags import BagPlan, add_lora_bags, usable
 from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_segments
 
 # CUDA: BGMV re-reads a row's weights for every token, SGMV once per BLOCK_M tokens, so BGMV only
@@ -28,7 +28,7 @@ class LoraIndex:
     seg_row: torch.Tensor  # [num_segments] int32, stack row of each segment
     max_seg_len: int
     segments: tuple[Segment, ...]  # host copy of the segments, for the CPU path
-    bags: Bags = field(default_factory=dict)  # the CPU bag path's indices, built once per step and width
+    bags: BagPlan | None = None  # the CPU bag path's plan, built on its first use in the step (bag_plan)
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +37,12 @@ class LoraIndex:
     @property
     def mean_seg_len(self) -> float:
         return self.num_tokens / max(1, len(self.segments))
+
+    def bag_plan(self) -> BagPlan:
+        """The bag path's plan for these tokens, built once and shared by every layer and projection."""
+        if self.bags is None:
+            self.bags = BagPlan.of(self.token_idx, self.token_row)
+        return self.bags
 
 
 def find_segments(token_idx: torch.Tensor, token_row: torch.Tensor) -> tuple[Segment, ...]:
@@ -93,7 +99,7 @@ def add_lora(
         if len(index.segments) == 1 or index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
         elif usable(x, a, b):
-            add_lora_bags(x, y, a, b, scale, index.token_idx, index.token_row, index.bags)
+            add_lora_bags(x, y, a, b, scale, index.bag_plan())
         else:
             add_lora_gathered(x, y, a, b, scale, index.token_idx, index.token_row)
         return

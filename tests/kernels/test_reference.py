@@ -34,10 +34,12 @@ def test_both_forms_match_the_loop(spread: str, rank: int, dtype: torch.dtype, g
 
     if dtype == torch.float32:  # the CPU decode path; fp32 only (kernels/bags.py)
         bagged = y.clone()
-        add_lora_bags(x, bagged, a, b, scale, index.token_idx, index.token_row, index.bags)
+        plan = index.bag_plan()
+        add_lora_bags(x, bagged, a, b, scale, plan)
         torch.testing.assert_close(bagged, expected, atol=atol, rtol=rtol)
         assert torch.equal(bagged[rows < 0], y[rows < 0])
-        assert set(index.bags) == {in_features, rank}  # built once per width, reused by later calls
+        assert index.bag_plan() is plan  # built once per step, reused by every later call
+        assert set(plan._bags) == {in_features, rank}  # the bag indices: once per width
 
 
 def test_segments_mark_contiguous_runs_only() -> None:
@@ -95,3 +97,21 @@ def test_cpu_dispatch_takes_the_segment_loop_for_a_single_segment(
     monkeypatch.setattr(dispatch, "add_lora_bags", lambda *a: taken.append("bags"))
     _check_fused_column_view(rows, gen)
     assert taken == ["segments"]
+
+
+def test_the_bag_plan_reads_views_for_one_run_of_positions_and_gathers_otherwise(gen: torch.Generator) -> None:
+    """Tokens 2..5 all on adapters: x and y are read as row views. A base token among them: gathered and
+    index-added. Both agree with the loop, and the base token's row is left alone."""
+    a, b, scale = make_weights(4, 32, 8, 24, torch.float32, gen)
+    x = torch.randn(7, 32, generator=gen)
+    for rows, first in (([-1, -1, 3, 0, 3, 1, -1], 2), ([0, 2, -1, 1, 1, 3, 0], -1)):
+        token_rows = torch.tensor(rows)
+        index = index_for(token_rows)
+        plan = index.bag_plan()
+        assert plan.first == first
+        assert plan.positions.tolist() == [i for i, r in enumerate(rows) if r >= 0]
+        assert plan.rows.tolist() == [r for r in rows if r >= 0]
+        y = torch.randn(7, 24, generator=gen)
+        expected = loop_lora(x, y, a, b, scale, token_rows)
+        add_lora_bags(x, y, a, b, scale, plan)
+        torch.testing.assert_close(y, expected, atol=2e-5, rtol=1e-4)
