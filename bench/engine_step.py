@@ -102,6 +102,7 @@ def install(clock: StageClock, vocab_size: int) -> None:
     clock.wrap(model_module, "paged_attention", "attention: rest (views, masks, output copy)")
     clock.wrap(attention, "gather_blocks", "attention: gather K/V blocks")
     clock.wrap(attention, "_decode_attention", "attention: decode matmuls, softmax")
+    clock.wrap(attention, "paged_decode", "attention: native paged decode (kernels/native.py)")
 
 
 def spread(values: list[float]) -> Spread:

@@ -166,6 +166,15 @@ if os.environ.get("LF_TEST_TIER") == "fast":
     sys.addaudithook(_fast_tier_guard)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load) the native decode-attention kernel once, before any test: on a fresh machine its
+    g++ build takes about 35 s, which belongs to no test's timeout, and runs outside the fast tier's
+    process guard; every engine built afterwards finds it loaded (kernels.native.native_decode)."""
+    from kernels.native import native_decode
+
+    native_decode()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> object:
     """Setup, call and teardown of one test (module and session fixtures are set up in its setup)."""

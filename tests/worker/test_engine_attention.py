@@ -4,8 +4,10 @@
 import pytest
 import torch
 
+from kernels.native import native_decode
 from services.worker.engine.attention import (
     AttentionMetadata,
+    AttentionParams,
     block_index,
     gather_blocks,
     paged_attention,
@@ -36,8 +38,12 @@ def test_gather_blocks_copies_each_heads_blocks_in_table_order():
     assert torch.equal(out.view_as(expected), expected)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["eager", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: torch.dtype):
+def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: torch.dtype, native: bool):
+    if native and not native_decode():
+        pytest.skip("the native decode kernel is not built here (tests/worker/test_native_attention.py says why)")
+    params = AttentionParams(HEAD_DIM**-0.5, native=native)
     g = torch.Generator().manual_seed(1)
     num_blocks = 40
     cache = torch.zeros(2, KV_HEADS, num_blocks * BLOCK, HEAD_DIM, dtype=dtype)
@@ -77,10 +83,11 @@ def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: t
         num_decode=len(decode_lengths),
         decode_blocks=torch.tensor([b for t in tables for b in t + [0] * (max_blocks - len(t))]),
         decode_mask=mask.view(1, len(decode_lengths), 1, -1),
+        decode_lengths=lengths,
         prefill_bounds=bounds,
     )
     write_kv(cache, step_k, step_v, meta.slot_mapping)
-    out = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM))
+    out = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM), params)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for i, (k, v) in enumerate(history):
         torch.testing.assert_close(
@@ -91,5 +98,5 @@ def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: t
             out[a:b].float(), _reference(q[a:b].float(), step_k[a:b].float(), step_v[a:b].float()), **tol
         )
     # a second layer of the same step reuses the step's scratch and bias, and agrees again
-    again = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM))
+    again = paged_attention(q, step_k, step_v, cache, meta, BLOCK, q.new_empty(q.shape[0], HEADS * HEAD_DIM), params)
     assert torch.equal(again, out)

@@ -2,9 +2,33 @@
 within a sliding window (a token at position i sees positions j with i - window < j <= i)."""
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from kernels.native import DTYPES as NATIVE_DTYPES
+from kernels.native import MAX_HEAD_DIM as NATIVE_MAX_HEAD_DIM
+from kernels.native import native_decode, paged_decode
+
+CpuAttention = Literal["auto", "torch", "native"]
+
+
+def use_native_decode(mode: CpuAttention, device: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decodes take kernels.native's paged kernel: ``auto`` where it applies (CPU, fp32 or bf16,
+    head_dim <= 256) and builds and passes its probe here, ``torch`` never, ``native`` always (raises
+    ValueError where it cannot)."""
+    if mode == "torch":
+        return False
+    applies = torch.device(device).type == "cpu" and dtype in NATIVE_DTYPES and head_dim <= NATIVE_MAX_HEAD_DIM
+    if applies and native_decode():
+        return True
+    if mode == "native":
+        raise ValueError(
+            f"cpu_attention='native' is not usable for {device} {dtype} head_dim {head_dim}: the kernel serves CPU "
+            f"fp32 and bf16 up to head_dim {NATIVE_MAX_HEAD_DIM}, and needs a C++ toolchain to build (see the log)"
+        )
+    return False
 
 
 @dataclass(slots=True)
@@ -15,6 +39,7 @@ class AttentionMetadata:
     num_decode: int
     decode_blocks: torch.Tensor  # [num_decode * max_blocks] int64 padded block tables, flattened
     decode_mask: torch.Tensor  # [1, num_decode, 1, max_blocks * block_size] bool, True = attend
+    decode_lengths: torch.Tensor  # [num_decode] int64 context length of each decode, its new token included
     prefill_bounds: list[tuple[int, int]]  # token [start, end) of each prefill's new tokens
     # Per prefill: None when it starts from an empty cache, else (cache slots of its whole context,
     # fp32 causal bias [new tokens, context]) for one that continues a shared cached prefix.
@@ -112,6 +137,7 @@ class AttentionParams:
     scale: float  # head_dim ** -0.5 for Llama
     window: int | None = None  # sliding window in tokens; None = global causal attention
     softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap (Gemma 2)
+    native: bool = False  # decodes through kernels.native's paged kernel (CPU, fp32 / bf16) instead of the gather
 
 
 def _decode_attention(
@@ -174,14 +200,21 @@ def paged_attention(
     q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim], this step's K/V
     (already written to ``kv_cache`` [2, kv_heads, num_slots, head_dim]). A prefill from an empty
     cache attends to its own fresh K/V; one past a cached prefix, and every decode, reads the cache.
-    ``params`` defaults to Llama's: scale head_dim ** -0.5, no window, no soft-cap.
+    ``params`` defaults to Llama's: scale head_dim ** -0.5, no window, no soft-cap. With
+    ``params.native`` the decodes read the cache in place through kernels.native's kernel; else their
+    blocks are gathered into a scratch copy and attended with two batched matmuls.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     params = params or AttentionParams(head_dim**-0.5)
     window = params.window
     kv_heads = k.shape[1]
     n = meta.num_decode
-    if n:
+    if n and params.native:
+        tables = meta.decode_blocks.view(n, -1)
+        paged_decode(
+            q[:n], kv_cache, tables, meta.decode_lengths, out[:n], block_size, params.scale, params.softcap, window
+        )
+    elif n:
         # Heads sharing a KV head become that head's query rows: GQA without repeating K/V.
         dq = q[:n].view(n, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
         length = meta.decode_mask.shape[-1]

@@ -70,6 +70,7 @@ def build_batch(decodes: list[Sequence], prefills: list[Sequence], block_size: i
         num_decode=d,
         decode_blocks=decode_blocks,
         decode_mask=mask.view(1, d, 1, width),
+        decode_lengths=lens,
         prefill_bounds=bounds,
         prefill_contexts=contexts,
     )

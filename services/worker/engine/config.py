@@ -5,6 +5,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.worker.engine.attention import CpuAttention
 from services.worker.engine.linear import CpuLinear
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,12 @@ class EngineConfig(BaseModel):
         description="CPU dense matmuls: auto (oneDNN-prepacked weights, fp32 and bf16, where oneDNN's probe "
         "passes, else F.linear; holds the weights twice), torch (F.linear only), onednn (prepacked, refusing "
         "to start where the probe fails)",
+    )
+    cpu_attention: CpuAttention = Field(
+        default="auto",
+        description="CPU decode attention: auto (the native paged kernel, reading each decode's K/V in place, "
+        "fp32 and bf16, where it builds for this CPU and passes its probe, else the eager gather and matmuls), "
+        "torch (eager only), native (the kernel, refusing to start where it is not usable)",
     )
     enable_prefix_caching: bool = Field(
         default=True,

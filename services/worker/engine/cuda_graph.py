@@ -134,6 +134,7 @@ class DecodeGraphs:
             num_decode=bucket,
             decode_blocks=rows[:, FIELDS:].contiguous().view(-1),
             decode_mask=mask,
+            decode_lengths=lengths,
             prefill_bounds=[],
         )
         dtype = self.cache.data.dtype

@@ -5,6 +5,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from services.worker.engine.attention import use_native_decode
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.config import EngineConfig
@@ -60,7 +61,9 @@ class LLMEngine:
         self.cache = KVCache(spec, num_blocks + scratch, config.kv_block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
-        self.model = LlamaForward(weights, LinearFactory(config.cpu_linear, config.device, config.torch_dtype))
+        native = use_native_decode(config.cpu_attention, config.device, config.torch_dtype, spec.head_dim)
+        linear = LinearFactory(config.cpu_linear, config.device, config.torch_dtype)
+        self.model = LlamaForward(weights, linear, native_attention=native)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
             sizes = graph_batch_sizes(config.max_num_seqs)

@@ -25,7 +25,7 @@ class LlamaForward:
     row stride = fused width); ``apply`` must add into them in place.
     """
 
-    def __init__(self, weights: ModelWeights, linear: LinearFactory | None = None):
+    def __init__(self, weights: ModelWeights, linear: LinearFactory | None = None, native_attention: bool = False):
         self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
@@ -49,7 +49,10 @@ class LlamaForward:
             self._norm_fp32 if s.norm_fp32 else self._norm_plain
         )
         self.act: Callable[[torch.Tensor], torch.Tensor] = _gelu_tanh if s.gelu_tanh else F.silu
-        self.attention = [AttentionParams(s.attention_scale, layer.window, s.attn_softcap) for layer in weights.layers]
+        self.attention = [
+            AttentionParams(s.attention_scale, layer.window, s.attn_softcap, native_attention)
+            for layer in weights.layers
+        ]
 
     def _norm_plain(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)

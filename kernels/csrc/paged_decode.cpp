@@ -1,0 +1,183 @@
+// Paged decode attention on CPU: each decode's K/V read where it lies in the block-paged cache.
+//
+// out[s, h*d:(h+1)*d] = softmax(softcap(q[s, h] . K[s, :len]^T * scale) over the window) . V[s, :len]
+// for each decode row s and query head h, K/V of head h / group from cache [2, kv_heads, slots, d].
+// One task per (row, kv head): the group's query heads share every K and V row it reads, so each
+// is read once per step. Scores, softmax and the weighted sum of V are fp32 whatever the cache's
+// dtype (bf16 K/V are widened on load), as transformers' eager attention computes them.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// K or V row j of one head, widened to fp32 (bf16 is the high half of an fp32: a shift).
+inline const float* row_f32(const float* src, float*) { return src; }
+inline const float* row_f32(const at::BFloat16* src, float* buf, int64_t d) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    uint32_t wide = static_cast<uint32_t>(bits[e]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    buf[e] = f;
+  }
+  return buf;
+}
+inline const float* row_f32(const float* src, float* buf, int64_t) { return row_f32(src, buf); }
+
+// exp(x) for x <= 0 (a score minus its row's maximum), to about 2 ulp, in a loop the compiler
+// vectorises: 2^n * p(r) with n = round(x / ln 2) and a degree-6 polynomial on |r| <= ln 2 / 2.
+inline void exp_nonpositive(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = std::max(x[i], -87.3f);
+    float k = std::nearbyint(v * 1.44269504088896341f);
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+  }
+}
+
+// One (decode row, kv head) task. D > 0: head_dim known at compile time (fully unrolled rows);
+// D == 0: head_dim d at run time.
+template <typename T, int64_t D>
+void decode_task(const float* qf, int64_t group, int64_t d, const int64_t* table, int64_t first, int64_t len,
+                 int64_t block_size, const T* k_head, const T* v_head, float fscale, float fcap,
+                 float* scores, float* acc, float* buf) {
+  if constexpr (D > 0) d = D;
+  const int64_t span = len - first;
+  // scores[g][j - first] = q_g . k_j * scale, block by block (a block's rows are contiguous)
+  for (int64_t j = first; j < len;) {
+    const int64_t in_block = j % block_size;
+    const int64_t stop = std::min(len, j - in_block + block_size);
+    const T* k = k_head + (table[j / block_size] * block_size + in_block) * d;
+    for (; j < stop; ++j, k += d) {
+      const float* kf = row_f32(k, buf, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t e = 0; e < d; ++e) dot += qg[e] * kf[e];
+        scores[g * span + (j - first)] = dot * fscale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * span;
+    if (fcap > 0.f) {
+      for (int64_t j = 0; j < span; ++j) row[j] = std::tanh(row[j] / fcap) * fcap;
+    }
+    float top = row[0];
+    for (int64_t j = 1; j < span; ++j) top = std::max(top, row[j]);
+#pragma omp simd
+    for (int64_t j = 0; j < span; ++j) row[j] -= top;
+    exp_nonpositive(row, span);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < span; ++j) sum += row[j];
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < span; ++j) row[j] *= inv;
+  }
+  std::fill(acc, acc + group * d, 0.f);
+  for (int64_t j = first; j < len;) {
+    const int64_t in_block = j % block_size;
+    const int64_t stop = std::min(len, j - in_block + block_size);
+    const T* v = v_head + (table[j / block_size] * block_size + in_block) * d;
+    for (; j < stop; ++j, v += d) {
+      const float* vf = row_f32(v, buf, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * span + (j - first)];
+        float* a = acc + g * d;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) a[e] += p * vf[e];
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+            const torch::Tensor& lengths, torch::Tensor& out, int64_t block_size, double scale,
+            double softcap, int64_t window) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = cache.size(1), slots = cache.size(2), width = tables.size(1);
+  const int64_t group = heads / kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = cache.data_ptr<T>();
+  const T* vp = kp + kv_heads * slots * d;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0);
+  const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  auto task_fn = d == 64 ? &decode_task<T, 64> : d == 128 ? &decode_task<T, 128> : &decode_task<T, 0>;
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    float buf[kMaxHeadDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lp[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      scores.resize(group * (len - first));
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = row_f32(qp + s * q_row + (h * group + g) * q_head, buf, d);
+        std::copy(src, src + d, qf.begin() + g * d);
+      }
+      task_fn(qf.data(), group, d, tp + s * width, first, len, block_size, kp + h * slots * d, vp + h * slots * d,
+              fscale, fcap, scores.data(), acc.data(), buf);
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + s * o_row + (h * group + g) * d;
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[g * d + e]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [n, heads, d] (rows of contiguous head_dim); cache [2, kv_heads, slots, d] contiguous; tables
+// [n, width] int64 block ids; lengths [n] int64 (each >= 1); out [n, heads * d] (contiguous rows).
+// softcap <= 0: none; window <= 0: none (else the last `window` positions).
+void paged_decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+                  const torch::Tensor& lengths, torch::Tensor out, int64_t block_size, double scale,
+                  double softcap, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "cache must be a contiguous [2, kv_heads, slots, head_dim]");
+  TORCH_CHECK(cache.size(3) == q.size(2) && q.size(1) % cache.size(1) == 0, "q's heads and head_dim must fit the cache's");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() && out.scalar_type() == q.scalar_type(), "q, cache and out share a dtype");
+  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.is_contiguous() && tables.size(0) == q.size(0), "tables must be a contiguous int64 [n, width]");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == q.size(0), "lengths must be a contiguous int64 [n]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == q.size(1) * q.size(2) && out.stride(1) == 1, "out must be [n, heads * head_dim] with contiguous rows");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
+  switch (q.scalar_type()) {
+    case torch::kFloat: decode<float>(q, cache, tables, lengths, out, block_size, scale, softcap, window); break;
+    case torch::kBFloat16: decode<at::BFloat16>(q, cache, tables, lengths, out, block_size, scale, softcap, window); break;
+    default: TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, not ", q.scalar_type());
+  }
+}
+
+TORCH_LIBRARY(lorafleet, m) {
+  m.def("paged_decode(Tensor q, Tensor cache, Tensor tables, Tensor lengths, Tensor(a!) out, int block_size, float scale, float softcap, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lorafleet, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,134 @@
+"""The CPU decode-attention kernel (``csrc/paged_decode.cpp``), built for this machine on first use.
+
+``torch.ops.lorafleet.paged_decode`` reads each decode's K/V where it lies in the block-paged cache,
+one task per (sequence, KV head) over torch's intra-op threads, and keeps scores, softmax and the
+weighted sum of V in fp32 (bf16 K/V widened on load). The eager path it replaces gathers every
+block into a scratch copy, then reads it twice more in two batched matmuls and a softmax.
+
+The source is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
+35 s on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
+under a name that carries a digest of the source, the flags and this CPU's instruction sets, so a
+build is never loaded on a CPU it was not built for. :func:`native_decode` builds and probes it
+once per process against the eager path; where either fails it logs why and returns False, and the
+engine keeps the eager attention (``cpu_attention='native'`` refuses to start instead).
+"""
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
+# -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
+# are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
+LDFLAGS = ["-fopenmp"]
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256  # kMaxHeadDim in the source
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def extension_name() -> str:
+    """The build's name: a digest of the source, the flags and this CPU's instruction-set flags."""
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
+        _cpu_flags().encode(),
+        torch.__version__.encode(),
+    ):
+        digest.update(part)
+    return f"lorafleet_paged_decode_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def native_decode() -> bool:
+    """Whether ``torch.ops.lorafleet.paged_decode`` is built, loaded and agrees with the eager decode
+    attention here (fp32 and bf16, GQA, a window, a soft-cap); built at most once per process."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        load(
+            name=extension_name(),
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            is_python_module=False,
+        )
+        return _probe()
+    except Exception as e:  # a missing compiler or ninja, a failed build or load: the eager path serves
+        log.warning("native_decode_attention_unavailable", error=str(e)[-2000:])
+        return False
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH: where none is there, the ``ninja`` wheel's binary
+    (a dependency, in the environment's bin directory, which a bare ``.venv/bin/python`` leaves off PATH)."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> None:
+    """``out[s]`` = attention of decode ``s``'s query heads over its first ``lengths[s]`` cached
+    positions (the last ``window`` of them with a window), soft-capped before the softmax with a cap.
+
+    q [n, heads, head_dim] (contiguous head_dim); cache [2, kv_heads, num_slots, head_dim]
+    contiguous; tables [n, width] int64 block ids; lengths [n] int64 >= 1; out [n, heads * head_dim]
+    (contiguous rows); fp32 or bf16. Call only where :func:`native_decode` is True."""
+    torch.ops.lorafleet.paged_decode(q, cache, tables, lengths, out, block_size, scale, softcap or 0.0, window or 0)
+
+
+def _probe() -> bool:
+    """The kernel against the eager formula on a small scattered cache: each dtype, with and
+    without a window and a soft-cap; False (logged) on any disagreement."""
+    generator = torch.Generator().manual_seed(0)
+    block, kv_heads, heads, dim = 4, 2, 6, 16
+    lengths = torch.tensor([1, 7, 13])
+    tables = torch.tensor([[5, 0, 0, 0], [2, 7, 0, 0], [1, 3, 6, 4]])
+    for dtype in DTYPES:
+        cache = torch.randn(2, kv_heads, 8 * block, dim, generator=generator).to(dtype)
+        q = torch.randn(3, heads, dim, generator=generator).to(dtype)
+        for softcap, window in ((None, None), (5.0, 5)):
+            out = q.new_empty(3, heads * dim)
+            paged_decode(q, cache, tables, lengths, out, block, dim**-0.5, softcap, window)
+            for s, length in enumerate(lengths.tolist()):
+                first = max(0, length - window) if window else 0
+                slots = torch.tensor([int(tables[s, p // block]) * block + p % block for p in range(first, length)])
+                k, v = cache[0][:, slots].float(), cache[1][:, slots].float()
+                scores = q[s].float().view(kv_heads, -1, dim) @ k.transpose(1, 2) * dim**-0.5
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
+                want = (torch.softmax(scores, -1) @ v).reshape(-1)
+                tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+                if not torch.allclose(out[s].float(), want, atol=tolerance, rtol=tolerance):
+                    log.warning("native_decode_attention_probe_failed", dtype=str(dtype), row=s)
+                    return False
+    return True
