@@ -11,6 +11,7 @@ import torch
 
 from bench.roofline import physical_cores
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS
+from kernels.native import native_decode
 
 
 def load_average() -> dict[str, object]:
@@ -37,6 +38,10 @@ def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> di
         "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name()})",
         "dtype": dtype,
         "cpu_linear": "auto",
+        # auto: the native paged decode kernel where it built here (kernels/native.py), else the eager path
+        "cpu_attention": "native"
+        if device == "cpu" and dtype in ("float32", "bfloat16") and native_decode()
+        else "torch",
         "cpu": platform.processor() or platform.machine(),
         "cpu_bf16": cpu_bf16_flags(),
         "model": "SmolLM2-135M-Instruct",
