@@ -55,30 +55,38 @@ inline void exp_nonpositive(float* x, int64_t n) {
   }
 }
 
-// One (decode row, kv head) task. D > 0: head_dim known at compile time (fully unrolled rows);
-// D == 0: head_dim d at run time.
-template <typename T, int64_t D>
-void decode_task(const float* qf, int64_t group, int64_t d, const int64_t* table, int64_t first, int64_t len,
-                 int64_t block_size, const T* k_head, const T* v_head, float fscale, float fcap,
-                 float* scores, float* acc, float* buf) {
-  if constexpr (D > 0) d = D;
-  const int64_t span = len - first;
-  // scores[g][j - first] = q_g . k_j * scale, block by block (a block's rows are contiguous)
+// fn(j, row) for positions j in [first, len) of one head's K or V, block by block: a block's rows
+// are contiguous, so the table is read once per block and no position is divided.
+template <typename T, typename Fn>
+inline void for_each_row(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
+                         const T* head, Fn&& fn) {
   for (int64_t j = first; j < len;) {
     const int64_t in_block = j % block_size;
     const int64_t stop = std::min(len, j - in_block + block_size);
-    const T* k = k_head + (table[j / block_size] * block_size + in_block) * d;
-    for (; j < stop; ++j, k += d) {
-      const float* kf = row_f32(k, buf, d);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf + g * d;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t e = 0; e < d; ++e) dot += qg[e] * kf[e];
-        scores[g * span + (j - first)] = dot * fscale;
-      }
-    }
+    const T* row = head + (table[j / block_size] * block_size + in_block) * d;
+    for (; j < stop; ++j, row += d) fn(j, row);
   }
+}
+
+// One (decode row, kv head) task. D > 0: head_dim known at compile time (fully unrolled rows);
+// D == 0: head_dim d at run time.
+template <typename T, int64_t D>
+void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t* table, int64_t first, int64_t len,
+                 int64_t block_size, const T* k_head, const T* v_head, float fscale, float fcap,
+                 float* scores, float* acc, float* buf) {
+  const int64_t d = D > 0 ? D : head_dim;
+  const int64_t span = len - first;
+  // scores[g][j - first] = q_g . k_j * scale
+  for_each_row(table, first, len, block_size, d, k_head, [&](int64_t j, const T* k) {
+    const float* kf = row_f32(k, buf, d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * d;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t e = 0; e < d; ++e) dot += qg[e] * kf[e];
+      scores[g * span + (j - first)] = dot * fscale;
+    }
+  });
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * span;
     if (fcap > 0.f) {
@@ -97,20 +105,15 @@ void decode_task(const float* qf, int64_t group, int64_t d, const int64_t* table
     for (int64_t j = 0; j < span; ++j) row[j] *= inv;
   }
   std::fill(acc, acc + group * d, 0.f);
-  for (int64_t j = first; j < len;) {
-    const int64_t in_block = j % block_size;
-    const int64_t stop = std::min(len, j - in_block + block_size);
-    const T* v = v_head + (table[j / block_size] * block_size + in_block) * d;
-    for (; j < stop; ++j, v += d) {
-      const float* vf = row_f32(v, buf, d);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * span + (j - first)];
-        float* a = acc + g * d;
+  for_each_row(table, first, len, block_size, d, v_head, [&](int64_t j, const T* v) {
+    const float* vf = row_f32(v, buf, d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * span + (j - first)];
+      float* a = acc + g * d;
 #pragma omp simd
-        for (int64_t e = 0; e < d; ++e) a[e] += p * vf[e];
-      }
+      for (int64_t e = 0; e < d; ++e) a[e] += p * vf[e];
     }
-  }
+  });
 }
 
 template <typename T>

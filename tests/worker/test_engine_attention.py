@@ -4,7 +4,6 @@
 import pytest
 import torch
 
-from kernels.native import native_decode
 from services.worker.engine.attention import (
     AttentionMetadata,
     AttentionParams,
@@ -13,6 +12,7 @@ from services.worker.engine.attention import (
     paged_attention,
     write_kv,
 )
+from tests.helpers.native import needs_toolchain
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -38,11 +38,9 @@ def test_gather_blocks_copies_each_heads_blocks_in_table_order():
     assert torch.equal(out.view_as(expected), expected)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["eager", "native"])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_toolchain)], ids=["eager", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_on_scattered_blocks_and_prefills_match_dense_attention(dtype: torch.dtype, native: bool):
-    if native and not native_decode():
-        pytest.skip("the native decode kernel is not built here (tests/worker/test_native_attention.py says why)")
     params = AttentionParams(HEAD_DIM**-0.5, native=native)
     g = torch.Generator().manual_seed(1)
     num_blocks = 40

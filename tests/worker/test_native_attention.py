@@ -3,9 +3,6 @@ replaces: the same outputs over scattered block tables, every head_dim path (64 
 any other at run time), GQA groups, sliding windows, Gemma 2's soft-cap, fp32 and bf16; its input
 checks; the engine's choice (``cpu_attention``); and an engine's greedy tokens, native against eager."""
 
-import platform
-import shutil
-
 import pytest
 import torch
 
@@ -15,21 +12,16 @@ from services.worker.engine.attention import AttentionMetadata, AttentionParams,
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams
 from tests.helpers.families import NullTokenizer, tiny_llama
+from tests.helpers.native import needs_toolchain
+
+pytestmark = needs_toolchain
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _built() -> None:
-    if not native_decode():
-        pytest.skip("the native decode kernel did not build or load here (see the kernels log)")
-
-
-def test_it_builds_where_a_cpp_toolchain_is_present() -> None:
-    """On the Linux x86 machines this project runs on, with g++ and ninja on PATH, a failed build is a defect."""
-    if platform.machine() != "x86_64" or not (shutil.which("g++") and shutil.which("ninja")):
-        pytest.skip("no x86-64 C++ toolchain here")
+def test_it_builds_and_passes_its_probe() -> None:
+    """With an x86-64 g++ (and the ninja wheel, a dependency) a failed build or probe is a defect."""
     assert native_decode()
 
 
