@@ -55,12 +55,12 @@ def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedMode
     return model
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    """A plain seeded Llama (vocab 256, hidden 64, 2 layers, 4 heads on 2 KV heads) for tests of the
-    engine's mechanics rather than a family's math."""
+def tiny_llama(vocab_size: int = 256) -> LlamaForCausalLM:
+    """A plain seeded Llama (vocab 256, or a real tokenizer's size, hidden 64, 2 layers, 4 heads on 2
+    KV heads) for tests of the engine's mechanics rather than a family's math."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

@@ -9,26 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, RequestTooLarge
 from services.worker.engine.loader import load_model
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
+from tests.helpers.families import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def parts() -> tuple[ModelWeights, PreTrainedTokenizerBase]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    weights = load_weights(LlamaForCausalLM(config).eval(), torch.float32, "cpu", 256)
+    model = tiny_llama(vocab_size=49152)  # the SmolLM2 tokenizer's vocabulary
+    weights = load_weights(model, torch.float32, "cpu", 256)
     return weights, load_model().tokenizer
 
 
