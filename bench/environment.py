@@ -11,7 +11,7 @@ import torch
 
 from bench.roofline import physical_cores
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS
-from kernels.native import native_decode
+from kernels.native import native_decode, native_lora
 
 
 def load_average() -> dict[str, object]:
@@ -42,6 +42,8 @@ def environment(threads: int, dtype: str = "float32", device: str = "cpu") -> di
         "cpu_attention": "native"
         if device == "cpu" and dtype in ("float32", "bfloat16") and native_decode()
         else "torch",
+        # auto: the native LoRA kernel where it built here (kernels/native.py), else the eager forms
+        "cpu_lora": "native" if device == "cpu" and dtype in ("float32", "bfloat16") and native_lora() else "torch",
         "cpu": platform.processor() or platform.machine(),
         "cpu_bf16": cpu_bf16_flags(),
         "model": "SmolLM2-135M-Instruct",

@@ -1,11 +1,16 @@
 """One step's token -> row index for a rank class, and the op that picks Triton (CUDA) or torch (CPU)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kernels.bags import BagPlan, add_lora_bags, usable
+from kernels.native import DTYPES as NATIVE_DTYPES
+from kernels.native import lora_bgmv, native_lora
 from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_segments
+
+CpuLora = Literal["auto", "torch", "native"]
 
 # CUDA: BGMV re-reads a row's weights for every token, SGMV once per BLOCK_M tokens, so BGMV only
 # wins when segments are about one token long (decode).
@@ -16,6 +21,29 @@ BGMV_MAX_MEAN_SEG_LEN = 1.5
 # win ~4x at 16 and ~10x on prefill (bench/lora_ops.py). A single segment (a batch-1 decode, or one
 # adapter's tokens) always takes the loop: one fp32 matmul pair on views, 10 us against the bags' 19.
 GATHER_MAX_MEAN_SEG_LEN = 4.0
+# CPU with the native kernel (kernels/native.py's lora_bgmv): one call per projection, each token's
+# A and B streamed in place. Against the eager forms on SmolLM2's shapes, rank 16, 2 threads, fp32:
+# 1 token 3.7 us (segments 15, bags 27), 32 tokens of 32 adapters 25 us (bags 84, segments 519),
+# and it still leads a single adapter's segment up to ~128 tokens (57 us against 73); at 256 they
+# tie, so longer segments (prefill) keep the segment loop's matmuls. bf16 leads further (the eager
+# forms widen copies): 32 distinct 24 us against 860.
+NATIVE_MAX_MEAN_SEG_LEN = 128.0
+
+
+def use_native_lora(mode: CpuLora, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether CPU LoRA steps take kernels.native's ``lora_bgmv``: ``auto`` where it applies (CPU, fp32
+    or bf16 stacks) and builds and passes its probe here, ``torch`` never, ``native`` always (raises
+    ValueError where it cannot)."""
+    if mode == "torch":
+        return False
+    if torch.device(device).type == "cpu" and dtype in NATIVE_DTYPES and native_lora():
+        return True
+    if mode == "native":
+        raise ValueError(
+            f"cpu_kernel='native' is not usable for {device} {dtype}: the LoRA kernel serves CPU fp32 and bf16, "
+            "and needs a C++ toolchain to build (see the log)"
+        )
+    return False
 
 
 @dataclass(slots=True)
@@ -86,17 +114,21 @@ def add_lora(
     scale: torch.Tensor,
     index: LoraIndex,
     workspace: torch.Tensor,
+    native: bool = False,
 ) -> None:
     """``y[t] += scale[row] * (x[t] @ a[row]) @ b[row]`` for each indexed token t, in place.
 
     x: [num_tokens, in]; y: [num_tokens, out]; a: [num_slots, in, r]; b: [num_slots, r, out];
-    scale: [num_slots] fp32; workspace: fp32, at least n * r elements (used on CUDA only).
+    scale: [num_slots] fp32; workspace: fp32, at least n * r elements (used on CUDA only);
+    native: on CPU, the native kernel may serve (only where :func:`use_native_lora` said so).
     """
     n, rank = index.num_tokens, a.shape[2]
     if n == 0:
         return
     if not x.is_cuda:
-        if len(index.segments) == 1 or index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
+        if native and index.mean_seg_len <= NATIVE_MAX_MEAN_SEG_LEN and x.dtype == a.dtype:
+            lora_bgmv(x, y, a, b, scale, index.token_idx, index.token_row)
+        elif len(index.segments) == 1 or index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
         elif usable(x, a, b):
             add_lora_bags(x, y, a, b, scale, index.bag_plan())

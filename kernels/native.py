@@ -1,16 +1,23 @@
-"""The CPU decode-attention kernel (``csrc/paged_decode.cpp``), built for this machine on first use.
+"""The CPU kernels of ``csrc/`` (paged decode attention, LoRA shrink / expand), built for this machine
+on first use.
 
 ``torch.ops.lorafleet.paged_decode`` reads each decode's K/V where it lies in the block-paged cache,
 one task per (sequence, KV head) over torch's intra-op threads, and keeps scores, softmax and the
 weighted sum of V in fp32 (bf16 K/V widened on load). The eager path it replaces gathers every
 block into a scratch copy, then reads it twice more in two batched matmuls and a softmax.
 
-The source is compiled once per machine with torch's C++ extension builder (g++ and ninja, about
-35 s on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
-under a name that carries a digest of the source, the flags and this CPU's instruction sets, so a
-build is never loaded on a CPU it was not built for. :func:`native_decode` builds and probes it
-once per process against the eager path; where either fails it logs why and returns False, and the
-engine keeps the eager attention (``cpu_attention='native'`` refuses to start instead).
+``torch.ops.lorafleet.lora_bgmv`` adds each token's own adapter delta to one projection's output in
+a single call: the token's A and B read in place (one streamed pass each), fp32 accumulation, tokens
+over torch's intra-op threads. The eager forms it replaces pay several op launches per projection
+(the segment loop: two matmuls per adapter; the bags: two embedding bags, a scale and a scatter).
+
+The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
+a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
+under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
+build is never loaded on a CPU it was not built for. :func:`native_decode` and :func:`native_lora`
+build once per process and probe their op against the eager path; where the build or a probe fails
+they log why and return False, and the engine keeps the eager path (``cpu_attention='native'``
+refuses to start instead).
 """
 
 import functools
@@ -24,7 +31,7 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "lora_bgmv.cpp"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
 # -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
 # are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
@@ -44,37 +51,50 @@ def _cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: a digest of the source, the flags and this CPU's instruction-set flags."""
+    """The build's name: a digest of the sources, the flags and this CPU's instruction-set flags."""
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         " ".join(CFLAGS + LDFLAGS).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),
     ):
         digest.update(part)
-    return f"lorafleet_paged_decode_{digest.hexdigest()[:16]}"
+    return f"lorafleet_native_{digest.hexdigest()[:16]}"
 
 
 @functools.cache
-def native_decode() -> bool:
-    """Whether ``torch.ops.lorafleet.paged_decode`` is built, loaded and agrees with the eager decode
-    attention here (fp32 and bf16, GQA, a window, a soft-cap); built at most once per process."""
+def built() -> bool:
+    """Whether the extension is built and loaded here (at most one build per process)."""
     try:
         from torch.utils.cpp_extension import load
 
         _ninja_on_path()
         load(
             name=extension_name(),
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
             is_python_module=False,
         )
-        return _probe()
-    except Exception as e:  # a missing compiler or ninja, a failed build or load: the eager path serves
-        log.warning("native_decode_attention_unavailable", error=str(e)[-2000:])
+        return True
+    except Exception as e:  # a missing compiler or ninja, a failed build or load: the eager paths serve
+        log.warning("native_kernels_unavailable", error=str(e)[-2000:])
         return False
+
+
+@functools.cache
+def native_decode() -> bool:
+    """Whether ``torch.ops.lorafleet.paged_decode`` is built, loaded and agrees with the eager decode
+    attention here (fp32 and bf16, GQA, a window, a soft-cap)."""
+    return built() and _probe_decode()
+
+
+@functools.cache
+def native_lora() -> bool:
+    """Whether ``torch.ops.lorafleet.lora_bgmv`` is built, loaded and agrees with the eager LoRA path
+    here (fp32 and bf16, compiled and run-time ranks, scattered tokens, a column view of y)."""
+    return built() and _probe_lora()
 
 
 def _ninja_on_path() -> None:
@@ -106,7 +126,49 @@ def paged_decode(
     torch.ops.lorafleet.paged_decode(q, cache, tables, lengths, out, block_size, scale, softcap or 0.0, window or 0)
 
 
-def _probe() -> bool:
+def lora_bgmv(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    token_idx: torch.Tensor,
+    token_row: torch.Tensor,
+) -> None:
+    """``y[t] += scale[row] * (x[t] @ a[row]) @ b[row]`` for each (t, row) in zip(token_idx, token_row),
+    in place, fp32 arithmetic; shapes and dtypes as ``reference.add_lora_gathered`` (x, y, a, b share
+    fp32 or bf16; a, b contiguous; x, y with contiguous rows). Call only where :func:`native_lora` is True."""
+    torch.ops.lorafleet.lora_bgmv(x, y, a, b, scale, token_idx, token_row)
+
+
+def _probe_lora() -> bool:
+    """The kernel against the eager gathered form: each dtype, a compiled rank (16) and a run-time
+    one (12), scattered tokens into a column view of a wider output; False (logged) on any disagreement."""
+    from kernels.reference import INDEX_DTYPE, add_lora_gathered
+
+    generator = torch.Generator().manual_seed(0)
+    token_idx = torch.tensor([4, 0, 2], dtype=INDEX_DTYPE)
+    token_row = torch.tensor([0, 2, 2], dtype=INDEX_DTYPE)
+    for dtype in DTYPES:
+        for rank in (16, 12):
+            x = torch.randn(5, 40, generator=generator).to(dtype)
+            a = torch.randn(3, 40, rank, generator=generator).to(dtype)
+            b = torch.randn(3, rank, 300, generator=generator).to(dtype)
+            scale = torch.rand(3, generator=generator)
+            fused = torch.randn(5, 320, generator=generator).to(dtype)
+            want = fused.clone()
+            add_lora_gathered(x, want[:, 20:], a, b, scale, token_idx, token_row)
+            lora_bgmv(x, fused[:, 20:], a, b, scale, token_idx, token_row)
+            # relative to the output's magnitude: bf16 rounds the delta and the sum, each within 2^-8
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            error = (fused.float() - want.float()).abs().max()
+            if not error <= tolerance * want.float().abs().max():
+                log.warning("native_lora_probe_failed", dtype=str(dtype), rank=rank)
+                return False
+    return True
+
+
+def _probe_decode() -> bool:
     """The kernel against the eager formula on a small scattered cache: each dtype, with and
     without a window and a soft-cap; False (logged) on any disagreement."""
     generator = torch.Generator().manual_seed(0)

@@ -167,12 +167,14 @@ if os.environ.get("LF_TEST_TIER") == "fast":
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build (or load) the native decode-attention kernel once, before any test: on a fresh machine its
-    g++ build takes about 35 s, which belongs to no test's timeout, and runs outside the fast tier's
-    process guard; every engine built afterwards finds it loaded (kernels.native.native_decode)."""
-    from kernels.native import native_decode
+    """Build (or load) the native CPU kernels once, before any test: on a fresh machine their g++ build
+    takes about a minute, which belongs to no test's timeout, and runs outside the fast tier's process
+    guard; every engine and adapter manager built afterwards finds them loaded and probed
+    (kernels.native.native_decode, native_lora)."""
+    from kernels.native import native_decode, native_lora
 
     native_decode()
+    native_lora()
 
 
 @pytest.hookimpl(wrapper=True)

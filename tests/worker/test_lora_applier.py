@@ -21,6 +21,7 @@ from tests.helpers.adapters import (
     tiny_llama,
     tiny_llama_config,
 )
+from tests.helpers.native import needs_toolchain
 
 SHAPES = ModelShapes.from_hf_config(tiny_llama_config())
 SPECS = {  # name -> (rank, alpha, target modules, rsLoRA)
@@ -62,9 +63,14 @@ def loop_delta(
     return delta
 
 
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=needs_toolchain)])
 @pytest.mark.parametrize("layout", ["decode", "prefill", "interleaved"])
-def test_mixed_ranks_and_base_tokens_match_a_plain_loop(adapter_dirs: dict[str, Path], layout: str) -> None:
-    manager = new_manager()
+def test_mixed_ranks_and_base_tokens_match_a_plain_loop(
+    adapter_dirs: dict[str, Path], layout: str, kernel: str
+) -> None:
+    """Both CPU LoRA paths: the eager forms (``cpu_kernel='torch'``) and the native kernel."""
+    manager = new_manager(cpu_kernel=kernel)
+    assert manager.native == (kernel == "native")
     weights = {name: manager.read_adapter(d) for name, d in adapter_dirs.items()}
     slots = {name: manager.load_adapter(name, d) for name, d in adapter_dirs.items()}
     assert {manager.pool.locate(s)[0].rank for s in slots.values()} == {8, 16, 64}

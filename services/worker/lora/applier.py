@@ -16,6 +16,7 @@ class ClassBatch:
     index: LoraIndex
     modules: frozenset[str]  # projections any of these tokens' adapters target
     workspace: torch.Tensor  # [max_tokens * rank] fp32 shrink output on CUDA, empty on CPU
+    native: bool = False  # CPU: kernels.native's lora_bgmv may serve (the manager's probe passed)
 
 
 class LoraBatch:
@@ -39,4 +40,13 @@ class LoraBatch:
         for part in self.classes:
             if module in part.modules:
                 stack = part.stack
-                add_lora(x, y, stack.a[layer][module], stack.b[layer][module], stack.scale, part.index, part.workspace)
+                add_lora(
+                    x,
+                    y,
+                    stack.a[layer][module],
+                    stack.b[layer][module],
+                    stack.scale,
+                    part.index,
+                    part.workspace,
+                    part.native,
+                )

@@ -1,5 +1,7 @@
 """Sizing of the adapter slot pool: validated once at start-up, never mutated."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.worker.lora.layout import MODULES, Module
@@ -37,6 +39,12 @@ class LoraConfig(BaseModel):
     )
     max_num_tokens: int = Field(
         default=2048, ge=1, le=2**20, description="most tokens in one step: sizes the per-step metadata buffers"
+    )
+    cpu_kernel: Literal["auto", "torch", "native"] = Field(
+        default="auto",
+        description="CPU LoRA shrink / expand: auto (the native kernel, one call per projection reading each "
+        "token's adapter in place, fp32 and bf16, where it builds for this CPU and passes its probe, else the "
+        "eager forms), torch (eager only), native (the kernel, refusing to start where it is not usable)",
     )
 
     @field_validator("rank_classes")

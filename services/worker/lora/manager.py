@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import use_native_lora
 from services.worker.lora.applier import ClassBatch, LoraBatch
 from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
@@ -52,6 +53,7 @@ class AdapterManager:
         self.shapes = shapes
         self.device = torch.device(device)
         self.pool = SlotPool(config, shapes, self.device, dtype)
+        self.native = use_native_lora(config.cpu_kernel, self.device, dtype)
         first_slots = [c.first_slot for c in self.pool.classes] + [self.pool.num_slots]
         self._metadata = LoraMetadata.allocate(config.max_num_tokens, first_slots, self.device)
         on_cuda = self.device.type == "cuda"
@@ -137,7 +139,7 @@ class AdapterManager:
         for stack, index, workspace in zip(self.pool.classes, indexes, self._workspaces, strict=True):
             if index is not None:
                 modules = frozenset().union(*(stack.row_modules[row] for _, _, row, _ in index.segments))
-                classes.append(ClassBatch(stack, index, modules, workspace))
+                classes.append(ClassBatch(stack, index, modules, workspace, self.native))
         return LoraBatch(classes) if classes else None
 
     def _check(self, weights: AdapterWeights) -> None:

@@ -1,0 +1,162 @@
+// LoRA shrink and expand on CPU for a step's scattered tokens, each reading its own adapter in place.
+//
+// y[t] += scale[row] * (x[t] @ a[row]) @ b[row] for each (t, row) = (token_idx[i], token_row[i]).
+// One call per projection replaces the eager path's gathers, two matmuls, scale and scatter-add: a
+// token's shrink streams its adapter's A once ([in, r], r contiguous: one vector per input
+// feature) and its expand streams B ([r, out]) once per output chunk, accumulating in fp32.
+// Tokens are spread over torch's intra-op threads; each writes only its own row of y.
+// bf16 x, y, A, B are widened on load and the fp32 delta is rounded to bf16 before it is added to
+// y, as the eager path's `y += delta.to(y.dtype)` does.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // output features accumulated at once in the expand
+constexpr int64_t kWork = 1 << 16;  // multiply-adds per thread below which tokens stay on one thread
+
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  const uint32_t wide = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// y += delta, rounding delta to y's dtype first (a no-op for fp32).
+inline void add_out(float* y, const float* delta, int64_t n) {
+#pragma omp simd
+  for (int64_t e = 0; e < n; ++e) y[e] += delta[e];
+}
+inline void add_out(at::BFloat16* y, const float* delta, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    y[e] = at::BFloat16(widen(y[e]) + widen(at::BFloat16(delta[e])));
+  }
+}
+
+// h[0:r] = x[0:in] @ a[in, r]. R > 0: rank known at compile time; R == 0: rank r at run time.
+// Four independent accumulators per rank lane hide the multiply-add latency.
+template <typename T, int64_t R>
+inline void shrink(const T* x, const T* a, int64_t in, int64_t r, float* h) {
+  const int64_t rank = R > 0 ? R : r;
+  std::fill(h, h + rank, 0.f);
+  int64_t i = 0;
+  if constexpr (R > 0) {
+    float acc[4][R] = {};
+    for (; i + 4 <= in; i += 4) {
+      for (int64_t u = 0; u < 4; ++u) {
+        const float xv = widen(x[i + u]);
+        const T* row = a + (i + u) * R;
+#pragma omp simd
+        for (int64_t e = 0; e < R; ++e) acc[u][e] += xv * widen(row[e]);
+      }
+    }
+#pragma omp simd
+    for (int64_t e = 0; e < R; ++e) h[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+  }
+  for (; i < in; ++i) {
+    const float xv = widen(x[i]);
+    const T* row = a + i * rank;
+#pragma omp simd
+    for (int64_t e = 0; e < rank; ++e) h[e] += xv * widen(row[e]);
+  }
+}
+
+// y[0:out] += (h[0:r] * scale) @ b[r, out], chunk by chunk of output features.
+template <typename T>
+inline void expand(const float* h, float scale, const T* b, int64_t r, int64_t out, T* y, float* hs) {
+  for (int64_t e = 0; e < r; ++e) hs[e] = h[e] * scale;
+  float acc[kChunk];
+  for (int64_t o = 0; o < out; o += kChunk) {
+    const int64_t n = std::min(kChunk, out - o);
+    std::fill(acc, acc + n, 0.f);
+    for (int64_t e = 0; e < r; ++e) {
+      const float hv = hs[e];
+      const T* row = b + e * out + o;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) acc[c] += hv * widen(row[c]);
+    }
+    add_out(y + o, acc, n);
+  }
+}
+
+template <typename T, int64_t R>
+void run(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a, const torch::Tensor& b,
+         const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
+  const int64_t n = token_idx.size(0), in = a.size(1), r = a.size(2), out = b.size(2);
+  const int64_t x_row = x.stride(0), y_row = y.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const T* bp = b.data_ptr<T>();
+  const float* sp = scale.data_ptr<float>();
+  const int32_t* tp = token_idx.data_ptr<int32_t>();
+  const int32_t* rp = token_row.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, kWork / std::max<int64_t>(1, r * (in + out)));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(2 * r);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = tp[i], row = rp[i];
+      shrink<T, R>(xp + t * x_row, ap + row * in * r, in, r, h.data());
+      expand<T>(h.data(), sp[row], bp + row * r * out, r, out, yp + t * y_row, h.data() + r);
+    }
+  });
+}
+
+template <typename T>
+void run_rank(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a, const torch::Tensor& b,
+              const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
+  switch (a.size(2)) {
+    case 8: run<T, 8>(x, y, a, b, scale, token_idx, token_row); break;
+    case 16: run<T, 16>(x, y, a, b, scale, token_idx, token_row); break;
+    case 32: run<T, 32>(x, y, a, b, scale, token_idx, token_row); break;
+    case 64: run<T, 64>(x, y, a, b, scale, token_idx, token_row); break;
+    default: run<T, 0>(x, y, a, b, scale, token_idx, token_row);
+  }
+}
+
+}  // namespace
+
+// x [num_tokens, in] and y [num_tokens, out] with contiguous rows (y may be a column view of a
+// fused projection's output); a [num_slots, in, r] and b [num_slots, r, out] contiguous, x's dtype;
+// scale fp32 [num_slots]; token_idx, token_row int32 [n], distinct tokens, rows < num_slots.
+void lora_bgmv(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a, const torch::Tensor& b,
+               const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && a.device().is_cpu() && b.device().is_cpu(),
+              "lora_bgmv runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [num_tokens, in] with contiguous rows");
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0), "y must be [num_tokens, out] with contiguous rows");
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(1) == x.size(1), "a must be a contiguous [num_slots, in, r]");
+  TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.size(0) == a.size(0) && b.size(1) == a.size(2) && b.size(2) == y.size(1),
+              "b must be a contiguous [num_slots, r, out] matching a and y");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
+              "x, y, a and b share a dtype");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == a.size(0),
+              "scale must be a contiguous fp32 [num_slots]");
+  TORCH_CHECK(token_idx.scalar_type() == torch::kInt && token_row.scalar_type() == torch::kInt &&
+                  token_idx.dim() == 1 && token_idx.is_contiguous() && token_row.is_contiguous() &&
+                  token_row.numel() == token_idx.numel(),
+              "token_idx and token_row must be contiguous int32 [n]");
+  const int32_t* tp = token_idx.data_ptr<int32_t>();
+  const int32_t* rp = token_row.data_ptr<int32_t>();
+  for (int64_t i = 0; i < token_idx.numel(); ++i) {
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0) && rp[i] >= 0 && rp[i] < a.size(0),
+                "token ", tp[i], " or row ", rp[i], " out of range");
+  }
+  switch (x.scalar_type()) {
+    case torch::kFloat: run_rank<float>(x, y, a, b, scale, token_idx, token_row); break;
+    case torch::kBFloat16: run_rank<at::BFloat16>(x, y, a, b, scale, token_idx, token_row); break;
+    default: TORCH_CHECK(false, "lora_bgmv supports float32 and bfloat16, not ", x.scalar_type());
+  }
+}
+
+TORCH_LIBRARY_FRAGMENT(lorafleet, m) {
+  m.def("lora_bgmv(Tensor x, Tensor(a!) y, Tensor a, Tensor b, Tensor scale, Tensor token_idx, Tensor token_row) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lorafleet, CPU, m) { m.impl("lora_bgmv", &lora_bgmv); }
