@@ -20,6 +20,7 @@ from typing import Any, TypedDict
 
 import torch
 
+import kernels.native as native
 import services.worker.engine.attention as attention
 import services.worker.engine.engine as engine_module
 import services.worker.engine.model as model_module
@@ -99,6 +100,10 @@ def install(clock: StageClock, vocab_size: int) -> None:
     clock.wrap(forward, "_norm_fp32", "RMSNorm")
     clock.wrap(model_module, "apply_rope", "RoPE")
     clock.wrap(model_module, "write_kv", "attention: KV write")
+    # kernels.native's fused layer ops (cpu_layer_ops), called through the module's attributes
+    clock.wrap(native, "rms_norm", "RMSNorm")
+    clock.wrap(native, "add_rms_norm", "residual add + RMSNorm (native)")
+    clock.wrap(native, "rope_write_kv", "RoPE + KV write (native)")
     clock.wrap(model_module, "paged_attention", "attention: rest (views, masks, output copy)")
     clock.wrap(attention, "gather_blocks", "attention: gather K/V blocks")
     clock.wrap(attention, "_decode_attention", "attention: decode matmuls, softmax")

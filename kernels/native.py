@@ -1,5 +1,5 @@
-"""The CPU kernels of ``csrc/`` (paged decode attention, LoRA shrink / expand), built for this machine
-on first use.
+"""The CPU kernels of ``csrc/`` (paged decode attention, LoRA shrink / expand, a layer's element-wise
+steps), built for this machine on first use.
 
 ``torch.ops.lorafleet.paged_decode`` reads each decode's K/V where it lies in the block-paged cache,
 one task per (sequence, KV head) over torch's intra-op threads, and keeps scores, softmax and the
@@ -11,11 +11,17 @@ a single call: the token's A and B read in place (one streamed pass each), fp32 
 over torch's intra-op threads. The eager forms it replaces pay several op launches per projection
 (the segment loop: two matmuls per adapter; the bags: two embedding bags, a scale and a scatter).
 
+``rms_norm``, ``add_rms_norm`` (the residual add fused with the next norm) and ``rope_write_kv`` (rotary
+embedding of q and k in place, fused with the K/V cache write) are the steps between a layer's
+matmuls, one call each where the eager chains take about ten ops (RMSNorm) or five (RoPE and the
+cache write): at batch 1 those launches, not the arithmetic, were most of a decode step's time outside
+the matmuls. Their results are rounded where the eager ops round them (see the source).
+
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
 build is never loaded on a CPU it was not built for. :func:`native_decode` and :func:`native_lora`
-build once per process and probe their op against the eager path; where the build or a probe fails
+and :func:`native_layer_ops` build once per process and probe their ops against the eager path; where the build or a probe fails
 they log why and return False, and the engine keeps the eager path (``cpu_attention='native'``
 refuses to start instead).
 """
@@ -31,7 +37,9 @@ import torch
 
 log = structlog.get_logger("kernels")
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "lora_bgmv.cpp"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp")
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
 # -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
 # are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
@@ -124,6 +132,88 @@ def paged_decode(
     contiguous; tables [n, width] int64 block ids; lengths [n] int64 >= 1; out [n, heads * head_dim]
     (contiguous rows); fp32 or bf16. Call only where :func:`native_decode` is True."""
     torch.ops.lorafleet.paged_decode(q, cache, tables, lengths, out, block_size, scale, softcap or 0.0, window or 0)
+
+
+@functools.cache
+def native_layer_ops() -> bool:
+    """Whether ``rms_norm``, ``add_rms_norm`` and ``rope_write_kv`` are built, loaded and agree with
+    the eager ops here (fp32 and bf16, Gemma's fp32 norm, a residual multiplier)."""
+    return built() and _probe_layer_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (d,), weight, eps)`` of x [rows, d] (contiguous rows) -> a new [rows, d] of x's
+    dtype; weight [d] of x's dtype or fp32 (Gemma's 1 + w: transformers' fp32 norm, one rounding at
+    the end, the same values). Call only where :func:`native_layer_ops` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, residual_mul: float = 1.0
+) -> torch.Tensor:
+    """``h += delta * residual_mul`` in place (the residual stream, each product and sum rounded to h's
+    dtype as the eager ops round them), then ``rms_norm(h, weight, eps)``."""
+    out: torch.Tensor = torch.ops.lorafleet.add_rms_norm(h, delta, weight, eps, residual_mul)
+    return out
+
+
+def rope_write_kv(
+    qk: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor
+) -> None:
+    """Rotate qk [n, heads + kv_heads, d] (q heads, then k heads) in place by cos_sin [n, 2, d] (cos,
+    signed sin: rope.cos_sin_table's rows), then write each token's k heads and v [n, kv_heads, d] to
+    its slot of cache [2, kv_heads, num_slots, d]."""
+    torch.ops.lorafleet.rope_write_kv(qk, v, cos_sin, slots, cache)
+
+
+def _probe_layer_ops() -> bool:
+    """The three ops against the eager chains they replace, each dtype (the norms within an fp32 sum's
+    reordering); False (logged) on a disagreement."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    d, heads, kv_heads, n = 64, 3, 1, 5
+    for dtype in DTYPES:
+
+        def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+            error = (got.float() - want.float()).abs().max()
+            return bool(error <= tolerance[dtype] * want.float().abs().max())  # noqa: B023
+
+        x = torch.randn(n, d, generator=generator).to(dtype)
+        delta = torch.randn(n, d, generator=generator).to(dtype)
+        weight = torch.randn(d, generator=generator).to(dtype)
+        wide = (1 + torch.randn(d, generator=generator)).float()
+        checks = {
+            "rms_norm": close(rms_norm(x, weight, 1e-6), F.rms_norm(x, (d,), weight, 1e-6)),
+            "rms_norm fp32 weight": close(rms_norm(x, wide, 1e-6), F.rms_norm(x.float(), (d,), wide, 1e-6).to(dtype)),
+        }
+        h = x.clone()
+        want_h = x + delta * 0.5
+        checks["add_rms_norm"] = close(
+            add_rms_norm(h, delta, weight, 1e-6, 0.5), F.rms_norm(want_h, (d,), weight, 1e-6)
+        )
+        checks["add_rms_norm residual"] = torch.equal(h, want_h)
+        # RoPE as services/worker/engine/rope.py's apply_rope computes it, over scattered cache slots
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=generator).to(dtype)
+        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+        cos_sin = torch.randn(n, 2, d, generator=generator).to(dtype)
+        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+        want_qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin)
+        want_v = v.clone()
+        slots = torch.tensor([7, 0, 3, 12, 9])
+        cache = torch.zeros(2, kv_heads, 16, d, dtype=dtype)
+        rope_write_kv(qk, v, cos_sin, slots, cache)
+        checks["rope"] = close(qk, want_qk)
+        checks["kv write"] = torch.equal(cache[0][:, slots], qk[:, heads:].transpose(0, 1)) and torch.equal(
+            cache[1][:, slots], want_v.transpose(0, 1)
+        )
+        if not all(checks.values()):
+            log.warning("native_layer_ops_probe_failed", dtype=str(dtype), checks=checks)
+            return False
+    return True
 
 
 def lora_bgmv(

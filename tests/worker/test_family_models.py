@@ -1,5 +1,6 @@
 """Every served family equals transformers (fp32): teacher-forced logits of every prompt token, greedy
-tokens of ``generate``, and a mixed prefill/decode batch equal to each request alone."""
+tokens of ``generate``, and a mixed prefill/decode batch equal to each request alone; with the eager
+layer ops and with kernels.native's fused ones (norms, residual adds, RoPE and the K/V write)."""
 
 from pathlib import Path
 
@@ -17,16 +18,21 @@ from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams
 from tests.helpers.families import FAMILIES, PROMPTS, save_family
+from tests.helpers.native import needs_toolchain
 
 BLOCK = 4
 MAX_LEN = 64
 NEW_TOKENS = 6
+LAYER_OPS = pytest.mark.parametrize(
+    "native_ops", [False, pytest.param(True, marks=needs_toolchain)], ids=["eager", "native"]
+)
 
 
 class _Runner:
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, native_ops: bool = False):
         self.weights = load_weights(model, torch.float32, "cpu", MAX_LEN)
-        self.forward = LlamaForward(self.weights, LinearFactory("torch", "cpu", torch.float32))
+        linear = LinearFactory("torch", "cpu", torch.float32)
+        self.forward = LlamaForward(self.weights, linear, native_layer_ops=native_ops)
         self.cache = KVCache(self.weights.spec, 128, BLOCK, torch.float32, "cpu")
         self.blocks = BlockManager(128, BLOCK)
 
@@ -65,10 +71,11 @@ def _hf_greedy(model: PreTrainedModel, prompt: list[int]) -> list[int]:
     return tokens
 
 
+@LAYER_OPS
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_teacher_forced_logits_match_transformers(family: str) -> None:
+def test_teacher_forced_logits_match_transformers(family: str, native_ops: bool) -> None:
     model = FAMILIES[family]()
-    runner = _Runner(model)
+    runner = _Runner(model, native_ops)
     for i, prompt in enumerate(PROMPTS):
         logits = runner.step([], [Sequence(EngineRequest(str(i), prompt), None)], every_token=True)  # type: ignore[arg-type]
         with torch.no_grad():
@@ -77,21 +84,23 @@ def test_teacher_forced_logits_match_transformers(family: str) -> None:
         torch.testing.assert_close(logits.log_softmax(-1), expected.log_softmax(-1), atol=1e-4, rtol=0)
 
 
+@LAYER_OPS
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_tokens_match_generate_alone_and_mixed(family: str) -> None:
+def test_greedy_tokens_match_generate_alone_and_mixed(family: str, native_ops: bool) -> None:
     model = FAMILIES[family]()
     expected = [_hf_greedy(model, p) for p in PROMPTS]
-    alone = [_Runner(model).greedy([p], [0])[0] for p in PROMPTS]
-    mixed = _Runner(model).greedy(PROMPTS, [0, 2, 3])
+    alone = [_Runner(model, native_ops).greedy([p], [0])[0] for p in PROMPTS]
+    mixed = _Runner(model, native_ops).greedy(PROMPTS, [0, 2, 3])
     assert alone == expected
     assert mixed == expected
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if "window-" in f and "beyond" not in f])
-def test_prefill_past_a_cached_prefix_matches_transformers(family: str) -> None:
+@LAYER_OPS
+def test_prefill_past_a_cached_prefix_matches_transformers(family: str, native_ops: bool) -> None:
     """The second prompt shares the first's leading blocks: its prefill reads them from the prefix cache."""
     model = FAMILIES[family]()
-    runner = _Runner(model)
+    runner = _Runner(model, native_ops)
     first = Sequence(EngineRequest("0", PROMPTS[2]), None)  # type: ignore[arg-type]
     runner.step([], [first])
     runner.blocks.publish(first)

@@ -22,6 +22,7 @@ from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from tests.helpers.families import FAMILIES, PROMPTS, save_family
+from tests.helpers.native import TOOLCHAIN
 
 BF16 = torch.bfloat16
 MAX_LEN = 64
@@ -32,8 +33,10 @@ def _storages(model: PreTrainedModel) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
-def _engine_logits(weights: ModelWeights, prompt: list[int], linear: CpuLinear = "auto") -> torch.Tensor:
-    forward = LlamaForward(weights, LinearFactory(linear, "cpu", BF16))
+def _engine_logits(
+    weights: ModelWeights, prompt: list[int], linear: CpuLinear = "auto", native_ops: bool = False
+) -> torch.Tensor:
+    forward = LlamaForward(weights, LinearFactory(linear, "cpu", BF16), native_layer_ops=native_ops)
     cache = KVCache(weights.spec, 64, BLOCK, BF16, "cpu")
     seq = Sequence(EngineRequest("0", prompt), None)  # type: ignore[arg-type]
     BlockManager(64, BLOCK).allocate(seq)
@@ -82,12 +85,16 @@ def test_bf16_logits_within_the_documented_tolerance(family_dir: tuple[PreTraine
             truth = fp32_model(torch.tensor([prompt])).logits[0].float()
         for linear in ("auto", "torch"):  # oneDNN-packed bf16 projections (the default) and F.linear
             _assert_within_bf16_tolerance(_engine_logits(weights, prompt, linear), expected, truth)
+        if TOOLCHAIN:  # kernels.native's fused layer ops: the same bound (their norms sum in another order)
+            _assert_within_bf16_tolerance(_engine_logits(weights, prompt, native_ops=True), expected, truth)
 
 
-def _engine_decode_logits(weights: ModelWeights, prompts: list[list[int]]) -> list[torch.Tensor]:
+def _engine_decode_logits(
+    weights: ModelWeights, prompts: list[list[int]], native_ops: bool = False
+) -> list[torch.Tensor]:
     """Each prompt's last-position logits from a batched decode step: every prompt but its last token is
     prefilled first, so the last token goes through the decode attention over the paged cache."""
-    forward = LlamaForward(weights, LinearFactory("auto", "cpu", BF16))
+    forward = LlamaForward(weights, LinearFactory("auto", "cpu", BF16), native_layer_ops=native_ops)
     cache = KVCache(weights.spec, 64, BLOCK, BF16, "cpu")
     blocks = BlockManager(64, BLOCK)
     seqs = [Sequence(EngineRequest(str(i), p[:-1]), None) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
@@ -109,11 +116,19 @@ def test_bf16_decode_logits_within_the_documented_tolerance(family_dir: tuple[Pr
     fp32_model, directory = family_dir
     weights = load_weights(load_model(str(directory), dtype=BF16).model, BF16, "cpu", MAX_LEN)
     hf_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=BF16).eval()
-    for prompt, got in zip(PROMPTS, _engine_decode_logits(weights, PROMPTS), strict=True):
+    eager = _engine_decode_logits(weights, PROMPTS)
+    for prompt, got in zip(PROMPTS, eager, strict=True):
         with torch.no_grad():
             expected = hf_bf16(torch.tensor([prompt])).logits[0, -1:].float()
             truth = fp32_model(torch.tensor([prompt])).logits[0, -1:].float()
         _assert_within_bf16_tolerance(got.unsqueeze(0), expected, truth)
+    if TOOLCHAIN:  # the fused layer ops through prefill and decode keep it too
+        native = _engine_decode_logits(weights, PROMPTS, native_ops=True)
+        for prompt, got in zip(PROMPTS, native, strict=True):
+            with torch.no_grad():
+                expected = hf_bf16(torch.tensor([prompt])).logits[0, -1:].float()
+                truth = fp32_model(torch.tensor([prompt])).logits[0, -1:].float()
+            _assert_within_bf16_tolerance(got.unsqueeze(0), expected, truth)
 
 
 def test_a_tolerance_breach_is_caught(family_dir: tuple[PreTrainedModel, Path]) -> None:

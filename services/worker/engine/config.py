@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.worker.engine.attention import CpuAttention
 from services.worker.engine.linear import CpuLinear
+from services.worker.engine.model import CpuLayerOps
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +45,13 @@ class EngineConfig(BaseModel):
         description="CPU decode attention: auto (the native paged kernel, reading each decode's K/V in place, "
         "fp32 and bf16, where it builds for this CPU and passes its probe, else the eager gather and matmuls), "
         "torch (eager only), native (the kernel, refusing to start where it is not usable)",
+    )
+    cpu_layer_ops: CpuLayerOps = Field(
+        default="auto",
+        description="CPU steps between a layer's matmuls: auto (native fused ops, each residual add with the next "
+        "RMSNorm and RoPE with the K/V cache write, fp32 and bf16, where they build for this CPU and pass their "
+        "probe, else the eager ops), torch (eager only), native (the fused ops, refusing to start where they are "
+        "not usable)",
     )
     enable_prefix_caching: bool = Field(
         default=True,

@@ -16,7 +16,7 @@ from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_bu
 from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
-from services.worker.engine.model import LlamaForward
+from services.worker.engine.model import LlamaForward, use_native_layer_ops
 from services.worker.engine.prompt_logprobs import prompt_entries
 from services.worker.engine.rank_skew import RankSkew
 from services.worker.engine.sampler import Sampled, sample
@@ -63,7 +63,8 @@ class LLMEngine:
         self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
         native = use_native_decode(config.cpu_attention, config.device, config.torch_dtype, spec.head_dim)
         linear = LinearFactory(config.cpu_linear, config.device, config.torch_dtype)
-        self.model = LlamaForward(weights, linear, native_attention=native)
+        layer_ops = use_native_layer_ops(config.cpu_layer_ops, config.device, config.torch_dtype)
+        self.model = LlamaForward(weights, linear, native_attention=native, native_layer_ops=layer_ops)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
             sizes = graph_batch_sizes(config.max_num_seqs)

@@ -1,16 +1,36 @@
 """The engine's Llama-family forward pass over a flattened step of tokens, with the LoRA hook."""
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.linear import Linear, LinearFactory
 from services.worker.engine.lora_hook import LoraHook
 from services.worker.engine.rope import apply_rope, rope_factors
 from services.worker.engine.weights import ModelWeights
+
+CpuLayerOps = Literal["auto", "torch", "native"]
+
+
+def use_native_layer_ops(mode: CpuLayerOps, device: str, dtype: torch.dtype) -> bool:
+    """Whether a layer's RMSNorms, residual adds, RoPE and K/V write take kernels.native's fused ops:
+    ``auto`` where they apply (CPU, fp32 or bf16) and build and pass their probe here, ``torch`` never,
+    ``native`` always (raises ValueError where they cannot)."""
+    if mode == "torch":
+        return False
+    if torch.device(device).type == "cpu" and dtype in native.DTYPES and native.native_layer_ops():
+        return True
+    if mode == "native":
+        raise ValueError(
+            f"cpu_layer_ops='native' is not usable for {device} {dtype}: the ops serve CPU fp32 and bf16, "
+            "and need a C++ toolchain to build (see the log)"
+        )
+    return False
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -23,9 +43,20 @@ class LlamaForward:
     With a ``lora`` object, each projection's output is passed to ``lora.apply`` after the base
     matmul. For fused projections it receives column views of the fused output (non-contiguous,
     row stride = fused width); ``apply`` must add into them in place.
+
+    With ``native_layer_ops`` (CPU: :func:`use_native_layer_ops`) the steps between the matmuls are
+    kernels.native's fused ops: each residual add with the norm after it (the residual stream updated
+    in place), RoPE with the K/V cache write (q and k rotated in place in the qkv output). Their
+    values are the eager ops', rounded where those round, up to the order of the norms' fp32 sums.
     """
 
-    def __init__(self, weights: ModelWeights, linear: LinearFactory | None = None, native_attention: bool = False):
+    def __init__(
+        self,
+        weights: ModelWeights,
+        linear: LinearFactory | None = None,
+        native_attention: bool = False,
+        native_layer_ops: bool = False,
+    ):
         self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
@@ -45,8 +76,9 @@ class LlamaForward:
         self._residual_mul = s.residual_multiplier if s.residual_multiplier != 1.0 else None
         self._logits_div = s.logits_scaling if s.logits_scaling != 1.0 else None
         # The family's norm form and activation, chosen once rather than tested per layer
+        self.native = native_layer_ops
         self.norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-            self._norm_fp32 if s.norm_fp32 else self._norm_plain
+            self._norm_native if native_layer_ops else self._norm_fp32 if s.norm_fp32 else self._norm_plain
         )
         self.act: Callable[[torch.Tensor], torch.Tensor] = _gelu_tanh if s.gelu_tanh else F.silu
         self.attention = [
@@ -60,6 +92,21 @@ class LlamaForward:
     def _norm_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Gemma: x * (1 + w) in fp32 (weight holds 1 + w), then cast, as transformers does."""
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.spec.rms_norm_eps).to(x.dtype)
+
+    def _norm_native(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Either form in one call: an fp32 weight (Gemma's 1 + w) gives _norm_fp32's values."""
+        return native.rms_norm(x, weight, self.spec.rms_norm_eps)
+
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta [* the residual multiplier], its norm by ``weight``): the residual stream and the
+        next block's input. Native: one call, h updated in place."""
+        if self.native:
+            mul = self._residual_mul if self._residual_mul is not None else 1.0
+            return h, native.add_rms_norm(h, delta, weight, self.spec.rms_norm_eps, mul)
+        h = h + delta if self._residual_mul is None else h + delta * self._residual_mul
+        return h, self.norm(h, weight)
 
     def _head_norm(self, qk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """qk [tokens, heads, head_dim] normed over head_dim; weight [heads, head_dim]."""
@@ -94,14 +141,16 @@ class LlamaForward:
         s = self.spec
         q_end, k_end = s.q_size, s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
-        rope = rope_factors(self.w.rope[positions])
-        rope_local = rope_factors(self.w.rope_local[positions]) if self.w.rope_local is not None else rope
+        cos_sin = self.w.rope[positions]
+        cos_sin_local = self.w.rope_local[positions] if self.w.rope_local is not None else cos_sin
+        rope, rope_local = rope_factors(cos_sin), rope_factors(cos_sin_local)
         h = self.w.embed[input_ids]
         if self._embed_mul is not None:
             h = h * self._embed_mul
         attn_out = h.new_empty(h.shape[0], s.q_size)
-        for i, (layer, proj) in enumerate(zip(self.w.layers, self.proj, strict=True)):
-            x = self.norm(h, layer.input_norm)
+        layers = self.w.layers
+        x = self.norm(h, layers[0].input_norm)
+        for i, (layer, proj) in enumerate(zip(layers, self.proj, strict=True)):
             qkv = proj["qkv"](x)
             if lora is not None:
                 lora.apply(i, "q_proj", x, qkv[:, :q_end])
@@ -110,19 +159,21 @@ class LlamaForward:
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
                 qk = self._head_norm(qk, layer.qk_norm)
-            qk = apply_rope(qk, *(rope_local if layer.local_rope else rope))
-            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, k_end:].view(-1, s.num_kv_heads, s.head_dim)
             kv = cache.layer(i)
-            write_kv(kv, k, v, meta.slot_mapping)
+            if self.native:  # rotated in place, then this step's K/V written
+                native.rope_write_kv(qk, v, cos_sin_local if layer.local_rope else cos_sin, meta.slot_mapping, kv)
+            else:
+                qk = apply_rope(qk, *(rope_local if layer.local_rope else rope))
+                write_kv(kv, qk[:, s.num_heads :], v, meta.slot_mapping)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, self.attention[i])
             o = proj["o"](a)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
             if layer.attn_out_norm is not None:
                 o = self.norm(o, layer.attn_out_norm)
-            h = h + o if self._residual_mul is None else h + o * self._residual_mul
-            x = self.norm(h, layer.post_norm)
+            h, x = self._add_norm(h, o, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
             if lora is not None:
@@ -134,7 +185,10 @@ class LlamaForward:
                 lora.apply(i, "down_proj", act, d)
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)
-            h = h + d if self._residual_mul is None else h + d * self._residual_mul
+            if i + 1 < len(layers):  # the residual add with the next layer's input norm
+                h, x = self._add_norm(h, d, layers[i + 1].input_norm)
+            else:
+                h = h + d if self._residual_mul is None else h + d * self._residual_mul
         return h
 
     @torch.inference_mode()

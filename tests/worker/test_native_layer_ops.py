@@ -1,0 +1,146 @@
+"""kernels/native.py's fused layer ops (RMSNorm, the residual add with the next RMSNorm, RoPE with the
+K/V cache write) against the eager ops they replace: values rounded where the eager ops round them
+(RoPE and the residual stream bit for bit; the norms up to the order of an fp32 sum), q/k views of a
+fused qkv output, scattered cache slots, fp32 and bf16, Gemma's fp32 norm weight, Granite's residual
+multiplier; their input checks; the engine's choice (``cpu_layer_ops``); and an engine's greedy tokens,
+native against eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.attention import write_kv
+from services.worker.engine.model import use_native_layer_ops
+from services.worker.engine.rope import apply_rope, cos_sin_table, rope_factors
+from services.worker.engine.weights import load_weights
+from shared.schemas import SamplingParams
+from tests.helpers.families import NullTokenizer, tiny_llama
+from tests.helpers.native import needs_toolchain
+
+pytestmark = needs_toolchain
+
+DTYPES = [torch.float32, torch.bfloat16]
+NORM_TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (0.0, 2**-7)}  # one bf16 step at most
+
+
+def test_they_build_and_pass_their_probe() -> None:
+    assert native.native_layer_ops()
+
+
+@pytest.mark.parametrize("d", [576, 64, 7, 2048])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_torch(d: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(37, d + 3, generator=g) * 3).to(dtype)[:, 3:]  # rows strided past 3 columns
+    weight = torch.randn(d, generator=g).to(dtype)
+    atol, rtol = NORM_TOLERANCE[dtype]
+    got = native.rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, F.rms_norm(x, (d,), weight, 1e-5), atol=atol, rtol=rtol)
+    wide = 1 + torch.randn(d, generator=g)  # Gemma: an fp32 (1 + w), the norm in fp32, one rounding
+    want = F.rms_norm(x.float(), (d,), wide, 1e-5).to(dtype)
+    torch.testing.assert_close(native.rms_norm(x, wide, 1e-5), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("residual_mul", [1.0, 0.22])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_updates_the_residual_stream_as_the_eager_ops_do(residual_mul: float, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(9, 576, generator=g).to(dtype)
+    delta = torch.randn(9, 600, generator=g).to(dtype)[:, 24:]  # a strided delta (a column view)
+    weight = torch.randn(576, generator=g).to(dtype)
+    want_h = h + delta * residual_mul if residual_mul != 1.0 else h + delta
+    got = native.add_rms_norm(h, delta, weight, 1e-6, residual_mul)
+    assert torch.equal(h, want_h)  # in place, each product and sum rounded as torch rounds it
+    atol, rtol = NORM_TOLERANCE[dtype]
+    torch.testing.assert_close(got, F.rms_norm(want_h, (576,), weight, 1e-6), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_write_kv_rotates_in_place_and_writes_the_cache(head_dim: int, dtype: torch.dtype) -> None:
+    """q and k as the engine passes them (views of the fused qkv rows): rotated bit-identically to
+    apply_rope, and K (rotated) and V written to the tokens' scattered slots, nothing else touched."""
+    g = torch.Generator().manual_seed(head_dim)
+    n, heads, kv_heads = 11, 6, 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    table = cos_sin_table(inv_freq, 64, dtype, "cpu")
+    positions = torch.randint(0, 64, (n,), generator=g)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+    slots = torch.randperm(40, generator=g)[:n]
+    cache = torch.randn(2, kv_heads, 40, head_dim, generator=g).to(dtype)
+    want_qk = apply_rope(qk, *rope_factors(table[positions]))
+    want_cache = cache.clone()
+    write_kv(want_cache, want_qk[:, heads:], v, slots)
+    native.rope_write_kv(qk, v, table[positions], slots, cache)
+    assert torch.equal(qk, want_qk)
+    assert torch.equal(cache, want_cache)
+
+
+def test_they_refuse_inputs_they_cannot_serve() -> None:
+    x, w = torch.randn(3, 8), torch.randn(8)
+    for args in (
+        (x.double(), w.double()),  # dtype
+        (x, w[:4]),  # weight size
+        (x.t().contiguous().t(), w),  # strided columns
+        (x.to(torch.bfloat16), w.half()),  # weight neither fp32 nor x's dtype
+    ):
+        with pytest.raises(RuntimeError):
+            native.rms_norm(*args, 1e-6)
+    with pytest.raises(RuntimeError, match="delta"):
+        native.add_rms_norm(x, torch.randn(3, 9), w, 1e-6)
+    qk, v, cos_sin = torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.randn(2, 2, 8)
+    cache = torch.zeros(2, 1, 4, 8)
+    native.rope_write_kv(qk, v, cos_sin, torch.tensor([0, 3]), cache)  # the valid call
+    for bad in (
+        (qk, v, cos_sin, torch.tensor([0, 4]), cache),  # slot out of range
+        (qk, v, cos_sin, torch.tensor([0, 1], dtype=torch.int32), cache),  # int32 slots
+        (qk, v, cos_sin[:, :1], torch.tensor([0, 1]), cache),  # cos_sin shape
+        (qk, v.double(), cos_sin, torch.tensor([0, 1]), cache),  # mixed dtypes
+        (
+            torch.randn(2, 3, 7),
+            torch.randn(2, 1, 7),
+            torch.randn(2, 2, 7),
+            torch.tensor([0, 1]),
+            torch.zeros(2, 1, 4, 7),
+        ),
+    ):
+        with pytest.raises(RuntimeError):
+            native.rope_write_kv(*bad)
+
+
+def test_the_engine_takes_them_where_they_apply_and_refuses_them_where_not() -> None:
+    assert use_native_layer_ops("auto", "cpu", torch.float32)
+    assert use_native_layer_ops("native", "cpu", torch.bfloat16)
+    assert not use_native_layer_ops("torch", "cpu", torch.float32)
+    assert not use_native_layer_ops("auto", "cpu", torch.float16)
+    assert not use_native_layer_ops("auto", "cuda", torch.float32)
+    for device, dtype in (("cpu", torch.float16), ("cuda", torch.float32)):
+        with pytest.raises(ValueError, match="cpu_layer_ops='native' is not usable"):
+            use_native_layer_ops("native", device, dtype)
+
+
+def test_an_engine_decodes_the_same_tokens_with_fused_and_eager_layer_ops() -> None:
+    model = tiny_llama()
+    tokens = {}
+    for mode in ("torch", "native"):
+        config = EngineConfig(
+            kv_cache_bytes=2**20, max_model_len=128, kv_block_size=4, cpu_layer_ops=mode, enable_prefix_caching=False
+        )
+        engine = LLMEngine(load_weights(model, torch.float32, "cpu", 128), NullTokenizer(), config, set())  # type: ignore[arg-type]
+        assert engine.model.native == (mode == "native")
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        prompts = [[5, 9, 2], list(range(1, 30)), [7] * 11]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(EngineRequest(f"r{i}", prompt, params))
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for result in engine.step():
+                out[result.request_id] += result.token_ids
+        tokens[mode] = out
+    assert tokens["native"] == tokens["torch"]
+    assert all(len(ids) == 40 for ids in tokens["native"].values())
