@@ -55,15 +55,42 @@ inline void exp_nonpositive(float* x, int64_t n) {
   }
 }
 
+// Ask for rows [from, to) of a block ahead of their use: blocks lie scattered over the cache (each
+// a few KB on its own pages), where the hardware prefetchers, which follow one page, cannot see the
+// next one coming; without this a long-running cache's decode waited on memory at every block.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t count, int64_t d, bool near) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  const int64_t bytes = count * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (near) {
+      __builtin_prefetch(p + off, 0, 3);
+    } else {
+      __builtin_prefetch(p + off, 0, 2);
+    }
+  }
+}
+
 // fn(j, row) for positions j in [first, len) of one head's K or V, block by block: a block's rows
-// are contiguous, so the table is read once per block and no position is divided.
+// are contiguous, so the table is read once per block and no position is divided. While a block is
+// read, the next one is prefetched, and with ``later`` (the V pass's head, during the K pass) the
+// same block of that head too, into the outer caches.
 template <typename T, typename Fn>
 inline void for_each_row(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
-                         const T* head, Fn&& fn) {
+                         const T* head, const T* later, Fn&& fn) {
+  if (first < len) {
+    const int64_t in_block = first % block_size;
+    prefetch_rows(head + (table[first / block_size] * block_size + in_block) * d, block_size - in_block, d, true);
+  }
   for (int64_t j = first; j < len;) {
     const int64_t in_block = j % block_size;
+    const int64_t block = j / block_size;
     const int64_t stop = std::min(len, j - in_block + block_size);
-    const T* row = head + (table[j / block_size] * block_size + in_block) * d;
+    if (stop < len) prefetch_rows(head + table[block + 1] * block_size * d, std::min(block_size, len - stop), d, true);
+    if (later != nullptr) {
+      prefetch_rows(later + (table[block] * block_size + in_block) * d, stop - j, d, false);
+    }
+    const T* row = head + (table[block] * block_size + in_block) * d;
     for (; j < stop; ++j, row += d) fn(j, row);
   }
 }
@@ -77,7 +104,7 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
   const int64_t d = D > 0 ? D : head_dim;
   const int64_t span = len - first;
   // scores[g][j - first] = q_g . k_j * scale
-  for_each_row(table, first, len, block_size, d, k_head, [&](int64_t j, const T* k) {
+  for_each_row(table, first, len, block_size, d, k_head, v_head, [&](int64_t j, const T* k) {
     const float* kf = row_f32(k, buf, d);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf + g * d;
@@ -105,7 +132,7 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
     for (int64_t j = 0; j < span; ++j) row[j] *= inv;
   }
   std::fill(acc, acc + group * d, 0.f);
-  for_each_row(table, first, len, block_size, d, v_head, [&](int64_t j, const T* v) {
+  for_each_row(table, first, len, block_size, d, v_head, static_cast<const T*>(nullptr), [&](int64_t j, const T* v) {
     const float* vf = row_f32(v, buf, d);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * span + (j - first)];
