@@ -71,12 +71,12 @@ inline void prefetch_rows(const T* rows, int64_t count, int64_t d, bool near) {
   }
 }
 
-// fn(j, row) for positions j in [first, len) of one head's K or V, block by block: a block's rows
-// are contiguous, so the table is read once per block and no position is divided. While a block is
-// read, the next one is prefetched, and with ``later`` (the V pass's head, during the K pass) the
-// same block of that head too, into the outer caches.
+// fn(j, rows, count) for the runs of positions [j, j + count) within [first, len) of one head's K or
+// V, block by block: a block's rows are contiguous, so the table is read once per block and no
+// position is divided. While a block is read, the next one is prefetched, and with ``later`` (the V
+// pass's head, during the K pass) the same block of that head too, into the outer caches.
 template <typename T, typename Fn>
-inline void for_each_row(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
+inline void for_each_run(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
                          const T* head, const T* later, Fn&& fn) {
   if (first < len) {
     const int64_t in_block = first % block_size;
@@ -90,8 +90,8 @@ inline void for_each_row(const int64_t* table, int64_t first, int64_t len, int64
     if (later != nullptr) {
       prefetch_rows(later + (table[block] * block_size + in_block) * d, stop - j, d, false);
     }
-    const T* row = head + (table[block] * block_size + in_block) * d;
-    for (; j < stop; ++j, row += d) fn(j, row);
+    fn(j, head + (table[block] * block_size + in_block) * d, stop - j);
+    j = stop;
   }
 }
 
@@ -103,15 +103,42 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
                  float* scores, float* acc, float* buf) {
   const int64_t d = D > 0 ? D : head_dim;
   const int64_t span = len - first;
-  // scores[g][j - first] = q_g . k_j * scale
-  for_each_row(table, first, len, block_size, d, k_head, v_head, [&](int64_t j, const T* k) {
-    const float* kf = row_f32(k, buf, d);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf + g * d;
-      float dot = 0.f;
+  // scores[g][j - first] = q_g . k_j * scale, four rows at a time: four independent sums per query
+  // head, each K row loaded once for the whole group
+  for_each_run(table, first, len, block_size, d, k_head, v_head, [&](int64_t j0, const T* rows, int64_t count) {
+    int64_t r = 0;
+    for (; r + 4 <= count; r += 4) {
+      const float* k0 = row_f32(rows + r * d, buf, d);
+      const float* k1 = row_f32(rows + (r + 1) * d, buf + kMaxHeadDim, d);
+      const float* k2 = row_f32(rows + (r + 2) * d, buf + 2 * kMaxHeadDim, d);
+      const float* k3 = row_f32(rows + (r + 3) * d, buf + 3 * kMaxHeadDim, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * d;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int64_t e = 0; e < d; ++e) {
+          const float qe = qg[e];
+          d0 += qe * k0[e];
+          d1 += qe * k1[e];
+          d2 += qe * k2[e];
+          d3 += qe * k3[e];
+        }
+        float* sc = scores + g * span + (j0 + r - first);
+        sc[0] = d0 * fscale;
+        sc[1] = d1 * fscale;
+        sc[2] = d2 * fscale;
+        sc[3] = d3 * fscale;
+      }
+    }
+    for (; r < count; ++r) {
+      const float* kf = row_f32(rows + r * d, buf, d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf + g * d;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t e = 0; e < d; ++e) dot += qg[e] * kf[e];
-      scores[g * span + (j - first)] = dot * fscale;
+        for (int64_t e = 0; e < d; ++e) dot += qg[e] * kf[e];
+        scores[g * span + (j0 + r - first)] = dot * fscale;
+      }
     }
   });
   for (int64_t g = 0; g < group; ++g) {
@@ -132,15 +159,33 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
     for (int64_t j = 0; j < span; ++j) row[j] *= inv;
   }
   std::fill(acc, acc + group * d, 0.f);
-  for_each_row(table, first, len, block_size, d, v_head, static_cast<const T*>(nullptr), [&](int64_t j, const T* v) {
-    const float* vf = row_f32(v, buf, d);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * span + (j - first)];
-      float* a = acc + g * d;
+  // acc[g] += p[g][j] * v_j, four rows per pass over each query head's accumulator
+  for_each_run(table, first, len, block_size, d, v_head, static_cast<const T*>(nullptr),
+               [&](int64_t j0, const T* rows, int64_t count) {
+                 int64_t r = 0;
+                 for (; r + 4 <= count; r += 4) {
+                   const float* v0 = row_f32(rows + r * d, buf, d);
+                   const float* v1 = row_f32(rows + (r + 1) * d, buf + kMaxHeadDim, d);
+                   const float* v2 = row_f32(rows + (r + 2) * d, buf + 2 * kMaxHeadDim, d);
+                   const float* v3 = row_f32(rows + (r + 3) * d, buf + 3 * kMaxHeadDim, d);
+                   for (int64_t g = 0; g < group; ++g) {
+                     const float* p = scores + g * span + (j0 + r - first);
+                     const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+                     float* a = acc + g * d;
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) a[e] += p * vf[e];
-    }
-  });
+                     for (int64_t e = 0; e < d; ++e) a[e] += (p0 * v0[e] + p1 * v1[e]) + (p2 * v2[e] + p3 * v3[e]);
+                   }
+                 }
+                 for (; r < count; ++r) {
+                   const float* vf = row_f32(rows + r * d, buf, d);
+                   for (int64_t g = 0; g < group; ++g) {
+                     const float p = scores[g * span + (j0 + r - first)];
+                     float* a = acc + g * d;
+#pragma omp simd
+                     for (int64_t e = 0; e < d; ++e) a[e] += p * vf[e];
+                   }
+                 }
+               });
 }
 
 template <typename T>
@@ -161,7 +206,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   auto task_fn = d == 64 ? &decode_task<T, 64> : d == 128 ? &decode_task<T, 128> : &decode_task<T, 0>;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
-    float buf[kMaxHeadDim];
+    float buf[4 * kMaxHeadDim];  // four K or V rows widened to fp32 (bf16)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t len = lp[s];
