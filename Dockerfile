@@ -11,8 +11,8 @@ ARG VARIANT=cpu
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
 FROM python:3.11-slim AS python-cpu
-# g++: a CPU worker builds the native decode-attention kernel for its own CPU at first start
-# (kernels/native.py, ~35 s, kept in ~/.cache/torch_extensions); without it the eager path serves.
+# g++: a CPU worker builds the native kernels (decode attention, LoRA, layer ops) for its own CPU at first start
+# (kernels/native.py, about a minute, kept in ~/.cache/torch_extensions); without it the eager paths serve.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
