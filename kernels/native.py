@@ -20,10 +20,10 @@ the matmuls. Their results are rounded where the eager ops round them (see the s
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
-build is never loaded on a CPU it was not built for. :func:`native_decode` and :func:`native_lora`
-and :func:`native_layer_ops` build once per process and probe their ops against the eager path; where the build or a probe fails
-they log why and return False, and the engine keeps the eager path (``cpu_attention='native'``
-refuses to start instead).
+build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora` and
+:func:`native_layer_ops` build it once per process and probe their ops against the eager paths; where
+the build or a probe fails they log why and return False, and the engine and the adapter manager keep
+the eager paths (a setting of ``native`` refuses to start instead).
 """
 
 import functools
