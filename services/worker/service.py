@@ -40,12 +40,14 @@ from shared.request_ref import RequestRef
 from shared.schemas import (
     AdapterEvent,
     CompletionAudit,
+    ControlOutcome,
     DispatchReply,
     InferRequest,
     RejectionAudit,
     ReplyEnvelope,
     ReplyMessage,
     WorkerControl,
+    WorkerControlReply,
     WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
@@ -121,24 +123,31 @@ async def _keep_pins(pins: PinFollower, refresh_s: float) -> None:
         pins.reconcile()
 
 
-def _control(control: WorkerControl, server: RequestServer, cache: CacheHierarchy, catalog: Catalog) -> None:
+def _control(
+    control: WorkerControl, server: RequestServer, cache: CacheHierarchy, catalog: Catalog
+) -> WorkerControlReply:
+    """Apply one control message; what it did (sent back when the message asked for an answer)."""
+    outcome: ControlOutcome = "done"
     if control.action == "cancel":
         assert control.request_id and control.tenant_id, "WorkerControl validates that a cancel names its request"
-        server.cancel(RequestRef(control.tenant_id, control.request_id))
-        return
+        if not server.cancel(RequestRef(control.tenant_id, control.request_id)):
+            outcome = "not_running"
+        return WorkerControlReply(action=control.action, outcome=outcome)
     if not control.adapter_id or control.adapter_version is None:
         raise InvalidMessage(f"{control.action} needs adapter_id and adapter_version")
     key = adapter_key(control.adapter_id, control.adapter_version)
     if control.action == "prefetch":
-        cache.prefetch(key)
+        if not cache.prefetch(key):
+            outcome = "resident_or_loading"
     elif control.action == "evict":
-        cache.evict(key)
+        outcome = cache.evict(key)
     elif control.action == "pin":
         record = catalog.get(control.adapter_id, control.adapter_version)
         if not cache.pin(key, record.rank if record else None, record.tenant_id if record else None):
             raise InvalidMessage(f"pin of {key} refused: its rank class is full of pins")
     elif control.action == "unpin":
         cache.unpin(key)
+    return WorkerControlReply(action=control.action, outcome=outcome)
 
 
 async def run(settings: WorkerSettings) -> None:
@@ -214,11 +223,15 @@ async def run(settings: WorkerSettings) -> None:
 
         async def on_control(msg) -> None:
             try:
-                _control(decode(WorkerControl, msg.data), server, cache, resolver.mirror.catalog)
+                done = _control(decode(WorkerControl, msg.data), server, cache, resolver.mirror.catalog)
             except LorafleetError as e:
                 log.warning("bad_control_message", error=e.message)
                 if msg.reply:
                     await reply_error(nc, msg.reply, e)
+                return
+            log.debug("worker_control", action=done.action, outcome=done.outcome)
+            if msg.reply:
+                await nc.publish(msg.reply, encode(done))
 
         async def on_event(msg) -> None:
             try:

@@ -26,6 +26,23 @@ class WorkerControl(Message):
         return self
 
 
+ControlOutcome = Literal[
+    "done",  # the action took effect (cancelled, loading, evicted, pinned, unpinned)
+    "not_running",  # cancel: no such request runs on this worker
+    "resident_or_loading",  # prefetch: nothing to do
+    "not_resident",  # evict: the adapter holds no slot here
+    "pinned",  # evict: pinned adapters stay
+    "in_flight",  # evict: requests on the adapter are running; the slot is freed by policy after their last release
+]
+
+
+class WorkerControlReply(Message):
+    """A worker's answer to a control message that asked for one (sent with a reply subject)."""
+
+    action: Literal["prefetch", "evict", "pin", "unpin", "cancel"]
+    outcome: ControlOutcome
+
+
 class EngineCapability(Message):
     """What a worker's engine can serve; placement sends an adapter only where its rank and modules fit."""
 

@@ -191,17 +191,19 @@ def test_warmup_prefetch_evict_and_pins(cache: CacheHierarchy) -> None:
     cache.start()
     _wait_for(lambda: set(cache.manager.resident()) == {RANK8[0], RANK16[1]})
     assert cache.acquire(RANK8[0], 8).hit
-    assert not cache.evict(RANK8[0])  # in flight
+    assert cache.evict(RANK8[0]) == "in_flight"
     cache.release(RANK8[0])
     cache.pin(RANK8[0])
-    assert not cache.evict(RANK8[0])
+    assert cache.evict(RANK8[0]) == "pinned"
+    assert cache.evict(RANK8[3]) == "not_resident"
     assert cache.prefetch(RANK8[1]) and not cache.prefetch(RANK8[0])
     _wait_for(lambda: RANK8[1] in cache.manager.resident())
     assert cache.prefetch(RANK8[2])  # no free slot and LRU scores a never-requested key lowest: CPU only
     _wait_for(lambda: RANK8[2] in cache.stats().cpu_adapters and not cache.stats().loading)
     assert RANK8[2] not in cache.manager.resident() and RANK8[0] in cache.manager.resident()
     cache.unpin(RANK8[0])
-    assert cache.evict(RANK8[0]) and RANK8[0] in cache.stats().cpu_adapters
+    assert cache.evict(RANK8[0]) == "done" and RANK8[0] in cache.stats().cpu_adapters
+    assert cache.evict(RANK8[0]) == "not_resident"
 
 
 @pytest.mark.parametrize("cache", [{"policy": "heat", "load_threads": 3}], indirect=True)

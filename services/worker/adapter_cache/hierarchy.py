@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from services.worker.adapter_cache.backend import SlotBackend
 from services.worker.adapter_cache.config import CacheConfig
@@ -26,6 +27,8 @@ from services.worker.adapter_cache.stats import CacheCounters, CacheStats, Tier
 from shared import metrics
 from shared.adapter_keys import adapter_key, adapter_of_key
 from shared.errors import AdapterRevoked
+
+EvictOutcome = Literal["done", "not_resident", "pinned", "in_flight"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +134,19 @@ class CacheHierarchy:
             self._loader.start(Entry(key, 0, tenant, slo), prefetch=key not in self._pins, now=self._clock())
             return True
 
-    def evict(self, key: str) -> bool:
-        """Free ``key``'s slot (its CPU copy stays); False when not resident, pinned or in flight."""
+    def evict(self, key: str) -> EvictOutcome:
+        """Free ``key``'s slot (its CPU copy stays): ``done``; or why not (not resident, pinned, in flight)."""
         with self._lock:
-            if key not in self._slots or self._protected(key):
-                return False
+            if key not in self._slots:
+                return "not_resident"
+            if key in self._pins:
+                return "pinned"
+            if self._refs[key] > 0:
+                return "in_flight"
             self._loader.unload(key, "directive")
             ready = self._loader.drain(self._clock())
         self._loader.submit(ready)
-        return True
+        return "done"
 
     def pin(self, key: str, rank: int | None = None, tenant: str | None = None) -> bool:
         """Never evict ``key``; it is loaded if absent (again, if a load failed), waiting for a slot like a request.
