@@ -16,7 +16,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 TINY_MODELS = {"tiny-llama": (64, 4), "tiny-llama-h64": (128, 2)}
 
 
-def make_tiny_model(directory: Path, hidden_size: int = 64, num_heads: int = 4) -> Path:
+def make_tiny_model(directory: Path, hidden_size: int = 64, num_heads: int = 4, max_positions: int = 2048) -> Path:
     """A random 2-layer Llama (64 wide by default) with the SmolLM2 tokenizer (so every service tokenises alike)."""
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
@@ -33,7 +33,7 @@ def make_tiny_model(directory: Path, hidden_size: int = 64, num_heads: int = 4) 
         num_hidden_layers=2,
         num_attention_heads=num_heads,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         bos_token_id=ref.bos_token_id,
         eos_token_id=ref.eos_token_id,
         tie_word_embeddings=True,

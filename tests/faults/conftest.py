@@ -26,6 +26,9 @@ WORKERS = ("w1", "w2")
 SERVICES = ("registry", "scheduler", "auditor", "gateway")
 ADAPTER = "sea"  # owned by tenant demo, private
 REQUEST_TIMEOUT_S = 25  # the gateway's end-to-end bound of one request
+# A sequence may be this long: a stream a test abandons asks for nearly all of it, so it outlasts the test's
+# steps however fast the machine decodes (the tiny model runs thousands of tokens a second)
+MAX_MODEL_LEN = 16384
 
 
 @dataclass
@@ -95,7 +98,7 @@ async def release(nats_url: str, model_dir: Path, directory: Path, adapter_id: s
 @pytest.fixture(scope="package")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("faults")
-    model_dir = make_tiny_model(root / MODEL)
+    model_dir = make_tiny_model(root / MODEL, max_positions=MAX_MODEL_LEN)
     make_adapter(model_dir, root / ADAPTER, seed=3)
     nats_server = start_nats(free_port(), root / "nats", root / "nats.log")
     redis = start_redis(free_port(), root / "redis")
@@ -116,7 +119,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "LF_CAPACITY_HEADROOM": "0",
         "LF_ENGINE__MAX_NUM_SEQS": "4",
         "LF_ENGINE__NUM_THREADS": "1",
-        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_ENGINE__KV_CACHE_BYTES": str(32 * 2**20),  # 64 Ki tokens of the tiny model: four longest sequences
+        "LF_ENGINE__MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "LF_ENGINE__MAX_NUM_BATCHED_TOKENS": str(MAX_MODEL_LEN),
+        "LF_LORA__MAX_NUM_TOKENS": str(MAX_MODEL_LEN),
+        "LF_MAX_TOKENS_LIMIT": str(MAX_MODEL_LEN),
         "LF_METRICS_PORT": "-1",
     }
     stack = Stack(env, root / "logs")

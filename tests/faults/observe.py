@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.bus import decode, encode
-from shared.schemas import ServiceHeartbeat, WorkerControl, WorkerHeartbeat
+from shared.schemas import ServiceHeartbeat, WorkerControl, WorkerControlReply, WorkerHeartbeat
 
 
 class WorkerBeats:
@@ -66,6 +66,12 @@ class WorkerBeats:
         assert self._nc is not None
         await self._nc.publish(subjects.worker_control(worker), encode(message))
         await self._nc.flush()
+
+    async def ask(self, worker: str, message: WorkerControl) -> WorkerControlReply:
+        """Send a control message and wait for the worker's answer: what it did."""
+        assert self._nc is not None
+        msg = await self._nc.request(subjects.worker_control(worker), encode(message), timeout=10)
+        return decode(WorkerControlReply, msg.data)
 
 
 class SchedulerMetrics:

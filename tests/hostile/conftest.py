@@ -49,6 +49,9 @@ from tests.scheduler.conftest import wait_workers
 
 MODEL = "tiny-llama"
 WORKER = "w1"
+# A sequence may be this long: a request a test keeps in flight asks for thousands of tokens, seconds of decoding
+# however fast the machine (the tiny model runs about 1500 tokens a second on the reference CPU)
+MAX_MODEL_LEN = 16384
 MAX_BODY = 65_536
 CONFIG_KEYS = {"key-demo": "demo", "key-other": "other"}
 REMOTE_TIMEOUT_S = 3.0  # the registry's fetch time limit
@@ -202,7 +205,7 @@ async def _seed(running: HostileStack) -> None:
 @pytest.fixture(scope="session")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     root = tmp_path_factory.mktemp("hostile")
-    model_dir = make_tiny_model(root / MODEL)
+    model_dir = make_tiny_model(root / MODEL, max_positions=MAX_MODEL_LEN)
     nats = start_nats(free_port(), root / "nats")
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
@@ -223,7 +226,11 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_GATEWAY_SYNC_TIMEOUT_S": "1.8",  # under the gateway's registry bound (2 s); a test stops the scheduler 1 s
         "LF_ENGINE__MAX_NUM_SEQS": "4",
         "LF_ENGINE__NUM_THREADS": "1",
-        "LF_ENGINE__KV_CACHE_BYTES": str(8 * 2**20),
+        "LF_ENGINE__KV_CACHE_BYTES": str(32 * 2**20),  # 64 Ki tokens of the tiny model: four longest sequences
+        "LF_ENGINE__MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "LF_ENGINE__MAX_NUM_BATCHED_TOKENS": str(MAX_MODEL_LEN),
+        "LF_LORA__MAX_NUM_TOKENS": str(MAX_MODEL_LEN),
+        "LF_MAX_TOKENS_LIMIT": str(MAX_MODEL_LEN),  # the gateway's bound, which the scheduler applies too
         "LF_METRICS_PORT": "-1",
         "LF_WORKER_ID": WORKER,
         "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),

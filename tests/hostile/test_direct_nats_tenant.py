@@ -33,10 +33,11 @@ from shared.schemas import (
     TenantQuota,
     TenantsReply,
 )
-from tests.hostile.conftest import MAX_BODY, HostileStack, adapter_files, inline, registry_call
+from tests.hostile.conftest import MAX_BODY, MAX_MODEL_LEN, HostileStack, adapter_files, inline, registry_call
 from tests.hostile.test_nats_hostile import adapter_of, collect, completions, infer, nothing_queued, submit
 
 TENANT = "direct"
+LONG_RUN = 6000  # tokens of a request a test keeps in flight: seconds on any machine (10 s here)
 ADAPTER = "direct-chat"  # v1 production, v2 rolled back, v3 staging
 PREFIX = "lf:"  # the stack's Redis key prefix (the default)
 GATEWAY_INBOX = "_INBOX.gateway-inbox"  # where a gateway would read replies
@@ -211,7 +212,7 @@ async def test_a_forged_reply_subject_gets_no_reply_anywhere(
 
 
 OVERSIZE = [  # (edit, reply code): the gateway's bounds, applied by the scheduler
-    pytest.param({"sampling": {"max_tokens": 4097}}, "invalid_request", id="max-tokens-over-the-limit"),
+    pytest.param({"sampling": {"max_tokens": MAX_MODEL_LEN + 1}}, "invalid_request", id="max-tokens-over-the-limit"),
     pytest.param({"sampling": {"stop": ["a", "b", "c", "d", "e"]}}, "invalid_request", id="five-stop-strings"),
     pytest.param({"prompt": "hello " * 9000}, "invalid_request", id="prompt-over-8192-tokens"),
     pytest.param(
@@ -256,7 +257,8 @@ async def test_a_forged_created_at_frees_no_slot_while_the_request_runs(hostile:
     ends (before: the inflight sweep freed it on the next tick, 20 of 20 such requests admitted)."""
     rid = f"epoch-{uuid.uuid4().hex[:12]}"
     sub = await nc.subscribe(f"_INBOX_{TENANT}.{rid}")
-    long_run = valid(rid, created_at=0, sampling={"max_tokens": 1500, "ignore_eos": True, "temperature": 0})
+    # it outlasts the probes (a second of sleep, then three refusals) on any machine
+    long_run = valid(rid, created_at=0, sampling={"max_tokens": LONG_RUN, "ignore_eos": True, "temperature": 0})
     await submit(nc, TENANT, long_run)
     assert (await sub.next_msg(timeout=10)).data  # accepted: it runs
     await asyncio.sleep(1.0)  # four sweep ticks
@@ -268,7 +270,7 @@ async def test_a_forged_created_at_frees_no_slot_while_the_request_runs(hostile:
         refused += [b.error.code for b in await collect(psub, 5) if b.kind == "error"]
     assert refused == ["quota_exceeded"] * 3
     bodies = await collect(sub, 120)
-    assert bodies[-1].kind == "final" and bodies[-1].usage.completion_tokens == 1500
+    assert bodies[-1].kind == "final" and bodies[-1].usage.completion_tokens == LONG_RUN
 
 
 async def test_an_adapters_name_without_a_block_is_served_by_that_adapter(hostile: HostileStack, direct: Direct, nc):
