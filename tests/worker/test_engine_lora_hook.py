@@ -27,6 +27,10 @@ class ToyLora:
     def ranks(self) -> tuple[int, ...]:
         return (next(iter(self.a.values())).shape[-1],)
 
+    @property
+    def modules(self) -> frozenset[str]:
+        return frozenset(self.a)
+
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         mask = self.slots >= 0
         index = self.slots.clamp(min=0)

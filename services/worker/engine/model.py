@@ -150,12 +150,16 @@ class LlamaForward:
         attn_out = h.new_empty(h.shape[0], s.q_size)
         layers = self.w.layers
         x = self.norm(h, layers[0].input_norm)
+        targets = lora.modules if lora is not None else frozenset[str]()
         for i, (layer, proj) in enumerate(zip(layers, self.proj, strict=True)):
             qkv = proj["qkv"](x)
-            if lora is not None:
-                lora.apply(i, "q_proj", x, qkv[:, :q_end])
-                lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
-                lora.apply(i, "v_proj", x, qkv[:, k_end:])
+            if lora is not None and targets:
+                if "q_proj" in targets:
+                    lora.apply(i, "q_proj", x, qkv[:, :q_end])
+                if "k_proj" in targets:
+                    lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
+                if "v_proj" in targets:
+                    lora.apply(i, "v_proj", x, qkv[:, k_end:])
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
                 qk = self._head_norm(qk, layer.qk_norm)
@@ -169,19 +173,20 @@ class LlamaForward:
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, self.attention[i])
             o = proj["o"](a)
-            if lora is not None:
+            if lora is not None and "o_proj" in targets:
                 lora.apply(i, "o_proj", a, o)
             if layer.attn_out_norm is not None:
                 o = self.norm(o, layer.attn_out_norm)
             h, x = self._add_norm(h, o, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
-            if lora is not None:
+            if lora is not None and "gate_proj" in targets:
                 lora.apply(i, "gate_proj", x, gate_up[:, :inter])
+            if lora is not None and "up_proj" in targets:
                 lora.apply(i, "up_proj", x, gate_up[:, inter:])
             act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
-            if lora is not None:
+            if lora is not None and "down_proj" in targets:
                 lora.apply(i, "down_proj", act, d)
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)

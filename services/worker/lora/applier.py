@@ -26,10 +26,11 @@ class LoraBatch:
     or projections no token of this step targets cost nothing.
     """
 
-    __slots__ = ("classes",)
+    __slots__ = ("classes", "modules")
 
     def __init__(self, classes: list[ClassBatch]):
         self.classes = classes
+        self.modules: frozenset[str] = frozenset().union(*(part.modules for part in classes))
 
     @property
     def ranks(self) -> tuple[int, ...]:
