@@ -5,6 +5,11 @@
 // One task per (row, kv head): the group's query heads share every K and V row it reads, so each
 // is read once per step. Scores, softmax and the weighted sum of V are fp32 whatever the cache's
 // dtype (bf16 K/V are widened on load), as transformers' eager attention computes them.
+// With AVX-512 and head_dim 64 or 128, scores come sixteen K rows at a time (one vector accumulator
+// per row, the sixteen reduced together rather than each on its own) and the weighted sum of V keeps
+// each query head's accumulator in registers over a block's rows; other head dims take the generic
+// loops. 32 decodes of 150 tokens on scattered blocks, per layer call: fp32 260 -> 200 us (near the
+// read bandwidth), bf16 225 -> 175 us.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -13,6 +18,10 @@
 #include <cstring>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -32,6 +41,9 @@ inline const float* row_f32(const at::BFloat16* src, float* buf, int64_t d) {
   return buf;
 }
 inline const float* row_f32(const float* src, float* buf, int64_t) { return row_f32(src, buf); }
+// n consecutive elements (whole rows), widened like row_f32.
+template <typename T>
+inline const float* rows_f32(const T* src, float* buf, int64_t n) { return row_f32(src, buf, n); }
 
 // exp(x) for x <= 0 (a score minus its row's maximum), to about 2 ulp, in a loop the compiler
 // vectorises: 2^n * p(r) with n = round(x / ln 2) and a degree-6 polynomial on |r| <= ln 2 / 2.
@@ -54,6 +66,74 @@ inline void exp_nonpositive(float* x, int64_t n) {
     x[i] = p * scale;
   }
 }
+
+#if defined(__AVX512F__)
+// The lane sums of sixteen vectors as one vector: out[i] = sum of v[i]'s sixteen lanes. 45 shuffles and
+// adds for the sixteen, where reducing each on its own takes about eight dependent steps apiece.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8];  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) of rows a = 2i, b = 2i + 1
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 quads[4];  // per 128-bit lane: the lane's partial sums of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = pairs[2 * i], y = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // fold each quad's four 128-bit lanes into one, quad i landing in lane i
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[g * span + r] = (q_g . k_r) * scale for sixteen contiguous fp32 K rows k (D floats each) and every
+// query head g of the group: one vector accumulator per row, the sixteen reduced together.
+template <int64_t D>
+inline void scores16(const float* qf, int64_t group, const float* k, float fscale, float* scores, int64_t span) {
+  constexpr int64_t kVecs = D / 16;
+  const __m512 vscale = _mm512_set1_ps(fscale);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[kVecs];
+    for (int64_t c = 0; c < kVecs; ++c) qv[c] = _mm512_loadu_ps(qf + g * D + c * 16);
+    __m512 acc[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + r * D));
+      for (int64_t c = 1; c < kVecs; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + r * D + c * 16), a);
+      acc[r] = a;
+    }
+    _mm512_storeu_ps(scores + g * span, _mm512_mul_ps(sum_lanes16(acc), vscale));
+  }
+}
+
+// Sixteen consecutive elements as fp32 lanes (bf16 widened in the register: a shift into the high half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// acc[g] += sum_r p[g][r] * v_r for count contiguous V rows (D elements each) and every query head g: each
+// head's accumulator stays in registers over the rows, which are read from L1 once per head.
+template <typename T, int64_t D>
+inline void pv_rows(const float* p, int64_t span, int64_t group, const T* v, int64_t count, float* acc) {
+  constexpr int64_t kVecs = D / 16;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 a[kVecs];
+    float* ag = acc + g * D;
+    for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm512_loadu_ps(ag + c * 16);
+    const float* pg = p + g * span;
+    for (int64_t r = 0; r < count; ++r) {
+      const __m512 pr = _mm512_set1_ps(pg[r]);
+      for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm512_fmadd_ps(pr, load16(v + r * D + c * 16), a[c]);
+    }
+    for (int64_t c = 0; c < kVecs; ++c) _mm512_storeu_ps(ag + c * 16, a[c]);
+  }
+}
+#endif
 
 // Ask for rows [from, to) of a block ahead of their use: blocks lie scattered over the cache (each
 // a few KB on its own pages), where the hardware prefetchers, which follow one page, cannot see the
@@ -107,6 +187,14 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
   // head, each K row loaded once for the whole group
   for_each_run(table, first, len, block_size, d, k_head, v_head, [&](int64_t j0, const T* rows, int64_t count) {
     int64_t r = 0;
+#if defined(__AVX512F__)
+    if constexpr (D == 64 || D == 128) {
+      for (; r + 16 <= count; r += 16) {  // sixteen rows widened once (bf16), read by every query head
+        const float* tile = rows_f32(rows + r * d, buf, 16 * d);
+        scores16<D>(qf, group, tile, fscale, scores + (j0 + r - first), span);
+      }
+    }
+#endif
     for (; r + 4 <= count; r += 4) {
       const float* k0 = row_f32(rows + r * d, buf, d);
       const float* k1 = row_f32(rows + (r + 1) * d, buf + kMaxHeadDim, d);
@@ -163,6 +251,12 @@ void decode_task(const float* qf, int64_t group, int64_t head_dim, const int64_t
   for_each_run(table, first, len, block_size, d, v_head, static_cast<const T*>(nullptr),
                [&](int64_t j0, const T* rows, int64_t count) {
                  int64_t r = 0;
+#if defined(__AVX512F__)
+                 if constexpr (D == 64 || D == 128) {
+                   pv_rows<T, D>(scores + (j0 - first), span, group, rows, count, acc);
+                   r = count;
+                 }
+#endif
                  for (; r + 4 <= count; r += 4) {
                    const float* v0 = row_f32(rows + r * d, buf, d);
                    const float* v1 = row_f32(rows + (r + 1) * d, buf + kMaxHeadDim, d);
@@ -206,7 +300,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   auto task_fn = d == 64 ? &decode_task<T, 64> : d == 128 ? &decode_task<T, 128> : &decode_task<T, 0>;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
-    float buf[4 * kMaxHeadDim];  // four K or V rows widened to fp32 (bf16)
+    float buf[16 * kMaxHeadDim];  // up to sixteen K or V rows widened to fp32 (bf16)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t len = lp[s];
