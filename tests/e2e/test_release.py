@@ -26,6 +26,7 @@ from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from lorafleet.evaluation.scorers import answer_format
 from services.auditor.store import AuditStore
+from services.registry.release_policy import wilson_lower
 from shared import signing, subjects
 from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
@@ -299,8 +300,14 @@ def test_a_canary_that_breaks_the_answer_format_is_rolled_back_on_live_feedback(
     assert statuses[1] == "production" and statuses[version] == "staging"
     decision = state.decisions[-1]
     assert decision.reasons[0].startswith("complaint rate")
-    assert decision.canary is not None and decision.canary.complaints >= 6
-    assert decision.baseline is not None and decision.baseline.complaint_rate < 0.5  # v1 keeps the format
+    canary, baseline = decision.canary, decision.baseline
+    assert baseline is not None and baseline.complaint_rate < 0.5  # v1 keeps the format
+    assert canary is not None and canary.samples >= 6  # LF_RELEASE_GUARD_MIN_SAMPLES: judged from the sixth on
+    # every rated canary answer broke the format; a user's rating may still be on its way when the guard trips
+    assert canary.feedback >= 1 and canary.complaints == canary.feedback
+    # and those complaints alone make the canary worse than production beyond the allowed increase (0.05, the
+    # default), at 99% (the registry's one-sided Wilson bound)
+    assert wilson_lower(canary.complaints, canary.samples) > baseline.complaint_rate + 0.05
     trail = _audit_trail(release.db_path, "capital-answer", version, until_action="rolled_back")
     rolled_back = [t for t in trail if t[1] == "rolled_back"]
     assert rolled_back and rolled_back[-1][2] == "release-controller" and "complaint rate" in rolled_back[-1][3]
