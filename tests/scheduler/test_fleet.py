@@ -2,6 +2,7 @@
 when a worker dies, the scheduler restarts or Redis goes away."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -26,6 +27,7 @@ from shared.schemas import (
 from tests.scheduler.conftest import MODEL, Fleet
 
 BOUND_S = 90  # no request may take longer: "none hangs"
+FLOOD_TOKENS = 160  # a wave of the flood outlasts sending the probes many times over
 
 
 async def chat(
@@ -55,6 +57,42 @@ def outcomes(responses: list[httpx.Response]) -> dict[int, int]:
     for r in responses:
         counts[r.status_code] = counts.get(r.status_code, 0) + 1
     return counts
+
+
+class Flood:
+    """Streamed requests of one tenant, each long enough (``FLOOD_TOKENS``) that a wave of them
+    outlasts what a test does between waves; ``first_wave`` returns once the fleet's 6 sequences
+    have each generated a token, so the rest are queued however fast this machine decodes."""
+
+    def __init__(self, client: httpx.AsyncClient, key: str, priority: str | None) -> None:
+        self.client, self.started = client, 0
+        self.headers = {"Authorization": f"Bearer {key}", **({"x-lorafleet-priority": priority} if priority else {})}
+
+    async def one(self, done: list[str] | None = None) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "max_tokens": FLOOD_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        generating = False
+        async with self.client.stream("POST", "/v1/chat/completions", headers=self.headers, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if generating or not line.startswith("data: {"):
+                    continue
+                if json.loads(line[6:])["choices"][0]["delta"].get("content"):  # a token, not the role chunk
+                    generating = True
+                    self.started += 1
+        if done is not None:
+            done.append("flood")
+
+    async def first_wave(self, tasks: list[asyncio.Task]) -> None:
+        deadline = time.monotonic() + BOUND_S
+        while self.started < 6:  # 3 workers of 2 sequences
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), self.started
+            await asyncio.sleep(0.01)
 
 
 async def _registry(fleet: Fleet, op: str, message, reply_type):
@@ -131,16 +169,17 @@ async def test_repeated_requests_for_an_adapter_stay_on_the_worker_that_holds_it
 async def test_a_flooding_tenant_leaves_the_quiet_one_its_fair_share(fleet):
     done: list[str] = []
 
-    async def tenant(client: httpx.AsyncClient, key: str, name: str) -> None:
-        response = await chat(client, key, max_tokens=48)
+    async def quiet(client: httpx.AsyncClient) -> None:
+        response = await chat(client, "key-other", max_tokens=48)
         assert response.status_code == 200, response.text
-        done.append(name)
+        done.append("quiet")
 
     async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
-        flood = [asyncio.create_task(tenant(client, "key-demo", "flood")) for _ in range(36)]
-        await asyncio.sleep(0.5)
-        quiet = [asyncio.create_task(tenant(client, "key-other", "quiet")) for _ in range(4)]
-        await asyncio.wait_for(asyncio.gather(*flood, *quiet), BOUND_S)
+        flood = Flood(client, "key-demo", None)
+        flooding = [asyncio.create_task(flood.one(done)) for _ in range(36)]
+        await flood.first_wave(flooding)  # 30 of the flood queued ahead of the quiet tenant
+        quiet_ones = [asyncio.create_task(quiet(client)) for _ in range(4)]
+        await asyncio.wait_for(asyncio.gather(*flooding, *quiet_ones), BOUND_S)
     last_quiet = max(i for i, name in enumerate(done) if name == "quiet")
     assert done[last_quiet + 1 :].count("flood") >= 12, done  # first come, first served would leave none
 
@@ -179,8 +218,8 @@ async def _tier(fleet: Fleet, tenant: str, quota: TenantQuota) -> None:
 
 
 async def _probes_under_flood(fleet: Fleet, flood_class: str, probe_class: str) -> list[float]:
-    """Seconds each of 4 one-token probes of ``probe_class`` took while the same tenant's flood of
-    ``flood_class`` requests queues in the scheduler (3 workers of 2 sequences take 6 at a time)."""
+    """Seconds each of 4 one-token probes of ``probe_class`` took while 36 of the same tenant's 42
+    ``flood_class`` requests (6 waves) are queued in the scheduler."""
     async with httpx.AsyncClient(base_url=fleet.gateway_url, timeout=BOUND_S) as client:
 
         async def timed(priority: str, max_tokens: int) -> float:
@@ -189,10 +228,11 @@ async def _probes_under_flood(fleet: Fleet, flood_class: str, probe_class: str) 
             assert response.status_code == 200, response.text
             return time.monotonic() - start
 
-        flood = [asyncio.create_task(timed(flood_class, 24)) for _ in range(42)]
-        await asyncio.sleep(0.5)
+        flood = Flood(client, "key-demo", flood_class)
+        flooding = [asyncio.create_task(flood.one()) for _ in range(42)]
+        await flood.first_wave(flooding)
         probes = await asyncio.wait_for(asyncio.gather(*(timed(probe_class, 1) for _ in range(4))), BOUND_S)
-        await asyncio.wait_for(asyncio.gather(*flood), BOUND_S)
+        await asyncio.wait_for(asyncio.gather(*flooding), BOUND_S)
     return sorted(probes)
 
 
