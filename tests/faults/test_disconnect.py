@@ -95,10 +95,14 @@ async def test_a_client_leaving_an_adapter_stream_frees_kv_and_the_adapter_slot(
         await stream.read_tokens(3)
         refused = await beats.ask(worker, WorkerControl(action="evict", adapter_id=ADAPTER, adapter_version=1))
         assert refused.outcome == "in_flight"  # the slot is not taken from under a running request
+        prefetch = WorkerControl(action="prefetch", adapter_id=ADAPTER, adapter_version=1)
+        assert (await beats.ask(worker, prefetch)).outcome == "resident_or_loading"
         await stream.read_tokens(2)  # and the stream goes on
         left = time.time()
         await stream.leave()
         await beats.until(worker, idle, 5, after=left)
+        cancel = WorkerControl(action="cancel", tenant_id="demo", request_id=rid)
+        assert (await beats.ask(worker, cancel)).outcome == "not_running"  # the leaving client's cancel ended it
         await evictable(beats, worker)
     await left_early(fleet, [rid])
 
