@@ -320,7 +320,7 @@ async def test_a_tenant_reusing_another_tenants_in_flight_id_is_served_with_its_
 
     for tenant in bodies:
         await nc.subscribe(f"_INBOX_{tenant}.{rid}", cb=listener(tenant))
-    long_run = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    long_run = {"max_tokens": LONG_RUN // 2, "ignore_eos": True, "temperature": 0}
     await submit(nc, "other", infer(rid, tenant="other", model=hostile.adapters["other"], sampling=long_run))
     await _until(lambda: ("other", "token") in seen, "the other tenant's request never ran")
     await submit(nc, TENANT, valid(rid, model=ADAPTER))
@@ -329,7 +329,7 @@ async def test_a_tenant_reusing_another_tenants_in_flight_id_is_served_with_its_
     mine, theirs = bodies[TENANT][-1], bodies["other"][-1]
     assert (mine.kind, theirs.kind) == ("final", "final"), (mine, theirs)
     assert (mine.served_by.adapter_id, mine.served_by.adapter_digest) == (ADAPTER, direct.records[1]["checksum"])
-    assert theirs.served_by.adapter_id == hostile.adapters["other"] and theirs.usage.completion_tokens == 1500
+    assert theirs.served_by.adapter_id == hostile.adapters["other"] and theirs.usage.completion_tokens == LONG_RUN // 2
     await hostile.wait_audit("completion", TENANT, since, request_id=rid)
     await hostile.wait_audit("completion", "other", since, request_id=rid)
     served = sorted((a["tenant_id"], a["adapter_id"]) for a in await completions(hostile, rid, since))

@@ -266,7 +266,8 @@ async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_schedu
 
             async def timed() -> tuple[httpx.Response, float]:
                 start = time.monotonic()
-                response = await chat(client, "key-demo", max_tokens=24)
+                # long: the first 6 hold every sequence while the rest of the burst is admitted
+                response = await chat(client, "key-demo", max_tokens=FLOOD_TOKENS)
                 return response, time.monotonic() - start
 
             results = await asyncio.wait_for(asyncio.gather(*(timed() for _ in range(30))), BOUND_S)
@@ -292,7 +293,7 @@ async def test_a_priority_above_the_tier_is_refused_and_past_capacity_the_schedu
 
 
 async def test_scheduler_restart_mid_load_loses_nothing(fleet):
-    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=24))
+    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=FLOOD_TOKENS))
     await asyncio.sleep(0.3)
     await asyncio.to_thread(fleet.stack.stop, "scheduler")
     await asyncio.to_thread(fleet.start_scheduler)
@@ -300,7 +301,7 @@ async def test_scheduler_restart_mid_load_loses_nothing(fleet):
 
 
 async def test_killing_a_worker_mid_load_ends_every_request_served_or_with_a_clear_error(fleet):
-    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=64))
+    load = asyncio.create_task(many(fleet, "key-demo", 12, max_tokens=FLOOD_TOKENS))
     await asyncio.sleep(0.8)
     fleet.stack.kill("w3")
     start = time.monotonic()
@@ -312,7 +313,7 @@ async def test_killing_a_worker_mid_load_ends_every_request_served_or_with_a_cle
 
 
 async def test_requests_are_still_served_with_redis_stopped(fleet):
-    load = asyncio.create_task(many(fleet, "key-demo", 8, max_tokens=16))
+    load = asyncio.create_task(many(fleet, "key-demo", 8, max_tokens=FLOOD_TOKENS))
     await asyncio.sleep(0.2)
     fleet.redis.stop()
     assert outcomes(await load) == {200: 8}

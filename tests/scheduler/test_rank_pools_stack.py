@@ -147,7 +147,7 @@ async def test_rank_64_adapters_are_served_by_the_high_pool_and_rank_8_ones_else
 
 async def test_a_saturated_pool_spills_to_the_other_worker_and_counts_it(pools: Pools) -> None:
     async with httpx.AsyncClient(base_url=pools.gateway_url, timeout=120) as client:
-        responses = await asyncio.gather(*(_chat(client, "big0", max_tokens=32) for _ in range(6)))
+        responses = await asyncio.gather(*(_chat(client, "big0", max_tokens=200) for _ in range(6)))
     workers = [r.headers["x-lorafleet-worker"] for r in responses if r.status_code == 200]
     assert len(workers) == 6, [r.text for r in responses]
     assert "high" in workers and "low" in workers, workers

@@ -62,11 +62,11 @@ async def test_concurrent_generates_interleave(engine: AsyncEngine) -> None:
     order: list[str] = []
 
     async def consume(request_id: str) -> None:
-        async for out in engine.generate(request(request_id, 12)):
+        async for out in engine.generate(request(request_id, 40 if request_id == "x" else 12)):
             order.append(out.request_id)  # noqa: PERF401 - each as it comes: the two streams interleave in order
 
     await asyncio.gather(consume("x"), consume("y"))
-    assert order.count("x") == order.count("y") == 12
+    assert order.count("x") == 40 and order.count("y") == 12
     assert order.index("y") < len(order) - order[::-1].index("x") - 1, "y never ran while x was running"
 
 
@@ -77,7 +77,7 @@ async def test_cancel_ends_the_stream_and_frees_blocks(engine: AsyncEngine) -> N
         if len(seen) == 2:
             engine.cancel("c")
     assert seen[-1].finished and seen[-1].finish_reason == "abort"
-    assert len(seen) < 10
+    assert len(seen) < 200  # ended by the cancel, not by its length
     await wait_for_free(engine)
 
 

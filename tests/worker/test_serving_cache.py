@@ -28,6 +28,7 @@ from shared.schemas import (
 from tests.helpers.adapters import make_peft_model
 
 DIGEST = "0" * 64
+BASE_TOKENS = 120  # a base request runs on for many steps after a test acts on its first tokens
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def request(loaded: LoadedModel, rid: str, adapter: bool = False) -> InferReques
         adapter=resolved,
         prompt="Once upon a time",
         reply_to=f"_INBOX.{rid}",
-        sampling=SamplingParams(max_tokens=48 if not adapter else 6, temperature=0, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=BASE_TOKENS if not adapter else 6, temperature=0, ignore_eos=True),
     )
 
 
@@ -133,7 +134,7 @@ async def test_a_cold_adapter_loads_while_the_running_batch_keeps_streaming(load
         finals = {inbox: m for inbox, m in events if isinstance(m, ReplyFinal)}
         assert finals["_INBOX.cold"].usage.completion_tokens == 6
         assert finals["_INBOX.cold"].served_by.cache_hit is False
-        assert finals["_INBOX.base-a"].usage.completion_tokens == 48
+        assert finals["_INBOX.base-a"].usage.completion_tokens == BASE_TOKENS
         for inbox in ("_INBOX.base-a", "_INBOX.base-b", "_INBOX.cold"):  # each stream opens with its accept notice
             assert isinstance(next(m for i, m in events if i == inbox), ReplyAccepted)
         order = [inbox for inbox, m in events if isinstance(m, ReplyToken)]
@@ -241,7 +242,7 @@ async def test_two_tenants_run_one_request_id_at_once_and_a_cancel_stops_only_it
             update={
                 "tenant_id": tenant,
                 "reply_to": f"_INBOX_{tenant}.r",
-                "sampling": SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                "sampling": SamplingParams(max_tokens=BASE_TOKENS, temperature=0, ignore_eos=True),
             }
         )
 
@@ -260,7 +261,10 @@ async def test_two_tenants_run_one_request_id_at_once_and_a_cancel_stops_only_it
             assert time.monotonic() < deadline, "a request never ended"
             await asyncio.sleep(0.01)
         finals = {inbox: m for inbox, m in events if isinstance(m, ReplyFinal)}
-        assert finals["_INBOX_b.r"].finish_reason == "length" and finals["_INBOX_b.r"].usage.completion_tokens == 40
+        assert (
+            finals["_INBOX_b.r"].finish_reason == "length"
+            and finals["_INBOX_b.r"].usage.completion_tokens == BASE_TOKENS
+        )
         assert "_INBOX_a.r" not in finals
         assert sorted((r.tenant_id, r.request_id, r.outcome) for r in audits) == [
             ("a", "same-id", "cancelled"),
