@@ -20,8 +20,8 @@ the matmuls. Their results are rounded where the eager ops round them (see the s
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
-build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora` and
-:func:`native_layer_ops` build it once per process and probe their ops against the eager paths; where
+build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora`,
+:func:`native_layer_ops` and :func:`native_small_linear` build it once per process and probe their ops against the eager paths; where
 the build or a probe fails they log why and return False, and the engine and the adapter manager keep
 the eager paths (a setting of ``native`` refuses to start instead).
 """
@@ -38,7 +38,8 @@ import torch
 log = structlog.get_logger("kernels")
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp", "small_gemm.cpp")
 )
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
 # -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
@@ -282,5 +283,42 @@ def _probe_decode() -> bool:
                 tolerance = 1e-5 if dtype == torch.float32 else 2e-2
                 if not torch.allclose(out[s].float(), want, atol=tolerance, rtol=tolerance):
                     log.warning("native_decode_attention_probe_failed", dtype=str(dtype), row=s)
+                    return False
+    return True
+
+
+SMALL_LINEAR_ROWS = 8  # kMaxRows in the source
+
+
+@functools.cache
+def native_small_linear() -> bool:
+    """Whether ``small_linear`` is built, loaded and agrees with ``F.linear`` here (fp32 and bf16,
+    every row count it takes, with and without a bias, a width that is not a multiple of 16)."""
+    return built() and _probe_small_linear()
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [rows, in] with 1 <= rows <= SMALL_LINEAR_ROWS (contiguous
+    rows), weight [out, in] contiguous, bias [out] or None, all fp32 or all bf16 -> a new [rows, out]
+    (fp32 sums, rounded once to bf16). Call only where :func:`native_small_linear` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.small_linear(x, weight, bias)
+    return out
+
+
+def _probe_small_linear() -> bool:
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    for dtype in DTYPES:
+        weight = torch.randn(37, 53, generator=generator).to(dtype)
+        bias = torch.randn(37, generator=generator).to(dtype)
+        for rows in range(1, SMALL_LINEAR_ROWS + 1):
+            x = torch.randn(rows, 53, generator=generator).to(dtype)
+            for b in (bias, None):
+                want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                error = (small_linear(x, weight, b).float() - want).abs().max()
+                if not error <= tolerance[dtype] * want.abs().max():
+                    log.warning("native_small_linear_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None)
                     return False
     return True

@@ -36,9 +36,10 @@ class EngineConfig(BaseModel):
     grammar_cache: int = Field(default=512, ge=1, le=100_000, description="compiled JSON grammars kept, by digest")
     cpu_linear: CpuLinear = Field(
         default="auto",
-        description="CPU dense matmuls: auto (oneDNN-prepacked weights, fp32 and bf16, where oneDNN's probe "
-        "passes, else F.linear; holds the weights twice), torch (F.linear only), onednn (prepacked, refusing "
-        "to start where the probe fails)",
+        description="CPU dense matmuls: auto (a small decode batch's rows through the native small-row "
+        "kernel, the rest through oneDNN-prepacked weights, fp32 and bf16, each where its probe passes, else "
+        "F.linear; holds the weights twice), torch (F.linear only), onednn (prepacked for every row count, "
+        "refusing to start where the probe fails)",
     )
     cpu_attention: CpuAttention = Field(
         default="auto",

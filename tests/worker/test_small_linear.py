@@ -1,0 +1,104 @@
+"""The native small-row projection kernel (kernels/native.py ``small_linear``) against ``F.linear``:
+every row count it takes, both dtypes, a bias or none, widths that are not a multiple of the vector
+width, strided input rows; what it refuses; and which rows the engine's linears send to it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear
+from services.worker.engine.linear import SMALL_ROWS, LinearFactory
+from tests.helpers.native import needs_toolchain
+
+pytestmark = needs_toolchain
+
+
+def _case(rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool):
+    g = torch.Generator().manual_seed(rows * 131 + out + inp)
+    x = torch.randn(rows, inp, generator=g).to(dtype)
+    weight = (torch.randn(out, inp, generator=g) / inp**0.5).to(dtype)
+    return x, weight, torch.randn(out, generator=g).to(dtype) if bias else None
+
+
+def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+
+
+def test_it_builds_and_passes_its_probe() -> None:
+    assert native_small_linear()
+
+
+@pytest.mark.parametrize("rows", range(1, SMALL_LINEAR_ROWS + 1))
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49, 37), (1, 16), (130, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    x, weight, b = _case(rows, *shape, torch.float32, bias)
+    torch.testing.assert_close(small_linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(960, 576), (49, 37)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_is_the_fp32_sum_rounded_once(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    """bf16 inputs widen exactly; the only rounding is the result's (at most half a bf16 ulp, 2^-9
+    relative), where F.linear's oneDNN bf16 matmul rounds its fp32 accumulator the same way."""
+    x, weight, b = _case(rows, *shape, torch.bfloat16, bias)
+    got = small_linear(x, weight, b)
+    assert got.dtype == torch.bfloat16
+    exact = _exact(x, weight, b)
+    torch.testing.assert_close(got.float(), exact, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), rtol=2**-7, atol=2**-7)
+
+
+def test_strided_rows_are_read_in_place() -> None:
+    """x as a column slice of a wider tensor (contiguous rows, a row stride past its width)."""
+    wide, weight, b = _case(4, 96, 100, torch.float32, True)
+    x = wide[:, 10:90]
+    w = weight[:, :80].contiguous()
+    torch.testing.assert_close(small_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_it_refuses_what_it_cannot_compute() -> None:
+    x, weight, b = _case(SMALL_LINEAR_ROWS + 1, 16, 8, torch.float32, True)
+    with pytest.raises(RuntimeError, match="rows"):
+        small_linear(x, weight, b)
+    with pytest.raises(RuntimeError, match="features"):
+        small_linear(x[:2], weight[:, :7].contiguous(), b)
+    with pytest.raises(RuntimeError, match="dtype"):
+        small_linear(x[:2].bfloat16(), weight, b)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        small_linear(x[:2].half(), weight.half(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        small_linear(x[:2], weight.t().contiguous().t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        small_linear(x[:2], weight, b[:8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_sends_small_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch, dtype: torch.dtype) -> None:
+    x, weight, _ = _case(1, 64, 32, dtype, False)
+    linear = LinearFactory("auto", "cpu", dtype)(weight)
+    small_rows = SMALL_ROWS[dtype]
+    assert linear.small_rows == small_rows > 0
+    small: list[int] = []
+    real = torch.ops.lorafleet.small_linear
+
+    def spy(x, *args):
+        small.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr("torch.ops.lorafleet.small_linear", spy)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    for rows in (1, small_rows, small_rows + 1, 40):
+        x = torch.randn(rows, 32).to(dtype)
+        got = linear(x)
+        assert got.shape == (rows, 64) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), _exact(x, weight, None), rtol=tolerance, atol=tolerance)
+    assert small == [1, small_rows]  # more rows: oneDNN's packed path
+
+
+def test_torch_and_onednn_modes_never_take_the_kernel() -> None:
+    _, weight, _ = _case(1, 64, 32, torch.float32, False)
+    assert LinearFactory("torch", "cpu", torch.float32)(weight).small_rows == 0
+    assert LinearFactory("onednn", "cpu", torch.float32)(weight).small_rows == 0
+    assert LinearFactory("auto", "cpu", torch.float16)(weight.half()).small_rows == 0
