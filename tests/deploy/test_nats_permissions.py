@@ -207,7 +207,8 @@ async def test_a_worker_reads_only_its_own_dispatches_and_never_a_reply_stream(c
     tokens = await gateway.nc.subscribe(inbox)
     await gateway.nc.flush()
     await w2.nc.publish(inbox, b"token")  # streaming a reply: publish, never subscribe
-    assert (await tokens.next_msg(timeout=2)).data == b"token"
+    await w2.nc.flush()  # the server has it (a refused publish would be an error by now)
+    assert (await tokens.next_msg(timeout=10)).data == b"token"
     assert w2.errors == [] and scheduler.errors == []
 
 
