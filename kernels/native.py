@@ -41,6 +41,7 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp", "small_gemm.cpp")
 )
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h",))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
 # -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
 # are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
@@ -60,10 +61,11 @@ def _cpu_flags() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: a digest of the sources, the flags and this CPU's instruction-set flags."""
+    """The build's name: a digest of the sources and headers, the flags and this CPU's instruction-set
+    flags (a changed header is a new build, never a stale one loaded)."""
     digest = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in SOURCES + HEADERS),
         " ".join(CFLAGS + LDFLAGS).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),

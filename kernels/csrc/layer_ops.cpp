@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,16 +22,11 @@
 
 namespace {
 
+using namespace lorafleet;
+
 constexpr int64_t kRowWork = 1 << 15;  // elements per thread below which rows stay on one thread
 constexpr int64_t kMaxHeadDim = 512;
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  const uint32_t wide = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 // Round to T and back: a no-op for fp32, bf16's round-to-nearest-even otherwise.
 inline float round_as(float v, float*) { return v; }
 inline float round_as(float v, at::BFloat16*) { return widen(at::BFloat16(v)); }

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,16 +19,10 @@
 
 namespace {
 
+using namespace lorafleet;
+
 constexpr int64_t kChunk = 256;  // output features accumulated at once in the expand
 constexpr int64_t kWork = 1 << 16;  // multiply-adds per thread below which tokens stay on one thread
-
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  const uint32_t wide = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 
 // y += delta, rounding delta to y's dtype first (a no-op for fp32).
 inline void add_out(float* y, const float* delta, int64_t n) {

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +26,8 @@
 #endif
 
 namespace {
+
+using namespace lorafleet;
 
 constexpr int64_t kMaxHeadDim = 256;
 
@@ -68,28 +72,6 @@ inline void exp_nonpositive(float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// The lane sums of sixteen vectors as one vector: out[i] = sum of v[i]'s sixteen lanes. 45 shuffles and
-// adds for the sixteen, where reducing each on its own takes about eight dependent steps apiece.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 pairs[8];  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) of rows a = 2i, b = 2i + 1
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  __m512 quads[4];  // per 128-bit lane: the lane's partial sums of rows 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i) {
-    const __m512 x = pairs[2 * i], y = pairs[2 * i + 1];
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // fold each quad's four 128-bit lanes into one, quad i landing in lane i
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // scores[g * span + r] = (q_g . k_r) * scale for sixteen contiguous fp32 K rows k (D floats each) and every
 // query head g of the group: one vector accumulator per row, the sixteen reduced together.
 template <int64_t D>
@@ -107,13 +89,6 @@ inline void scores16(const float* qf, int64_t group, const float* k, float fscal
     }
     _mm512_storeu_ps(scores + g * span, _mm512_mul_ps(sum_lanes16(acc), vscale));
   }
-}
-
-// Sixteen consecutive elements as fp32 lanes (bf16 widened in the register: a shift into the high half).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // acc[g] += sum_r p[g][r] * v_r for count contiguous V rows (D elements each) and every query head g: each

@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,52 +28,15 @@
 
 namespace {
 
+using namespace lorafleet;
+
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrainFeatures = 64;  // output features per task at least (one task: ~36 KB of fp32 weight at in=576)
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  const uint32_t wide = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// The sixteen horizontal sums of v[0..15], lane i = sum of v[i]'s lanes: 15 shuffle-and-add steps
-// in a tree rather than sixteen reductions of about eight dependent steps each.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 pairs[8];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  __m512 quads[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m512 x = pairs[2 * i], y = pairs[2 * i + 1];
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // out[m * F + f] = x[m] . w[f] for F features of weight starting at w (row stride in), M input rows:
 // M * F <= 16 vector accumulators, reduced together at the end.
 template <typename T, int M, int F>

@@ -1,0 +1,62 @@
+// Helpers shared by the CPU kernels: bf16 widening (bf16 is the high half of an fp32, so widening is
+// a shift and exact) and, where the compiler targets AVX-512, sixteen-lane loads and the lane sums
+// of sixteen vectors at once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace lorafleet {
+
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  const uint32_t wide = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512F__)
+// Sixteen consecutive elements as fp32 lanes (bf16 widened in the register); the masked forms read
+// only the lanes set in mask and zero the rest.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The lane sums of sixteen vectors as one vector: out[i] = sum of v[i]'s sixteen lanes. 45 shuffles
+// and adds in a tree, where reducing each vector on its own takes about eight dependent steps apiece.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8];  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) of rows a = 2i, b = 2i + 1
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 quads[4];  // per 128-bit lane: the lane's partial sums of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = pairs[2 * i], y = pairs[2 * i + 1];
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // fold each quad's four 128-bit lanes into one, quad i landing in lane i
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+}  // namespace lorafleet
