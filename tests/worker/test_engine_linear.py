@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.linear import LinearFactory, onednn_usable, padded_rows
+from tests.helpers.native import record_rows
 
 
 def _case(rows: int, out: int, inp: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -57,14 +58,7 @@ def test_every_row_count_takes_the_packed_path_a_single_row_unpadded(monkeypatch
     _, weight, _ = _case(1, 64, 32, False)
     rows = [1, 5, 8, 128, 129, 1405]
     linear = LinearFactory("onednn", "cpu", torch.float32)(weight)
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x, *args):
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr("torch.ops.mkldnn._linear_pointwise", spy)
+    calls = record_rows(monkeypatch, "torch.ops.mkldnn._linear_pointwise")
     for count in rows:
         assert linear(torch.randn(count, 32)).shape == (count, 64)
     assert calls == [1, 8, 8, 128, 160, 1536]

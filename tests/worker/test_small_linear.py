@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear
 from services.worker.engine.linear import SMALL_ROWS, LinearFactory
-from tests.helpers.native import needs_toolchain
+from tests.helpers.native import needs_toolchain, record_rows
 
 pytestmark = needs_toolchain
 
@@ -80,14 +80,7 @@ def test_auto_sends_small_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch,
     linear = LinearFactory("auto", "cpu", dtype)(weight)
     small_rows = SMALL_ROWS[dtype]
     assert linear.small_rows == small_rows > 0
-    small: list[int] = []
-    real = torch.ops.lorafleet.small_linear
-
-    def spy(x, *args):
-        small.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr("torch.ops.lorafleet.small_linear", spy)
+    small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     for rows in (1, small_rows, small_rows + 1, 40):
         x = torch.randn(rows, 32).to(dtype)
