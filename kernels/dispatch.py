@@ -7,7 +7,7 @@ import torch
 
 from kernels.bags import BagPlan, add_lora_bags, usable
 from kernels.native import DTYPES as NATIVE_DTYPES
-from kernels.native import lora_bgmv, native_lora
+from kernels.native import lora_bgmv, lora_bgmv_group, native_lora
 from kernels.reference import INDEX_DTYPE, Segment, add_lora_gathered, add_lora_segments
 
 CpuLora = Literal["auto", "torch", "native"]
@@ -21,7 +21,7 @@ BGMV_MAX_MEAN_SEG_LEN = 1.5
 # win ~4x at 16 and ~10x on prefill (bench/lora_ops.py). A single segment (a batch-1 decode, or one
 # adapter's tokens) always takes the loop: one fp32 matmul pair on views, 10 us against the bags' 19.
 GATHER_MAX_MEAN_SEG_LEN = 4.0
-# CPU with the native kernel (kernels/native.py's lora_bgmv): one call per projection, each token's
+# CPU with the native kernel (kernels/native.py's lora_bgmv): one call per projection group, each token's
 # A and B streamed in place. Against the eager forms on SmolLM2's shapes, rank 16, 2 threads, fp32:
 # 1 token 3.7 us (segments 15, bags 27), 32 tokens of 32 adapters 25 us (bags 84, segments 519),
 # and it still leads a single adapter's segment up to ~128 tokens (57 us against 73); at 256 they
@@ -148,3 +148,33 @@ def add_lora(
         segs = (index.seg_start, index.seg_row, index.max_seg_len)
         sgmv_shrink(x, a, index.token_idx, index.token_row, *segs, h)
         sgmv_expand(h, b, scale, index.token_idx, index.token_row, *segs, y)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraGroup:
+    """One layer's LoRA weights for projections that read the same input (q/k/v, gate/up), each
+    adding into its own columns of the group's fused output."""
+
+    a: tuple[torch.Tensor, ...]  # per projection: [num_slots, in, r], one r
+    b: tuple[torch.Tensor, ...]  # per projection: [num_slots, r, out_m]
+    cols: tuple[int, ...]  # per projection: its first column in the fused output
+
+
+def add_lora_group(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    group: LoraGroup,
+    scale: torch.Tensor,
+    index: LoraIndex,
+    workspace: torch.Tensor,
+    native: bool = False,
+) -> None:
+    """:func:`add_lora` for each projection of ``group``, into ``y[:, cols[m] : cols[m] + out_m]``: the
+    native kernel takes them all in one call; the other paths take them one by one on column views."""
+    if index.num_tokens == 0:
+        return
+    if native and not x.is_cuda and index.mean_seg_len <= NATIVE_MAX_MEAN_SEG_LEN and x.dtype == group.a[0].dtype:
+        lora_bgmv_group(x, y, group.a, group.b, group.cols, scale, index.token_idx, index.token_row)
+        return
+    for a, b, col in zip(group.a, group.b, group.cols, strict=True):
+        add_lora(x, y[:, col : col + b.shape[2]], a, b, scale, index, workspace, native)

@@ -6,9 +6,10 @@ one task per (sequence, KV head) over torch's intra-op threads, and keeps scores
 weighted sum of V in fp32 (bf16 K/V widened on load). The eager path it replaces gathers every
 block into a scratch copy, then reads it twice more in two batched matmuls and a softmax.
 
-``torch.ops.lorafleet.lora_bgmv`` adds each token's own adapter delta to one projection's output in
-a single call: the token's A and B read in place (one streamed pass each), fp32 accumulation, tokens
-over torch's intra-op threads. The eager forms it replaces pay several op launches per projection
+``torch.ops.lorafleet.lora_bgmv`` adds each token's own adapter delta to the outputs of a group of
+projections that read the same input (q/k/v, gate/up, or one projection) in a single call, each into
+its columns of the fused output: the token's A and B read in place (one streamed pass each), fp32
+accumulation, tokens over torch's intra-op threads. The eager forms it replaces pay several op launches per projection
 (the segment loop: two matmuls per adapter; the bags: two embedding bags, a scale and a scatter).
 
 ``rms_norm``, ``add_rms_norm`` (the residual add fused with the next norm) and ``rope_write_kv`` (rotary
@@ -30,6 +31,7 @@ import functools
 import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -231,12 +233,29 @@ def lora_bgmv(
     """``y[t] += scale[row] * (x[t] @ a[row]) @ b[row]`` for each (t, row) in zip(token_idx, token_row),
     in place, fp32 arithmetic; shapes and dtypes as ``reference.add_lora_gathered`` (x, y, a, b share
     fp32 or bf16; a, b contiguous; x, y with contiguous rows). Call only where :func:`native_lora` is True."""
-    torch.ops.lorafleet.lora_bgmv(x, y, a, b, scale, token_idx, token_row)
+    torch.ops.lorafleet.lora_bgmv(x, y, [a], [b], [0], scale, token_idx, token_row)
+
+
+def lora_bgmv_group(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    cols: Sequence[int],
+    scale: torch.Tensor,
+    token_idx: torch.Tensor,
+    token_row: torch.Tensor,
+) -> None:
+    """:func:`lora_bgmv` for several projections that read the same x in one call: projection m adds
+    into y's columns ``[cols[m], cols[m] + b[m].shape[2])`` (disjoint, inside y); every a[m] has the
+    same slots and rank. Call only where :func:`native_lora` is True."""
+    torch.ops.lorafleet.lora_bgmv(x, y, a, b, cols, scale, token_idx, token_row)
 
 
 def _probe_lora() -> bool:
     """The kernel against the eager gathered form: each dtype, a compiled rank (16) and a run-time
-    one (12), scattered tokens into a column view of a wider output; False (logged) on any disagreement."""
+    one (12), scattered tokens into two projections' columns of a wider output (one of them alone,
+    then both in one call); False (logged) on any disagreement."""
     from kernels.reference import INDEX_DTYPE, add_lora_gathered
 
     generator = torch.Generator().manual_seed(0)
@@ -247,11 +266,16 @@ def _probe_lora() -> bool:
             x = torch.randn(5, 40, generator=generator).to(dtype)
             a = torch.randn(3, 40, rank, generator=generator).to(dtype)
             b = torch.randn(3, rank, 300, generator=generator).to(dtype)
+            a2 = torch.randn(3, 40, rank, generator=generator).to(dtype)
+            b2 = torch.randn(3, rank, 17, generator=generator).to(dtype)
             scale = torch.rand(3, generator=generator)
             fused = torch.randn(5, 320, generator=generator).to(dtype)
             want = fused.clone()
             add_lora_gathered(x, want[:, 20:], a, b, scale, token_idx, token_row)
             lora_bgmv(x, fused[:, 20:], a, b, scale, token_idx, token_row)
+            add_lora_gathered(x, want[:, 20:], a, b, scale, token_idx, token_row)
+            add_lora_gathered(x, want[:, :17], a2, b2, scale, token_idx, token_row)
+            lora_bgmv_group(x, fused, [a, a2], [b, b2], [20, 0], scale, token_idx, token_row)
             # relative to the output's magnitude: bf16 rounds the delta and the sum, each within 2^-8
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             error = (fused.float() - want.float()).abs().max()

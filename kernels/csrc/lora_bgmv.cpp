@@ -1,8 +1,9 @@
 // LoRA shrink and expand on CPU for a step's scattered tokens, each reading its own adapter in place.
 //
-// y[t] += scale[row] * (x[t] @ a[row]) @ b[row] for each (t, row) = (token_idx[i], token_row[i]).
-// One call per projection replaces the eager path's gathers, two matmuls, scale and scatter-add: a
-// token's shrink streams its adapter's A once ([in, r], r contiguous: one vector per input
+// y[t] += scale[row] * (x[t] @ a[row]) @ b[row] for each (t, row) = (token_idx[i], token_row[i]), for
+// each projection of a group that reads the same x (q/k/v or gate/up: one call where there were three
+// or two, each adding into its own columns of the fused output). One call replaces the eager path's
+// gathers, two matmuls, scale and scatter-add per projection: a token's shrink streams its adapter's A once ([in, r], r contiguous: one vector per input
 // feature) and its expand streams B ([r, out]) once per output chunk, accumulating in fp32.
 // Tokens are spread over torch's intra-op threads; each writes only its own row of y.
 // bf16 x, y, A, B are widened on load and the fp32 delta is rounded to bf16 before it is added to
@@ -81,58 +82,89 @@ inline void expand(const float* h, float scale, const T* b, int64_t r, int64_t o
   }
 }
 
+// One projection of the group: its A [num_slots, in, r], B [num_slots, r, out] and its first column in y.
+template <typename T>
+struct Part {
+  const T* a;
+  const T* b;
+  int64_t out;
+  int64_t col;
+};
+
 template <typename T, int64_t R>
-void run(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a, const torch::Tensor& b,
+void run(const torch::Tensor& x, torch::Tensor& y, const std::vector<Part<T>>& parts, int64_t in, int64_t r,
          const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
-  const int64_t n = token_idx.size(0), in = a.size(1), r = a.size(2), out = b.size(2);
+  const int64_t n = token_idx.size(0);
   const int64_t x_row = x.stride(0), y_row = y.stride(0);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  const T* ap = a.data_ptr<T>();
-  const T* bp = b.data_ptr<T>();
   const float* sp = scale.data_ptr<float>();
   const int32_t* tp = token_idx.data_ptr<int32_t>();
   const int32_t* rp = token_row.data_ptr<int32_t>();
-  const int64_t grain = std::max<int64_t>(1, kWork / std::max<int64_t>(1, r * (in + out)));
+  int64_t per_token = 0;
+  for (const Part<T>& part : parts) per_token += r * (in + part.out);
+  const int64_t grain = std::max<int64_t>(1, kWork / std::max<int64_t>(1, per_token));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> h(2 * r);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = tp[i], row = rp[i];
-      shrink<T, R>(xp + t * x_row, ap + row * in * r, in, r, h.data());
-      expand<T>(h.data(), sp[row], bp + row * r * out, r, out, yp + t * y_row, h.data() + r);
+      for (const Part<T>& part : parts) {
+        shrink<T, R>(xp + t * x_row, part.a + row * in * r, in, r, h.data());
+        expand<T>(h.data(), sp[row], part.b + row * r * part.out, r, part.out, yp + t * y_row + part.col, h.data() + r);
+      }
     }
   });
 }
 
 template <typename T>
-void run_rank(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a, const torch::Tensor& b,
-              const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
-  switch (a.size(2)) {
-    case 8: run<T, 8>(x, y, a, b, scale, token_idx, token_row); break;
-    case 16: run<T, 16>(x, y, a, b, scale, token_idx, token_row); break;
-    case 32: run<T, 32>(x, y, a, b, scale, token_idx, token_row); break;
-    case 64: run<T, 64>(x, y, a, b, scale, token_idx, token_row); break;
-    default: run<T, 0>(x, y, a, b, scale, token_idx, token_row);
+void run_rank(const torch::Tensor& x, torch::Tensor& y, const at::TensorList& a, const at::TensorList& b,
+              at::IntArrayRef cols, const torch::Tensor& scale, const torch::Tensor& token_idx,
+              const torch::Tensor& token_row) {
+  std::vector<Part<T>> parts;
+  for (size_t m = 0; m < a.size(); ++m) parts.push_back({a[m].data_ptr<T>(), b[m].data_ptr<T>(), b[m].size(2), cols[m]});
+  const int64_t in = x.size(1), r = a[0].size(2);
+  switch (r) {
+    case 8: run<T, 8>(x, y, parts, in, r, scale, token_idx, token_row); break;
+    case 16: run<T, 16>(x, y, parts, in, r, scale, token_idx, token_row); break;
+    case 32: run<T, 32>(x, y, parts, in, r, scale, token_idx, token_row); break;
+    case 64: run<T, 64>(x, y, parts, in, r, scale, token_idx, token_row); break;
+    default: run<T, 0>(x, y, parts, in, r, scale, token_idx, token_row);
   }
 }
 
 }  // namespace
 
-// x [num_tokens, in] and y [num_tokens, out] with contiguous rows (y may be a column view of a
-// fused projection's output); a [num_slots, in, r] and b [num_slots, r, out] contiguous, x's dtype;
-// scale fp32 [num_slots]; token_idx, token_row int32 [n], distinct tokens, rows < num_slots.
-void lora_bgmv(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a, const torch::Tensor& b,
+// x [num_tokens, in] and y [num_tokens, out_total] with contiguous rows; the projections of one group
+// that read the same x (a fused q/k/v or gate/up output, or a single projection): for each m,
+// a[m] [num_slots, in, r] and b[m] [num_slots, r, out_m] contiguous, x's dtype, one rank r, added into
+// y's columns [cols[m], cols[m] + out_m) (disjoint, inside y); scale fp32 [num_slots]; token_idx,
+// token_row int32 [n], distinct tokens, rows < num_slots.
+void lora_bgmv(const torch::Tensor& x, torch::Tensor y, at::TensorList a, at::TensorList b, at::IntArrayRef cols,
                const torch::Tensor& scale, const torch::Tensor& token_idx, const torch::Tensor& token_row) {
-  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && a.device().is_cpu() && b.device().is_cpu(),
-              "lora_bgmv runs on CPU tensors");
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "lora_bgmv runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [num_tokens, in] with contiguous rows");
   TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && y.size(0) == x.size(0), "y must be [num_tokens, out] with contiguous rows");
-  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(1) == x.size(1), "a must be a contiguous [num_slots, in, r]");
-  TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.size(0) == a.size(0) && b.size(1) == a.size(2) && b.size(2) == y.size(1),
-              "b must be a contiguous [num_slots, r, out] matching a and y");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == x.scalar_type() && b.scalar_type() == x.scalar_type(),
-              "x, y, a and b share a dtype");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == a.size(0),
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y share a dtype");
+  TORCH_CHECK(!a.empty() && a.size() == b.size() && cols.size() == a.size(),
+              "a, b and cols must name the same one or more projections");
+  const int64_t num_slots = a[0].dim() == 3 ? a[0].size(0) : -1;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (size_t m = 0; m < a.size(); ++m) {
+    TORCH_CHECK(a[m].device().is_cpu() && b[m].device().is_cpu(), "lora_bgmv runs on CPU tensors");
+    TORCH_CHECK(a[m].dim() == 3 && a[m].is_contiguous() && a[m].size(0) == num_slots && a[m].size(1) == x.size(1) &&
+                    a[m].size(2) == a[0].size(2),
+                "a[", m, "] must be a contiguous [num_slots, in, r] matching x and a[0]");
+    TORCH_CHECK(b[m].dim() == 3 && b[m].is_contiguous() && b[m].size(0) == num_slots && b[m].size(1) == a[0].size(2),
+                "b[", m, "] must be a contiguous [num_slots, r, out] matching a");
+    TORCH_CHECK(a[m].scalar_type() == x.scalar_type() && b[m].scalar_type() == x.scalar_type(), "x, y, a and b share a dtype");
+    TORCH_CHECK(cols[m] >= 0 && cols[m] + b[m].size(2) <= y.size(1), "projection ", m, "'s columns lie outside y");
+    spans.emplace_back(cols[m], cols[m] + b[m].size(2));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t m = 1; m < spans.size(); ++m) {
+    TORCH_CHECK(spans[m].first >= spans[m - 1].second, "the projections' columns overlap");
+  }
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == num_slots,
               "scale must be a contiguous fp32 [num_slots]");
   TORCH_CHECK(token_idx.scalar_type() == torch::kInt && token_row.scalar_type() == torch::kInt &&
                   token_idx.dim() == 1 && token_idx.is_contiguous() && token_row.is_contiguous() &&
@@ -141,18 +173,20 @@ void lora_bgmv(const torch::Tensor& x, torch::Tensor y, const torch::Tensor& a, 
   const int32_t* tp = token_idx.data_ptr<int32_t>();
   const int32_t* rp = token_row.data_ptr<int32_t>();
   for (int64_t i = 0; i < token_idx.numel(); ++i) {
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0) && rp[i] >= 0 && rp[i] < a.size(0),
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0) && rp[i] >= 0 && rp[i] < num_slots,
                 "token ", tp[i], " or row ", rp[i], " out of range");
   }
   switch (x.scalar_type()) {
-    case torch::kFloat: run_rank<float>(x, y, a, b, scale, token_idx, token_row); break;
-    case torch::kBFloat16: run_rank<at::BFloat16>(x, y, a, b, scale, token_idx, token_row); break;
+    case torch::kFloat: run_rank<float>(x, y, a, b, cols, scale, token_idx, token_row); break;
+    case torch::kBFloat16: run_rank<at::BFloat16>(x, y, a, b, cols, scale, token_idx, token_row); break;
     default: TORCH_CHECK(false, "lora_bgmv supports float32 and bfloat16, not ", x.scalar_type());
   }
 }
 
 TORCH_LIBRARY_FRAGMENT(lorafleet, m) {
-  m.def("lora_bgmv(Tensor x, Tensor(a!) y, Tensor a, Tensor b, Tensor scale, Tensor token_idx, Tensor token_row) -> ()");
+  m.def(
+      "lora_bgmv(Tensor x, Tensor(a!) y, Tensor[] a, Tensor[] b, int[] cols, Tensor scale, Tensor token_idx, "
+      "Tensor token_row) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lorafleet, CPU, m) { m.impl("lora_bgmv", &lora_bgmv); }

@@ -6,8 +6,8 @@ decode-like steps to the kernel, long prefill segments to the segment loop's mat
 import pytest
 import torch
 
-from kernels import add_lora, dispatch, index_for
-from kernels.native import lora_bgmv, native_lora
+from kernels import LoraGroup, add_lora, add_lora_group, dispatch, index_for
+from kernels.native import lora_bgmv, lora_bgmv_group, native_lora
 from kernels.reference import INDEX_DTYPE
 from tests.helpers.native import needs_toolchain
 from tests.kernels.conftest import ON_CPU, SPREADS, TOLERANCE, loop_lora, make_weights, spread_rows
@@ -42,6 +42,82 @@ def test_matches_the_loop(spread: str, rank: int, dtype: torch.dtype, gen: torch
     torch.testing.assert_close(y.float(), expected, atol=atol, rtol=rtol)
     assert torch.equal(y[rows < 0], before[:, 20 : 20 + out_features][rows < 0])
     assert torch.equal(fused[:, :20], before[:, :20]) and torch.equal(fused[:, -20:], before[:, -20:])
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("rank", [16, 12])
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+def test_a_group_adds_each_member_into_its_own_columns(
+    spread: str, rank: int, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """q, k, v of one layer in one call (given out of column order, k left out of a q,v group): each
+    member's columns get exactly what its own call adds, the columns of members not given are
+    bit-identical, as are base tokens' rows."""
+    num_tokens, num_rows, in_features, widths = 12, 5, 64, (96, 32, 32)
+    weights = [make_weights(num_rows, in_features, rank, out, dtype, gen) for out in widths]
+    scale = weights[0][2]
+    cols = (0, 96, 128)
+    rows = spread_rows(spread, num_tokens, num_rows, gen)
+    index = index_for(rows)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    fused = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
+    for members in ((2, 0, 1), (2, 0)):
+        expected = fused.clone()
+        for m in members:
+            a, b, _ = weights[m]
+            view = expected[:, cols[m] : cols[m] + widths[m]]
+            lora_bgmv(x, view, a, b, scale, index.token_idx, index.token_row)
+        got = fused.clone()
+        a_list, b_list = [weights[m][0] for m in members], [weights[m][1] for m in members]
+        lora_bgmv_group(x, got, a_list, b_list, [cols[m] for m in members], scale, index.token_idx, index.token_row)
+        assert torch.equal(got, expected)
+        assert torch.equal(got[rows < 0], fused[rows < 0])
+        if 1 not in members:
+            assert torch.equal(got[:, 96:128], fused[:, 96:128])
+
+
+def test_a_group_refuses_what_it_cannot_serve(gen: torch.Generator) -> None:
+    a, b, scale = make_weights(3, 32, 8, 24, torch.float32, gen)
+    a2, b2, _ = make_weights(3, 32, 8, 16, torch.float32, gen)
+    a4, b4, _ = make_weights(3, 32, 4, 16, torch.float32, gen)
+    x, y = torch.randn(4, 32, generator=gen), torch.randn(4, 40, generator=gen)
+    idx, row = torch.tensor([0, 3], dtype=INDEX_DTYPE), torch.tensor([1, 2], dtype=INDEX_DTYPE)
+    lora_bgmv_group(x, y, [a, a2], [b, b2], [0, 24], scale, idx, row)  # the valid call
+    cases = {
+        "no projection": ([], [], []),
+        "lists of different lengths": ([a, a2], [b], [0, 24]),
+        "columns missing": ([a, a2], [b, b2], [0]),
+        "overlapping columns": ([a, a2], [b, b2], [0, 20]),
+        "columns past y": ([a, a2], [b, b2], [0, 25]),
+        "negative column": ([a, a2], [b, b2], [-1, 24]),
+        "ranks differ": ([a, a4], [b, b4], [0, 24]),
+        "slots differ": ([a, a2[:2]], [b, b2[:2]], [0, 24]),
+        "b not matching a": ([a, a2], [b, b2[:, :4]], [0, 24]),
+    }
+    for name, (a_list, b_list, cols) in cases.items():
+        with pytest.raises(RuntimeError):
+            lora_bgmv_group(x, y, a_list, b_list, cols, scale, idx, row)
+            pytest.fail(f"accepted: {name}")
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1] * 200], ids=["decode", "prefill"])
+def test_dispatch_of_a_group_matches_member_by_member(rows: list[int], gen: torch.Generator) -> None:
+    """add_lora_group: one native call for a decode step, the member-by-member eager forms for a long
+    prefill segment and where native is off; all agree."""
+    weights = [make_weights(4, 32, 16, out, torch.float32, gen) for out in (24, 8)]
+    scale = weights[0][2]
+    group = LoraGroup(a=(weights[0][0], weights[1][0]), b=(weights[0][1], weights[1][1]), cols=(8, 0))
+    token_rows = torch.tensor(rows)
+    x = torch.randn(len(rows), 32, generator=gen)
+    fused = torch.randn(len(rows), 40, generator=gen)
+    expected = fused.clone()
+    expected[:, 8:32] = loop_lora(x, fused[:, 8:32], *weights[0], token_rows)
+    expected[:, :8] = loop_lora(x, fused[:, :8], *weights[1][:2], scale, token_rows)
+    for native in (True, False):
+        got = fused.clone()
+        add_lora_group(x, got, group, scale, index_for(token_rows), torch.empty(0), native=native)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        assert torch.equal(got[:, 32:], fused[:, 32:])
 
 
 def test_bf16_rounds_the_delta_before_adding_it_as_the_eager_path_does(gen: torch.Generator) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.lora_hook import MODULES
+from services.worker.engine.lora_hook import GROUPS
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
 from tests.helpers.families import tiny_llama
@@ -28,14 +28,17 @@ class ToyLora:
         return (next(iter(self.a.values())).shape[-1],)
 
     @property
-    def modules(self) -> frozenset[str]:
-        return frozenset(self.a)
+    def groups(self) -> frozenset[str]:
+        return frozenset(GROUPS)
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         mask = self.slots >= 0
         index = self.slots.clamp(min=0)
-        delta = torch.einsum("tr,tro->to", torch.einsum("ti,tir->tr", x, self.a[module][index]), self.b[module][index])
-        y.add_(delta * mask.unsqueeze(1))
+        deltas = [
+            torch.einsum("tr,tro->to", torch.einsum("ti,tir->tr", x, self.a[module][index]), self.b[module][index])
+            for module in GROUPS[group]
+        ]
+        y.add_(torch.cat(deltas, dim=1) * mask.unsqueeze(1))
 
 
 @dataclass
@@ -72,8 +75,8 @@ def make_manager(weights: ModelWeights) -> ToyManager:
         "down_proj": (inter, spec.hidden_size),
     }
     gen = torch.Generator().manual_seed(1)
-    a = {m: torch.randn(2, dims[m][0], RANK, generator=gen) * 0.5 for m in MODULES}
-    b = {m: torch.randn(2, RANK, dims[m][1], generator=gen) * 0.5 for m in MODULES}
+    a = {m: torch.randn(2, dims[m][0], RANK, generator=gen) * 0.5 for m in dims}
+    b = {m: torch.randn(2, RANK, dims[m][1], generator=gen) * 0.5 for m in dims}
     return ToyManager({"a": 0, "b": 1}, a, b)
 
 

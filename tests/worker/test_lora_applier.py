@@ -11,7 +11,8 @@ from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
-from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from services.worker.engine.lora_hook import GROUPS
+from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from shared.errors import IntegrityError, NoFreeSlot
 from tests.helpers.adapters import (
     ALL_MODULES,
@@ -63,6 +64,21 @@ def loop_delta(
     return delta
 
 
+def group_delta(
+    weights: dict[str, AdapterWeights], names: list[str | None], layer: int, group: str, x: torch.Tensor
+) -> torch.Tensor:
+    """The group's members' loop deltas side by side, as the fused output holds them."""
+    return torch.cat([loop_delta(weights, names, layer, module, x) for module in GROUPS[group]], dim=1)
+
+
+def group_width(group: str) -> int:
+    return sum(SHAPES.dims[module][1] for module in GROUPS[group])
+
+
+def group_input(group: str) -> int:
+    return SHAPES.dims[GROUPS[group][0]][0]
+
+
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=needs_toolchain)])
 @pytest.mark.parametrize("layout", ["decode", "prefill", "interleaved"])
 def test_mixed_ranks_and_base_tokens_match_a_plain_loop(
@@ -86,12 +102,12 @@ def test_mixed_ranks_and_base_tokens_match_a_plain_loop(
     assert lora is not None
     gen = torch.Generator().manual_seed(1)
     for layer in range(SHAPES.num_layers):
-        for module in MODULES:
-            x = torch.randn(len(names), SHAPES.dims[module][0], generator=gen)
-            y = torch.randn(len(names), SHAPES.dims[module][1], generator=gen)
+        for group in GROUPS:
+            x = torch.randn(len(names), group_input(group), generator=gen)
+            y = torch.randn(len(names), group_width(group), generator=gen)
             out = y.clone()
-            lora.apply(layer, module, x, out)
-            torch.testing.assert_close(out, y + loop_delta(weights, names, layer, module, x), atol=1e-5, rtol=1e-5)
+            lora.apply(layer, group, x, out)
+            torch.testing.assert_close(out, y + group_delta(weights, names, layer, group, x), atol=1e-5, rtol=1e-5)
             base_tokens = token_slots < 0
             assert torch.equal(out[base_tokens], y[base_tokens])
 
@@ -116,27 +132,35 @@ def test_delta_equals_what_peft_adds_to_each_projection(tmp_path: Path, base) ->
     assert lora is not None
     gen = torch.Generator().manual_seed(2)
     for layer in range(2):
-        for module in MODULES:
-            x = torch.randn(6, SHAPES.dims[module][0], generator=gen)
-            y = torch.zeros(6, SHAPES.dims[module][1])
-            lora.apply(layer, module, x, y)
-            torch.testing.assert_close(y, peft_delta(model, layer, module, x), atol=1e-5, rtol=1e-4)
+        for group, members in GROUPS.items():
+            x = torch.randn(6, group_input(group), generator=gen)
+            y = torch.zeros(6, group_width(group))
+            lora.apply(layer, group, x, y)
+            want = torch.cat([peft_delta(model, layer, module, x) for module in members], dim=1)
+            torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-4)
 
 
-def test_adds_into_column_views_of_a_fused_projection(adapter_dirs: dict[str, Path]) -> None:
-    manager = new_manager()
-    weights = manager.read_adapter(adapter_dirs["r16"])
-    slot = manager.load_adapter("r16", weights)
-    names: list[str | None] = ["r16", None, "r16"]
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=needs_toolchain)])
+def test_adds_each_targeted_member_into_its_own_columns(adapter_dirs: dict[str, Path], kernel: str) -> None:
+    """A q,v adapter's step: one "qkv" call adds into q's and v's columns of the fused output and
+    leaves k's bit-identical; base tokens' rows are untouched; groups it does not target are not called."""
+    manager = new_manager(cpu_kernel=kernel)
+    weights = manager.read_adapter(adapter_dirs["r8"])
+    slot = manager.load_adapter("r8", weights)
+    names: list[str | None] = ["r8", None, "r8"]
     lora = manager.prepare(torch.tensor([slot, -1, slot]))
-    x = torch.randn(3, 64)
-    qkv = torch.randn(3, 128)
+    assert lora is not None and lora.groups == {"qkv"}
+    q, kv = SHAPES.dims["q_proj"][1], SHAPES.dims["k_proj"][1]
+    x = torch.randn(3, group_input("qkv"))
+    qkv = torch.randn(3, group_width("qkv"))
     expected = qkv.clone()
-    expected[:, 64:96] += loop_delta({"r16": weights}, names, 1, "k_proj", x)
-    expected[:, 96:] += loop_delta({"r16": weights}, names, 1, "v_proj", x)
-    lora.apply(1, "k_proj", x, qkv[:, 64:96])
-    lora.apply(1, "v_proj", x, qkv[:, 96:])
+    expected[:, :q] += loop_delta({"r8": weights}, names, 1, "q_proj", x)
+    expected[:, q + kv :] += loop_delta({"r8": weights}, names, 1, "v_proj", x)
+    before = qkv.clone()
+    lora.apply(1, "qkv", x, qkv)
     torch.testing.assert_close(qkv, expected)
+    assert torch.equal(qkv[:, q : q + kv], before[:, q : q + kv])
+    assert torch.equal(qkv[1], before[1])
 
 
 def test_residency_slot_of_unload_and_stats(adapter_dirs: dict[str, Path]) -> None:

@@ -4,17 +4,25 @@ from typing import Protocol
 
 import torch
 
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The forward pass's fused projections: each group's members read the same input, and its output holds
+# their outputs side by side in this order (q | k | v, gate | up).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 class LoraHook(Protocol):
-    """Per-step LoRA state; the forward pass calls it after each base projection."""
+    """Per-step LoRA state; the forward pass calls it after each base projection group."""
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += delta(x) for each token's own adapter, in place.
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += delta(x) for each token's own adapter and each of the group's projections it targets,
+        each into its own columns of y, in place.
 
-        x: [num_tokens, in_features]; y: [num_tokens, out_features], possibly a non-contiguous
-        column view of a fused projection output; tokens in the step's flattened order.
+        group: a key of GROUPS; x: [num_tokens, in_features]; y: [num_tokens, the group's summed
+        out_features], the group's fused output; tokens in the step's flattened order.
         """
         ...
 
@@ -24,9 +32,9 @@ class LoraHook(Protocol):
         ...
 
     @property
-    def modules(self) -> frozenset[str]:
-        """The projections any of this step's tokens' adapters target: the forward pass calls ``apply`` for these
-        only (a batch-1 decode step on a q,v adapter skips 150 calls and their slices on SmolLM2)."""
+    def groups(self) -> frozenset[str]:
+        """The groups holding a projection any of this step's tokens' adapters target: the forward pass
+        calls ``apply`` for these only (a q,v adapter's step makes one call per layer, for "qkv")."""
         ...
 
 

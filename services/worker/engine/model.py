@@ -40,9 +40,9 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class LlamaForward:
     """RMSNorm, RoPE, GQA attention, SwiGLU, with q/k/v and gate/up fused into one matmul each.
 
-    With a ``lora`` object, each projection's output is passed to ``lora.apply`` after the base
-    matmul. For fused projections it receives column views of the fused output (non-contiguous,
-    row stride = fused width); ``apply`` must add into them in place.
+    With a ``lora`` object, each projection group's fused output (lora_hook.GROUPS: q|k|v, o,
+    gate|up, down) is passed to ``lora.apply`` after the base matmul, which adds into each member's
+    columns in place.
 
     With ``native_layer_ops`` (CPU: :func:`use_native_layer_ops`) the steps between the matmuls are
     kernels.native's fused ops: each residual add with the norm after it (the residual stream updated
@@ -139,7 +139,7 @@ class LlamaForward:
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> the last layer's output [num_tokens, hidden] (before the final norm)."""
         s = self.spec
-        q_end, k_end = s.q_size, s.q_size + s.kv_size
+        k_end = s.q_size + s.kv_size
         heads = s.num_heads + s.num_kv_heads
         cos_sin = self.w.rope[positions]
         cos_sin_local = self.w.rope_local[positions] if self.w.rope_local is not None else cos_sin
@@ -150,16 +150,11 @@ class LlamaForward:
         attn_out = h.new_empty(h.shape[0], s.q_size)
         layers = self.w.layers
         x = self.norm(h, layers[0].input_norm)
-        targets = lora.modules if lora is not None else frozenset[str]()
+        groups = lora.groups if lora is not None else frozenset[str]()
         for i, (layer, proj) in enumerate(zip(layers, self.proj, strict=True)):
             qkv = proj["qkv"](x)
-            if lora is not None and targets:
-                if "q_proj" in targets:
-                    lora.apply(i, "q_proj", x, qkv[:, :q_end])
-                if "k_proj" in targets:
-                    lora.apply(i, "k_proj", x, qkv[:, q_end:k_end])
-                if "v_proj" in targets:
-                    lora.apply(i, "v_proj", x, qkv[:, k_end:])
+            if lora is not None and "qkv" in groups:
+                lora.apply(i, "qkv", x, qkv)
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
                 qk = self._head_norm(qk, layer.qk_norm)
@@ -173,21 +168,19 @@ class LlamaForward:
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             a = paged_attention(q, k, v, kv, meta, cache.block_size, attn_out, self.attention[i])
             o = proj["o"](a)
-            if lora is not None and "o_proj" in targets:
-                lora.apply(i, "o_proj", a, o)
+            if lora is not None and "o" in groups:
+                lora.apply(i, "o", a, o)
             if layer.attn_out_norm is not None:
                 o = self.norm(o, layer.attn_out_norm)
             h, x = self._add_norm(h, o, layer.post_norm)
             gate_up = proj["gate_up"](x)
             inter = gate_up.shape[1] // 2
-            if lora is not None and "gate_proj" in targets:
-                lora.apply(i, "gate_proj", x, gate_up[:, :inter])
-            if lora is not None and "up_proj" in targets:
-                lora.apply(i, "up_proj", x, gate_up[:, inter:])
+            if lora is not None and "gate_up" in groups:
+                lora.apply(i, "gate_up", x, gate_up)
             act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
-            if lora is not None and "down_proj" in targets:
-                lora.apply(i, "down_proj", act, d)
+            if lora is not None and "down" in groups:
+                lora.apply(i, "down", act, d)
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)
             if i + 1 < len(layers):  # the residual add with the next layer's input norm

@@ -1,10 +1,11 @@
 """The per-step LoRA hook the engine calls after each projection (engine/lora_hook.py's LoraHook)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kernels import LoraIndex, add_lora
+from kernels import LoraGroup, LoraIndex, add_lora_group
+from services.worker.engine.lora_hook import GROUPS
 from services.worker.lora.slots import RankClassStack
 
 
@@ -17,37 +18,39 @@ class ClassBatch:
     modules: frozenset[str]  # projections any of these tokens' adapters target
     workspace: torch.Tensor  # [max_tokens * rank] fp32 shrink output on CUDA, empty on CPU
     native: bool = False  # CPU: kernels.native's lora_bgmv may serve (the manager's probe passed)
+    groups: dict[str, list[LoraGroup]] = field(init=False)  # group -> per layer, the targeted members' weights
+
+    def __post_init__(self) -> None:
+        self.groups = {}
+        for name, members in GROUPS.items():
+            targeted = tuple(m for m in members if m in self.modules)
+            if targeted:
+                self.groups[name] = self.stack.group(name, targeted)
 
 
 class LoraBatch:
     """Adds each token's own adapter delta, one shrink / expand pair per rank class in use.
 
     A rank-8 adapter is computed against the rank-8 stack only; tokens of slot -1 and classes
-    or projections no token of this step targets cost nothing.
+    or projections no token of this step targets cost nothing. A group's targeted projections
+    (q/k/v, gate/up) take one call per class.
     """
 
-    __slots__ = ("classes", "modules")
+    __slots__ = ("classes", "groups")
 
     def __init__(self, classes: list[ClassBatch]):
         self.classes = classes
-        self.modules: frozenset[str] = frozenset().union(*(part.modules for part in classes))
+        self.groups: frozenset[str] = frozenset().union(*(part.groups for part in classes))
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(part.stack.rank for part in self.classes)
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += scale * (x @ A[slot]) @ B[slot] per token, in place. x: [num_tokens, in]; y: [num_tokens, out]."""
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[:, member's columns] += scale * (x @ A[slot]) @ B[slot] per token and targeted member of
+        the group, in place. x: [num_tokens, in]; y: [num_tokens, the group's fused out]."""
         for part in self.classes:
-            if module in part.modules:
+            weights = part.groups.get(group)
+            if weights is not None:
                 stack = part.stack
-                add_lora(
-                    x,
-                    y,
-                    stack.a[layer][module],
-                    stack.b[layer][module],
-                    stack.scale,
-                    part.index,
-                    part.workspace,
-                    part.native,
-                )
+                add_lora_group(x, y, weights[layer], stack.scale, part.index, part.workspace, part.native)

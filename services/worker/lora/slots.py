@@ -6,6 +6,8 @@ token slots also groups tokens by rank class. Slot -1 means the base model alone
 
 import torch
 
+from kernels import LoraGroup
+from services.worker.engine.lora_hook import GROUPS
 from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from shared.errors import IntegrityError, NoFreeSlot
@@ -14,7 +16,7 @@ from shared.errors import IntegrityError, NoFreeSlot
 class RankClassStack:
     """The stacked A / B weights and scales of one rank class; row r holds one adapter or zeros."""
 
-    __slots__ = ("a", "b", "first_slot", "num_slots", "rank", "row_modules", "scale")
+    __slots__ = ("_groups", "a", "b", "dims", "first_slot", "num_slots", "rank", "row_modules", "scale")
 
     def __init__(
         self,
@@ -29,7 +31,7 @@ class RankClassStack:
         self.rank = rank
         self.num_slots = num_slots
         self.first_slot = first_slot
-        dims = shapes.dims
+        dims = self.dims = shapes.dims
         self.a: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, in, rank]
             {m: torch.zeros(num_slots, dims[m][0], rank, device=device, dtype=dtype) for m in modules}
             for _ in range(shapes.num_layers)
@@ -40,6 +42,29 @@ class RankClassStack:
         ]
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
         self.row_modules: list[frozenset[str]] = [frozenset()] * num_slots  # host: modules each row targets
+        self._groups: dict[tuple[str, tuple[str, ...]], list[LoraGroup]] = {}
+
+    def group(self, name: str, modules: tuple[str, ...]) -> list[LoraGroup]:
+        """Per layer, the weights of ``modules`` (members of lora_hook.GROUPS[name], in its order) with
+        their columns in the group's fused output; built once per (group, modules), the stacks are
+        written in place so the views stay current."""
+        key = (name, modules)
+        groups = self._groups.get(key)
+        if groups is None:
+            cols, col = {}, 0
+            for member in GROUPS[name]:
+                cols[member] = col
+                col += self.dims[member][1]
+            groups = [
+                LoraGroup(
+                    a=tuple(layer_a[m] for m in modules),
+                    b=tuple(layer_b[m] for m in modules),
+                    cols=tuple(cols[m] for m in modules),
+                )
+                for layer_a, layer_b in zip(self.a, self.b, strict=True)
+            ]
+            self._groups[key] = groups
+        return groups
 
     def set_slot(self, row: int, weights: AdapterWeights) -> None:
         """Copy an adapter into a row, zero-padded from its rank to the class rank."""
