@@ -3,8 +3,11 @@
 // y[t] += scale[row] * (x[t] @ a[row]) @ b[row] for each (t, row) = (token_idx[i], token_row[i]), for
 // each projection of a group that reads the same x (q/k/v or gate/up: one call where there were three
 // or two, each adding into its own columns of the fused output). One call replaces the eager path's
-// gathers, two matmuls, scale and scatter-add per projection: a token's shrink streams its adapter's A once ([in, r], r contiguous: one vector per input
-// feature) and its expand streams B ([r, out]) once per output chunk, accumulating in fp32.
+// gathers, two matmuls, scale and scatter-add per projection: a token's shrink streams its adapter's
+// A once ([in, r], r contiguous: one vector per input feature) and its expand streams B ([r, out]) once front to back, accumulating in fp32. Streaming B
+// whole rather than in 256-column chunks (sixteen short strided streams each) cut 32 distinct
+// all-seven adapters' LoRA time per step from 22.8 to 15.2 ms (fp32, SmolLM2, 2 threads: 625 MB at
+// 41 GB/s), batch 1 from 1.7 to 1.1 ms.
 // Tokens are spread over torch's intra-op threads; each writes only its own row of y.
 // bf16 x, y, A, B are widened on load and the fp32 delta is rounded to bf16 before it is added to
 // y, as the eager path's `y += delta.to(y.dtype)` does.
@@ -22,7 +25,6 @@ namespace {
 
 using namespace lorafleet;
 
-constexpr int64_t kChunk = 256;  // output features accumulated at once in the expand
 constexpr int64_t kWork = 1 << 16;  // multiply-adds per thread below which tokens stay on one thread
 
 // y += delta, rounding delta to y's dtype first (a no-op for fp32).
@@ -64,22 +66,30 @@ inline void shrink(const T* x, const T* a, int64_t in, int64_t r, float* h) {
   }
 }
 
-// y[0:out] += (h[0:r] * scale) @ b[r, out], chunk by chunk of output features.
+// y[0:out] += (h[0:r] * scale) @ b[r, out]: B streamed front to back (four of its rows at a time,
+// one pass over acc per four), the fp32 sums in acc[0:out] (L1 or L2), added to y at the end.
 template <typename T>
-inline void expand(const float* h, float scale, const T* b, int64_t r, int64_t out, T* y, float* hs) {
-  for (int64_t e = 0; e < r; ++e) hs[e] = h[e] * scale;
-  float acc[kChunk];
-  for (int64_t o = 0; o < out; o += kChunk) {
-    const int64_t n = std::min(kChunk, out - o);
-    std::fill(acc, acc + n, 0.f);
-    for (int64_t e = 0; e < r; ++e) {
-      const float hv = hs[e];
-      const T* row = b + e * out + o;
+inline void expand(const float* h, float scale, const T* b, int64_t r, int64_t out, T* y, float* acc) {
+  std::fill(acc, acc + out, 0.f);
+  int64_t e = 0;
+  for (; e + 4 <= r; e += 4) {
+    const float h0 = h[e] * scale, h1 = h[e + 1] * scale, h2 = h[e + 2] * scale, h3 = h[e + 3] * scale;
+    const T* b0 = b + e * out;
+    const T* b1 = b0 + out;
+    const T* b2 = b1 + out;
+    const T* b3 = b2 + out;
 #pragma omp simd
-      for (int64_t c = 0; c < n; ++c) acc[c] += hv * widen(row[c]);
+    for (int64_t c = 0; c < out; ++c) {
+      acc[c] += (h0 * widen(b0[c]) + h1 * widen(b1[c])) + (h2 * widen(b2[c]) + h3 * widen(b3[c]));
     }
-    add_out(y + o, acc, n);
   }
+  for (; e < r; ++e) {
+    const float hv = h[e] * scale;
+    const T* row = b + e * out;
+#pragma omp simd
+    for (int64_t c = 0; c < out; ++c) acc[c] += hv * widen(row[c]);
+  }
+  add_out(y, acc, out);
 }
 
 // One projection of the group: its A [num_slots, in, r], B [num_slots, r, out] and its first column in y.
@@ -101,16 +111,19 @@ void run(const torch::Tensor& x, torch::Tensor& y, const std::vector<Part<T>>& p
   const float* sp = scale.data_ptr<float>();
   const int32_t* tp = token_idx.data_ptr<int32_t>();
   const int32_t* rp = token_row.data_ptr<int32_t>();
-  int64_t per_token = 0;
-  for (const Part<T>& part : parts) per_token += r * (in + part.out);
+  int64_t per_token = 0, widest = 0;
+  for (const Part<T>& part : parts) {
+    per_token += r * (in + part.out);
+    widest = std::max(widest, part.out);
+  }
   const int64_t grain = std::max<int64_t>(1, kWork / std::max<int64_t>(1, per_token));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(2 * r);
+    std::vector<float> h(r), acc(widest);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = tp[i], row = rp[i];
       for (const Part<T>& part : parts) {
         shrink<T, R>(xp + t * x_row, part.a + row * in * r, in, r, h.data());
-        expand<T>(h.data(), sp[row], part.b + row * r * part.out, r, part.out, yp + t * y_row + part.col, h.data() + r);
+        expand<T>(h.data(), sp[row], part.b + row * r * part.out, r, part.out, yp + t * y_row + part.col, acc.data());
       }
     }
   });
