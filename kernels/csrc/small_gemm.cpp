@@ -42,6 +42,10 @@ inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
 template <typename T, int M, int F>
 inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out) {
   static_assert(M * F <= 16, "at most sixteen accumulators");
+  // The next block's rows, fetched as this one streams: fp32 at one row streams faster on the hardware
+  // prefetcher alone (121 projections of SmolLM2: 12.0 against 12.8 ms, four runs alternated), every
+  // other case slower without it (bf16 one row 7.3 against 5.2 ms, fp32 two rows 11.2 against 10.3).
+  constexpr bool kPrefetch = !(std::is_same_v<T, float> && M == 1);
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -49,7 +53,7 @@ inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = load16(x + m * x_stride + k);
     for (int f = 0; f < F; ++f) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * in + k), _MM_HINT_T0);  // the next block's row
+      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * in + k), _MM_HINT_T0);
       const __m512 wv = load16(w + f * in + k);
       for (int m = 0; m < M; ++m) acc[m * F + f] = _mm512_fmadd_ps(xv[m], wv, acc[m * F + f]);
     }
