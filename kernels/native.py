@@ -331,6 +331,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
+def small_linear_dot_bf16() -> bool:
+    """Whether the build takes bf16 batches of four rows and more through AVX512-BF16's dot product
+    (vdpbf16ps), where it is faster than oneDNN's packed path up to SMALL_LINEAR_ROWS rows. Call only
+    where :func:`native_small_linear` is True."""
+    return bool(torch.ops.lorafleet.small_linear_dot_bf16())
+
+
 def _probe_small_linear() -> bool:
     import torch.nn.functional as F
 

@@ -2,12 +2,14 @@
 every row count it takes, both dtypes, a bias or none, widths that are not a multiple of the vector
 width, strided input rows; what it refuses; and which rows the engine's linears send to it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear
-from services.worker.engine.linear import SMALL_ROWS, LinearFactory
+from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
+from services.worker.engine.linear import BF16_WIDENING_ROWS, LinearFactory, small_rows
 from tests.helpers.native import needs_toolchain, record_rows
 
 pytestmark = needs_toolchain
@@ -36,8 +38,8 @@ def test_fp32_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool) -> 
     torch.testing.assert_close(small_linear(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
-@pytest.mark.parametrize("shape", [(960, 576), (49, 37)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])  # 4 and up: vdpbf16ps where the CPU has AVX512-BF16
+@pytest.mark.parametrize("shape", [(960, 576), (49, 37), (33, 70), (130, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_is_the_fp32_sum_rounded_once(rows: int, shape: tuple[int, int], bias: bool) -> None:
     """bf16 inputs widen exactly; the only rounding is the result's (at most half a bf16 ulp, 2^-9
@@ -50,12 +52,23 @@ def test_bf16_is_the_fp32_sum_rounded_once(rows: int, shape: tuple[int, int], bi
     torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), rtol=2**-7, atol=2**-7)
 
 
-def test_strided_rows_are_read_in_place() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_are_read_in_place(dtype: torch.dtype) -> None:
     """x as a column slice of a wider tensor (contiguous rows, a row stride past its width)."""
-    wide, weight, b = _case(4, 96, 100, torch.float32, True)
+    wide, weight, b = _case(4, 96, 100, dtype, True)
     x = wide[:, 10:90]
     w = weight[:, :80].contiguous()
-    torch.testing.assert_close(small_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(small_linear(x, w, b).float(), _exact(x, w, b), rtol=tolerance, atol=1e-5)
+
+
+def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product() -> None:
+    """The build compiles vdpbf16ps wherever this CPU has AVX512-BF16 (-march=native), and only then
+    does auto send bf16 batches past four rows to the kernel."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert small_linear_dot_bf16() == ("avx512_bf16" in flags)
+    assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if small_linear_dot_bf16() else BF16_WIDENING_ROWS)
+    assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
 
 
 def test_it_refuses_what_it_cannot_compute() -> None:
@@ -78,16 +91,16 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 def test_auto_sends_small_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch, dtype: torch.dtype) -> None:
     x, weight, _ = _case(1, 64, 32, dtype, False)
     linear = LinearFactory("auto", "cpu", dtype)(weight)
-    small_rows = SMALL_ROWS[dtype]
-    assert linear.small_rows == small_rows > 0
+    rows_served = small_rows(dtype)
+    assert linear.small_rows == rows_served > 0
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
-    for rows in (1, small_rows, small_rows + 1, 40):
+    for rows in (1, rows_served, rows_served + 1, 40):
         x = torch.randn(rows, 32).to(dtype)
         got = linear(x)
         assert got.shape == (rows, 64) and got.dtype == dtype
         torch.testing.assert_close(got.float(), _exact(x, weight, None), rtol=tolerance, atol=tolerance)
-    assert small == [1, small_rows]  # more rows: oneDNN's packed path
+    assert small == [1, rows_served]  # more rows: oneDNN's packed path
 
 
 def test_torch_and_onednn_modes_never_take_the_kernel() -> None:

@@ -15,11 +15,13 @@ The packed path is ``torch.ops.mkldnn._linear_pointwise``, the op torch's own in
 CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` before any
 weight is packed, else ``auto`` stays on ``F.linear`` (``onednn`` refuses to start).
 
-A small decode batch's projections (up to ``SMALL_ROWS`` rows) go one step further in ``auto``:
+A small decode batch's projections (up to :func:`small_rows` rows) go one step further in ``auto``:
 kernels.native's ``small_linear`` streams the plain weight once for all the rows with software
 prefetch, where oneDNN's packed matrix-vector path reaches about two thirds of the read bandwidth
 (30 layers of SmolLM2's projections at one row, fp32: 14.2 -> 13.1 ms; four rows 16.3 -> 12.5 ms;
-bf16 9.4 -> 7.1 and 11.1 -> 7.5 ms). It is probed at load like the other native kernels; where it
+bf16 9.4 -> 7.1 and 11.1 -> 7.5 ms; bf16 from four rows through AVX512-BF16's dot product where the
+CPU has it, an engine decode step 1.37x faster than the packed path at four rows, 1.05x at six and
+eight). It is probed at load like the other native kernels; where it
 is not usable the rows take the packed path.
 """
 
@@ -34,11 +36,20 @@ from kernels import native
 
 CpuLinear = Literal["auto", "torch", "onednn"]
 log = structlog.get_logger("engine")
-# Rows up to which ``auto`` takes kernels.native's small-row kernel rather than oneDNN's packed path:
-# where it was faster over 30 layers of SmolLM2's projections (weights streamed from memory, 2
-# threads): fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4,
-# slower at 8 (its widening of bf16 weights costs more than the pass saves there).
-SMALL_ROWS = {torch.float32: native.SMALL_LINEAR_ROWS, torch.bfloat16: 4}
+BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
+
+
+def small_rows(dtype: torch.dtype) -> int:
+    """Rows up to which ``auto`` takes kernels.native's small-row kernel rather than oneDNN's packed
+    path (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
+    from memory, 2 threads): fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row,
+    1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps (widening the bf16 weights costs
+    more than the pass saves there). Call only where ``native_small_linear()`` is True."""
+    if dtype == torch.float32:
+        return native.SMALL_LINEAR_ROWS
+    if dtype == torch.bfloat16:
+        return native.SMALL_LINEAR_ROWS if native.small_linear_dot_bf16() else BF16_WIDENING_ROWS
+    return 0
 
 
 def padded_rows(rows: int) -> int:
@@ -129,8 +140,8 @@ class LinearFactory:
         self.pack = wanted and onednn_usable(dtype)
         if wanted and not self.pack and mode == "onednn":
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
-        small = mode == "auto" and wanted and dtype in SMALL_ROWS and native.native_small_linear()
-        self.small_rows = SMALL_ROWS[dtype] if small else 0
+        small = mode == "auto" and wanted and native.native_small_linear()
+        self.small_rows = small_rows(dtype) if small else 0
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
