@@ -8,9 +8,7 @@ from kernels import native
 
 def test_every_included_header_is_hashed() -> None:
     included = {
-        name
-        for source in native.SOURCES
-        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M)
+        name for source in native.SOURCES for name in re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M)
     }
     assert included == {header.name for header in native.HEADERS}
 

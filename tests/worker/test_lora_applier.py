@@ -8,10 +8,10 @@ import torch
 
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
+from services.worker.engine.lora_hook import GROUPS
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
-from services.worker.engine.lora_hook import GROUPS
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from shared.errors import IntegrityError, NoFreeSlot
 from tests.helpers.adapters import (
