@@ -37,6 +37,19 @@ inline void store(float* dst, float v) { *dst = v; }
 inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
 
 #if defined(__AVX512F__)
+// out[i] = the sum of acc[i]'s lanes for the first N of the sixteen accumulators (one alone: a plain
+// reduction; more: the sixteen reduced together in one shuffle tree).
+template <int N>
+inline void reduce_accumulators(const __m512* acc, float* out) {
+  if constexpr (N == 1) {
+    out[0] = _mm512_reduce_add_ps(acc[0]);
+  } else {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum_lanes16(acc));
+    for (int i = 0; i < N; ++i) out[i] = sums[i];
+  }
+}
+
 // out[m * F + f] = x[m] . w[f] for F features of weight starting at w (row stride in), M input rows:
 // M * F <= 16 vector accumulators, reduced together at the end.
 template <typename T, int M, int F>
@@ -67,13 +80,7 @@ inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float
       for (int m = 0; m < M; ++m) acc[m * F + f] = _mm512_fmadd_ps(xv[m], wv, acc[m * F + f]);
     }
   }
-  if constexpr (M * F == 1) {
-    out[0] = _mm512_reduce_add_ps(acc[0]);
-  } else {
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, sum_lanes16(acc));
-    for (int i = 0; i < M * F; ++i) out[i] = sums[i];
-  }
+  reduce_accumulators<M * F>(acc, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -105,13 +112,7 @@ inline void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat1
       for (int m = 0; m < M; ++m) acc[m * F + f] = _mm512_dpbf16_ps(acc[m * F + f], xv[m], wv);
     }
   }
-  if constexpr (M * F == 1) {
-    out[0] = _mm512_reduce_add_ps(acc[0]);
-  } else {
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, sum_lanes16(acc));
-    for (int i = 0; i < M * F; ++i) out[i] = sums[i];
-  }
+  reduce_accumulators<M * F>(acc, out);
 }
 #endif
 #else
