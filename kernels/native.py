@@ -18,11 +18,18 @@ matmuls, one call each where the eager chains take about ten ops (RMSNorm) or fi
 cache write): at batch 1 those launches, not the arithmetic, were most of a decode step's time outside
 the matmuls. Their results are rounded where the eager ops round them (see the source).
 
+``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
+of them) and ``panel_linear`` (bf16 projections of any row count where oneDNN has no bf16 GEMM: the
+bf16 weight widened to fp32 panel by panel under a register-tiled FMA kernel, 4-6x torch's reference
+bf16 GEMM there) are the dense projections' native paths (services/worker/engine/linear.py says which
+rows take which).
+
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
 build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora`,
-:func:`native_layer_ops` and :func:`native_small_linear` build it once per process and probe their ops against the eager paths; where
+:func:`native_layer_ops`, :func:`native_small_linear` and :func:`native_panel_linear` build it once
+per process and probe their ops against the eager paths; where
 the build or a probe fails they log why and return False, and the engine and the adapter manager keep
 the eager paths (a setting of ``native`` refuses to start instead).
 """
@@ -41,7 +48,7 @@ log = structlog.get_logger("kernels")
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp", "small_gemm.cpp")
+    for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp", "small_gemm.cpp", "panel_gemm.cpp")
 )
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h",))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
@@ -353,5 +360,41 @@ def _probe_small_linear() -> bool:
                 error = (small_linear(x, weight, b).float() - want).abs().max()
                 if not error <= tolerance[dtype] * want.abs().max():
                     log.warning("native_small_linear_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None)
+                    return False
+    return True
+
+
+@functools.cache
+def native_panel_linear() -> bool:
+    """Whether ``panel_linear`` is built, loaded and agrees with the fp32 ``F.linear`` here (fp32 and
+    bf16, row counts around its five-row tile, with and without a bias, widths that are not multiples
+    of its sixteen-feature panel or eight-element transpose)."""
+    return built() and _probe_panel_linear()
+
+
+def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [rows, in] (any rows), weight [out, in] contiguous, bias
+    [out] or None, all fp32 or all bf16 -> a new [rows, out]: the weight widened to fp32 sixteen
+    features at a time into a packed panel, fp32 FMA sums rounded once to bf16. The bf16 projection
+    path where oneDNN has no bf16 GEMM (no AVX-512). Call only where :func:`native_panel_linear` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.panel_linear(x, weight, bias)
+    return out
+
+
+def _probe_panel_linear() -> bool:
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    for dtype in DTYPES:
+        weight = torch.randn(37, 53, generator=generator).to(dtype)
+        bias = torch.randn(37, generator=generator).to(dtype)
+        for rows in (1, 4, 5, 6, 11):
+            x = torch.randn(rows, 53, generator=generator).to(dtype)
+            for b in (bias, None):
+                want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                error = (panel_linear(x, weight, b).float() - want).abs().max()
+                if not error <= tolerance[dtype] * want.abs().max():
+                    log.warning("native_panel_linear_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None)
                     return False
     return True

@@ -1,6 +1,6 @@
 // Helpers shared by the CPU kernels: bf16 widening (bf16 is the high half of an fp32, so widening is
-// a shift and exact) and, where the compiler targets AVX-512, sixteen-lane loads and the lane sums
-// of sixteen vectors at once.
+// a shift and exact); where the compiler targets AVX-512, sixteen-lane loads and the lane sums of
+// sixteen vectors at once; where it targets AVX2 with FMA, eight-lane loads and lane sums.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -56,6 +56,22 @@ inline __m512 sum_lanes16(const __m512* v) {
                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight consecutive elements as fp32 lanes (bf16 widened in the register).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The sum of v's eight lanes.
+inline float sum_lanes8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

@@ -83,7 +83,7 @@ def test_bf16_logits_within_the_documented_tolerance(family_dir: tuple[PreTraine
         with torch.no_grad():
             expected = hf_bf16(torch.tensor([prompt])).logits[0].float()
             truth = fp32_model(torch.tensor([prompt])).logits[0].float()
-        for linear in ("auto", "torch"):  # oneDNN-packed bf16 projections (the default) and F.linear
+        for linear in ("auto", "torch"):  # the default (oneDNN-packed bf16, or the native panel kernel) and F.linear
             _assert_within_bf16_tolerance(_engine_logits(weights, prompt, linear), expected, truth)
         if TOOLCHAIN:  # kernels.native's fused layer ops: the same bound (their norms sum in another order)
             _assert_within_bf16_tolerance(_engine_logits(weights, prompt, native_ops=True), expected, truth)
