@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
-from services.worker.engine.linear import BF16_WIDENING_ROWS, LinearFactory, small_rows
+from services.worker.engine.linear import BF16_WIDENING_ROWS, LinearFactory, onednn_usable, small_rows
 from tests.helpers.native import needs_toolchain, record_rows
 
 pytestmark = needs_toolchain
@@ -62,12 +62,14 @@ def test_strided_rows_are_read_in_place(dtype: torch.dtype) -> None:
     torch.testing.assert_close(small_linear(x, w, b).float(), _exact(x, w, b), rtol=tolerance, atol=1e-5)
 
 
-def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product() -> None:
-    """The build compiles vdpbf16ps wherever this CPU has AVX512-BF16 (-march=native), and only then
-    does auto send bf16 batches past four rows to the kernel."""
+def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product_or_no_onednn_bf16() -> None:
+    """The build compiles vdpbf16ps wherever this CPU has AVX512-BF16 (-march=native). auto sends bf16
+    batches past four rows to the kernel there, and where oneDNN has no bf16 GEMM at all (AVX2: the
+    alternative is the slower panel kernel); it stops at four rows only against oneDNN's bf16 path."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert small_linear_dot_bf16() == ("avx512_bf16" in flags)
-    assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if small_linear_dot_bf16() else BF16_WIDENING_ROWS)
+    eight = small_linear_dot_bf16() or not onednn_usable(torch.bfloat16)
+    assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS)
     assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
 
 

@@ -53,11 +53,16 @@ def small_rows(dtype: torch.dtype) -> int:
     path (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
     from memory, 2 threads): fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row,
     1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps (widening the bf16 weights costs
-    more than the pass saves there). Call only where ``native_small_linear()`` is True."""
+    more than the pass saves there). Where oneDNN has no bf16 GEMM (AVX2), bf16 takes eight rows, as
+    the alternative is kernels.native's panel kernel: 30 layers of SmolLM2's projections, 2 threads,
+    AVX2, the small-row kernel 2.8x the panel's speed at one row, 1.4x at eight (fp32 there: 1.3-2.3x
+    oneDNN's packed path at 1-8 rows). Call only where ``native_small_linear()`` is True."""
     if dtype == torch.float32:
         return native.SMALL_LINEAR_ROWS
     if dtype == torch.bfloat16:
-        return native.SMALL_LINEAR_ROWS if native.small_linear_dot_bf16() else BF16_WIDENING_ROWS
+        if native.small_linear_dot_bf16() or not onednn_usable(dtype):
+            return native.SMALL_LINEAR_ROWS
+        return BF16_WIDENING_ROWS
     return 0
 
 
