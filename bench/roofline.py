@@ -41,11 +41,17 @@ def machine_limits(weights: list[torch.Tensor], dtype: torch.dtype, device: str 
 
     On CPU the matmul is the faster of torch's ``a @ a`` and a oneDNN-prepacked one (the engine's own
     path): on AMD processors MKL's fp32 GEMM takes a generic path at about half of what oneDNN reaches,
-    and a limit the engine can beat is no limit."""
+    and a limit the engine can beat is no limit. bf16 on a CPU where oneDNN has no bf16 GEMM (no
+    AVX-512) has no bf16 arithmetic to measure: the engine widens to fp32 there (kernels.native's
+    panel kernel), so its ceiling is the fp32 GEMM's, and torch's reference bf16 GEMM (several times
+    slower) would set a floor the engine beats."""
     x = torch.ones(128 * 2**20, device=device)
+    cpu = torch.device(device).type == "cpu"
+    if cpu and dtype == torch.bfloat16 and not onednn_usable(dtype):
+        dtype = torch.float32
     a = torch.randn(2048, 2048, dtype=dtype, device=device)
     matmuls: list[Callable[[], object]] = [lambda: a @ a]
-    if torch.device(device).type == "cpu" and onednn_usable(dtype):
+    if cpu and onednn_usable(dtype):
         packed = LinearFactory("onednn", device, dtype)(a)
         matmuls.append(lambda: packed(a))
     reads, gemms = [], []

@@ -53,3 +53,24 @@ def test_the_measured_limits_are_positive_and_count_the_weights():
     assert limits["read_gb_s"] > 0 and limits["gemm_gflop_s"] > 0
     assert limits["params"] == 1100 and limits["weight_mb"] == pytest.approx(4400 / 1e6)
     assert physical_cores() >= 1
+
+
+def test_bf16_without_a_bf16_gemm_measures_the_fp32_gemm_the_engine_widens_to(monkeypatch: pytest.MonkeyPatch):
+    """Where oneDNN has no bf16 GEMM (no AVX-512) the engine's bf16 projections are fp32 arithmetic
+    (the panel kernel widens), so the bf16 ceiling is the fp32 GEMM: never torch's reference bf16
+    GEMM, which the engine beats several times over."""
+    import bench.roofline as roofline_module
+
+    made: list[torch.dtype] = []
+    real_randn = torch.randn
+
+    def randn(*shape, **kwargs):
+        if shape == (2048, 2048):  # the matmul's operand
+            made.append(kwargs.get("dtype", torch.float32))
+        return real_randn(*shape, **kwargs)
+
+    monkeypatch.setattr(roofline_module, "onednn_usable", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(roofline_module.torch, "randn", randn)
+    limits = machine_limits([torch.zeros(10, dtype=torch.bfloat16)], torch.bfloat16)
+    assert made == [torch.float32] and limits["gemm_gflop_s"] > 0
+    assert limits["weight_mb"] == pytest.approx(20 / 1e6)  # the weights are still counted in bf16
