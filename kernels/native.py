@@ -38,7 +38,7 @@ import functools
 import hashlib
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import structlog
@@ -346,6 +346,13 @@ def small_linear_dot_bf16() -> bool:
 
 
 def _probe_small_linear() -> bool:
+    return _probe_projection(small_linear, range(1, SMALL_LINEAR_ROWS + 1), "native_small_linear_probe_failed")
+
+
+def _probe_projection(op: Callable[..., torch.Tensor], row_counts: Iterable[int], event: str) -> bool:
+    """``op(x, weight, bias)`` against the fp32 ``F.linear`` for each dtype and row count, with and
+    without a bias, at widths that are no multiple of a vector; False (logged as ``event``) on any
+    disagreement."""
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(0)
@@ -353,13 +360,13 @@ def _probe_small_linear() -> bool:
     for dtype in DTYPES:
         weight = torch.randn(37, 53, generator=generator).to(dtype)
         bias = torch.randn(37, generator=generator).to(dtype)
-        for rows in range(1, SMALL_LINEAR_ROWS + 1):
+        for rows in row_counts:
             x = torch.randn(rows, 53, generator=generator).to(dtype)
             for b in (bias, None):
                 want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-                error = (small_linear(x, weight, b).float() - want).abs().max()
+                error = (op(x, weight, b).float() - want).abs().max()
                 if not error <= tolerance[dtype] * want.abs().max():
-                    log.warning("native_small_linear_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None)
+                    log.warning(event, dtype=str(dtype), rows=rows, bias=b is not None)
                     return False
     return True
 
@@ -382,19 +389,4 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _probe_panel_linear() -> bool:
-    import torch.nn.functional as F
-
-    generator = torch.Generator().manual_seed(0)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-    for dtype in DTYPES:
-        weight = torch.randn(37, 53, generator=generator).to(dtype)
-        bias = torch.randn(37, generator=generator).to(dtype)
-        for rows in (1, 4, 5, 6, 11):
-            x = torch.randn(rows, 53, generator=generator).to(dtype)
-            for b in (bias, None):
-                want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-                error = (panel_linear(x, weight, b).float() - want).abs().max()
-                if not error <= tolerance[dtype] * want.abs().max():
-                    log.warning("native_panel_linear_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None)
-                    return False
-    return True
+    return _probe_projection(panel_linear, (1, 4, 5, 6, 11), "native_panel_linear_probe_failed")

@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -34,9 +33,6 @@ constexpr int64_t kPanel = 16;                   // output features per packed p
 constexpr int64_t kRowTile = 5;                  // x rows per register tile (5 x 16 accumulators)
 constexpr int64_t kBlockBytes = 192 * 1024;      // packed panels per block: about this much fp32 (L2)
 constexpr int64_t kGrainFlops = 1 << 20;         // multiply-adds per task at least
-
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight fp32 lanes stored, or rounded to bf16 (to nearest even, NaN kept a quiet NaN, as

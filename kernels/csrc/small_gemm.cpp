@@ -33,9 +33,6 @@ using namespace lorafleet;
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrainFeatures = 64;  // output features per task at least (one task: ~36 KB of fp32 weight at in=576)
 
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
-
 #if defined(__AVX512F__)
 // out[i] = the sum of acc[i]'s lanes for the first N of the sixteen accumulators (one alone: a plain
 // reduction; more: the sixteen reduced together in one shuffle tree).

@@ -22,6 +22,10 @@ inline float widen(at::BFloat16 v) {
   return f;
 }
 
+// v stored as T: as it is, or rounded to bf16 (to nearest even).
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
+
 #if defined(__AVX512F__)
 // Sixteen consecutive elements as fp32 lanes (bf16 widened in the register); the masked forms read
 // only the lanes set in mask and zero the rest.

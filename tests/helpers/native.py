@@ -24,3 +24,19 @@ def record_rows(monkeypatch: pytest.MonkeyPatch, op: str) -> list[int]:
 
     monkeypatch.setattr(op, spy)
     return rows
+
+
+def linear_case(
+    rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A projection's x [rows, inp], weight [out, inp] (scaled by 1 / sqrt(inp)) and bias [out] or None,
+    seeded by the shape."""
+    g = torch.Generator().manual_seed(rows * 131 + out + inp)
+    x = torch.randn(rows, inp, generator=g).to(dtype)
+    weight = (torch.randn(out, inp, generator=g) / inp**0.5).to(dtype)
+    return x, weight, torch.randn(out, generator=g).to(dtype) if bias else None
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in fp32 on the (exactly widened) inputs: what a kernel's fp32 sum should be."""
+    return torch.nn.functional.linear(x.float(), weight.float(), bias.float() if bias is not None else None)

@@ -10,20 +10,11 @@ import torch.nn.functional as F
 
 from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
 from services.worker.engine.linear import BF16_WIDENING_ROWS, LinearFactory, onednn_usable, small_rows
+from tests.helpers.native import exact_linear as _exact
+from tests.helpers.native import linear_case as _case
 from tests.helpers.native import needs_toolchain, record_rows
 
 pytestmark = needs_toolchain
-
-
-def _case(rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool):
-    g = torch.Generator().manual_seed(rows * 131 + out + inp)
-    x = torch.randn(rows, inp, generator=g).to(dtype)
-    weight = (torch.randn(out, inp, generator=g) / inp**0.5).to(dtype)
-    return x, weight, torch.randn(out, generator=g).to(dtype) if bias else None
-
-
-def _exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
 
 
 def test_it_builds_and_passes_its_probe() -> None:
