@@ -19,10 +19,10 @@ cache write): at batch 1 those launches, not the arithmetic, were most of a deco
 the matmuls. Their results are rounded where the eager ops round them (see the source).
 
 ``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
-of them) and ``panel_linear`` (bf16 projections of any row count where oneDNN has no bf16 GEMM: the
-bf16 weight widened to fp32 panel by panel under a register-tiled FMA kernel, 4-6x torch's reference
-bf16 GEMM there) are the dense projections' native paths (services/worker/engine/linear.py says which
-rows take which).
+of them) and ``panel_linear`` (any row count, through a weight packed once by ``panel_pack`` into
+24-feature panels under a register-tiled FMA kernel: on AVX2 CPUs 1.0-1.8x oneDNN's fp32 GEMM, and
+the bf16 GEMM oneDNN lacks there) are the dense projections' native paths
+(services/worker/engine/linear.py says which rows take which).
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
@@ -373,20 +373,38 @@ def _probe_projection(op: Callable[..., torch.Tensor], row_counts: Iterable[int]
 
 @functools.cache
 def native_panel_linear() -> bool:
-    """Whether ``panel_linear`` is built, loaded and agrees with the fp32 ``F.linear`` here (fp32 and
-    bf16, row counts around its five-row tile, with and without a bias, widths that are not multiples
-    of its sixteen-feature panel or eight-element transpose)."""
+    """Whether ``panel_pack`` and ``panel_linear`` are built, loaded and agree with the fp32
+    ``F.linear`` here (fp32 and bf16, row counts around the four-row tile, with and without a bias,
+    widths that are not multiples of the 24-feature panel)."""
     return built() and _probe_panel_linear()
 
 
-def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [rows, in] (any rows), weight [out, in] contiguous, bias
-    [out] or None, all fp32 or all bf16 -> a new [rows, out]: the weight widened to fp32 sixteen
-    features at a time into a packed panel, fp32 FMA sums rounded once to bf16. The bf16 projection
-    path where oneDNN has no bf16 GEMM (no AVX-512). Call only where :func:`native_panel_linear` is True."""
-    out: torch.Tensor = torch.ops.lorafleet.panel_linear(x, weight, bias)
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] (fp32 or bf16) packed for :func:`panel_linear`: panels of 24 output
+    features, [ceil(out / 24), in, 24] in the weight's dtype, zero past the last feature."""
+    packed: torch.Tensor = torch.ops.lorafleet.panel_pack(weight)
+    return packed
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [rows, in] (any rows, fp32 or bf16 as the weight was),
+    ``packed = panel_pack(weight)``, ``features = weight.shape[0]``, bias [features] or None -> a new
+    [rows, features]: fp32 FMA sums (bf16 widened exactly), rounded once to bf16 for bf16. Call only
+    where :func:`native_panel_linear` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.panel_linear(x, packed, bias, features)
     return out
 
 
+def panel_linear_preferred() -> bool:
+    """Whether the build's panel kernel is the one to take over oneDNN here: it is AVX2 + FMA and this
+    CPU has no AVX-512, where it was measured 1.0-1.8x oneDNN's fp32 GEMM from 9 to 1400 rows
+    (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs oneDNN's
+    sixteen-lane kernels are kept. Call only where :func:`native_panel_linear` is True."""
+    return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in _cpu_flags().split()
+
+
 def _probe_panel_linear() -> bool:
-    return _probe_projection(panel_linear, (1, 4, 5, 6, 11), "native_panel_linear_probe_failed")
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return panel_linear(x, panel_pack(weight), bias, weight.shape[0])
+
+    return _probe_projection(packed_linear, (1, 3, 4, 5, 9), "native_panel_linear_probe_failed")

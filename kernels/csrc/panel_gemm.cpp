@@ -1,23 +1,29 @@
-// bf16 projections of any row count on CPUs without a bf16 matmul: out = T(x @ weight^T + bias),
-// weight [out, in] row major (torch's Linear layout) and kept bf16 in memory.
+// Dense projections of any row count on CPU through a weight packed once into panels:
+// out = T(x @ weight^T + bias), weight [out, in] (torch's Linear layout) packed by panel_pack into
+// panels of 24 output features, [panels][in][24], in the weight's dtype, zero past the last feature.
 //
-// Where oneDNN has no bf16 path (no AVX-512: torch.ops.mkldnn._is_mkldnn_bf16_supported() is False),
-// F.linear in bf16 runs torch's reference GEMM at about 16 GFLOP/s, where the same CPU's fp32 FMA
-// GEMM runs at 100 or more. Here the weight is widened to fp32 (a shift, exact) sixteen output
-// features at a time into a packed panel held in L2, [in][16], and a register-tiled FMA kernel
-// multiplies up to six x rows (widened once per call) by the panel: six rows times sixteen features
-// of fp32 accumulators, one broadcast of x and two loads of the panel per six-by-sixteen multiply-add,
-// the panel's block reused by every row tile. The fp32 sum plus bias is rounded once to the output's
-// dtype, as a bf16 matmul with an fp32 accumulator rounds it.
+// Why: at 9-64 rows (a decode batch past the small-row kernel) oneDNN's fp32 GEMM on an AVX2 CPU
+// reaches about 80 GFLOP/s over SmolLM2's projections where the same CPU's 2048^3 GEMM reaches 130,
+// and where oneDNN has no bf16 path (no AVX-512) torch's bf16 GEMM is its reference loop at about 16.
+// Here each panel is multiplied by every row of x in 4 x 24 register tiles (twelve 8-lane fp32
+// accumulators; per k three panel loads and four broadcasts of x feed twelve FMAs), the panel read
+// from L1 in blocks of 256 k (24 KB of fp32) shared by all the row tiles, while the next panel of the
+// thread's run is prefetched a line at a time. bf16 panels are widened in the register (a shift,
+// exact); x is widened once per call. The fp32 sum plus bias is rounded once to the output's dtype,
+// as a bf16 GEMM with an fp32 accumulator rounds it.
 //
-// Output features are spread over torch's intra-op threads in contiguous runs of panels. The kernel
-// is AVX2 + FMA (every x86 CPU this path is for); elsewhere the same loops in portable C++.
+// Threads take runs of panels from a shared counter (the next run is claimed before the last panel
+// of the current one, so it can be prefetched): the two vCPUs of the VMs this was measured on ran
+// FMA loops at different speeds (64-93 GFLOP/s each), and a static split waits for the slower one.
+// The kernel is AVX2 + FMA; elsewhere the same loops in portable C++ (correct, not fast: the engine
+// takes this path only where the build is AVX2 without AVX-512, see kernels/native.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -29,10 +35,11 @@ namespace {
 
 using namespace lorafleet;
 
-constexpr int64_t kPanel = 16;                   // output features per packed panel
-constexpr int64_t kRowTile = 5;                  // x rows per register tile (5 x 16 accumulators)
-constexpr int64_t kBlockBytes = 192 * 1024;      // packed panels per block: about this much fp32 (L2)
-constexpr int64_t kGrainFlops = 1 << 20;         // multiply-adds per task at least
+constexpr int64_t kPanel = 24;       // output features per packed panel: three 8-lane vectors
+constexpr int64_t kRowTile = 4;      // x rows per register tile (4 x 24 accumulators)
+constexpr int64_t kDepth = 256;      // k per block: a panel's block (24 KB fp32) stays in L1 over the row tiles
+constexpr int64_t kRowBlock = 128;   // rows per block at most (partial sums 12 KB)
+constexpr int64_t kXBlockBytes = 256 * 1024;  // x's rows per block: about this much fp32 (L2)
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight fp32 lanes stored, or rounded to bf16 (to nearest even, NaN kept a quiet NaN, as
@@ -51,176 +58,239 @@ inline void store8(at::BFloat16* p, __m256 v) {
 }
 #endif
 
-// panel[k * 16 + j] = weight row (n0 + j), element k, widened; rows past `valid` are zero.
-template <typename T>
-void pack_panel(const T* w, int64_t in, int64_t valid, float* panel) {
-  int64_t k = 0;
+// sums[r][0 .. 24) (+)= x[r] . panel over `depth` k, for R rows of x (fp32, row stride ldx); panel
+// [depth][24] of W. `prefetch` .. + `lines` cache lines are fetched into L1 along the way.
+template <typename W, int R, bool kFirst>
+void tile(const float* x, int64_t ldx, const W* panel, int64_t depth, float* sums, const char* prefetch,
+          int64_t lines) {
 #if defined(__AVX2__) && defined(__FMA__)
-  {
-    for (; k + 8 <= in; k += 8) {
-      for (int half = 0; half < 2; ++half) {  // features 0-7, then 8-15: one 8 x 8 transpose each
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) {
-          const int64_t row = half * 8 + j;
-          r[j] = row < valid ? load8(w + row * in + k) : _mm256_setzero_ps();
-        }
-        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-        float* dst = panel + k * kPanel + half * 8;  // column c of the 8 x 8 block lands at k + c
-        _mm256_storeu_ps(dst + 0 * kPanel, _mm256_permute2f128_ps(s0, s4, 0x20));
-        _mm256_storeu_ps(dst + 1 * kPanel, _mm256_permute2f128_ps(s1, s5, 0x20));
-        _mm256_storeu_ps(dst + 2 * kPanel, _mm256_permute2f128_ps(s2, s6, 0x20));
-        _mm256_storeu_ps(dst + 3 * kPanel, _mm256_permute2f128_ps(s3, s7, 0x20));
-        _mm256_storeu_ps(dst + 4 * kPanel, _mm256_permute2f128_ps(s0, s4, 0x31));
-        _mm256_storeu_ps(dst + 5 * kPanel, _mm256_permute2f128_ps(s1, s5, 0x31));
-        _mm256_storeu_ps(dst + 6 * kPanel, _mm256_permute2f128_ps(s2, s6, 0x31));
-        _mm256_storeu_ps(dst + 7 * kPanel, _mm256_permute2f128_ps(s3, s7, 0x31));
-      }
+  __m256 acc[R][3];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) acc[r][j] = kFirst ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * j);
+  int64_t line = 0;
+  for (int64_t k = 0; k < depth; ++k) {
+    __m256 b0 = load8(panel + k * kPanel), b1 = load8(panel + k * kPanel + 8), b2 = load8(panel + k * kPanel + 16);
+    // Held in registers: left to itself GCC folds the loads into every FMA, and the kernel is bound
+    // by its loads.
+    asm("" : "+x"(b0), "+x"(b1), "+x"(b2));
+    if ((k & 3) == 0 && line < lines) {
+      _mm_prefetch(prefetch + 64 * line, _MM_HINT_T0);
+      ++line;
     }
-  }
-#endif
-  for (; k < in; ++k)
-    for (int64_t j = 0; j < kPanel; ++j) panel[k * kPanel + j] = j < valid ? widen(w[j * in + k]) : 0.f;
-}
-
-// out[r][0 .. valid) = T(x[r] . panel + bias) for R rows of x (fp32, row stride in).
-template <typename T, int R>
-void tile(const float* x, int64_t in, const float* panel, const float* bias, int64_t valid, T* out,
-          int64_t out_stride) {
-  alignas(32) float sums[R][kPanel];
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; ++k) {
-    __m256 b0 = _mm256_loadu_ps(panel + k * kPanel), b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    // Held in registers: left to itself GCC folds the two loads into all twelve FMAs, and the
-    // kernel is bound by its loads (18 per 12 FMAs instead of 8).
-    asm("" : "+x"(b0), "+x"(b1));
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * in + k);
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
       acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
     }
   }
-  if (valid == kPanel) {
-    const __m256 bias0 = _mm256_loadu_ps(bias), bias1 = _mm256_loadu_ps(bias + 8);
-    for (int r = 0; r < R; ++r) {
-      store8(out + r * out_stride, _mm256_add_ps(acc[r][0], bias0));
-      store8(out + r * out_stride + 8, _mm256_add_ps(acc[r][1], bias1));
-    }
-    return;
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(sums[r], acc[r][0]);
-    _mm256_store_ps(sums[r] + 8, acc[r][1]);
-  }
-#else
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kPanel; ++j) sums[r][j] = 0.f;
-  for (int64_t k = 0; k < in; ++k)
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) _mm256_storeu_ps(sums + r * kPanel + 8 * j, acc[r][j]);
+#else
+  (void)prefetch;
+  (void)lines;
+  if (kFirst)
+    for (int64_t i = 0; i < R * kPanel; ++i) sums[i] = 0.f;
+  for (int64_t k = 0; k < depth; ++k)
     for (int r = 0; r < R; ++r) {
-      const float a = x[r * in + k];
+      const float a = x[r * ldx + k];
 #pragma omp simd
-      for (int64_t j = 0; j < kPanel; ++j) sums[r][j] += a * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) sums[r * kPanel + j] += a * widen(panel[k * kPanel + j]);
     }
 #endif
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < valid; ++j) store(out + r * out_stride + j, sums[r][j] + bias[j]);
 }
 
-template <typename T>
-void row_tile(int64_t rows, const float* x, int64_t in, const float* panel, const float* bias, int64_t valid, T* out,
-              int64_t out_stride) {
+template <typename W, bool kFirst>
+void row_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t depth, float* sums,
+              const char* prefetch, int64_t lines) {
   switch (rows) {
-    case 1: return tile<T, 1>(x, in, panel, bias, valid, out, out_stride);
-    case 2: return tile<T, 2>(x, in, panel, bias, valid, out, out_stride);
-    case 3: return tile<T, 3>(x, in, panel, bias, valid, out, out_stride);
-    case 4: return tile<T, 4>(x, in, panel, bias, valid, out, out_stride);
-
-    default: return tile<T, 5>(x, in, panel, bias, valid, out, out_stride);
+    case 1: return tile<W, 1, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    case 2: return tile<W, 2, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    case 3: return tile<W, 3, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    default: return tile<W, 4, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
   }
 }
 
-// Panels [begin, end): a block of them packed at a time, then every row tile against the block.
+// out[m][0 .. valid) = T(sums[m] + bias) for `rows` rows.
 template <typename T>
-void panels(const float* x, int64_t rows, const T* w, const T* bias, T* out, int64_t features_out, int64_t in,
-            int64_t begin, int64_t end) {
-  const int64_t per_block = std::max<int64_t>(1, kBlockBytes / (in * kPanel * int64_t(sizeof(float))));
-  std::vector<float> packed(std::min(per_block, end - begin) * in * kPanel);
-  float bias_wide[kPanel];
-  for (int64_t b0 = begin; b0 < end; b0 += per_block) {
-    const int64_t b1 = std::min(end, b0 + per_block);
-    for (int64_t p = b0; p < b1; ++p) {
-      const int64_t n0 = p * kPanel;
-      pack_panel(w + n0 * in, in, std::min(kPanel, features_out - n0), packed.data() + (p - b0) * in * kPanel);
+void finish(const float* sums, int64_t rows, const float* bias, int64_t valid, T* out, int64_t out_stride) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* s = sums + m * kPanel;
+    T* o = out + m * out_stride;
+    int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= valid; j += 8) store8(o + j, _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(bias + j)));
+#endif
+    for (; j < valid; ++j) store(o + j, s[j] + bias[j]);
+  }
+}
+
+struct Problem {
+  const float* x;  // [rows][in] fp32, row stride ldx
+  int64_t ldx, rows, in, features;
+};
+
+// The rows of x per block: a block (up to 256 KB of fp32) stays in L2 while a run's panels pass
+// over it; a multiple of the row tile, at most kRowBlock.
+int64_t row_block(int64_t in) {
+  return std::clamp<int64_t>((kXBlockBytes / (in * int64_t(sizeof(float)))) / kRowTile * kRowTile, kRowTile,
+                             kRowBlock);
+}
+
+// Rows [m0, m0 + rows) of x against one panel: k blocks of the panel, each over every row tile, with
+// `lines` lines from `prefetch` on fetched along the way; then bias, rounding and the store.
+template <typename T, typename W>
+void panel_rows(const Problem& pr, int64_t m0, int64_t rows, const W* panel, const float* bias, int64_t valid, T* out,
+                float* sums, const char* prefetch, int64_t lines) {
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile;
+  const int64_t blocks = (pr.in + kDepth - 1) / kDepth;
+  const int64_t per_tile = (lines + tiles * blocks - 1) / (tiles * blocks);
+  for (int64_t k0 = 0; k0 < pr.in; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, pr.in - k0);
+    for (int64_t t = 0; t < rows; t += kRowTile) {
+      const int64_t n = std::min(per_tile, lines);
+      const float* x = pr.x + (m0 + t) * pr.ldx + k0;
+      const int64_t r = std::min(kRowTile, rows - t);
+      if (k0 == 0)
+        row_tile<W, true>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
+      else
+        row_tile<W, false>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
+      prefetch += 64 * n;
+      lines -= n;
     }
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowTile) {
-      const int64_t tile_rows = std::min(kRowTile, rows - m0);
-      for (int64_t p = b0; p < b1; ++p) {
-        const int64_t n0 = p * kPanel, valid = std::min(kPanel, features_out - n0);
-        for (int64_t j = 0; j < kPanel; ++j) bias_wide[j] = bias != nullptr && j < valid ? widen(bias[n0 + j]) : 0.f;
-        row_tile<T>(tile_rows, x + m0 * in, in, packed.data() + (p - b0) * in * kPanel, bias_wide, valid,
-                    out + m0 * features_out + n0, features_out);
+  }
+  finish(sums, rows, bias, valid, out + m0 * pr.features, pr.features);
+}
+
+// Panels [first, last) against every row: for each block of rows, each panel of the run in turn,
+// the panel after it (or `after`, the first panel of the worker's next run, or -1) prefetched.
+template <typename T, typename W>
+void panel_run(const Problem& pr, const W* packed, const float* bias, T* out, int64_t first, int64_t last, int64_t after,
+               float* sums) {
+  const int64_t block = row_block(pr.in), panel_elems = pr.in * kPanel;
+  const int64_t lines = (panel_elems * int64_t(sizeof(W)) + 63) / 64;
+  for (int64_t m0 = 0; m0 < pr.rows; m0 += block) {
+    const int64_t rows = std::min(block, pr.rows - m0);
+    const bool last_block = m0 + block >= pr.rows;
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t next = p + 1 < last ? p + 1 : last_block ? after : first;
+      const W* panel = packed + p * panel_elems;
+      const char* prefetch = reinterpret_cast<const char*>(next >= 0 ? packed + next * panel_elems : panel);
+      const int64_t n0 = p * kPanel;
+      panel_rows<T, W>(pr, m0, rows, panel, bias + n0, std::min(kPanel, pr.features - n0), out + n0, sums, prefetch,
+                       next >= 0 ? lines : 0);
+    }
+  }
+}
+
+template <typename T, typename W>
+void run(const Problem& pr, const W* packed, const float* bias, T* out) {
+  const int64_t n_panels = (pr.features + kPanel - 1) / kPanel;
+  const int64_t threads = at::get_num_threads();
+  // Runs of up to eight panels (a block of x's rows is read from L2 once per run), at least four runs
+  // per thread where the panels allow (a faster thread takes more of them)
+  const int64_t run_length = std::clamp<int64_t>(n_panels / (4 * threads), 1, 8);
+  const int64_t runs = (n_panels + run_length - 1) / run_length;
+  std::atomic<int64_t> counter{0};
+  const int64_t workers = std::min(threads, runs);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(std::min(pr.rows, row_block(pr.in)) * kPanel);
+    for (int64_t w = begin; w < end; ++w) {  // one worker per task; claims runs until none are left
+      int64_t current = counter.fetch_add(1);
+      while (current < runs) {
+        const int64_t upcoming = counter.fetch_add(1);  // claimed now, so its first panel can be prefetched
+        const int64_t first = current * run_length;
+        panel_run<T, W>(pr, packed, bias, out, first, std::min(n_panels, first + run_length),
+                        upcoming < runs ? upcoming * run_length : -1, sums.data());
+        current = upcoming;
       }
     }
-  }
+  });
 }
 
 template <typename T>
-void run(const T* x, int64_t x_stride, int64_t rows, const T* w, const T* bias, T* out, int64_t features_out,
-         int64_t in) {
-  std::vector<float> wide(rows * in);  // x widened once, contiguous rows
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / in), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t k = 0; k < in; ++k) wide[m * in + k] = widen(x[m * x_stride + k]);
-  });
-  const int64_t n_panels = (features_out + kPanel - 1) / kPanel;
-  const int64_t grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, rows * in * kPanel));
-  at::parallel_for(0, n_panels, grain, [&](int64_t begin, int64_t end) {
-    panels<T>(wide.data(), rows, w, bias, out, features_out, in, begin, end);
+void pack(const T* w, int64_t features, int64_t in, T* packed) {
+  const int64_t n_panels = (features + kPanel - 1) / kPanel;
+  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      T* dst = packed + p * in * kPanel;
+      const int64_t valid = std::min(kPanel, features - p * kPanel);
+      for (int64_t j = 0; j < valid; ++j) {
+        const T* row = w + (p * kPanel + j) * in;
+        for (int64_t k = 0; k < in; ++k) dst[k * kPanel + j] = row[k];
+      }
+    }
   });
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "panel_linear: x [rows, in] and weight [out, in]");
-  TORCH_CHECK(x.size(1) == weight.size(1), "panel_linear: x has ", x.size(1), " features, weight ", weight.size(1));
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "panel_linear: x and weight differ in dtype");
+at::Tensor panel_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= 1 && weight.size(1) >= 1, "panel_pack: weight [out, in]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "panel_pack: fp32 or bf16");
+  const at::Tensor w = weight.contiguous();
+  const int64_t features = w.size(0), in = w.size(1);
+  at::Tensor packed = at::zeros({(features + kPanel - 1) / kPanel, in, kPanel}, w.options());
+  if (w.scalar_type() == at::kFloat)
+    pack(w.data_ptr<float>(), features, in, packed.data_ptr<float>());
+  else
+    pack(w.data_ptr<at::BFloat16>(), features, in, packed.data_ptr<at::BFloat16>());
+  return packed;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel,
+              "panel_linear: x [rows, in] and a weight from panel_pack");
+  TORCH_CHECK(packed.is_contiguous(), "panel_linear: the packed weight must be contiguous");
+  TORCH_CHECK(x.size(1) == packed.size(1), "panel_linear: x has ", x.size(1), " features, weight ", packed.size(1));
+  TORCH_CHECK(features >= 1 && (features + kPanel - 1) / kPanel == packed.size(0),
+              "panel_linear: ", features, " output features do not fit ", packed.size(0), " panels");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "panel_linear: x and weight differ in dtype");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "panel_linear: fp32 or bf16");
-  TORCH_CHECK(weight.is_contiguous(), "panel_linear: weight must be contiguous");
-  TORCH_CHECK(x.size(1) >= 1 && weight.size(0) >= 1, "panel_linear: empty weight");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(),
-                "panel_linear: bias [out], contiguous");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == features, "panel_linear: bias [out]");
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "panel_linear: bias and x differ in dtype");
   }
-  const at::Tensor rows_in = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t rows = x.size(0), in = x.size(1), features_out = weight.size(0);
-  at::Tensor out = at::empty({rows, features_out}, x.options());
+  const int64_t rows = x.size(0), in = x.size(1);
+  at::Tensor out = at::empty({rows, features}, x.options());
   if (rows == 0) return out;
-  if (x.scalar_type() == at::kFloat) {
-    run<float>(rows_in.data_ptr<float>(), rows_in.stride(0), rows, weight.data_ptr<float>(),
-               has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), features_out, in);
-  } else {
-    run<at::BFloat16>(rows_in.data_ptr<at::BFloat16>(), rows_in.stride(0), rows, weight.data_ptr<at::BFloat16>(),
-                      has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>(),
-                      features_out, in);
-  }
+  // fp32 operands for the kernel: x read in place where its rows are contiguous fp32, else widened;
+  // the bias widened and padded to whole panels
+  const at::Tensor xf = x.scalar_type() == at::kFloat && x.stride(1) == 1 ? x : x.to(at::kFloat).contiguous();
+  at::Tensor bias_f = at::zeros({packed.size(0) * kPanel}, x.options().dtype(at::kFloat));
+  if (has_bias) bias_f.narrow(0, 0, features).copy_(*bias);
+  const Problem pr{xf.data_ptr<float>(), xf.stride(0), rows, in, features};
+  if (x.scalar_type() == at::kFloat)
+    run<float, float>(pr, packed.data_ptr<float>(), bias_f.data_ptr<float>(), out.data_ptr<float>());
+  else
+    run<at::BFloat16, at::BFloat16>(pr, packed.data_ptr<at::BFloat16>(), bias_f.data_ptr<float>(),
+                                    out.data_ptr<at::BFloat16>());
   return out;
+}
+
+bool panel_avx2() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(lorafleet, m) { m.def("panel_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(lorafleet, m) {
+  m.def("panel_pack(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias, int features) -> Tensor");
+  m.def("panel_avx2() -> bool", &panel_avx2);
+}
 
-TORCH_LIBRARY_IMPL(lorafleet, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(lorafleet, CPU, m) {
+  m.impl("panel_pack", &panel_pack);
+  m.impl("panel_linear", &panel_linear);
+}

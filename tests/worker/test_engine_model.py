@@ -12,6 +12,7 @@ from services.worker.engine.loader import load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
+from tests.helpers.native import needs_toolchain
 
 BLOCK = 4
 
@@ -99,7 +100,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 8, 250, 11, 7], [400, 2, 9], [33, 44, 55, 66, 77, 
         ),
     ],
 )
-@pytest.mark.parametrize("linear", ["torch", "onednn"])
+@pytest.mark.parametrize("linear", ["torch", "onednn", pytest.param("panel", marks=needs_toolchain)])
 def test_tiny_models_match_transformers(model: object, linear: CpuLinear) -> None:
     _check_against_hf(model(), PROMPTS, tokenizer=None, linear=linear)
 

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
-from services.worker.engine.linear import BF16_WIDENING_ROWS, LinearFactory, onednn_usable, small_rows
+from services.worker.engine.linear import (
+    BF16_WIDENING_ROWS,
+    PANEL_SMALL_ROWS,
+    LinearFactory,
+    onednn_usable,
+    small_rows,
+)
 from tests.helpers.native import exact_linear as _exact
 from tests.helpers.native import linear_case as _case
 from tests.helpers.native import needs_toolchain, record_rows
@@ -62,6 +68,9 @@ def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product_or_no_oned
     eight = small_linear_dot_bf16() or not onednn_usable(torch.bfloat16)
     assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS)
     assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
+    # against the panel kernel (AVX2), four rows in either dtype
+    assert small_rows(torch.float32, panel=True) == small_rows(torch.bfloat16, panel=True) == PANEL_SMALL_ROWS
+    assert small_rows(torch.float16, panel=True) == 0
 
 
 def test_it_refuses_what_it_cannot_compute() -> None:
@@ -81,10 +90,10 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_auto_sends_small_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch, dtype: torch.dtype) -> None:
+def test_auto_sends_small_rows_to_the_kernel_and_the_rest_past_it(monkeypatch, dtype: torch.dtype) -> None:
     x, weight, _ = _case(1, 64, 32, dtype, False)
     linear = LinearFactory("auto", "cpu", dtype)(weight)
-    rows_served = small_rows(dtype)
+    rows_served = small_rows(dtype, panel=linear.panel is not None)
     assert linear.small_rows == rows_served > 0
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
@@ -93,7 +102,7 @@ def test_auto_sends_small_rows_to_the_kernel_and_the_rest_to_onednn(monkeypatch,
         got = linear(x)
         assert got.shape == (rows, 64) and got.dtype == dtype
         torch.testing.assert_close(got.float(), _exact(x, weight, None), rtol=tolerance, atol=tolerance)
-    assert small == [1, rows_served]  # more rows: oneDNN's packed path
+    assert small == [1, rows_served]  # more rows: the panel kernel or oneDNN's packed path
 
 
 def test_torch_and_onednn_modes_never_take_the_kernel() -> None:

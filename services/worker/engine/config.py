@@ -37,9 +37,10 @@ class EngineConfig(BaseModel):
     cpu_linear: CpuLinear = Field(
         default="auto",
         description="CPU dense matmuls: auto (a small decode batch's rows through the native small-row "
-        "kernel, the rest through oneDNN-prepacked weights, fp32 and bf16, each where its probe passes, else "
-        "F.linear; holds the weights twice), torch (F.linear only), onednn (prepacked for every row count, "
-        "refusing to start where the probe fails)",
+        "kernel; the rest through the native panel kernel on CPUs without AVX-512 (and for bf16 where oneDNN "
+        "has no bf16 GEMM), else oneDNN-prepacked weights, fp32 and bf16, each where its probe passes, else "
+        "F.linear; holds the weights twice), torch (F.linear only), onednn / panel (that path for every row "
+        "count, refusing to start where it is not usable)",
     )
     cpu_attention: CpuAttention = Field(
         default="auto",

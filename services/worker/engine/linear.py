@@ -1,5 +1,5 @@
-"""The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight, in fp32
-and bf16.
+"""The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight or
+kernels.native's small-row and panel kernels, in fp32 and bf16.
 
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
@@ -24,14 +24,18 @@ CPU has it, an engine decode step 1.37x faster than the packed path at four rows
 eight). It is probed at load like the other native kernels; where it
 is not usable the rows take the packed path.
 
-bf16 where oneDNN has no bf16 GEMM (CPUs without AVX-512, such as the AMD EPYC above): ``F.linear``
-in bf16 there is torch's reference GEMM, about 16 GFLOP/s against 100 and more for fp32 (a 576 ->
-1536 projection at 32 rows 3.6 against 0.6 ms). ``auto`` sends those rows to kernels.native's
-``panel_linear`` instead, which widens the bf16 weight to fp32 sixteen features at a time under an
-fp32 FMA kernel and rounds once (the same values as a bf16 GEMM with an fp32 accumulator, up to the
-order of the sum): 5.7x the reference GEMM at 32 rows, within 15-25% of oneDNN's fp32 GEMM, with the
-weights kept bf16 in memory. Without the native build, the engine logs at load that bf16 runs on the
-reference GEMM here.
+On CPUs without AVX-512 (such as the AMD EPYC above) ``auto`` takes kernels.native's panel kernel
+instead of oneDNN for the rows past the small-row kernel: the weight packed once into 24-feature
+panels (in its own dtype: it replaces oneDNN's packed copy), a 4 x 24 register tile of FMAs, the next
+panel prefetched, runs of panels claimed by whichever thread is free. Over 30 layers of SmolLM2's
+projections, fp32, 2 threads, weights streamed from memory: 1.8x oneDNN at 9-16 rows, 1.45x at 32,
+1.15x at 64, even from 128 to 1400 (a prefill). In bf16 it is the GEMM oneDNN lacks there (``F.linear``
+in bf16 is torch's reference loop, about 16 GFLOP/s against 100 and more for fp32): bf16 panels
+widened in the register, the fp32 sum rounded once (the same values as a bf16 GEMM with an fp32
+accumulator, up to the order of the sum), at 32 rows 1.6x oneDNN's fp32 GEMM as it reads half the
+bytes. On AVX-512 CPUs oneDNN's sixteen-lane GEMM stays (the panel kernel is eight-lane), except for
+bf16 where oneDNN has no bf16 path. Without the native build, the engine logs at load that bf16 runs on
+the reference GEMM there.
 """
 
 from dataclasses import dataclass
@@ -43,27 +47,29 @@ import torch.nn.functional as F
 
 from kernels import native
 
-CpuLinear = Literal["auto", "torch", "onednn"]
+CpuLinear = Literal["auto", "torch", "onednn", "panel"]
 log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
+PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where the panel kernel takes the rest
 
 
-def small_rows(dtype: torch.dtype) -> int:
-    """Rows up to which ``auto`` takes kernels.native's small-row kernel rather than oneDNN's packed
-    path (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
-    from memory, 2 threads): fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row,
-    1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps (widening the bf16 weights costs
-    more than the pass saves there). Where oneDNN has no bf16 GEMM (AVX2), bf16 takes eight rows, as
-    the alternative is kernels.native's panel kernel: 30 layers of SmolLM2's projections, 2 threads,
-    AVX2, the small-row kernel 2.8x the panel's speed at one row, 1.4x at eight (fp32 there: 1.3-2.3x
-    oneDNN's packed path at 1-8 rows). Call only where ``native_small_linear()`` is True."""
-    if dtype == torch.float32:
-        return native.SMALL_LINEAR_ROWS
-    if dtype == torch.bfloat16:
-        if native.small_linear_dot_bf16() or not onednn_usable(dtype):
-            return native.SMALL_LINEAR_ROWS
-        return BF16_WIDENING_ROWS
-    return 0
+def small_rows(dtype: torch.dtype, panel: bool = False) -> int:
+    """Rows up to which ``auto`` takes kernels.native's small-row kernel rather than the path for more
+    rows (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
+    from memory, 2 threads). Against oneDNN's packed path: fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x
+    at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps
+    (widening the bf16 weights costs more than the pass saves there; where oneDNN has no bf16 GEMM, all
+    eight). Against the panel kernel
+    (``panel``, AVX2): even at 1-7 rows (both stream the weight at the read bandwidth), 1.0-1.15x at
+    2-4 in fp32, the panel 1.06-1.2x faster at 8, so the small-row kernel keeps 4. Call only where
+    ``native_small_linear()`` is True."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return 0
+    if panel:
+        return PANEL_SMALL_ROWS
+    if dtype == torch.float32 or native.small_linear_dot_bf16() or not onednn_usable(dtype):
+        return native.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
+    return BF16_WIDENING_ROWS
 
 
 def padded_rows(rows: int) -> int:
@@ -131,42 +137,46 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 @dataclass(slots=True)
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.native's small-row
-    kernel, the rest through ``packed`` when there is one, else ``F.linear``."""
+    kernel, the rest through ``panel`` (kernels.native's panel kernel) or ``packed`` (oneDNN) when
+    there is one, else ``F.linear``."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's blocked layout of weight
     small_rows: int = 0  # 0: no small-row kernel
-    panel: bool = False  # rows past small_rows through kernels.native's panel_linear (bf16 without oneDNN)
+    panel: torch.Tensor | None = None  # native.panel_pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows and x.shape[0] > 0:
             return native.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
+        if self.panel is not None:
+            return native.panel_linear(x, self.panel, self.bias, self.weight.shape[0])
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
-        if self.panel:
-            return native.panel_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class LinearFactory:
-    """Builds every projection of one model under one policy (probed once)."""
+    """Builds every projection of one model under one policy (probed once): ``auto`` (the small-row
+    kernel for a small batch, the panel kernel past it where it is preferred here or is the only bf16
+    GEMM, else oneDNN's packed path where usable, else ``F.linear``), ``torch`` (``F.linear`` only),
+    ``onednn`` / ``panel`` (that path for every row count, refusing to start where it is not usable)."""
 
     def __init__(self, mode: CpuLinear, device: str, dtype: torch.dtype):
         cpu = torch.device(device).type == "cpu"
-        wanted = mode != "torch" and cpu
-        self.pack = wanted and onednn_usable(dtype)
-        if wanted and not self.pack and mode == "onednn":
+        kernel = cpu and mode in ("auto", "panel") and dtype in native.DTYPES and native.native_panel_linear()
+        if mode == "panel" and not kernel:
+            raise ValueError(f"cpu_linear='panel' is not usable here for {dtype} (see the engine log)")
+        reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
+        self.panel = kernel and (mode == "panel" or native.panel_linear_preferred() or reference_bf16)
+        self.pack = not self.panel and cpu and mode in ("auto", "onednn") and onednn_usable(dtype)
+        if mode == "onednn" and not self.pack:
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
-        auto = mode == "auto" and wanted
-        self.small_rows = small_rows(dtype) if auto and native.native_small_linear() else 0
-        reference_bf16 = cpu and dtype == torch.bfloat16 and not self.pack
-        self.panel = auto and reference_bf16 and native.native_panel_linear()
+        auto = mode == "auto" and cpu
+        self.small_rows = small_rows(dtype, self.panel) if auto and native.native_small_linear() else 0
         if self.panel:
-            log.info(
-                "bf16_linear_widened", detail="no oneDNN bf16 GEMM on this CPU: bf16 weights widened to fp32 panels"
-            )
-        elif reference_bf16:
+            log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode)
+        elif reference_bf16 and mode != "torch":
             log.warning(
                 "bf16_linear_reference_gemm",
                 detail="no oneDNN bf16 GEMM on this CPU and no native panel kernel: bf16 projections past "
@@ -176,5 +186,6 @@ class LinearFactory:
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
+        panel = native.panel_pack(weight) if self.panel else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
-        return Linear(weight, bias, packed, self.small_rows, self.panel)
+        return Linear(weight, bias, packed, self.small_rows, panel)
