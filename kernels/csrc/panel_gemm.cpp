@@ -59,12 +59,14 @@ inline void store8(at::BFloat16* p, __m256 v) {
 #endif
 
 // sums[r][0 .. 24) (+)= x[r] . panel over `depth` k, for R rows of x (fp32, row stride ldx); panel
-// [depth][24] of W. `prefetch` .. + `lines` cache lines are fetched into L1 along the way.
-template <typename W, int R, bool kFirst>
-void tile(const float* x, int64_t ldx, const W* panel, int64_t depth, float* sums, const char* prefetch,
+// [depth][24] of T (the weight's dtype). `prefetch` .. + `lines` cache lines are fetched into L1 along the way.
+template <typename T, int R, bool kFirst>
+void tile(const float* x, int64_t ldx, const T* panel, int64_t depth, float* sums, const char* prefetch,
           int64_t lines) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[R][3];
+  // Unrolled early on purpose: without the pragmas GCC kept the twelve accumulators in memory and
+  // stored them every k (half speed).
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
@@ -105,14 +107,14 @@ void tile(const float* x, int64_t ldx, const W* panel, int64_t depth, float* sum
 #endif
 }
 
-template <typename W, bool kFirst>
-void row_tile(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t depth, float* sums,
+template <typename T, bool kFirst>
+void row_tile(int64_t rows, const float* x, int64_t ldx, const T* panel, int64_t depth, float* sums,
               const char* prefetch, int64_t lines) {
   switch (rows) {
-    case 1: return tile<W, 1, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
-    case 2: return tile<W, 2, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
-    case 3: return tile<W, 3, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
-    default: return tile<W, 4, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    case 1: return tile<T, 1, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    case 2: return tile<T, 2, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    case 3: return tile<T, 3, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
+    default: return tile<T, 4, kFirst>(x, ldx, panel, depth, sums, prefetch, lines);
   }
 }
 
@@ -144,8 +146,8 @@ int64_t row_block(int64_t in) {
 
 // Rows [m0, m0 + rows) of x against one panel: k blocks of the panel, each over every row tile, with
 // `lines` lines from `prefetch` on fetched along the way; then bias, rounding and the store.
-template <typename T, typename W>
-void panel_rows(const Problem& pr, int64_t m0, int64_t rows, const W* panel, const float* bias, int64_t valid, T* out,
+template <typename T>
+void panel_rows(const Problem& pr, int64_t m0, int64_t rows, const T* panel, const float* bias, int64_t valid, T* out,
                 float* sums, const char* prefetch, int64_t lines) {
   const int64_t tiles = (rows + kRowTile - 1) / kRowTile;
   const int64_t blocks = (pr.in + kDepth - 1) / kDepth;
@@ -157,9 +159,9 @@ void panel_rows(const Problem& pr, int64_t m0, int64_t rows, const W* panel, con
       const float* x = pr.x + (m0 + t) * pr.ldx + k0;
       const int64_t r = std::min(kRowTile, rows - t);
       if (k0 == 0)
-        row_tile<W, true>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
+        row_tile<T, true>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
       else
-        row_tile<W, false>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
+        row_tile<T, false>(r, x, pr.ldx, panel + k0 * kPanel, depth, sums + t * kPanel, prefetch, n);
       prefetch += 64 * n;
       lines -= n;
     }
@@ -169,27 +171,27 @@ void panel_rows(const Problem& pr, int64_t m0, int64_t rows, const W* panel, con
 
 // Panels [first, last) against every row: for each block of rows, each panel of the run in turn,
 // the panel after it (or `after`, the first panel of the worker's next run, or -1) prefetched.
-template <typename T, typename W>
-void panel_run(const Problem& pr, const W* packed, const float* bias, T* out, int64_t first, int64_t last, int64_t after,
+template <typename T>
+void panel_run(const Problem& pr, const T* packed, const float* bias, T* out, int64_t first, int64_t last, int64_t after,
                float* sums) {
   const int64_t block = row_block(pr.in), panel_elems = pr.in * kPanel;
-  const int64_t lines = (panel_elems * int64_t(sizeof(W)) + 63) / 64;
+  const int64_t lines = (panel_elems * int64_t(sizeof(T)) + 63) / 64;
   for (int64_t m0 = 0; m0 < pr.rows; m0 += block) {
     const int64_t rows = std::min(block, pr.rows - m0);
     const bool last_block = m0 + block >= pr.rows;
     for (int64_t p = first; p < last; ++p) {
       const int64_t next = p + 1 < last ? p + 1 : last_block ? after : first;
-      const W* panel = packed + p * panel_elems;
+      const T* panel = packed + p * panel_elems;
       const char* prefetch = reinterpret_cast<const char*>(next >= 0 ? packed + next * panel_elems : panel);
       const int64_t n0 = p * kPanel;
-      panel_rows<T, W>(pr, m0, rows, panel, bias + n0, std::min(kPanel, pr.features - n0), out + n0, sums, prefetch,
+      panel_rows<T>(pr, m0, rows, panel, bias + n0, std::min(kPanel, pr.features - n0), out + n0, sums, prefetch,
                        next >= 0 ? lines : 0);
     }
   }
 }
 
-template <typename T, typename W>
-void run(const Problem& pr, const W* packed, const float* bias, T* out) {
+template <typename T>
+void run(const Problem& pr, const T* packed, const float* bias, T* out) {
   const int64_t n_panels = (pr.features + kPanel - 1) / kPanel;
   const int64_t threads = at::get_num_threads();
   // Runs of up to eight panels (a block of x's rows is read from L2 once per run), at least four runs
@@ -205,7 +207,7 @@ void run(const Problem& pr, const W* packed, const float* bias, T* out) {
       while (current < runs) {
         const int64_t upcoming = counter.fetch_add(1);  // claimed now, so its first panel can be prefetched
         const int64_t first = current * run_length;
-        panel_run<T, W>(pr, packed, bias, out, first, std::min(n_panels, first + run_length),
+        panel_run<T>(pr, packed, bias, out, first, std::min(n_panels, first + run_length),
                         upcoming < runs ? upcoming * run_length : -1, sums.data());
         current = upcoming;
       }
@@ -267,9 +269,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   if (has_bias) bias_f.narrow(0, 0, features).copy_(*bias);
   const Problem pr{xf.data_ptr<float>(), xf.stride(0), rows, in, features};
   if (x.scalar_type() == at::kFloat)
-    run<float, float>(pr, packed.data_ptr<float>(), bias_f.data_ptr<float>(), out.data_ptr<float>());
+    run<float>(pr, packed.data_ptr<float>(), bias_f.data_ptr<float>(), out.data_ptr<float>());
   else
-    run<at::BFloat16, at::BFloat16>(pr, packed.data_ptr<at::BFloat16>(), bias_f.data_ptr<float>(),
+    run<at::BFloat16>(pr, packed.data_ptr<at::BFloat16>(), bias_f.data_ptr<float>(),
                                     out.data_ptr<at::BFloat16>());
   return out;
 }
