@@ -12,11 +12,13 @@ its columns of the fused output: the token's A and B read in place (one streamed
 accumulation, tokens over torch's intra-op threads. The eager forms it replaces pay several op launches per projection
 (the segment loop: two matmuls per adapter; the bags: two embedding bags, a scale and a scatter).
 
-``rms_norm``, ``add_rms_norm`` (the residual add fused with the next norm) and ``rope_write_kv`` (rotary
-embedding of q and k in place, fused with the K/V cache write) are the steps between a layer's
-matmuls, one call each where the eager chains take about ten ops (RMSNorm) or five (RoPE and the
-cache write): at batch 1 those launches, not the arithmetic, were most of a decode step's time outside
-the matmuls. Their results are rounded where the eager ops round them (see the source).
+``rms_norm``, ``add_rms_norm`` (the residual add fused with the next norm), ``rope_write_kv`` (rotary
+embedding of q and k in place, fused with the K/V cache write) and ``act_mul`` (the gated MLP's
+activation times up) are the steps between a layer's matmuls, one call each where the eager chains
+take about ten ops (RMSNorm) or five (RoPE and the cache write): at batch 1 those launches, not the
+arithmetic, were most of a decode step's time outside the matmuls. Their results are rounded where
+the eager ops round them (see the sources). ``argmax_rows`` is the greedy sampler's argmax, vectorised
+and over the threads where torch's reduces a row on one thread.
 
 ``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
 of them) and ``panel_linear`` (any row count, through a weight packed once by ``panel_pack`` into
@@ -48,7 +50,14 @@ log = structlog.get_logger("kernels")
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.cpp", "lora_bgmv.cpp", "layer_ops.cpp", "small_gemm.cpp", "panel_gemm.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "lora_bgmv.cpp",
+        "layer_ops.cpp",
+        "act_argmax.cpp",
+        "small_gemm.cpp",
+        "panel_gemm.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h",))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
@@ -148,8 +157,9 @@ def paged_decode(
 
 @functools.cache
 def native_layer_ops() -> bool:
-    """Whether ``rms_norm``, ``add_rms_norm`` and ``rope_write_kv`` are built, loaded and agree with
-    the eager ops here (fp32 and bf16, Gemma's fp32 norm, a residual multiplier)."""
+    """Whether ``rms_norm``, ``add_rms_norm``, ``rope_write_kv``, ``act_mul`` and ``argmax`` are built,
+    loaded and agree with the eager ops here (fp32 and bf16, Gemma's fp32 norm, a residual multiplier,
+    both activations; argmax exactly, ties and NaN included)."""
     return built() and _probe_layer_ops()
 
 
@@ -179,8 +189,25 @@ def rope_write_kv(
     torch.ops.lorafleet.rope_write_kv(qk, v, cos_sin, slots, cache)
 
 
+def act_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """``act(gate) * up`` of gate_up [rows, 2 * inter] (gate columns, then up; contiguous rows) -> a new
+    [rows, inter] of its dtype; act SiLU, or GELU with the tanh approximation, in fp32 and rounded where
+    the eager ``act(gate).mul_(up)`` rounds (within 2 ulp of it: the exp differs)."""
+    out: torch.Tensor = torch.ops.lorafleet.act_mul(gate_up, gelu_tanh)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a CPU fp32 x [rows, n] with contiguous rows (the first among equal maxima, a
+    NaN counting as the largest); other tensors go to torch."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not x.shape[1]:
+        return x.argmax(-1)
+    out: torch.Tensor = torch.ops.lorafleet.argmax_rows(x)
+    return out
+
+
 def _probe_layer_ops() -> bool:
-    """The three ops against the eager chains they replace, each dtype (the norms within an fp32 sum's
+    """The layer ops and the argmax against the eager chains they replace, each dtype (the norms within an fp32 sum's
     reordering); False (logged) on a disagreement."""
     import torch.nn.functional as F
 
@@ -201,6 +228,10 @@ def _probe_layer_ops() -> bool:
             "rms_norm": close(rms_norm(x, weight, 1e-6), F.rms_norm(x, (d,), weight, 1e-6)),
             "rms_norm fp32 weight": close(rms_norm(x, wide, 1e-6), F.rms_norm(x.float(), (d,), wide, 1e-6).to(dtype)),
         }
+        gate_up = (4 * torch.randn(n, 2 * d + 6, generator=generator)).to(dtype)  # a tail past the vector width
+        gate, up = gate_up[:, : d + 3], gate_up[:, d + 3 :]
+        checks["act_mul silu"] = close(act_mul(gate_up, False), F.silu(gate) * up)
+        checks["act_mul gelu_tanh"] = close(act_mul(gate_up, True), F.gelu(gate, approximate="tanh") * up)
         h = x.clone()
         want_h = x + delta * 0.5
         checks["add_rms_norm"] = close(
@@ -222,6 +253,11 @@ def _probe_layer_ops() -> bool:
         checks["kv write"] = torch.equal(cache[0][:, slots], qk[:, heads:].transpose(0, 1)) and torch.equal(
             cache[1][:, slots], want_v.transpose(0, 1)
         )
+        logits = torch.randn(4, 1003, generator=generator)
+        logits[1, [5, 700]] = 9.0  # a tie: the first wins
+        logits[2] = float("-inf")
+        logits[3, [17, 900]] = float("nan")  # a NaN counts as the largest
+        checks["argmax"] = torch.equal(argmax(logits), logits.argmax(-1))
         if not all(checks.values()):
             log.warning("native_layer_ops_probe_failed", dtype=str(dtype), checks=checks)
             return False

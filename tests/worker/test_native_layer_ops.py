@@ -1,9 +1,10 @@
 """kernels/native.py's fused layer ops (RMSNorm, the residual add with the next RMSNorm, RoPE with the
-K/V cache write) against the eager ops they replace: values rounded where the eager ops round them
-(RoPE and the residual stream bit for bit; the norms up to the order of an fp32 sum), q/k views of a
-fused qkv output, scattered cache slots, fp32 and bf16, Gemma's fp32 norm weight, Granite's residual
-multiplier; their input checks; the engine's choice (``cpu_layer_ops``); and an engine's greedy tokens,
-native against eager."""
+K/V cache write, the gated MLP's activation) and its argmax against the eager ops they replace: values
+rounded where the eager ops round them (RoPE and the residual stream bit for bit; the norms up to the
+order of an fp32 sum; the activation within a few ulp of an fp64 reference; argmax exactly), q/k
+views of a fused qkv output, scattered cache slots, fp32 and bf16, Gemma's fp32 norm weight and GELU,
+Granite's residual multiplier; their input checks; the engine's choice (``cpu_layer_ops``); and an
+engine's greedy tokens, native against eager."""
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from services.worker.engine.model import use_native_layer_ops
 from services.worker.engine.rope import apply_rope, cos_sin_table, rope_factors
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams
-from tests.helpers.families import NullTokenizer, tiny_llama
+from tests.helpers.families import FAMILIES, NullTokenizer, tiny_llama
 from tests.helpers.native import needs_toolchain
 
 pytestmark = needs_toolchain
@@ -81,6 +82,74 @@ def test_rope_write_kv_rotates_in_place_and_writes_the_cache(head_dim: int, dtyp
     assert torch.equal(cache, want_cache)
 
 
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in fp32 units in the last place (both fp32; signs ordered across zero)."""
+    a, b = got.view(torch.int32).long(), want.view(torch.int32).long()
+    a = torch.where(a < 0, -(a & 0x7FFFFFFF), a)
+    b = torch.where(b < 0, -(b & 0x7FFFFFFF), b)
+    return (a - b).abs()
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_act_mul_is_within_a_few_ulp_of_the_exact_activation(gelu: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.linspace(-30, 30, 40_001), torch.randn(20_003, generator=g) * 4])  # a tail past 8
+    up = torch.randn(gate.numel(), generator=g)
+    rows = 7
+    gate, up = gate[: gate.numel() // rows * rows].view(rows, -1), up[: gate.numel() // rows * rows].view(rows, -1)
+    got = native.act_mul(torch.cat([gate, up], 1), gelu)
+    assert got.shape == gate.shape and got.is_contiguous()
+    x = gate.double()
+    # GELU-tanh's 0.5 x (1 + tanh y) is x * sigmoid(2y): in fp64 the form without cancellation
+    exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3)) if gelu else x * torch.sigmoid(x)
+    act = got / up  # the activation back out of the product, within an ulp of the rounded product
+    ok = exact.abs() > 1e-30
+    # SiLU: exp within 2 ulp, the division and the product one rounding each. GELU: y itself carries
+    # fp32's rounding into an exp of up to ~90, as torch's does (its tanh form is far worse there)
+    assert int(_ulps(act[ok], exact.float()[ok]).max()) <= (6 if not gelu else 200)
+    eager = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_act_mul_rounds_bf16_as_the_eager_ops_and_keeps_specials(gelu: bool) -> None:
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 2 * 1541, generator=g) * 4).to(torch.bfloat16)
+    eager_act = (lambda t: F.gelu(t, approximate="tanh")) if gelu else F.silu
+    want = eager_act(gate_up[:, :1541]) * gate_up[:, 1541:]
+    got = native.act_mul(gate_up, gelu)
+    assert got.dtype == torch.bfloat16
+    # one bf16 step where the fp32 activation falls near a rounding boundary, exact elsewhere; GELU
+    # also differs absolutely on its tiny negative tail, where torch's 1 + tanh y cancels to ~0
+    assert float((got == want).float().mean()) > 0.8
+    torch.testing.assert_close(got, want, atol=1e-5 if gelu else 0.0, rtol=2**-7)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 95.0, -95.0, -110.0, 1e-30])
+    rows = torch.stack([specials, torch.ones_like(specials)]).reshape(1, -1)  # [gate | up] of one row
+    got, want = native.act_mul(rows, gelu)[0], eager_act(specials)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])  # inf stays inf, overflow gives -0 as eager
+
+
+def test_argmax_is_torchs_on_ties_nan_and_minus_inf_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        rows, n = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+        x = torch.randint(-4, 4, (rows, n), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(rows, n, generator=g) < 0.01] = float("nan")
+        if trial % 4 == 0:
+            x[0] = float("-inf")
+        if trial % 5 == 0:
+            x[-1, : n // 2] = -0.0  # -0 and +0 are equal maxima: the first wins
+            x[-1, n // 2 :] = 0.0
+        assert torch.equal(native.argmax(x), x.argmax(-1)), trial
+    wide = torch.randn(90, 49_152, generator=g)[::3]  # strided rows of a vocabulary's width
+    assert torch.equal(native.argmax(wide), wide.argmax(-1))
+    # what it does not serve goes to torch
+    for other in (wide.double(), wide.t(), wide[0]):
+        assert torch.equal(native.argmax(other), other.argmax(-1))
+
+
 def test_they_refuse_inputs_they_cannot_serve() -> None:
     x, w = torch.randn(3, 8), torch.randn(8)
     for args in (
@@ -111,6 +180,12 @@ def test_they_refuse_inputs_they_cannot_serve() -> None:
     ):
         with pytest.raises(RuntimeError):
             native.rope_write_kv(*bad)
+    for bad_gate_up in (torch.randn(3, 7), torch.randn(3, 8).double(), torch.randn(8, 3).t(), torch.randn(8)):
+        with pytest.raises(RuntimeError):
+            native.act_mul(bad_gate_up, False)
+    for bad_logits in (torch.randn(3, 0), torch.randn(3, 5).to(torch.bfloat16)):
+        with pytest.raises(RuntimeError):
+            torch.ops.lorafleet.argmax_rows(bad_logits)
 
 
 def test_the_engine_takes_them_where_they_apply_and_refuses_them_where_not() -> None:
@@ -124,8 +199,9 @@ def test_the_engine_takes_them_where_they_apply_and_refuses_them_where_not() -> 
             use_native_layer_ops("native", device, dtype)
 
 
-def test_an_engine_decodes_the_same_tokens_with_fused_and_eager_layer_ops() -> None:
-    model = tiny_llama()
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_an_engine_decodes_the_same_tokens_with_fused_and_eager_layer_ops(gelu: bool) -> None:
+    model = FAMILIES["gemma2-window-8-softcaps"]() if gelu else tiny_llama()  # Gemma 2: GELU-tanh
     tokens = {}
     for mode in ("torch", "native"):
         config = EngineConfig(
@@ -133,6 +209,8 @@ def test_an_engine_decodes_the_same_tokens_with_fused_and_eager_layer_ops() -> N
         )
         engine = LLMEngine(load_weights(model, torch.float32, "cpu", 128), NullTokenizer(), config, set())  # type: ignore[arg-type]
         assert engine.model.native == (mode == "native")
+        assert engine.model._gelu == gelu
+        assert (engine._argmax is not None) == (mode == "native")
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         prompts = [[5, 9, 2], list(range(1, 30)), [7] * 11]
         for i, prompt in enumerate(prompts):

@@ -1,10 +1,12 @@
 """The synchronous engine: each step schedules, runs one forward pass and postprocesses."""
 
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kernels.native import argmax as native_argmax
 from services.worker.engine.attention import use_native_decode
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
@@ -65,6 +67,7 @@ class LLMEngine:
         linear = LinearFactory(config.cpu_linear, config.device, config.torch_dtype)
         layer_ops = use_native_layer_ops(config.cpu_layer_ops, config.device, config.torch_dtype)
         self.model = LlamaForward(weights, linear, native_attention=native, native_layer_ops=layer_ops)
+        self._argmax: Callable[[torch.Tensor], torch.Tensor] | None = native_argmax if layer_ops else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:
             sizes = graph_batch_sizes(config.max_num_seqs)
@@ -154,7 +157,7 @@ class LLMEngine:
         self.blocks.commit()
         constrained = any(seq.matcher is not None for seq in seqs)
         with torch.inference_mode():  # the logits are an inference tensor, changed in place
-            sampled = sample(logits, seqs, self.grammars.mask if constrained else None)
+            sampled = sample(logits, seqs, self.grammars.mask if constrained else None, self._argmax)
         outputs = self._postprocess(seqs, sampled, prompts)
         step_ms = (time.perf_counter() - started) * 1000
         metrics.STEP_TIME.labels(rank_mix(lora)).observe(step_ms)

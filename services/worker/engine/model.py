@@ -46,8 +46,9 @@ class LlamaForward:
 
     With ``native_layer_ops`` (CPU: :func:`use_native_layer_ops`) the steps between the matmuls are
     kernels.native's fused ops: each residual add with the norm after it (the residual stream updated
-    in place), RoPE with the K/V cache write (q and k rotated in place in the qkv output). Their
-    values are the eager ops', rounded where those round, up to the order of the norms' fp32 sums.
+    in place), RoPE with the K/V cache write (q and k rotated in place in the qkv output), the MLP's
+    activation with its product by up. Their values are the eager ops', rounded where those round, up
+    to the order of the norms' fp32 sums and the activation's exp (2 ulp).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class LlamaForward:
             self._norm_native if native_layer_ops else self._norm_fp32 if s.norm_fp32 else self._norm_plain
         )
         self.act: Callable[[torch.Tensor], torch.Tensor] = _gelu_tanh if s.gelu_tanh else F.silu
+        self._gelu = s.gelu_tanh
         self.attention = [
             AttentionParams(s.attention_scale, layer.window, s.attn_softcap, native_attention)
             for layer in weights.layers
@@ -177,7 +179,10 @@ class LlamaForward:
             inter = gate_up.shape[1] // 2
             if lora is not None and "gate_up" in groups:
                 lora.apply(i, "gate_up", x, gate_up)
-            act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            if self.native:
+                act = native.act_mul(gate_up, self._gelu)
+            else:
+                act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             d = proj["down"](act)
             if lora is not None and "down" in groups:
                 lora.apply(i, "down", act, d)

@@ -91,15 +91,25 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return chosen
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
 def _greedy(seq: Sequence) -> bool:
     return seq.request.sampling.temperature == 0.0 or seq.request.sampling.top_k == 1
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], mask: MaskFn | None = None) -> Sampled:
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    mask: MaskFn | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Sampled:
     """logits: [num_seqs, vocab] fp32, one row per sequence (modified in place).
 
     Logprobs are of the model's distribution (before bias, penalties and temperature), as OpenAI
-    and vLLM report them. ``mask`` sets the tokens a row's grammar forbids to -inf. Every decision
+    and vLLM report them. ``mask`` sets the tokens a row's grammar forbids to -inf; ``argmax`` replaces
+    ``logits.argmax(-1)`` (the engine's native one on CPU: the same indices). Every decision
     is taken from the requests' parameters on the host; the results (tokens, their logprobs and the
     top alternatives) reach the host in one device -> host transfer, a few numbers per row.
     """
@@ -109,7 +119,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: MaskFn | None = Non
         mask(logits, seqs)
     apply_logit_bias(logits, seqs)
     apply_penalties(logits, seqs)
-    chosen = logits.argmax(-1)
+    chosen = (argmax or _torch_argmax)(logits)
     sampled = [row for row, seq in enumerate(seqs) if not _greedy(seq)]
     if sampled:
         picked = [seqs[row] for row in sampled]
