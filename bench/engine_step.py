@@ -3,11 +3,12 @@
 ``python -m bench.engine_step [--quick] [--batches 1 32] [--rounds N] [--threads N]``: for each batch
 size, bench.engine's chat prompts are prefilled, then each decode step is timed whole and by part.
 The engine's stage functions (projections, RMSNorm, RoPE, the attention's KV write, block gather and
-matmuls, batch building, sampling, detokenisation, scheduling) are wrapped in perf_counter timers for
-the run, each part counting its own time only (a part called inside another is taken out of it), so
-the parts add up to the step: the two "rest" rows are what no wrapped stage covers (the embedding,
-residual adds, activation, views and the Python between them). A figure is ms per decode step in the
-median round, min and max beside it. The timers cost about 1 us a call, some 0.3 ms of a batch-1 step.
+matmuls, the MLP activation, batch building, sampling, detokenisation, scheduling) are wrapped in
+perf_counter timers for the run, each part counting its own time only (a part called inside another is
+taken out of it), so the parts add up to the step: the two "rest" rows are what no wrapped stage
+covers (the embedding, residual adds, the eager activation, views and the Python between them). A
+figure is ms per decode step in the median round, min and max beside it. The timers cost about 1 us a
+call, some 0.3 ms of a batch-1 step.
 """
 
 import argparse
@@ -104,6 +105,7 @@ def install(clock: StageClock, vocab_size: int) -> None:
     clock.wrap(native, "rms_norm", "RMSNorm")
     clock.wrap(native, "add_rms_norm", "residual add + RMSNorm (native)")
     clock.wrap(native, "rope_write_kv", "RoPE + KV write (native)")
+    clock.wrap(native, "act_mul", "MLP activation (native)")
     clock.wrap(model_module, "paged_attention", "attention: rest (views, masks, output copy)")
     clock.wrap(attention, "gather_blocks", "attention: gather K/V blocks")
     clock.wrap(attention, "_decode_attention", "attention: decode matmuls, softmax")
