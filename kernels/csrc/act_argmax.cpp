@@ -90,19 +90,6 @@ inline __m256 gelu_tanh8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(lanes[i]);
-}
-inline __m256 round8(__m256 v, float*) { return v; }
-inline __m256 round8(__m256 v, at::BFloat16*) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (int i = 0; i < 8; ++i) lanes[i] = widen(at::BFloat16(lanes[i]));
-  return _mm256_load_ps(lanes);
-}
 #endif
 
 // One row's [begin, end) of out = T(T(act(gate)) * up).
@@ -112,7 +99,7 @@ void act_row(const T* gate, const T* up, T* out, int64_t begin, int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__)
   for (; e + 8 <= end; e += 8) {
     const __m256 a = Gelu ? gelu_tanh8(load8(gate + e)) : silu8(load8(gate + e));
-    store8(out + e, _mm256_mul_ps(round8(a, static_cast<T*>(nullptr)), load8(up + e)));
+    store8(out + e, _mm256_mul_ps(round8(a, static_cast<const T*>(nullptr)), load8(up + e)));
   }
 #endif
   for (; e < end; ++e) {

@@ -140,6 +140,23 @@ __attribute__((noinline, optimize("fp-contract=off"))) void rotate(T* x, const T
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// rotate's arithmetic on eight lanes at a time, where half the head is whole vectors: the same
+// product, rounding and fused multiply-add per element, so the same values.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate8(T* x, const T* cos, const T* sin, int64_t d) {
+  const int64_t half = d / 2;
+  const T* tag = nullptr;
+  for (int64_t e = 0; e < half; e += 8) {
+    const __m256 a = load8(x + e), b = load8(x + e + half);
+    const __m256 na = _mm256_fmadd_ps(b, load8(sin + e), round8(_mm256_mul_ps(a, load8(cos + e)), tag));
+    const __m256 nb = _mm256_fmadd_ps(a, load8(sin + e + half), round8(_mm256_mul_ps(b, load8(cos + e + half)), tag));
+    store8(x + e, na);
+    store8(x + e + half, nb);
+  }
+}
+#endif
+
 template <typename T>
 void rope_kv(torch::Tensor& qk, const torch::Tensor& v, const torch::Tensor& cos_sin, const torch::Tensor& slots,
              torch::Tensor& cache) {
@@ -160,7 +177,15 @@ void rope_kv(torch::Tensor& qk, const torch::Tensor& v, const torch::Tensor& cos
       const int64_t slot = sp[t];
       for (int64_t h = 0; h < heads; ++h) {
         T* x = qp + t * qk_row + h * qk_head;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (d % 16 == 0) {
+          rotate8<T>(x, cos, sin, d);
+        } else {
+          rotate<T>(x, cos, sin, d, buf);
+        }
+#else
         rotate<T>(x, cos, sin, d, buf);
+#endif
         if (h >= q_heads) {
           const int64_t kv = h - q_heads;
           std::memcpy(kc + (kv * num_slots + slot) * d, x, d * sizeof(T));

@@ -41,22 +41,6 @@ constexpr int64_t kDepth = 256;      // k per block: a panel's block (24 KB fp32
 constexpr int64_t kRowBlock = 128;   // rows per block at most (partial sums 12 KB)
 constexpr int64_t kXBlockBytes = 256 * 1024;  // x's rows per block: about this much fp32 (L2)
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Eight fp32 lanes stored, or rounded to bf16 (to nearest even, NaN kept a quiet NaN, as
-// at::BFloat16(float) rounds) and stored.
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  rounded = _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
-  const __m256i high = _mm256_srli_epi32(rounded, 16);  // eight 16-bit values in 32-bit lanes
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#endif
 
 // sums[r][0 .. 24) (+)= x[r] . panel over `depth` k, for R rows of x (fp32, row stride ldx); panel
 // [depth][24] of T (the weight's dtype). `prefetch` .. + `lines` cache lines are fetched into L1 along the way.
@@ -118,7 +102,7 @@ void row_tile(int64_t rows, const float* x, int64_t ldx, const T* panel, int64_t
   }
 }
 
-// out[m][0 .. valid) = T(sums[m] + bias) for `rows` rows.
+// out[m][0 .. valid) = T(sums[m] + bias) for `rows` rows (bias null: none).
 template <typename T>
 void finish(const float* sums, int64_t rows, const float* bias, int64_t valid, T* out, int64_t out_stride) {
   for (int64_t m = 0; m < rows; ++m) {
@@ -126,9 +110,12 @@ void finish(const float* sums, int64_t rows, const float* bias, int64_t valid, T
     T* o = out + m * out_stride;
     int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; j + 8 <= valid; j += 8) store8(o + j, _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(bias + j)));
+    for (; j + 8 <= valid; j += 8) {
+      const __m256 v = _mm256_loadu_ps(s + j);
+      store8(o + j, bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + j)) : v);
+    }
 #endif
-    for (; j < valid; ++j) store(o + j, s[j] + bias[j]);
+    for (; j < valid; ++j) store(o + j, bias ? s[j] + bias[j] : s[j]);
   }
 }
 
@@ -184,7 +171,7 @@ void panel_run(const Problem& pr, const T* packed, const float* bias, T* out, in
       const T* panel = packed + p * panel_elems;
       const char* prefetch = reinterpret_cast<const char*>(next >= 0 ? packed + next * panel_elems : panel);
       const int64_t n0 = p * kPanel;
-      panel_rows<T>(pr, m0, rows, panel, bias + n0, std::min(kPanel, pr.features - n0), out + n0, sums, prefetch,
+      panel_rows<T>(pr, m0, rows, panel, bias ? bias + n0 : nullptr, std::min(kPanel, pr.features - n0), out + n0, sums, prefetch,
                        next >= 0 ? lines : 0);
     }
   }
@@ -262,17 +249,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10
   const int64_t rows = x.size(0), in = x.size(1);
   at::Tensor out = at::empty({rows, features}, x.options());
   if (rows == 0) return out;
-  // fp32 operands for the kernel: x read in place where its rows are contiguous fp32, else widened;
-  // the bias widened and padded to whole panels
+  // fp32 operands for the kernel: x and the bias read in place where they are contiguous fp32, else
+  // widened (the epilogue reads the bias of a panel's valid features only)
   const at::Tensor xf = x.scalar_type() == at::kFloat && x.stride(1) == 1 ? x : x.to(at::kFloat).contiguous();
-  at::Tensor bias_f = at::zeros({packed.size(0) * kPanel}, x.options().dtype(at::kFloat));
-  if (has_bias) bias_f.narrow(0, 0, features).copy_(*bias);
+  const at::Tensor bias_f = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bias_p = has_bias ? bias_f.data_ptr<float>() : nullptr;
   const Problem pr{xf.data_ptr<float>(), xf.stride(0), rows, in, features};
   if (x.scalar_type() == at::kFloat)
-    run<float>(pr, packed.data_ptr<float>(), bias_f.data_ptr<float>(), out.data_ptr<float>());
+    run<float>(pr, packed.data_ptr<float>(), bias_p, out.data_ptr<float>());
   else
-    run<at::BFloat16>(pr, packed.data_ptr<at::BFloat16>(), bias_f.data_ptr<float>(),
-                                    out.data_ptr<at::BFloat16>());
+    run<at::BFloat16>(pr, packed.data_ptr<at::BFloat16>(), bias_p, out.data_ptr<at::BFloat16>());
   return out;
 }
 

@@ -71,6 +71,27 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// Eight fp32 lanes stored as they are, or rounded to bf16 (to nearest even, a NaN kept a quiet NaN,
+// as at::BFloat16(float) rounds); round8 gives the bf16-rounded values back as fp32 lanes.
+inline __m256i bf16_bits8(__m256 v) {  // each lane's rounded value, in the lane's high 16 bits
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits8(v), 16);  // eight 16-bit values in 32-bit lanes
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const at::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits8(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 // The sum of v's eight lanes.
 inline float sum_lanes8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -59,11 +59,12 @@ def test_add_rms_norm_updates_the_residual_stream_as_the_eager_ops_do(residual_m
     torch.testing.assert_close(got, F.rms_norm(want_h, (576,), weight, 1e-6), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("head_dim", [64, 24, 128])
+@pytest.mark.parametrize("head_dim", [64, 24, 128, 80, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_write_kv_rotates_in_place_and_writes_the_cache(head_dim: int, dtype: torch.dtype) -> None:
     """q and k as the engine passes them (views of the fused qkv rows): rotated bit-identically to
-    apply_rope, and K (rotated) and V written to the tokens' scattered slots, nothing else touched."""
+    apply_rope (head_dim a multiple of 16 on the vector path, 24 on the scalar one), and K (rotated)
+    and V written to the tokens' scattered slots, nothing else touched."""
     g = torch.Generator().manual_seed(head_dim)
     n, heads, kv_heads = 11, 6, 2
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
