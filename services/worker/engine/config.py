@@ -51,9 +51,9 @@ class EngineConfig(BaseModel):
     cpu_layer_ops: CpuLayerOps = Field(
         default="auto",
         description="CPU steps between a layer's matmuls: auto (native fused ops, each residual add with the next "
-        "RMSNorm and RoPE with the K/V cache write, fp32 and bf16, where they build for this CPU and pass their "
-        "probe, else the eager ops), torch (eager only), native (the fused ops, refusing to start where they are "
-        "not usable)",
+        "RMSNorm, RoPE with the K/V cache write, the MLP activation with its product by up, and the greedy "
+        "sampler's argmax, fp32 and bf16, where they build for this CPU and pass their probe, else the eager "
+        "ops), torch (eager only), native (the fused ops, refusing to start where they are not usable)",
     )
     enable_prefix_caching: bool = Field(
         default=True,
