@@ -33,14 +33,6 @@ using namespace lorafleet;
 
 constexpr int64_t kActWork = 1 << 14;  // elements per task at least
 
-// Round to T and back: a no-op for fp32, bf16's round-to-nearest-even otherwise.
-inline float round_as(float v, float*) { return v; }
-inline float round_as(float v, at::BFloat16*) { return widen(at::BFloat16(v)); }
-template <typename T>
-inline float rnd(float v) {
-  return round_as(v, static_cast<T*>(nullptr));
-}
-
 constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluKappa = 0.044715f;
 

@@ -27,14 +27,6 @@ using namespace lorafleet;
 constexpr int64_t kRowWork = 1 << 15;  // elements per thread below which rows stay on one thread
 constexpr int64_t kMaxHeadDim = 512;
 
-// Round to T and back: a no-op for fp32, bf16's round-to-nearest-even otherwise.
-inline float round_as(float v, float*) { return v; }
-inline float round_as(float v, at::BFloat16*) { return widen(at::BFloat16(v)); }
-template <typename T>
-inline float rnd(float v) {
-  return round_as(v, static_cast<T*>(nullptr));
-}
-
 int64_t grain_of(int64_t row) { return std::max<int64_t>(1, kRowWork / std::max<int64_t>(1, row)); }
 
 // out[0:d] = RMSNorm(x[0:d]) * w; W is T, or float (Gemma's fp32 (1 + w)).

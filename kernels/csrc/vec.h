@@ -22,6 +22,14 @@ inline float widen(at::BFloat16 v) {
   return f;
 }
 
+// v rounded to T and back: a no-op for fp32, bf16's round-to-nearest-even otherwise.
+inline float round_as(float v, float*) { return v; }
+inline float round_as(float v, at::BFloat16*) { return widen(at::BFloat16(v)); }
+template <typename T>
+inline float rnd(float v) {
+  return round_as(v, static_cast<T*>(nullptr));
+}
+
 // v stored as T: as it is, or rounded to bf16 (to nearest even).
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
