@@ -50,7 +50,8 @@ def test_segments_mark_contiguous_runs_only() -> None:
     assert index.token_idx.tolist() == [3, 6, 7, 0, 1, 2, 4]
     assert index.seg_start.tolist() == [0, 1, 3, 7] and index.seg_row.tolist() == [0, 1, 2]
     assert index.max_seg_len == 4
-    assert find_segments(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32)) == ()
+    assert find_segments([], []) == ()
+    assert find_segments([4, 5, 1, 7, 2], [0, 0, 1, 1, 3]) == ((0, 2, 0, 4), (2, 4, 1, -1), (4, 5, 3, 2))
 
 
 def _check_fused_column_view(rows: list[int], gen: torch.Generator) -> None:
