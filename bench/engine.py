@@ -26,7 +26,7 @@ from transformers import GenerationMixin, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from bench.environment import device_argument, environment, rounds_argument, threads_argument
-from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
+from bench.roofline import LimitsProbe, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
@@ -159,7 +159,7 @@ def run_engine(
 
 def throughput(
     loaded: LoadedModel,
-    limits: Limits,
+    probe: LimitsProbe,
     batches: list[int],
     new_tokens: int,
     rounds: int,
@@ -168,7 +168,8 @@ def throughput(
     device: str = "cpu",
     cuda_graphs: bool = False,
 ) -> list[ThroughputRow]:
-    """Every system once per round, the first to run rotating. Every round starts from an empty prefix cache: the engine shares only what one batch's own
+    """Every system once per round, the first to run rotating, the machine's limits probed after each
+    round (each batch's floor from the median probe so far). Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
     token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear"),
     ``cuda_graphs`` the engine replaying CUDA graphs of its decode steps ("engine_cuda_graphs")."""
@@ -210,9 +211,10 @@ def throughput(
                     else run_engine(engines[name], prompts, new_tokens)
                 )
                 runs[name].append(run)
+            probe.sample()
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
-        floor = step_floor_ms(limits, batch)
+        floor = step_floor_ms(probe.limits, batch)
         row: ThroughputRow = {
             "batch": batch,
             "new_tokens": new_tokens,
@@ -368,19 +370,21 @@ def main() -> None:
     done: dict[str, list[ThroughputRow]] = {}
     for dtype in sorted(args.dtype, key=lambda d: d != "float32"):  # fp32 first: the others are compared with it
         loaded = load_model(dtype=getattr(torch, dtype), device=args.device)
-        limits = machine_limits(weights_of(loaded.model), getattr(torch, dtype), args.device)
-        print(roofline_line(limits, dtype, args.threads, args.device), flush=True)
+        probe = LimitsProbe(weights_of(loaded.model), getattr(torch, dtype), args.device)
+        print(roofline_line(probe.limits, dtype, args.threads, args.device), flush=True)
         memory = memory or memory_probe(args.threads, args.quick)
         rows = throughput(
-            loaded, limits, batches, new_tokens, rounds, dtype, args.linear_split, args.device, args.cuda_graphs
+            loaded, probe, batches, new_tokens, rounds, dtype, args.linear_split, args.device, args.cuda_graphs
         )
+        print(probe.line(), flush=True)
         del loaded
         result = {
             "environment": environment(args.threads, dtype, args.device),
             "quick": args.quick,
             "rounds": rounds,
             "headline": "median",
-            "roofline": roofline(limits),
+            "roofline": roofline(probe.limits),
+            "roofline_probes": probe.spread(),
             "throughput": rows,
             "memory": memory,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

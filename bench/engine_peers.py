@@ -34,7 +34,7 @@ from bench.engine_peer import READY, RESULT, Job, Spec
 from bench.environment import environment, rounds_argument, threads_argument
 from bench.load.stack import base_model_dir
 from bench.multilora import QV, RANK, save_adapters
-from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
+from bench.roofline import Limits, LimitsProbe, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
 from services.worker.lora import MODULES
 
@@ -139,8 +139,15 @@ def jobs(batch: int, prompts: list[list[int]], new_tokens: int) -> dict[str, Job
 
 
 def measure(
-    running: dict[str, Peer], batches: list[int], prompts: list[list[int]], new_tokens: int, rounds: int
+    running: dict[str, Peer],
+    batches: list[int],
+    prompts: list[list[int]],
+    new_tokens: int,
+    rounds: int,
+    probe: LimitsProbe,
 ) -> dict[tuple[int, str], dict[str, list[Run]]]:
+    """Every (batch, workload) job on both peers once per round, the first to run alternating; the
+    machine's limits probed after each round (the peers idle meanwhile)."""
     for job in jobs(max(batches), prompts, 2).values():  # warm-up: first use of every path and slot
         for peer in running.values():
             peer.run(job)
@@ -155,6 +162,7 @@ def measure(
                     run = running[kind].run(job)
                     runs.setdefault((batch, workload), {k: [] for k in SYSTEMS})[kind].append(run)
                     progress(f"batch {batch} {workload} {kind}: {run['wall_s']:.1f} s")
+        probe.sample()
     return runs
 
 
@@ -266,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = [STYLES[i % len(STYLES)].format(TOPICS[i % len(TOPICS)]) for i in range(max(batches))]
     prompts = [chat_ids(tokenizer, t) for t in texts]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    limits = machine_limits(weights_of(model), dtype)
-    print(roofline_line(limits, args.dtype, args.threads), flush=True)
+    probe = LimitsProbe(weights_of(model), dtype)
+    print(roofline_line(probe.limits, args.dtype, args.threads), flush=True)
     with tempfile.TemporaryDirectory(prefix="lf-engine-peers-") as tmp:
         root = Path(tmp)
         adapters: dict[str, str] = {}
@@ -289,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         logs = Path(tempfile.mkdtemp(prefix="lf-engine-peers-logs-"))  # kept when an engine fails
         with peers(spec, logs) as running:
             progress(", ".join(f"{k} ready in {p.start_s:.0f} s" for k, p in running.items()))
-            runs = measure(running, batches, prompts, new_tokens, rounds)
+            runs = measure(running, batches, prompts, new_tokens, rounds, probe)
             systems = {k: {"peak_rss_mb": p.peak_rss_mb(), "start_s": p.start_s} for k, p in running.items()}
     shutil.rmtree(logs)
+    limits = probe.limits
+    print(probe.line(), flush=True)
     rows = rows_of(runs, limits, new_tokens)
     result = {
         **headlines(rows),
@@ -308,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_modules": {w: list(m) for w, m in WORKLOADS.items() if m},
         "limits": limits,
         "roofline": roofline(limits),
+        "roofline_probes": probe.spread(),
         "systems": systems,
         "rows": rows,
     }

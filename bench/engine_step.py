@@ -27,7 +27,7 @@ import services.worker.engine.engine as engine_module
 import services.worker.engine.model as model_module
 from bench.engine import chat_prompts
 from bench.environment import environment, rounds_argument, threads_argument
-from bench.roofline import machine_limits, roofline_line, step_floor_ms, weights_of
+from bench.roofline import LimitsProbe, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import QUICK_ROUNDS, Spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch_scheduler import BatchScheduler
@@ -132,9 +132,9 @@ def decode_round(engine: LLMEngine, clock: StageClock, prompts: list[list[int]],
 
 
 def profile(
-    engine: LLMEngine, clock: StageClock, prompts: list[list[int]], steps: int, rounds: int
+    engine: LLMEngine, clock: StageClock, prompts: list[list[int]], steps: int, rounds: int, probe: LimitsProbe
 ) -> tuple[list[float], dict[str, list[float]]]:
-    """Each round's ms per decode step, whole and per part."""
+    """Each round's ms per decode step, whole and per part; the machine's limits probed after each round."""
     decode_round(engine, clock, prompts, 2, "warm")
     totals: list[float] = []
     parts: dict[str, list[float]] = {}
@@ -142,6 +142,7 @@ def profile(
         totals.append(decode_round(engine, clock, prompts, steps, f"r{turn}"))
         for label, ms in clock.ms.items():
             parts.setdefault(label, []).append(ms / steps)
+        probe.sample()
     return totals, parts
 
 
@@ -184,8 +185,8 @@ def main() -> None:
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else 5)
     dtype = getattr(torch, args.dtype)
     loaded = load_model(dtype=dtype)
-    limits = machine_limits(weights_of(loaded.model), dtype, "cpu")
-    print(roofline_line(limits, args.dtype, args.threads, "cpu"), flush=True)
+    probe = LimitsProbe(weights_of(loaded.model), dtype, "cpu")
+    print(roofline_line(probe.limits, args.dtype, args.threads, "cpu"), flush=True)
     clock = StageClock()
     install(clock, loaded.model.config.vocab_size)
     try:
@@ -195,13 +196,13 @@ def main() -> None:
         )
         rows: list[BatchRow] = []
         for batch in batches:
-            totals, parts = profile(engine, clock, chat_prompts(loaded, batch), steps, rounds)
+            totals, parts = profile(engine, clock, chat_prompts(loaded, batch), steps, rounds, probe)
             rows.append(
                 {
                     "batch": batch,
                     "decode_steps": steps,
                     "step_ms": spread(totals),
-                    "step_floor_ms": step_floor_ms(limits, batch),
+                    "step_floor_ms": step_floor_ms(probe.limits, batch),
                     "parts_ms": {label: spread(values) for label, values in parts.items()},
                 }
             )
@@ -211,6 +212,8 @@ def main() -> None:
         "environment": environment(args.threads, args.dtype),
         "rounds": rounds,
         "headline": "median",
+        "roofline": roofline(probe.limits),
+        "roofline_probes": probe.spread(),
         "batches": rows,
     }
     out = args.out or (RESULTS if args.dtype == "float32" else RESULTS.with_name(f"engine_step-{args.dtype}.json"))
@@ -218,6 +221,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     print(f"\n## decode step by part: median of {rounds} rounds of {steps} steps (min-max)\n")
     print(table(rows))
+    print(probe.line())
     print(f"\nwrote {out}")
 
 

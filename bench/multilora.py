@@ -29,7 +29,7 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from bench.engine import StepClock, chat_prompts, run_engine
 from bench.environment import device_argument, environment, rounds_argument, threads_argument
-from bench.roofline import Limits, machine_limits, roofline, roofline_line, step_floor_ms, weights_of
+from bench.roofline import LimitsProbe, ProbeSpread, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
@@ -65,6 +65,7 @@ class Result(TypedDict):
     rounds: int
     headline: str
     roofline: dict[str, float]
+    roofline_probes: ProbeSpread
     batch_size: int
     new_tokens: int
     prompt_tokens: list[int]
@@ -177,7 +178,12 @@ def start_decode(engine: LLMEngine, prompts: list[list[int]], adapters: list[str
 
 
 def rank_skew(
-    loaded: LoadedModel, limits: Limits, prompts: list[list[int]], steps: int, rounds: int, device: str = "cpu"
+    loaded: LoadedModel,
+    probe: LimitsProbe,
+    prompts: list[list[int]],
+    steps: int,
+    rounds: int,
+    device: str = "cpu",
 ) -> RankSkew:
     """Median decode step: 31 rank-8 + 1 rank-64, and all rank-8 padded into a rank-64 pool, over 32 rank-8.
 
@@ -214,8 +220,9 @@ def rank_skew(
                 start = time.perf_counter()
                 engine.step()
                 times[name].append(time.perf_counter() - start)
+        probe.sample()
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    floor = step_floor_ms(limits, batch)
+    floor = step_floor_ms(probe.limits, batch)
     return {
         "ratio": median["skew"] / median["rank8"],
         "padded_ratio": median["padded"] / median["rank8"],
@@ -266,6 +273,7 @@ def small_batches(
 
 def throughput(
     loaded: LoadedModel,
+    probe: LimitsProbe,
     prompts: list[list[int]],
     new_tokens: int,
     rounds: int,
@@ -274,7 +282,8 @@ def throughput(
     small: Sequence[int] = (),
 ) -> tuple[dict[str, Summary], list[SmallBatch]]:
     """All six runs once per round (base, multilora, peft, hf, then the all-seven-projection pair),
-    the first to run rotating from round to round; then the engine alone at each ``small`` batch size."""
+    the first to run rotating from round to round, the machine's limits probed after each round; then
+    the engine alone at each ``small`` batch size."""
     batch = len(prompts)
     names = {"qv": [f"qv{i}" for i in range(batch)], "all": [f"all{i}" for i in range(batch)]}
     modules = {"qv": QV, "all": MODULES}
@@ -303,6 +312,7 @@ def throughput(
     for turn in range(rounds):
         for name in order[turn % len(order) :] + order[: turn % len(order)]:
             runs[name].append(systems[name]())
+        probe.sample()
     summaries = {name: summarise(r, batch * new_tokens) for name, r in runs.items()}
     return summaries, small_batches(engine, prompts, names, [b for b in small if b <= batch], new_tokens, rounds)
 
@@ -370,12 +380,14 @@ def main() -> None:
     batch, new_tokens, skew_steps = (4, 4, 2) if args.quick else (32, 32, 6)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     loaded = load_model(device=args.device)
-    limits = machine_limits(weights_of(loaded.model), torch.float32, args.device)
-    print(roofline_line(limits, "float32", args.threads, args.device), flush=True)
+    probe = LimitsProbe(weights_of(loaded.model), torch.float32, args.device)
+    print(roofline_line(probe.limits, "float32", args.threads, args.device), flush=True)
     prompts = chat_prompts(loaded, batch)
     with tempfile.TemporaryDirectory() as root:
-        systems, small = throughput(loaded, prompts, new_tokens, rounds, Path(root), args.device, SMALL_BATCHES)
-    skew = rank_skew(loaded, limits, prompts, skew_steps, rounds, args.device)
+        systems, small = throughput(loaded, probe, prompts, new_tokens, rounds, Path(root), args.device, SMALL_BATCHES)
+    skew = rank_skew(loaded, probe, prompts, skew_steps, rounds, args.device)
+    limits = probe.limits
+    print(probe.line(), flush=True)
     tok = {name: s["tok_s"] for name, s in systems.items()}
     floor = step_floor_ms(limits, batch)
     shapes = ModelShapes.from_hf_config(loaded.model.config)
@@ -386,6 +398,7 @@ def main() -> None:
         "rounds": rounds,
         "headline": "median",
         "roofline": roofline(limits),
+        "roofline_probes": probe.spread(),
         "batch_size": batch,
         "new_tokens": new_tokens,
         "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],

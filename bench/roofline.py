@@ -5,6 +5,7 @@ FLOPs per token (a large batch is bound by GEMM FLOP/s); the step cannot be fast
 of the two. Each decode figure is also given as its ratio to that floor (1.0 = at the limit).
 """
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import TypedDict
@@ -12,6 +13,7 @@ from typing import TypedDict
 import psutil
 import torch
 
+from bench.rounds import Spread, spread
 from services.worker.engine.linear import LinearFactory, onednn_usable
 
 BATCH_FLOOR_AT = 32  # the batch whose compute floor the roofline line names
@@ -64,6 +66,57 @@ def machine_limits(weights: list[torch.Tensor], dtype: torch.dtype, device: str 
         "weight_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
         "params": sum(w.numel() for w in weights),
     }
+
+
+class LimitsProbe:
+    """The machine's limits, probed at the start and again after every round of a benchmark.
+
+    A shared machine's speed drifts over minutes: the GEMM probe read 125 to 175 GFLOP/s within one
+    session, so a single probe at start-up put the same batch-32 step at 56% of its floor in one run
+    and 96% in another. The floors use the median of every probe taken through the run, and a
+    result's JSON carries the probes' spread (``roofline_probes``) beside the ratios.
+    """
+
+    def __init__(self, weights: list[torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> None:
+        self._weights, self._dtype, self._device = weights, dtype, device
+        self.samples: list[Limits] = []
+        self.sample()
+
+    def sample(self) -> None:
+        """Probe once more (about a second): call between rounds, never inside a timed run."""
+        self.samples.append(machine_limits(self._weights, self._dtype, self._device))
+
+    @property
+    def limits(self) -> Limits:
+        """The median probe: what the floors are computed from."""
+        return {
+            **self.samples[0],
+            "read_gb_s": statistics.median(s["read_gb_s"] for s in self.samples),
+            "gemm_gflop_s": statistics.median(s["gemm_gflop_s"] for s in self.samples),
+        }
+
+    def spread(self) -> "ProbeSpread":
+        return {
+            "probes": len(self.samples),
+            "read_gb_s": spread([s["read_gb_s"] for s in self.samples]),
+            "gemm_gflop_s": spread([s["gemm_gflop_s"] for s in self.samples]),
+        }
+
+    def line(self) -> str:
+        """The closing line: how far the probes ranged over the run, and that the median was used."""
+        s = self.spread()
+        read, gemm = s["read_gb_s"], s["gemm_gflop_s"]
+        return (
+            f"Roofline over {s['probes']} probes (start and after each round; floors use the median): "
+            f"read {read['median']:.1f} GB/s ({read['min']:.1f}-{read['max']:.1f}), "
+            f"GEMM {gemm['median']:.0f} GFLOP/s ({gemm['min']:.0f}-{gemm['max']:.0f})"
+        )
+
+
+class ProbeSpread(TypedDict):
+    probes: int
+    read_gb_s: Spread
+    gemm_gflop_s: Spread
 
 
 def timed(op: Callable[[], object], device: str) -> float:

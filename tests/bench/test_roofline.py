@@ -5,6 +5,7 @@ import torch
 
 from bench.roofline import (
     Limits,
+    LimitsProbe,
     bandwidth_floor_ms,
     compute_floor_ms,
     machine_limits,
@@ -74,3 +75,22 @@ def test_bf16_without_a_bf16_gemm_measures_the_fp32_gemm_the_engine_widens_to(mo
     limits = machine_limits([torch.zeros(10, dtype=torch.bfloat16)], torch.bfloat16)
     assert made == [torch.float32] and limits["gemm_gflop_s"] > 0
     assert limits["weight_mb"] == pytest.approx(20 / 1e6)  # the weights are still counted in bf16
+
+
+def test_a_probe_takes_the_median_of_its_samples_and_reports_their_spread():
+    """The floors follow the median probe of a run, not whichever moment the first probe landed on."""
+    probe = LimitsProbe([torch.zeros(1000)], torch.float32)
+    probe.sample()
+    probe.sample()
+    assert len(probe.samples) == 3
+    gemm = sorted(s["gemm_gflop_s"] for s in probe.samples)
+    read = sorted(s["read_gb_s"] for s in probe.samples)
+    limits = probe.limits
+    assert limits["gemm_gflop_s"] == gemm[1] and limits["read_gb_s"] == read[1]
+    assert limits["params"] == 1000 and limits["weight_mb"] == pytest.approx(4000 / 1e6)
+    spread = probe.spread()
+    assert spread["probes"] == 3
+    assert spread["gemm_gflop_s"] == {"min": gemm[0], "median": gemm[1], "max": gemm[2]}
+    assert spread["read_gb_s"] == {"min": read[0], "median": read[1], "max": read[2]}
+    assert probe.line().startswith("Roofline over 3 probes")
+    assert f"GEMM {gemm[1]:.0f} GFLOP/s ({gemm[0]:.0f}-{gemm[2]:.0f})" in probe.line()
