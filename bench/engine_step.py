@@ -202,12 +202,14 @@ def main() -> None:
                     "batch": batch,
                     "decode_steps": steps,
                     "step_ms": spread(totals),
-                    "step_floor_ms": step_floor_ms(probe.limits, batch),
+                    "step_floor_ms": 0.0,  # set below, once every round's probe is in
                     "parts_ms": {label: spread(values) for label, values in parts.items()},
                 }
             )
     finally:
         clock.remove()
+    for row in rows:  # every batch's floor from the run's median probe, as the JSON's roofline
+        row["step_floor_ms"] = step_floor_ms(probe.limits, row["batch"])
     result = {
         "environment": environment(args.threads, args.dtype),
         "rounds": rounds,

@@ -62,8 +62,9 @@ class LoraMetadata:
         """Refill the buffers for a step's token_slots ([num_tokens], -1 = base): one index per rank
         class, None for a class no token uses.
 
-        Sorted and cut on host lists: a step holds at most max_num_batched_tokens, and a decode step's
-        few dozen take ~20 us this way against ~150 us for the dozen small tensor ops it replaced.
+        Sorted and cut on host lists: 8 decode tokens of 8 adapters take ~60 us (most of it the four
+        small copies into the buffers) against ~165 us for the dozen small tensor ops this replaced; a
+        prefill's 800 tokens ~310 us against ~175, a fraction of a percent of that step.
         """
         if token_slots.shape[0] > self.host_idx.shape[0]:
             raise ValueError(f"{token_slots.shape[0]} tokens exceed the {self.host_idx.shape[0]} the metadata holds")
