@@ -33,7 +33,7 @@ def connect_redis(
     parsed = parse_url(url)  # type: ignore[no-untyped-call]  # the same parse as Redis.from_url
     secret = parsed.get("password") or password
     username = parsed.get("username")
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves Sentinel.__init__ untyped
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis-py 8.2
         sentinels,
         sentinel_kwargs={
             "socket_timeout": timeout_s,
