@@ -169,7 +169,7 @@ def throughput(
     cuda_graphs: bool = False,
 ) -> list[ThroughputRow]:
     """Every system once per round, the first to run rotating, the machine's limits probed after each
-    round (every batch's floor from the median of all the probes). Every round starts from an empty prefix cache: the engine shares only what one batch's own
+    round (each batch's floor from the median of the probes around its own rounds). Every round starts from an empty prefix cache: the engine shares only what one batch's own
     prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
     token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear"),
     ``cuda_graphs`` the engine replaying CUDA graphs of its decode steps ("engine_cuda_graphs")."""
@@ -203,6 +203,7 @@ def throughput(
             run_engine(engine, prompts[:1], 2)
         order = ["hf", *engines]
         runs: dict[str, list[Run]] = {name: [] for name in order}
+        since = probe.mark()
         for turn in range(rounds):
             for name in order[turn % len(order) :] + order[: turn % len(order)]:
                 run = (
@@ -214,6 +215,7 @@ def throughput(
             probe.sample()
         total = batch * new_tokens
         systems = {name: summarise(r, total) for name, r in runs.items()}
+        floor = step_floor_ms(probe.limits(since), batch)
         row: ThroughputRow = {
             "batch": batch,
             "new_tokens": new_tokens,
@@ -222,15 +224,12 @@ def throughput(
             "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
             "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
             "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
-            "step_floor_ms": 0.0,  # set below, once every round's probe is in
-            "tpot_vs_floor": {},
+            "step_floor_ms": floor,
+            "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
         }
         if cuda_graphs:
             row["cuda_graphs_speedup"] = systems["engine_cuda_graphs"]["tok_s"] / systems["engine"]["tok_s"]
         rows.append(row)
-    for row in rows:  # every batch's floor from the run's median probe, as the JSON's roofline
-        floor = row["step_floor_ms"] = step_floor_ms(probe.limits, row["batch"])
-        row["tpot_vs_floor"] = {name: s["tpot_ms"]["p50"] / floor for name, s in row["systems"].items()}
     return rows
 
 
@@ -373,7 +372,7 @@ def main() -> None:
     for dtype in sorted(args.dtype, key=lambda d: d != "float32"):  # fp32 first: the others are compared with it
         loaded = load_model(dtype=getattr(torch, dtype), device=args.device)
         probe = LimitsProbe(weights_of(loaded.model), getattr(torch, dtype), args.device)
-        print(roofline_line(probe.limits, dtype, args.threads, args.device), flush=True)
+        print(roofline_line(probe.limits(), dtype, args.threads, args.device), flush=True)
         memory = memory or memory_probe(args.threads, args.quick)
         rows = throughput(
             loaded, probe, batches, new_tokens, rounds, dtype, args.linear_split, args.device, args.cuda_graphs
@@ -385,7 +384,7 @@ def main() -> None:
             "quick": args.quick,
             "rounds": rounds,
             "headline": "median",
-            "roofline": roofline(probe.limits),
+            "roofline": roofline(probe.limits()),
             "roofline_probes": probe.spread(),
             "throughput": rows,
             "memory": memory,

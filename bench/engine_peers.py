@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat_ids(tokenizer, t) for t in texts]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     probe = LimitsProbe(weights_of(model), dtype)
-    print(roofline_line(probe.limits, args.dtype, args.threads), flush=True)
+    print(roofline_line(probe.limits(), args.dtype, args.threads), flush=True)
     with tempfile.TemporaryDirectory(prefix="lf-engine-peers-") as tmp:
         root = Path(tmp)
         adapters: dict[str, str] = {}
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure(running, batches, prompts, new_tokens, rounds, probe)
             systems = {k: {"peak_rss_mb": p.peak_rss_mb(), "start_s": p.start_s} for k, p in running.items()}
     shutil.rmtree(logs)
-    limits = probe.limits
+    limits = probe.limits()  # every batch runs in every round: one window, the whole run
     print(probe.line(), flush=True)
     rows = rows_of(runs, limits, new_tokens)
     result = {

@@ -186,7 +186,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     loaded = load_model(dtype=dtype)
     probe = LimitsProbe(weights_of(loaded.model), dtype, "cpu")
-    print(roofline_line(probe.limits, args.dtype, args.threads, "cpu"), flush=True)
+    print(roofline_line(probe.limits(), args.dtype, args.threads, "cpu"), flush=True)
     clock = StageClock()
     install(clock, loaded.model.config.vocab_size)
     try:
@@ -196,25 +196,24 @@ def main() -> None:
         )
         rows: list[BatchRow] = []
         for batch in batches:
+            since = probe.mark()
             totals, parts = profile(engine, clock, chat_prompts(loaded, batch), steps, rounds, probe)
             rows.append(
                 {
                     "batch": batch,
                     "decode_steps": steps,
                     "step_ms": spread(totals),
-                    "step_floor_ms": 0.0,  # set below, once every round's probe is in
+                    "step_floor_ms": step_floor_ms(probe.limits(since), batch),
                     "parts_ms": {label: spread(values) for label, values in parts.items()},
                 }
             )
     finally:
         clock.remove()
-    for row in rows:  # every batch's floor from the run's median probe, as the JSON's roofline
-        row["step_floor_ms"] = step_floor_ms(probe.limits, row["batch"])
     result = {
         "environment": environment(args.threads, args.dtype),
         "rounds": rounds,
         "headline": "median",
-        "roofline": roofline(probe.limits),
+        "roofline": roofline(probe.limits()),
         "roofline_probes": probe.spread(),
         "batches": rows,
     }

@@ -73,8 +73,9 @@ class LimitsProbe:
 
     A shared machine's speed drifts over minutes: the GEMM probe read 125 to 175 GFLOP/s within one
     session, so a single probe at start-up put the same batch-32 step at 56% of its floor in one run
-    and 96% in another. The floors use the median of every probe taken through the run, and a
-    result's JSON carries the probes' spread (``roofline_probes``) beside the ratios.
+    and 96% in another. A figure is compared with the median of the probes around its own rounds
+    (:meth:`mark` before them, :meth:`limits` after), the machine as it was while they ran; a result's
+    JSON carries every probe's spread (``roofline_probes``) beside the ratios.
     """
 
     def __init__(self, weights: list[torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> None:
@@ -86,13 +87,17 @@ class LimitsProbe:
         """Probe once more (about a second): call between rounds, never inside a timed run."""
         self.samples.append(machine_limits(self._weights, self._dtype, self._device))
 
-    @property
-    def limits(self) -> Limits:
-        """The median probe: what the floors are computed from."""
+    def mark(self) -> int:
+        """Where a window of rounds starts: the latest probe, the one taken just before them."""
+        return len(self.samples) - 1
+
+    def limits(self, since: int = 0) -> Limits:
+        """The median of the probes from ``since`` (a :meth:`mark`) on; of all of them by default."""
+        window = self.samples[since:]
         return {
-            **self.samples[0],
-            "read_gb_s": statistics.median(s["read_gb_s"] for s in self.samples),
-            "gemm_gflop_s": statistics.median(s["gemm_gflop_s"] for s in self.samples),
+            **window[0],
+            "read_gb_s": statistics.median(s["read_gb_s"] for s in window),
+            "gemm_gflop_s": statistics.median(s["gemm_gflop_s"] for s in window),
         }
 
     def spread(self) -> "ProbeSpread":
@@ -107,7 +112,8 @@ class LimitsProbe:
         s = self.spread()
         read, gemm = s["read_gb_s"], s["gemm_gflop_s"]
         return (
-            f"Roofline over {s['probes']} probes (start and after each round; floors use the median): "
+            f"Roofline over {s['probes']} probes (start and after each round; each floor from the median of those "
+            "around its rounds): "
             f"read {read['median']:.1f} GB/s ({read['min']:.1f}-{read['max']:.1f}), "
             f"GEMM {gemm['median']:.0f} GFLOP/s ({gemm['min']:.0f}-{gemm['max']:.0f})"
         )

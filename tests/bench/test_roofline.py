@@ -1,5 +1,7 @@
 """bench.roofline: the decode floors a machine's bandwidth and FLOP/s set, and a step's ratio to them."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -78,19 +80,26 @@ def test_bf16_without_a_bf16_gemm_measures_the_fp32_gemm_the_engine_widens_to(mo
 
 
 def test_a_probe_takes_the_median_of_its_samples_and_reports_their_spread():
-    """The floors follow the median probe of a run, not whichever moment the first probe landed on."""
+    """A figure is compared with the probes around its own rounds, not whichever moment the first
+    probe landed on."""
     probe = LimitsProbe([torch.zeros(1000)], torch.float32)
     probe.sample()
+    since = probe.mark()
+    assert since == 1
     probe.sample()
-    assert len(probe.samples) == 3
-    gemm = sorted(s["gemm_gflop_s"] for s in probe.samples)
-    read = sorted(s["read_gb_s"] for s in probe.samples)
-    limits = probe.limits
-    assert limits["gemm_gflop_s"] == gemm[1] and limits["read_gb_s"] == read[1]
+    probe.sample()
+    assert len(probe.samples) == 4
+    gemm = [s["gemm_gflop_s"] for s in probe.samples]
+    read = [s["read_gb_s"] for s in probe.samples]
+    limits = probe.limits()
+    assert limits["gemm_gflop_s"] == statistics.median(gemm) and limits["read_gb_s"] == statistics.median(read)
     assert limits["params"] == 1000 and limits["weight_mb"] == pytest.approx(4000 / 1e6)
+    window = probe.limits(since)
+    assert window["gemm_gflop_s"] == sorted(gemm[1:])[1] and window["read_gb_s"] == sorted(read[1:])[1]
     spread = probe.spread()
-    assert spread["probes"] == 3
-    assert spread["gemm_gflop_s"] == {"min": gemm[0], "median": gemm[1], "max": gemm[2]}
-    assert spread["read_gb_s"] == {"min": read[0], "median": read[1], "max": read[2]}
-    assert probe.line().startswith("Roofline over 3 probes")
-    assert f"GEMM {gemm[1]:.0f} GFLOP/s ({gemm[0]:.0f}-{gemm[2]:.0f})" in probe.line()
+    assert spread["probes"] == 4
+    assert spread["gemm_gflop_s"] == {"min": min(gemm), "median": statistics.median(gemm), "max": max(gemm)}
+    assert spread["read_gb_s"] == {"min": min(read), "median": statistics.median(read), "max": max(read)}
+    assert probe.line().startswith("Roofline over 4 probes")
+    gemm_text = f"GEMM {statistics.median(gemm):.0f} GFLOP/s ({min(gemm):.0f}-{max(gemm):.0f})"
+    assert gemm_text in probe.line()
