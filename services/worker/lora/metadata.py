@@ -83,11 +83,11 @@ class LoraMetadata:
         n = len(order)
         rows: list[int] = []
         starts: list[int] = []  # per class, its segments' offsets and then its token count
-        per_class: list[list[Segment]] = []
+        per_class: list[tuple[Segment, ...]] = []
         for c, first in enumerate(first_slots[:-1]):
             lo, hi = bounds[c], bounds[c + 1]
             class_rows = [slot - first for slot in sorted_slots[lo:hi]]
-            segments = list(find_segments(order[lo:hi], class_rows))
+            segments = find_segments(order[lo:hi], class_rows)
             rows += class_rows
             starts += [s[0] for s in segments] + [hi - lo]
             per_class.append(segments)
@@ -115,7 +115,7 @@ class LoraMetadata:
         n, g, c = self.num_tokens, self.num_segments, len(self.class_first_slots) - 1
         return self.host_idx[:n], self.host_row[:n], self.host_seg_start[: g + c], self.host_seg_row[:g]
 
-    def _indexes(self, bounds: list[int], per_class: list[list[Segment]]) -> list[LoraIndex | None]:
+    def _indexes(self, bounds: list[int], per_class: list[tuple[Segment, ...]]) -> list[LoraIndex | None]:
         indexes: list[LoraIndex | None] = []
         g = 0
         for c, segments in enumerate(per_class):
@@ -128,7 +128,7 @@ class LoraMetadata:
                     seg_start=self.seg_start[g + c : g + c + num + 1],
                     seg_row=self.seg_row[g : g + num],
                     max_seg_len=max(e - s for s, e, _, _ in segments),
-                    segments=tuple(segments),
+                    segments=segments,
                 )
                 if segments
                 else None
