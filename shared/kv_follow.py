@@ -5,6 +5,12 @@ as across a nats-server restart), so the watch starts over after every reconnect
 against the bucket itself: when no entry has come for ``check_s``, the bucket's last revision is
 read; if an entry the bucket held at the previous check has still not arrived, the watch has
 stalled and is started over. A mirror lags its bucket by at most about two check periods.
+
+A mirror counts as loaded once it has applied the bucket's last revision as of the watch's start
+(the watch delivers in revision order), or, should that entry be gone meanwhile, once the watch's
+consumer has nothing left to deliver and every revision it delivered is applied. nats-py's own
+"initial values done" marker is not enough: it can come before entries already on their way
+(nats-io/nats.py#842), and a partial mirror called loaded answers 401 for a key its bucket holds.
 """
 
 import asyncio
@@ -90,36 +96,42 @@ async def _consume(
     nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: Callable[[], None], check_s: float
 ) -> None:
     reconnects = nc.stats["reconnects"]
+    start = (await bucket.status()).stream_info.state.last_seq  # the initial values end at this revision
     watcher = await bucket.watchall()
     seen, expected = 0, 0  # the newest revision applied; the bucket's last revision at the previous check
+    marked, is_loaded = False, False  # nats-py's marker has come (maybe early); ``loaded`` was called
     loop = asyncio.get_running_loop()
     next_check = loop.time() + check_s
     pending: asyncio.Future[KeyValue.Entry | None] | None = None
+    done: set[asyncio.Future[KeyValue.Entry | None]] = set()
     try:
         while True:
+            if not is_loaded and (seen >= start or (marked and not done and await _delivered_all(watcher, seen))):
+                is_loaded = True
+                loaded()
+                log.info("kv_mirror_loaded", bucket=name)
             # nats-py leaves KeyWatcher unannotated; __anext__ yields an Entry, or None once loaded
             pending = pending or asyncio.ensure_future(watcher.__anext__())  # type: ignore[no-untyped-call]
             done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, check_s))
             if nc.stats["reconnects"] != reconnects:
                 raise StaleWatch(f"reconnected under the watch of {name}")
-            if not done:
-                if loop.time() >= next_check:
-                    if seen < expected:
-                        raise StaleWatch(f"revision {expected} of {name} not delivered within {check_s:g}s")
-                    expected = (await bucket.status()).stream_info.state.last_seq
-                    next_check = loop.time() + check_s
-                continue
-            entry, pending = pending.result(), None  # StopAsyncIteration: the watcher ended
-            next_check = loop.time() + check_s
-            if entry is None:
-                loaded()
-                log.info("kv_mirror_loaded", bucket=name)
-                continue
-            seen = max(seen, entry.revision or 0)
-            try:
-                apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value, entry.revision or 0)
-            except ValidationError as e:  # one bad entry must not stop the mirror
-                log.warning("bad_kv_entry", bucket=name, key=entry.key, error=str(e))
+            if done:
+                entry, pending = pending.result(), None  # StopAsyncIteration: the watcher ended
+                next_check = loop.time() + check_s
+                if entry is None:
+                    marked = True
+                else:
+                    seen = max(seen, entry.revision or 0)
+                    try:
+                        value = None if entry.operation in ("DEL", "PURGE") else entry.value
+                        apply(entry.key, value, entry.revision or 0)
+                    except ValidationError as e:  # one bad entry must not stop the mirror
+                        log.warning("bad_kv_entry", bucket=name, key=entry.key, error=str(e))
+            elif loop.time() >= next_check:
+                if seen < expected:
+                    raise StaleWatch(f"revision {expected} of {name} not delivered within {check_s:g}s")
+                expected = (await bucket.status()).stream_info.state.last_seq
+                next_check = loop.time() + check_s
     finally:
         if pending is not None:
             pending.cancel()
@@ -141,3 +153,13 @@ async def follow_bucket(
             metrics.KV_WATCH_RESTARTS.labels(name).inc()
             log.warning("kv_watch_restarted", bucket=name, error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(RETRY_S)
+
+
+async def _delivered_all(watcher: KeyValue.KeyWatcher, seen: int) -> bool:
+    """Whether the watch's consumer has nothing left to deliver and ``seen`` covers what it did."""
+    # nats-py keeps the watch's subscription private; its consumer's state is the only exact answer
+    info = await watcher._sub.consumer_info()
+    if info.num_pending or info.delivered is None:
+        return not info.num_pending
+    # a consumer that delivered nothing reports where it started as its delivered revision
+    return not info.delivered.consumer_seq or seen >= (info.delivered.stream_seq or 0)

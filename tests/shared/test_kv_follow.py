@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
 
 from shared import metrics
 from shared.bus import connect
@@ -91,6 +92,85 @@ async def test_the_read_barrier_waits_for_the_mirror_to_hold_the_buckets_last_wr
         apply("b", b"2", last)
         await asyncio.wait_for(waiting, 1)
         assert mirror == {"a": b"1", "b": b"2"}
+    finally:
+        await js.delete_key_value(name)
+        await nc.close()
+
+
+class EarlyMarker:
+    """nats-py's watcher as nats-io/nats.py#842 has it under load: its "initial values done"
+    marker comes first, and the entries already on their way come after it."""
+
+    def __init__(self, watcher) -> None:
+        self._watcher, self._sub, self._first = watcher, watcher._sub, True
+
+    async def __anext__(self):
+        if self._first:
+            self._first = False
+            return None
+        await asyncio.sleep(0.1)  # long enough for the follower to see a quiet watch after the marker
+        return await self._watcher.__anext__()
+
+    async def stop(self) -> None:
+        await self._watcher.stop()
+
+
+async def _follow_until_loaded(nc, name: str, mirror: dict) -> dict:
+    """The mirror as it was when ``follow_bucket`` called it loaded."""
+    at_load: dict = {}
+    loaded = asyncio.Event()
+
+    def on_loaded() -> None:
+        at_load.update(mirror)
+        loaded.set()
+
+    follow = asyncio.create_task(follow_bucket(nc, name, lambda k, v, r: mirror.__setitem__(k, v), on_loaded))
+    try:
+        await asyncio.wait_for(loaded.wait(), 10)
+    finally:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+    return at_load
+
+
+async def test_an_early_initial_values_marker_does_not_load_a_partial_mirror(nats_url, monkeypatch):
+    nc = await connect(nats_url, "kv-early-marker")
+    js = nc.jetstream()
+    name = f"early_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name, history=5))
+    for i in range(20):
+        await kv.put(f"k{i}", str(i).encode())
+    await kv.delete("k3")
+    watchall = KeyValue.watchall
+
+    async def early(self, **kwargs):
+        return EarlyMarker(await watchall(self, **kwargs))
+
+    monkeypatch.setattr(KeyValue, "watchall", early)
+    try:
+        at_load = await _follow_until_loaded(nc, name, {})
+        # loaded means every key the bucket held, the deleted one as deleted
+        assert at_load == {f"k{i}": None if i == 3 else str(i).encode() for i in range(20)}
+    finally:
+        await js.delete_key_value(name)
+        await nc.close()
+
+
+async def test_a_mirror_whose_last_entry_expired_before_the_watch_still_loads(nats_url, monkeypatch):
+    nc = await connect(nats_url, "kv-expired-last")
+    js = nc.jetstream()
+    name = f"expired_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name, ttl=0.5))
+    await kv.put("gone", b"1")
+    watchall = KeyValue.watchall
+
+    async def late(self, **kwargs):
+        await asyncio.sleep(1.5)  # the bucket's last revision expires between its read and the watch
+        return await watchall(self, **kwargs)
+
+    monkeypatch.setattr(KeyValue, "watchall", late)
+    try:
+        assert await _follow_until_loaded(nc, name, {}) == {}
     finally:
         await js.delete_key_value(name)
         await nc.close()
