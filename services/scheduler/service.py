@@ -13,7 +13,6 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import BucketNotFoundError
 
 from services.scheduler.admission import Admission
 from services.scheduler.dedupe import Dispatched
@@ -44,6 +43,7 @@ from shared.catalog_follow import answer_catalog_sync, follow_catalog
 from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
+from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
 from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
 from shared.prompt_tokens import PromptTokens
@@ -74,26 +74,6 @@ ADMIT_POLL_S = 0.05  # how often a blocked admission looks again for room in the
 INTAKE_FULL = "too many of this tenant's requests are waiting to be admitted"
 log = structlog.get_logger("scheduler")
 _tracer = tracer("scheduler")
-
-
-async def _follow_quotas(js: JetStreamContext, quotas: Quotas) -> None:
-    """Mirror the registry's tenant quotas (KV ``lf_tenants``); runs until cancelled."""
-    while True:
-        try:
-            watcher = await (await js.key_value(subjects.REGISTRY_TENANTS_BUCKET)).watchall()
-            try:
-                async for entry in watcher:
-                    if entry is not None:
-                        quotas.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
-            finally:
-                await watcher.stop()
-        except asyncio.CancelledError:
-            raise
-        except BucketNotFoundError:
-            await asyncio.sleep(1.0)
-        except Exception as e:
-            log.warning("quota_watch_failed", error=str(e))
-            await asyncio.sleep(1.0)
 
 
 def build(
@@ -337,7 +317,14 @@ async def run(settings: SchedulerSettings) -> None:
             ),
             asyncio.create_task(scheduler.ticking()),
             asyncio.create_task(upkeep.counters.run()),
-            asyncio.create_task(_follow_quotas(js, core.quotas)),
+            asyncio.create_task(  # the registry's tenant quotas (KV ``lf_tenants``)
+                follow_bucket(
+                    nc,
+                    subjects.REGISTRY_TENANTS_BUCKET,
+                    lambda key, value, _: core.quotas.apply(key, value),
+                    lambda: log.info("quotas_loaded"),
+                )
+            ),
             catalog_watch,
         ]
         # a scheduler that took work at once would place and shed it on the first worker it heard of:

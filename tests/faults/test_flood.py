@@ -21,6 +21,7 @@ from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, read_adapter_dir
 from shared.bus import request
 from shared.errors import LorafleetError
+from shared.kv_read import read_latest
 from shared.schemas import AdapterRecordsReply, ListAdaptersRequest, RegisterRequest
 from tests.faults.conftest import ADAPTER, Fleet
 from tests.faults.traffic import Outcome, gateway, steady
@@ -126,7 +127,7 @@ async def stored(nc: NATS) -> tuple[list[str], list[str], list[str]]:
     js = nc.jetstream()
     listed = (await request(nc, subjects.registry("adapters"), ListAdaptersRequest(), AdapterRecordsReply, 10)).records
     objects = await (await js.object_store(subjects.ADAPTER_STORE_BUCKET)).list()
-    keys = await (await js.key_value(subjects.REGISTRY_RECORDS_BUCKET)).keys()
+    keys = [v.key for v in await read_latest(await js.key_value(subjects.REGISTRY_RECORDS_BUCKET))]
     return (
         [r.adapter_id for r in listed if r.adapter_id.startswith("bad-") or r.tenant_id == "other"],
         [o.name for o in objects if o.name.startswith("bad-")],

@@ -15,6 +15,7 @@ from shared import subjects
 from shared.bus import request
 from shared.errors import Conflict, ServiceUnavailable, UpstreamTimeout
 from shared.fingerprint import fingerprint_model_dir
+from shared.kv_read import read_latest
 from shared.schemas import AdapterRecord, AdapterRecordsReply, ListAdaptersRequest, PromoteRequest, ServiceHeartbeat
 from tests.faults.conftest import make_adapter
 from tests.faults.traffic import chat, gateway
@@ -118,10 +119,9 @@ async def state(nats_url: str) -> tuple[dict[int, str], dict[int, str]]:
     try:
         bucket = await nc.jetstream().key_value(subjects.REGISTRY_RECORDS_BUCKET)
         stored = {}
-        for key in await bucket.keys():
-            if key.startswith(f"{ID}."):
-                record = AdapterRecord.model_validate_json((await bucket.get(key)).value or b"")
-                stored[record.version] = record.storage_uri
+        for entry in await read_latest(bucket, f"{ID}.>"):
+            record = AdapterRecord.model_validate_json(entry.value)
+            stored[record.version] = record.storage_uri
         reply = await request(
             nc, subjects.registry("adapters"), ListAdaptersRequest(tenant_id="demo"), AdapterRecordsReply, 10.0
         )
