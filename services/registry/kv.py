@@ -21,7 +21,7 @@ from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.bus import ensure_replicas, settling
 from shared.catalog import record_key
-from shared.errors import ServiceUnavailable
+from shared.errors import Conflict, ServiceUnavailable
 from shared.kv_read import read_latest
 from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
@@ -48,6 +48,16 @@ async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:
     """Every live key's value (of those ``keys`` matches), streamed by one watcher (one round trip,
     not one per key)."""
     return {v.key: v.value for v in await read_latest(kv, keys)}
+
+
+COMMIT_ATTEMPTS = 5  # plans of one change against records another replica keeps changing
+
+
+def contended(what: str) -> Conflict:
+    """The answer when ``COMMIT_ATTEMPTS`` plans of one change all lost to other replicas' writes."""
+    return Conflict(
+        f"{what} was changed by other registry replicas {COMMIT_ATTEMPTS} times while this change was planned; retry"
+    )
 
 
 class StaleRecords(Exception):

@@ -17,17 +17,16 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Literal
 
 import structlog
-from pydantic import BaseModel
 
 from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, file_digests, stored_push
-from services.registry.kv import RecordsKV, StaleRecords
+from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
 from services.registry.remote_intake import RemoteIntake
+from services.registry.signer_ops import Publish, SignerOps
 from services.registry.stores import (
     ApprovedStore,
     Uploads,
@@ -37,21 +36,18 @@ from services.registry.stores import (
     trusted_source_dir,
 )
 from shared import metrics, subjects
-from shared.access import SHARED_TENANT, may_use
+from shared.access import may_use
 from shared.adapter_format import AdapterBytes, read_adapter_dir
 from shared.catalog import Catalog, Change, record_key
-from shared.errors import Conflict, LorafleetError, ModelNotFound, NotFound
-from shared.registry_client import parse_signer
+from shared.errors import LorafleetError, ModelNotFound
 from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
     AdapterRecord,
     AdapterRecordsReply,
-    AdminAudit,
     AuditEnvelope,
     GetAdapterRequest,
     ListAdaptersRequest,
-    ListKeysRequest,
     ListModelsReply,
     ListModelsRequest,
     PromoteRequest,
@@ -67,16 +63,10 @@ from shared.schemas import (
     RolloutRequest,
     SignerRecord,
     SourceOrigin,
-    TrustedKeysReply,
-    TrustKeyRequest,
-    UntrustKeyRequest,
 )
 
 log = structlog.get_logger("registry")
-Publish = Callable[[str, BaseModel], Awaitable[None]]
-SignerAction = Literal["signer_trusted", "signer_rotated", "signer_untrusted"]
 SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
-COMMIT_ATTEMPTS = 5  # plans of one change against records another replica keeps changing
 
 
 async def _no_gateways(_: int) -> None:
@@ -118,19 +108,14 @@ class Registry:
         self._started = int(time.time())
         self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
         self._revisions: dict[str, int] = {}  # record key -> the bucket revision the catalog holds
+        # the signers' ops share this lock: a trust change never interleaves with a push being checked
+        self.signer_ops = SignerOps(signers, kv, publish, self._lock)
 
     def apply_entry(self, key: str, value: bytes | None, revision: int) -> None:
         """One entry of the records bucket's watch (records are never deleted): any replica's write."""
         if value is not None and revision > self._revisions.get(key, 0):
             self.catalog.put(AdapterRecord.model_validate_json(value))
             self._revisions[key] = revision
-
-    def apply_signer(self, key: str, value: bytes | None, revision: int) -> None:
-        """One entry of the signers bucket's watch."""
-        if value is None:
-            self.signers.pop(key, None)
-        else:
-            self.signers[key] = parse_signer(key, value)
 
     async def _refresh(self, adapter_id: str) -> None:
         """One adapter's records and revisions as KV holds them now."""
@@ -183,80 +168,6 @@ class Registry:
         records = [r for a in sorted(self.catalog.adapters()) for r in self.catalog.versions(a)]
         return AdapterRecordsReply(records=[r for r in records if req.tenant_id in (None, r.tenant_id)])
 
-    async def keys(self, req: ListKeysRequest) -> TrustedKeysReply:
-        return self._signers_reply()
-
-    async def trust_key(self, req: TrustKeyRequest) -> TrustedKeysReply:
-        """Trust a new signer for its tenants; changing a known one (key, tenants, trust) needs
-        ``rotate``. Asking again for exactly what is stored changes nothing and is no error."""
-        for _ in range(COMMIT_ATTEMPTS):
-            async with self._lock:
-                before, revision = await self._kv.load_signer(req.signer)  # as stored now, by any replica
-                if (
-                    before is not None
-                    and before.trusted
-                    and (before.public_key, before.tenants) == (req.public_key, sorted(set(req.tenants)))
-                ):
-                    self.signers[req.signer] = before
-                    return self._signers_reply()
-                if before is None and req.rotate:
-                    raise NotFound(f"signer {req.signer!r} is not known; trust it without rotate", param="signer")
-                if before is not None and not req.rotate:
-                    raise Conflict(
-                        f"signer {req.signer!r} is already known; replacing its key or tenants needs rotate",
-                        param="signer",
-                    )
-                retired = before.retired_keys if before else []
-                if before is not None and before.public_key != req.public_key:
-                    retired = [*retired, before.public_key]
-                record = SignerRecord(
-                    signer=req.signer, public_key=req.public_key, tenants=sorted(set(req.tenants)), retired_keys=retired
-                )
-                try:
-                    await self._kv.put_signer(record, revision)
-                except StaleRecords:
-                    continue
-                self.signers[req.signer] = record
-                await self._audit_signer("signer_rotated" if before else "signer_trusted", req.actor, before, record)
-            return self._signers_reply()
-        raise _contended(f"signer {req.signer}")
-
-    async def untrust_key(self, req: UntrustKeyRequest) -> TrustedKeysReply:
-        """New pushes signed by it are refused; the versions it signed stay until they are revoked."""
-        for _ in range(COMMIT_ATTEMPTS):
-            async with self._lock:
-                before, revision = await self._kv.load_signer(req.signer)
-                if before is None:
-                    raise NotFound(f"signer {req.signer!r} is not known", param="signer")
-                record = before.model_copy(update={"trusted": False, "updated_at": time.time()})
-                try:
-                    await self._kv.put_signer(record, revision)
-                except StaleRecords:
-                    continue
-                self.signers[req.signer] = record
-                await self._audit_signer("signer_untrusted", req.actor, before, record)
-            return self._signers_reply()
-        raise _contended(f"signer {req.signer}")
-
-    def _signers_reply(self) -> TrustedKeysReply:
-        records = [self.signers[name] for name in sorted(self.signers)]
-        return TrustedKeysReply(keys={r.signer: r.public_key for r in records if r.trusted}, signers=records)
-
-    async def _audit_signer(
-        self, action: SignerAction, actor: str, before: SignerRecord | None, after: SignerRecord
-    ) -> None:
-        """One record under each tenant the signer could or can sign for (the platform's when none)."""
-        tenants = sorted(set(after.tenants) | set(before.tenants if before else [])) or [SHARED_TENANT]
-        detail = {
-            "public_key": after.public_key,
-            "tenants": after.tenants,
-            "trusted": after.trusted,
-            "key_changed": before is not None and before.public_key != after.public_key,
-        }
-        for tenant in tenants:
-            audit = AdminAudit(actor=actor, tenant_id=tenant, action=action, target=after.signer, detail=detail)
-            await self._publish(subjects.audit(audit.kind, tenant), AuditEnvelope(body=audit))
-
     async def register(self, req: RegisterRequest) -> AdapterRecordsReply:
         """Validate, verify, store, record. A refusal stores nothing, drops the upload and is audited."""
         try:
@@ -277,7 +188,7 @@ class Registry:
                             record = change.after
                             break
                 else:
-                    raise _contended(req.adapter_id)
+                    raise contended(req.adapter_id)
         except LorafleetError as e:
             refusal = RejectionAudit(
                 request_id=f"register.{req.adapter_id}",
@@ -311,7 +222,7 @@ class Registry:
                     reason = f"fetched from {fetched.uri}"[:500]
                     if await self._committed([change], req.actor, prefix, fetched.paths, reason):
                         return change.after
-        raise _contended(req.adapter_id)
+        raise contended(req.adapter_id)
 
     async def _admit(
         self,
@@ -398,7 +309,7 @@ class Registry:
                     await self._refresh(changes[0].after.adapter_id)
                     continue
             return AdapterRecordsReply(records=[c.after for c in changes])
-        raise _contended(changes[0].after.adapter_id)
+        raise contended(changes[0].after.adapter_id)
 
     async def reload(self, adapter_id: str) -> None:
         """Take one adapter's records from KV: another replica may have changed them since the watch's last entry."""
@@ -458,12 +369,6 @@ class Registry:
 def _attempt() -> str:
     """A push's own token in its files' prefix."""
     return uuid.uuid4().hex[:12]
-
-
-def _contended(what: str) -> Conflict:
-    return Conflict(
-        f"{what} was changed by other registry replicas {COMMIT_ATTEMPTS} times while this change was planned; retry"
-    )
 
 
 def _next_version(catalog: Catalog, req: RegisterRequest) -> int:

@@ -140,7 +140,7 @@ async def open_registry(
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
     mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
-    mirrors.append(await follow_loaded(nc, subjects.REGISTRY_SIGNERS_BUCKET, registry.apply_signer, tasks))
+    mirrors.append(await follow_loaded(nc, subjects.REGISTRY_SIGNERS_BUCKET, registry.signer_ops.apply_signer, tasks))
     return registry
 
 
@@ -211,9 +211,9 @@ async def subscribe(
         "revoke": _op(RevokeRequest, registry.revoke),
         "get": _op(GetAdapterRequest, registry.get),
         "adapters": _op(ListAdaptersRequest, registry.adapters),
-        "trust_key": _op(TrustKeyRequest, registry.trust_key),
-        "untrust_key": _op(UntrustKeyRequest, registry.untrust_key),
-        "keys": _op(ListKeysRequest, registry.keys),
+        "trust_key": _op(TrustKeyRequest, registry.signer_ops.trust_key),
+        "untrust_key": _op(UntrustKeyRequest, registry.signer_ops.untrust_key),
+        "keys": _op(ListKeysRequest, registry.signer_ops.keys),
         "record_eval": _op(RecordEvalRequest, registry.record_eval),
         "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),
         "tenants": _op(ListTenantsRequest, tenants.list_tenants),
