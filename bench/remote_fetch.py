@@ -156,7 +156,7 @@ def child(peer: str, args: dict) -> dict[str, float]:
     if peer == "fetch":
         from services.registry.remote_fetch import RemoteFetcher
         from services.registry.source_uri import parse_source
-        from shared.config import RemoteSourceSettings
+        from shared.registry_config import RemoteSourceSettings
         from shared.schemas import SourceEntry
 
         settings = RemoteSourceSettings(s3_enabled=True, s3_endpoint_url=args["endpoint"])
@@ -179,7 +179,7 @@ async def _register(args: dict) -> dict[str, float]:
     from services.registry.service import run
     from shared import subjects
     from shared.bus import connect, request
-    from shared.config import RegistrySettings, RemoteSourceSettings
+    from shared.registry_config import RegistrySettings, RemoteSourceSettings
     from shared.schemas import AdapterRecordsReply, AddSourceRequest, RegisterRequest, SourcesReply
 
     settings = RegistrySettings(

@@ -3,7 +3,7 @@
 import os
 import socket
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
@@ -283,128 +283,6 @@ class WorkerIdentity(CommonSettings):
     """Who a worker is; the rest of its settings (services/worker/settings.py) need torch to validate."""
 
     worker_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class RemoteSourceSettings(BaseModel):
-    """How the registry fetches a register request's remote ``source_uri``: both kinds are off
-    until enabled, and every fetch is bounded by these limits."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    s3_enabled: bool = Field(default=False, description="admit s3://bucket/prefix/ sources on the allow-list")
-    https_enabled: bool = Field(default=False, description="admit https:// sources on the allow-list")
-    max_total_bytes: int = Field(
-        default=320 * 1_048_576, ge=1024, le=16 * 1024**3, description="bytes one fetch may read, all files together"
-    )
-    max_file_bytes: int = Field(
-        default=256 * 1_048_576, ge=1024, le=8 * 1024**3, description="bytes of any one fetched file"
-    )
-    max_files: int = Field(default=2, ge=2, le=64, description="objects an s3 prefix may list (only the two are read)")
-    timeout_s: float = Field(default=120.0, gt=0, le=3600, description="bound of one whole fetch, every file included")
-    max_redirects: int = Field(
-        default=3, ge=0, le=10, description="redirects followed per file, each to an allow-listed URL only"
-    )
-    ca_file: str | None = Field(
-        default=None, description="PEM bundle of the CAs TLS is verified against; None = the system's (certifi)"
-    )
-    s3_endpoint_url: str = Field(
-        default="https://s3.amazonaws.com",
-        pattern=r"^https?://[^/?#@]+/?$",
-        description="S3-compatible endpoint (path-style requests); credentials come from the AWS chain",
-    )
-    s3_region: str = Field(
-        default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$", description="region requests are signed for"
-    )
-
-
-class RegistrySettings(CommonSettings):
-    model_dir: str | None = Field(default=None, description="base model directory; None = embedded SmolLM2")
-    model_cache: str | None = Field(default=None, description="where the embedded GGUF is converted once")
-    dev_mode: bool = Field(default=False, description="admit unsigned adapters; never in production")
-    max_rank: int = Field(default=64, ge=1, le=1024, description="largest LoRA rank admitted")
-    fleet_rank_classes: tuple[int, ...] = Field(
-        default=(8, 16, 32, 64),
-        min_length=1,
-        max_length=16,
-        description="the fleet's rank classes while no worker of the base model is live (JSON list); with live "
-        "workers, the classes their heartbeats announce: a push whose rank none holds is refused",
-    )
-    fleet_slot_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="the workers' slot dtype (their LF_ENGINE__DTYPE): sizes the recorded slot bytes"
-    )
-    max_adapter_bytes: int = Field(
-        default=256 * 1_048_576, ge=1024, le=8 * 1024**3, description="largest adapter_model.safetensors admitted"
-    )
-    store_dir: str | None = Field(
-        default=None, description="approved store as a local trusted directory; None = the JetStream object store"
-    )
-    trusted_source_dirs: tuple[str, ...] = Field(
-        default=(), description="directories a register request may name as a file:// source"
-    )
-    remote: RemoteSourceSettings = Field(
-        default_factory=lambda: RemoteSourceSettings(),
-        description="remote adapter sources (s3://, https://), off by default (LF_REMOTE__*); the allow-list of "
-        "prefixes lives in the registry (lorafleet source add)",
-    )
-    release_require_eval: bool = Field(default=False, description="refuse to promote a version with no recorded eval")
-    release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every adapter's own threshold")
-    release_max_regression: float = Field(
-        default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
-    )
-    release_steps: tuple[float, ...] = Field(
-        default=(1.0, 10.0, 50.0, 100.0), min_length=1, description="the controller's canary traffic shares, percent"
-    )
-    release_gate: bool = Field(
-        default=True, description="the controller refuses a rollout whose version has no passing recorded eval"
-    )
-    release_min_samples: int = Field(
-        default=200, ge=1, le=1_000_000, description="completions of each version a step needs before advancing"
-    )
-    release_dwell_s: float = Field(default=300.0, ge=0, le=86_400, description="shortest time a step lasts")
-    release_guard_min_samples: int = Field(
-        default=20, ge=1, le=1_000_000, description="canary completions before the guards judge it"
-    )
-    release_max_error_increase: float = Field(
-        default=0.02, ge=0, le=1, description="canary error rate above production's that rolls back"
-    )
-    release_max_latency_ratio: float = Field(
-        default=1.5, ge=1, le=100, description="canary TTFT/TPOT p50 or p95 over production's that rolls back"
-    )
-    release_latency_slack_ms: float = Field(
-        default=5.0, ge=0, le=60_000, description="a latency difference under this never trips the ratio guard"
-    )
-    release_max_cost_ratio: float = Field(
-        default=1.5, ge=1, le=100, description="canary tokens per request over production's that rolls back"
-    )
-    release_max_complaint_increase: float = Field(
-        default=0.05, ge=0, le=1, description="canary complaint rate above production's that rolls back"
-    )
-    release_tick_s: float = Field(default=1.0, gt=0, le=60, description="how often the controller judges each rollout")
-    release_lease_s: float = Field(
-        default=10.0, gt=0, le=600, description="a rollout whose driving replica is silent this long is taken over"
-    )
-    gateway_sync_timeout_s: float = Field(
-        default=1.0,
-        ge=0,
-        le=60,
-        description="how long a catalog write waits for every live catalog mirror (gateways, schedulers, "
-        "workers) to hold it (0 = no wait); keep it under the gateways' registry_timeout_s, which bounds "
-        "their admin calls",
-    )
-
-    @field_validator("fleet_rank_classes")
-    @classmethod
-    def _ascending_classes(cls, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        if any(r < 1 or r > 1024 for r in ranks) or list(ranks) != sorted(set(ranks)):
-            raise ValueError("strictly ascending ranks in [1, 1024]")
-        return ranks
-
-    @field_validator("release_steps")
-    @classmethod
-    def _steps_rise_to_all_traffic(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
-        if any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(set(steps)) or steps[-1] != 100:
-            raise ValueError("increasing traffic percentages in (0, 100], the last one 100")
-        return steps
 
 
 class AuditorSettings(CommonSettings):

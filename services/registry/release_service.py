@@ -18,8 +18,8 @@ from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
 from shared import subjects
 from shared.bus import FOLLOW_HEARTBEAT_S, decode, encode
-from shared.config import RegistrySettings
 from shared.errors import LorafleetError
+from shared.registry_config import RegistrySettings
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
 
 log = structlog.get_logger("registry.release")

@@ -27,7 +27,6 @@ from botocore.session import Session
 
 from services.registry.source_uri import SourceLocation, check_addresses
 from shared.adapter_format import ADAPTER_FILES, CONFIG_FILE, MAX_CONFIG_BYTES
-from shared.config import RemoteSourceSettings
 from shared.errors import (
     SourceFetchFailed,
     SourceFileRefused,
@@ -35,6 +34,7 @@ from shared.errors import (
     SourceTimeout,
     SourceTooLarge,
 )
+from shared.registry_config import RemoteSourceSettings
 from shared.schemas import SourceEntry
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]

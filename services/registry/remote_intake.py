@@ -17,8 +17,8 @@ from services.registry.remote_fetch import FetchedFile, RemoteFetcher
 from services.registry.source_uri import parse_source
 from services.registry.sources import Sources
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterBytes
-from shared.config import RemoteSourceSettings
 from shared.errors import RemoteSourceDisabled
+from shared.registry_config import RemoteSourceSettings
 from shared.schemas import SourceOrigin
 
 

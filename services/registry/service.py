@@ -36,13 +36,14 @@ from shared.adapter_format import AdapterLimits
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
 from shared.catalog import Catalog
-from shared.config import RegistrySettings, load_settings
+from shared.config import load_settings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
 from shared.metrics import QUALITY_SCORE, serve_metrics
+from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AddSourceRequest,
     ApproveSourceRequest,

@@ -19,7 +19,8 @@ from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
 from lorafleet.cli.nats_auth import compose_worker
 from services.worker.settings import WorkerSettings
-from shared.config import AuditorSettings, CommonSettings, GatewaySettings, RegistrySettings, SchedulerSettings
+from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings
+from shared.registry_config import RegistrySettings
 from tests.deploy.compose_files import REPO
 
 K8S = REPO / "deploy" / "k8s"

@@ -24,10 +24,11 @@ from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
 from shared.catalog_mirror import Resolver
-from shared.config import AuditorSettings, GatewaySettings, RegistrySettings
+from shared.config import AuditorSettings, GatewaySettings
 from shared.errors import Unauthorized
 from shared.heartbeat import publish_heartbeats
 from shared.prompt_tokens import PromptTokens
+from shared.registry_config import RegistrySettings
 from shared.schemas import (
     ApiKeyCreatedReply,
     CreateApiKeyRequest,

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsError
 
 from services.worker.settings import WorkerSettings
-from shared.config import AuditorSettings, GatewaySettings, RegistrySettings, SchedulerSettings, load_settings
+from shared.config import AuditorSettings, GatewaySettings, SchedulerSettings, load_settings
+from shared.registry_config import RegistrySettings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from services.registry.service import run
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits
 from shared.bus import connect
-from shared.config import RegistrySettings
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
+from shared.registry_config import RegistrySettings
 from shared.schemas import AdapterRecord, ServiceHeartbeat
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers import records

@@ -18,8 +18,8 @@ from services.registry.service import run
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import connect, encode, request
-from shared.config import RegistrySettings
 from shared.errors import RankNotServed
+from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AdapterRecordsReply,
     EngineCapability,

@@ -25,8 +25,8 @@ from services.worker.lora import LoraConfig, ModelShapes
 from shared import signing, subjects
 from shared.bus import connect, drain_or_close, request
 from shared.catalog import record_key
-from shared.config import RegistrySettings
 from shared.errors import Conflict, ServiceUnavailable
+from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,

@@ -8,7 +8,7 @@ from nats.aio.client import Client as NATS
 
 from services.registry.intake import BaseModelIdentity
 from shared.bus import connect
-from shared.config import RemoteSourceSettings
+from shared.registry_config import RemoteSourceSettings
 from shared.schemas import TrustedKeysReply, TrustKeyRequest
 from shared.signing import KeyPair
 from tests.helpers.remote_sources import HttpsServer, MotoS3, aws_env, make_ca

@@ -20,10 +20,10 @@ from services.registry.service import run
 from shared import signing, subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import connect, request
-from shared.config import RegistrySettings, RemoteSourceSettings
 from shared.errors import (
     LorafleetError,
 )
+from shared.registry_config import RegistrySettings, RemoteSourceSettings
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,
