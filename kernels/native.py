@@ -23,14 +23,17 @@ and over the threads where torch's reduces a row on one thread.
 ``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
 of them) and ``panel_linear`` (any row count, through a weight packed once by ``panel_pack`` into
 24-feature panels under a register-tiled FMA kernel: on AVX2 CPUs 1.0-1.8x oneDNN's fp32 GEMM, and
-the bf16 GEMM oneDNN lacks there) are the dense projections' native paths
+the bf16 GEMM oneDNN lacks there) and ``panel_linear_dot`` (bf16 at any row count through
+AVX512-BF16's vdpbf16ps, the weight packed by ``panel_pack_dot`` into 32-feature panels of input
+pairs; built only where the CPU has it) are the dense projections' native paths
 (services/worker/engine/linear.py says which rows take which).
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
 build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora`,
-:func:`native_layer_ops`, :func:`native_small_linear` and :func:`native_panel_linear` build it once
+:func:`native_layer_ops`, :func:`native_small_linear`, :func:`native_panel_linear` and
+:func:`native_panel_dot` build it once
 per process and probe their ops against the eager paths; where
 the build or a probe fails they log why and return False, and the engine and the adapter manager keep
 the eager paths (a setting of ``native`` refuses to start instead).
@@ -57,6 +60,7 @@ SOURCES = tuple(
         "act_argmax.cpp",
         "small_gemm.cpp",
         "panel_gemm.cpp",
+        "panel_dot_bf16.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h",))
@@ -386,7 +390,9 @@ def _probe_small_linear() -> bool:
     return _probe_projection(small_linear, range(1, SMALL_LINEAR_ROWS + 1), "native_small_linear_probe_failed")
 
 
-def _probe_projection(op: Callable[..., torch.Tensor], row_counts: Iterable[int], event: str) -> bool:
+def _probe_projection(
+    op: Callable[..., torch.Tensor], row_counts: Iterable[int], event: str, dtypes: Sequence[torch.dtype] = DTYPES
+) -> bool:
     """``op(x, weight, bias)`` against the fp32 ``F.linear`` for each dtype and row count, with and
     without a bias, at widths that are no multiple of a vector; False (logged as ``event``) on any
     disagreement."""
@@ -394,7 +400,7 @@ def _probe_projection(op: Callable[..., torch.Tensor], row_counts: Iterable[int]
 
     generator = torch.Generator().manual_seed(0)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-    for dtype in DTYPES:
+    for dtype in dtypes:
         weight = torch.randn(37, 53, generator=generator).to(dtype)
         bias = torch.randn(37, generator=generator).to(dtype)
         for rows in row_counts:
@@ -438,6 +444,37 @@ def panel_linear_preferred() -> bool:
     (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs oneDNN's
     sixteen-lane kernels are kept. Call only where :func:`native_panel_linear` is True."""
     return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in _cpu_flags().split()
+
+
+@functools.cache
+def native_panel_dot() -> bool:
+    """Whether ``panel_pack_dot`` and ``panel_linear_dot`` (bf16 through AVX512-BF16's vdpbf16ps)
+    are built for this CPU, loaded, and agree with the fp32 ``F.linear`` here (row counts around the
+    eight-row tile, with and without a bias, widths that are no multiple of the 32-feature panel and
+    an odd input width)."""
+    if not built() or not torch.ops.lorafleet.panel_dot_bf16():
+        return False
+
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return panel_linear_dot(x, panel_pack_dot(weight), bias, weight.shape[0])
+
+    return _probe_projection(packed_linear, (1, 7, 8, 9, 17), "native_panel_dot_probe_failed", (torch.bfloat16,))
+
+
+def panel_pack_dot(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 ``weight`` [out, in] packed for :func:`panel_linear_dot`: panels of 32 output features
+    with the input features in pairs, [ceil(out / 32), ceil(in / 2), 32, 2], zero past the ends."""
+    packed: torch.Tensor = torch.ops.lorafleet.panel_pack_dot(weight)
+    return packed
+
+
+def panel_linear_dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bf16 for x [rows, in] (any rows), ``packed =
+    panel_pack_dot(weight)``, ``features = weight.shape[0]`` -> a new [rows, features]: fp32 sums of
+    exact bf16 products (vdpbf16ps), rounded once to bf16. Call only where :func:`native_panel_dot`
+    is True."""
+    out: torch.Tensor = torch.ops.lorafleet.panel_linear_dot(x, packed, bias, features)
+    return out
 
 
 def _probe_panel_linear() -> bool:

@@ -151,19 +151,22 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 
 @pytest.fixture
 def panel_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one without AVX-512 (the AMD EPYC CI machines), whatever this one has."""
+    """This CPU as one without AVX-512 (the AMD EPYC Zen 3 CI machines), whatever this one has."""
     monkeypatch.setattr(native, "panel_linear_preferred", lambda: True)
+    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
 
 
 @pytest.fixture
 def onednn_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one with AVX-512, whatever this one has."""
+    """This CPU as one with AVX-512 but not AVX512-BF16, whatever this one has."""
     monkeypatch.setattr(native, "panel_linear_preferred", lambda: False)
+    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
 
 
 @pytest.fixture
 def no_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN without a bf16 GEMM (any CPU without AVX-512), whatever this one has."""
+    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
     real = onednn_usable
     monkeypatch.setattr(linear_module, "onednn_usable", lambda dtype: False if dtype == torch.bfloat16 else real(dtype))
 
