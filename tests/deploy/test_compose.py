@@ -25,13 +25,8 @@ from lorafleet.cli.nats_auth import (
 )
 from services.worker.settings import WorkerSettings
 from services.worker.vllm_engine.config import VllmConfig
-from shared.config import (
-    AuditorSettings,
-    CommonSettings,
-    GatewaySettings,
-    RegistrySettings,
-    SchedulerSettings,
-)
+from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings
+from shared.registry_config import RegistrySettings
 from tests.deploy.compose_files import env_files, load, merge_service
 
 REPO = Path(__file__).resolve().parents[2]
