@@ -20,7 +20,7 @@ arithmetic, were most of a decode step's time outside the matmuls. Their results
 the eager ops round them (see the sources). ``argmax_rows`` is the greedy sampler's argmax, vectorised
 and over the threads where torch's reduces a row on one thread.
 
-``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
+The dense projections' ops (kernels/projections.py wraps them): ``small_linear`` (a decode batch's projections of up to eight rows: the weight streamed once for all
 of them) and ``panel_linear`` (any row count, through a weight packed once by ``panel_pack`` into
 24-feature panels under a register-tiled FMA kernel: on AVX2 CPUs 1.0-1.8x oneDNN's fp32 GEMM, and
 the bf16 GEMM oneDNN lacks there) and ``panel_linear_dot`` (bf16 at any row count through
@@ -32,8 +32,7 @@ The sources are compiled once per machine with torch's C++ extension builder (g+
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
 build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora`,
-:func:`native_layer_ops`, :func:`native_small_linear`, :func:`native_panel_linear` and
-:func:`native_panel_dot` build it once
+:func:`native_layer_ops` and kernels/projections.py's probes build it once
 per process and probe their ops against the eager paths; where
 the build or a probe fails they log why and return False, and the engine and the adapter manager keep
 the eager paths (a setting of ``native`` refuses to start instead).
@@ -43,7 +42,7 @@ import functools
 import hashlib
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -359,126 +358,3 @@ def _probe_decode() -> bool:
                     log.warning("native_decode_attention_probe_failed", dtype=str(dtype), row=s)
                     return False
     return True
-
-
-SMALL_LINEAR_ROWS = 8  # kMaxRows in the source
-
-
-@functools.cache
-def native_small_linear() -> bool:
-    """Whether ``small_linear`` is built, loaded and agrees with ``F.linear`` here (fp32 and bf16,
-    every row count it takes, with and without a bias, a width that is not a multiple of 16)."""
-    return built() and _probe_small_linear()
-
-
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [rows, in] with 1 <= rows <= SMALL_LINEAR_ROWS (contiguous
-    rows), weight [out, in] contiguous, bias [out] or None, all fp32 or all bf16 -> a new [rows, out]
-    (fp32 sums, rounded once to bf16). Call only where :func:`native_small_linear` is True."""
-    out: torch.Tensor = torch.ops.lorafleet.small_linear(x, weight, bias)
-    return out
-
-
-def small_linear_dot_bf16() -> bool:
-    """Whether the build takes bf16 batches of four rows and more through AVX512-BF16's dot product
-    (vdpbf16ps), where it is faster than oneDNN's packed path up to SMALL_LINEAR_ROWS rows. Call only
-    where :func:`native_small_linear` is True."""
-    return bool(torch.ops.lorafleet.small_linear_dot_bf16())
-
-
-def _probe_small_linear() -> bool:
-    return _probe_projection(small_linear, range(1, SMALL_LINEAR_ROWS + 1), "native_small_linear_probe_failed")
-
-
-def _probe_projection(
-    op: Callable[..., torch.Tensor], row_counts: Iterable[int], event: str, dtypes: Sequence[torch.dtype] = DTYPES
-) -> bool:
-    """``op(x, weight, bias)`` against the fp32 ``F.linear`` for each dtype and row count, with and
-    without a bias, at widths that are no multiple of a vector; False (logged as ``event``) on any
-    disagreement."""
-    import torch.nn.functional as F
-
-    generator = torch.Generator().manual_seed(0)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-    for dtype in dtypes:
-        weight = torch.randn(37, 53, generator=generator).to(dtype)
-        bias = torch.randn(37, generator=generator).to(dtype)
-        for rows in row_counts:
-            x = torch.randn(rows, 53, generator=generator).to(dtype)
-            for b in (bias, None):
-                want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-                error = (op(x, weight, b).float() - want).abs().max()
-                if not error <= tolerance[dtype] * want.abs().max():
-                    log.warning(event, dtype=str(dtype), rows=rows, bias=b is not None)
-                    return False
-    return True
-
-
-@functools.cache
-def native_panel_linear() -> bool:
-    """Whether ``panel_pack`` and ``panel_linear`` are built, loaded and agree with the fp32
-    ``F.linear`` here (fp32 and bf16, row counts around the four-row tile, with and without a bias,
-    widths that are not multiples of the 24-feature panel)."""
-    return built() and _probe_panel_linear()
-
-
-def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] (fp32 or bf16) packed for :func:`panel_linear`: panels of 24 output
-    features, [ceil(out / 24), in, 24] in the weight's dtype, zero past the last feature."""
-    packed: torch.Tensor = torch.ops.lorafleet.panel_pack(weight)
-    return packed
-
-
-def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [rows, in] (any rows, fp32 or bf16 as the weight was),
-    ``packed = panel_pack(weight)``, ``features = weight.shape[0]``, bias [features] or None -> a new
-    [rows, features]: fp32 FMA sums (bf16 widened exactly), rounded once to bf16 for bf16. Call only
-    where :func:`native_panel_linear` is True."""
-    out: torch.Tensor = torch.ops.lorafleet.panel_linear(x, packed, bias, features)
-    return out
-
-
-def panel_linear_preferred() -> bool:
-    """Whether the build's panel kernel is the one to take over oneDNN here: it is AVX2 + FMA and this
-    CPU has no AVX-512, where it was measured 1.0-1.8x oneDNN's fp32 GEMM from 9 to 1400 rows
-    (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs oneDNN's
-    sixteen-lane kernels are kept. Call only where :func:`native_panel_linear` is True."""
-    return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in _cpu_flags().split()
-
-
-@functools.cache
-def native_panel_dot() -> bool:
-    """Whether ``panel_pack_dot`` and ``panel_linear_dot`` (bf16 through AVX512-BF16's vdpbf16ps)
-    are built for this CPU, loaded, and agree with the fp32 ``F.linear`` here (row counts around the
-    eight-row tile, with and without a bias, widths that are no multiple of the 32-feature panel and
-    an odd input width)."""
-    if not built() or not torch.ops.lorafleet.panel_dot_bf16():
-        return False
-
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return panel_linear_dot(x, panel_pack_dot(weight), bias, weight.shape[0])
-
-    return _probe_projection(packed_linear, (1, 7, 8, 9, 17), "native_panel_dot_probe_failed", (torch.bfloat16,))
-
-
-def panel_pack_dot(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 ``weight`` [out, in] packed for :func:`panel_linear_dot`: panels of 32 output features
-    with the input features in pairs, [ceil(out / 32), ceil(in / 2), 32, 2], zero past the ends."""
-    packed: torch.Tensor = torch.ops.lorafleet.panel_pack_dot(weight)
-    return packed
-
-
-def panel_linear_dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in bf16 for x [rows, in] (any rows), ``packed =
-    panel_pack_dot(weight)``, ``features = weight.shape[0]`` -> a new [rows, features]: fp32 sums of
-    exact bf16 products (vdpbf16ps), rounded once to bf16. Call only where :func:`native_panel_dot`
-    is True."""
-    out: torch.Tensor = torch.ops.lorafleet.panel_linear_dot(x, packed, bias, features)
-    return out
-
-
-def _probe_panel_linear() -> bool:
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return panel_linear(x, panel_pack(weight), bias, weight.shape[0])
-
-    return _probe_projection(packed_linear, (1, 3, 4, 5, 9), "native_panel_linear_probe_failed")

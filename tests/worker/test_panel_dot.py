@@ -1,4 +1,4 @@
-"""The bf16 dot-product panel kernel (kernels/native.py ``panel_pack_dot`` + ``panel_linear_dot``: the
+"""The bf16 dot-product panel kernel (kernels/projections.py ``panel_pack_dot`` + ``panel_linear_dot``: the
 weight packed once into 32-feature panels of input pairs, an 8 x 32 register tile of AVX512-BF16
 vdpbf16ps) against the exact fp32 sum: row counts around its tile, odd and deep inputs, a bias or
 none, widths that are not multiples of a panel; its rounding is torch's; its result does not depend
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.native import native_panel_dot, panel_linear_dot, panel_pack_dot
+from kernels.projections import native_panel_dot, panel_linear_dot, panel_pack_dot
 from services.worker.engine.linear import LinearFactory, small_rows
 from tests.helpers.native import exact_linear as _exact
 from tests.helpers.native import linear_case as _case

@@ -1,4 +1,4 @@
-"""The native panel projection kernel (kernels/native.py ``panel_pack`` + ``panel_linear``: the weight
+"""The native panel projection kernel (kernels/projections.py ``panel_pack`` + ``panel_linear``: the weight
 packed once into 24-feature panels, a 4 x 24 FMA register tile) against ``F.linear``: row counts around
 its tile and its row blocks, depths around its k blocks, both dtypes, a bias or none, widths that are
 not multiples of a panel; its rounding is torch's; its result does not depend on the thread count;
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.native import native_panel_linear, panel_linear, panel_linear_preferred, panel_pack
+from kernels import projections
+from kernels.projections import native_panel_linear, panel_linear, panel_linear_preferred, panel_pack
 from services.worker.engine import linear as linear_module
 from services.worker.engine.linear import LinearFactory, onednn_usable, small_rows
 from tests.helpers.native import exact_linear as _exact
@@ -152,21 +152,21 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 @pytest.fixture
 def panel_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU as one without AVX-512 (the AMD EPYC Zen 3 CI machines), whatever this one has."""
-    monkeypatch.setattr(native, "panel_linear_preferred", lambda: True)
-    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
+    monkeypatch.setattr(projections, "panel_linear_preferred", lambda: True)
+    monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
 
 
 @pytest.fixture
 def onednn_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU as one with AVX-512 but not AVX512-BF16, whatever this one has."""
-    monkeypatch.setattr(native, "panel_linear_preferred", lambda: False)
-    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
+    monkeypatch.setattr(projections, "panel_linear_preferred", lambda: False)
+    monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
 
 
 @pytest.fixture
 def no_onednn_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN without a bf16 GEMM (any CPU without AVX-512), whatever this one has."""
-    monkeypatch.setattr(native, "native_panel_dot", lambda: False)
+    monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
     real = onednn_usable
     monkeypatch.setattr(linear_module, "onednn_usable", lambda dtype: False if dtype == torch.bfloat16 else real(dtype))
 
@@ -214,7 +214,7 @@ def test_panel_mode_takes_it_for_every_row_and_torch_mode_never(
 
 
 def test_panel_mode_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_module.native, "native_panel_linear", lambda: False)
+    monkeypatch.setattr(linear_module.projections, "native_panel_linear", lambda: False)
     with pytest.raises(ValueError, match="cpu_linear='panel' is not usable"):
         LinearFactory("panel", "cpu", torch.float32)
     with pytest.raises(ValueError, match="cpu_linear='panel' is not usable"):
@@ -225,7 +225,7 @@ def test_bf16_without_onednn_or_the_kernel_warns_at_load(monkeypatch: pytest.Mon
     """Where neither oneDNN nor the native kernel has a bf16 GEMM, bf16 is still served (on torch's
     reference GEMM) and the load says so."""
     events: list[str] = []
-    monkeypatch.setattr(linear_module.native, "native_panel_linear", lambda: False)
+    monkeypatch.setattr(linear_module.projections, "native_panel_linear", lambda: False)
     monkeypatch.setattr(linear_module.log, "warning", lambda event, **_: events.append(event))
     _, weight, _ = _case(1, 64, 32, torch.bfloat16, False)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight)

@@ -1,4 +1,4 @@
-"""The native small-row projection kernel (kernels/native.py ``small_linear``) against ``F.linear``:
+"""The native small-row projection kernel (kernels/projections.py ``small_linear``) against ``F.linear``:
 every row count it takes, both dtypes, a bias or none, widths that are not a multiple of the vector
 width, strided input rows; what it refuses; and which rows the engine's linears send to it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.native import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
+from kernels.projections import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
 from services.worker.engine.linear import (
     BF16_WIDENING_ROWS,
     PANEL_SMALL_ROWS,

@@ -1,5 +1,5 @@
 """The engine's dense projections: torch's ``F.linear``, or on CPU a oneDNN-prepacked weight or
-kernels.native's small-row and panel kernels, in fp32 and bf16.
+kernels.projections' small-row and panel kernels, in fp32 and bf16.
 
 On CPU, ``F.linear`` runs MKL's sgemm, which on non-Intel processors (such as the AMD EPYC this
 project's CI runs on) takes a generic code path. oneDNN with the weight reordered once into its
@@ -16,7 +16,7 @@ CPU linears; a probe at load time checks it exists and agrees with ``F.linear`` 
 weight is packed, else ``auto`` stays on ``F.linear`` (``onednn`` refuses to start).
 
 A small decode batch's projections (up to :func:`small_rows` rows) go one step further in ``auto``:
-kernels.native's ``small_linear`` streams the plain weight once for all the rows with software
+kernels.projections' ``small_linear`` streams the plain weight once for all the rows with software
 prefetch, where oneDNN's packed matrix-vector path reaches about two thirds of the read bandwidth
 (30 layers of SmolLM2's projections at one row, fp32: 14.2 -> 13.1 ms; four rows 16.3 -> 12.5 ms;
 bf16 9.4 -> 7.1 and 11.1 -> 7.5 ms; bf16 from four rows through AVX512-BF16's dot product where the
@@ -24,7 +24,7 @@ CPU has it, an engine decode step 1.37x faster than the packed path at four rows
 eight). It is probed at load like the other native kernels; where it
 is not usable the rows take the packed path.
 
-On CPUs without AVX-512 (such as the AMD EPYC above) ``auto`` takes kernels.native's panel kernel
+On CPUs without AVX-512 (such as the AMD EPYC above) ``auto`` takes kernels.projections' panel kernel
 instead of oneDNN for the rows past the small-row kernel: the weight packed once into 24-feature
 panels (in its own dtype: it replaces oneDNN's packed copy), a 4 x 24 register tile of FMAs, the next
 panel prefetched, runs of panels claimed by whichever thread is free. Over 30 layers of SmolLM2's
@@ -37,7 +37,7 @@ bytes. On AVX-512 CPUs oneDNN's sixteen-lane GEMM stays (the panel kernel is eig
 bf16 where oneDNN has no bf16 path. Without the native build, the engine logs at load that bf16 runs on
 the reference GEMM there.
 
-Where the CPU has AVX512-BF16, bf16 rows past the small-row kernel take kernels.native's dot-product
+Where the CPU has AVX512-BF16, bf16 rows past the small-row kernel take kernels.projections' dot-product
 panel kernel instead of oneDNN's bf16 GEMM: 32-feature panels of input pairs, an 8 x 32 tile of
 vdpbf16ps (two exact bf16 products added to each fp32 lane per instruction), the next panel
 prefetched. On a 2-core AMD EPYC with AVX512-BF16 (Zen 4), 30 layers of SmolLM2's projections,
@@ -54,7 +54,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, projections
 
 CpuLinear = Literal["auto", "torch", "onednn", "panel"]
 log = structlog.get_logger("engine")
@@ -63,7 +63,7 @@ PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where the panel kernel t
 
 
 def small_rows(dtype: torch.dtype, panel: bool = False) -> int:
-    """Rows up to which ``auto`` takes kernels.native's small-row kernel rather than the path for more
+    """Rows up to which ``auto`` takes kernels.projections' small-row kernel rather than the path for more
     rows (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
     from memory, 2 threads). Against oneDNN's packed path: fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x
     at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps
@@ -76,8 +76,8 @@ def small_rows(dtype: torch.dtype, panel: bool = False) -> int:
         return 0
     if panel:
         return PANEL_SMALL_ROWS
-    if dtype == torch.float32 or native.small_linear_dot_bf16() or not onednn_usable(dtype):
-        return native.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
+    if dtype == torch.float32 or projections.small_linear_dot_bf16() or not onednn_usable(dtype):
+        return projections.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
     return BF16_WIDENING_ROWS
 
 
@@ -145,22 +145,22 @@ def onednn_usable(dtype: torch.dtype) -> bool:
 
 @dataclass(slots=True)
 class Linear:
-    """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.native's small-row
-    kernel, the rest through ``panel`` (kernels.native's panel kernel) or ``packed`` (oneDNN) when
+    """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
+    kernel, the rest through ``panel`` (kernels.projections' panel kernel) or ``packed`` (oneDNN) when
     there is one, else ``F.linear``."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's blocked layout of weight
     small_rows: int = 0  # 0: no small-row kernel
-    panel: torch.Tensor | None = None  # native.panel_pack(weight), or native.panel_pack_dot(weight) if dot
+    panel: torch.Tensor | None = None  # projections.panel_pack(weight), or projections.panel_pack_dot(weight) if dot
     dot: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows and x.shape[0] > 0:
-            return native.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
+            return projections.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.panel is not None:
-            kernel = native.panel_linear_dot if self.dot else native.panel_linear
+            kernel = projections.panel_linear_dot if self.dot else projections.panel_linear
             return kernel(x, self.panel, self.bias, self.weight.shape[0])
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
@@ -175,19 +175,21 @@ class LinearFactory:
 
     def __init__(self, mode: CpuLinear, device: str, dtype: torch.dtype):
         cpu = torch.device(device).type == "cpu"
-        kernel = cpu and mode in ("auto", "panel") and dtype in native.DTYPES and native.native_panel_linear()
+        kernel = cpu and mode in ("auto", "panel") and dtype in native.DTYPES and projections.native_panel_linear()
         if mode == "panel" and not kernel:
             raise ValueError(f"cpu_linear='panel' is not usable here for {dtype} (see the engine log)")
         reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
         # bf16 where the build has AVX512-BF16: the dot-product panel kernel, at every row count
-        self.dot = cpu and mode in ("auto", "panel") and dtype == torch.bfloat16 and native.native_panel_dot()
-        self.panel = self.dot or (kernel and (mode == "panel" or native.panel_linear_preferred() or reference_bf16))
+        self.dot = cpu and mode in ("auto", "panel") and dtype == torch.bfloat16 and projections.native_panel_dot()
+        self.panel = self.dot or (
+            kernel and (mode == "panel" or projections.panel_linear_preferred() or reference_bf16)
+        )
         self.pack = not self.panel and cpu and mode in ("auto", "onednn") and onednn_usable(dtype)
         if mode == "onednn" and not self.pack:
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
         auto = mode == "auto" and cpu
         panel_rows = self.panel and not self.dot  # the AVX2 panel kernel takes rows from 5 on
-        self.small_rows = small_rows(dtype, panel_rows) if auto and native.native_small_linear() else 0
+        self.small_rows = small_rows(dtype, panel_rows) if auto and projections.native_small_linear() else 0
         if self.panel:
             log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, dot=self.dot)
         elif reference_bf16 and mode != "torch":
@@ -200,6 +202,6 @@ class LinearFactory:
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
-        panel = (native.panel_pack_dot if self.dot else native.panel_pack)(weight) if self.panel else None
+        panel = (projections.panel_pack_dot if self.dot else projections.panel_pack)(weight) if self.panel else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
         return Linear(weight, bias, packed, self.small_rows, panel, self.dot)
