@@ -1,6 +1,7 @@
 """The dense projections' native ops, built with the rest of kernels/native.py's extension:
 ``small_linear`` (up to eight rows, the weight streamed once for all), ``panel_linear`` (any rows,
-a weight packed into 24-feature panels) and ``panel_linear_dot`` (bf16 through AVX512-BF16), each
+a weight packed into 24-feature panels), ``panel_linear_wide`` (fp32 through AVX-512's sixteen-lane
+FMAs) and ``panel_linear_dot`` (bf16 through AVX512-BF16), each
 with the probe that checks it against ``F.linear`` once per process before the engine uses it
 (services/worker/engine/linear.py says which rows take which)."""
 
@@ -96,8 +97,8 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 def panel_linear_preferred() -> bool:
     """Whether the build's panel kernel is the one to take over oneDNN here: it is AVX2 + FMA and this
     CPU has no AVX-512, where it was measured 1.0-1.8x oneDNN's fp32 GEMM from 9 to 1400 rows
-    (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs oneDNN's
-    sixteen-lane kernels are kept. Call only where :func:`native_panel_linear` is True."""
+    (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs the
+    sixteen-lane kernels (:func:`native_panel_wide`, oneDNN's) are faster. Call only where :func:`native_panel_linear` is True."""
     return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in native._cpu_flags().split()
 
 
@@ -129,6 +130,35 @@ def panel_linear_dot(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     exact bf16 products (vdpbf16ps), rounded once to bf16. Call only where :func:`native_panel_dot`
     is True."""
     out: torch.Tensor = torch.ops.lorafleet.panel_linear_dot(x, packed, bias, features)
+    return out
+
+
+@functools.cache
+def native_panel_wide() -> bool:
+    """Whether ``panel_pack_wide`` and ``panel_linear_wide`` (fp32 through AVX-512's sixteen-lane
+    FMAs) are built for this CPU, loaded, and agree with ``F.linear`` here (row counts around the
+    eight-row tile, with and without a bias, widths that are no multiple of the 32-feature panel)."""
+    if not native.built() or not torch.ops.lorafleet.panel_wide_avx512():
+        return False
+
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return panel_linear_wide(x, panel_pack_wide(weight), bias, weight.shape[0])
+
+    return _probe_projection(packed_linear, (1, 7, 8, 9, 17), "native_panel_wide_probe_failed", (torch.float32,))
+
+
+def panel_pack_wide(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``weight`` [out, in] packed for :func:`panel_linear_wide`: panels of 32 output features,
+    [ceil(out / 32), in, 32], zero past the last feature."""
+    packed: torch.Tensor = torch.ops.lorafleet.panel_pack_wide(weight)
+    return packed
+
+
+def panel_linear_wide(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in fp32 for x [rows, in] (any rows), ``packed =
+    panel_pack_wide(weight)``, ``features = weight.shape[0]`` -> a new [rows, features]: fp32 FMA sums
+    in input order. Call only where :func:`native_panel_wide` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.panel_linear_wide(x, packed, bias, features)
     return out
 
 

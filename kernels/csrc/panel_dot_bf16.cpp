@@ -9,22 +9,21 @@
 // rows x 32 features (sixteen 16-lane fp32 accumulators) takes, per pair of input features, two
 // panel loads and one 32-bit broadcast of each row's pair, feeding sixteen vdpbf16ps: each adds two
 // exact bf16 products to its fp32 lane. A panel (36 KB at in = 576) is streamed from memory by its
-// first row tile and read from L2 by the others. Runs of panels are claimed from a shared counter by
-// whichever thread is free, as in panel_gemm.cpp. The fp32 sum plus bias is rounded once to bf16:
-// a bf16 GEMM with an fp32 accumulator, up to the order of the sum (vdpbf16ps flushes denormals).
+// first row tile and read from L2 by the others; the threads and the prefetch are panel_run.h's. The
+// fp32 sum plus bias is rounded once to bf16: a bf16 GEMM with an fp32 accumulator, up to the order
+// of the sum (vdpbf16ps flushes denormals).
 //
 // Built only where the compiler targets AVX512-BF16; elsewhere panel_dot_bf16() is false and the
 // engine does not take this path.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "panel_run.h"
 #include "vec.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -87,37 +86,14 @@ void row_tile(int64_t rows, const uint32_t* x, int64_t ldx, const at::BFloat16* 
 
 void run(const uint32_t* x, int64_t ldx, int64_t rows, int64_t pairs, const at::BFloat16* packed, int64_t features,
          const float* bias, at::BFloat16* out) {
-  const int64_t n_panels = (features + kFeatures - 1) / kFeatures;
-  const int64_t threads = at::get_num_threads();
-  const int64_t run_length = std::clamp<int64_t>(n_panels / (4 * threads), 1, 8);
-  const int64_t runs = (n_panels + run_length - 1) / run_length;
-  const int64_t panel_elems = pairs * 2 * kFeatures, panel_lines = (panel_elems * 2 + 63) / 64;
-  const int64_t tiles = (rows + kRows - 1) / kRows, per_tile = (panel_lines + tiles - 1) / tiles;
-  std::atomic<int64_t> counter{0};
-  at::parallel_for(0, std::min(threads, runs), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {  // one worker per task; claims runs until none are left
-      int64_t current = counter.fetch_add(1);
-      while (current < runs) {
-        const int64_t upcoming = counter.fetch_add(1);  // claimed now, so its first panel can be prefetched
-        const int64_t last = std::min(n_panels, (current + 1) * run_length);
-        for (int64_t p = current * run_length; p < last; ++p) {
-          const at::BFloat16* panel = packed + p * panel_elems;
-          const int64_t next = p + 1 < last ? p + 1 : upcoming < runs ? upcoming * run_length : -1;
-          const char* prefetch = reinterpret_cast<const char*>(packed + std::max<int64_t>(next, 0) * panel_elems);
-          int64_t lines = next >= 0 ? panel_lines : 0;
-          const int64_t n0 = p * kFeatures, valid = std::min(kFeatures, features - n0);
-          for (int64_t m = 0; m < rows; m += kRows) {
-            const int64_t n = std::min(per_tile, lines);
-            row_tile(std::min(kRows, rows - m), x + m * ldx, ldx, panel, pairs, bias ? bias + n0 : nullptr, valid,
-                     out + m * features + n0, features, prefetch, n);
-            prefetch += 64 * n;
-            lines -= n;
-          }
-        }
-        current = upcoming;
-      }
-    }
-  });
+  const int64_t panel_elems = pairs * 2 * kFeatures;
+  for_each_panel_tile((features + kFeatures - 1) / kFeatures, rows, kRows, packed, panel_elems * 2,
+                      [&](int64_t p, int64_t m, int64_t r, const char* prefetch, int64_t lines) {
+                        const int64_t n0 = p * kFeatures;
+                        row_tile(r, x + m * ldx, ldx, packed + p * panel_elems, pairs, bias ? bias + n0 : nullptr,
+                                 std::min(kFeatures, features - n0), out + m * features + n0, features, prefetch,
+                                 lines);
+                      });
 }
 #endif
 

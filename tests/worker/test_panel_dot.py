@@ -135,7 +135,7 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 def test_bf16_linears_take_it_past_the_small_rows_and_fp32_ones_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
-    assert linear.dot and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
+    assert linear.kernel == "dot" and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
     dot = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear_dot")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     served = small_rows(torch.bfloat16)
@@ -143,6 +143,6 @@ def test_bf16_linears_take_it_past_the_small_rows_and_fp32_ones_do_not(monkeypat
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(linear(x).float(), _exact(x, weight, b), rtol=2**-7, atol=2**-7)
     assert small == [1, served] and dot == [served + 1, 40, 300]
-    assert not LinearFactory("auto", "cpu", torch.float32)(weight.float()).dot
-    assert not LinearFactory("torch", "cpu", torch.bfloat16)(weight).dot
-    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).dot
+    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).kernel != "dot"
+    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight).panel is None
+    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).kernel == "dot"

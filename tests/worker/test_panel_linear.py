@@ -154,13 +154,16 @@ def panel_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU as one without AVX-512 (the AMD EPYC Zen 3 CI machines), whatever this one has."""
     monkeypatch.setattr(projections, "panel_linear_preferred", lambda: True)
     monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
+    monkeypatch.setattr(projections, "native_panel_wide", lambda: False)
 
 
 @pytest.fixture
 def onednn_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This CPU as one with AVX-512 but not AVX512-BF16, whatever this one has."""
+    """A build for an AVX-512 CPU without the sixteen-lane and dot-product panel kernels (where they
+    fail their probes), whatever this one has: oneDNN, not the eight-lane panel kernel."""
     monkeypatch.setattr(projections, "panel_linear_preferred", lambda: False)
     monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
+    monkeypatch.setattr(projections, "native_panel_wide", lambda: False)
 
 
 @pytest.fixture
@@ -215,6 +218,7 @@ def test_panel_mode_takes_it_for_every_row_and_torch_mode_never(
 
 def test_panel_mode_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear_module.projections, "native_panel_linear", lambda: False)
+    monkeypatch.setattr(linear_module.projections, "native_panel_wide", lambda: False)
     with pytest.raises(ValueError, match="cpu_linear='panel' is not usable"):
         LinearFactory("panel", "cpu", torch.float32)
     with pytest.raises(ValueError, match="cpu_linear='panel' is not usable"):

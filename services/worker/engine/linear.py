@@ -33,9 +33,9 @@ projections, fp32, 2 threads, weights streamed from memory: 1.8x oneDNN at 9-16 
 in bf16 is torch's reference loop, about 16 GFLOP/s against 100 and more for fp32): bf16 panels
 widened in the register, the fp32 sum rounded once (the same values as a bf16 GEMM with an fp32
 accumulator, up to the order of the sum), at 32 rows 1.6x oneDNN's fp32 GEMM as it reads half the
-bytes. On AVX-512 CPUs oneDNN's sixteen-lane GEMM stays (the panel kernel is eight-lane), except for
-bf16 where oneDNN has no bf16 path. Without the native build, the engine logs at load that bf16 runs on
-the reference GEMM there.
+bytes. On AVX-512 CPUs sixteen-lane kernels take the fp32 rows instead (the panel kernel's below, or
+oneDNN's), and bf16 goes to oneDNN's bf16 path or the dot-product kernel. Without the native build,
+the engine logs at load that bf16 runs on the reference GEMM where oneDNN has no bf16 path.
 
 Where the CPU has AVX512-BF16, bf16 rows past the small-row kernel take kernels.projections' dot-product
 panel kernel instead of oneDNN's bf16 GEMM: 32-feature panels of input pairs, an 8 x 32 tile of
@@ -45,6 +45,14 @@ isolated: 1.15-1.6x oneDNN at 9-32 rows, 1.1-1.3x at 64, even from 128 on (about
 own 2048^3 rate); in the engine, a batch-32 bf16 decode step's projections 31.1 -> 19.2 ms and the
 step 50.2 -> 33.2 ms (``python -m bench.engine_step --quick --dtype bfloat16``). It replaces oneDNN's
 packed copy, so the weights are still held twice at most.
+
+Where the CPU has AVX-512, fp32 rows past the small-row kernel take kernels.projections' sixteen-lane
+panel kernel instead of oneDNN's fp32 GEMM: 32-feature panels, an 8 x 32 tile of 16-lane FMAs, the
+dot-product kernel's threads and prefetch. On the same Zen 4, 30 layers of SmolLM2's projections,
+isolated: 1.2-1.3x oneDNN at 9-32 rows, 1.14x at 64, even from 512 on; in the engine a batch-32 fp32
+decode step's projections 53.6 / 48.1 -> 41.5 / 37.5 ms, the step 80.6 / 73.8 -> 67.7 / 59.5 ms (two
+paired runs). Measured on Zen 4 only, which runs 512-bit operations as two 256-bit halves: where
+AVX-512 is full width (Intel Xeon) it is unmeasured against oneDNN, which ``onednn`` mode keeps.
 """
 
 from dataclasses import dataclass
@@ -143,25 +151,32 @@ def onednn_usable(dtype: torch.dtype) -> bool:
         return False
 
 
+PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_linear, _wide, _dot
+
+
 @dataclass(slots=True)
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
-    kernel, the rest through ``panel`` (kernels.projections' panel kernel) or ``packed`` (oneDNN) when
-    there is one, else ``F.linear``."""
+    kernel, the rest through ``panel`` (packed for kernels.projections' panel kernel ``kernel``) or
+    ``packed`` (oneDNN) when there is one, else ``F.linear``."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None  # oneDNN's blocked layout of weight
     small_rows: int = 0  # 0: no small-row kernel
-    panel: torch.Tensor | None = None  # projections.panel_pack(weight), or projections.panel_pack_dot(weight) if dot
-    dot: bool = False
+    panel: torch.Tensor | None = None  # weight packed by kernel's pack (projections.panel_pack, _wide, _dot)
+    kernel: PanelKernel = "eight"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows and x.shape[0] > 0:
             return projections.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         if self.panel is not None:
-            kernel = projections.panel_linear_dot if self.dot else projections.panel_linear
-            return kernel(x, self.panel, self.bias, self.weight.shape[0])
+            features = self.weight.shape[0]
+            if self.kernel == "wide":
+                return projections.panel_linear_wide(x, self.panel, self.bias, features)
+            if self.kernel == "dot":
+                return projections.panel_linear_dot(x, self.panel, self.bias, features)
+            return projections.panel_linear(x, self.panel, self.bias, features)
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -169,29 +184,34 @@ class Linear:
 
 class LinearFactory:
     """Builds every projection of one model under one policy (probed once): ``auto`` (the small-row
-    kernel for a small batch, the panel kernel past it where it is preferred here or is the only bf16
-    GEMM, else oneDNN's packed path where usable, else ``F.linear``), ``torch`` (``F.linear`` only),
-    ``onednn`` / ``panel`` (that path for every row count, refusing to start where it is not usable)."""
+    kernel for a small batch; past it the panel kernel this CPU does best, where it has one: the dot
+    product for bf16 with AVX512-BF16, sixteen lanes for fp32 with AVX-512, eight lanes without
+    AVX-512 or where it is the only bf16 GEMM; else oneDNN's packed path where usable, else
+    ``F.linear``), ``torch`` (``F.linear`` only), ``onednn`` / ``panel`` (that path for every row
+    count, refusing to start where it is not usable)."""
 
     def __init__(self, mode: CpuLinear, device: str, dtype: torch.dtype):
-        cpu = torch.device(device).type == "cpu"
-        kernel = cpu and mode in ("auto", "panel") and dtype in native.DTYPES and projections.native_panel_linear()
-        if mode == "panel" and not kernel:
-            raise ValueError(f"cpu_linear='panel' is not usable here for {dtype} (see the engine log)")
+        cpu, panels = torch.device(device).type == "cpu", mode in ("auto", "panel")
+        eight = cpu and panels and dtype in native.DTYPES and projections.native_panel_linear()
         reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
-        # bf16 where the build has AVX512-BF16: the dot-product panel kernel, at every row count
-        self.dot = cpu and mode in ("auto", "panel") and dtype == torch.bfloat16 and projections.native_panel_dot()
-        self.panel = self.dot or (
-            kernel and (mode == "panel" or projections.panel_linear_preferred() or reference_bf16)
-        )
+        self.kernel: PanelKernel | None = None
+        if cpu and panels and dtype == torch.bfloat16 and projections.native_panel_dot():
+            self.kernel = "dot"  # at every row count past the small ones
+        elif cpu and panels and dtype == torch.float32 and projections.native_panel_wide():
+            self.kernel = "wide"
+        elif eight and (mode == "panel" or projections.panel_linear_preferred() or reference_bf16):
+            self.kernel = "eight"
+        if mode == "panel" and self.kernel is None:
+            raise ValueError(f"cpu_linear='panel' is not usable here for {dtype} (see the engine log)")
+        self.panel = self.kernel is not None
         self.pack = not self.panel and cpu and mode in ("auto", "onednn") and onednn_usable(dtype)
         if mode == "onednn" and not self.pack:
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
         auto = mode == "auto" and cpu
-        panel_rows = self.panel and not self.dot  # the AVX2 panel kernel takes rows from 5 on
-        self.small_rows = small_rows(dtype, panel_rows) if auto and projections.native_small_linear() else 0
+        eight_rows = self.kernel == "eight"  # the eight-lane panel kernel takes rows from 5 on
+        self.small_rows = small_rows(dtype, eight_rows) if auto and projections.native_small_linear() else 0
         if self.panel:
-            log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, dot=self.dot)
+            log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.kernel)
         elif reference_bf16 and mode != "torch":
             log.warning(
                 "bf16_linear_reference_gemm",
@@ -202,6 +222,7 @@ class LinearFactory:
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         packed = _pack(weight) if self.pack else None
-        panel = (projections.panel_pack_dot if self.dot else projections.panel_pack)(weight) if self.panel else None
+        pack = {"eight": projections.panel_pack, "wide": projections.panel_pack_wide, "dot": projections.panel_pack_dot}
+        panel = pack[self.kernel](weight) if self.kernel is not None else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
-        return Linear(weight, bias, packed, self.small_rows, panel, self.dot)
+        return Linear(weight, bias, packed, self.small_rows, panel, self.kernel or "eight")
