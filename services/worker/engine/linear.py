@@ -76,10 +76,11 @@ def small_rows(dtype: torch.dtype, panel: bool = False) -> int:
     from memory, 2 threads). Against oneDNN's packed path: fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x
     at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps
     (widening the bf16 weights costs more than the pass saves there; where oneDNN has no bf16 GEMM, all
-    eight). Against the panel kernel
-    (``panel``, AVX2): even at 1-7 rows (both stream the weight at the read bandwidth), 1.0-1.15x at
-    2-4 in fp32, the panel 1.06-1.2x faster at 8, so the small-row kernel keeps 4. Call only where
-    ``native_small_linear()`` is True."""
+    eight). Against the panel kernels
+    (``panel``: the eight-lane one on AVX2, the sixteen-lane one for fp32 on AVX-512): even at 1-7 rows
+    on AVX2 (both stream the weight at the read bandwidth), 1.0-1.15x at 2-4 in fp32, the panel
+    1.06-1.2x faster at 8; on Zen 4 even at 1-4 rows, the sixteen-lane panel 1.1-1.2x faster at 5-8.
+    So the small-row kernel keeps 4. Call only where ``native_small_linear()`` is True."""
     if dtype not in (torch.float32, torch.bfloat16):
         return 0
     if panel:
@@ -208,8 +209,8 @@ class LinearFactory:
         if mode == "onednn" and not self.pack:
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
         auto = mode == "auto" and cpu
-        eight_rows = self.kernel == "eight"  # the eight-lane panel kernel takes rows from 5 on
-        self.small_rows = small_rows(dtype, eight_rows) if auto and projections.native_small_linear() else 0
+        panel_rows = self.kernel in ("eight", "wide")  # the eight-lane kernel, or sixteen-lane fp32: rows from 5 on
+        self.small_rows = small_rows(dtype, panel_rows) if auto and projections.native_small_linear() else 0
         if self.panel:
             log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.kernel)
         elif reference_bf16 and mode != "torch":
