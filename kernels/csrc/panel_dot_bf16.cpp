@@ -35,7 +35,7 @@ namespace {
 using namespace lorafleet;
 
 constexpr int64_t kFeatures = 32;  // output features per panel: two 16-lane accumulators per row
-constexpr int64_t kRows = 8;       // rows per register tile
+constexpr int64_t kRows = 8;       // rows per register tile (with_tile_rows takes up to 8)
 
 #if defined(LF_DOT_BF16)
 // out[r][0 .. valid) = bf16(x[r] . panel + bias) for R rows; x rows of `pairs` 32-bit bf16 pairs
@@ -70,29 +70,17 @@ void tile(const uint32_t* x, int64_t ldx, const at::BFloat16* panel, int64_t pai
   for (; line < lines; ++line) _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
 }
 
-void row_tile(int64_t rows, const uint32_t* x, int64_t ldx, const at::BFloat16* panel, int64_t pairs, const float* bias,
-              int64_t valid, at::BFloat16* out, int64_t out_stride, const char* prefetch, int64_t lines) {
-  switch (rows) {
-    case 1: return tile<1>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 2: return tile<2>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 3: return tile<3>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 4: return tile<4>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 5: return tile<5>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 6: return tile<6>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    case 7: return tile<7>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-    default: return tile<8>(x, ldx, panel, pairs, bias, valid, out, out_stride, prefetch, lines);
-  }
-}
-
 void run(const uint32_t* x, int64_t ldx, int64_t rows, int64_t pairs, const at::BFloat16* packed, int64_t features,
          const float* bias, at::BFloat16* out) {
   const int64_t panel_elems = pairs * 2 * kFeatures;
   for_each_panel_tile((features + kFeatures - 1) / kFeatures, rows, kRows, packed, panel_elems * 2,
                       [&](int64_t p, int64_t m, int64_t r, const char* prefetch, int64_t lines) {
                         const int64_t n0 = p * kFeatures;
-                        row_tile(r, x + m * ldx, ldx, packed + p * panel_elems, pairs, bias ? bias + n0 : nullptr,
-                                 std::min(kFeatures, features - n0), out + m * features + n0, features, prefetch,
-                                 lines);
+                        with_tile_rows(r, [&](auto tile_rows) {
+                          tile<tile_rows.value>(x + m * ldx, ldx, packed + p * panel_elems, pairs,
+                                           bias ? bias + n0 : nullptr, std::min(kFeatures, features - n0),
+                                           out + m * features + n0, features, prefetch, lines);
+                        });
                       });
 }
 #endif

@@ -11,8 +11,25 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace lorafleet {
+
+// f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= 8: a register tile's row count as a
+// compile-time constant.
+template <typename F>
+void with_tile_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 // tile(p, m, r, prefetch, lines): panel p against rows [m, m + r) (r <= row_tile), fetching `lines`
 // cache lines from `prefetch` on along the way. Panels are `panel_bytes` apart from `packed`.

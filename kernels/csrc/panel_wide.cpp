@@ -32,7 +32,7 @@ namespace {
 using namespace lorafleet;
 
 constexpr int64_t kFeatures = 32;  // output features per panel: two 16-lane accumulators per row
-constexpr int64_t kRows = 8;       // rows per register tile
+constexpr int64_t kRows = 8;       // rows per register tile (with_tile_rows takes up to 8)
 
 #if defined(LF_WIDE)
 // out[r][0 .. valid) = x[r] . panel + bias for R rows of x (row stride ldx), panel [in][32].
@@ -69,19 +69,6 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
   for (; line < lines; ++line) _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
 }
 
-void row_tile(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t in, const float* bias,
-              int64_t valid, float* out, int64_t out_stride, const char* prefetch, int64_t lines) {
-  switch (rows) {
-    case 1: return tile<1>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 2: return tile<2>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 3: return tile<3>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 4: return tile<4>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 5: return tile<5>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 6: return tile<6>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    case 7: return tile<7>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-    default: return tile<8>(x, ldx, panel, in, bias, valid, out, out_stride, prefetch, lines);
-  }
-}
 #endif
 
 at::Tensor panel_pack_wide(const at::Tensor& weight) {
@@ -133,9 +120,11 @@ at::Tensor panel_linear_wide(const at::Tensor& x, const at::Tensor& packed, cons
   for_each_panel_tile(packed.size(0), rows, kRows, wp, panel_elems * int64_t(sizeof(float)),
                       [&](int64_t p, int64_t m, int64_t r, const char* prefetch, int64_t lines) {
                         const int64_t n0 = p * kFeatures;
-                        row_tile(r, xp + m * ldx, ldx, wp + p * panel_elems, in, bp ? bp + n0 : nullptr,
-                                 std::min(kFeatures, features - n0), op + m * features + n0, features, prefetch,
-                                 lines);
+                        with_tile_rows(r, [&](auto tile_rows) {
+                          tile<tile_rows.value>(xp + m * ldx, ldx, wp + p * panel_elems, in, bp ? bp + n0 : nullptr,
+                                           std::min(kFeatures, features - n0), op + m * features + n0, features,
+                                           prefetch, lines);
+                        });
                       });
 #else
   TORCH_CHECK(false, "panel_linear_wide: this build has no AVX-512 (see panel_wide_avx512())");
