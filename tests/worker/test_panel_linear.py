@@ -183,7 +183,7 @@ def test_auto_sends_rows_past_the_small_ones_to_the_panel_kernel_where_preferred
     assert linear.packed is None and linear.panel is not None  # no oneDNN copy besides
     panel = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
-    served = small_rows(dtype, panel=True)
+    served = small_rows(dtype, "eight")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     for rows in (1, served, served + 1, 40, 300):
         x = torch.randn(rows, 32).to(dtype)

@@ -127,7 +127,7 @@ def test_fp32_linears_take_it_past_the_small_rows_and_bf16_ones_do_not(monkeypat
     assert linear.kernel == "wide" and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
     wide = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear_wide")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
-    served = small_rows(torch.float32, panel=True)
+    served = small_rows(torch.float32, "wide")
     assert linear.small_rows == served == 4
     for rows in (1, served, served + 1, 40, 300):
         x = torch.randn(rows, 32)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import projections
 from kernels.projections import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
 from services.worker.engine.linear import (
     BF16_WIDENING_ROWS,
@@ -68,9 +69,11 @@ def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product_or_no_oned
     eight = small_linear_dot_bf16() or not onednn_usable(torch.bfloat16)
     assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS)
     assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
-    # against the panel kernel (AVX2), four rows in either dtype
-    assert small_rows(torch.float32, panel=True) == small_rows(torch.bfloat16, panel=True) == PANEL_SMALL_ROWS
-    assert small_rows(torch.float16, panel=True) == 0
+    # against the eight-lane panel kernel (AVX2) four rows in either dtype, the sixteen-lane fp32 one
+    # four, the bf16 dot-product one none
+    assert small_rows(torch.float32, "eight") == small_rows(torch.bfloat16, "eight") == PANEL_SMALL_ROWS
+    assert small_rows(torch.float32, "wide") == PANEL_SMALL_ROWS and small_rows(torch.bfloat16, "dot") == 0
+    assert small_rows(torch.float16, "eight") == 0
 
 
 def test_it_refuses_what_it_cannot_compute() -> None:
@@ -91,9 +94,11 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_auto_sends_small_rows_to_the_kernel_and_the_rest_past_it(monkeypatch, dtype: torch.dtype) -> None:
+    """(bf16 on a CPU without the dot-product panel kernel, which takes every bf16 row where it is.)"""
+    monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
     x, weight, _ = _case(1, 64, 32, dtype, False)
     linear = LinearFactory("auto", "cpu", dtype)(weight)
-    rows_served = small_rows(dtype, panel=linear.kernel in ("eight", "wide") and linear.panel is not None)
+    rows_served = small_rows(dtype, linear.kernel if linear.panel is not None else None)
     assert linear.small_rows == rows_served > 0
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7

@@ -37,8 +37,9 @@ bytes. On AVX-512 CPUs sixteen-lane kernels take the fp32 rows instead (the pane
 oneDNN's), and bf16 goes to oneDNN's bf16 path or the dot-product kernel. Without the native build,
 the engine logs at load that bf16 runs on the reference GEMM where oneDNN has no bf16 path.
 
-Where the CPU has AVX512-BF16, bf16 rows past the small-row kernel take kernels.projections' dot-product
-panel kernel instead of oneDNN's bf16 GEMM: 32-feature panels of input pairs, an 8 x 32 tile of
+Where the CPU has AVX512-BF16, bf16 projections of every row count take kernels.projections' dot-product
+panel kernel instead of oneDNN's bf16 GEMM (and instead of the small-row kernel, which it beats at 1-8
+rows there, see :func:`small_rows`): 32-feature panels of input pairs, an 8 x 32 tile of
 vdpbf16ps (two exact bf16 products added to each fp32 lane per instruction), the next panel
 prefetched. On a 2-core AMD EPYC with AVX512-BF16 (Zen 4), 30 layers of SmolLM2's projections,
 isolated: 1.15-1.6x oneDNN at 9-32 rows, 1.1-1.3x at 64, even from 128 on (about 420 GFLOP/s, oneDNN's
@@ -65,25 +66,28 @@ import torch.nn.functional as F
 from kernels import native, projections
 
 CpuLinear = Literal["auto", "torch", "onednn", "panel"]
+PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_linear, _wide, _dot
 log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
-PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where the panel kernel takes the rest
+PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where an fp32-rate panel kernel takes the rest
 
 
-def small_rows(dtype: torch.dtype, panel: bool = False) -> int:
+def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
     """Rows up to which ``auto`` takes kernels.projections' small-row kernel rather than the path for more
     rows (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
-    from memory, 2 threads). Against oneDNN's packed path: fp32 1.1x at one row, 1.3-1.5x at 2-4, 1.2x
-    at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build has vdpbf16ps
-    (widening the bf16 weights costs more than the pass saves there; where oneDNN has no bf16 GEMM, all
-    eight). Against the panel kernels
-    (``panel``: the eight-lane one on AVX2, the sixteen-lane one for fp32 on AVX-512): even at 1-7 rows
-    on AVX2 (both stream the weight at the read bandwidth), 1.0-1.15x at 2-4 in fp32, the panel
-    1.06-1.2x faster at 8; on Zen 4 even at 1-4 rows, the sixteen-lane panel 1.1-1.2x faster at 5-8.
-    So the small-row kernel keeps 4. Call only where ``native_small_linear()`` is True."""
-    if dtype not in (torch.float32, torch.bfloat16):
+    from memory, 2 threads). Against oneDNN's packed path (``kernel`` None): fp32 1.1x at one row,
+    1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build
+    has vdpbf16ps (widening the bf16 weights costs more than the pass saves there; where oneDNN has no
+    bf16 GEMM, all eight). Against the eight-lane panel kernel (AVX2): even at 1-7 rows (both stream
+    the weight at the read bandwidth), 1.0-1.15x at 2-4 in fp32, the panel 1.06-1.2x faster at 8; against
+    the sixteen-lane fp32 one on Zen 4 even at 1-4 rows, the panel 1.1-1.2x faster at 5-8: so 4 against
+    either. Against the bf16 dot-product panel kernel on Zen 4 the panel was faster at every row count
+    (1.3x at 1-2 rows, 1.4-1.65x at 3-8: it streams each contiguous panel, where the small-row kernel
+    reads rows of the plain weight side by side): none. Call only where ``native_small_linear()`` is
+    True."""
+    if dtype not in (torch.float32, torch.bfloat16) or kernel == "dot":
         return 0
-    if panel:
+    if kernel is not None:
         return PANEL_SMALL_ROWS
     if dtype == torch.float32 or projections.small_linear_dot_bf16() or not onednn_usable(dtype):
         return projections.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
@@ -152,9 +156,6 @@ def onednn_usable(dtype: torch.dtype) -> bool:
         return False
 
 
-PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_linear, _wide, _dot
-
-
 @dataclass(slots=True)
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
@@ -209,8 +210,7 @@ class LinearFactory:
         if mode == "onednn" and not self.pack:
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
         auto = mode == "auto" and cpu
-        panel_rows = self.kernel in ("eight", "wide")  # the eight-lane kernel, or sixteen-lane fp32: rows from 5 on
-        self.small_rows = small_rows(dtype, panel_rows) if auto and projections.native_small_linear() else 0
+        self.small_rows = small_rows(dtype, self.kernel) if auto and projections.native_small_linear() else 0
         if self.panel:
             log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.kernel)
         elif reference_bf16 and mode != "torch":
