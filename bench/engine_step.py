@@ -1,7 +1,10 @@
 """Where a decode step of the built-in engine spends its time, part by part (#24).
 
-``python -m bench.engine_step [--quick] [--batches 1 32] [--rounds N] [--threads N]``: for each batch
-size, bench.engine's chat prompts are prefilled, then each decode step is timed whole and by part.
+``python -m bench.engine_step [--quick] [--batches 1 32] [--rounds N] [--threads N] [--layer-loop python]``:
+for each batch size, bench.engine's chat prompts are prefilled, then each decode step is timed whole
+and by part. With the engine's default native layer loop (engine/layer_loop.py) a decode step's
+layers are one part, "decoder layers (native loop)"; ``--layer-loop python`` runs them in Python,
+each projection and layer op its own part.
 The engine's stage functions (projections, RMSNorm, RoPE, the attention's KV write, block gather and
 matmuls, the MLP activation, batch building, sampling, detokenisation, scheduling) are wrapped in
 perf_counter timers for the run, each part counting its own time only (a part called inside another is
@@ -32,6 +35,7 @@ from bench.rounds import QUICK_ROUNDS, Spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.detokenizer import IncrementalDetokenizer
+from services.worker.engine.layer_loop import NativeLayerLoop
 from services.worker.engine.linear import Linear
 from services.worker.engine.loader import load_model
 from shared.schemas import SamplingParams
@@ -110,6 +114,7 @@ def install(clock: StageClock, vocab_size: int) -> None:
     clock.wrap(attention, "gather_blocks", "attention: gather K/V blocks")
     clock.wrap(attention, "_decode_attention", "attention: decode matmuls, softmax")
     clock.wrap(attention, "paged_decode", "attention: native paged decode (kernels/native.py)")
+    clock.wrap(NativeLayerLoop, "__call__", "decoder layers (native loop: projections, attention, layer ops)")
 
 
 def spread(values: list[float]) -> Spread:
@@ -177,6 +182,12 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="serving dtype of weights and KV cache"
     )
+    parser.add_argument(
+        "--layer-loop",
+        choices=("auto", "python"),
+        default="auto",
+        help="EngineConfig.cpu_layer_loop: auto (the native loop, one part) or python (every op its own part)",
+    )
     parser.add_argument("--out", type=Path, help=f"result file (default {RESULTS}; other dtypes get -<dtype>)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -192,7 +203,13 @@ def main() -> None:
     try:
         engine = LLMEngine.from_loaded(
             loaded,
-            EngineConfig(kv_cache_bytes=512 * 2**20, max_model_len=512, max_num_seqs=64, dtype=args.dtype),
+            EngineConfig(
+                kv_cache_bytes=512 * 2**20,
+                max_model_len=512,
+                max_num_seqs=64,
+                dtype=args.dtype,
+                cpu_layer_loop=args.layer_loop,
+            ),
         )
         rows: list[BatchRow] = []
         for batch in batches:
@@ -212,6 +229,7 @@ def main() -> None:
     result = {
         "environment": environment(args.threads, args.dtype),
         "rounds": rounds,
+        "layer_loop": args.layer_loop,
         "headline": "median",
         "roofline": roofline(probe.limits()),
         "roofline_probes": probe.spread(),

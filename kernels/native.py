@@ -61,6 +61,7 @@ SOURCES = tuple(
         "panel_gemm.cpp",
         "panel_dot_bf16.cpp",
         "panel_wide.cpp",
+        "decoder_stack.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "panel_run.h"))

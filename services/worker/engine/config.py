@@ -6,6 +6,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.worker.engine.attention import CpuAttention
+from services.worker.engine.layer_loop import CpuLayerLoop
 from services.worker.engine.linear import CpuLinear
 from services.worker.engine.model import CpuLayerOps
 
@@ -54,6 +55,13 @@ class EngineConfig(BaseModel):
         "RMSNorm, RoPE with the K/V cache write, the MLP activation with its product by up, and the greedy "
         "sampler's argmax, fp32 and bf16, where they build for this CPU and pass their probe, else the eager "
         "ops), torch (eager only), native (the fused ops, refusing to start where they are not usable)",
+    )
+    cpu_layer_loop: CpuLayerLoop = Field(
+        default="auto",
+        description="CPU decode steps' layer loop: auto (a step of decodes only runs its decoder layers in one native "
+        "call, the same ops with the same values, where the native layer ops and decode attention are on, every "
+        "projection has a native panel kernel and the step's LoRA deltas are all native; else the Python loop), "
+        "python (the Python loop for every step)",
     )
     enable_prefix_caching: bool = Field(
         default=True,

@@ -3,6 +3,7 @@
 import time
 from collections.abc import Callable
 
+import structlog
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -27,6 +28,8 @@ from services.worker.engine.token_text import TokenText
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared import metrics
 from shared.schemas import TokenLogprob
+
+log = structlog.get_logger("engine")
 
 PromptLogprobs = dict[str, list[TokenLogprob]]  # request id -> its prompt's entries
 
@@ -66,7 +69,12 @@ class LLMEngine:
         native = use_native_decode(config.cpu_attention, config.device, config.torch_dtype, spec.head_dim)
         linear = LinearFactory(config.cpu_linear, config.device, config.torch_dtype)
         layer_ops = use_native_layer_ops(config.cpu_layer_ops, config.device, config.torch_dtype)
-        self.model = LlamaForward(weights, linear, native_attention=native, native_layer_ops=layer_ops)
+        loop = config.cpu_layer_loop == "auto"
+        self.model = LlamaForward(
+            weights, linear, native_attention=native, native_layer_ops=layer_ops, native_layer_loop=loop
+        )
+        if self.model.loop is not None:
+            log.info("native_layer_loop", dtype=str(config.torch_dtype), kernel=self.model.proj[0]["qkv"].kernel)
         self._argmax: Callable[[torch.Tensor], torch.Tensor] | None = native_argmax if layer_ops else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:

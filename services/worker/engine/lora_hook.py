@@ -1,5 +1,6 @@
 """The contract between the engine and the adapter slot cache (implemented in the worker's LoRA package)."""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -12,6 +13,17 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class BgmvCalls:
+    """LoRA deltas as ``DecoderStack.forward`` takes them (kernels/csrc/decoder_stack.cpp): per call,
+    ``layout`` holds its group's index in GROUPS, its member count and their columns, and ``tensors``
+    its scales, token indices and token rows, then every layer's A of each member (layer-major), then
+    as many B."""
+
+    tensors: list[torch.Tensor]
+    layout: list[int]
 
 
 class LoraHook(Protocol):
@@ -35,6 +47,12 @@ class LoraHook(Protocol):
     def groups(self) -> frozenset[str]:
         """The groups holding a projection any of this step's tokens' adapters target: the forward pass
         calls ``apply`` for these only (a q,v adapter's step makes one call per layer, for "qkv")."""
+        ...
+
+    def bgmv_calls(self, dtype: torch.dtype) -> BgmvCalls | None:
+        """The step's deltas as kernels.native ``lora_bgmv`` calls for the native layer loop (every
+        layer's, in ``apply``'s order), or None where some of them take another path (the loop then
+        runs in Python and calls ``apply``). ``dtype``: the model's."""
         ...
 
 

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from kernels import native
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.layer_loop import NativeLayerLoop
 from services.worker.engine.linear import Linear, LinearFactory
-from services.worker.engine.lora_hook import LoraHook
+from services.worker.engine.lora_hook import BgmvCalls, LoraHook
 from services.worker.engine.rope import apply_rope, rope_factors
 from services.worker.engine.weights import ModelWeights
 
 CpuLayerOps = Literal["auto", "torch", "native"]
+NO_LORA = BgmvCalls([], [])
 
 
 def use_native_layer_ops(mode: CpuLayerOps, device: str, dtype: torch.dtype) -> bool:
@@ -49,6 +51,10 @@ class LlamaForward:
     in place), RoPE with the K/V cache write (q and k rotated in place in the qkv output), the MLP's
     activation with its product by up. Their values are the eager ops', rounded where those round, up
     to the order of the norms' fp32 sums and the activation's exp (2 ulp).
+
+    With ``native_layer_loop`` and where layer_loop.NativeLayerLoop serves the model, a step of
+    decodes only runs its layers in one native call (the same ops, the same values); prefills, and
+    steps whose LoRA deltas are not all native, take the loop here.
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class LlamaForward:
         linear: LinearFactory | None = None,
         native_attention: bool = False,
         native_layer_ops: bool = False,
+        native_layer_loop: bool = False,
     ):
         self.w = weights
         self.spec = weights.spec
@@ -87,6 +94,9 @@ class LlamaForward:
             AttentionParams(s.attention_scale, layer.window, s.attn_softcap, native_attention)
             for layer in weights.layers
         ]
+        self.loop: NativeLayerLoop | None = None
+        if native_layer_loop and NativeLayerLoop.serves(weights, self.proj, self.attention, native_layer_ops):
+            self.loop = NativeLayerLoop(weights, self.proj, self.attention, s.gelu_tanh)
 
     def _norm_plain(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
@@ -141,17 +151,21 @@ class LlamaForward:
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> the last layer's output [num_tokens, hidden] (before the final norm)."""
         s = self.spec
-        k_end = s.q_size + s.kv_size
-        heads = s.num_heads + s.num_kv_heads
         cos_sin = self.w.rope[positions]
         cos_sin_local = self.w.rope_local[positions] if self.w.rope_local is not None else cos_sin
-        rope, rope_local = rope_factors(cos_sin), rope_factors(cos_sin_local)
         h = self.w.embed[input_ids]
         if self._embed_mul is not None:
             h = h * self._embed_mul
-        attn_out = h.new_empty(h.shape[0], s.q_size)
         layers = self.w.layers
         x = self.norm(h, layers[0].input_norm)
+        if self.loop is not None and not meta.prefill_bounds:
+            calls = lora.bgmv_calls(h.dtype) if lora is not None else NO_LORA
+            if calls is not None:
+                return self.loop(h, x, cos_sin, cos_sin_local, meta, cache, calls)
+        k_end = s.q_size + s.kv_size
+        heads = s.num_heads + s.num_kv_heads
+        rope, rope_local = rope_factors(cos_sin), rope_factors(cos_sin_local)
+        attn_out = h.new_empty(h.shape[0], s.q_size)
         groups = lora.groups if lora is not None else frozenset[str]()
         for i, (layer, proj) in enumerate(zip(layers, self.proj, strict=True)):
             qkv = proj["qkv"](x)

@@ -5,8 +5,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import LoraGroup, LoraIndex, add_lora_group
-from services.worker.engine.lora_hook import GROUPS
+from kernels.dispatch import NATIVE_MAX_MEAN_SEG_LEN
+from services.worker.engine.lora_hook import GROUPS, BgmvCalls
 from services.worker.lora.slots import RankClassStack
+
+GROUP_INDEX = {name: i for i, name in enumerate(GROUPS)}
 
 
 @dataclass(slots=True)
@@ -19,13 +22,15 @@ class ClassBatch:
     workspace: torch.Tensor  # [max_tokens * rank] fp32 shrink output on CUDA, empty on CPU
     native: bool = False  # CPU: kernels.native's lora_bgmv may serve (the manager's probe passed)
     groups: dict[str, list[LoraGroup]] = field(init=False)  # group -> per layer, the targeted members' weights
+    targeted: dict[str, tuple[str, ...]] = field(init=False)  # group -> its members these tokens target
 
     def __post_init__(self) -> None:
-        self.groups = {}
+        self.groups, self.targeted = {}, {}
         for name, members in GROUPS.items():
             targeted = tuple(m for m in members if m in self.modules)
             if targeted:
                 self.groups[name] = self.stack.group(name, targeted)
+                self.targeted[name] = targeted
 
 
 class LoraBatch:
@@ -54,3 +59,23 @@ class LoraBatch:
             if weights is not None:
                 stack = part.stack
                 add_lora_group(x, y, weights[layer], stack.scale, part.index, part.workspace, part.native)
+
+    def bgmv_calls(self, dtype: torch.dtype) -> BgmvCalls | None:
+        """``apply``'s deltas as lora_bgmv calls, where every one of them would take that kernel (a CPU
+        stack of the model's dtype, the manager's native probe passed, segments short enough: the
+        conditions of kernels.dispatch.add_lora_group), else None."""
+        tensors: list[torch.Tensor] = []
+        layout: list[int] = []
+        for part in self.classes:
+            index = part.index
+            if index.num_tokens == 0:
+                continue
+            if not part.native or index.mean_seg_len > NATIVE_MAX_MEAN_SEG_LEN:
+                return None
+            for name, targeted in part.targeted.items():
+                weights, cols = part.stack.flat_group(name, targeted)
+                if weights[0].is_cuda or weights[0].dtype != dtype:
+                    return None
+                layout += [GROUP_INDEX[name], len(cols), *cols]
+                tensors += [part.stack.scale, index.token_idx, index.token_row, *weights]
+        return BgmvCalls(tensors, layout)

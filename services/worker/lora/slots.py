@@ -16,7 +16,7 @@ from shared.errors import IntegrityError, NoFreeSlot
 class RankClassStack:
     """The stacked A / B weights and scales of one rank class; row r holds one adapter or zeros."""
 
-    __slots__ = ("_groups", "a", "b", "dims", "first_slot", "num_slots", "rank", "row_modules", "scale")
+    __slots__ = ("_flat", "_groups", "a", "b", "dims", "first_slot", "num_slots", "rank", "row_modules", "scale")
 
     def __init__(
         self,
@@ -43,6 +43,7 @@ class RankClassStack:
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
         self.row_modules: list[frozenset[str]] = [frozenset()] * num_slots  # host: modules each row targets
         self._groups: dict[tuple[str, tuple[str, ...]], list[LoraGroup]] = {}
+        self._flat: dict[tuple[str, tuple[str, ...]], tuple[list[torch.Tensor], tuple[int, ...]]] = {}
 
     def group(self, name: str, modules: tuple[str, ...]) -> list[LoraGroup]:
         """Per layer, the weights of ``modules`` (members of lora_hook.GROUPS[name], in its order) with
@@ -65,6 +66,17 @@ class RankClassStack:
             ]
             self._groups[key] = groups
         return groups
+
+    def flat_group(self, name: str, modules: tuple[str, ...]) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        """``group``'s weights as the native layer loop takes them (lora_hook.BgmvCalls): every layer's
+        A of each module, layer-major, then as many B; and the modules' columns. Built once per key."""
+        key = (name, modules)
+        flat = self._flat.get(key)
+        if flat is None:
+            groups = self.group(name, modules)
+            weights = [a for g in groups for a in g.a] + [b for g in groups for b in g.b]
+            flat = self._flat[key] = (weights, groups[0].cols)
+        return flat
 
     def set_slot(self, row: int, weights: AdapterWeights) -> None:
         """Copy an adapter into a row, zero-padded from its rank to the class rank."""

@@ -1,0 +1,105 @@
+"""A decode step's decoder layers in one native call (kernels/csrc/decoder_stack.cpp's DecoderStack).
+
+From Python each of a layer's dozen ops (four projections, RoPE with the K/V write, the paged
+attention, two residual adds with their norms, the activation, the slices between them) costs 4-6 us
+of interpreter and dispatch before it runs: about 2.4 ms of a 30-layer decode step, a tenth of a
+batch-1 step. The native stack calls the same registered ops with the same arguments from C++, so a
+step's values are the Python loop's bit for bit.
+
+It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
+every piece has its native form: the fused layer ops and the native paged decode attention are on,
+every projection has a panel kernel (linear.py's ``kernel``; the small-row kernel up to ``small_rows``
+rows, as ``Linear`` does), and the step's LoRA deltas, if any, are all ``lora_bgmv`` calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the
+Python loop for every step.
+"""
+
+from typing import Any, Literal
+
+import torch
+
+from services.worker.engine.attention import AttentionMetadata, AttentionParams
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.linear import Linear
+from services.worker.engine.lora_hook import BgmvCalls
+from services.worker.engine.weights import ModelWeights
+
+CpuLayerLoop = Literal["auto", "python"]
+PANEL_KERNELS = {"eight": 0, "wide": 1, "dot": 2}  # DecoderStack's kernel codes
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # lora_hook.GROUPS' order, DecoderStack's
+
+
+class NativeLayerLoop:
+    """The decoder layers of one model as a DecoderStack: built once at load, called per decode step."""
+
+    def __init__(
+        self, weights: ModelWeights, proj: list[dict[str, Linear]], attention: list[AttentionParams], gelu: bool
+    ):
+        s = weights.spec
+        linears = [layer[name] for layer in proj for name in PROJECTIONS]
+        first = linears[0]
+        self._stack: Any = torch.classes.lorafleet.DecoderStack(
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.rms_norm_eps,
+            s.residual_multiplier,
+            gelu,
+            first.small_rows,
+            PANEL_KERNELS[first.kernel],
+            [linear.weight for linear in linears],
+            [linear.bias for linear in linears],
+            [linear.panel for linear in linears],
+            [layer.post_norm for layer in weights.layers],
+            [layer.input_norm for layer in weights.layers],
+            [layer.attn_out_norm for layer in weights.layers],
+            [layer.mlp_out_norm for layer in weights.layers],
+            [layer.qk_norm for layer in weights.layers],
+            s.norm_fp32,
+            [int(layer.local_rope) for layer in weights.layers],
+            [params.window or 0 for params in attention],
+            [params.scale for params in attention],
+            [params.softcap or 0.0 for params in attention],
+        )
+
+    @staticmethod
+    def serves(
+        weights: ModelWeights, proj: list[dict[str, Linear]], attention: list[AttentionParams], native_ops: bool
+    ) -> bool:
+        """Whether a model's layers can run natively: CPU, the fused layer ops and the native decode
+        attention on, one panel kernel and small-row split for every projection."""
+        linears = [layer[name] for layer in proj for name in PROJECTIONS]
+        return (
+            native_ops
+            and weights.embed.device.type == "cpu"
+            and all(params.native for params in attention)
+            and all(linear.panel is not None for linear in linears)
+            and len({(linear.kernel, linear.small_rows) for linear in linears}) == 1
+        )
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        cos_sin_local: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        lora: BgmvCalls,
+    ) -> torch.Tensor:
+        """h: the step's embedded decodes [n, hidden] (updated in place); x: layer 0's normed input ->
+        the last layer's output, as LlamaForward.hidden returns it."""
+        n = meta.num_decode
+        out: torch.Tensor = self._stack.forward(
+            h,
+            x,
+            cos_sin,
+            cos_sin_local,
+            meta.slot_mapping,
+            cache.data,
+            meta.decode_blocks.view(n, -1),
+            meta.decode_lengths,
+            cache.block_size,
+            lora.tensors,
+            lora.layout,
+        )
+        return out
