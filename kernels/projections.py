@@ -15,6 +15,7 @@ from kernels import native
 
 log = structlog.get_logger("kernels")
 DTYPES = native.DTYPES
+FP32, BF16 = DTYPES
 
 
 SMALL_LINEAR_ROWS = 8  # kMaxRows in the source
@@ -110,11 +111,7 @@ def native_panel_dot() -> bool:
     an odd input width)."""
     if not native.built() or not torch.ops.lorafleet.panel_dot_bf16():
         return False
-
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return panel_linear_dot(x, panel_pack_dot(weight), bias, weight.shape[0])
-
-    return _probe_projection(packed_linear, (1, 7, 8, 9, 17), "native_panel_dot_probe_failed", (torch.bfloat16,))
+    return _probe_panel(panel_pack_dot, panel_linear_dot, (1, 7, 8, 9, 17), "native_panel_dot_probe_failed", (BF16,))
 
 
 def panel_pack_dot(weight: torch.Tensor) -> torch.Tensor:
@@ -140,11 +137,7 @@ def native_panel_wide() -> bool:
     eight-row tile, with and without a bias, widths that are no multiple of the 32-feature panel)."""
     if not native.built() or not torch.ops.lorafleet.panel_wide_avx512():
         return False
-
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return panel_linear_wide(x, panel_pack_wide(weight), bias, weight.shape[0])
-
-    return _probe_projection(packed_linear, (1, 7, 8, 9, 17), "native_panel_wide_probe_failed", (torch.float32,))
+    return _probe_panel(panel_pack_wide, panel_linear_wide, (1, 7, 8, 9, 17), "native_panel_wide_probe_failed", (FP32,))
 
 
 def panel_pack_wide(weight: torch.Tensor) -> torch.Tensor:
@@ -163,7 +156,19 @@ def panel_linear_wide(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
 
 
 def _probe_panel_linear() -> bool:
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return panel_linear(x, panel_pack(weight), bias, weight.shape[0])
+    return _probe_panel(panel_pack, panel_linear, (1, 3, 4, 5, 9), "native_panel_linear_probe_failed")
 
-    return _probe_projection(packed_linear, (1, 3, 4, 5, 9), "native_panel_linear_probe_failed")
+
+def _probe_panel(
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor],
+    row_counts: Iterable[int],
+    event: str,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+) -> bool:
+    """A panel kernel's ``linear(x, pack(weight), bias, features)`` through :func:`_probe_projection`."""
+
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, pack(weight), bias, weight.shape[0])
+
+    return _probe_projection(packed_linear, row_counts, event, dtypes)
