@@ -28,6 +28,10 @@ AVX512-BF16's vdpbf16ps, the weight packed by ``panel_pack_dot`` into 32-feature
 pairs; built only where the CPU has it) are the dense projections' native paths
 (services/worker/engine/linear.py says which rows take which).
 
+``torch.classes.lorafleet.DecoderStack`` (``decoder_stack.cpp``) holds a model's layers and runs a
+decode step's whole layer loop in one call, calling the ops above (and ``lora_bgmv``) through torch's
+dispatcher where the Python loop calls them one by one (services/worker/engine/layer_loop.py).
+
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
 a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
 under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
