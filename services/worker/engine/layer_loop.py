@@ -8,9 +8,9 @@ step's values are the Python loop's bit for bit.
 
 It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
 every piece has its native form: the fused layer ops and the native paged decode attention are on,
-every projection has a panel kernel (linear.py's ``kernel``; the small-row kernel up to ``small_rows``
-rows, as ``Linear`` does), and the step's LoRA deltas, if any, are all ``lora_bgmv`` calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the
-Python loop for every step.
+every projection has a panel kernel (linear.py's ``kernel``; the small-row kernel up to
+``small_rows`` rows, as ``Linear`` does), and the step's LoRA deltas, if any, are all ``lora_bgmv``
+calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop for every step.
 """
 
 from typing import Any, Literal
