@@ -132,7 +132,7 @@ def add_lora(
     if n == 0:
         return
     if not x.is_cuda:
-        if native and index.mean_seg_len <= NATIVE_MAX_MEAN_SEG_LEN and x.dtype == a.dtype:
+        if native_bgmv_serves(native, index, x.dtype, a):
             lora_bgmv(x, y, a, b, scale, index.token_idx, index.token_row)
         elif len(index.segments) == 1 or index.mean_seg_len > GATHER_MAX_MEAN_SEG_LEN:
             add_lora_segments(x, y, a, b, scale, index.token_idx, index.segments)
@@ -166,6 +166,14 @@ class LoraGroup:
     cols: tuple[int, ...]  # per projection: its first column in the fused output
 
 
+def native_bgmv_serves(native: bool, index: LoraIndex, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether the native ``lora_bgmv`` kernel takes a step's tokens of one rank class for inputs of
+    ``dtype`` against ``weight`` (one of its A stacks): allowed (``native``, :func:`use_native_lora`),
+    on CPU, segments short enough, inputs of the weights' dtype. The engine's native layer loop asks
+    the same (services/worker/lora/applier.py)."""
+    return native and not weight.is_cuda and index.mean_seg_len <= NATIVE_MAX_MEAN_SEG_LEN and dtype == weight.dtype
+
+
 def add_lora_group(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -179,7 +187,7 @@ def add_lora_group(
     native kernel takes them all in one call; the other paths take them one by one on column views."""
     if index.num_tokens == 0:
         return
-    if native and not x.is_cuda and index.mean_seg_len <= NATIVE_MAX_MEAN_SEG_LEN and x.dtype == group.a[0].dtype:
+    if native_bgmv_serves(native, index, x.dtype, group.a[0]):
         lora_bgmv_group(x, y, group.a, group.b, group.cols, scale, index.token_idx, index.token_row)
         return
     for a, b, col in zip(group.a, group.b, group.cols, strict=True):

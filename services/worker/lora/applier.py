@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import LoraGroup, LoraIndex, add_lora_group
-from kernels.dispatch import NATIVE_MAX_MEAN_SEG_LEN
+from kernels.dispatch import native_bgmv_serves
 from services.worker.engine.lora_hook import GROUPS, BgmvCalls
 from services.worker.lora.slots import RankClassStack
 
@@ -62,19 +62,17 @@ class LoraBatch:
 
     def bgmv_calls(self, dtype: torch.dtype) -> BgmvCalls | None:
         """``apply``'s deltas as lora_bgmv calls, where every one of them would take that kernel (a CPU
-        stack of the model's dtype, the manager's native probe passed, segments short enough: the
-        conditions of kernels.dispatch.add_lora_group), else None."""
+        stack of the model's dtype, the manager's native probe passed, segments short enough:
+        kernels.dispatch.native_bgmv_serves, as add_lora_group asks), else None."""
         tensors: list[torch.Tensor] = []
         layout: list[int] = []
         for part in self.classes:
             index = part.index
             if index.num_tokens == 0:
                 continue
-            if not part.native or index.mean_seg_len > NATIVE_MAX_MEAN_SEG_LEN:
-                return None
             for name, targeted in part.targeted.items():
                 weights, cols = part.stack.flat_group(name, targeted)
-                if weights[0].is_cuda or weights[0].dtype != dtype:
+                if not native_bgmv_serves(part.native, index, dtype, weights[0]):
                     return None
                 layout += [GROUP_INDEX[name], len(cols), *cols]
                 tensors += [part.stack.scale, index.token_idx, index.token_row, *weights]
