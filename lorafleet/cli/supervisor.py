@@ -126,6 +126,7 @@ class Supervisor:
 
 POLL_S = 0.5
 PUBLISH_S = 2.0
+CLOSE_S = 5.0
 
 
 async def supervise(supervisor: Supervisor, nats_url: str, pids_file: Path) -> None:
@@ -149,8 +150,10 @@ async def supervise(supervisor: Supervisor, nats_url: str, pids_file: Path) -> N
                     )
             await asyncio.sleep(POLL_S)
     finally:
+        # Bounded: right after NATS itself was restarted the client may still be reconnecting, and
+        # `up` must go on to stop every process rather than wait on it.
         with contextlib.suppress(Exception):
-            await nc.close()
+            await asyncio.wait_for(nc.close(), CLOSE_S)
 
 
 def _write_pids(path: Path, supervisor: Supervisor) -> None:

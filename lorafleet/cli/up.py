@@ -120,31 +120,37 @@ def run(args: argparse.Namespace) -> int:
         if ports[name] != wanted:
             print(f"port {wanted} is busy: {name} uses {ports[name]} instead")
     (state / "logs").mkdir(parents=True, exist_ok=True)
-    if args.cluster:
-        node_ports = [ports["nats"], *(pick_port(ports["nats"] + i) for i in (1, 2))]
-        nodes, auth = start_secured_nats_cluster(node_ports, state, state / "logs", tenants=(DEMO_TENANT,))
-        print(f"NATS cluster of {len(nodes)} nodes on ports {', '.join(map(str, node_ports))} (replicas 3)")
-    else:
-        nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
-        nodes = [nats]
-    nats_url = cluster_url(nodes)
-    redis, redis_env = start_redis_set(args.cluster, ports["redis"], args.sentinel_port, state)
-    if args.cluster:
-        print(
-            f"Redis {redis[0].port} with replica {redis[1].port}, sentinels on {', '.join(str(s.port) for s in redis[2:])}"
-        )
-    env = {
-        "LF_NATS_URL": nats_url,
-        "LF_JETSTREAM_REPLICAS": str(len(nodes)),
-        **redis_env,
-        "LF_PORT": str(ports["gateway"]),
-        "LF_DB_PATH": str(state / "audit.sqlite3"),
-        "LF_MODEL_CACHE": str(state / "models"),
-        "LF_RELEASE_REQUIRE_EVAL": "1",
-    }
-    stack = Stack(env, state / "logs")
-    model_dir = os.environ.get("LF_MODEL_DIR") or None  # the services read the same variable
+    # SIGTERM stops everything as Ctrl-C does, from the first process started on. (A launcher that
+    # starts `up` in the background may leave SIGINT ignored; SIGTERM is the signal that always reaches it.)
+    signal.signal(signal.SIGTERM, _interrupt)
+    nodes: list[Server] = []
+    redis: list[Server] = []
+    stack: Stack | None = None
     try:
+        if args.cluster:
+            node_ports = [ports["nats"], *(pick_port(ports["nats"] + i) for i in (1, 2))]
+            nodes, auth = start_secured_nats_cluster(node_ports, state, state / "logs", tenants=(DEMO_TENANT,))
+            print(f"NATS cluster of {len(nodes)} nodes on ports {', '.join(map(str, node_ports))} (replicas 3)")
+        else:
+            nats, auth = start_secured_nats(ports["nats"], state, state / "logs" / "nats.log", tenants=(DEMO_TENANT,))
+            nodes = [nats]
+        nats_url = cluster_url(nodes)
+        redis, redis_env = start_redis_set(args.cluster, ports["redis"], args.sentinel_port, state)
+        if args.cluster:
+            print(
+                f"Redis {redis[0].port} with replica {redis[1].port}, sentinels on {', '.join(str(s.port) for s in redis[2:])}"
+            )
+        env = {
+            "LF_NATS_URL": nats_url,
+            "LF_JETSTREAM_REPLICAS": str(len(nodes)),
+            **redis_env,
+            "LF_PORT": str(ports["gateway"]),
+            "LF_DB_PATH": str(state / "audit.sqlite3"),
+            "LF_MODEL_CACHE": str(state / "models"),
+            "LF_RELEASE_REQUIRE_EVAL": "1",
+        }
+        stack = Stack(env, state / "logs")
+        model_dir = os.environ.get("LF_MODEL_DIR") or None  # the services read the same variable
         for name in SERVICES:
             stack.start(name, extra_env=auth.service_env(name))
         if model_dir:
@@ -192,7 +198,6 @@ def run(args: argparse.Namespace) -> int:
             f"(log: {state / 'logs' / 'supervisor.log'}; pids: {state / 'processes.json'})"
         )
         print("Ctrl-C stops everything.")
-        signal.signal(signal.SIGTERM, _interrupt)
         supervisor = Supervisor(_children(stack, nodes, redis, auth), say=_say_to(state / "logs" / "supervisor.log"))
         asyncio.run(supervise(supervisor, auth.admin_url(nats_url), state / "processes.json"))
     except (KeyboardInterrupt, RuntimeError, TimeoutError, LorafleetError) as e:
@@ -203,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("stopping...")
-        stack.stop_all()
+        if stack is not None:
+            stack.stop_all()
         for server in reversed(redis):
             server.stop()
         for node in nodes:

@@ -1,6 +1,7 @@
 """``lorafleet up`` as a new user runs it on their own base model (``LF_MODEL_DIR``): the demo adapters,
 trained for SmolLM2, are skipped in one line, the stack stays up, and the printed example answers."""
 
+import contextlib
 import json
 import os
 import queue
@@ -61,12 +62,36 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
             lines.append(line)
         yield Up(proc, lines, root / "state")
     finally:
-        proc.send_signal(signal.SIGINT)
+        stop(proc, root / "state")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(proc: subprocess.Popen[str], state: Path) -> list[str]:
+    """SIGTERM to ``up`` (SIGINT may be ignored: a launcher that starts pytest in the background leaves
+    it so); should ``up`` not have stopped in 60 s, kill it and every process it supervised, so that
+    none outlives the test. The names of those still alive after ``up`` exited (none when it stops
+    cleanly)."""
+    pids_file = state / "processes.json"
+    pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    left = [name for name, pid in pids.items() if _alive(pid)]
+    for name in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pids[name], signal.SIGKILL)  # each runs in its own session
+    return left
 
 
 def _example(lines: list[str]) -> tuple[str, str, dict]:
@@ -159,3 +184,11 @@ def test_every_process_it_started_comes_back_after_kill_9_and_the_stack_serves_a
         assert f"{name} exited with code -9" in log and f"{name} restarted (1 so far)" in log, log
     ready = httpx.get(url.replace("/v1/chat/completions", "/readyz"), timeout=10).json()
     assert ready["ready"] and ready["components"]["supervisor"] == "ok", ready
+
+
+def test_sigterm_stops_every_process_it_started(up: Up) -> None:
+    """Last in this module: it stops the stack the other tests share."""
+    pids = json.loads((up.state / "processes.json").read_text())
+    assert set(pids) == set(SUPERVISED)
+    assert stop(up.proc, up.state) == []
+    assert up.proc.returncode == 0  # it stopped on its own, within the bound
