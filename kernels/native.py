@@ -68,7 +68,7 @@ SOURCES = tuple(
         "decoder_stack.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "panel_run.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "panel_run.h", "ahead.h"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
 # -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
 # are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
