@@ -168,29 +168,26 @@ inline void pv_rows(const float* p, int64_t span, int64_t group, const T* v, int
 
 // fn(j, rows, count) for the runs of positions [j, j + count) within [first, len) of one head's K or
 // V, block by block: a block's rows are contiguous, so the table is read once per block and no
-// position is divided. Each run read is reported to the thread's prefetch cursor.
+// position is divided.
 template <typename T, typename Fn>
-inline void for_each_run(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
-                         const T* head, Ahead& ahead, Fn&& fn) {
+inline void walk_runs(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d, const T* head,
+                      Fn&& fn) {
   for (int64_t j = first; j < len;) {
     const int64_t in_block = j % block_size;
     const int64_t stop = std::min(len, j - in_block + block_size);
     fn(j, head + (table[j / block_size] * block_size + in_block) * d, stop - j);
-    ahead.consumed((stop - j) * d * static_cast<int64_t>(sizeof(T)));
     j = stop;
   }
 }
 
-// The runs for_each_run will read, in its order, added to the prefetch cursor.
-template <typename T>
-inline void add_runs(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
-                     const T* head, Ahead& ahead) {
-  for (int64_t j = first; j < len;) {
-    const int64_t in_block = j % block_size;
-    const int64_t stop = std::min(len, j - in_block + block_size);
-    ahead.add(head + (table[j / block_size] * block_size + in_block) * d, (stop - j) * d * static_cast<int64_t>(sizeof(T)));
-    j = stop;
-  }
+// walk_runs, each run reported to the thread's prefetch cursor once read.
+template <typename T, typename Fn>
+inline void for_each_run(const int64_t* table, int64_t first, int64_t len, int64_t block_size, int64_t d,
+                         const T* head, Ahead& ahead, Fn&& fn) {
+  walk_runs(table, first, len, block_size, d, head, [&](int64_t j, const T* rows, int64_t count) {
+    fn(j, rows, count);
+    ahead.consumed(count * d * static_cast<int64_t>(sizeof(T)));
+  });
 }
 
 // One (decode row, kv head) task. D > 0: head_dim known at compile time (fully unrolled rows);
@@ -323,22 +320,25 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   T* op = out.data_ptr<T>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0);
   const float fscale = static_cast<float>(scale), fcap = static_cast<float>(softcap);
+  const auto first_of = [window](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0}; };
   auto task_fn = d == 64 ? &decode_task<T, 64> : d == 128 ? &decode_task<T, 128> : &decode_task<T, 0>;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
     float buf[16 * kMaxHeadDim];  // up to sixteen K or V rows widened to fp32 (bf16)
     Ahead ahead(kAheadLines);  // every task's K then V runs, in the order they are read
+    const auto add = [&](int64_t, const T* rows, int64_t count) {
+      ahead.add(rows, count * d * static_cast<int64_t>(sizeof(T)));
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lp[s] - window) : 0;
-      add_runs(tp + s * width, first, lp[s], block_size, d, kp + h * slots * d, ahead);
-      add_runs(tp + s * width, first, lp[s], block_size, d, vp + h * slots * d, ahead);
+      walk_runs(tp + s * width, first_of(lp[s]), lp[s], block_size, d, kp + h * slots * d, add);
+      walk_runs(tp + s * width, first_of(lp[s]), lp[s], block_size, d, vp + h * slots * d, add);
     }
     ahead.start();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t len = lp[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first = first_of(len);
       scores.resize(group * (len - first));
       for (int64_t g = 0; g < group; ++g) {
         const float* src = row_f32(qp + s * q_row + (h * group + g) * q_head, buf, d);
