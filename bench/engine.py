@@ -3,9 +3,13 @@
 ``python -m bench.engine [--quick] [--rounds N] [--threads N] [--device cuda [--cuda-graphs]]``: the
 machine's roofline first (read bandwidth, GEMM FLOP/s and the decode floors they set). Then for each
 batch size, the same chat prompts (20-60 tokens) run through HF generate (left-padded batch, EOS
-suppressed by min_new_tokens) and the engine (ignore_eos), fp32, in 5 rounds (3 with --quick) in which
-every system runs once, the order rotating from round to round; each figure is the median round, with
-min and max beside it, and each TPOT is also a multiple of its decode step floor. ``--cuda-graphs``
+suppressed by min_new_tokens) and the engine (ignore_eos), fp32 (``--dtype``: each dtype named), in 5
+rounds (3 with --quick) in which every system of every dtype runs once, the order rotating from round to
+round; each figure is the median round, with min and max beside it, and each TPOT is also a multiple of
+its decode step floor. A dtype other than fp32 is also compared with fp32 round by round: this host's
+memory bandwidth moves by 2x within minutes, so dtypes run one after the other compared two states of
+the machine (bf16 / fp32 at batch 32 read 1.50x across two halves that probed 56 and 33 GB/s, and
+1.61x in interleaved pairs). ``--cuda-graphs``
 adds the engine replaying CUDA graphs of its decode steps, and its tok/s ratio to the eager engine's.
 Then a fresh process holds 64 sequences of 512 tokens at once and reports its peak RSS beside the KV
 budget and the model size.
@@ -14,10 +18,12 @@ budget and the model size.
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NotRequired, TypedDict, cast
 
@@ -27,7 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from bench.environment import device_argument, environment, rounds_argument, threads_argument
 from bench.roofline import LimitsProbe, roofline, roofline_line, step_floor_ms, weights_of
-from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Summary, spread_text, summarise
+from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.weights import spec_of
@@ -47,6 +53,7 @@ class ThroughputRow(TypedDict):
     step_floor_ms: float
     tpot_vs_floor: dict[str, float]  # each system's median TPOT p50 / step_floor_ms
     cuda_graphs_speedup: NotRequired[float]  # engine_cuda_graphs tok/s / engine tok/s, with --cuda-graphs
+    vs_float32: NotRequired[dict[str, Spread]]  # another dtype's engine over fp32's, round by round (paired_vs)
 
 
 TOPICS = [
@@ -157,22 +164,23 @@ def run_engine(
     }
 
 
-def throughput(
-    loaded: LoadedModel,
-    probe: LimitsProbe,
-    batches: list[int],
-    new_tokens: int,
-    rounds: int,
-    dtype: str = "float32",
-    linear_split: bool = False,
-    device: str = "cpu",
-    cuda_graphs: bool = False,
-) -> list[ThroughputRow]:
-    """Every system once per round, the first to run rotating, the machine's limits probed after each
-    round (each batch's floor from the median of the probes around its own rounds). Every round starts from an empty prefix cache: the engine shares only what one batch's own
-    prompts have in common (the chat template). "engine_no_prefix_cache" computes every prompt
-    token, like transformers; ``linear_split`` adds the engine on plain F.linear ("engine_f_linear"),
-    ``cuda_graphs`` the engine replaying CUDA graphs of its decode steps ("engine_cuda_graphs")."""
+@dataclass
+class Setup:
+    """One dtype's model, its limits probe (in that dtype) and its engines, run in the same rounds as the
+    other dtypes' so that their ratios compare the machine in one state."""
+
+    dtype: str
+    loaded: LoadedModel
+    probe: LimitsProbe
+    engines: dict[str, LLMEngine]
+
+
+def setup(dtype: str, device: str, linear_split: bool, cuda_graphs: bool) -> Setup:
+    """The model loaded in ``dtype`` (as the worker loads it) and its engines. "engine_no_prefix_cache"
+    computes every prompt token, like transformers; ``linear_split`` adds the engine on plain F.linear
+    ("engine_f_linear"), ``cuda_graphs`` the engine replaying CUDA graphs of its decode steps
+    ("engine_cuda_graphs")."""
+    loaded = load_model(dtype=getattr(torch, dtype), device=device)
     variants = {
         "engine": ("auto", True, False),
         "engine_no_prefix_cache": ("auto", False, False),
@@ -196,41 +204,65 @@ def throughput(
         )
         for name, (linear, prefix, graphs) in variants.items()
     }
-    rows: list[ThroughputRow] = []
+    return Setup(dtype, loaded, LimitsProbe(weights_of(loaded.model), getattr(torch, dtype), device), engines)
+
+
+def throughput(setups: list[Setup], batches: list[int], new_tokens: int, rounds: int) -> dict[str, list[ThroughputRow]]:
+    """Per dtype, its rows. Every system of every dtype runs once per round, the first to run rotating
+    from round to round, and each dtype's limits are probed after each round (each batch's floor from
+    the median of the probes around its own rounds). Every round starts from an empty prefix cache: the
+    engine shares only what one batch's own prompts have in common (the chat template). With float32
+    among the dtypes, each other dtype's rows carry ``vs_float32``: its engine against float32's engine
+    round by round, both having run in the same round."""
+    rows: dict[str, list[ThroughputRow]] = {s.dtype: [] for s in setups}
     for batch in batches:
-        prompts = chat_prompts(loaded, batch)
-        for engine in engines.values():
-            run_engine(engine, prompts[:1], 2)
-        order = ["hf", *engines]
-        runs: dict[str, list[Run]] = {name: [] for name in order}
-        since = probe.mark()
+        prompts = chat_prompts(setups[0].loaded, batch)
+        for s in setups:
+            for engine in s.engines.values():
+                run_engine(engine, prompts[:1], 2)
+        order = [(s, name) for s in setups for name in ["hf", *s.engines]]
+        runs: dict[tuple[str, str], list[Run]] = {(s.dtype, name): [] for s, name in order}
+        since = {s.dtype: s.probe.mark() for s in setups}
         for turn in range(rounds):
-            for name in order[turn % len(order) :] + order[: turn % len(order)]:
+            shift = turn % len(order)
+            for s, name in order[shift:] + order[:shift]:
                 run = (
-                    run_hf(loaded, prompts, new_tokens)
+                    run_hf(s.loaded, prompts, new_tokens)
                     if name == "hf"
-                    else run_engine(engines[name], prompts, new_tokens)
+                    else run_engine(s.engines[name], prompts, new_tokens)
                 )
-                runs[name].append(run)
-            probe.sample()
+                runs[(s.dtype, name)].append(run)
+            for s in setups:
+                s.probe.sample()
         total = batch * new_tokens
-        systems = {name: summarise(r, total) for name, r in runs.items()}
-        floor = step_floor_ms(probe.limits(since), batch)
-        row: ThroughputRow = {
-            "batch": batch,
-            "new_tokens": new_tokens,
-            "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
-            "systems": systems,
-            "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
-            "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
-            "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
-            "step_floor_ms": floor,
-            "tpot_vs_floor": {name: s["tpot_ms"]["p50"] / floor for name, s in systems.items()},
-        }
-        if cuda_graphs:
-            row["cuda_graphs_speedup"] = systems["engine_cuda_graphs"]["tok_s"] / systems["engine"]["tok_s"]
-        rows.append(row)
+        for s in setups:
+            systems = {name: summarise(runs[(s.dtype, name)], total) for name in ["hf", *s.engines]}
+            floor = step_floor_ms(s.probe.limits(since[s.dtype]), batch)
+            row: ThroughputRow = {
+                "batch": batch,
+                "new_tokens": new_tokens,
+                "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+                "systems": systems,
+                "speedup_vs_hf": systems["engine"]["tok_s"] / systems["hf"]["tok_s"],
+                "speedup_vs_hf_no_prefix_cache": systems["engine_no_prefix_cache"]["tok_s"] / systems["hf"]["tok_s"],
+                "tpot_ratio_vs_hf": systems["engine"]["tpot_ms"]["p50"] / systems["hf"]["tpot_ms"]["p50"],
+                "step_floor_ms": floor,
+                "tpot_vs_floor": {name: sy["tpot_ms"]["p50"] / floor for name, sy in systems.items()},
+            }
+            if "engine_cuda_graphs" in s.engines:
+                row["cuda_graphs_speedup"] = systems["engine_cuda_graphs"]["tok_s"] / systems["engine"]["tok_s"]
+            if s.dtype != "float32" and ("float32", "engine") in runs:
+                row["vs_float32"] = paired_vs(runs[(s.dtype, "engine")], runs[("float32", "engine")])
+            rows[s.dtype].append(row)
     return rows
+
+
+def paired_vs(runs: list[Run], base: list[Run]) -> dict[str, Spread]:
+    """Round by round, how much faster ``runs`` were than ``base`` (both > 1 when faster): tok/s (the
+    same tokens, so base's wall over this one's) and TPOT p50 (base's over this one's)."""
+    tok_s = [b["wall_s"] / r["wall_s"] for r, b in zip(runs, base, strict=True)]
+    tpot = [statistics.median(b["tpot_s"]) / statistics.median(r["tpot_s"]) for r, b in zip(runs, base, strict=True)]
+    return {"tok_s": spread(tok_s), "tpot": spread(tpot)}
 
 
 def rss_probe(num_seqs: int, seq_len: int, threads: int) -> dict[str, object]:
@@ -306,20 +338,6 @@ def table(rows: list[ThroughputRow], memory: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def vs_float32(rows: list[ThroughputRow], fp32: list[ThroughputRow]) -> dict[int, dict[str, float]]:
-    """Per batch, the engine's median tok/s over fp32's and fp32's median TPOT p50 over this dtype's
-    (both > 1 when faster). The dtypes run one after the other, not interleaved."""
-    base = {row["batch"]: row["systems"]["engine"] for row in fp32}
-    return {
-        row["batch"]: {
-            "tok_s": row["systems"]["engine"]["tok_s"] / base[row["batch"]]["tok_s"],
-            "tpot": base[row["batch"]]["tpot_ms"]["p50"] / row["systems"]["engine"]["tpot_ms"]["p50"],
-        }
-        for row in rows
-        if row["batch"] in base
-    }
-
-
 def memory_probe(threads: int, quick: bool) -> dict[str, object]:
     seqs, seq_len = (64, 32) if quick else (64, 512)
     probe = subprocess.run(
@@ -341,8 +359,8 @@ def main() -> None:
         nargs="+",
         choices=("float32", "bfloat16"),
         default=["float32"],
-        help="dtype(s) of both systems, run one after the other in this process (bf16 uses this CPU's "
-        "avx512_bf16 / AMX where present); the model is loaded in each dtype, as the worker does",
+        help="dtype(s) of both systems, all in the same rounds (bf16 uses this CPU's avx512_bf16 / AMX where "
+        "present); the model is loaded in each dtype, as the worker does",
     )
     parser.add_argument(
         "--linear-split",
@@ -367,46 +385,50 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches, new_tokens = ([1, 32], 8) if args.quick else ([1, 8, 32], 64)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
-    memory: dict[str, object] | None = None
-    done: dict[str, list[ThroughputRow]] = {}
-    for dtype in sorted(args.dtype, key=lambda d: d != "float32"):  # fp32 first: the others are compared with it
-        loaded = load_model(dtype=getattr(torch, dtype), device=args.device)
-        probe = LimitsProbe(weights_of(loaded.model), getattr(torch, dtype), args.device)
-        print(roofline_line(probe.limits(), dtype, args.threads, args.device), flush=True)
-        memory = memory or memory_probe(args.threads, args.quick)
-        rows = throughput(
-            loaded, probe, batches, new_tokens, rounds, dtype, args.linear_split, args.device, args.cuda_graphs
-        )
-        print(probe.line(), flush=True)
-        del loaded
+    dtypes = sorted(set(args.dtype), key=lambda d: d != "float32")  # fp32 first: the others are compared with it
+    # first, while this process holds no model: a child's peak RSS starts from its parent's at the fork
+    memory = memory_probe(args.threads, args.quick)
+    setups = [setup(dtype, args.device, args.linear_split, args.cuda_graphs) for dtype in dtypes]
+    for s in setups:
+        print(roofline_line(s.probe.limits(), s.dtype, args.threads, args.device), flush=True)
+    done = throughput(setups, batches, new_tokens, rounds)
+    for s in setups:
+        rows = done[s.dtype]
+        print(f"{s.dtype}: {s.probe.line()}", flush=True)
         result = {
-            "environment": environment(args.threads, dtype, args.device),
+            "environment": environment(args.threads, s.dtype, args.device),
             "quick": args.quick,
             "rounds": rounds,
             "headline": "median",
-            "roofline": roofline(probe.limits()),
-            "roofline_probes": probe.spread(),
+            "dtypes_interleaved": dtypes,  # every dtype here ran in the same rounds
+            "roofline": roofline(s.probe.limits()),
+            "roofline_probes": s.probe.spread(),
             "throughput": rows,
             "memory": memory,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "adapters": 0,
             "rank_mix": None,
         }
-        done[dtype] = rows
-        if dtype != "float32" and "float32" in done:
-            result["vs_float32"] = vs_float32(rows, done["float32"])
+        if any("vs_float32" in row for row in rows):  # the median round's ratios, by batch
+            result["vs_float32"] = {
+                row["batch"]: {name: figure["median"] for name, figure in row["vs_float32"].items()}
+                for row in rows
+                if "vs_float32" in row
+            }
         path = args.out or RESULTS
-        if dtype != "float32":
-            path = path.with_name(f"{path.stem}-{dtype}.json")
+        if s.dtype != "float32":
+            path = path.with_name(f"{path.stem}-{s.dtype}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
-        print(f"\n## {dtype}: median of {rounds} rounds (min-max)\n")
+        print(f"\n## {s.dtype}: median of {rounds} rounds (min-max)\n")
         print(table(rows, memory))
-        for batch, ratio in cast(dict[int, dict[str, float]], result.get("vs_float32", {})).items():
-            print(
-                f"{dtype} vs float32, batch {batch}: engine tok/s {ratio['tok_s']:.2f}x, "
-                f"decode TPOT p50 {ratio['tpot']:.2f}x faster"
-            )
+        for row in rows:
+            if "vs_float32" in row:
+                ratio = row["vs_float32"]
+                print(
+                    f"{s.dtype} vs float32, batch {row['batch']}, round by round: engine tok/s "
+                    f"{spread_text(ratio['tok_s'], 2)}x, decode TPOT p50 {spread_text(ratio['tpot'], 2)}x faster"
+                )
         print(f"\nwrote {path}")
 
 
