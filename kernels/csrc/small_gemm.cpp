@@ -4,8 +4,12 @@
 // At one to a few rows a projection is a pass over its weight: the time is the weight's bytes over
 // the memory bandwidth. Each task takes a run of output features and streams their weight rows F at
 // a time (F * rows <= 16 vector accumulators, the sixteen reduced together at the end), against
-// every input row held in L1, prefetching the next F rows as it goes: without the prefetch four and
-// eight rows ran 1.2-1.5x slower. Features are spread over torch's intra-op threads in contiguous
+// every input row held in L1. A task's rows are one contiguous run of the weight, read F rows side by
+// side; on AVX-512 a prefetch cursor (ahead.h) runs 512 lines (32 KB) ahead along it, into L2, where
+// the hardware prefetchers start over at each 4 KB page of each of the F streams. Against the F rows
+// after the current ones fetched into L1 (and fp32 at one row on the hardware prefetchers alone), over
+// SmolLM2's 121 projections (538 MB fp32, 2 threads, paired in one process): fp32 one row 0.89-0.99x
+// the time, two rows 0.75-0.77x, four 0.83-0.84x; bf16 one row 0.57-0.74x, two 0.87x, four 0.70x. Features are spread over torch's intra-op threads in contiguous
 // runs. Arithmetic is fp32 (bf16 inputs widened once per call, bf16 weights on load: shifts, exact),
 // the fp32 sum plus bias rounded once to the output's dtype, as oneDNN's bf16 matmul rounds its fp32
 // accumulator. 30 layers of SmolLM2's projections (425 MB fp32) at one row: 14.2 ms through
@@ -14,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "ahead.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -31,6 +36,7 @@ namespace {
 using namespace lorafleet;
 
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kAheadLines = 512;  // the cursor's distance: 128 lines was slower than none, 1024-2048 no better
 constexpr int64_t kGrainFeatures = 64;  // output features per task at least (one task: ~36 KB of fp32 weight at in=576)
 
 #if defined(__AVX512F__)
@@ -50,12 +56,8 @@ inline void reduce_accumulators(const __m512* acc, float* out) {
 // out[m * F + f] = x[m] . w[f] for F features of weight starting at w (row stride in), M input rows:
 // M * F <= 16 vector accumulators, reduced together at the end.
 template <typename T, int M, int F>
-inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out) {
+inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out, Ahead& ahead) {
   static_assert(M * F <= 16, "at most sixteen accumulators");
-  // The next block's rows, fetched as this one streams: fp32 at one row streams faster on the hardware
-  // prefetcher alone (121 projections of SmolLM2: 12.0 against 12.8 ms, four runs alternated), every
-  // other case slower without it (bf16 one row 7.3 against 5.2 ms, fp32 two rows 11.2 against 10.3).
-  constexpr bool kPrefetch = !(std::is_same_v<T, float> && M == 1);
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -63,10 +65,10 @@ inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = load16(x + m * x_stride + k);
     for (int f = 0; f < F; ++f) {
-      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * in + k), _MM_HINT_T0);
       const __m512 wv = load16(w + f * in + k);
       for (int m = 0; m < M; ++m) acc[m * F + f] = _mm512_fmadd_ps(xv[m], wv, acc[m * F + f]);
     }
+    ahead.consumed(F * 16 * static_cast<int64_t>(sizeof(T)));
   }
   if (k < in) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (in - k)) - 1u);
@@ -86,7 +88,8 @@ constexpr bool kDotBf16 = true;
 // two products into an fp32 lane (products of bf16 are exact in fp32), no widening of the weight on
 // load. The accumulation order differs from the fp32 FMA path's; the sum is still fp32.
 template <int M, int F>
-inline void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t in, float* out) {
+inline void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t in, float* out,
+                      Ahead& ahead) {
   static_assert(M * F <= 16, "at most sixteen accumulators");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -95,10 +98,10 @@ inline void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat1
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
     for (int f = 0; f < F; ++f) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * in + k), _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + f * in + k);
       for (int m = 0; m < M; ++m) acc[m * F + f] = _mm512_dpbf16_ps(acc[m * F + f], xv[m], wv);
     }
+    ahead.consumed(F * 64);
   }
   if (k < in) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << (in - k)) - 1ull);
@@ -115,12 +118,12 @@ inline void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat1
 #elif defined(__AVX2__) && defined(__FMA__)
 // dots on AVX2 (no AVX-512: the AMD EPYC CI machines among others): eight lanes, M * F <= 12 vector
 // accumulators of the sixteen registers, each reduced on its own at the end, the next block's rows
-// prefetched (here every row count streamed faster with it). The portable loop below keeps one
+// prefetched (here every row count streamed faster with it; the cursor is the AVX-512 path's). The portable loop below keeps one
 // dependent FMA chain per output, where this runs M * F independent ones: 30 layers of SmolLM2's
 // projections, 2 threads, at 1 / 2 / 4 / 8 rows, fp32 27 / 34 / 61 / 77 -> 25 / 24 / 28 / 35 ms,
 // bf16 16 / 22 / 36 / 62 -> 14 / 14 / 16 / 29 ms.
 template <typename T, int M, int F>
-inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out) {
+inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out, Ahead&) {
   static_assert(M * F <= 12, "at most twelve accumulators");
   __m256 acc[M * F];
   for (int i = 0; i < M * F; ++i) acc[i] = _mm256_setzero_ps();
@@ -142,7 +145,7 @@ inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float
 }
 #else
 template <typename T, int M, int F>
-inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out) {
+inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float* out, Ahead&) {
   for (int m = 0; m < M; ++m) {
     for (int f = 0; f < F; ++f) {
       float sum = 0.f;
@@ -156,16 +159,16 @@ inline void dots(const float* x, int64_t x_stride, const T* w, int64_t in, float
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__))
 constexpr bool kDotBf16 = false;
 template <int M, int F>
-inline void dots_bf16(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*) {}
+inline void dots_bf16(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*, Ahead&) {}
 #endif
 
 // x . w for a block: fp32 x against fp32 or bf16 weight rows, or bf16 x against bf16 rows (kDotBf16).
 template <typename X, typename T, int M, int F>
-inline void block(const X* x, int64_t x_stride, const T* w, int64_t in, float* out) {
+inline void block(const X* x, int64_t x_stride, const T* w, int64_t in, float* out, Ahead& ahead) {
   if constexpr (std::is_same_v<X, float>) {
-    dots<T, M, F>(x, x_stride, w, in, out);
+    dots<T, M, F>(x, x_stride, w, in, out, ahead);
   } else {
-    dots_bf16<M, F>(x, x_stride, w, in, out);
+    dots_bf16<M, F>(x, x_stride, w, in, out, ahead);
   }
 }
 
@@ -187,13 +190,16 @@ void features(const X* x, int64_t x_stride, const T* w, const T* bias, T* out, i
         store(out + m * out_stride + f0 + f, sums[m * width + f] + b);
       }
   };
+  Ahead ahead(kAheadLines);
+  ahead.add(w + begin * in, (end - begin) * in * static_cast<int64_t>(sizeof(T)));
+  ahead.start();
   int64_t f0 = begin;
   for (; f0 + F <= end; f0 += F) {
-    block<X, T, M, F>(x, x_stride, w + f0 * in, in, sums);
+    block<X, T, M, F>(x, x_stride, w + f0 * in, in, sums, ahead);
     emit(f0, F);
   }
   for (; f0 < end; ++f0) {
-    block<X, T, M, 1>(x, x_stride, w + f0 * in, in, sums);
+    block<X, T, M, 1>(x, x_stride, w + f0 * in, in, sums, ahead);
     emit(f0, 1);
   }
 }

@@ -38,8 +38,8 @@ oneDNN's), and bf16 goes to oneDNN's bf16 path or the dot-product kernel. Withou
 the engine logs at load that bf16 runs on the reference GEMM where oneDNN has no bf16 path.
 
 Where the CPU has AVX512-BF16, bf16 projections of every row count take kernels.projections' dot-product
-panel kernel instead of oneDNN's bf16 GEMM (and instead of the small-row kernel, which it beats at 1-8
-rows there, see :func:`small_rows`): 32-feature panels of input pairs, an 8 x 32 tile of
+panel kernel instead of oneDNN's bf16 GEMM (and instead of the small-row kernel from two rows on, which
+it beats at 2-8 rows there, see :func:`small_rows`): 32-feature panels of input pairs, an 8 x 32 tile of
 vdpbf16ps (two exact bf16 products added to each fp32 lane per instruction), the next panel
 prefetched. On a 2-core AMD EPYC with AVX512-BF16 (Zen 4), 30 layers of SmolLM2's projections,
 isolated: 1.15-1.6x oneDNN at 9-32 rows, 1.1-1.3x at 64, even from 128 on (about 420 GFLOP/s, oneDNN's
@@ -70,6 +70,7 @@ PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_line
 log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
 PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where an fp32-rate panel kernel takes the rest
+DOT_SMALL_ROWS = 1  # and where the bf16 dot-product panel kernel does
 
 
 def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
@@ -80,13 +81,16 @@ def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
     has vdpbf16ps (widening the bf16 weights costs more than the pass saves there; where oneDNN has no
     bf16 GEMM, all eight). Against the eight-lane panel kernel (AVX2): even at 1-7 rows (both stream
     the weight at the read bandwidth), 1.0-1.15x at 2-4 in fp32, the panel 1.06-1.2x faster at 8; against
-    the sixteen-lane fp32 one on Zen 4 even at 1-4 rows, the panel 1.1-1.2x faster at 5-8: so 4 against
-    either. Against the bf16 dot-product panel kernel on Zen 4 the panel was faster at every row count
-    (1.3x at 1-2 rows, 1.4-1.65x at 3-8: it streams each contiguous panel, where the small-row kernel
-    reads rows of the plain weight side by side): none. Call only where ``native_small_linear()`` is
-    True."""
-    if dtype not in (torch.float32, torch.bfloat16) or kernel == "dot":
+    the sixteen-lane fp32 one on Zen 4 even at 1-4 rows (0.97x the panel's time at one row), the panel
+    1.1-1.2x faster at 5-8: so 4 against either. Against the bf16 dot-product panel kernel on Zen 4 the
+    small-row kernel, with its prefetch cursor, takes 0.8x the panel's time at one row, and the panel is
+    faster from two (1.18x at two rows, 1.4-1.65x at 3-8: it streams each contiguous panel, where the
+    small-row kernel reads rows of the plain weight side by side): 1. Call only where
+    ``native_small_linear()`` is True."""
+    if dtype not in (torch.float32, torch.bfloat16):
         return 0
+    if kernel == "dot":
+        return DOT_SMALL_ROWS
     if kernel is not None:
         return PANEL_SMALL_ROWS
     if dtype == torch.float32 or projections.small_linear_dot_bf16() or not onednn_usable(dtype):
