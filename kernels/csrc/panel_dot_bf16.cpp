@@ -47,10 +47,13 @@ void tile(const uint32_t* x, int64_t ldx, const at::BFloat16* panel, int64_t pai
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  // one line every `every` steps, two a step where there are more lines than steps (a panel of one row tile)
   const int64_t every = std::max<int64_t>(1, pairs / std::max<int64_t>(1, lines));
+  const bool twice = lines > pairs;
   int64_t line = 0;
   for (int64_t k = 0; k < pairs; ++k) {
     if (k % every == 0 && line < lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
+    if (twice && line < lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kFeatures);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kFeatures + kFeatures);
 #pragma GCC unroll 8

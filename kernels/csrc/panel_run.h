@@ -3,7 +3,9 @@
 // shared counter by whichever thread is free (the two vCPUs of the VMs this was measured on ran FMA
 // loops at different speeds, and a static split waits for the slower one), and the panel after the
 // current one (or the first of the worker's next run, claimed early for this) fetched into L2 a few
-// lines at a time by the row tiles of the current one.
+// lines at a time by the row tiles of the current one. A panel that is its own only row tile (up to 8
+// rows) has two lines to fetch per step of its loop: a tile spreading only one per step, the rest in
+// a burst at its end, took 1.3x the time over SmolLM2's projections at 5-8 rows (fp32 and bf16).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -43,10 +43,13 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t in, const flo
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  // one line every `every` steps, two a step where there are more lines than steps (a panel of one row tile)
   const int64_t every = std::max<int64_t>(1, in / std::max<int64_t>(1, lines));
+  const bool twice = lines > in;
   int64_t line = 0;
   for (int64_t k = 0; k < in; ++k) {
     if (k % every == 0 && line < lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
+    if (twice && line < lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
     __m512 b0 = _mm512_loadu_ps(panel + k * kFeatures), b1 = _mm512_loadu_ps(panel + k * kFeatures + 16);
     // held in registers: folded into every FMA, the panel would be loaded once per row
     asm("" : "+v"(b0), "+v"(b1));
