@@ -81,11 +81,14 @@ def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
     has vdpbf16ps (widening the bf16 weights costs more than the pass saves there; where oneDNN has no
     bf16 GEMM, all eight). Against the eight-lane panel kernel (AVX2): even at 1-7 rows (both stream
     the weight at the read bandwidth), 1.0-1.15x at 2-4 in fp32, the panel 1.06-1.2x faster at 8; against
-    the sixteen-lane fp32 one on Zen 4 even at 1-4 rows (0.97x the panel's time at one row), the panel
-    1.1-1.2x faster at 5-8: so 4 against either. Against the bf16 dot-product panel kernel on Zen 4 the
-    small-row kernel, with its prefetch cursor, takes 0.8x the panel's time at one row, and the panel is
-    faster from two (1.18x at two rows, 1.4-1.65x at 3-8: it streams each contiguous panel, where the
-    small-row kernel reads rows of the plain weight side by side): 1. Call only where
+    the sixteen-lane fp32 one on Zen 4 even at 1-4 rows, the panel 1.1-1.2x faster at 5-8: so 4 against
+    either. Against the bf16 dot-product panel kernel on Zen 4 the panel is faster from two rows (1.18x
+    at two, 1.4-1.65x at 3-8: it streams each contiguous panel, where the small-row kernel reads rows of
+    the plain weight side by side): 1. Since the panel kernels fetch two lines a step in a one-tile
+    panel, their 121 projections take 0.91-0.97x the small-row kernel's time at 1-4 fp32 rows and
+    0.98x at one bf16 row, but whole decode steps were even (alternating processes, 3 rounds: fp32
+    batch 1 22.4 vs 22.6 ms, batch 2 23.1 vs 23.6, batch 4 24.8 vs 24.0; bf16 batch 1 12.7 vs 11.5,
+    rounds spread 11.2-12.8), within the noise, so both thresholds stand. Call only where
     ``native_small_linear()`` is True."""
     if dtype not in (torch.float32, torch.bfloat16):
         return 0
