@@ -43,6 +43,13 @@ def small_linear_dot_bf16() -> bool:
     return bool(torch.ops.lorafleet.small_linear_dot_bf16())
 
 
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX's bf16 tile multiply (oneDNN's bf16 GEMM runs on it: on a 2-core Xeon,
+    SmolLM2's projections at 16-128 rows took 1.5-5x as long through :func:`panel_linear_dot`)."""
+    return "amx_bf16" in native._cpu_flags().split()
+
+
 def _probe_small_linear() -> bool:
     return _probe_projection(small_linear, range(1, SMALL_LINEAR_ROWS + 1), "native_small_linear_probe_failed")
 

@@ -12,8 +12,10 @@
 // rope_write_kv, paged_decode, add_rms_norm, rms_norm, act_mul, lora_bgmv) and ATen's add and mul,
 // with the same arguments in the same order, so a step's values are the Python loop's bit for bit
 // (tests/worker/test_decoder_stack.py). A projection takes small_linear up to `small_rows` rows and
-// the stack's panel kernel past them, as linear.py's Linear does; the stack is built only where every
-// projection has a panel kernel (model.py says when it serves a step).
+// the stack's panel kernel past them, as linear.py's Linear does, or oneDNN's packed linear with the
+// rows padded as linear.py's padded_rows pads them (bf16 on CPUs with AMX, where oneDNN's AMX GEMM is
+// 1.5-5x the dot-product panel kernel from 16 rows on); the stack is built only where every projection
+// has one of these (model.py says when it serves a step).
 //
 // LoRA: the step's deltas come as lora_bgmv calls (group, per layer the targeted members' A and B,
 // their columns, the class's scales and token rows), added after each group's projection in the order
@@ -29,7 +31,7 @@
 namespace {
 
 constexpr int64_t kGroups = 4;  // qkv, o, gate_up, down: linear.py's GROUPS order
-enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2 };
+enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2, kOneDnn = 3 };
 
 c10::OperatorHandle op(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -72,10 +74,27 @@ const Ops& ops() {
   return instance;
 }
 
+// oneDNN's packed linear, looked up on first use (a torch built without oneDNN has no such op, and
+// only a stack of kernel kOneDnn calls it).
+const c10::OperatorHandle& onednn_linear() {
+  static const c10::OperatorHandle handle = op("mkldnn::_linear_pointwise");
+  return handle;
+}
+
+// linear.py's padded_rows: 1, then multiples of 8 up to 32, then four steps per doubling.
+int64_t padded_rows(int64_t rows) {
+  if (rows <= 1) return rows;
+  if (rows <= 32) return (rows + 7) / 8 * 8;
+  int64_t bits = 0;
+  for (int64_t v = rows - 1; v > 0; v >>= 1) ++bits;
+  const int64_t step = int64_t{1} << (bits - 3);
+  return (rows + step - 1) / step * step;
+}
+
 struct Projection {
   at::Tensor weight;  // [out, in], for small_linear
   Optional bias;
-  at::Tensor panel;  // weight packed for the stack's panel kernel
+  at::Tensor panel;  // weight packed for the stack's panel kernel (oneDNN's blocked layout for kOneDnn)
   int64_t features;
 };
 
@@ -120,7 +139,7 @@ struct DecoderStack : torch::CustomClassHolder {
         scale(std::move(scales)),
         softcap(std::move(softcaps)) {
     TORCH_CHECK(layers >= 1, "DecoderStack: no layers");
-    TORCH_CHECK(kernel >= kEight && kernel <= kDot, "DecoderStack: unknown panel kernel ", kernel);
+    TORCH_CHECK(kernel >= kEight && kernel <= kOneDnn, "DecoderStack: unknown panel kernel ", kernel);
     TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && head_dim >= 1, "DecoderStack: head counts");
     const size_t n = static_cast<size_t>(layers);
     TORCH_CHECK(weights.size() == n * kGroups && biases.size() == n * kGroups && panels.size() == n * kGroups,
@@ -145,7 +164,19 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t rows = x.size(0);
     if (rows <= small_rows && rows > 0)
       return ops().small_linear.call(x.stride(-1) == 1 ? x : x.contiguous(), p.weight, p.bias);
+    if (kernel == kOneDnn) return packed_linear(x, p);
     return ops().panel[kernel].call(x, p.panel, p.bias, p.features);
+  }
+
+  // linear.py's _packed_linear: the rows zero-padded to padded_rows (oneDNN keeps a primitive per shape).
+  static at::Tensor packed_linear(const at::Tensor& x, const Projection& p) {
+    const int64_t rows = x.size(0), padded = padded_rows(rows);
+    const at::Tensor in = padded == rows ? x : at::cat({x, x.new_zeros({padded - rows, x.size(1)})});
+    torch::jit::Stack stack{in, p.panel, p.bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                            std::string("")};
+    onednn_linear().callBoxed(&stack);
+    at::Tensor out = stack.back().toTensor();
+    return padded == rows ? out : out.narrow(0, 0, rows);
   }
 
   // LlamaForward._head_norm: each q and k head normed over head_dim (ATen's rms_norm), times its weight.

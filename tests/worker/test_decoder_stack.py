@@ -16,7 +16,7 @@ from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.layer_loop import NativeLayerLoop
-from services.worker.engine.linear import CpuLinear, LinearFactory
+from services.worker.engine.linear import AMX_SMALL_ROWS, DOT_SMALL_ROWS, CpuLinear, LinearFactory, onednn_usable
 from services.worker.engine.lora_hook import BgmvCalls, LoraHook
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import Sequence
@@ -122,10 +122,9 @@ def test_decode_steps_equal_the_python_loop(family: str, dtype: torch.dtype) -> 
 def test_auto_linears_take_the_small_row_kernel_in_the_loop_too(
     dtype: torch.dtype, onednn: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``auto`` splits rows between the small-row kernel and a panel kernel; the loop splits them alike.
-    Where ``auto`` takes oneDNN past the small rows (no panel kernel for this dtype on this CPU, or
-    ``onednn``: a CPU whose panel kernels fail their probes), the projections have no native form and
-    no stack is built."""
+    """``auto`` splits rows between the small-row kernel and a panel kernel or oneDNN's packed linear
+    (``onednn-preferred``: a CPU whose panel kernels fail their probes); the loop splits them alike,
+    oneDNN's rows padded as ``Linear`` pads them. Only where neither is usable is no stack built."""
     if onednn:
         monkeypatch.setattr(projections, "panel_linear_preferred", lambda: False)
         monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
@@ -133,11 +132,47 @@ def test_auto_linears_take_the_small_row_kernel_in_the_loop_too(
     weights = load_weights(FAMILIES["gemma2-window-8-softcaps"](), dtype, "cpu", MAX_LEN)
     factory = LinearFactory("auto", "cpu", dtype)
     pair = _Pair(weights, "auto")
-    if factory.kernel is None:
+    if factory.kernel is None and not factory.pack:
         assert pair.native.loop is None
         return
     assert pair.native.loop is not None
     assert pair.native.proj[0]["qkv"].small_rows == factory.small_rows
+    _decode_rounds(pair, _sequences(9))
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_bf16_on_amx_takes_onednn_past_the_small_rows_in_the_loop_too(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 ``auto`` on a CPU with AMX: oneDNN's packed linear past AMX_SMALL_ROWS rows, not the
+    dot-product panel kernel, in the native loop as in Python (equal bit for bit at rows on both sides);
+    without AMX the dot-product kernel where it is built."""
+    if not onednn_usable(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 GEMM on this CPU")
+    monkeypatch.setattr(projections, "amx_bf16", lambda: amx)
+    factory = LinearFactory("auto", "cpu", torch.bfloat16)
+    if amx:
+        assert (factory.kernel, factory.pack, factory.small_rows) == (None, True, AMX_SMALL_ROWS)
+    elif projections.native_panel_dot():
+        assert (factory.kernel, factory.pack, factory.small_rows) == ("dot", False, DOT_SMALL_ROWS)
+    weights = load_weights(FAMILIES["qwen3-qk-norm"](), torch.bfloat16, "cpu", MAX_LEN)
+    pair = _Pair(weights, "auto")
+    assert pair.native.loop is not None
+    if amx:
+        assert pair.native.proj[0]["qkv"].packed is not None and pair.native.proj[0]["qkv"].panel is None
+    pair.step([], seqs := _sequences(9))
+    for rows in (9, 7, 8, 1, 9):  # oneDNN pads 9 rows to 16 and 8 runs unpadded
+        pair.step(seqs[:rows], [])
+    assert pair.loop_calls == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_onednn_mode_runs_in_the_loop(dtype: torch.dtype) -> None:
+    """``onednn``: every row count through oneDNN's packed linear, in the native loop as in Python."""
+    if not onednn_usable(dtype):
+        pytest.skip(f"no oneDNN {dtype} GEMM on this CPU")
+    pair = _Pair(load_weights(FAMILIES["llama-head-dim"](), dtype, "cpu", MAX_LEN), "onednn")
+    assert pair.native.loop is not None
     _decode_rounds(pair, _sequences(9))
 
 
@@ -266,7 +301,7 @@ def _stack_args(layers: int = 1) -> list[object]:
     ("index", "value", "message"),
     [
         (8, [torch.zeros(8, 8)] * 3, "four projections per layer"),
-        (7, 3, "unknown panel kernel"),
+        (7, 4, "unknown panel kernel"),
         (1, 3, "head counts"),
         (17, [0, 0], "one of each per layer"),
         (8, [torch.zeros(8, 8).t()] * 4, "contiguous"),

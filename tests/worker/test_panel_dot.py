@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
+from kernels import native, projections
 from kernels.projections import native_panel_dot, panel_linear_dot, panel_pack_dot
-from services.worker.engine.linear import LinearFactory, small_rows
+from services.worker.engine.linear import AMX_SMALL_ROWS, LinearFactory, onednn_usable, small_rows
 from tests.helpers.native import exact_linear as _exact
 from tests.helpers.native import linear_case as _case
 from tests.helpers.native import needs_toolchain, record_rows
@@ -133,6 +133,7 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 
 @needs_bf16_dot
 def test_bf16_linears_take_it_past_one_row_and_fp32_ones_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(projections, "amx_bf16", lambda: False)  # a CPU without AMX (Zen 4)
     _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
     assert linear.kernel == "dot" and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
@@ -146,3 +147,23 @@ def test_bf16_linears_take_it_past_one_row_and_fp32_ones_do_not(monkeypatch: pyt
     assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).kernel != "dot"
     assert LinearFactory("torch", "cpu", torch.bfloat16)(weight).panel is None
     assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).kernel == "dot"
+
+
+@needs_bf16_dot
+def test_bf16_linears_on_amx_take_onednn_past_the_small_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AMX, ``auto`` bf16: the small-row kernel up to AMX_SMALL_ROWS, oneDNN's packed linear (its
+    tile GEMM) past them, rows padded; no dot-product panel copy. ``panel`` still takes the dot kernel."""
+    if not onednn_usable(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 GEMM on this CPU")
+    monkeypatch.setattr(projections, "amx_bf16", lambda: True)
+    _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
+    linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
+    assert linear.panel is None and linear.packed is not None and linear.small_rows == AMX_SMALL_ROWS == 7
+    small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
+    onednn = record_rows(monkeypatch, "torch.ops.mkldnn._linear_pointwise")
+    for rows in (1, 7, 8, 9, 40, 300):
+        x = torch.randn(rows, 32).bfloat16()
+        torch.testing.assert_close(linear(x).float(), _exact(x, weight, b), rtol=2**-7, atol=2**-7)
+    assert small == [1, 7] and onednn == [8, 16, 40, 320]  # padded_rows
+    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).kernel == "dot"
+    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).kernel == "wide"

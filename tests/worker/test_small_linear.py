@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import projections
-from kernels.projections import SMALL_LINEAR_ROWS, native_small_linear, small_linear, small_linear_dot_bf16
+from kernels.projections import (
+    SMALL_LINEAR_ROWS,
+    amx_bf16,
+    native_small_linear,
+    small_linear,
+    small_linear_dot_bf16,
+)
 from services.worker.engine.linear import (
+    AMX_SMALL_ROWS,
     BF16_WIDENING_ROWS,
     PANEL_SMALL_ROWS,
     LinearFactory,
@@ -63,11 +70,16 @@ def test_strided_rows_are_read_in_place(dtype: torch.dtype) -> None:
 def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product_or_no_onednn_bf16() -> None:
     """The build compiles vdpbf16ps wherever this CPU has AVX512-BF16 (-march=native). auto sends bf16
     batches past four rows to the kernel there, and where oneDNN has no bf16 GEMM at all (AVX2: the
-    alternative is the slower panel kernel); it stops at four rows only against oneDNN's bf16 path."""
+    alternative is the slower panel kernel); it stops at four rows only against oneDNN's bf16 path, and
+    at seven against oneDNN's AMX tiles."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert small_linear_dot_bf16() == ("avx512_bf16" in flags)
+    assert amx_bf16() == ("amx_bf16" in flags)
     eight = small_linear_dot_bf16() or not onednn_usable(torch.bfloat16)
-    assert small_rows(torch.bfloat16) == (SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS)
+    expected = SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS
+    if amx_bf16() and onednn_usable(torch.bfloat16):
+        expected = AMX_SMALL_ROWS
+    assert small_rows(torch.bfloat16) == expected
     assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
     # against the eight-lane panel kernel (AVX2) four rows in either dtype, the sixteen-lane fp32 one
     # four, the bf16 dot-product one one

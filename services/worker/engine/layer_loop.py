@@ -8,8 +8,8 @@ step's values are the Python loop's bit for bit.
 
 It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
 every piece has its native form: the fused layer ops and the native paged decode attention are on,
-every projection has a panel kernel (linear.py's ``kernel``; the small-row kernel up to
-``small_rows`` rows, as ``Linear`` does), and the step's LoRA deltas, if any, are all ``lora_bgmv``
+every projection has a panel kernel (linear.py's ``kernel``) or oneDNN's packed weight (bf16 on
+AMX), all the same one, the small-row kernel up to ``small_rows`` rows, as ``Linear`` does, and the step's LoRA deltas, if any, are all ``lora_bgmv``
 calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop for every step.
 """
 
@@ -25,7 +25,15 @@ from services.worker.engine.weights import ModelWeights
 
 CpuLayerLoop = Literal["auto", "python"]
 PANEL_KERNELS = {"eight": 0, "wide": 1, "dot": 2}  # DecoderStack's kernel codes
+ONEDNN = 3  # and its code for oneDNN's packed linear
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # lora_hook.GROUPS' order, DecoderStack's
+
+
+def kind(linear: Linear) -> tuple[str | None, int]:
+    """How the stack would run ``linear``: its panel kernel, "onednn" or None (neither), and its small rows."""
+    if linear.panel is not None:
+        return linear.kernel, linear.small_rows
+    return ("onednn" if linear.packed is not None else None), linear.small_rows
 
 
 class NativeLayerLoop:
@@ -45,10 +53,10 @@ class NativeLayerLoop:
             s.residual_multiplier,
             gelu,
             first.small_rows,
-            PANEL_KERNELS[first.kernel],
+            PANEL_KERNELS[first.kernel] if first.panel is not None else ONEDNN,
             [linear.weight for linear in linears],
             [linear.bias for linear in linears],
-            [linear.panel for linear in linears],
+            [linear.panel if linear.panel is not None else linear.packed for linear in linears],
             [layer.post_norm for layer in weights.layers],
             [layer.input_norm for layer in weights.layers],
             [layer.attn_out_norm for layer in weights.layers],
@@ -66,14 +74,15 @@ class NativeLayerLoop:
         weights: ModelWeights, proj: list[dict[str, Linear]], attention: list[AttentionParams], native_ops: bool
     ) -> bool:
         """Whether a model's layers can run natively: CPU, the fused layer ops and the native decode
-        attention on, one panel kernel and small-row split for every projection."""
+        attention on, one panel kernel (or oneDNN's packed weight) and small-row split for every
+        projection."""
         linears = [layer[name] for layer in proj for name in PROJECTIONS]
         return (
             native_ops
             and weights.embed.device.type == "cpu"
             and all(params.native for params in attention)
-            and all(linear.panel is not None for linear in linears)
-            and len({(linear.kernel, linear.small_rows) for linear in linears}) == 1
+            and len({kind(linear) for linear in linears}) == 1
+            and kind(linears[0])[0] is not None
         )
 
     def __call__(

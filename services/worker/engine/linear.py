@@ -52,8 +52,16 @@ panel kernel instead of oneDNN's fp32 GEMM: 32-feature panels, an 8 x 32 tile of
 dot-product kernel's threads and prefetch. On the same Zen 4, 30 layers of SmolLM2's projections,
 isolated: 1.2-1.3x oneDNN at 9-32 rows, 1.14x at 64, even from 512 on; in the engine a batch-32 fp32
 decode step's projections 53.6 / 48.1 -> 41.5 / 37.5 ms, the step 80.6 / 73.8 -> 67.7 / 59.5 ms (two
-paired runs). Measured on Zen 4 only, which runs 512-bit operations as two 256-bit halves: where
-AVX-512 is full width (Intel Xeon) it is unmeasured against oneDNN, which ``onednn`` mode keeps.
+paired runs). On a 2-core Intel Xeon (full-width AVX-512) the same comparison gave the panel kernel
+0.84x oneDNN's time at one row and 0.76-0.85x at 8-64 rows, so it stands there too.
+
+Where the CPU has AMX (that Xeon), oneDNN's bf16 GEMM runs on its tiles and the dot-product kernel is
+no match past a few rows: over the 121 projections with lm_head, weights streamed from memory, the
+panel took 1.0x oneDNN's time at 8 rows, 1.5x at 16, 2.1x at 32, 3.7x at 64 and 5.0x at 128 (every
+prefill). So ``auto`` in bf16 on AMX packs for oneDNN, and the small-row kernel keeps up to
+AMX_SMALL_ROWS (7) rows, where it took 0.76-0.97x oneDNN's time (the panel kernel 0.73-0.91x: holding
+a third copy of the weights for it was not worth the difference). The native layer loop calls
+oneDNN's op itself, the rows padded as here.
 """
 
 from dataclasses import dataclass
@@ -71,6 +79,7 @@ log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
 PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where an fp32-rate panel kernel takes the rest
 DOT_SMALL_ROWS = 1  # and where the bf16 dot-product panel kernel does
+AMX_SMALL_ROWS = 7  # and where oneDNN's bf16 GEMM on AMX tiles does
 
 
 def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
@@ -96,6 +105,8 @@ def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
         return DOT_SMALL_ROWS
     if kernel is not None:
         return PANEL_SMALL_ROWS
+    if dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype):
+        return AMX_SMALL_ROWS
     if dtype == torch.float32 or projections.small_linear_dot_bf16() or not onednn_usable(dtype):
         return projections.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
     return BF16_WIDENING_ROWS
@@ -194,7 +205,7 @@ class Linear:
 class LinearFactory:
     """Builds every projection of one model under one policy (probed once): ``auto`` (the small-row
     kernel for a small batch; past it the panel kernel this CPU does best, where it has one: the dot
-    product for bf16 with AVX512-BF16, sixteen lanes for fp32 with AVX-512, eight lanes without
+    product for bf16 with AVX512-BF16 but no AMX (with AMX, oneDNN's tile GEMM), sixteen lanes for fp32 with AVX-512, eight lanes without
     AVX-512 or where it is the only bf16 GEMM; else oneDNN's packed path where usable, else
     ``F.linear``), ``torch`` (``F.linear`` only), ``onednn`` / ``panel`` (that path for every row
     count, refusing to start where it is not usable)."""
@@ -204,7 +215,9 @@ class LinearFactory:
         eight = cpu and panels and dtype in native.DTYPES and projections.native_panel_linear()
         reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
         self.kernel: PanelKernel | None = None
-        if cpu and panels and dtype == torch.bfloat16 and projections.native_panel_dot():
+        # bf16 on AMX: oneDNN's tile GEMM past the small rows (auto; the dot-product kernel is 1.5-5x slower there)
+        amx = cpu and mode == "auto" and dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype)
+        if cpu and panels and dtype == torch.bfloat16 and projections.native_panel_dot() and not amx:
             self.kernel = "dot"  # at every row count past the small ones
         elif cpu and panels and dtype == torch.float32 and projections.native_panel_wide():
             self.kernel = "wide"
@@ -220,6 +233,8 @@ class LinearFactory:
         self.small_rows = small_rows(dtype, self.kernel) if auto and projections.native_small_linear() else 0
         if self.panel:
             log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.kernel)
+        elif amx:
+            log.info("onednn_amx_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode)
         elif reference_bf16 and mode != "torch":
             log.warning(
                 "bf16_linear_reference_gemm",
