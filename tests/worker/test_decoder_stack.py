@@ -140,6 +140,10 @@ def test_auto_linears_take_the_small_row_kernel_in_the_loop_too(
     _decode_rounds(pair, _sequences(9))
 
 
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_usable(torch.bfloat16), reason="no oneDNN bf16 GEMM on this CPU")
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
 def test_bf16_on_amx_takes_onednn_past_the_small_rows_in_the_loop_too(
     amx: bool, monkeypatch: pytest.MonkeyPatch
@@ -147,8 +151,6 @@ def test_bf16_on_amx_takes_onednn_past_the_small_rows_in_the_loop_too(
     """bf16 ``auto`` on a CPU with AMX: oneDNN's packed linear past AMX_SMALL_ROWS rows, not the
     dot-product panel kernel, in the native loop as in Python (equal bit for bit at rows on both sides);
     without AMX the dot-product kernel where it is built."""
-    if not onednn_usable(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 GEMM on this CPU")
     monkeypatch.setattr(projections, "amx_bf16", lambda: amx)
     factory = LinearFactory("auto", "cpu", torch.bfloat16)
     if amx:
@@ -166,11 +168,11 @@ def test_bf16_on_amx_takes_onednn_past_the_small_rows_in_the_loop_too(
     assert pair.loop_calls == 5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)], ids=["fp32", "bf16"]
+)
 def test_onednn_mode_runs_in_the_loop(dtype: torch.dtype) -> None:
     """``onednn``: every row count through oneDNN's packed linear, in the native loop as in Python."""
-    if not onednn_usable(dtype):
-        pytest.skip(f"no oneDNN {dtype} GEMM on this CPU")
     pair = _Pair(load_weights(FAMILIES["llama-head-dim"](), dtype, "cpu", MAX_LEN), "onednn")
     assert pair.native.loop is not None
     _decode_rounds(pair, _sequences(9))

@@ -150,11 +150,10 @@ def test_bf16_linears_take_it_past_one_row_and_fp32_ones_do_not(monkeypatch: pyt
 
 
 @needs_bf16_dot
+@pytest.mark.skipif(not onednn_usable(torch.bfloat16), reason="no oneDNN bf16 GEMM on this CPU")
 def test_bf16_linears_on_amx_take_onednn_past_the_small_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """With AMX, ``auto`` bf16: the small-row kernel up to AMX_SMALL_ROWS, oneDNN's packed linear (its
     tile GEMM) past them, rows padded; no dot-product panel copy. ``panel`` still takes the dot kernel."""
-    if not onednn_usable(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 GEMM on this CPU")
     monkeypatch.setattr(projections, "amx_bf16", lambda: True)
     _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
