@@ -132,7 +132,7 @@ def test_auto_linears_take_the_small_row_kernel_in_the_loop_too(
     weights = load_weights(FAMILIES["gemma2-window-8-softcaps"](), dtype, "cpu", MAX_LEN)
     factory = LinearFactory("auto", "cpu", dtype)
     pair = _Pair(weights, "auto")
-    if factory.kernel is None and not factory.pack:
+    if factory.path == "torch":
         assert pair.native.loop is None
         return
     assert pair.native.loop is not None
@@ -154,14 +154,14 @@ def test_bf16_on_amx_takes_onednn_past_the_small_rows_in_the_loop_too(
     monkeypatch.setattr(projections, "amx_bf16", lambda: amx)
     factory = LinearFactory("auto", "cpu", torch.bfloat16)
     if amx:
-        assert (factory.kernel, factory.pack, factory.small_rows) == (None, True, AMX_SMALL_ROWS)
+        assert (factory.path, factory.small_rows) == ("onednn", AMX_SMALL_ROWS)
     elif projections.native_panel_dot():
-        assert (factory.kernel, factory.pack, factory.small_rows) == ("dot", False, DOT_SMALL_ROWS)
+        assert (factory.path, factory.small_rows) == ("dot", DOT_SMALL_ROWS)
     weights = load_weights(FAMILIES["qwen3-qk-norm"](), torch.bfloat16, "cpu", MAX_LEN)
     pair = _Pair(weights, "auto")
     assert pair.native.loop is not None
     if amx:
-        assert pair.native.proj[0]["qkv"].packed is not None and pair.native.proj[0]["qkv"].panel is None
+        assert pair.native.proj[0]["qkv"].path == "onednn"
     pair.step([], seqs := _sequences(9))
     for rows in (9, 7, 8, 1, 9):  # oneDNN pads 9 rows to 16 and 8 runs unpadded
         pair.step(seqs[:rows], [])
@@ -260,7 +260,7 @@ def test_which_models_the_loop_serves() -> None:
     assert eager_attention.loop is None
     forward = _forward(llama, "panel", False)
     assert NativeLayerLoop.serves(llama, forward.proj, forward.attention, True)
-    forward.proj[1]["down"].panel = None
+    forward.proj[1]["down"] = LinearFactory("torch", "cpu", torch.float32)(forward.proj[1]["down"].weight)
     assert not NativeLayerLoop.serves(llama, forward.proj, forward.attention, True)
 
 

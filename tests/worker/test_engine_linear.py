@@ -31,7 +31,7 @@ def test_onednn_is_usable_for_fp32_and_bf16_on_this_cpu_and_never_for_fp16():
 def test_auto_linear_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool):
     x, weight, b = _case(rows, *shape, bias)
     linear = LinearFactory("auto", "cpu", torch.float32)(weight, b)
-    assert (linear.packed is None) != (linear.panel is None)  # oneDNN's or the native panel kernel's copy
+    assert linear.path != "torch" and linear.prepared is not None  # oneDNN's or the native panel kernel's copy
     torch.testing.assert_close(linear(x), F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
 
 
@@ -44,7 +44,7 @@ def test_auto_linear_in_bf16_equals_f_linear_within_bf16_rounding(rows: int, bia
     x, weight = x.bfloat16(), weight.bfloat16()
     b = b.bfloat16() if b is not None else None
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
-    assert (linear.packed is None) != (linear.panel is None)
+    assert linear.path != "torch" and linear.prepared is not None
     got = linear(x)
     assert got.dtype == torch.bfloat16
     exact = F.linear(x.float(), weight.float(), b.float() if b is not None else None)
@@ -72,7 +72,7 @@ def test_torch_mode_and_other_dtypes_never_pack():
         LinearFactory("torch", "cpu", torch.bfloat16)(weight.bfloat16()),
         LinearFactory("auto", "cpu", torch.float16)(weight.half()),
     ):
-        assert linear.packed is None and linear.panel is None
+        assert linear.path == "torch" and linear.prepared is None
     with pytest.raises(ValueError, match="not usable"):
         LinearFactory("onednn", "cpu", torch.float16)
 

@@ -136,7 +136,7 @@ def test_bf16_linears_take_it_past_one_row_and_fp32_ones_do_not(monkeypatch: pyt
     monkeypatch.setattr(projections, "amx_bf16", lambda: False)  # a CPU without AMX (Zen 4)
     _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
-    assert linear.kernel == "dot" and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
+    assert linear.path == "dot" and linear.prepared is not None  # its panels, and no oneDNN copy besides
     assert linear.small_rows == small_rows(torch.bfloat16, "dot") == 1  # it beats the small-row kernel at 2-8 rows
     dot = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear_dot")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
@@ -144,9 +144,9 @@ def test_bf16_linears_take_it_past_one_row_and_fp32_ones_do_not(monkeypatch: pyt
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(linear(x).float(), _exact(x, weight, b), rtol=2**-7, atol=2**-7)
     assert small == [1] and dot == [2, 4, 8, 9, 40, 300]
-    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).kernel != "dot"
-    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight).panel is None
-    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).kernel == "dot"
+    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).path != "dot"
+    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight).path == "torch"
+    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).path == "dot"
 
 
 @needs_bf16_dot
@@ -157,12 +157,12 @@ def test_bf16_linears_on_amx_take_onednn_past_the_small_rows(monkeypatch: pytest
     monkeypatch.setattr(projections, "amx_bf16", lambda: True)
     _, weight, b = _case(1, 64, 32, torch.bfloat16, True)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight, b)
-    assert linear.panel is None and linear.packed is not None and linear.small_rows == AMX_SMALL_ROWS == 7
+    assert linear.path == "onednn" and linear.small_rows == AMX_SMALL_ROWS == 7
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     onednn = record_rows(monkeypatch, "torch.ops.mkldnn._linear_pointwise")
     for rows in (1, 7, 8, 9, 40, 300):
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(linear(x).float(), _exact(x, weight, b), rtol=2**-7, atol=2**-7)
     assert small == [1, 7] and onednn == [8, 16, 40, 320]  # padded_rows
-    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).kernel == "dot"
-    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).kernel == "wide"
+    assert LinearFactory("panel", "cpu", torch.bfloat16)(weight).path == "dot"
+    assert LinearFactory("auto", "cpu", torch.float32)(weight.float()).path == "wide"

@@ -180,7 +180,7 @@ def test_auto_sends_rows_past_the_small_ones_to_the_panel_kernel_where_preferred
 ) -> None:
     _, weight, b = _case(1, 64, 32, dtype, True)
     linear = LinearFactory("auto", "cpu", dtype)(weight, b)
-    assert linear.packed is None and linear.panel is not None  # no oneDNN copy besides
+    assert linear.path == "eight" and linear.prepared is not None  # its panels, and no oneDNN copy besides
     panel = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     served = small_rows(dtype, "eight")
@@ -197,9 +197,9 @@ def test_bf16_takes_the_panel_kernel_where_onednn_has_none_even_where_onednn_is_
     onednn_preferred: None, no_onednn_bf16: None
 ) -> None:
     _, weight, _ = _case(1, 64, 32, torch.float32, False)
-    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).panel is not None
+    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).path == "eight"
     fp32 = LinearFactory("auto", "cpu", torch.float32)(weight)
-    assert fp32.panel is None and fp32.packed is not None
+    assert fp32.path == "onednn"
 
 
 def test_panel_mode_takes_it_for_every_row_and_torch_mode_never(
@@ -207,13 +207,13 @@ def test_panel_mode_takes_it_for_every_row_and_torch_mode_never(
 ) -> None:
     _, weight, b = _case(1, 64, 32, torch.float32, True)
     forced = LinearFactory("panel", "cpu", torch.float32)(weight, b)
-    assert forced.small_rows == 0 and forced.panel is not None and forced.packed is None
+    assert forced.small_rows == 0 and forced.path == "eight"
     panel = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear")
     for rows in (1, 2, 9):
         torch.testing.assert_close(forced(torch.ones(rows, 32)), _exact(torch.ones(rows, 32), weight, b))
     assert panel == [1, 2, 9]
-    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight.bfloat16()).panel is None
-    assert LinearFactory("onednn", "cpu", torch.float32)(weight).panel is None
+    assert LinearFactory("torch", "cpu", torch.bfloat16)(weight.bfloat16()).path == "torch"
+    assert LinearFactory("onednn", "cpu", torch.float32)(weight).path == "onednn"
 
 
 def test_panel_mode_refuses_to_start_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +233,7 @@ def test_bf16_without_onednn_or_the_kernel_warns_at_load(monkeypatch: pytest.Mon
     monkeypatch.setattr(linear_module.log, "warning", lambda event, **_: events.append(event))
     _, weight, _ = _case(1, 64, 32, torch.bfloat16, False)
     linear = LinearFactory("auto", "cpu", torch.bfloat16)(weight)
-    assert linear.panel is None and linear.packed is None and events == ["bf16_linear_reference_gemm"]
+    assert linear.path == "torch" and events == ["bf16_linear_reference_gemm"]
     torch.testing.assert_close(
         linear(torch.ones(9, 32).bfloat16()).float(), _exact(torch.ones(9, 32), weight, None), rtol=2**-7, atol=2**-7
     )

@@ -124,7 +124,7 @@ def test_it_refuses_what_it_cannot_compute() -> None:
 def test_fp32_linears_take_it_past_the_small_rows_and_bf16_ones_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     _, weight, b = _case(1, 64, 32, torch.float32, True)
     linear = LinearFactory("auto", "cpu", torch.float32)(weight, b)
-    assert linear.kernel == "wide" and linear.packed is None and linear.panel is not None  # no oneDNN copy besides
+    assert linear.path == "wide" and linear.prepared is not None  # its panels, and no oneDNN copy besides
     wide = record_rows(monkeypatch, "torch.ops.lorafleet.panel_linear_wide")
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     served = small_rows(torch.float32, "wide")
@@ -133,8 +133,8 @@ def test_fp32_linears_take_it_past_the_small_rows_and_bf16_ones_do_not(monkeypat
         x = torch.randn(rows, 32)
         torch.testing.assert_close(linear(x), _exact(x, weight, b), rtol=1e-5, atol=1e-5)
     assert small == [1, served] and wide == [served + 1, 40, 300]
-    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).kernel != "wide"
-    assert LinearFactory("torch", "cpu", torch.float32)(weight).panel is None
-    assert LinearFactory("onednn", "cpu", torch.float32)(weight).panel is None
+    assert LinearFactory("auto", "cpu", torch.bfloat16)(weight.bfloat16()).path != "wide"
+    assert LinearFactory("torch", "cpu", torch.float32)(weight).path == "torch"
+    assert LinearFactory("onednn", "cpu", torch.float32)(weight).path == "onednn"
     forced = LinearFactory("panel", "cpu", torch.float32)(weight)
-    assert forced.kernel == "wide" and forced.small_rows == 0
+    assert forced.path == "wide" and forced.small_rows == 0

@@ -75,12 +75,12 @@ def test_bf16_takes_eight_rows_where_the_cpu_has_the_bf16_dot_product_or_no_oned
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert small_linear_dot_bf16() == ("avx512_bf16" in flags)
     assert amx_bf16() == ("amx_bf16" in flags)
-    eight = small_linear_dot_bf16() or not onednn_usable(torch.bfloat16)
-    expected = SMALL_LINEAR_ROWS if eight else BF16_WIDENING_ROWS
+    expected = SMALL_LINEAR_ROWS if small_linear_dot_bf16() else BF16_WIDENING_ROWS
     if amx_bf16() and onednn_usable(torch.bfloat16):
         expected = AMX_SMALL_ROWS
-    assert small_rows(torch.bfloat16) == expected
-    assert small_rows(torch.float32) == SMALL_LINEAR_ROWS and small_rows(torch.float16) == 0
+    assert small_rows(torch.bfloat16, "onednn") == expected
+    assert small_rows(torch.bfloat16, "torch") == SMALL_LINEAR_ROWS  # against torch's reference GEMM
+    assert small_rows(torch.float32, "onednn") == SMALL_LINEAR_ROWS and small_rows(torch.float16, "onednn") == 0
     # against the eight-lane panel kernel (AVX2) four rows in either dtype, the sixteen-lane fp32 one
     # four, the bf16 dot-product one one
     assert small_rows(torch.float32, "eight") == small_rows(torch.bfloat16, "eight") == PANEL_SMALL_ROWS
@@ -110,7 +110,7 @@ def test_auto_sends_small_rows_to_the_kernel_and_the_rest_past_it(monkeypatch, d
     monkeypatch.setattr(projections, "native_panel_dot", lambda: False)
     x, weight, _ = _case(1, 64, 32, dtype, False)
     linear = LinearFactory("auto", "cpu", dtype)(weight)
-    rows_served = small_rows(dtype, linear.kernel if linear.panel is not None else None)
+    rows_served = small_rows(dtype, linear.path)
     assert linear.small_rows == rows_served > 0
     small = record_rows(monkeypatch, "torch.ops.lorafleet.small_linear")
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7

@@ -16,7 +16,6 @@ from services.worker.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedSampling
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
-from services.worker.engine.layer_loop import kind
 from services.worker.engine.linear import LinearFactory
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
@@ -75,7 +74,7 @@ class LLMEngine:
             weights, linear, native_attention=native, native_layer_ops=layer_ops, native_layer_loop=loop
         )
         if self.model.loop is not None:
-            log.info("native_layer_loop", dtype=str(config.torch_dtype), kernel=kind(self.model.proj[0]["qkv"])[0])
+            log.info("native_layer_loop", dtype=str(config.torch_dtype), path=self.model.proj[0]["qkv"].path)
         self._argmax: Callable[[torch.Tensor], torch.Tensor] | None = native_argmax if layer_ops else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs:

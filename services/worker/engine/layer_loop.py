@@ -8,9 +8,10 @@ step's values are the Python loop's bit for bit.
 
 It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
 every piece has its native form: the fused layer ops and the native paged decode attention are on,
-every projection has a panel kernel (linear.py's ``kernel``) or oneDNN's packed weight (bf16 on
-AMX), all the same one, the small-row kernel up to ``small_rows`` rows, as ``Linear`` does, and the step's LoRA deltas, if any, are all ``lora_bgmv``
-calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop for every step.
+every projection takes the same path past the same small rows (linear.py's ``path``: a panel kernel,
+or oneDNN's packed weight as bf16 on AMX does) as ``Linear`` does, and the step's LoRA deltas, if any,
+are all ``lora_bgmv`` calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop
+for every step.
 """
 
 from typing import Any, Literal
@@ -19,21 +20,13 @@ import torch
 
 from services.worker.engine.attention import AttentionMetadata, AttentionParams
 from services.worker.engine.kv_cache import KVCache
-from services.worker.engine.linear import Linear
+from services.worker.engine.linear import Linear, LinearPath
 from services.worker.engine.lora_hook import BgmvCalls
 from services.worker.engine.weights import ModelWeights
 
 CpuLayerLoop = Literal["auto", "python"]
-PANEL_KERNELS = {"eight": 0, "wide": 1, "dot": 2}  # DecoderStack's kernel codes
-ONEDNN = 3  # and its code for oneDNN's packed linear
+PATHS: dict[LinearPath, int] = {"eight": 0, "wide": 1, "dot": 2, "onednn": 3}  # DecoderStack's kernel codes
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # lora_hook.GROUPS' order, DecoderStack's
-
-
-def kind(linear: Linear) -> tuple[str | None, int]:
-    """How the stack would run ``linear``: its panel kernel, "onednn" or None (neither), and its small rows."""
-    if linear.panel is not None:
-        return linear.kernel, linear.small_rows
-    return ("onednn" if linear.packed is not None else None), linear.small_rows
 
 
 class NativeLayerLoop:
@@ -53,10 +46,10 @@ class NativeLayerLoop:
             s.residual_multiplier,
             gelu,
             first.small_rows,
-            PANEL_KERNELS[first.kernel] if first.panel is not None else ONEDNN,
+            PATHS[first.path],
             [linear.weight for linear in linears],
             [linear.bias for linear in linears],
-            [linear.panel if linear.panel is not None else linear.packed for linear in linears],
+            [linear.prepared for linear in linears],
             [layer.post_norm for layer in weights.layers],
             [layer.input_norm for layer in weights.layers],
             [layer.attn_out_norm for layer in weights.layers],
@@ -81,8 +74,8 @@ class NativeLayerLoop:
             native_ops
             and weights.embed.device.type == "cpu"
             and all(params.native for params in attention)
-            and len({kind(linear) for linear in linears}) == 1
-            and kind(linears[0])[0] is not None
+            and len({(linear.path, linear.small_rows) for linear in linears}) == 1
+            and linears[0].path in PATHS
         )
 
     def __call__(

@@ -64,6 +64,7 @@ a third copy of the weights for it was not worth the difference). The native lay
 oneDNN's op itself, the rows padded as here.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,6 +76,9 @@ from kernels import native, projections
 
 CpuLinear = Literal["auto", "torch", "onednn", "panel"]
 PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_linear, _wide, _dot
+# How a projection runs its rows past the small-row kernel: a panel kernel, oneDNN's packed weight, F.linear
+LinearPath = PanelKernel | Literal["onednn", "torch"]
+PANEL_KERNELS: tuple[PanelKernel, ...] = ("eight", "wide", "dot")
 log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
 PANEL_SMALL_ROWS = 4  # rows the small-row kernel keeps where an fp32-rate panel kernel takes the rest
@@ -82,10 +86,10 @@ DOT_SMALL_ROWS = 1  # and where the bf16 dot-product panel kernel does
 AMX_SMALL_ROWS = 7  # and where oneDNN's bf16 GEMM on AMX tiles does
 
 
-def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
-    """Rows up to which ``auto`` takes kernels.projections' small-row kernel rather than the path for more
-    rows (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
-    from memory, 2 threads). Against oneDNN's packed path (``kernel`` None): fp32 1.1x at one row,
+def small_rows(dtype: torch.dtype, path: LinearPath) -> int:
+    """Rows up to which ``auto`` takes kernels.projections' small-row kernel rather than ``path``, the one
+    for more rows (0: none), where it was faster over 30 layers of SmolLM2's projections (weights streamed
+    from memory, 2 threads). Against oneDNN's packed path: fp32 1.1x at one row,
     1.3-1.5x at 2-4, 1.2x at 8; bf16 1.3x at one row, 1.5-1.8x at 2-4, and at 5-8 only where the build
     has vdpbf16ps (widening the bf16 weights costs more than the pass saves there; where oneDNN has no
     bf16 GEMM, all eight). Against the eight-lane panel kernel (AVX2): even at 1-7 rows (both stream
@@ -101,14 +105,14 @@ def small_rows(dtype: torch.dtype, kernel: PanelKernel | None = None) -> int:
     ``native_small_linear()`` is True."""
     if dtype not in (torch.float32, torch.bfloat16):
         return 0
-    if kernel == "dot":
+    if path == "dot":
         return DOT_SMALL_ROWS
-    if kernel is not None:
+    if path in PANEL_KERNELS:
         return PANEL_SMALL_ROWS
-    if dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype):
+    if path == "onednn" and onednn_amx(dtype):
         return AMX_SMALL_ROWS
-    if dtype == torch.float32 or projections.small_linear_dot_bf16() or not onednn_usable(dtype):
-        return projections.SMALL_LINEAR_ROWS  # (bf16 without oneDNN's: the alternative is torch's reference GEMM)
+    if dtype == torch.float32 or path == "torch" or projections.small_linear_dot_bf16():
+        return projections.SMALL_LINEAR_ROWS  # (bf16 on the torch path: the alternative is its reference GEMM)
     return BF16_WIDENING_ROWS
 
 
@@ -150,9 +154,11 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
+@functools.cache
 def onednn_usable(dtype: torch.dtype) -> bool:
     """Whether prepacked oneDNN linears work here for ``dtype`` and agree with ``F.linear``: fp32, and
-    bf16 where oneDNN has a bf16 path on this CPU (AVX-512 BF16 or AMX natively, AVX-512BW emulated)."""
+    bf16 where oneDNN has a bf16 path on this CPU (AVX-512 BF16 or AMX natively, AVX-512BW emulated).
+    Probed once per dtype."""
     # torch leaves torch.backends.mkldnn.is_available unannotated
     if dtype not in _PROBE_TOLERANCE or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
@@ -174,32 +180,38 @@ def onednn_usable(dtype: torch.dtype) -> bool:
         return False
 
 
+def onednn_amx(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is bf16 and oneDNN's bf16 GEMM runs on this CPU's AMX tiles, where ``auto``
+    takes it past AMX_SMALL_ROWS rows (the dot-product panel kernel is 1.5-5x slower there)."""
+    return dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype)
+
+
 @dataclass(slots=True)
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
-    kernel, the rest through ``panel`` (packed for kernels.projections' panel kernel ``kernel``) or
-    ``packed`` (oneDNN) when there is one, else ``F.linear``."""
+    kernel, the rest by ``path``: a panel kernel or oneDNN on ``prepared``, the weight in that path's
+    layout (so never both copies besides the plain weight), or ``F.linear`` on the plain weight."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
-    packed: torch.Tensor | None = None  # oneDNN's blocked layout of weight
+    path: LinearPath = "torch"
+    prepared: torch.Tensor | None = None  # None exactly on the torch path
     small_rows: int = 0  # 0: no small-row kernel
-    panel: torch.Tensor | None = None  # weight packed by kernel's pack (projections.panel_pack, _wide, _dot)
-    kernel: PanelKernel = "eight"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows and x.shape[0] > 0:
             return projections.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
-        if self.panel is not None:
-            features = self.weight.shape[0]
-            if self.kernel == "wide":
-                return projections.panel_linear_wide(x, self.panel, self.bias, features)
-            if self.kernel == "dot":
-                return projections.panel_linear_dot(x, self.panel, self.bias, features)
-            return projections.panel_linear(x, self.panel, self.bias, features)
-        if self.packed is not None:
-            return _packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        prepared = self.prepared
+        if prepared is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.path == "onednn":
+            return _packed_linear(x, prepared, self.bias)
+        features = self.weight.shape[0]
+        if self.path == "wide":
+            return projections.panel_linear_wide(x, prepared, self.bias, features)
+        if self.path == "dot":
+            return projections.panel_linear_dot(x, prepared, self.bias, features)
+        return projections.panel_linear(x, prepared, self.bias, features)
 
 
 class LinearFactory:
@@ -214,25 +226,24 @@ class LinearFactory:
         cpu, panels = torch.device(device).type == "cpu", mode in ("auto", "panel")
         eight = cpu and panels and dtype in native.DTYPES and projections.native_panel_linear()
         reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
-        self.kernel: PanelKernel | None = None
-        # bf16 on AMX: oneDNN's tile GEMM past the small rows (auto; the dot-product kernel is 1.5-5x slower there)
-        amx = cpu and mode == "auto" and dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype)
+        amx = cpu and mode == "auto" and onednn_amx(dtype)
+        self.path: LinearPath = "torch"
         if cpu and panels and dtype == torch.bfloat16 and projections.native_panel_dot() and not amx:
-            self.kernel = "dot"  # at every row count past the small ones
+            self.path = "dot"  # at every row count past the small ones
         elif cpu and panels and dtype == torch.float32 and projections.native_panel_wide():
-            self.kernel = "wide"
+            self.path = "wide"
         elif eight and (mode == "panel" or projections.panel_linear_preferred() or reference_bf16):
-            self.kernel = "eight"
-        if mode == "panel" and self.kernel is None:
+            self.path = "eight"
+        elif cpu and mode in ("auto", "onednn") and onednn_usable(dtype):
+            self.path = "onednn"
+        if mode == "panel" and self.path not in PANEL_KERNELS:
             raise ValueError(f"cpu_linear='panel' is not usable here for {dtype} (see the engine log)")
-        self.panel = self.kernel is not None
-        self.pack = not self.panel and cpu and mode in ("auto", "onednn") and onednn_usable(dtype)
-        if mode == "onednn" and not self.pack:
+        if mode == "onednn" and self.path != "onednn":
             raise ValueError(f"cpu_linear='onednn' is not usable here for {dtype} (see the engine log)")
         auto = mode == "auto" and cpu
-        self.small_rows = small_rows(dtype, self.kernel) if auto and projections.native_small_linear() else 0
-        if self.panel:
-            log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.kernel)
+        self.small_rows = small_rows(dtype, self.path) if auto and projections.native_small_linear() else 0
+        if self.path in PANEL_KERNELS:
+            log.info("panel_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode, kernel=self.path)
         elif amx:
             log.info("onednn_amx_linear", dtype=str(dtype), small_rows=self.small_rows, cpu_linear=mode)
         elif reference_bf16 and mode != "torch":
@@ -244,8 +255,12 @@ class LinearFactory:
             )
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        packed = _pack(weight) if self.pack else None
-        pack = {"eight": projections.panel_pack, "wide": projections.panel_pack_wide, "dot": projections.panel_pack_dot}
-        panel = pack[self.kernel](weight) if self.kernel is not None else None
+        prepare = {
+            "eight": projections.panel_pack,
+            "wide": projections.panel_pack_wide,
+            "dot": projections.panel_pack_dot,
+            "onednn": _pack,
+        }
+        prepared = prepare[self.path](weight) if self.path != "torch" else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
-        return Linear(weight, bias, packed, self.small_rows, panel, self.kernel or "eight")
+        return Linear(weight, bias, self.path, prepared, self.small_rows)
