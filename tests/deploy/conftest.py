@@ -12,6 +12,7 @@ from lorafleet.cli.infra import Server, free_port, start_nats
 from lorafleet.cli.nats_auth import Secrets, render_config, setup_streams, write_private
 from lorafleet.cli.nats_permissions import ADMIN
 from shared import subjects
+from tests.helpers.bus import settled
 
 TENANTS = ("acme", "globex")
 WORKERS = ("w1", "w2")
@@ -63,12 +64,12 @@ class Client:
 
     async def publish_refused(self, subject: str) -> bool:
         await self.nc.publish(subject, b"{}")
-        await self.nc.flush()
+        await settled(self.nc)
         return await self.refused("Publish", subject)
 
     async def subscribe_refused(self, subject: str) -> bool:
         await self.nc.subscribe(subject)
-        await self.nc.flush()
+        await settled(self.nc)
         return await self.refused("Subscription", subject)
 
 

@@ -20,6 +20,7 @@ from shared.adapter_format import ADAPTER_FILES
 from shared.bus import follow
 from shared.kv_follow import follow_bucket
 from shared.schemas import PinRecord, ReleaseState, SignerRecord
+from tests.helpers.bus import settled
 
 JS_TIMEOUT = 1.0
 
@@ -62,7 +63,7 @@ async def test_registry_owns_its_buckets_and_workers_only_read_them(connect_as) 
     pin = PinRecord(adapter_id="tiny", tenant_id="acme", actor="t")
     await pins.put(pin.key, pin.model_dump_json().encode())
     await registry.nc.subscribe(subjects.WORKER_HEARTBEAT)
-    await registry.nc.flush()
+    await settled(registry.nc)
     await rjs.subscribe(
         subjects.AUDIT_COMPLETION_ALL,
         stream=subjects.AUDIT_STREAM,
@@ -167,7 +168,7 @@ async def test_request_reply_between_scheduler_worker_and_registry(connect_as) -
         await msg.respond(b"accepted")
 
     await worker.nc.subscribe(subjects.worker_dispatch("w1"), cb=answer)
-    await worker.nc.flush()
+    await settled(worker.nc)
     scheduler = await connect_as("scheduler")
     assert (await scheduler.nc.request(subjects.worker_dispatch("w1"), b"{}", timeout=2)).data == b"accepted"
     assert await scheduler.publish_refused(subjects.registry("register"))
@@ -197,7 +198,7 @@ async def test_a_worker_reads_only_its_own_dispatches_and_never_a_reply_stream(c
 
     await w2.nc.subscribe(subjects.worker_dispatch("w2"), cb=accept)
     await w2.nc.subscribe(subjects.worker_control("w2"))
-    await w2.nc.flush()
+    await settled(w2.nc)
     scheduler = await connect_as("scheduler")
     assert (await scheduler.nc.request(subjects.worker_dispatch("w2"), b"prompt", timeout=2)).data == b"accepted"
     assert await dispatched.get() == b"prompt"
@@ -205,9 +206,9 @@ async def test_a_worker_reads_only_its_own_dispatches_and_never_a_reply_stream(c
     gateway = await connect_as("gateway")
     inbox = gateway.nc.new_inbox()
     tokens = await gateway.nc.subscribe(inbox)
-    await gateway.nc.flush()
+    await settled(gateway.nc)
     await w2.nc.publish(inbox, b"token")  # streaming a reply: publish, never subscribe
-    await w2.nc.flush()  # the server has it (a refused publish would be an error by now)
+    await settled(w2.nc)  # the server has it (a refused publish would be an error by now)
     assert (await tokens.next_msg(timeout=10)).data == b"token"
     assert w2.errors == [] and scheduler.errors == []
 
@@ -259,7 +260,7 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
             received.set_result(msg.data)
 
     await acme.nc.subscribe(inbox, cb=on_reply)
-    await acme.nc.flush()
+    await settled(acme.nc)
     await worker.nc.publish(inbox, b"token")
     assert await asyncio.wait_for(received, 10) == b"token"
 
@@ -275,7 +276,7 @@ async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connec
     gateway = await connect_as("gateway")
     resolver, watch = await start_resolver(gateway.nc, "gw1", 2.0)
     try:
-        await gateway.nc.flush()
+        await settled(gateway.nc)
         revision = await kv.put_record(make_record("perm-sum", 1, "acme"))
         sync = GatewaySync(registry.nc, liveness_timeout_s=5, timeout_s=3)
         sync.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
@@ -303,7 +304,7 @@ async def test_schedulers_and_workers_answer_the_registrys_sync_through_their_pe
         peer = await connect_as(user)
         resolver, watch = follow_catalog(peer.nc, 2.0)
         await answer_catalog_sync(peer.nc, service, instance, resolver.mirror, 2.0)
-        await peer.nc.flush()
+        await settled(peer.nc)
         sync.on_heartbeat(ServiceHeartbeat(service=service, instance_id=instance, ready=True))
         watches.append(watch)
         mirrors.append(resolver.mirror)
@@ -329,7 +330,7 @@ async def publish_audit_records(connect_as, tenants: tuple[str, ...]) -> None:
 async def test_a_tenant_follows_only_its_own_audit_records_live_and_replayed(connect_as) -> None:
     acme = await connect_as("tenant-acme", inbox_prefix=subjects.tenant_inbox("acme"))
     live = await acme.nc.subscribe(subjects.audit_of_tenant("acme"))
-    await acme.nc.flush()
+    await settled(acme.nc)
     await publish_audit_records(connect_as, ("globex", "acme", "globex", "acme"))
     assert [(await live.next_msg(timeout=5)).subject for _ in range(2)] == [subjects.audit("completion", "acme")] * 2
 
@@ -379,7 +380,7 @@ async def test_a_filter_in_the_body_that_differs_from_the_subject_is_refused_by_
 async def test_the_audit_reader_reads_every_audit_subject_and_publishes_nothing(connect_as) -> None:
     reader = await connect_as(AUDIT_READER, inbox_prefix=subjects.AUDIT_READER_INBOX)
     live = await reader.nc.subscribe(subjects.AUDIT_ALL)
-    await reader.nc.flush()
+    await settled(reader.nc)
     await publish_audit_records(connect_as, ("acme", "globex"))
     got = {(await live.next_msg(timeout=5)).subject for _ in range(2)}
     assert got == {subjects.audit("completion", "acme"), subjects.audit("completion", "globex")}

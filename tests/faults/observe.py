@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.bus import decode, encode
 from shared.schemas import ServiceHeartbeat, WorkerControl, WorkerControlReply, WorkerHeartbeat
+from tests.helpers.bus import settled
 
 
 class WorkerBeats:
@@ -65,7 +66,7 @@ class WorkerBeats:
     async def control(self, worker: str, message: WorkerControl) -> None:
         assert self._nc is not None
         await self._nc.publish(subjects.worker_control(worker), encode(message))
-        await self._nc.flush()
+        await settled(self._nc)
 
     async def ask(self, worker: str, message: WorkerControl) -> WorkerControlReply:
         """Send a control message and wait for the worker's answer: what it did."""

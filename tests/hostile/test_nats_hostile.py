@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from shared import subjects
 from shared.bus import ERROR_HEADER, decode, encode
 from shared.schemas import ErrorBody, InferRequest, ReplyEnvelope, ResolvedAdapter, SamplingParams, WorkerHeartbeat
+from tests.helpers.bus import settled
 from tests.hostile.conftest import MODEL, WORKER, HostileStack
 
 DEMO_SECRET = '{"tenant_id": "demo", "adapter_id": "demo-secret", "version": 1, "actor": "x"}'
@@ -307,7 +308,7 @@ async def test_forged_worker_heartbeats_divert_no_request(hostile: HostileStack,
     )
     for payload in (encode(ghost), b"{}", b'{"worker_id": "w1", "ready": "yes"}', b"\xff" * 100):
         await nc.publish(subjects.WORKER_HEARTBEAT, payload)
-    await nc.flush()
+    await settled(nc)
     async with hostile.client(hostile.keys.demo) as c:
         for _ in range(3):
             r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
