@@ -65,6 +65,7 @@ oneDNN's op itself, the rows padded as here.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -186,6 +187,15 @@ def onednn_amx(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and projections.amx_bf16() and onednn_usable(dtype)
 
 
+# Each path's layout of the weight, made once at load (Linear.prepared).
+PREPARE: dict[LinearPath, Callable[[torch.Tensor], torch.Tensor]] = {
+    "eight": projections.panel_pack,
+    "wide": projections.panel_pack_wide,
+    "dot": projections.panel_pack_dot,
+    "onednn": _pack,
+}
+
+
 @dataclass(slots=True)
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
@@ -255,12 +265,6 @@ class LinearFactory:
             )
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        prepare = {
-            "eight": projections.panel_pack,
-            "wide": projections.panel_pack_wide,
-            "dot": projections.panel_pack_dot,
-            "onednn": _pack,
-        }
-        prepared = prepare[self.path](weight) if self.path != "torch" else None
+        prepared = PREPARE[self.path](weight) if self.path != "torch" else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
         return Linear(weight, bias, self.path, prepared, self.small_rows)
