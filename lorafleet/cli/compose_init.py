@@ -4,7 +4,7 @@
 expects one directory (a named volume) per consumer under ``--root`` and writes, when absent:
   state/nats-users.json        every password (only the init service mounts ``state``)
   nats/nats.conf               the single-node server config, users and permissions included
-  nats/auth.conf               the same ``authorization`` block alone (the cluster config includes it)
+  nats/auth.conf               the same ``accounts`` block alone (the cluster config includes it)
   nats/cluster.conf            route credentials and routes (``--nats-cluster``: the cluster profile)
   redis/redis.conf, password   ``requirepass`` for redis-server, the password for its health probe
   <service>/nats-password      for gateway, registry, scheduler, auditor, admin (``nats-setup``)
@@ -97,7 +97,7 @@ def init_volumes(
     files: dict[Path, tuple[str, int | None]] = {
         state: (json.dumps(creds_raw(creds), indent=2), ROOT_UID),
         root / NATS / "nats.conf": (json.dumps(config, indent=2) + "\n", ROOT_UID),
-        root / NATS / "auth.conf": (f"authorization: {json.dumps(config['authorization'], indent=2)}\n", ROOT_UID),
+        root / NATS / "auth.conf": (f"accounts: {json.dumps(config['accounts'], indent=2)}\n", ROOT_UID),
         root / REDIS / "redis.conf": (f"requirepass {creds.redis}\n", REDIS_UID),
         root / REDIS / "password": (creds.redis + "\n", REDIS_UID),
     }

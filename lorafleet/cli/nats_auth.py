@@ -20,14 +20,17 @@ import asyncio
 import json
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
+import nats.errors
 import yaml
 
 from lorafleet.cli import nats_snippets
 from lorafleet.cli.infra import Server, cluster_url, jetstream_limits, start_nats, start_nats_cluster, wait_jetstream
+from lorafleet.cli.nats_accounts import accounts, adopt_unaccounted_store, ensure_reader_consumers
 from lorafleet.cli.nats_permissions import (
     ADMIN,
     AUDIT_READER,
@@ -48,6 +51,7 @@ SECRETS_FILE = "nats-users.json"
 WORKERS_COMPOSE_FILE = "compose.workers.yaml"
 REDIS_USERS = ("scheduler", "worker")  # the services that talk to Redis (workers read adapter heat)
 LOCAL_WORKER = "local"  # the worker id of ``lorafleet up``
+REACH_S = 5.0  # how long ``user create`` tries to reach NATS to make a tenant's replay consumer
 
 
 @dataclass(slots=True)
@@ -88,21 +92,24 @@ class Secrets:
 def render_config(creds: Secrets, server: dict | None = None, tls: dict | None = None) -> str:
     """The nats-server config (JSON is valid NATS config syntax). ``server`` adds top-level
     settings such as ``listen`` and ``jetstream``; ``tls`` a ``tls`` block (cert_file, key_file,
-    ca_file, verify). Workers are ``worker-<id>``, tenant users ``tenant-<tenant>``."""
+    ca_file, verify). Services, workers (``worker-<id>``) and the admin share the platform's account;
+    each tenant user (``tenant-<tenant>``) and the audit-reader have their own (nats_accounts.py)."""
     perms = service_permissions(creds.tenants)
-    users = [{"user": name, "password": creds.users[name], "permissions": perms[name].to_conf()} for name in SERVICES]
-    users += [
+    platform = [
+        {"user": name, "password": creds.users[name], "permissions": perms[name].to_conf()} for name in SERVICES
+    ]
+    platform += [
         {"user": worker_user(w), "password": pw, "permissions": worker_permissions(w, creds.tenants).to_conf()}
         for w, pw in sorted(creds.workers.items())
     ]
-    users.append({"user": ADMIN, "password": creds.users[ADMIN], "permissions": admin_permissions().to_conf()})
+    platform.append({"user": ADMIN, "password": creds.users[ADMIN], "permissions": admin_permissions().to_conf()})
     reader = audit_reader_permissions().to_conf()
-    users.append({"user": AUDIT_READER, "password": creds.users[AUDIT_READER], "permissions": reader})
-    users += [
-        {"user": tenant_user(t), "password": pw, "permissions": tenant_permissions(t).to_conf()}
-        for t, pw in sorted(creds.tenants.items())
-    ]
-    conf: dict = {**(server or {}), "authorization": {"users": users}}
+    siem = [{"user": AUDIT_READER, "password": creds.users[AUDIT_READER], "permissions": reader}]
+    tenants = {
+        t: {"user": tenant_user(t), "password": pw, "permissions": tenant_permissions(t).to_conf()}
+        for t, pw in creds.tenants.items()
+    }
+    conf: dict = {**(server or {}), "accounts": accounts(platform, siem, tenants)}
     if tls:
         conf["tls"] = tls
     return json.dumps(conf, indent=2) + "\n"
@@ -314,9 +321,10 @@ def start_secured_nats(
     by the admin. Start each service with ``extra_env=auth.service_env(name)`` (a worker with
     ``auth.worker_env(id)``); in-process clients connect to ``auth.admin_url(server.url)``."""
     auth = local_auth(state_dir, workers, tenants)
+    adopt_unaccounted_store(state_dir / "nats")
     server = start_nats(port, state_dir / "nats", log_file, config=auth.config)
     try:
-        asyncio.run(setup_streams(server.url, auth.admin()))
+        asyncio.run(setup_streams(server.url, auth.admin(), tenants=auth.creds.tenants))
     except BaseException:
         server.stop()
         raise
@@ -337,7 +345,7 @@ def start_secured_nats_cluster(
     try:
         url = cluster_url(servers)
         asyncio.run(wait_jetstream(url, 60, auth.admin()))
-        asyncio.run(setup_streams(url, auth.admin(), replicas=len(servers)))
+        asyncio.run(setup_streams(url, auth.admin(), replicas=len(servers), tenants=auth.creds.tenants))
     except BaseException:
         for server in servers:
             server.stop()
@@ -345,14 +353,20 @@ def start_secured_nats_cluster(
     return servers, auth
 
 
-async def setup_streams(nats_url: str, admin: tuple[str, str] | None, replicas: int | None = None) -> None:
-    """Create or update the shared streams as the admin, so services only need STREAM.INFO; where each
-    one lives is reported on stderr."""
+async def setup_streams(
+    nats_url: str, admin: tuple[str, str] | None, replicas: int | None = None, tenants: Iterable[str] = ()
+) -> None:
+    """Create or update the shared streams as the admin, so services only need STREAM.INFO, and the
+    replay consumers of the audit-reader and of each direct-NATS tenant in ``tenants``; where each
+    stream lives is reported on stderr."""
     nc = await connect(nats_url, "lorafleet-setup", admin)
     try:
-        for p in await ensure_streams(nc.jetstream(), replicas=replicas):
+        js = nc.jetstream()
+        for p in await ensure_streams(js, replicas=replicas):
             where = f"leader {p.leader}, peers {', '.join(p.peers) or '-'}" if p.leader else "one server"
             print(f"stream {p.stream}: {p.replicas} replica(s), {where}", file=sys.stderr)
+        made = await ensure_reader_consumers(js, tenants)
+        print(f"replay consumers on {subjects.AUDIT_STREAM}: {', '.join(made)}", file=sys.stderr)
     finally:
         await nc.close()
 
@@ -380,7 +394,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--dir", type=Path, default=Path("deploy"))
     create.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="the URL clients reach NATS at")
     create.set_defaults(func=_user_create)
-    setup = cmds.add_parser("setup", help="create the streams (uses LF_NATS_URL / LF_NATS_USER / password)")
+    setup = cmds.add_parser(
+        "setup", help="create the streams and replay consumers (uses LF_NATS_URL / LF_NATS_USER / password)"
+    )
+    setup.add_argument(
+        "--tenant", action="append", default=[], help="make this direct-NATS tenant's replay consumer (repeatable)"
+    )
     setup.set_defaults(func=_setup)
 
 
@@ -403,17 +422,23 @@ def _user_create(args: argparse.Namespace) -> int:
         print(
             f"user: {AUDIT_READER}\npassword: {creds.users[AUDIT_READER]}\n"
             f"inbox_prefix: {subjects.AUDIT_READER_INBOX}\nsubscribe: {subjects.AUDIT_ALL}\n"
-            f"replay: durable consumer {AUDIT_READER!r} (or ordered consumers) on stream {subjects.AUDIT_STREAM}\n"
+            f"replay: consumer {AUDIT_READER!r} on stream {subjects.AUDIT_STREAM} (made by `lorafleet nats setup`)\n"
             f"{reload}"
         )
         return 0
     tenant = subjects.token(args.tenant)
     password = add_tenant_user(args.dir, tenant)
+    admin = Secrets.load_or_create(args.dir / "secrets" / SECRETS_FILE).users[ADMIN]
+    consumer = subjects.tenant_audit_consumer(tenant)
+    try:
+        asyncio.run(asyncio.wait_for(_make_replay_consumer(args.nats_url, (ADMIN, admin), tenant), REACH_S))
+        made = f"made consumer {consumer!r} on {subjects.AUDIT_STREAM}"
+    except (OSError, nats.errors.Error, TimeoutError) as e:
+        made = f"NATS not reached ({type(e).__name__}): once it is up, `lorafleet nats setup --tenant {tenant}`"
     print(
         f"user: {tenant_user(tenant)}\npassword: {password}\ninbox_prefix: {subjects.tenant_inbox(tenant)}\n"
         f"publish to: {subjects.infer_submit(tenant)}\n"
-        f"audit records: {subjects.audit_of_tenant(tenant)} "
-        f"(replay: durable consumer {subjects.tenant_audit_consumer(tenant)!r} on {subjects.AUDIT_STREAM})\n"
+        f"audit records: {subjects.audit_of_tenant(tenant)} (replay: consumer {consumer!r}; {made})\n"
         f"{reload}\n\n{nats_snippets.tenant_env(args.nats_url, tenant, password)}\n\n"
         f"# submit a request and stream the reply (python submit.py):\n{nats_snippets.SUBMIT}\n"
         f"# follow this tenant's own audit records (python follow_audit.py):\n{nats_snippets.FOLLOW_AUDIT}"
@@ -426,9 +451,25 @@ def _has_tls(directory: Path) -> bool:
     return config.exists() and "tls" in json.loads(config.read_text())
 
 
-def _setup(_: argparse.Namespace) -> int:
+async def _make_replay_consumer(nats_url: str, admin: tuple[str, str], tenant: str) -> None:
+    """The tenant's replay consumer, made as the admin."""
+
+    async def quiet(_: Exception) -> None:  # nats-py prints each failed try otherwise; the caller says it once
+        return None
+
+    nc = await nats.connect(
+        nats_url, user=admin[0], password=admin[1], allow_reconnect=False, connect_timeout=2, error_cb=quiet
+    )
+    try:
+        await ensure_reader_consumers(nc.jetstream(timeout=5), [tenant])
+    finally:
+        await nc.close()
+
+
+def _setup(args: argparse.Namespace) -> int:
     settings = CommonSettings()
-    asyncio.run(setup_streams(settings.nats_url, settings.nats_credentials()))
+    tenants = [subjects.token(t) for t in args.tenant]
+    asyncio.run(setup_streams(settings.nats_url, settings.nats_credentials(), tenants=tenants))
     print("streams ready")
     return 0
 

@@ -1,5 +1,6 @@
 """Who may do what on NATS: one user per service, one per worker, one per direct-NATS tenant,
-an ``audit-reader`` (a SIEM) and the admin.
+an ``audit-reader`` (a SIEM) and the admin. Tenants and the SIEM live in accounts of their own
+(lorafleet/cli/nats_accounts.py); these allow lists hold within each account.
 
 Every permission is an allow list; anything not listed is refused by nats-server. JetStream
 operations are requests to ``$JS.API.*`` subjects, so each stream, bucket and consumer a
@@ -237,52 +238,31 @@ def worker_permissions(worker_id: str, tenants: Iterable[str] = ()) -> Permissio
     )
 
 
-def own_audit_consumer(stream: str, name: str, filter_subject: str) -> list[str]:
-    """Create one named consumer on ``stream`` whose filter is exactly ``filter_subject`` (nats-server
-    checks the filter in the subject against the config's), read it, ack it, delete it."""
-    return [
-        f"{API}.CONSUMER.CREATE.{stream}.{name}.{filter_subject}",
-        f"{API}.CONSUMER.INFO.{stream}.{name}",
-        f"{API}.CONSUMER.DELETE.{stream}.{name}",
-        f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
-        f"$JS.ACK.{stream}.{name}.>",
-    ]
+def consumer_reader(stream: str, name: str) -> list[str]:
+    """Fetch from and acknowledge one consumer someone else made (no create, no delete)."""
+    return [f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}", f"$JS.ACK.{stream}.{name}.>"]
 
 
 def tenant_permissions(tenant: str) -> Permissions:
-    """A direct-NATS client of one tenant: submit its own requests, read its own inbox, follow its
-    own audit records live (``lf.audit.*.<tenant>``) and replay them through its one AUDIT consumer
-    filtered to those subjects; nothing else (no stream info, no message get: they read any record)."""
+    """A direct-NATS client of one tenant, in its own account (lorafleet/cli/nats_accounts.py): submit
+    its own requests, read its own inbox, follow its own audit records live (``lf.audit.*.<tenant>``)
+    and replay them through the AUDIT consumer the platform made for it; nothing else."""
     audit = subjects.audit_of_tenant(tenant)
     return Permissions(
         publish=(
             subjects.infer_submit(tenant),
-            *own_audit_consumer(subjects.AUDIT_STREAM, subjects.tenant_audit_consumer(tenant), audit),
+            *consumer_reader(subjects.AUDIT_STREAM, subjects.tenant_audit_consumer(tenant)),
         ),
         subscribe=(f"{subjects.tenant_inbox(tenant)}.>", audit),
     )
 
 
 def audit_reader_permissions() -> Permissions:
-    """A SIEM: every audit subject live, and the AUDIT stream replayed through its own durable
-    (``audit-reader``) or ordered consumers. It sends no message anywhere: its only publishes are
-    JetStream read requests on AUDIT; it cannot purge or delete the stream, nor touch (update, ack,
-    delete) the auditor's or the scheduler's consumers."""
-    stream, name = subjects.AUDIT_STREAM, AUDIT_READER
+    """A SIEM, in its own account: every audit subject live, and the AUDIT stream replayed through the
+    consumer the platform made for it (``audit-reader``). It sends no message anywhere: its only
+    publishes are reads of that consumer; it cannot purge or delete the stream, nor make a consumer."""
     return Permissions(
-        publish=(
-            f"{API}.STREAM.INFO.{stream}",
-            f"{API}.CONSUMER.CREATE.{stream}",  # ordered consumers: the server names them
-            f"{API}.CONSUMER.CREATE.{stream}.{name}",
-            f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
-            f"{API}.CONSUMER.INFO.{stream}.{name}",
-            f"{API}.CONSUMER.DELETE.{stream}.{name}",
-            f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}",
-            f"$JS.ACK.{stream}.{name}.>",
-            f"{API}.STREAM.MSG.GET.{stream}",
-            f"{API}.DIRECT.GET.{stream}",
-            f"{API}.DIRECT.GET.{stream}.>",
-        ),
+        publish=tuple(consumer_reader(subjects.AUDIT_STREAM, AUDIT_READER)),
         subscribe=(subjects.AUDIT_ALL, f"{subjects.AUDIT_READER_INBOX}.>"),
     )
 

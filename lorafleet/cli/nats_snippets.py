@@ -64,9 +64,9 @@ async def main() -> None:
         record = json.loads(msg.data)["body"]
         print(msg.subject, record["kind"], record.get("request_id", ""), flush=True)
 
-    # replay: the one durable consumer this user may use, filtered to its own records; it resumes
+    # replay: the consumer the platform made for this tenant, of its own records only; it resumes
     # where the last run acknowledged
-    replay = await nc.jetstream().pull_subscribe(own, durable=f"audit-{tenant}", stream="AUDIT")
+    replay = await nc.jetstream().pull_subscribe_bind(durable=f"audit-{tenant}", stream="AUDIT")
     while True:
         try:
             batch = await replay.fetch(batch=100, timeout=2)

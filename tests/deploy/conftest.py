@@ -39,7 +39,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
     write_private(root / "nats.conf", render_config(creds))
     server = start_nats(free_port(), root / "data", root / "nats.log", config=root / "nats.conf")
     try:
-        asyncio.run(setup_streams(server.url, (ADMIN, creds.users[ADMIN])))
+        asyncio.run(setup_streams(server.url, (ADMIN, creds.users[ADMIN]), tenants=TENANTS))
         yield AuthServer(server, creds)
     finally:
         server.stop()

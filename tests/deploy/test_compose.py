@@ -15,6 +15,7 @@ import yaml
 
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
+from lorafleet.cli.nats_accounts import users_of
 from lorafleet.cli.nats_auth import (
     VLLM_PROFILE,
     VLLM_VERSION,
@@ -211,7 +212,7 @@ def test_worker_reserves_a_gpu_and_has_a_cpu_variant(workers: dict[str, dict]) -
 
 def test_each_worker_has_its_own_nats_user_and_env_file(deploy_dir: Path, workers: dict[str, dict]) -> None:
     conf = yaml.safe_load((deploy_dir / "deploy" / "nats.conf").read_text())
-    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    users = users_of(conf)
     assert "worker" not in users  # no credential shared by every worker
     seen: set[str] = set()
     for name, service in workers.items():
@@ -266,7 +267,7 @@ def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:
     init_deploy(tmp_path, tls=True)
     password = add_tenant_user(tmp_path, "acme")
     conf = yaml.safe_load((tmp_path / "nats.conf").read_text())
-    users = {u["user"]: u for u in conf["authorization"]["users"]}
+    users = users_of(conf)
     assert users["tenant-acme"]["password"] == password and "tls" in conf
     assert users["tenant-acme"]["permissions"]["publish"]["allow"][0] == "lf.infer.submit.acme"
     assert "_INBOX_acme.>" in users["worker-gpu-1"]["permissions"]["publish"]["allow"]

@@ -15,6 +15,7 @@ from nats import errors as nats_errors
 from redis import exceptions as redis_exceptions
 
 from lorafleet.cli.infra import Server, free_port, nats_server_binary, redis_server_binary, start_nats, wait_port
+from lorafleet.cli.nats_accounts import users_of
 from lorafleet.cli.nats_auth import compose_worker_ids, init_deploy
 from shared.bus import connect
 from shared.config import CommonSettings
@@ -105,7 +106,7 @@ def test_services_that_need_credentials_wait_for_the_init_service(fresh: tuple[d
 def test_passwords_agree_between_the_nats_config_and_each_service(fresh: tuple[dict, dict[str, Path]]) -> None:
     compose, dirs = fresh
     conf = json.loads((dirs["secrets-nats"] / "nats.conf").read_text())
-    users = {u["user"]: u["password"] for u in conf["authorization"]["users"]}
+    users = {name: u["password"] for name, u in users_of(conf).items()}
     redis = compose["services"]["redis"]
     redis_password = (dirs["secrets-redis"] / "password").read_text().strip()
     assert (dirs["secrets-redis"] / "redis.conf").read_text() == f"requirepass {redis_password}\n"
@@ -174,7 +175,7 @@ def test_secrets_from_nats_auth_init_are_imported(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert (dirs["secrets-gateway"] / "nats-password").read_text().strip() == creds.users["gateway"]
     assert (dirs["secrets-redis"] / "password").read_text().strip() == creds.redis
-    users = {u["user"] for u in json.loads((dirs["secrets-nats"] / "nats.conf").read_text())["authorization"]["users"]}
+    users = set(users_of(json.loads((dirs["secrets-nats"] / "nats.conf").read_text())))
     assert {"worker-gpu-1", "worker-cpu-1", "worker-cpu-2"} <= users
     generated = yaml.safe_load((tmp_path / "deploy" / "compose.workers.yaml").read_text())["services"]
     for worker in generated.values():

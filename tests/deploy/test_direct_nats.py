@@ -19,6 +19,7 @@ import pytest
 from bench.tiny_model import make_tiny_model
 from lorafleet.cli import nats_snippets
 from lorafleet.cli.infra import Server, free_port, start_redis
+from lorafleet.cli.nats_accounts import users_of
 from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats
 from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
@@ -117,7 +118,7 @@ def test_the_readme_shows_exactly_what_user_create_prints(tmp_path: Path) -> Non
     assert nats_snippets.SUBMIT in done.stdout and nats_snippets.FOLLOW_AUDIT in done.stdout
     password = re.search(r"^password: (\S+)$", done.stdout, re.M)
     conf = json.loads((tmp_path / "nats.conf").read_text())
-    users = {u["user"]: u["password"] for u in conf["authorization"]["users"]}
+    users = {name: u["password"] for name, u in users_of(conf).items()}
     assert password and users["tenant-acme"] == password.group(1)
     assert f"LF_TENANT=acme LF_NATS_PASSWORD={password.group(1)}" in done.stdout
 
