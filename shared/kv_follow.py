@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared import metrics
+from shared.undecodable import skip
 
 log = structlog.get_logger("kv_follow")
 RETRY_S = 0.5
@@ -126,7 +127,7 @@ async def _consume(
                         value = None if entry.operation in ("DEL", "PURGE") else entry.value
                         apply(entry.key, value, entry.revision or 0)
                     except ValidationError as e:  # one bad entry must not stop the mirror
-                        log.warning("bad_kv_entry", bucket=name, key=entry.key, error=str(e))
+                        skip(name, entry.key, e)
             elif loop.time() >= next_check:
                 if seen < expected:
                     raise StaleWatch(f"revision {expected} of {name} not delivered within {check_s:g}s")

@@ -97,6 +97,11 @@ GATEWAY_RESOLVES = Counter(
     "model resolutions by where they were answered: the gateway's catalog mirror or the registry",
     ["source"],
 )
+UNDECODABLE = Counter(
+    "undecodable_messages",
+    "bucket entries and stream messages skipped because they could not be decoded, by bucket or stream",
+    ["source"],
+)
 KV_WATCH_RESTARTS = Counter(
     "kv_watch_restarts", "mirror watches started over (failed, or stalled behind the bucket)", ["bucket"]
 )

@@ -25,6 +25,7 @@ from shared.errors import Conflict, ServiceUnavailable
 from shared.kv_read import read_latest
 from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
+from shared.undecodable import decoded, skip
 
 
 @settling
@@ -50,6 +51,7 @@ async def load_all(kv: KeyValue, keys: str = ">") -> dict[str, bytes]:
     return {v.key: v.value for v in await read_latest(kv, keys)}
 
 
+RECORDS = subjects.REGISTRY_RECORDS_BUCKET
 COMMIT_ATTEMPTS = 5  # plans of one change against records another replica keeps changing
 
 
@@ -91,14 +93,15 @@ class RecordsKV:
         return cls(records, signers, js)
 
     async def load_records(self) -> list[AdapterRecord]:
-        return [AdapterRecord.model_validate_json(v) for v in (await load_all(self._records)).values()]
+        """Every stored record; one that does not decode is skipped and counted."""
+        entries = (await load_all(self._records)).items()
+        return [record for _, record in decoded(entries, AdapterRecord.model_validate_json, RECORDS)]
 
     async def load_adapter(self, adapter_id: str) -> list[tuple[AdapterRecord, int]]:
-        """Every stored version of one adapter, each with its bucket revision."""
+        """Every stored version of one adapter, each with its bucket revision (undecodable ones skipped)."""
         versions = record_key(adapter_id, 0).rsplit(".", 1)[0] + ".*"
-        return [
-            (AdapterRecord.model_validate_json(v.value), v.revision) for v in await read_latest(self._records, versions)
-        ]
+        entries = [(v.revision, v.value) for v in await read_latest(self._records, versions)]
+        return [(record, revision) for revision, record in decoded(entries, AdapterRecord.model_validate_json, RECORDS)]
 
     async def commit(self, writes: list[tuple[AdapterRecord, int]]) -> list[int]:
         """Write every record at once if each key is still at its given revision (0: absent), or none
@@ -137,7 +140,14 @@ class RecordsKV:
         return await self._records.put(record_key(record.adapter_id, record.version), record.model_dump_json().encode())
 
     async def load_signers(self) -> dict[str, SignerRecord]:
-        return {k: parse_signer(k, v) for k, v in (await load_all(self._signers)).items()}
+        """Every trusted signer; one that does not decode is skipped and counted (it trusts nobody)."""
+        signers = {}
+        for name, value in (await load_all(self._signers)).items():
+            try:
+                signers[name] = parse_signer(name, value)
+            except ValueError as e:
+                skip(subjects.REGISTRY_SIGNERS_BUCKET, name, e)
+        return signers
 
     async def load_signer(self, name: str) -> tuple[SignerRecord | None, int]:
         """One signer as stored now, with its revision (0: none)."""

@@ -19,10 +19,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
+from shared import subjects
 from shared.catalog import Catalog
 from shared.errors import Conflict, NotFound, PinsExceedSlots
 from shared.pins import pinned_versions
 from shared.schemas import AdminAudit, ListPinsRequest, PinRecord, PinRequest, PinsReply, WorkerHeartbeat
+from shared.undecodable import decoded
 
 Load = Callable[[], Awaitable[dict[str, bytes]]]
 Put = Callable[[str, bytes], Awaitable[None]]
@@ -142,7 +144,7 @@ class Pins:
                     )
 
     async def _current(self) -> dict[str, PinRecord]:
-        return {key: PinRecord.model_validate_json(value) for key, value in (await self._load()).items()}
+        return dict(decoded((await self._load()).items(), PinRecord.model_validate_json, subjects.REGISTRY_PINS_BUCKET))
 
     async def _record(self, action: PinAction, pin: PinRecord, actor: str) -> None:
         detail = {"version": pin.version, "worker_id": pin.worker_id}

@@ -11,6 +11,7 @@ from services.registry.kv import open_bucket
 from shared import subjects
 from shared.kv_read import read_latest
 from shared.schemas import ReleaseState
+from shared.undecodable import decoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +33,11 @@ class ReleasesKV:
         return cls(await open_bucket(js, subjects.REGISTRY_RELEASES_BUCKET))
 
     async def load(self) -> dict[str, Stored]:
-        """Every rollout by adapter id, with the revision to write it back against."""
-        return {
-            v.key: Stored(ReleaseState.model_validate_json(v.value), v.revision)
-            for v in await read_latest(self._bucket)
-        }
+        """Every rollout by adapter id, with the revision to write it back against; an entry that does
+        not decode is skipped and counted."""
+        entries = [((v.key, v.revision), v.value) for v in await read_latest(self._bucket)]
+        parsed = decoded(entries, ReleaseState.model_validate_json, subjects.REGISTRY_RELEASES_BUCKET)
+        return {key: Stored(state, revision) for (key, revision), state in parsed}
 
     async def write(self, state: ReleaseState, revision: int | None) -> int:
         """Store ``state`` if the record is still at ``revision`` (None: if there is none yet)."""

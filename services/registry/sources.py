@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from services.registry.source_uri import SourceLocation, covers, parse_source
+from shared import subjects
 from shared.errors import InvalidRequest, NotFound, SourceNotAllowed, SourceNotApproved, SourceRedirectRefused
 from shared.schemas import (
     AddSourceRequest,
@@ -22,6 +23,7 @@ from shared.schemas import (
     SourceEntry,
     SourcesReply,
 )
+from shared.undecodable import skip
 
 SOURCE_PREFIX = "source."
 APPROVAL_PREFIX = "approval."
@@ -116,12 +118,15 @@ class Sources:
         entries: dict[str, SourceEntry] = {}
         approvals: dict[str, SourceApproval] = {}
         for key, value in (await self._load()).items():
-            if key.startswith(SOURCE_PREFIX):
-                entry = SourceEntry.model_validate_json(value)
-                entries[entry.prefix] = entry
-            elif key.startswith(APPROVAL_PREFIX):
-                approval = SourceApproval.model_validate_json(value)
-                approvals[approval.uri] = approval
+            try:
+                if key.startswith(SOURCE_PREFIX):
+                    entry = SourceEntry.model_validate_json(value)
+                    entries[entry.prefix] = entry
+                elif key.startswith(APPROVAL_PREFIX):
+                    approval = SourceApproval.model_validate_json(value)
+                    approvals[approval.uri] = approval
+            except ValueError as e:  # one bad entry grants nothing and blocks nothing else
+                skip(subjects.REGISTRY_SOURCES_BUCKET, key, e)
         return entries, approvals
 
     async def _record(self, action: SourceAction, actor: str, tenants: set[str], target: str, detail: dict) -> None:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
+from shared import subjects
 from shared.access import SHARED_TENANT
 from shared.api_keys import new_key
 from shared.errors import Conflict, InvalidRequest, NotFound
@@ -28,6 +29,7 @@ from shared.schemas import (
     TenantRecord,
     TenantsReply,
 )
+from shared.undecodable import skip
 
 Put = Callable[[str, bytes], Awaitable[None]]
 Audit = Callable[[AdminAudit], Awaitable[None]]
@@ -65,18 +67,17 @@ class Tenants:
         self.tenants: dict[str, TenantRecord] = {}
         self.keys: dict[str, ApiKeyRecord] = {}
         for key, value in entries.items():
-            if key.startswith(TENANT_PREFIX):
-                record = TenantRecord.model_validate_json(value)
-                self.tenants[record.tenant_id] = record
-            elif key.startswith(KEY_PREFIX):
-                api_key = ApiKeyRecord.model_validate_json(value)
-                self.keys[api_key.key_id] = api_key
+            try:
+                self.apply(key, value, 0)
+            except ValueError as e:  # a start-up is not stopped by one bad entry
+                skip(subjects.REGISTRY_TENANTS_BUCKET, key, e)
         self._put = put
         self._audit = audit
         self._lock = asyncio.Lock()
 
     def apply(self, key: str, value: bytes | None, revision: int) -> None:
-        """One entry of ``lf_tenants``' watch: a change any registry replica made."""
+        """One entry of ``lf_tenants``' watch: a change any registry replica made (ValidationError: a
+        value that does not decode, which the watch skips and counts)."""
         if key.startswith(TENANT_PREFIX):
             if value is None:
                 self.tenants.pop(key.removeprefix(TENANT_PREFIX), None)

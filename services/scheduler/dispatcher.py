@@ -18,7 +18,7 @@ from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.submission import parse_submission, refusal_target
-from shared import metrics
+from shared import metrics, subjects
 from shared.catalog import Catalog
 from shared.config import RequestBounds
 from shared.errors import (
@@ -47,6 +47,7 @@ from shared.schemas import (
     WorkerControl,
     slo_rank,
 )
+from shared.undecodable import skip
 
 log = structlog.get_logger("scheduler")
 
@@ -241,9 +242,14 @@ class Dispatcher:
 
     async def turn_away(self, subject: str, data: bytes, handle: Handle, error: LorafleetError) -> None:
         """Refuse a submission unread (unparsable, or its tenant has too many waiting): answer and audit
-        ``error`` where the body names an inbox and tenant, and terminate it."""
-        log.warning("submission_refused", subject=subject, error=error.message)
-        await self._refuse_raw(refusal_target(subject, data), error)
+        ``error`` where the body names an inbox and tenant, and terminate it. A body that is no
+        submission at all is dropped, counted, and neither answered nor audited."""
+        target = refusal_target(subject, data)
+        if target is None:
+            skip(subjects.INFER_STREAM, subject, error)
+        else:
+            log.warning("submission_refused", subject=subject, error=error.message)
+            await self._refuse_raw(target, error)
         await handle.term()
 
     async def _served_before(self, request: InferRequest, handle: Handle, seq: int | None) -> None:

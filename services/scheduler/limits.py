@@ -2,10 +2,12 @@
 
 from dataclasses import dataclass, field
 
+from shared import subjects
 from shared.bus import decode
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError
 from shared.schemas import TenantQuota, TenantRecord
+from shared.undecodable import skip
 
 TENANT_PREFIX = "tenant."
 
@@ -44,5 +46,5 @@ class Quotas:
             return
         try:
             self.set(tenant, decode(TenantRecord, value).quota)
-        except LorafleetError:
-            return
+        except LorafleetError as e:  # the tenant keeps the quota it had
+            skip(subjects.REGISTRY_TENANTS_BUCKET, key, e)

@@ -29,19 +29,27 @@ def parse_submission(subject: str, data: bytes) -> tuple[InferRequest, bool]:
     return request, via == subjects.VIA_PREVIEW
 
 
-def refusal_target(subject: str, data: bytes) -> tuple[str, str, str | None]:
+PUBLISHED = ("request_id", "tenant_id", "reply_to")  # what every real publisher (gateway, tenant client) sets
+
+
+def refusal_target(subject: str, data: bytes) -> tuple[str, str, str | None] | None:
     """(tenant, request id, reply inbox or None) of a submission that failed its checks, best effort:
     the inbox only when it is the submitting tenant's own, or a gateway inbox on the gateway's
-    subject, never another tenant's."""
+    subject, never another tenant's. None when the body is no submission at all, a JSON object
+    without what every publisher sets (``PUBLISHED``): a JetStream acknowledgement or a refusal sent
+    here by someone's reply subject, or noise. Nobody asked for such a thing, so nobody is answered
+    and nothing is audited under the subject's tenant, who may never have sent it."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(raw, dict) or any(field not in raw for field in PUBLISHED):
+        return None
     try:
         tenant, via = subjects.parse_submit(subject)
     except ValueError:
         return "unknown", "unknown", None
-    try:
-        raw = json.loads(data)
-        rid, reply = raw.get("request_id"), raw.get("reply_to")
-    except (ValueError, AttributeError, RecursionError):
-        return tenant, "unknown", None
+    rid, reply = raw["request_id"], raw["reply_to"]
     rid = _UNSAFE.sub("-", rid)[:128] if isinstance(rid, str) and rid else "unknown"
     inbox = isinstance(reply, str) and _INBOX.fullmatch(reply) is not None
     mine = (f"_INBOX_{tenant}.",) if via == subjects.VIA_TENANT else ("_INBOX.", f"_INBOX_{tenant}.")

@@ -13,6 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 from nats.js.errors import APIError
+from prometheus_client import REGISTRY
 
 from lorafleet.cli.stack import Stack
 from services.auditor.chain import GENESIS, Tip, link, walk
@@ -158,6 +159,29 @@ async def test_the_heads_stream_refuses_deletes_and_purges(world: World) -> None
     with pytest.raises(APIError):
         await world.js.update_stream(config)
     assert (await HeadLog(world.js, world.chain_id).latest()) is not None
+
+
+def skipped_heads() -> float:
+    return REGISTRY.get_sample_value("undecodable_messages_total", {"source": subjects.AUDIT_HEADS_STREAM}) or 0.0
+
+
+async def test_what_is_no_head_on_the_heads_subject_is_skipped_and_counted(world: World) -> None:
+    """The stream keeps whatever was stored, for good (deny delete): before issue 47 a JetStream
+    acknowledgement a tenant had redirected there made the auditor fail at every start, and full
+    verification fail for ever."""
+    fill(world.store, 1, 6)
+    await world.verifier().tick()  # a head at 5
+    before = skipped_heads()
+    subject = subjects.auditor_head(world.chain_id)
+    await world.js.publish(subject, b'{"stream": "INFER", "seq": 7}', stream=subjects.AUDIT_HEADS_STREAM)
+    restarted = world.verifier()
+    await restarted.start()
+    assert (restarted.status().intact, restarted.status().verified_pos) == (True, 5)
+    fill(world.store, 6, 11)
+    await restarted.tick()  # signs past the junk
+    await restarted.verify_all()
+    assert (restarted.status().intact, restarted.status().signed_pos) == (True, 10)
+    assert skipped_heads() - before >= 1
 
 
 def test_the_head_key_is_private_to_its_owner(tmp_path: Path) -> None:

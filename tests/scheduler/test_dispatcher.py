@@ -2,6 +2,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.scheduler.dispatcher import Ports
 from services.scheduler.service import build
@@ -72,10 +73,14 @@ class World:
         async def reply_error(reply_to: str, request_id: str, err: LorafleetError) -> None:
             self.errors[request_id] = err.code
 
+        async def record_rejection(tenant: str, request_id: str, err: LorafleetError) -> None:
+            self.rejections.append((tenant, request_id, err.code))
+
         async def nothing(*_) -> None:
             return None
 
-        self.core, self.upkeep = build(settings, Ports(dispatch, reply_error, nothing, nothing), redis)
+        self.rejections: list[tuple[str, str, str]] = []  # (tenant, request id, code) audited
+        self.core, self.upkeep = build(settings, Ports(dispatch, reply_error, record_rejection, nothing), redis)
         self.upkeep: Upkeep
 
     def beat(self, worker_id: str, max_running: int = 4, running: int = 0) -> None:
@@ -266,3 +271,40 @@ async def test_a_dispatch_that_times_out_is_withdrawn_from_that_worker(world):
     msg = await world.submit("r1")
     assert ("slow", "cancel", "r1") in sent
     assert msg.acts == ["ack"] and world.dispatched[-1] == ("w2", "r1")
+
+
+ACK = b'{"stream": "INFER", "seq": 7}'  # JetStream's answer to a publish, sent here by someone's reply subject
+NOT_SUBMISSIONS = [
+    ACK,
+    b'{"body": {"kind": "error"}}',
+    b"{",
+    b"[]",
+    b"",
+    b'{"request_id": "r1", "reply_to": "_INBOX.x"}',
+]
+
+
+def dropped() -> float:
+    return REGISTRY.get_sample_value("undecodable_messages_total", {"source": subjects.INFER_STREAM}) or 0.0
+
+
+async def test_a_body_without_what_every_publisher_sets_is_dropped_unanswered_and_unaudited(world):
+    """Before issue 47 each such body was audited as a rejection under the subject's tenant (a flood of
+    redirected acknowledgements wrote 6,013 records under its victim)."""
+    before = dropped()
+    for body in NOT_SUBMISSIONS:
+        msg = Msg()
+        await world.core.submit(subjects.infer_submit("acme", subjects.VIA_GATEWAY), body, msg)
+        assert msg.acts == ["term"], body
+    assert (world.rejections, world.errors, world.dispatched) == ([], {}, [])
+    assert dropped() - before == len(NOT_SUBMISSIONS)
+
+    msg = Msg()  # a body with them is refused in the open: answered on its inbox and audited
+    await world.core.submit(
+        subjects.infer_submit("acme", subjects.VIA_GATEWAY),
+        b'{"request_id": "r2", "tenant_id": "acme", "reply_to": "_INBOX.x"}',
+        msg,
+    )
+    assert msg.acts == ["term"]
+    assert (world.rejections, world.errors) == ([("acme", "r2", "invalid_message")], {"r2": "invalid_message"})
+    assert dropped() - before == len(NOT_SUBMISSIONS)
