@@ -16,12 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.tiny_model import make_tiny_model
-from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli.infra import Server, free_port, start_redis
+from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats
+from lorafleet.cli.nats_permissions import tenant_user
 from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
@@ -54,6 +58,9 @@ WORKER = "w1"
 MAX_MODEL_LEN = 16384
 MAX_BODY = 65_536
 CONFIG_KEYS = {"key-demo": "demo", "key-other": "other"}
+NATS_TENANTS = ("demo", "other", "direct")  # each with a direct-NATS user in its own account
+AUDITOR = "main"  # the auditor's instance id: the subject of its signed heads, kept across restarts
+SCRAPED = ("registry", "auditor", "scheduler")  # services whose /metrics the tests read
 REMOTE_TIMEOUT_S = 3.0  # the registry's fetch time limit
 REMOTE_MAX_FILE = 40_000  # bytes of one fetched file; the tiny adapter's weights are ~15 kB
 
@@ -90,6 +97,7 @@ class Keys:
 class HostileStack:
     stack: Stack
     nats: Server
+    auth: LocalAuth  # the production permission model: a NATS user per service, worker and tenant
     gateway_url: str
     db_path: Path
     files: Files  # the adapter every tenant released, as pushed
@@ -101,6 +109,47 @@ class HostileStack:
     redis_url: str = ""  # quota counters and dedupe markers live there
     s3: MotoS3 | None = None  # the remote sources the registry may fetch from (test_remote_sources_hostile.py)
     https: HttpsServer | None = None
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # service -> its /metrics port
+
+    def service_env(self, name: str) -> dict[str, str]:
+        """What one service starts with beside the stack's environment: its own NATS user, its metrics port."""
+        env = self.auth.worker_env(WORKER) if name == "worker" else self.auth.service_env(name)
+        if name in self.metrics_ports:
+            env["LF_METRICS_PORT"] = str(self.metrics_ports[name])
+        if name == "auditor":
+            env["LF_INSTANCE_ID"] = AUDITOR
+        return env
+
+    async def restart(self, name: str) -> None:
+        """Stop one service and start it again; return once it is ready (raise if it exits)."""
+        self.stack.stop(name)
+        self.stack.start(name, extra_env=self.service_env(name))
+        await wait_ready(self.admin_url, self.stack, (name,), 120)
+
+    def scrape(self, service: str, metric: str, **labels: str) -> float:
+        """One sample of ``service``'s /metrics (0 when it has none yet)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_ports[service]}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == metric and sample.labels == labels:
+                    return sample.value
+        return 0.0
+
+    @property
+    def admin_url(self) -> str:
+        """The operator's URL (the admin user, every subject of the platform's account)."""
+        return self.auth.admin_url(self.nats.url)
+
+    async def connect_tenant(self, tenant: str, **options: object) -> NATS:
+        """A direct-NATS client of ``tenant``, as README's programs connect."""
+        return await nats.connect(
+            self.nats.url,
+            user=tenant_user(tenant),
+            password=self.auth.tenant_password(tenant),
+            inbox_prefix=subjects.tenant_inbox(tenant),
+            allow_reconnect=False,
+            **options,
+        )
 
     def client(self, key: str | None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -163,7 +212,7 @@ async def registry_call(nc: NATS, op: str, message, reply_type):
 
 
 async def _seed(running: HostileStack) -> None:
-    nc = await connect(running.nats.url, "hostile-seed")
+    nc = await connect(running.admin_url, "hostile-seed")
     try:
         for tenant in ("demo", "other"):
             await registry_call(nc, "tenant_create", CreateTenantRequest(tenant_id=tenant, actor="test"), TenantsReply)
@@ -206,7 +255,8 @@ async def _seed(running: HostileStack) -> None:
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     root = tmp_path_factory.mktemp("hostile")
     model_dir = make_tiny_model(root / MODEL, max_positions=MAX_MODEL_LEN)
-    nats = start_nats(free_port(), root / "nats")
+    (root / "logs").mkdir()
+    nats, auth = start_secured_nats(free_port(), root / "state", root / "logs" / "nats.log", (WORKER,), NATS_TENANTS)
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
     env = {
@@ -250,6 +300,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
     running = HostileStack(
         stack,
         nats,
+        auth,
         f"http://127.0.0.1:{port}",
         root / "audit.db",
         adapter_files(root / "adapter", seed=1),
@@ -257,12 +308,13 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         redis_url=redis.url,
         s3=s3,
         https=https,
+        metrics_ports={name: free_port() for name in SCRAPED},
     )
     try:
         for name in ("registry", "auditor", "scheduler", "gateway", "worker"):
-            stack.start(name)
-        asyncio.run(wait_ready(nats.url, stack, ("registry", "auditor", "scheduler", "gateway"), 120))
-        asyncio.run(wait_workers(nats.url, {WORKER}, 120))
+            stack.start(name, extra_env=running.service_env(name))
+        asyncio.run(wait_ready(running.admin_url, stack, ("registry", "auditor", "scheduler", "gateway"), 120))
+        asyncio.run(wait_workers(running.admin_url, {WORKER}, 120))
         asyncio.run(_seed(running))
         yield running
     finally:
@@ -275,7 +327,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
 
 @pytest.fixture
 async def nc(hostile: HostileStack):
-    """An operator connection to the stack's NATS (no auth in this deployment)."""
-    client = await connect(hostile.nats.url, "hostile-test")
+    """An operator connection to the stack's NATS (the admin user)."""
+    client = await connect(hostile.admin_url, "hostile-test")
     yield client
     await client.close()

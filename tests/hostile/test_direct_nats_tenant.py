@@ -1,8 +1,9 @@
 """A direct-NATS tenant, past the gateway: every field it writes that the scheduler decides itself
 (created_at, tenant, reply subject, request id, priority, adapter version and block) and every
-oversize or malformed body gets a typed refusal (on its own inbox where one can be read from the
-body), changes no state (registry, work queue, quota counters, concurrency leases, dedupe
-markers) and is audited as a scheduler RejectionAudit. Beside them, the regressions of what a
+oversize or malformed submission gets a typed refusal (on its own inbox where one can be read from
+the body), changes no state (registry, work queue, quota counters, concurrency leases, dedupe
+markers) and is audited as a scheduler RejectionAudit; a body that is no submission at all is
+dropped, counted, and neither answered nor audited. Beside them, the regressions of what a
 direct tenant could do before: hold no slot with a forged created_at, swallow another tenant's
 request id (or be refused one another tenant has in flight), or be served the base model for an
 adapter's name."""
@@ -21,6 +22,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from redis.asyncio import Redis
 
+from shared import subjects
 from shared.bus import connect, decode
 from shared.schemas import (
     AdapterRecordsReply,
@@ -33,6 +35,7 @@ from shared.schemas import (
     TenantQuota,
     TenantsReply,
 )
+from tests.helpers.bus import settled
 from tests.hostile.conftest import MAX_BODY, MAX_MODEL_LEN, HostileStack, adapter_files, inline, registry_call
 from tests.hostile.test_nats_hostile import adapter_of, collect, completions, infer, nothing_queued, submit
 
@@ -50,7 +53,7 @@ class Direct:
 
 
 async def _seed(hostile: HostileStack) -> Direct:
-    nc = await connect(hostile.nats.url, "direct-seed")
+    nc = await connect(hostile.admin_url, "direct-seed")
     try:
         await registry_call(nc, "tenant_create", CreateTenantRequest(tenant_id=TENANT, actor="test"), TenantsReply)
         quota = TenantQuota(requests_per_min=100_000, max_concurrent=1)
@@ -232,24 +235,44 @@ async def test_an_oversize_submission_is_refused_with_the_gateways_bound(
     await assert_refused_without_trace(hostile, nc, payload, f"_INBOX_{TENANT}.{rid}", code, code)
 
 
-MALFORMED = [  # bodies no request can be read from: audited only, or answered where an inbox is readable
-    pytest.param(b"{", None, id="truncated-json"),
-    pytest.param(b"\xff\xfe" * 64, None, id="not-utf8"),
-    pytest.param(b"[]", None, id="json-array"),
-    pytest.param(b'{"a": ' * 20_000 + b"1" + b"}" * 20_000, None, id="20000-deep"),
-    pytest.param(b"", None, id="empty"),
-    pytest.param(
-        json.dumps({"request_id": 5, "reply_to": f"_INBOX_{TENANT}.m"}).encode(), "invalid_message", id="typed"
-    ),
+NOT_SUBMISSIONS = [  # bodies without what every publisher sets (a JSON object with request_id, tenant_id, reply_to)
+    pytest.param(b"{", id="truncated-json"),
+    pytest.param(b"\xff\xfe" * 64, id="not-utf8"),
+    pytest.param(b"[]", id="json-array"),
+    pytest.param(b'{"a": ' * 20_000 + b"1" + b"}" * 20_000, id="20000-deep"),
+    pytest.param(b"", id="empty"),
+    pytest.param(b'{"stream": "INFER", "seq": 7}', id="a-jetstream-acknowledgement"),
+    pytest.param(json.dumps({"request_id": "m", "reply_to": f"_INBOX_{TENANT}.m"}).encode(), id="no-tenant"),
 ]
 
 
-@pytest.mark.parametrize("payload, code", MALFORMED)
-async def test_a_malformed_body_is_refused_without_trace(
-    hostile: HostileStack, direct: Direct, nc: NATS, payload, code
+@pytest.mark.parametrize("payload", NOT_SUBMISSIONS)
+async def test_a_body_that_is_no_submission_is_dropped_unanswered_and_unaudited(
+    hostile: HostileStack, direct: Direct, nc: NATS, payload
 ):
-    inbox = f"_INBOX_{TENANT}.m" if code else None
-    await assert_refused_without_trace(hostile, nc, payload, inbox, code, "invalid_message")
+    """Before issue 47 each was audited under the subject's tenant, who may never have sent it (a
+    flood of redirected acknowledgements wrote 6,013 rejection records under its victim)."""
+    since = time.time()
+    spies = [await nc.subscribe(f"_INBOX_{TENANT}.>"), await nc.subscribe("_INBOX_other.>")]
+    before = await state(hostile, nc)
+    dropped = hostile.scrape("scheduler", "undecodable_messages_total", source=subjects.INFER_STREAM)
+    await submit(nc, TENANT, payload)
+    deadline = time.monotonic() + 10
+    while hostile.scrape("scheduler", "undecodable_messages_total", source=subjects.INFER_STREAM) < dropped + 1:
+        assert time.monotonic() < deadline, "the scheduler never dropped the body"
+        await asyncio.sleep(0.05)
+    await nothing_queued(nc)
+    assert await state(hostile, nc) == before
+    assert hostile.audits("rejection", TENANT, since) == []
+    await settled(nc)
+    assert [spy.pending_msgs for spy in spies] == [0, 0]
+
+
+async def test_a_typed_but_invalid_submission_is_answered_on_its_inbox_and_audited(
+    hostile: HostileStack, direct: Direct, nc: NATS
+):
+    payload = json.dumps({"request_id": 5, "tenant_id": TENANT, "reply_to": f"_INBOX_{TENANT}.m"}).encode()
+    await assert_refused_without_trace(hostile, nc, payload, f"_INBOX_{TENANT}.m", "invalid_message", "invalid_message")
 
 
 async def test_a_forged_created_at_frees_no_slot_while_the_request_runs(hostile: HostileStack, direct: Direct, nc):
