@@ -140,8 +140,9 @@ STREAM_NAMES: tuple[str, ...] = tuple(str(s.name) for s in streams(StreamLimits(
 
 
 # JetStream's answers to a publish beyond a stream's bounds (nats-server's JSStreamStoreFailedF,
-# JSInsufficientResourcesErr, JSStreamMessageExceedsMaximumErr)
-_STORE_FAILED, _NO_RESOURCES, _TOO_LARGE = 10077, 10023, 10054
+# JSInsufficientResourcesErr, JSStreamMessageExceedsMaximumErr), and to one while the stream's
+# leader has too many publishes pending (JSStreamTooManyRequests: a flood, for the moment)
+_STORE_FAILED, _NO_RESOURCES, _TOO_LARGE, _TOO_MANY = 10077, 10023, 10054, 10167
 
 
 def publish_refusal(error: APIError) -> LorafleetError:
@@ -152,6 +153,8 @@ def publish_refusal(error: APIError) -> LorafleetError:
         return QuotaExceeded("too many of this tenant's requests are waiting to be scheduled", retry_after_s=1.0)
     if error.err_code in (_STORE_FAILED, _NO_RESOURCES):
         return ServiceUnavailable(f"the request queue is full ({description})", retry_after_s=1.0)
+    if error.err_code == _TOO_MANY:
+        return ServiceUnavailable(f"the request queue is overloaded ({description})", retry_after_s=1.0)
     if error.err_code == _TOO_LARGE:
         return PayloadTooLarge(f"the message is larger than the stream takes ({description})")
     return InternalError(f"the request queue refused the message ({error.err_code}: {description})")

@@ -1,7 +1,8 @@
 import pytest
+from nats.js.errors import APIError
 
 from shared import subjects
-from shared.bus import decode
+from shared.bus import decode, publish_refusal
 from shared.errors import (
     InvalidMessage,
     ModelNotFound,
@@ -62,3 +63,18 @@ def test_liveness_drops_silent_peers():
     assert live.alive(now=104) == {"a": "info-a", "b": "info-b"}
     assert live.alive(now=106) == {"b": "info-b"}
     assert not live.is_alive("a", now=106)
+
+
+@pytest.mark.parametrize(
+    ("err_code", "description", "code", "status"),
+    [
+        (10077, "maximum messages per subject exceeded", "quota_exceeded", 429),
+        (10077, "maximum messages exceeded", "service_unavailable", 503),
+        (10023, "insufficient resources", "service_unavailable", 503),
+        (10054, "message size exceeds maximum allowed", "payload_too_large", 413),
+        (10167, "too many requests", "service_unavailable", 503),  # issue 47: a flood answered 500
+    ],
+)
+def test_a_refused_publish_is_a_typed_refusal(err_code: int, description: str, code: str, status: int) -> None:
+    refusal = publish_refusal(APIError(code=503, err_code=err_code, description=description))
+    assert (refusal.code, refusal.status) == (code, status)
