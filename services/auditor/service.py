@@ -19,12 +19,20 @@ from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
 from shared.bus import MAX_MESSAGE_BYTES, connect, decode, drain_or_close, ensure_streams, serve, shutdown_event
 from shared.config import AuditorSettings, load_settings
-from shared.errors import IntegrityError, LorafleetError, ModelNotFound, ServiceUnavailable, UpstreamTimeout
+from shared.errors import (
+    IntegrityError,
+    InvalidMessage,
+    LorafleetError,
+    ModelNotFound,
+    ServiceUnavailable,
+    UpstreamTimeout,
+)
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.registry_client import fetch_record
 from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
 from shared.telemetry import setup_tracing
+from shared.undecodable import skip
 
 log = structlog.get_logger("auditor")
 
@@ -205,6 +213,8 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
                 await _record(store, records, msg.metadata.sequence.stream, event, stop)
                 if store.last_pos() - verifier.signed_pos >= settings.head_every_records:
                     due.set()
+            except InvalidMessage as e:  # not a record at all
+                skip(subjects.AUDIT_STREAM, msg.subject, e)
             except LorafleetError as e:
                 metrics.INTEGRITY_ERRORS.labels("auditor").inc()
                 log.warning("bad_audit_record", subject=msg.subject, error=e.message)

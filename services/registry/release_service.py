@@ -21,6 +21,7 @@ from shared.bus import FOLLOW_HEARTBEAT_S, decode, encode
 from shared.errors import LorafleetError
 from shared.registry_config import RegistrySettings
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
+from shared.undecodable import skip
 
 log = structlog.get_logger("registry.release")
 
@@ -32,7 +33,7 @@ async def _follow_since(js: JetStreamContext, subject: str, since: float, stats:
         try:
             body = decode(AuditEnvelope, msg.data).body
         except LorafleetError as e:
-            log.warning("bad_audit_record", subject=msg.subject, error=e.message)
+            skip(subjects.AUDIT_STREAM, msg.subject, e)
             return
         if isinstance(body, CompletionAudit):
             stats.add_completion(body)

@@ -57,6 +57,7 @@ from shared.schemas import (
     WorkerHeartbeat,
 )
 from shared.telemetry import continued, setup_tracing, tracer
+from shared.undecodable import skip
 
 CONSUMER = "scheduler"
 # a submission fetched but never acknowledged comes back this long after: one whose fetch reply was
@@ -232,7 +233,7 @@ class Scheduler:
             if isinstance(event, CompletionAudit):
                 await self.core.completed(event)
         except LorafleetError as e:
-            log.warning("bad_completion_event", error=e.message)
+            skip(subjects.AUDIT_STREAM, msg.subject, e)
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
