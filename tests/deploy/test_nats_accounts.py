@@ -2,20 +2,24 @@
 which alone has JetStream; each direct-NATS tenant and the SIEM in an account of their own that
 imports exactly its own subjects; and the replay consumers the platform makes for them."""
 
+import asyncio
 import json
 
+import nats
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from lorafleet.cli.infra import free_port, start_nats
 from lorafleet.cli.nats_accounts import (
     PLATFORM,
     SIEM,
     account_of,
+    adopt_unaccounted_store,
     ensure_reader_consumers,
     tenant_account,
     users_of,
 )
-from lorafleet.cli.nats_auth import COMPOSE_SERVER, Secrets, render_config
+from lorafleet.cli.nats_auth import COMPOSE_SERVER, Secrets, render_config, start_secured_nats, write_private
 from lorafleet.cli.nats_permissions import ADMIN, AUDIT_READER, SERVICES
 from shared import subjects
 from tests.deploy.conftest import TENANTS, WORKERS
@@ -109,3 +113,37 @@ async def test_setup_makes_pull_consumers_and_replaces_one_a_tenant_made_with_a_
     assert acme.filter_subject == subjects.audit_of_tenant("acme")
     reader = (await js.consumer_info(subjects.AUDIT_STREAM, AUDIT_READER)).config
     assert reader.filter_subject == subjects.AUDIT_ALL
+
+
+def test_a_local_store_from_before_accounts_moves_to_the_platform_account(tmp_path) -> None:
+    """``lorafleet up``'s state dir keeps its streams, buckets and adapters across the upgrade: users
+    outside any account stored them in nats-server's global account."""
+    old_conf = tmp_path / "before.conf"
+    write_private(old_conf, json.dumps({"authorization": {"users": [{"user": "old", "password": "pw"}]}}))
+    old = start_nats(free_port(), tmp_path / "state" / "nats", config=old_conf)
+    try:
+        asyncio.run(_put(old.url.replace("nats://", "nats://old:pw@"), b"kept"))
+    finally:
+        old.stop()
+    server, auth = start_secured_nats(free_port(), tmp_path / "state")
+    try:
+        assert asyncio.run(_get(auth.admin_url(server.url))) == b"kept"
+    finally:
+        server.stop()
+    assert not adopt_unaccounted_store(tmp_path / "state" / "nats")  # once
+
+
+async def _put(url: str, value: bytes) -> None:
+    nc = await nats.connect(url)
+    try:
+        await (await nc.jetstream().create_key_value(bucket="upgrade")).put("k", value)
+    finally:
+        await nc.close()
+
+
+async def _get(url: str) -> bytes | None:
+    nc = await nats.connect(url)
+    try:
+        return (await (await nc.jetstream().key_value("upgrade")).get("k")).value
+    finally:
+        await nc.close()
