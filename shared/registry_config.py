@@ -101,6 +101,18 @@ class RegistrySettings(CommonSettings):
     release_max_complaint_increase: float = Field(
         default=0.05, ge=0, le=1, description="canary complaint rate above production's that rolls back"
     )
+    release_min_complaint_tenants: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="distinct tenants whose complaints it takes to roll back a shared adapter's version",
+    )
+    release_max_tenant_complaint_share: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="of a shared version's completions in a step, the most one tenant's complaints count for",
+    )
     release_tick_s: float = Field(default=1.0, gt=0, le=60, description="how often the controller judges each rollout")
     release_lease_s: float = Field(
         default=10.0, gt=0, le=600, description="a rollout whose driving replica is silent this long is taken over"

@@ -8,7 +8,7 @@ adapter's versions may each name different tenants in their scopes.
 from shared.access import SHARED_TENANT, may_use
 from shared.catalog import RELEASED, Catalog
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
-from shared.rollout import choose
+from shared.rollout import choose, split_key
 from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
 
 
@@ -68,7 +68,7 @@ def resolve(
     else:
         production, canary = (_usable(r, tenant_id) for r in catalog.released(adapter_id))
         visible = [r for r in catalog.versions(adapter_id) if may_use(r, tenant_id)]
-        record = choose(production, canary, request_key) or visible[-1]  # find_adapter saw one
+        record = choose(production, canary, split_key(tenant_id, request_key)) or visible[-1]  # find_adapter saw one
     if record.status == "revoked":
         raise AdapterRevoked(f"'{model}' version {record.version} was revoked and is not served", param="model")
     if record.status not in RELEASED and not (preview and version is not None and record.status == "staging"):

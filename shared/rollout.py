@@ -13,6 +13,12 @@ def bucket(adapter_id: str, request_key: str) -> int:
     return int.from_bytes(digest[:8], "big") % BUCKETS
 
 
+def split_key(tenant_id: str, request_key: str) -> str:
+    """What a request is split by: its tenant and its client's key (the OpenAI ``user``, else the
+    request id), so that the keys one tenant chooses never decide another tenant's version."""
+    return f"{tenant_id}\x00{request_key}"
+
+
 def in_canary(adapter_id: str, request_key: str, traffic_percent: float) -> bool:
     return bucket(adapter_id, request_key) < round(traffic_percent * BUCKETS / 100)
 

@@ -7,7 +7,6 @@ the adapter version that served the request."""
 
 import asyncio
 import time
-import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -69,7 +68,10 @@ async def feedback(request: Request, body: FeedbackBody, caller: Principal = Dep
         rating=body.rating,
         reason=body.reason,
     )
-    if not await publish_audit(ctx.js, event, f"feedback.{uuid.uuid4().hex}", attempts=PUBLISH_ATTEMPTS):
+    # one record per (tenant, request, rating) within the stream's duplicate window: a client posting
+    # the same rating again and again writes it once (a changed mind is a new record)
+    msg_id = f"feedback.{caller.tenant_id}.{body.request_id}.{body.rating}"
+    if not await publish_audit(ctx.js, event, msg_id, attempts=PUBLISH_ATTEMPTS):
         raise ServiceUnavailable("the feedback could not be recorded; try again")
     model = f"{event.adapter_id}@{event.adapter_version}" if event.adapter_id else None
     return FeedbackRecorded(request_id=body.request_id, rating=body.rating, model=model)

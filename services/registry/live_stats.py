@@ -1,8 +1,9 @@
 """Live traffic of the adapters under rollout, per version, from their completion and feedback
 audit records: the figures the release controller compares."""
 
+import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -23,7 +24,8 @@ class Sample:
 @dataclass(slots=True)
 class VersionTraffic:
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
-    ratings: dict[str, tuple[float, bool]] = field(default_factory=dict)  # request id -> (ts, complaint)
+    # (tenant, request id) -> (ts, complaint): request ids are per tenant, so are ratings
+    ratings: dict[tuple[str, str], tuple[float, bool]] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -64,10 +66,11 @@ class LiveStats:
         traffic.samples.append(Sample(record.ts, record.outcome == "error", record.ttft_ms, record.tpot_ms, tokens))
 
     def add_feedback(self, record: FeedbackAudit) -> None:
-        """One rating per request: a later one replaces it."""
+        """One rating per request of a tenant: a later one of that tenant replaces it; another
+        tenant's request under the same id is another request."""
         traffic = self._of(record.adapter_id, record.adapter_version)
         if traffic is not None:
-            traffic.ratings[record.request_id] = (record.ts, record.rating == "down")
+            traffic.ratings[(record.tenant_id, record.request_id)] = (record.ts, record.rating == "down")
 
     def forget_before(self, adapter_id: str, ts: float) -> None:
         """Drop the adapter's records older than ``ts`` (a step's window has moved past them)."""
@@ -78,16 +81,20 @@ class LiveStats:
                 traffic.samples.popleft()
             traffic.ratings = {r: v for r, v in traffic.ratings.items() if v[0] >= ts}
 
-    def figures(self, adapter_id: str, version: int, since: float) -> VersionFigures:
-        """The version's figures over records from ``since`` on."""
+    def figures(self, adapter_id: str, version: int, since: float, tenant_share: float | None = None) -> VersionFigures:
+        """The version's figures over records from ``since`` on. ``tenant_share`` (a shared version's)
+        bounds each tenant's weight: its complaints count up to that share of the window's
+        completions (at least one), so one tenant alone cannot make the version's complaint rate."""
         traffic = self._traffic.get((adapter_id, version), VersionTraffic())
         window = [s for s in traffic.samples if s.ts >= since]
         served = [s for s in window if not s.error]
         ttft = [s.ttft_ms for s in served]
         tpot = [s.tpot_ms for s in served]
         errors = len(window) - len(served)
-        ratings = [complaint for ts, complaint in traffic.ratings.values() if ts >= since]
-        complaints = sum(ratings)
+        rated = {key: complaint for key, (ts, complaint) in traffic.ratings.items() if ts >= since}
+        by_tenant = Counter(tenant for (tenant, _), complaint in rated.items() if complaint)
+        cap = None if tenant_share is None else max(1, math.floor(tenant_share * len(window)))
+        complaints = sum(n if cap is None else min(n, cap) for n in by_tenant.values())
         return VersionFigures(
             version=version,
             samples=len(window),
@@ -98,7 +105,8 @@ class LiveStats:
             tpot_p50_ms=percentile(tpot, 50),
             tpot_p95_ms=percentile(tpot, 95),
             tokens_per_request=statistics.fmean(s.tokens for s in served) if served else None,
-            feedback=len(ratings),
+            feedback=len(rated),
             complaints=complaints,
+            complaining_tenants=len(by_tenant),
             complaint_rate=min(1.0, complaints / len(window)) if window else 0.0,
         )

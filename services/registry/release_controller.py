@@ -18,6 +18,7 @@ from services.registry.ops import Publish, Registry
 from services.registry.release_policy import ReleasePolicy, judge
 from services.registry.releases_kv import LostRace, ReleasesKV, Stored
 from shared import subjects
+from shared.access import SHARED_TENANT
 from shared.errors import Conflict, LorafleetError, ModelNotFound, ReleaseGateFailed
 from shared.schemas import (
     MAX_DECISIONS,
@@ -164,12 +165,14 @@ class ReleaseController:
             await self._decide(stored, changes, action, [reason])
             return
         now = self._clock()
-        canary = self._stats.figures(state.adapter_id, state.version, state.step_started_at)
+        shared = state.tenant_id == SHARED_TENANT
+        share = self._policy.max_tenant_complaint_share if shared else None
+        canary = self._stats.figures(state.adapter_id, state.version, state.step_started_at, share)
         baseline = None
         if state.baseline_version is not None:
-            baseline = self._stats.figures(state.adapter_id, state.baseline_version, state.step_started_at)
+            baseline = self._stats.figures(state.adapter_id, state.baseline_version, state.step_started_at, share)
         figures = [canary, *([baseline] if baseline else [])]
-        verdict = judge(canary, baseline, now - state.step_started_at, self._policy)
+        verdict = judge(canary, baseline, now - state.step_started_at, self._policy, shared)
         if verdict.action == "rollback":
             why = f"v{state.version} at {state.percent:g}%: " + "; ".join(verdict.reasons)
             await self._registry.rollback(RollbackRequest(adapter_id=state.adapter_id, reason=why[:500], actor=ACTOR))

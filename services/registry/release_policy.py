@@ -20,6 +20,8 @@ class ReleasePolicy:
     latency_slack_ms: float = 5.0
     max_cost_ratio: float = 1.5
     max_complaint_increase: float = 0.05
+    min_complaint_tenants: int = 3  # a shared version's complaint guard needs this many tenants complaining
+    max_tenant_complaint_share: float = 0.1  # of a shared version's window, the most one tenant's complaints weigh
 
     @classmethod
     def from_settings(cls, settings: RegistrySettings) -> "ReleasePolicy":
@@ -32,6 +34,8 @@ class ReleasePolicy:
             latency_slack_ms=settings.release_latency_slack_ms,
             max_cost_ratio=settings.release_max_cost_ratio,
             max_complaint_increase=settings.release_max_complaint_increase,
+            min_complaint_tenants=settings.release_min_complaint_tenants,
+            max_tenant_complaint_share=settings.release_max_tenant_complaint_share,
         )
 
 
@@ -69,21 +73,26 @@ def _ratio_guard(name: str, mine: float | None, theirs: float | None, ratio: flo
     return None
 
 
-def guard_trips(canary: VersionFigures, baseline: VersionFigures | None, policy: ReleasePolicy) -> list[str]:
+def guard_trips(
+    canary: VersionFigures, baseline: VersionFigures | None, policy: ReleasePolicy, shared: bool = False
+) -> list[str]:
     """Why the canary is worse than production beyond the policy; empty while it is not, or while
     it has too few completions to judge. With no production to compare (or too little of its
-    traffic), the rates are held against zero and the ratios are not judged."""
+    traffic), the rates are held against zero and the ratios are not judged. A ``shared`` version
+    (served to many tenants) is judged on complaints only once ``min_complaint_tenants`` tenants
+    complained: any one tenant chooses which of its requests it rates."""
     if canary.samples < policy.guard_min_samples:
         return []
     compared = baseline is not None and baseline.samples >= policy.guard_min_samples
     base_errors = baseline.error_rate if compared and baseline else 0.0
     base_complaints = baseline.complaint_rate if compared and baseline else 0.0
-    reasons = [
-        _rate_guard("error rate", canary.errors, canary.samples, base_errors, policy.max_error_increase),
-        _rate_guard(
-            "complaint rate", canary.complaints, canary.samples, base_complaints, policy.max_complaint_increase
-        ),
-    ]
+    reasons = [_rate_guard("error rate", canary.errors, canary.samples, base_errors, policy.max_error_increase)]
+    if not shared or canary.complaining_tenants >= policy.min_complaint_tenants:
+        reasons.append(
+            _rate_guard(
+                "complaint rate", canary.complaints, canary.samples, base_complaints, policy.max_complaint_increase
+            )
+        )
     if compared and baseline is not None:
         ratio, slack = policy.max_latency_ratio, policy.latency_slack_ms
         reasons += [
@@ -98,10 +107,16 @@ def guard_trips(canary: VersionFigures, baseline: VersionFigures | None, policy:
     return [r for r in reasons if r is not None]
 
 
-def judge(canary: VersionFigures, baseline: VersionFigures | None, step_age_s: float, policy: ReleasePolicy) -> Verdict:
+def judge(
+    canary: VersionFigures,
+    baseline: VersionFigures | None,
+    step_age_s: float,
+    policy: ReleasePolicy,
+    shared: bool = False,
+) -> Verdict:
     """Roll back when a guard trips; advance once the step has dwelt long enough and both versions
     have the minimum sample count (production only when there is one); hold otherwise."""
-    reasons = guard_trips(canary, baseline, policy)
+    reasons = guard_trips(canary, baseline, policy, shared)
     if reasons:
         return Verdict("rollback", tuple(reasons))
     waiting = []

@@ -27,7 +27,10 @@ class VersionFigures(Message):
     tpot_p95_ms: float | None = None
     tokens_per_request: float | None = Field(default=None, description="prompt + completion tokens (cost)")
     feedback: int = Field(default=0, ge=0, description="rated requests")
-    complaints: int = Field(default=0, ge=0, description="requests rated down")
+    complaints: int = Field(
+        default=0, ge=0, description="requests rated down (a shared version's: each tenant's bounded)"
+    )
+    complaining_tenants: int = Field(default=0, ge=0, description="distinct tenants that rated a request down")
     complaint_rate: float = Field(default=0.0, ge=0, le=1, description="complaints per completion")
 
 

@@ -32,7 +32,7 @@ from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.fingerprint import fingerprint_model_dir
-from shared.rollout import in_canary
+from shared.rollout import in_canary, split_key
 from shared.schemas import (
     AdapterRecordsReply,
     ApiKeyCreatedReply,
@@ -205,8 +205,12 @@ def _format_broken_copy(source: Path, target: Path) -> Path:
 
 async def _traffic(release: Release, questions: list, stop: asyncio.Event, counts: dict[str, int]) -> None:
     """Users asking capitals, half of them in the 1% canary's buckets; each rates the answer's format."""
-    canary_users = (u for u in (f"user-{i}" for i in itertools.count()) if in_canary("capital-answer", u, 1.0))
-    other_users = (u for u in (f"user-{i}" for i in itertools.count()) if not in_canary("capital-answer", u, 1.0))
+
+    def canary(user: str) -> bool:
+        return in_canary("capital-answer", split_key("demo", user), 1.0)
+
+    canary_users = (u for u in (f"user-{i}" for i in itertools.count()) if canary(u))
+    other_users = (u for u in (f"user-{i}" for i in itertools.count()) if not canary(u))
     headers = {"Authorization": f"Bearer {release.admin_key}"}
     async with httpx.AsyncClient(base_url=release.gateway_url, headers=headers, timeout=120) as http:
 

@@ -92,3 +92,22 @@ async def test_feedback_is_taken_for_own_requests_only(gateway: Gateway, auditor
         )
         bad_rating = await http.post("/v1/feedback", json={"request_id": request_id, "rating": "meh"})
     assert (smuggled.status_code, bad_rating.status_code) == (400, 400)
+
+
+async def test_the_same_rating_posted_again_and_again_is_recorded_once(
+    gateway: Gateway, auditor: None, tmp_path: Path
+) -> None:
+    """Before issue 47: 500 posts on one request wrote 500 audit records (and each one weighed)."""
+    suffix = uuid.uuid4().hex[:6]
+    owner, key = await gateway.tenant(f"fr{suffix}", scopes=("admin", "inference"))
+    adapter_id = f"fr{suffix}-sea"
+    async with gateway.client(key) as http:
+        await release(http, make_adapter(tmp_path / adapter_id, seed=0), adapter_id)
+    request_id = await served_completion(gateway, key, owner, adapter_id)
+    async with gateway.client(key) as http:
+        for rating in ["down"] * 20 + ["up"]:  # then a changed mind, which is recorded
+            answer = await http.post("/v1/feedback", json={"request_id": request_id, "rating": rating})
+            assert answer.status_code == 200, answer.text
+    subject = subjects.audit("feedback", owner)
+    info = await gateway.nc.jetstream().stream_info(subjects.AUDIT_STREAM, subjects_filter=subject)  # type: ignore[attr-defined]
+    assert (info.state.subjects or {}).get(subject) == 2

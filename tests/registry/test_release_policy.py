@@ -153,3 +153,54 @@ def test_judge_holds_until_dwell_and_both_sample_counts_then_advances() -> None:
 def test_a_tripped_guard_rolls_back_before_the_dwell_is_over() -> None:
     verdict = judge(figures(samples=20, errors=12), figures(1, 2000), 0.5, POLICY)
     assert verdict.action == "rollback" and verdict.reasons[0].startswith("error rate 12/20")
+
+
+def _rating(tenant: str, request: str, rating: str = "down", version: int = 2) -> FeedbackAudit:
+    return FeedbackAudit(
+        ts=100.0, request_id=request, tenant_id=tenant, adapter_id="sea", adapter_version=version, rating=rating
+    )
+
+
+def test_ratings_are_per_tenant_and_request() -> None:
+    """Request ids are per tenant: before issue 47 another tenant's rating under the same id replaced
+    this tenant's."""
+    stats = LiveStats()
+    stats.watch(["sea"])
+    for i in range(4):
+        stats.add_completion(completion(2, i))
+    stats.add_feedback(_rating("acme", "r2-0", "down"))
+    stats.add_feedback(_rating("globex", "r2-0", "up"))
+    got = stats.figures("sea", 2, since=0.0)
+    assert (got.feedback, got.complaints, got.complaining_tenants) == (2, 1, 1)
+
+
+def _steered(stats: LiveStats, tenants: list[str], per_tenant: int) -> None:
+    """Each tenant steers ``per_tenant`` requests onto the canary and rates every one down."""
+    for tenant in tenants:
+        for i in range(per_tenant):
+            rid = f"{tenant}-{i}"
+            stats.add_completion(completion(2, 0).model_copy(update={"request_id": rid, "tenant_id": tenant}))
+            stats.add_feedback(_rating(tenant, rid))
+
+
+def test_one_tenant_alone_neither_rolls_back_a_shared_version_nor_outweighs_the_others() -> None:
+    """Before issue 47: 25 requests steered onto a shared adapter's 1% canary and 25 down-votes
+    rolled it back for every tenant."""
+    stats = LiveStats()
+    stats.watch(["sea"])
+    for i in range(100):  # production: nobody complains
+        stats.add_completion(completion(1, i))
+    _steered(stats, ["mallory"], 25)
+    share = POLICY.max_tenant_complaint_share
+    canary = stats.figures("sea", 2, 0.0, tenant_share=share)
+    baseline = stats.figures("sea", 1, 0.0, tenant_share=share)
+    assert (canary.complaints, canary.complaining_tenants) == (2, 1)  # 10% of 25 completions
+    assert guard_trips(canary, baseline, POLICY, shared=True) == []
+    assert guard_trips(
+        stats.figures("sea", 2, 0.0), baseline, POLICY, shared=False
+    )  # a tenant's own adapter: it decides
+
+    _steered(stats, ["acme", "globex"], 25)  # three tenants complaining about the same version
+    canary = stats.figures("sea", 2, 0.0, tenant_share=share)
+    assert canary.complaining_tenants == 3
+    assert guard_trips(canary, baseline, POLICY, shared=True)[0].startswith("complaint rate")

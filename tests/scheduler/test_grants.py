@@ -9,7 +9,7 @@ from shared.catalog_mirror import CatalogMirror, Resolver
 from shared.errors import AdapterNotReleased, AdapterRevoked, IntegrityError, InvalidRequest, ModelNotFound
 from shared.grants import Grants, IsolationAttempt
 from shared.resolve import resolve, to_resolved
-from shared.rollout import in_canary
+from shared.rollout import in_canary, split_key
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 from tests.helpers.records import make_record
 
@@ -59,7 +59,7 @@ def submission(model: str, tenant: str = "acme", **over) -> InferRequest:
 
 
 def key_in(canary: bool) -> str:
-    return next(f"user{i}" for i in range(1000) if in_canary("acme-sum", f"user{i}", 50) == canary)
+    return next(f"user{i}" for i in range(1000) if in_canary("acme-sum", split_key("acme", f"user{i}"), 50) == canary)
 
 
 async def test_a_model_name_without_an_adapter_block_is_served_its_adapter_not_the_base():
@@ -138,3 +138,17 @@ async def test_the_base_model_must_be_the_deployments():
     g, _ = grants()
     with pytest.raises(InvalidRequest):
         await g.grant(submission("sum", base_model="some-other-base"), False)
+
+
+def test_the_canary_split_is_by_tenant_and_key_so_one_tenant_cannot_pick_anothers_version():
+    """Before issue 47 the split key was the client's ``user`` alone: a key in the canary's buckets
+    was in them for every tenant, and one tenant steered requests onto a shared canary at will."""
+    catalog = Catalog(RECORDS)
+    key = next(
+        f"user{i}"
+        for i in range(10_000)
+        if in_canary("acme-sum", f"user{i}", 50) and not in_canary("acme-sum", split_key("acme", f"user{i}"), 50)
+    )
+    assert resolve(catalog, BASE, "acme", "sum", key).adapter == to_resolved(PROD)
+    inside = next(f"user{i}" for i in range(10_000) if in_canary("acme-sum", split_key("acme", f"user{i}"), 50))
+    assert resolve(catalog, BASE, "acme", "sum", inside).adapter == to_resolved(CANARY)
