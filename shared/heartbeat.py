@@ -1,7 +1,7 @@
 """Publish a service's liveness on ``lf.service.heartbeat.<service>`` until told to stop."""
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -20,8 +20,10 @@ async def publish_heartbeats(
     interval_s: float,
     status: Callable[[], tuple[bool, str]],
     metrics_port: int | None = None,
+    checks_off: Sequence[str] = (),
 ) -> None:
-    """Every ``interval_s``: publish (ready, detail) from ``status()``. Runs until cancelled."""
+    """Every ``interval_s``: publish (ready, detail) from ``status()``, and the safety checks this
+    instance runs without (``checks_off``). Runs until cancelled."""
     subject = subjects.service_heartbeat(service)
     while True:
         ready, detail = status()
@@ -33,6 +35,7 @@ async def publish_heartbeats(
                     ready=ready,
                     detail=detail[:500],
                     metrics_port=metrics_port,
+                    checks_off=list(checks_off),
                 )
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down

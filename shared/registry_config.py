@@ -68,7 +68,10 @@ class RegistrySettings(CommonSettings):
         description="remote adapter sources (s3://, https://), off by default (LF_REMOTE__*); the allow-list of "
         "prefixes lives in the registry (lorafleet source add)",
     )
-    release_require_eval: bool = Field(default=False, description="refuse to promote a version with no recorded eval")
+    release_require_eval: bool = Field(
+        default=True,
+        description="refuse to promote a version with no recorded eval (off: /readyz and the dashboard say so)",
+    )
     release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every adapter's own threshold")
     release_max_regression: float = Field(
         default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"

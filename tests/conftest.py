@@ -14,6 +14,10 @@ from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The registry refuses to promote a version with no recorded eval by default (issue 47); the test
+# stacks promote random adapters that have no eval set, so they run with that check off (and /readyz
+# says so). tests/registry/test_gate.py holds the default; the release controller tests pass their own policy.
+os.environ.setdefault("LF_RELEASE_REQUIRE_EVAL", "false")
 # base-model fingerprints are cached per directory: a session-private cache, never the user's
 os.environ.setdefault("LF_FINGERPRINT_CACHE", tempfile.mkdtemp(prefix="lf-fingerprints-"))
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. at the first import of

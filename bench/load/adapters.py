@@ -114,7 +114,14 @@ async def register_adapters(
             await request(
                 nc,
                 subjects.registry("promote"),
-                PromoteRequest(adapter_id=plan.adapter_id, version=record.version, traffic_percent=100, actor=ACTOR),
+                PromoteRequest(
+                    adapter_id=plan.adapter_id,
+                    version=record.version,
+                    traffic_percent=100,
+                    force=True,  # the release gate needs an eval set: these adapters are random weights
+                    reason="load bench: synthetic adapter, no eval set",
+                    actor=ACTOR,
+                ),
                 AdapterRecordsReply,
                 30,
             )

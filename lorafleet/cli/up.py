@@ -147,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
             "LF_PORT": str(ports["gateway"]),
             "LF_DB_PATH": str(state / "audit.sqlite3"),
             "LF_MODEL_CACHE": str(state / "models"),
-            "LF_RELEASE_REQUIRE_EVAL": "1",
         }
         stack = Stack(env, state / "logs")
         model_dir = os.environ.get("LF_MODEL_DIR") or None  # the services read the same variable

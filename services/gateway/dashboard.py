@@ -93,4 +93,5 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
         "audit": recent.records,
         "audit_intact": recent.chain.intact if recent.chain else None,
         "unavailable": sorted(set(missing)),
+        "checks_off": ctx.cluster.checks_off(),
     }

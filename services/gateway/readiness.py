@@ -43,6 +43,17 @@ class ClusterView:
                     out[p.name] = f"{p.state}: {p.detail.splitlines()[0] if p.detail else ''}".rstrip(": ")
         return out
 
+    def checks_off(self) -> list[str]:
+        """``<service> <check>`` for each safety check a live instance runs without, once each."""
+        return sorted(
+            {
+                f"{name} {check}"
+                for name, live in self.services.items()
+                for b in live.alive().values()
+                for check in b.checks_off
+            }
+        )
+
     def unavailable(self) -> str | None:
         """Why a request cannot be served right now (a missing piece of its path), or None."""
         if not any(b.ready for b in self.services["scheduler"].alive().values()):
@@ -75,6 +86,8 @@ class ClusterView:
         if self.supervisors.alive():
             components["supervisor"] = "; ".join(f"{n} {s}" for n, s in sorted(supervised.items())) or "ok"
         components["catalog"] = "mirrored" if catalog_loaded else "loading"
+        off = self.checks_off()
+        components["safety_checks"] = f"off: {', '.join(off)}" if off else "on"
         ready = (
             all(components[name] == "ok" for name in REQUIRED)
             and bool(workers)

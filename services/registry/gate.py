@@ -8,7 +8,7 @@ from shared.schemas import AdapterRecord
 
 @dataclass(frozen=True, slots=True)
 class GatePolicy:
-    require_eval: bool = False  # a version with no recorded eval is refused
+    require_eval: bool = True  # a version with no recorded eval is refused
     min_score: float = 0.0  # floor under every adapter's own threshold
     max_regression: float = 0.05  # how far below production's score a candidate may be
 

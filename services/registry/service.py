@@ -87,6 +87,12 @@ M = TypeVar("M", bound=BaseModel)
 Handler = tuple[type[BaseModel], Callable[[Any], Awaitable[BaseModel]]]
 
 
+def checks_off(settings: RegistrySettings) -> list[str]:
+    """The release checks this registry runs without, which its heartbeats report to /readyz."""
+    checks = {"release_require_eval": settings.release_require_eval, "release_gate": settings.release_gate}
+    return [name for name, on in checks.items() if not on]
+
+
 def base_model_identity(settings: RegistrySettings) -> BaseModelIdentity:
     cache = Path(settings.model_cache) if settings.model_cache else None
     directory = resolve_model_dir(settings.model_dir, cache)
@@ -304,6 +310,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
                 settings.heartbeat_interval_s,
                 lambda: (True, f"{len(registry.catalog)} adapter versions"),
                 metrics_port,
+                checks_off(settings),
             )
         )
         stack.callback(beat.cancel)

@@ -1,7 +1,7 @@
 """Worker control and the heartbeats that tell who is alive."""
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -96,6 +96,11 @@ class ServiceHeartbeat(Message):
     ready: bool
     detail: str = Field(default="", max_length=500)
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
+    checks_off: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="safety checks an operator turned off on this instance (e.g. release_require_eval)",
+    )
     ts: float = Field(default_factory=time.time)
 
 

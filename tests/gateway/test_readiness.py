@@ -39,3 +39,16 @@ def test_scheduler_and_a_worker_are_always_required():
     assert not view("registry").status(catalog_loaded=True)[0]
     ready, components = view("scheduler", "registry", worker=False).status(catalog_loaded=True)
     assert not ready and components["workers"] == "missing"
+
+
+def test_readyz_says_which_safety_checks_a_deployment_turned_off():
+    cluster = view("scheduler", "registry")
+    assert cluster.status(catalog_loaded=True)[1]["safety_checks"] == "on"
+    for instance in ("registry-1", "registry-2"):  # two replicas, one line
+        beat = ServiceHeartbeat(
+            service="registry", instance_id=instance, ready=True, checks_off=["release_require_eval"]
+        )
+        cluster.on_service(beat)
+    ready, components = cluster.status(catalog_loaded=True)
+    assert ready and components["safety_checks"] == "off: registry release_require_eval"
+    assert cluster.checks_off() == ["registry release_require_eval"]  # the dashboard's line

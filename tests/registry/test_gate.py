@@ -4,8 +4,10 @@ import pytest
 
 from services.registry import lifecycle
 from services.registry.gate import GatePolicy, check_release
+from services.registry.service import checks_off
 from shared.catalog import Catalog
 from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
+from shared.registry_config import RegistrySettings
 from shared.resolve import resolve
 from shared.schemas import AdapterRecord
 
@@ -45,6 +47,19 @@ def test_no_eval_passes_only_when_evals_are_optional() -> None:
     check_release(record(1), None, GatePolicy(require_eval=False))
     with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
         check_release(record(1), None, GatePolicy(require_eval=True))
+
+
+def test_the_eval_gate_is_on_unless_a_deployment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before issue 47 it was off by default and only ``lorafleet up`` turned it on: under compose,
+    the cluster profile and k8s a tenant admin promoted an unevaluated version to 100%."""
+    monkeypatch.delenv("LF_RELEASE_REQUIRE_EVAL", raising=False)  # tests/conftest.py's, for the test stacks
+    settings = RegistrySettings()
+    assert (settings.release_require_eval, settings.release_gate) == (True, True)
+    assert checks_off(settings) == []
+    with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
+        check_release(record(1), None, GatePolicy())
+    monkeypatch.setenv("LF_RELEASE_REQUIRE_EVAL", "false")
+    assert checks_off(RegistrySettings()) == ["release_require_eval"]  # what its heartbeats tell /readyz
 
 
 def test_gate_failure_is_a_conflict_with_its_own_code() -> None:
