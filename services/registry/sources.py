@@ -112,7 +112,7 @@ class Sources:
             raise SourceNotApproved(
                 f"{location.uri} needs an operator's approval before its first use (lorafleet source approve)"
             )
-        return SourceGrant(tenant_id, [e for e in entries.values() if tenant_id in e.tenants], entry)
+        return SourceGrant(tenant_id, [e for e in entries.values() if tenant_id in e.tenants], entry, set(approvals))
 
     async def _state(self) -> tuple[dict[str, SourceEntry], dict[str, SourceApproval]]:
         entries: dict[str, SourceEntry] = {}
@@ -139,13 +139,16 @@ class Sources:
 class SourceGrant:
     """A tenant's permission to fetch from one location, and where its redirects may lead."""
 
-    def __init__(self, tenant_id: str, entries: list[SourceEntry], entry: SourceEntry) -> None:
+    def __init__(self, tenant_id: str, entries: list[SourceEntry], entry: SourceEntry, approved: set[str]) -> None:
         self.tenant_id = tenant_id
         self.entry = entry
         self._entries = entries
+        self._approved = approved  # URIs an operator approved
 
     def redirect_entry(self, url: str) -> SourceEntry:
-        """The tenant's entry covering a redirect target's directory; refused when none does."""
+        """The tenant's entry covering a redirect target's directory; refused when none does, and when
+        that entry asks for approval and the target's directory is not approved itself: what is
+        fetched is what was approved, not what an approved URL answers with."""
         directory = url.split("?", 1)[0].rsplit("/", 1)[0] + "/"
         try:
             location = parse_source(directory)
@@ -156,7 +159,12 @@ class SourceGrant:
             raise SourceRedirectRefused(
                 f"redirect to {location.uri} is refused: it is outside tenant {self.tenant_id}'s allow-list"
             )
-        return max(covering, key=lambda e: len(e.prefix))
+        entry = max(covering, key=lambda e: len(e.prefix))
+        if entry.require_approval and location.uri not in self._approved:
+            raise SourceNotApproved(
+                f"redirect to {location.uri} needs an operator's approval before its first use (lorafleet source approve)"
+            )
+        return entry
 
 
 def _detail(entry: SourceEntry) -> dict:

@@ -22,11 +22,12 @@ from shared.errors import (
     SourceAddressRefused,
     SourceFileRefused,
     SourceNotAllowed,
+    SourceNotApproved,
     SourceRedirectRefused,
     SourceTimeout,
     SourceTooLarge,
 )
-from shared.schemas import AdapterRecordsReply, AddSourceRequest, RegisterRequest, SourcesReply
+from shared.schemas import AdapterRecordsReply, AddSourceRequest, ApproveSourceRequest, RegisterRequest, SourcesReply
 from tests.helpers.remote_sources import Route
 from tests.hostile.conftest import PICKLE, REMOTE_MAX_FILE, REMOTE_TIMEOUT_S, Files, HostileStack
 
@@ -42,8 +43,10 @@ def signed_push(hostile: HostileStack, uri: str, files: Files, adapter_id: str =
                            signature=signature, signer="release", actor="test")  # fmt: skip
 
 
-async def allow(nc: NATS, prefix: str, tenants: list[str], private: bool = True) -> None:
-    add = AddSourceRequest(prefix=prefix, tenants=tenants, allow_private=private, actor="test")
+async def allow(nc: NATS, prefix: str, tenants: list[str], private: bool = True, approval: bool = False) -> None:
+    add = AddSourceRequest(
+        prefix=prefix, tenants=tenants, allow_private=private, require_approval=approval, actor="test"
+    )
     await request(nc, subjects.registry("source_add"), add, SourcesReply, 10)
 
 
@@ -76,6 +79,18 @@ async def redirect_off_list(h: HostileStack, nc: NATS, path: str) -> str:
     h.https.routes[f"/{path}/{CONFIG_FILE}"] = Route(status=307, location=f"https://127.0.0.1:{h.https.port}/off/x")
     await allow(nc, f"{h.https.url()}/{path}/", ["demo"])
     return f"{h.https.url()}/{path}/"
+
+
+async def approved_redirecting_to_unapproved(h: HostileStack, nc: NATS, path: str) -> str:
+    """An approved URL answering with a redirect to one under the same entry nobody approved (issue 47)."""
+    assert h.https is not None
+    h.https.routes[f"/{path}/ok/{CONFIG_FILE}"] = Route(h.files[CONFIG_FILE])
+    h.https.routes[f"/{path}/ok/{WEIGHTS_FILE}"] = Route(status=302, location=f"{h.https.url()}/{path}/not-ok/w")
+    h.https.routes[f"/{path}/not-ok/w"] = Route(h.files[WEIGHTS_FILE])
+    await allow(nc, f"{h.https.url()}/{path}/", ["demo"], approval=True)
+    approve = ApproveSourceRequest(uri=f"{h.https.url()}/{path}/ok/", actor="test")
+    await request(nc, subjects.registry("source_approve"), approve, SourcesReply, 10)
+    return f"{h.https.url()}/{path}/ok/"
 
 
 async def oversize(h: HostileStack, nc: NATS, path: str) -> str:
@@ -120,6 +135,12 @@ CASES = [
     pytest.param(not_listed, SourceNotAllowed, "not on the registry's source allow-list", id="not-on-the-allow-list"),
     pytest.param(other_tenant_only, SourceNotAllowed, "for tenant demo", id="allowed-for-another-tenant-only"),
     pytest.param(redirect_off_list, SourceRedirectRefused, "outside tenant demo's allow-list", id="redirect-off-list"),
+    pytest.param(
+        approved_redirecting_to_unapproved,
+        SourceNotApproved,
+        "needs an operator's approval",
+        id="approved-redirecting-to-unapproved",
+    ),
     pytest.param(oversize, SourceTooLarge, f"{REMOTE_MAX_FILE}-byte limit", id="oversize"),
     pytest.param(slow_drip, SourceTimeout, f"within {REMOTE_TIMEOUT_S} s", id="slow-drip"),
     pytest.param(internal_address, SourceAddressRefused, "internal address 127.0.0.1", id="resolves-to-loopback"),

@@ -145,6 +145,26 @@ async def test_an_approval_entry_refuses_until_the_uri_is_approved(
     assert record.origin is not None
 
 
+async def test_an_approved_uri_redirecting_to_an_unapproved_one_is_refused_until_that_is_approved(
+    push: Push, servers: Servers, adapter_files: Files
+) -> None:
+    """Before issue 47 the redirect target was fetched and stored, and the record named the approved
+    origin: approving one URL approved whatever it answered with."""
+    base = servers.https.url("models.test")
+    path, elsewhere = f"/{push.tenant}/approved/", f"/{push.tenant}/unapproved/"
+    servers.https.routes[path + CONFIG_FILE] = Route(adapter_files[CONFIG_FILE])
+    servers.https.routes[path + WEIGHTS_FILE] = Route(status=302, location=f"{base}{elsewhere}{WEIGHTS_FILE}")
+    servers.https.routes[elsewhere + WEIGHTS_FILE] = Route(adapter_files[WEIGHTS_FILE])
+    await allow(push.nc, f"{base}/{push.tenant}/", [push.tenant], approval=True)
+    await call(push.nc, "source_approve", ApproveSourceRequest(uri=base + path, actor="op"), SourcesReply)
+    before = await stored_names(push.nc)
+    error = await push.refused(unique("redirected"), base + path, adapter_files, SourceNotApproved)
+    assert f"redirect to {base}{elsewhere} needs an operator's approval" in error.message
+    assert servers.https.hits[elsewhere + WEIGHTS_FILE] == 0 and await stored_names(push.nc) == before
+    await call(push.nc, "source_approve", ApproveSourceRequest(uri=base + elsewhere, actor="op"), SourcesReply)
+    assert (await push.register(unique("redirected"), base + path, adapter_files)).origin is not None
+
+
 async def test_source_ops_are_audited_and_refuse_what_they_cannot_do(push: Push) -> None:
     prefix, other = f"s3://models/{push.tenant}/ops/", unique("other")
     admins = {t: await push.nc.subscribe(subjects.audit("admin", t)) for t in (push.tenant, other)}
