@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.config import CommonSettings
+from shared.config import CommonSettings, DefaultQuota
 
 
 class RemoteSourceSettings(BaseModel):
@@ -67,6 +67,11 @@ class RegistrySettings(CommonSettings):
         default_factory=lambda: RemoteSourceSettings(),
         description="remote adapter sources (s3://, https://), off by default (LF_REMOTE__*); the allow-list of "
         "prefixes lives in the registry (lorafleet source add)",
+    )
+    default_quota: DefaultQuota = Field(
+        default_factory=DefaultQuota,
+        description="every tenant's limits where its own quota leaves them unset, as the scheduler's "
+        "(LF_DEFAULT_QUOTA__<FIELD>): pins are held to its GPU adapter slots",
     )
     release_require_eval: bool = Field(
         default=True,

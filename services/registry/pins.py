@@ -7,8 +7,9 @@ there first, then recorded on the AUDIT stream (``AdminAudit`` ``adapter_pinned`
 registry replicas never work from a stale copy.
 
 Pins never exceed a worker's slots: of each rank class, pins may hold every slot but one (so the
-class's unpinned adapters still load), and a tenant's pins no more of a class than its own GPU slot
-quota (``TenantQuota.max_gpu_adapter_slots`` when set), so pinning cannot lift that quota. A pin that
+class's unpinned adapters still load), and a tenant's pins no more of a class than its GPU slot
+quota (its ``TenantQuota.max_gpu_adapter_slots``, else the platform default's), so pinning cannot
+lift that quota. A pin that
 would pass either on a live worker it names, counted from the workers' heartbeats, is refused with
 ``PinsExceedSlots``; a worker that joins later with fewer slots holds the pins up to its cap and
 reports the rest (``pins_refused``).
@@ -30,7 +31,7 @@ Load = Callable[[], Awaitable[dict[str, bytes]]]
 Put = Callable[[str, bytes], Awaitable[None]]
 Delete = Callable[[str], Awaitable[None]]
 Audit = Callable[[AdminAudit], Awaitable[None]]
-SlotQuota = Callable[[str], int | None]  # tenant -> its own GPU slot quota per rank class (None: none set)
+SlotQuota = Callable[[str], int | None]  # tenant -> its GPU slot quota per rank class (None: no limit)
 PinAction = Literal["adapter_pinned", "adapter_unpinned"]
 
 

@@ -1,6 +1,7 @@
 """Registry service wiring: connect, open the stores, serve ``lf.registry.<op>``, heartbeat."""
 
 import asyncio
+import functools
 import gc
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -293,7 +294,8 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         tenants = await open_tenants(nc.jetstream())
         # other replicas' changes
         mirrors.append(await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches))
-        pins = await open_pins(nc.jetstream(), registry.catalog, slots, tenants.slot_quota)
+        slot_quota = functools.partial(tenants.slot_quota, default=settings.default_quota.max_gpu_adapter_slots)
+        pins = await open_pins(nc.jetstream(), registry.catalog, slots, slot_quota)
         await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)

@@ -138,10 +138,12 @@ class Tenants:
         records = sorted(self.keys.values(), key=lambda r: (r.tenant_id, r.created_at))
         return ApiKeysReply(keys=[info(r) for r in records if req.tenant_id in (None, r.tenant_id)])
 
-    def slot_quota(self, tenant_id: str) -> int | None:
-        """The tenant's own GPU slot quota per rank class; None when it sets none (or 0, no limit)."""
+    def slot_quota(self, tenant_id: str, default: int) -> int | None:
+        """The tenant's GPU slot quota per rank class: its own, else the platform's ``default``, as the
+        scheduler applies them; None for no limit (0)."""
         record = self.tenants.get(tenant_id)
-        return (record.quota.max_gpu_adapter_slots or None) if record else None
+        own = record.quota.max_gpu_adapter_slots if record else None
+        return (own if own is not None else default) or None
 
     def _tenant(self, tenant_id: str) -> TenantRecord:
         record = self.tenants.get(tenant_id)

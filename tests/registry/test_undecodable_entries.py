@@ -45,14 +45,17 @@ def skipped(bucket: str) -> float:
     return REGISTRY.get_sample_value("undecodable_messages_total", {"source": bucket}) or 0.0
 
 
-async def run_registry(nats_url: str, base_dir: Path, tmp_path: Path) -> tuple[asyncio.Event, asyncio.Task]:
-    """Start the registry in this process; return once it reports itself ready."""
+async def run_registry(
+    nats_url: str, base_dir: Path, tmp_path: Path, **settings_: object
+) -> tuple[asyncio.Event, asyncio.Task]:
+    """Start the registry in this process (``settings_`` over the test's); return once it is ready."""
     settings = RegistrySettings(
         nats_url=nats_url,
         model_dir=str(base_dir),
         instance_id="reg-undecodable",
         heartbeat_interval_s=0.1,
         trusted_source_dirs=(str(tmp_path),),
+        **settings_,  # type: ignore[arg-type]
     )
     nc = await connect(nats_url, "registry-beats")
     try:
