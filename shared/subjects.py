@@ -26,6 +26,7 @@ SUPERVISOR_STATUS = f"{PREFIX}.supervisor.status"  # lorafleet up's restarts, fo
 # CatalogSync: registry write -> every catalog mirror (gateways, schedulers, workers); named for the first
 GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"
 SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
+SCHEDULER_CHARGE = f"{PREFIX}.scheduler.charge"  # ChargeRequest: a tenant's request that runs no model (feedback)
 
 REGISTRY_OPS = (
     "resolve",

@@ -133,6 +133,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *_registry_ops(GATEWAY_REGISTRY_OPS),
                 "lf.worker.*.control",
                 subjects.SCHEDULER_CANCEL,
+                subjects.SCHEDULER_CHARGE,  # a feedback post, charged to its tenant's quota
                 subjects.AUDITOR_QUERY,
                 subjects.AUDIT_ALL,
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
@@ -190,6 +191,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 "_INBOX.>",
                 subjects.WORKER_HEARTBEAT,
                 subjects.SCHEDULER_CANCEL,
+                subjects.SCHEDULER_CHARGE,
                 subjects.GATEWAY_CATALOG_SYNC,  # its mirror answers the registry's barrier
                 *own["scheduler"],
             ),

@@ -2,8 +2,9 @@
 
 The request must be the caller's own: its completion record is looked up in the audit index under
 the caller's tenant (never a tenant or version named in the body), so another tenant's request id
-answers the same 404 as one that never existed. The rating is recorded as a FeedbackAudit naming
-the adapter version that served the request."""
+answers the same 404 as one that never existed. Each post is a request of the tenant's, charged
+to its requests-per-minute quota by the scheduler (429 beyond it). The rating is recorded as a
+FeedbackAudit naming the adapter version that served the request."""
 
 import asyncio
 import time
@@ -19,7 +20,7 @@ from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.bus import request as bus_request
 from shared.errors import RequestNotFound, ServiceUnavailable
-from shared.schemas import AuditQueryReply, AuditQueryRequest, FeedbackAudit, RequestId
+from shared.schemas import AuditQueryReply, AuditQueryRequest, ChargeReply, ChargeRequest, FeedbackAudit, RequestId
 
 router = APIRouter(tags=["feedback"])
 LOOKUP_PAUSE_S = 0.1
@@ -56,9 +57,13 @@ async def own_completion(ctx: GatewayContext, tenant_id: str, request_id: str) -
         await asyncio.sleep(LOOKUP_PAUSE_S)
 
 
-@router.post("/v1/feedback", response_model=FeedbackRecorded, responses=error_responses(400, 401, 403, 404, 503, 504))
+@router.post(
+    "/v1/feedback", response_model=FeedbackRecorded, responses=error_responses(400, 401, 403, 404, 429, 503, 504)
+)
 async def feedback(request: Request, body: FeedbackBody, caller: Principal = Depends(inference_caller)):
     ctx: GatewayContext = request.app.state.ctx
+    charge = ChargeRequest(tenant_id=caller.tenant_id, kind="feedback")  # a request like any other: 429 past the quota
+    await bus_request(ctx.nc, subjects.SCHEDULER_CHARGE, charge, ChargeReply, ctx.settings.registry_timeout_s)
     completion = await own_completion(ctx, caller.tenant_id, body.request_id)
     event = FeedbackAudit(
         request_id=body.request_id,

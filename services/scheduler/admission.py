@@ -1,6 +1,7 @@
 """Admission: per-tenant requests/min and tokens/min token buckets and a concurrency cap, in Redis
 (one atomic Lua script each way), or in-process while Redis is unavailable."""
 
+import uuid
 from dataclasses import dataclass
 from functools import partial
 
@@ -86,6 +87,23 @@ class Admission:
                 f"tenant {tenant} is over its {answer[1]} limit", retry_after_s=max(0.001, float(answer[2]))
             )
         return Grant(tenant, rid, quota, int(float(answer[1])), in_redis=True)
+
+    async def charge(self, tenant: str, quota: TenantQuota) -> None:
+        """Charge one request that runs no model against the tenant's requests per minute only (no
+        tokens, no concurrency slot), or raise ``QuotaExceeded`` with retry_after_s."""
+        rpm_only = TenantQuota(requests_per_min=quota.requests_per_min or 0, tokens_per_min=0, max_concurrent=0)
+        rid = f"charge-{uuid.uuid4().hex}"
+        args: list[int | float | str] = [rpm_only.requests_per_min or 0, 0, 0, 0, rid, self.lease_s]
+        ok, answer = await self.guard.call("admission", lambda: self._admit(keys=self._keys(tenant), args=args))
+        if not ok:
+            self.local.admit(tenant, rid, rpm_only, 0)  # QuotaExceeded propagates
+            return
+        assert answer is not None, "the script answers a list when Redis is up"
+        if int(answer[0]) != 1:
+            metrics.ADMISSION_REJECTIONS.labels("quota").inc()
+            raise QuotaExceeded(
+                f"tenant {tenant} is over its {answer[1]} limit", retry_after_s=max(0.001, float(answer[2]))
+            )
 
     async def release(self, grant: Grant, used_tokens: int | None) -> None:
         """End of the request: free its concurrency slot and settle its tokens: refund those charged but

@@ -36,6 +36,7 @@ from shared.bus import (
     drain_or_close,
     ensure_streams,
     follow,
+    serve,
     settling,
     shutdown_event,
 )
@@ -52,6 +53,8 @@ from shared.request_ref import RequestRef
 from shared.schemas import (
     SLO_CLASSES,
     AuditEnvelope,
+    ChargeReply,
+    ChargeRequest,
     CompletionAudit,
     WorkerControl,
     WorkerHeartbeat,
@@ -127,6 +130,8 @@ class Scheduler:
         # (it would hold its worker's capacity and its tenant's concurrency slot until swept)
         await follow(js, subjects.AUDIT_STREAM, subjects.AUDIT_COMPLETION_ALL, self.on_completion)
         await self.nc.subscribe(subjects.SCHEDULER_CANCEL, cb=self.on_cancel)
+        # one scheduler of a replicated set charges each (the quota is global, in Redis)
+        await serve(self.nc, subjects.SCHEDULER_CHARGE, ChargeRequest, self.charge, queue=CONSUMER, concurrent=True)
         # the intake holds fetched messages unacknowledged: no cap of the server's (1,000 by default)
         # may stop delivery behind a flood; the stream's own bounds cap them
         config = ConsumerConfig(
@@ -242,6 +247,11 @@ class Scheduler:
                 await self.core.cancel(RequestRef(control.tenant_id, control.request_id))
         except LorafleetError as e:
             log.warning("bad_cancel", error=e.message)
+
+    async def charge(self, charge: ChargeRequest) -> ChargeReply:
+        """A request of a tenant's that runs no model, charged to its quota (``QuotaExceeded`` beyond it)."""
+        await self.core.admission.charge(charge.tenant_id, self.core.quotas.of(charge.tenant_id))
+        return ChargeReply()
 
     async def ticking(self) -> None:
         """Run the upkeep clock until cancelled."""

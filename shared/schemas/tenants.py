@@ -19,6 +19,18 @@ def default_key_scopes() -> list[ApiScope]:
     return ["inference"]
 
 
+class ChargeRequest(Message):
+    """Charge one request of ``tenant_id`` that runs no model (``POST /v1/feedback``) against its
+    requests-per-minute quota, as the scheduler charges an inference request (``lf.scheduler.charge``)."""
+
+    tenant_id: Identifier
+    kind: Literal["feedback"]
+
+
+class ChargeReply(Message):
+    charged: bool = True
+
+
 class TenantQuota(Message):
     """A tenant's limits, as data for the scheduler; None = the platform default
     (``LF_DEFAULT_QUOTA__*``), 0 = no limit of that kind."""

@@ -19,6 +19,7 @@ from shared import subjects
 from shared.bus import decode, encode
 from shared.errors import QuotaExceeded
 from shared.schemas import (
+    ChargeReply,
     InferRequest,
     ReplyAccepted,
     ReplyEnvelope,
@@ -46,6 +47,11 @@ class FakeWorker:
     async def start(self) -> None:
         await self.nc.subscribe(subjects.INFER_SUBMIT_ALL, cb=self._on_submit)
         await self.nc.subscribe(subjects.worker_control(WORKER_ID), cb=self._on_control)
+        await self.nc.subscribe(subjects.SCHEDULER_CHARGE, cb=self._on_charge)
+
+    async def _on_charge(self, msg) -> None:
+        """The scheduler's charge of a feedback post: always within quota here."""
+        await msg.respond(encode(ChargeReply()))
 
     async def _on_control(self, msg) -> None:
         control = decode(WorkerControl, msg.data)

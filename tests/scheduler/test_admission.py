@@ -165,3 +165,16 @@ async def test_a_dispatched_request_is_recognised_in_the_same_round_trip_and_cha
         assert await redis.zcard(f"{prefix}quota:acme:running") == 1
     finally:
         await redis.aclose()
+
+
+async def test_a_charge_takes_one_request_of_the_minute_and_nothing_else(admission):
+    """A request that runs no model (a feedback post, issue 47) counts against requests per minute
+    and holds no token and no concurrency slot."""
+    quota = TenantQuota(requests_per_min=2, tokens_per_min=100, max_concurrent=1)
+    await admission.charge("acme", quota)
+    grant = await admission.admit(req("r1", max_tokens=10), quota)  # the one concurrency slot is still free
+    assert grant.tokens == sum(token_cost(req("r1", max_tokens=10)))
+    with pytest.raises(QuotaExceeded, match="requests") as refused:
+        await admission.charge("acme", quota)
+    assert refused.value.retry_after_s and refused.value.retry_after_s > 0
+    await admission.charge("globex", quota)  # another tenant's minute is its own
