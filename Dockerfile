@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every lorafleet service. VARIANT=cpu (python:3.11-slim, CPU torch) or
 # VARIANT=cuda (NVIDIA CUDA runtime, CUDA torch). No secret is baked in: NATS/Redis
 # credentials arrive at run time (compose env files / docker secrets).
@@ -62,8 +61,15 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-RUN if [ "$VARIANT" = "cpu" ]; then pip install torch==${TORCH_VERSION} --index-url ${TORCH_CPU_INDEX}; \
-    else pip install torch==${TORCH_VERSION}; fi
+# deploy/build-inputs/: what the build takes from the build machine, not the network (its README): a torch CPU
+# wheel where PyTorch's index is out of reach, CA certificates of a TLS-intercepting proxy. Empty by default.
+COPY deploy/build-inputs/ /build/
+RUN if ls /build/*.crt >/dev/null 2>&1; then cp /build/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; fi
+ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+RUN if ls /build/torch-${TORCH_VERSION}*.whl >/dev/null 2>&1; then pip install --find-links /build torch==${TORCH_VERSION}; \
+    elif [ "$VARIANT" = "cpu" ]; then pip install torch==${TORCH_VERSION} --index-url ${TORCH_CPU_INDEX}; \
+    else pip install torch==${TORCH_VERSION}; fi \
+ && if [ "$VARIANT" = "cpu" ]; then python -c "import torch; assert not torch.version.cuda, torch.__version__"; fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared

@@ -78,6 +78,7 @@ SERVER_FIXTURES = frozenset(
         "fleet",  # tests/scheduler, tests/faults: the stack's processes
         "hostile",  # tests/hostile
         "running_stack",  # tests/e2e
+        "docker_host",  # tests/compose: dockerd and the compose projects
         "engine_stack",  # tests/e2e/test_engines.py: the stack on each worker engine
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password

@@ -60,12 +60,18 @@ async def _wait_for_key(client: openai.AsyncOpenAI, timeout_s: float = 15.0) -> 
 
 
 async def seed_demo_adapters(
-    nats_url: str, gateway_url: str, state_dir: Path, served: ServedModel, tenant_id: str, actor: str
+    nats_url: str,
+    gateway_url: str,
+    state_dir: Path,
+    served: ServedModel,
+    tenant_id: str,
+    actor: str,
+    cache_dir: Path,
 ) -> tuple[list[DemoAdapter], DemoFit]:
     """Release every example adapter that fits the served model and has no production version yet;
-    the fitting ones listed, and why the others were skipped."""
+    the fitting ones listed, and why the others were skipped. ``cache_dir`` is the services' model cache."""
     directories = sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()) if EXAMPLES.is_dir() else []
-    fit = await asyncio.to_thread(fit_demos, directories, served, state_dir / "models")
+    fit = await asyncio.to_thread(fit_demos, directories, served, cache_dir)
     if not fit.fitting:
         return [], fit
     nc = await cli_connect(nats_url)

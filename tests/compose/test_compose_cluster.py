@@ -1,0 +1,63 @@
+"""compose.cluster.yaml as an operator runs it: three NATS containers, replicated services behind
+nginx, the demo seeded; one NATS container killed under load loses nothing (each request served whole
+or refused with a typed, transient error within its bound) and the stack serves after."""
+
+import asyncio
+import os
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from lorafleet.cli.infra import free_port
+from tests.compose.conftest import Compose, docker, wait_ready
+from tests.faults.traffic import Outcome, chat, check_served_or_refused, gateway
+
+READY_S = 1800.0
+ADAPTER = "capital-answer"  # a demo adapter lorafleet-demo releases
+REQUESTS = 24
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(lorafleet_image: str) -> Iterator[tuple[Compose, str, str]]:
+    port = free_port()
+    compose = Compose(("compose.cluster.yaml",), f"lfcluster{os.getpid()}", {"LF_GATEWAY_PORT": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        compose.up(READY_S)
+        wait_ready(url, READY_S)
+        assert compose.wait_exit("lorafleet-demo", READY_S) == 0, compose.logs("lorafleet-demo")
+        key = re.search(r"demo tenant API key: (\S+)", compose.logs("lorafleet-demo"))
+        assert key, compose.logs("lorafleet-demo")
+        yield compose, url, key.group(1)
+    finally:
+        compose.down()
+
+
+async def load_with_a_node_killed(compose: Compose, url: str, key: str) -> list[Outcome]:
+    async with gateway(url) as client:
+        calls = []
+        for i in range(REQUESTS):
+            model = ADAPTER if i % 2 else "SmolLM2-135M-Instruct"
+            calls.append(asyncio.create_task(chat(client, key, model, max_tokens=MAX_TOKENS, stream=i % 3 == 0)))
+            if i == REQUESTS // 3:
+                await asyncio.to_thread(docker, "kill", compose.container("nats-2"))
+            await asyncio.sleep(0.25)
+        return list(await asyncio.gather(*calls))
+
+
+def test_a_nats_container_killed_under_load_loses_no_request(cluster: tuple[Compose, str, str]) -> None:
+    compose, url, key = cluster
+    outcomes = asyncio.run(load_with_a_node_killed(compose, url, key))
+    check_served_or_refused(outcomes)
+    assert sum(o.served for o in outcomes) >= REQUESTS // 2, [o.describe() for o in outcomes]
+    docker("start", compose.container("nats-2"))
+    compose.wait_healthy("nats-2", 120)
+    after = asyncio.run(_one(url, key))
+    assert after.served, after.describe()
+
+
+async def _one(url: str, key: str) -> Outcome:
+    async with gateway(url) as client:
+        return await chat(client, key, ADAPTER, max_tokens=MAX_TOKENS)
