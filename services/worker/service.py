@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import sys
 from typing import TypedDict, cast
 
 import structlog
@@ -273,4 +274,4 @@ async def run(settings: WorkerSettings) -> None:
 
 
 def main() -> None:
-    event_loop.run(run(load_settings(WorkerSettings)))
+    event_loop.run(run(load_settings(WorkerSettings, sys.argv[1:])))

@@ -16,7 +16,7 @@ import pytest
 from lorafleet.cli.infra import free_port
 from tests.compose.conftest import REPO, Compose, docker, wait_ready
 
-EXAMPLE = REPO / "examples" / "adapters" / "capital-answer"
+EXAMPLE = REPO / "lorafleet" / "demo_adapters" / "capital-answer"
 ADAPTER = "acme-capital"
 READY_S = 1500.0
 
