@@ -160,7 +160,7 @@ def test_every_lorafleet_subcommand_answers_help(probe: dict, installed: Path, t
 
     top = next(a for a in build_parser()._actions if a.dest == "command")
     assert set(top.choices) <= set(helps)  # type: ignore[arg-type]
-    assert {"adapter push", "keys gen", "up"} <= set(helps)
+    assert {"adapter push", "keys gen", "up", "kernels build", "kernels status"} <= set(helps)
     failed = {command: h for command, h in helps.items() if h["status"] != 0 or not h["usage"]}
     assert failed == {}
     script = run([installed / "lorafleet", "--help"], tmp_path)  # the console script the wheel installs

@@ -13,6 +13,7 @@ from lorafleet.cli.infra import free_port
 from tests.compose.conftest import Compose, docker, wait_ready
 from tests.faults.traffic import Outcome, chat, check_served_or_refused, gateway
 
+pytestmark = pytest.mark.timeout(3600)  # the module's first test also pays for compose up
 READY_S = 1800.0
 ADAPTER = "capital-answer"  # a demo adapter lorafleet-demo releases
 REQUESTS = 24

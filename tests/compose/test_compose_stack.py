@@ -18,6 +18,7 @@ from tests.compose.conftest import REPO, Compose, docker, wait_ready
 
 EXAMPLE = REPO / "lorafleet" / "demo_adapters" / "capital-answer"
 ADAPTER = "acme-capital"
+pytestmark = pytest.mark.timeout(3600)  # the module's first test also pays for compose up
 READY_S = 1500.0
 
 
