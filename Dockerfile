@@ -93,7 +93,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     LF_MODEL_CACHE=/var/lib/lorafleet/models \
     LF_DB_PATH=/var/lib/lorafleet/audit/audit.sqlite3 \
-    LF_ENGINE__DEVICE=${VARIANT}
+    LF_ENGINE__DEVICE=${VARIANT} \
+    LF_KERNELS_PREBUILT=/opt/lorafleet/kernels \
+    LF_KERNELS_DIR=/var/lib/lorafleet/kernels
+# The CPU image ships the native kernels compiled for the build machine's CPU (keyed by its instruction
+# sets): a worker on that CPU loads them at start without a compiler; on another CPU it builds them once
+# into LF_KERNELS_DIR (compose's kernels volume, shared by the workers), never into its writable layer.
+RUN if [ "$VARIANT" = "cpu" ]; then lorafleet kernels build --dir /opt/lorafleet/kernels --jobs 2; fi
 WORKDIR /home/lorafleet
 USER lorafleet
 CMD ["python", "-m", "services.gateway"]
