@@ -198,7 +198,7 @@ def builder_active(cache: Path, name: str) -> bool:
     path = cache / f"{name}.lock"
     if not path.exists():
         return False
-    with path.open("a") as handle:
+    with path.open() as handle:  # read-only will do for flock (a prebuilt directory may be read-only)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -210,7 +210,11 @@ def builder_active(cache: Path, name: str) -> bool:
 @contextlib.contextmanager
 def _builders_lock(path: Path, deadline: float) -> Iterator[int]:
     """Hold the exclusive flock on ``path``, waiting for another holder until ``deadline``; its descriptor."""
-    with path.open("a") as handle:
+    try:
+        handle = path.open("a")
+    except OSError as e:  # a read-only cache: nothing can be built here
+        raise KernelBuildError(f"cannot open the builders' lock {path}: {e}") from None
+    with handle:
         while True:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
