@@ -118,6 +118,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_a_service_with_an_unknown_variable_exits_with_one_line": "a service",
+    "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",

@@ -117,3 +117,21 @@ def test_a_service_with_an_unknown_variable_exits_with_one_line() -> None:
         f"invalid configuration: unknown variable {'LF_' + 'DTYPE'} (did you mean LF_ENGINE__DTYPE or LF_VLLM__DTYPE?) "
         "(python -m services.<name> --help lists them)"
     ]
+
+
+def test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LF_")}
+    env["LF_ENGINE_" + "DTYPE"] = "bfloat16"
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafleet.cli", "up", "--state-dir", str(tmp_path / "state")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert done.stdout.strip() == (
+        f"invalid configuration: unknown variable {'LF_ENGINE_' + 'DTYPE'} (did you mean LF_ENGINE__DTYPE?)"
+    )
+    assert not (tmp_path / "state").exists()  # no nats-server, redis-server or service was started
