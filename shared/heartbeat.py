@@ -8,7 +8,7 @@ from nats.aio.client import Client as NATS
 
 from shared import subjects
 from shared.bus import encode
-from shared.schemas import ServiceHeartbeat
+from shared.schemas import ServiceHeartbeat, WorkerPhase
 
 log = structlog.get_logger("heartbeat")
 
@@ -20,8 +20,10 @@ async def publish_heartbeats(
     interval_s: float,
     status: Callable[[], tuple[bool, str]],
     metrics_port: int | None = None,
+    phase: Callable[[], WorkerPhase] | None = None,
 ) -> None:
-    """Every ``interval_s``: publish (ready, detail) from ``status()``. Runs until cancelled."""
+    """Every ``interval_s``: publish (ready, detail) from ``status()`` (and a worker's ``phase()``). Runs
+    until cancelled."""
     subject = subjects.service_heartbeat(service)
     while True:
         ready, detail = status()
@@ -33,6 +35,7 @@ async def publish_heartbeats(
                     ready=ready,
                     detail=detail[:500],
                     metrics_port=metrics_port,
+                    phase=phase() if phase else None,
                 )
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down

@@ -8,6 +8,7 @@ from lorafleet.cli import (
     audit_cmd,
     demo_cmd,
     eval_cmd,
+    kernels_cmd,
     keys_cmd,
     nats_auth,
     release_cmd,
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         eval_cmd,
         release_cmd,
         source_cmd,
+        kernels_cmd,
     ):
         module.register(sub)
     return parser

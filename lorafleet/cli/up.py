@@ -15,6 +15,7 @@ from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats, start_secured
 from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from lorafleet.cli.supervisor import Child, Supervisor, supervise
+from shared.env_names import UnknownVariables, check_environment
 from shared.errors import LorafleetError
 
 
@@ -93,6 +94,11 @@ def _say_to(log_file: Path) -> Callable[[str], None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # every service would refuse it: say so once, before anything starts
+        check_environment(os.environ)
+    except UnknownVariables as e:
+        print(f"invalid configuration: {e}")
+        return 1
     state = args.state_dir.resolve()
     ports = {
         name: pick_port(wanted)

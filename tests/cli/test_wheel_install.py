@@ -142,11 +142,11 @@ def test_installed_packages_load_their_files_from_site_packages(probe: dict) -> 
         assert Path(directory).is_relative_to(site) and "site-packages" in directory, (name, directory)
     assert probe["dashboard"]["status"] == 200
     assert probe["dashboard"]["page"] == (REPO / "services" / "gateway" / "static" / "dashboard.html").read_text()
-    from kernels import native
+    from kernels import native_build
 
-    assert len(probe["kernel_sources"]) == len(native.SOURCES + native.HEADERS)
+    assert len(probe["kernel_sources"]) == len(native_build.SOURCES + native_build.HEADERS)
     assert all(Path(s).is_relative_to(site) for s in probe["kernel_sources"])
-    assert probe["kernel_extension"] == native.extension_name()  # the same sources, flags and CPU
+    assert probe["kernel_extension"] == native_build.extension_name()  # the same sources, flags and CPU
     demos = probe["demo_adapters"]
     assert sorted(demos) == sorted(p.name for p in (REPO / "lorafleet" / "demo_adapters").iterdir() if p.is_dir())
     for name, demo in demos.items():

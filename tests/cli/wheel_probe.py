@@ -54,7 +54,7 @@ def main() -> None:
     import lorafleet
     import services
     import shared
-    from kernels import native
+    from kernels import native_build
     from lorafleet.cli.demo_fit import DEMO_ADAPTERS
     from lorafleet.cli.eval_cmd import eval_set_path
     from lorafleet.cli.main import build_parser
@@ -73,8 +73,8 @@ def main() -> None:
                 "prefix": sys.prefix,
                 "packages": {m.__name__: str(Path(m.__file__).parent) for m in (kernels, lorafleet, services, shared)},
                 "dashboard": {"status": status, "page": page},
-                "kernel_sources": [str(s) for s in native.SOURCES + native.HEADERS if s.is_file()],
-                "kernel_extension": native.extension_name(),
+                "kernel_sources": [str(s) for s in native_build.SOURCES + native_build.HEADERS if s.is_file()],
+                "kernel_extension": native_build.extension_name(),
                 "demo_adapters": {
                     name: {
                         "dir": str(DEMO_ADAPTERS / name),
