@@ -122,7 +122,7 @@ def test_the_cli_in_the_image_onboards_a_tenant_whose_signed_adapter_serves(
         time.sleep(1)
     completion = next(r for r in records if r.get("kind") == "completion")
     assert completion["tenant_id"] == "acme"
-    assert completion["adapter_id"] == ADAPTER and completion["version"] == 1
+    assert completion["adapter_id"] == ADAPTER and completion["adapter_version"] == 1
     assert completion.get("adapter_digest"), completion
 
 
