@@ -10,6 +10,7 @@ skips the tier (``make test`` honours it)."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from lorafleet.cli.infra import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_INPUTS = REPO / "deploy" / "build-inputs"
@@ -186,6 +189,28 @@ class Compose:
     def down(self) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired, AssertionError):
             self.run("--profile", "cli", "down", "-v", "--remove-orphans", "--timeout", "10", timeout_s=300)
+
+    def demo_key(self, timeout_s: float) -> str:
+        """The API key the one-shot lorafleet-demo service printed, once it has run."""
+        assert self.wait_exit("lorafleet-demo", timeout_s) == 0, self.logs("lorafleet-demo")
+        found = re.search(r"demo tenant API key: (\S+)", self.logs("lorafleet-demo"))
+        assert found, self.logs("lorafleet-demo")
+        return found.group(1)
+
+
+@contextlib.contextmanager
+def running(files: Sequence[str], name: str, timeout_s: float) -> Iterator[tuple[Compose, str]]:
+    """A project of ``files`` up on a free gateway port until its /readyz answers 200; taken down with
+    its volumes after. Yields it and the gateway's URL."""
+    port = free_port()
+    compose = Compose(files, f"{name}{os.getpid()}", {"LF_GATEWAY_PORT": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        compose.up(timeout_s)
+        wait_ready(url, timeout_s)
+        yield compose, url
+    finally:
+        compose.down()
 
 
 def wait_ready(url: str, timeout_s: float) -> dict:

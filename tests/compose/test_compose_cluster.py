@@ -3,14 +3,11 @@ nginx, the demo seeded; one NATS container killed under load loses nothing (each
 or refused with a typed, transient error within its bound) and the stack serves after."""
 
 import asyncio
-import os
-import re
 from collections.abc import Iterator
 
 import pytest
 
-from lorafleet.cli.infra import free_port
-from tests.compose.conftest import Compose, docker, wait_ready
+from tests.compose.conftest import Compose, docker, running
 from tests.faults.traffic import Outcome, chat, check_served_or_refused, gateway
 
 pytestmark = pytest.mark.timeout(3600)  # the module's first test also pays for compose up
@@ -22,18 +19,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def cluster(lorafleet_image: str) -> Iterator[tuple[Compose, str, str]]:
-    port = free_port()
-    compose = Compose(("compose.cluster.yaml",), f"lfcluster{os.getpid()}", {"LF_GATEWAY_PORT": str(port)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        compose.up(READY_S)
-        wait_ready(url, READY_S)
-        assert compose.wait_exit("lorafleet-demo", READY_S) == 0, compose.logs("lorafleet-demo")
-        key = re.search(r"demo tenant API key: (\S+)", compose.logs("lorafleet-demo"))
-        assert key, compose.logs("lorafleet-demo")
-        yield compose, url, key.group(1)
-    finally:
-        compose.down()
+    with running(("compose.cluster.yaml",), "lfcluster", READY_S) as (compose, url):
+        yield compose, url, compose.demo_key(READY_S)
 
 
 async def load_with_a_node_killed(compose: Compose, url: str, key: str) -> list[Outcome]:

@@ -3,8 +3,6 @@ image onboarding a tenant and releasing a signed adapter, the dashboard and the 
 it, and a worker container killed mid-stream (a typed end, then the worker back without a rebuild)."""
 
 import json
-import os
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -13,8 +11,7 @@ import httpx
 import openai
 import pytest
 
-from lorafleet.cli.infra import free_port
-from tests.compose.conftest import REPO, Compose, docker, wait_ready
+from tests.compose.conftest import REPO, Compose, docker, running
 
 EXAMPLE = REPO / "lorafleet" / "demo_adapters" / "capital-answer"
 ADAPTER = "acme-capital"
@@ -24,24 +21,13 @@ READY_S = 1500.0
 
 @pytest.fixture(scope="module")
 def stack(lorafleet_image: str) -> Iterator[tuple[Compose, str]]:
-    port = free_port()
-    compose = Compose(("compose.yaml",), f"lftest{os.getpid()}", {"LF_GATEWAY_PORT": str(port)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        compose.up(READY_S)
-        wait_ready(url, READY_S)
-        yield compose, url
-    finally:
-        compose.down()
+    with running(("compose.yaml",), "lftest", READY_S) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")
 def demo_key(stack: tuple[Compose, str]) -> str:
-    compose, _ = stack
-    assert compose.wait_exit("lorafleet-demo", READY_S) == 0, compose.logs("lorafleet-demo")
-    found = re.search(r"demo tenant API key: (\S+)", compose.logs("lorafleet-demo"))
-    assert found, compose.logs("lorafleet-demo")
-    return found.group(1)
+    return stack[0].demo_key(READY_S)
 
 
 def client(url: str, key: str) -> openai.OpenAI:
@@ -155,7 +141,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_typed_and_comes_back(
         # does, the worker loads the image's prebuilt kernels and is ready without compiling
         compose.run("start", "worker-cpu-1")
         compose.wait_healthy("worker-cpu-1", 300)
-        restarted = compose.logs("worker-cpu-1").split("building_kernels")[-1]
+        restarted = compose.logs("worker-cpu-1").split('"phase": "building_kernels"')[-1]  # the last start
         assert '"origin": "prebuilt"' in restarted or "origin=prebuilt" in restarted, restarted[-3000:]
         again = client(url, demo_key).chat.completions.create(
             model="capital-answer", messages=[{"role": "user", "content": "Capital of Spain?"}], max_tokens=8
