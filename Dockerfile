@@ -61,9 +61,9 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-# deploy/build-inputs/: what the build takes from the build machine, not the network (its README): a torch CPU
+# build-inputs/: what the build takes from the build machine, not the network (its README): a torch CPU
 # wheel where PyTorch's index is out of reach, CA certificates of a TLS-intercepting proxy. Empty by default.
-COPY deploy/build-inputs/ /build/
+COPY build-inputs/ /build/
 RUN if ls /build/*.crt >/dev/null 2>&1; then cp /build/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; fi
 ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 RUN if ls /build/torch-${TORCH_VERSION}*.whl >/dev/null 2>&1; then pip install --find-links /build torch==${TORCH_VERSION}; \

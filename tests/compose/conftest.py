@@ -26,7 +26,7 @@ import pytest
 from lorafleet.cli.infra import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-BUILD_INPUTS = REPO / "deploy" / "build-inputs"
+BUILD_INPUTS = REPO / "build-inputs"
 TORCH = "torch==2.13.0+cpu"
 DAEMON_START_S = 90.0
 
@@ -85,7 +85,7 @@ def _ca_bundle() -> Path | None:
 
 
 def stage_build_inputs() -> None:
-    """deploy/build-inputs/: the torch CPU wheel pip finds here (none: the build uses PyTorch's index)
+    """build-inputs/: the torch CPU wheel pip finds here (none: the build uses PyTorch's index)
     and this machine's CA bundle."""
     if not list(BUILD_INPUTS.glob("torch-2.13.0+cpu-*.whl")):
         subprocess.run(
