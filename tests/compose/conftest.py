@@ -197,11 +197,13 @@ class Compose:
 
 
 @contextlib.contextmanager
-def running(files: Sequence[str], name: str, timeout_s: float) -> Iterator[tuple[Compose, str]]:
+def running(
+    files: Sequence[str], name: str, timeout_s: float, env: dict[str, str] | None = None
+) -> Iterator[tuple[Compose, str]]:
     """A project of ``files`` up on a free gateway port until its /readyz answers 200; taken down with
-    its volumes after. Yields it and the gateway's URL."""
+    its volumes after. ``env`` sets the files' other variables. Yields it and the gateway's URL."""
     port = free_port()
-    compose = Compose(files, f"{name}{os.getpid()}", {"LF_GATEWAY_PORT": str(port)})
+    compose = Compose(files, f"{name}{os.getpid()}", {**(env or {}), "LF_GATEWAY_PORT": str(port)})
     url = f"http://127.0.0.1:{port}"
     try:
         compose.up(timeout_s)
