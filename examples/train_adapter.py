@@ -1,6 +1,6 @@
 """Train one demo LoRA adapter for SmolLM2-135M-Instruct on CPU, and write its held-out eval set.
 
-    python examples/train_adapter.py sql-employees [--steps 160] [--out examples/adapters]
+    python examples/train_adapter.py sql-employees [--steps 160] [--out lorafleet/demo_adapters]
 
 Data is generated here (examples/tasks.py), seeded; the eval set uses another seed and every
 eval prompt is removed from the training data. Loss is on the assistant reply only, with the
@@ -127,7 +127,7 @@ def save(model, target: Path, num_layers: int) -> None:
     model.save_pretrained(target)
     (target / "README.md").unlink(
         missing_ok=True
-    )  # peft's empty model card; examples/adapters/README.md documents them
+    )  # peft's empty model card; lorafleet/demo_adapters/README.md documents them
     weights = target / "adapter_model.safetensors"
     tensors = {k: v.half().contiguous() for k, v in load_file(weights).items()}
     for key in list(tensors):
@@ -157,7 +157,7 @@ def write_eval(task: Task, held_out: list[tuple[str, str]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=sorted(TASKS))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "adapters")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "lorafleet" / "demo_adapters")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--examples", type=int, default=96, help="distinct training pairs")
     parser.add_argument("--top-layers", type=int, default=6, help="layers that get LoRA, counted from the top")

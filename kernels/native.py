@@ -33,9 +33,10 @@ decode step's whole layer loop in one call, calling the ops above (and ``lora_bg
 dispatcher where the Python loop calls them one by one (services/worker/engine/layer_loop.py).
 
 The sources are compiled once per machine with torch's C++ extension builder (g++ and ninja, about
-a minute on two cores) for the CPU it runs on (``-march=native``), into torch's extensions directory
-under a name that carries a digest of the sources, the flags and this CPU's instruction sets, so a
-build is never loaded on a CPU it was not built for. :func:`native_decode`, :func:`native_lora`,
+a minute on two cores) for the CPU it runs on (``-march=native``), under a name that carries a digest
+of the sources, the flags and this CPU's instruction sets, so a build is never loaded on a CPU it was
+not built for; kernels/native_build.py finds a prebuilt or cached library, or builds one in a child
+process bounded in time (``lorafleet kernels build`` builds ahead). :func:`native_decode`, :func:`native_lora`,
 :func:`native_layer_ops` and kernels/projections.py's probes build it once
 per process and probe their ops against the eager paths; where
 the build or a probe fails they log why and return False, and the engine and the adapter manager keep
@@ -43,82 +44,31 @@ the eager paths (a setting of ``native`` refuses to start instead).
 """
 
 import functools
-import hashlib
-import os
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 import torch
 
+from kernels import native_build
+
 log = structlog.get_logger("kernels")
 
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in (
-        "paged_decode.cpp",
-        "lora_bgmv.cpp",
-        "layer_ops.cpp",
-        "act_argmax.cpp",
-        "small_gemm.cpp",
-        "panel_gemm.cpp",
-        "panel_dot_bf16.cpp",
-        "panel_wide.cpp",
-        "decoder_stack.cpp",
-    )
-)
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec.h", "panel_run.h", "ahead.h"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fopenmp"]
-# -fopenmp links libgomp.so.1, the soname of torch's own bundled runtime, so the kernel's threads
-# are torch's intra-op threads (torch.set_num_threads applies) rather than a second pool.
-LDFLAGS = ["-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256  # kMaxHeadDim in the source
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def extension_name() -> str:
-    """The build's name: a digest of the sources and headers, the flags and this CPU's instruction-set
-    flags (a changed header is a new build, never a stale one loaded)."""
-    digest = hashlib.sha256()
-    for part in (
-        *(source.read_bytes() for source in SOURCES + HEADERS),
-        " ".join(CFLAGS + LDFLAGS).encode(),
-        _cpu_flags().encode(),
-        torch.__version__.encode(),
-    ):
-        digest.update(part)
-    return f"lorafleet_native_{digest.hexdigest()[:16]}"
-
-
 @functools.cache
 def built() -> bool:
-    """Whether the extension is built and loaded here (at most one build per process)."""
+    """Whether the extension is loaded here: found prebuilt or in the cache, else built (at most one
+    build per process, in a child process, bounded in time; kernels/native_build.py)."""
     try:
-        from torch.utils.cpp_extension import load
-
-        _ninja_on_path()
-        load(
-            name=extension_name(),
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            is_python_module=False,
-        )
-        return True
-    except Exception as e:  # a missing compiler or ninja, a failed build or load: the eager paths serve
+        found = native_build.library()
+        torch.ops.load_library(str(found.path))  # type: ignore[no-untyped-call]
+    except Exception as e:  # a missing compiler, a failed or overrunning build, a failed load: the eager paths serve
         log.warning("native_kernels_unavailable", error=str(e)[-2000:])
         return False
+    log.info("native_kernels_loaded", path=str(found.path), origin=found.origin, build_s=round(found.build_s, 1))
+    return True
 
 
 @functools.cache
@@ -133,15 +83,6 @@ def native_lora() -> bool:
     """Whether ``torch.ops.lorafleet.lora_bgmv`` is built, loaded and agrees with the eager LoRA path
     here (fp32 and bf16, compiled and run-time ranks, scattered tokens, a column view of y)."""
     return built() and _probe_lora()
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs ``ninja`` from PATH: where none is there, the ``ninja`` wheel's binary
-    (a dependency, in the environment's bin directory, which a bare ``.venv/bin/python`` leaves off PATH)."""
-    if shutil.which("ninja") is None:
-        import ninja
-
-        os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
 
 
 def paged_decode(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 import structlog
 import torch
 
-from kernels import native
+from kernels import native, native_build
 
 log = structlog.get_logger("kernels")
 DTYPES = native.DTYPES
@@ -47,7 +47,7 @@ def small_linear_dot_bf16() -> bool:
 def amx_bf16() -> bool:
     """Whether this CPU has AMX's bf16 tile multiply (oneDNN's bf16 GEMM runs on it: on a 2-core Xeon,
     SmolLM2's projections at 16-128 rows took 1.5-5x as long through :func:`panel_linear_dot`)."""
-    return "amx_bf16" in native._cpu_flags().split()
+    return "amx_bf16" in native_build.cpu_flags().split()
 
 
 def _probe_small_linear() -> bool:
@@ -107,7 +107,7 @@ def panel_linear_preferred() -> bool:
     CPU has no AVX-512, where it was measured 1.0-1.8x oneDNN's fp32 GEMM from 9 to 1400 rows
     (SmolLM2's projections, 2 threads) and oneDNN has no bf16 GEMM at all. On AVX-512 CPUs the
     sixteen-lane kernels (:func:`native_panel_wide`, oneDNN's) are faster. Call only where :func:`native_panel_linear` is True."""
-    return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in native._cpu_flags().split()
+    return bool(torch.ops.lorafleet.panel_avx2()) and "avx512f" not in native_build.cpu_flags().split()
 
 
 @functools.cache

@@ -2,12 +2,14 @@
 
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from shared.env_names import UnknownVariables, check_environment, describe
 from shared.schemas.base import SloClass
 
 S = TypeVar("S", bound=BaseSettings)
@@ -313,11 +315,23 @@ class AuditorSettings(CommonSettings):
     )
 
 
-def load_settings(cls: type[S]) -> S:
+def load_settings(cls: type[S], argv: Sequence[str] = ()) -> S:
     """A service's settings, read once at start-up. A bad value ends the process (status 1) with one
-    line naming the environment variable, not a traceback; the value itself is not echoed (secrets)."""
+    line naming the environment variable, not a traceback; the value itself is not echoed (secrets).
+    ``argv``, a service's command-line arguments: ``--help`` prints every variable ``cls`` reads and
+    exits 0; a service takes no other argument. An ``LF_*`` variable nothing reads ends it too (a misspelt
+    setting would otherwise leave its default in force: a GPU worker told its dtype under a name the
+    settings do not read serves fp32)."""
+    if argv:
+        if list(argv) in (["--help"], ["-h"]):
+            print(describe(cls))
+            raise SystemExit(0)
+        raise SystemExit(f"unexpected arguments {' '.join(argv)!r}: a service is configured by LF_* variables (--help)")
     try:
+        check_environment(os.environ)
         return cls()
+    except UnknownVariables as e:
+        raise SystemExit(f"invalid configuration: {e} (python -m services.<name> --help lists them)") from None
     except ValidationError as e:
         problems = "; ".join(f"{_env_name(error['loc'])}: {error['msg']}" for error in e.errors())
         raise SystemExit(f"invalid configuration: {problems}") from None

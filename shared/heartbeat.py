@@ -8,7 +8,7 @@ from nats.aio.client import Client as NATS
 
 from shared import subjects
 from shared.bus import encode
-from shared.schemas import ServiceHeartbeat
+from shared.schemas import ServiceHeartbeat, WorkerPhase
 
 log = structlog.get_logger("heartbeat")
 
@@ -21,9 +21,10 @@ async def publish_heartbeats(
     status: Callable[[], tuple[bool, str]],
     metrics_port: int | None = None,
     checks_off: Sequence[str] = (),
+    phase: Callable[[], WorkerPhase] | None = None,
 ) -> None:
-    """Every ``interval_s``: publish (ready, detail) from ``status()``, and the safety checks this
-    instance runs without (``checks_off``). Runs until cancelled."""
+    """Every ``interval_s``: publish (ready, detail) from ``status()`` (and a worker's ``phase()``), and
+    the safety checks this instance runs without (``checks_off``). Runs until cancelled."""
     subject = subjects.service_heartbeat(service)
     while True:
         ready, detail = status()
@@ -36,6 +37,7 @@ async def publish_heartbeats(
                     detail=detail[:500],
                     metrics_port=metrics_port,
                     checks_off=list(checks_off),
+                    phase=phase() if phase else None,
                 )
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down

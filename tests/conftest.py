@@ -82,6 +82,7 @@ SERVER_FIXTURES = frozenset(
         "fleet",  # tests/scheduler, tests/faults: the stack's processes
         "hostile",  # tests/hostile
         "running_stack",  # tests/e2e
+        "docker_host",  # tests/compose: dockerd and the compose projects
         "engine_stack",  # tests/e2e/test_engines.py: the stack on each worker engine
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
@@ -112,6 +113,8 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/cli/test_nats_limits.py": "nats-server",
     "tests/cli/test_up_redis.py": "redis-server and its sentinels",
+    "tests/cli/test_wheel_install.py": "pip, a fresh environment and the installed services and command",
+    "tests/kernels/test_kernel_cache.py": "python processes that build or load the native kernels, lorafleet kernels",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
     "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
     "tests/deploy/test_compose_init.py": "compose's init command, git ls-files and nats-server -t",
@@ -119,6 +122,8 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/deploy/test_k8s.py": "create-secrets.sh's init command, nats-server -t and kubectl kustomize",
     "tests/deploy/test_direct_nats.py::test_the_readme_shows_exactly_what_user_create_prints": "the CLI",
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
+    "tests/shared/test_env_names.py::test_a_service_with_an_unknown_variable_exits_with_one_line": "a service",
+    "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",

@@ -10,7 +10,7 @@ import openai
 from nats.aio.client import Client as NATS
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, cli_connect, push_adapter
-from lorafleet.cli.demo_fit import DemoFit, ServedModel, fit_demos
+from lorafleet.cli.demo_fit import DEMO_ADAPTERS, DemoFit, ServedModel, fit_demos
 from lorafleet.cli.keys_cmd import ensure_trusted, generate
 from lorafleet.evaluation.release import evaluate, promote, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
@@ -26,7 +26,6 @@ from shared.schemas import (
     RevokeApiKeyRequest,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 SIGNER = "lorafleet-demo"
 
 
@@ -60,12 +59,18 @@ async def _wait_for_key(client: openai.AsyncOpenAI, timeout_s: float = 15.0) -> 
 
 
 async def seed_demo_adapters(
-    nats_url: str, gateway_url: str, state_dir: Path, served: ServedModel, tenant_id: str, actor: str
+    nats_url: str,
+    gateway_url: str,
+    state_dir: Path,
+    served: ServedModel,
+    tenant_id: str,
+    actor: str,
+    cache_dir: Path,
 ) -> tuple[list[DemoAdapter], DemoFit]:
     """Release every example adapter that fits the served model and has no production version yet;
-    the fitting ones listed, and why the others were skipped."""
-    directories = sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file()) if EXAMPLES.is_dir() else []
-    fit = await asyncio.to_thread(fit_demos, directories, served, state_dir / "models")
+    the fitting ones listed, and why the others were skipped. ``cache_dir`` is the services' model cache."""
+    directories = sorted(p for p in DEMO_ADAPTERS.iterdir() if (p / "eval.jsonl").is_file())
+    fit = await asyncio.to_thread(fit_demos, directories, served, cache_dir)
     if not fit.fitting:
         return [], fit
     nc = await cli_connect(nats_url)

@@ -10,7 +10,9 @@ from shared.base_model import EMBEDDED_MODEL_NAME, prepare_embedded, resolve_mod
 from shared.errors import IntegrityError
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 
-DEMO_BASE = EMBEDDED_MODEL_NAME  # examples/adapters/README.md: every demo adapter is trained on it
+DEMO_BASE = EMBEDDED_MODEL_NAME  # lorafleet/demo_adapters/README.md: every demo adapter is trained on it
+# shipped in the package (package data), so an installed wheel has them as a checkout does
+DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "demo_adapters"
 
 
 @dataclass(frozen=True, slots=True)

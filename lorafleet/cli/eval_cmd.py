@@ -7,12 +7,11 @@ import os
 from pathlib import Path
 
 from lorafleet.cli.adapter_cmd import actor, cli_connect
+from lorafleet.cli.demo_fit import DEMO_ADAPTERS
 from lorafleet.evaluation.release import Evaluation, evaluate, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared.base_model import EMBEDDED_MODEL_NAME
 from shared.errors import InvalidRequest, LorafleetError
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -23,8 +22,8 @@ def parse_target(target: str) -> tuple[str, int]:
 
 
 def eval_set_path(adapter_id: str, given: Path | None) -> Path:
-    """The ``--eval-set`` file, else the shipped example's ``examples/adapters/<adapter>/eval.jsonl``."""
-    path = given or EXAMPLES / adapter_id / "eval.jsonl"
+    """The ``--eval-set`` file, else the shipped demo adapter's ``lorafleet/demo_adapters/<adapter>/eval.jsonl``."""
+    path = given or DEMO_ADAPTERS / adapter_id / "eval.jsonl"
     if not path.is_file():
         raise InvalidRequest(f"no eval set at {path}: pass --eval-set")
     return path

@@ -26,24 +26,29 @@ def instance_matcher(service: str, any_instance: bool) -> tuple[str, bool]:
     return default.rsplit("-", 1)[0] + "-", False
 
 
-async def ready_heartbeat(service: str, match: str, exact: bool, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for a ready heartbeat of a matching instance."""
+async def ready_heartbeat(service: str, match: str, exact: bool, timeout_s: float) -> tuple[bool, str]:
+    """Wait up to ``timeout_s`` for a ready heartbeat of a matching instance: (ready, what the last
+    not-ready heartbeat said, such as a worker's phase; "" where none came)."""
     settings = CommonSettings()
     nc = await connect(settings.nats_url, f"healthcheck-{service}")
     found = asyncio.Event()
+    last: list[str] = [""]
 
     async def on_beat(msg) -> None:
         beat = decode(ServiceHeartbeat, msg.data)
-        hit = beat.instance_id == match if exact else beat.instance_id.startswith(match)
-        if beat.ready and hit:
+        if not (beat.instance_id == match if exact else beat.instance_id.startswith(match)):
+            return
+        if beat.ready:
             found.set()
+        else:
+            last[0] = f"{beat.instance_id} {beat.detail or beat.phase or 'not ready'}"
 
     try:
         await nc.subscribe(subjects.service_heartbeat(service), cb=on_beat)
         await asyncio.wait_for(found.wait(), timeout_s)
-        return True
+        return True, ""
     except TimeoutError:
-        return False
+        return False, last[0]
     finally:
         await nc.close()
 
@@ -61,14 +66,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         match, exact = instance_matcher(args.service, args.any)
         # bounded as a whole: connect() keeps retrying an unreachable server
-        ok = asyncio.run(asyncio.wait_for(ready_heartbeat(args.service, match, exact, args.timeout), args.timeout + 3))
+        ok, unready = asyncio.run(
+            asyncio.wait_for(ready_heartbeat(args.service, match, exact, args.timeout), args.timeout + 3)
+        )
     except TimeoutError:
         print(f"unhealthy: NATS at {CommonSettings().nats_url} not reachable", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # a probe reports, never raises
         print(f"unhealthy: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
-    print("ready" if ok else f"no ready heartbeat from {args.service} within {args.timeout:.0f}s")
+    if ok:
+        print("ready")
+    elif unready:  # alive, on its way: say where (a worker building its kernels says building_kernels)
+        print(f"not ready: {unready}")
+    else:
+        print(f"no ready heartbeat from {args.service} within {args.timeout:.0f}s")
     sys.exit(0 if ok else 1)
 
 

@@ -6,7 +6,9 @@ import sys
 from lorafleet.cli import (
     adapter_cmd,
     audit_cmd,
+    demo_cmd,
     eval_cmd,
+    kernels_cmd,
     keys_cmd,
     nats_auth,
     release_cmd,
@@ -19,7 +21,19 @@ from lorafleet.cli import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="multi-tenant multi-LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (up, adapter_cmd, keys_cmd, audit_cmd, nats_auth, tenant_cmd, eval_cmd, release_cmd, source_cmd):
+    for module in (
+        up,
+        demo_cmd,
+        adapter_cmd,
+        keys_cmd,
+        audit_cmd,
+        nats_auth,
+        tenant_cmd,
+        eval_cmd,
+        release_cmd,
+        source_cmd,
+        kernels_cmd,
+    ):
         module.register(sub)
     return parser
 

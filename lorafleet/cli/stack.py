@@ -85,11 +85,14 @@ async def wait_ready(nats_url: str, stack: Stack, services: tuple[str, ...], tim
     """Return once every named service has published a ready heartbeat; raise if one dies or time runs out."""
     nc = await connect(nats_url, "lorafleet-launcher")
     ready: set[str] = set()
+    doing: dict[str, str] = {}  # service -> what its last not-ready heartbeat said (a worker's phase)
 
     async def on_beat(msg) -> None:
         beat = decode(ServiceHeartbeat, msg.data)
         if beat.ready:
             ready.add(beat.service)
+        elif beat.detail:
+            doing[beat.service] = beat.detail
 
     await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_beat)
     deadline = time.monotonic() + timeout_s
@@ -98,8 +101,10 @@ async def wait_ready(nats_url: str, stack: Stack, services: tuple[str, ...], tim
             if stack.dead():
                 raise RuntimeError(f"service exited during start-up: {stack.dead()} (logs in {stack.log_dir})")
             if time.monotonic() > deadline:
-                missing = sorted(set(services) - ready)
-                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {missing} (logs in {stack.log_dir})")
+                missing = [
+                    f"{name} ({doing[name]})" if name in doing else name for name in sorted(set(services) - ready)
+                ]
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(missing)} (logs in {stack.log_dir})")
             await asyncio.sleep(0.2)
     finally:
         await nc.close()

@@ -2,21 +2,20 @@
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lorafleet.cli.demo import curl_example, seed_demo_adapters
-from lorafleet.cli.demo_fit import ServedModel
-from lorafleet.cli.demo_tenant import ACTOR, DEMO_TENANT, ensure_demo_key, openai_snippet
+from lorafleet.cli.demo_cmd import seed_demo
+from lorafleet.cli.demo_tenant import DEMO_TENANT
 from lorafleet.cli.infra import Server, cluster_url, pick_port, sentinel_addresses, start_redis, start_sentinels
 from lorafleet.cli.nats_auth import LocalAuth, start_secured_nats, start_secured_nats_cluster
 from lorafleet.cli.nats_snippets import tenant_env
 from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 from lorafleet.cli.supervisor import Child, Supervisor, supervise
+from shared.env_names import UnknownVariables, check_environment
 from shared.errors import LorafleetError
 
 
@@ -36,22 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sentinel-port", type=int, default=26379, help="first Redis Sentinel port (with --cluster)")
     p.set_defaults(func=run)
-
-
-def example(port: int, key: str, model: str) -> str:
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 40,
-            "temperature": 0,
-        }
-    )
-    return (
-        f"curl -s http://127.0.0.1:{port}/v1/chat/completions \\\n"
-        f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-        f"  -d '{body}'"
-    )
 
 
 def _interrupt(*_: object) -> None:
@@ -111,6 +94,11 @@ def _say_to(log_file: Path) -> Callable[[str], None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # every service would refuse it: say so once, before anything starts
+        check_environment(os.environ)
+    except UnknownVariables as e:
+        print(f"invalid configuration: {e}")
+        return 1
     state = args.state_dir.resolve()
     ports = {
         name: pick_port(wanted)
@@ -158,32 +146,14 @@ def run(args: argparse.Namespace) -> int:
             print("starting services (the first start converts the base model once, about a minute)...")
         asyncio.run(wait_ready(auth.admin_url(nats_url), stack, SERVICES, args.ready_timeout))
         print(f"\nlorafleet is up: gateway http://127.0.0.1:{ports['gateway']}  (logs: {state / 'logs'})")
-        served = ServedModel.resolve(model_dir, state / "models")
-        key = asyncio.run(ensure_demo_key(auth.admin_url(nats_url), state))
-        model = served.name
-        print(
-            f"demo tenant API key: {key}  (more: lorafleet tenant create / key create)\n\nTry:\n"
-            f"{example(ports['gateway'], key, model)}\n\nor with the openai client:\n"
-            f"{openai_snippet(ports['gateway'], key, model)}\n"
+        seed_demo(
+            auth.admin_url(nats_url),
+            f"http://127.0.0.1:{ports['gateway']}",
+            ports["gateway"],
+            state,
+            model_dir,
+            state / "models",
         )
-        print("releasing the example adapters (signed, evaluated through the gateway, gated)...")
-        demos, fit = asyncio.run(
-            seed_demo_adapters(
-                auth.admin_url(nats_url), f"http://127.0.0.1:{ports['gateway']}", state, served, DEMO_TENANT, ACTOR
-            )
-        )
-        for line in fit.skip_lines():
-            print(f"  {line}")
-        for demo in demos:
-            print(f"  {demo.summary}")
-        for demo in demos[:2]:
-            print(
-                f"\n{demo.adapter_id} answers its own task:\n"
-                f"{curl_example(ports['gateway'], key, demo.adapter_id, demo.prompt)}"
-            )
-            if demo.answer is not None:
-                print(f"  -> {demo.answer}")
-        print()
         print(
             f"NATS requires auth: admin password in {state / 'admin.env'} "
             f"(CLI: --nats-url nats://admin:PASSWORD@127.0.0.1:{ports['nats']})"

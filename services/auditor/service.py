@@ -4,6 +4,7 @@ cross-checking completions against the registry, answering tenant-scoped queries
 import asyncio
 import contextlib
 import json
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -225,4 +226,4 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
 
 
 def main() -> None:
-    event_loop.run(run(load_settings(AuditorSettings)))
+    event_loop.run(run(load_settings(AuditorSettings, sys.argv[1:])))

@@ -16,10 +16,12 @@ class ClusterView:
     timeout_s: float
     services: dict[str, Liveness[ServiceHeartbeat]] = field(default_factory=dict)
     workers: Liveness[WorkerHeartbeat] = field(init=False)
+    worker_phases: Liveness[ServiceHeartbeat] = field(init=False)  # workers' service heartbeats: their phase
     supervisors: Liveness[SupervisorStatus] = field(init=False)  # lorafleet up's, by host
 
     def __post_init__(self) -> None:
         self.workers = Liveness(self.timeout_s)
+        self.worker_phases = Liveness(self.timeout_s)
         self.supervisors = Liveness(self.timeout_s)
         for name in REQUIRED + OPTIONAL:
             self.services[name] = Liveness(self.timeout_s)
@@ -27,6 +29,8 @@ class ClusterView:
     def on_service(self, beat: ServiceHeartbeat) -> None:
         if beat.service in self.services:
             self.services[beat.service].seen(beat.instance_id, beat)
+        elif beat.service == "worker":
+            self.worker_phases.seen(beat.instance_id, beat)
 
     def on_worker(self, beat: WorkerHeartbeat) -> None:
         self.workers.seen(beat.worker_id, beat)
@@ -65,8 +69,18 @@ class ClusterView:
     def ready_workers(self) -> list[WorkerHeartbeat]:
         return [b for b in self.workers.alive().values() if b.ready]
 
+    def unready_workers(self) -> str:
+        """Live workers that are not ready, each with its phase: ``w1 building_kernels (...) for 40 s``."""
+        ready = {b.worker_id for b in self.ready_workers()}
+        return ", ".join(
+            f"{worker_id} {beat.detail or beat.phase}"
+            for worker_id, beat in sorted(self.worker_phases.alive().items())
+            if not beat.ready and worker_id not in ready
+        )
+
     def status(self, catalog_loaded: bool = False) -> tuple[bool, dict[str, str]]:
-        """(ready, component -> "ok" | "missing" | "not ready: ...") for /readyz."""
+        """(ready, component -> "ok" | "missing" | "not ready: ...") for /readyz; ``workers`` is "N ready",
+        then the workers that are not ready with their phase (``not ready: w1 building_kernels ...``)."""
         components: dict[str, str] = {}
         for name, live in self.services.items():
             beats = list(live.alive().values())
@@ -77,7 +91,10 @@ class ClusterView:
             else:
                 components[name] = "missing"
         workers = self.ready_workers()
-        components["workers"] = f"{len(workers)} ready" if workers else "missing"
+        parts = [f"{len(workers)} ready"] if workers else []
+        if waiting := self.unready_workers():
+            parts.append(f"not ready: {waiting}")
+        components["workers"] = "; ".join(parts) or "missing"
         supervised = self.supervised()
         for name, state in supervised.items():  # a missing component the supervisor is bringing back
             component = "workers" if name == "worker" else name

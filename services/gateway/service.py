@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import sys
 
 import uvicorn
 
@@ -94,4 +95,4 @@ async def run(settings: GatewaySettings) -> None:
 
 
 def main() -> None:
-    event_loop.run(run(load_settings(GatewaySettings)))
+    event_loop.run(run(load_settings(GatewaySettings, sys.argv[1:])))

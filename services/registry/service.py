@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import gc
+import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from services.registry.sources_kv import open_sources
 from services.registry.stores import Uploads, open_approved_store, open_object_store
 from services.registry.tenants import Tenants
 from services.registry.tenants_kv import open_tenants
-from shared import subjects
+from shared import event_loop, subjects
 from shared.adapter_format import AdapterLimits
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
@@ -320,8 +321,11 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await stop.wait()
 
 
-async def main() -> None:
-    settings = load_settings(RegistrySettings)
+async def _serve(settings: RegistrySettings) -> None:
     configure_logging("registry", settings.log_level)
     setup_tracing("registry", settings.trace_exporter)
     await run(settings, shutdown_event())
+
+
+def main() -> None:
+    event_loop.run(_serve(load_settings(RegistrySettings, sys.argv[1:])))

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -349,4 +350,4 @@ async def run(settings: SchedulerSettings) -> None:
 
 
 def main() -> None:
-    event_loop.run(run(load_settings(SchedulerSettings)))
+    event_loop.run(run(load_settings(SchedulerSettings, sys.argv[1:])))

@@ -15,6 +15,7 @@ from services.worker.engine_port import WorkerEngine
 from services.worker.lora.layout import ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.settings import WorkerSettings
+from services.worker.start_phase import StartPhase
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import EngineCapability
@@ -46,11 +47,20 @@ def _loader(nc, settings: WorkerSettings, directory: Path, shapes: ModelShapes) 
     )
 
 
-async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -> Served:  # type: ignore[no-untyped-def]
+async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase) -> Served:  # type: ignore[no-untyped-def]
+    import torch
+
+    from kernels import native
     from services.worker.engine.async_engine import AsyncEngine
     from services.worker.engine.loader import load_model
     from services.worker.lora.manager import AdapterManager
 
+    if torch.device(settings.engine.device).type == "cpu":
+        # found or built (in a child process, bounded in time) before the model loads, so a start that
+        # waits on it says so; the engine's probes then find it loaded, or serve eager where it is not
+        phases.enter("building_kernels", "the native CPU kernels: found, else built (lorafleet kernels status)")
+        await asyncio.to_thread(native.built)
+    phases.enter("loading_model", str(settings.model_dir or "embedded SmolLM2"))
     cache_dir = Path(settings.model_cache) if settings.model_cache else None
     loaded = await asyncio.to_thread(
         load_model,
@@ -85,7 +95,7 @@ async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack
     )
 
 
-async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -> Served:  # type: ignore[no-untyped-def]
+async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase) -> Served:  # type: ignore[no-untyped-def]
     """vLLM's engine on the base model's directory; this process loads only its config and tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -93,6 +103,7 @@ async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack) -
     from services.worker.vllm_engine.engine import VllmEngine
     from services.worker.vllm_engine.slots import VllmSlots
 
+    phases.enter("loading_model", str(settings.model_dir or "embedded SmolLM2"))
     cache_dir = Path(settings.model_cache) if settings.model_cache else None
     directory = await asyncio.to_thread(resolve_model_dir, settings.model_dir, cache_dir)
     shapes = ModelShapes.from_hf_config(await asyncio.to_thread(AutoConfig.from_pretrained, directory))

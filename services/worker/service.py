@@ -2,7 +2,8 @@
 
 import asyncio
 import contextlib
-from typing import TypedDict, cast
+import sys
+from typing import cast
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -14,6 +15,7 @@ from services.worker.adapter_events import on_adapter_event
 from services.worker.pins import PinFollower
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
+from services.worker.start_phase import StartPhase
 from shared import event_loop, metrics, subjects
 from shared.adapter_keys import HeatKeys, adapter_key
 from shared.audit_publish import publish_audit
@@ -55,13 +57,6 @@ from shared.telemetry import continued, setup_tracing, tracer
 REGISTRY_TIMEOUT_S = 5.0  # a dispatch's grant check that the worker's mirror cannot settle asks the registry
 
 log = structlog.get_logger("worker")
-
-
-class _Readiness(TypedDict):
-    """What the service heartbeat reports while the worker starts, serves and drains."""
-
-    ready: bool
-    detail: str
 
 
 async def _worker_heartbeats(nc: NATS, server: RequestServer, served: engines.Served, settings: WorkerSettings) -> None:
@@ -163,19 +158,21 @@ async def run(settings: WorkerSettings) -> None:
         await ensure_streams(js)
         stop = shutdown_event()
         metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
-        loading: _Readiness = {"ready": False, "detail": "loading base model"}
+        phases = StartPhase(settings.worker_id)
         beats = asyncio.create_task(
             publish_heartbeats(
                 nc,
                 "worker",
                 settings.worker_id,
                 settings.heartbeat_interval_s,
-                lambda: (loading["ready"], loading["detail"]),
+                phases.status,
                 metrics_port,
+                phase=phases.current,
             )
         )
         build = engines.vllm if settings.worker_engine == "vllm" else engines.builtin
-        served = await build(nc, settings, stack)
+        served = await build(nc, settings, stack, phases)
+        phases.enter("warming", "engine, catalog mirror, subscriptions")
         cache = served.cache
 
         async def emit(reply_to: str, message: ReplyMessage) -> None:
@@ -254,7 +251,7 @@ async def run(settings: WorkerSettings) -> None:
             ),
             asyncio.create_task(_keep_pins(pins, settings.pin_refresh_s)),
         ]
-        loading.update({"ready": True, "detail": ""})
+        phases.enter("ready")
         log.info(
             "worker_ready",
             worker_id=settings.worker_id,
@@ -263,7 +260,7 @@ async def run(settings: WorkerSettings) -> None:
             rank_pool=list(served.rank_pool),
         )
         await stop.wait()
-        loading.update({"ready": False, "detail": "draining"})
+        phases.enter("draining")
         for task in background:
             task.cancel()
         if server.tasks:
@@ -273,4 +270,4 @@ async def run(settings: WorkerSettings) -> None:
 
 
 def main() -> None:
-    event_loop.run(run(load_settings(WorkerSettings)))
+    event_loop.run(run(load_settings(WorkerSettings, sys.argv[1:])))

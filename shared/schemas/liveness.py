@@ -90,11 +90,18 @@ class WorkerHeartbeat(Message):
     ts: float = Field(default_factory=time.time)
 
 
+# A worker's way to serving, in order (building_kernels only for the built-in engine on a CPU), then draining.
+WorkerPhase = Literal["building_kernels", "loading_model", "warming", "ready", "draining"]
+
+
 class ServiceHeartbeat(Message):
     service: Literal["gateway", "scheduler", "worker", "registry", "auditor"]
     instance_id: Identifier
     ready: bool
     detail: str = Field(default="", max_length=500)
+    phase: WorkerPhase | None = Field(
+        default=None, description="a worker's phase: what a worker that is not ready yet is doing (None elsewhere)"
+    )
     metrics_port: int | None = Field(default=None, ge=1, le=65535, description="where its /metrics listens")
     checks_off: list[Annotated[str, Field(max_length=64)]] = Field(
         default_factory=list,

@@ -8,11 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lorafleet.cli.demo import EXAMPLES
-from lorafleet.cli.demo_fit import ServedModel, fit_demos
+from lorafleet.cli.demo_fit import DEMO_ADAPTERS, ServedModel, fit_demos
 from tests.helpers.own_model import save_own_model
 
-DEMOS = sorted(p for p in EXAMPLES.iterdir() if (p / "eval.jsonl").is_file())
+DEMOS = sorted(p for p in DEMO_ADAPTERS.iterdir() if (p / "eval.jsonl").is_file())
 IDS = [p.name for p in DEMOS]
 
 

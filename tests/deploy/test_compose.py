@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from kernels.native_build import KernelSettings
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
 from lorafleet.cli.nats_accounts import users_of
@@ -31,6 +32,7 @@ from shared.registry_config import RegistrySettings
 from tests.deploy.compose_files import env_files, load, merge_service
 
 REPO = Path(__file__).resolve().parents[2]
+KERNELS_PREFIX = KernelSettings.model_config["env_prefix"]
 
 
 def field_of(env_key: str) -> str:
@@ -123,10 +125,18 @@ def test_environment_names_real_settings(deploy_dir: Path, workers: dict[str, di
             assert key.startswith("LF_") and field_of(key) in settings.model_fields, (name, key)
         assert "LF_NATS_USER" in keys, name
     for key in dockerfile_env():
-        assert not key.startswith("LF_") or field_of(key) in {
-            **WorkerSettings.model_fields,
-            **AuditorSettings.model_fields,
-        }, key
+        kernels = (
+            key.startswith(KERNELS_PREFIX) and key.removeprefix(KERNELS_PREFIX).lower() in KernelSettings.model_fields
+        )
+        assert (
+            not key.startswith("LF_")
+            or kernels
+            or field_of(key)
+            in {
+                **WorkerSettings.model_fields,
+                **AuditorSettings.model_fields,
+            }
+        ), key
 
 
 def test_ports_and_urls_match_config_defaults(workers: dict[str, dict]) -> None:
@@ -260,7 +270,7 @@ def test_every_file_init_writes_is_ignored_by_git(deploy_dir: Path) -> None:
     tracked = subprocess.run(["git", "ls-files", "deploy"], cwd=REPO, capture_output=True, text=True, timeout=30)
     shipped = tracked.stdout.splitlines()
     assert shipped and not set(shipped) & set(written)  # nothing init writes is tracked, where an ignore hides it
-    assert all(p.startswith(("deploy/compose/", "deploy/k8s/")) for p in shipped), shipped
+    assert all(p.startswith(("deploy/compose/", "deploy/k8s/", "deploy/offline/")) for p in shipped), shipped
 
 
 def test_tenant_user_is_added_and_answerable(tmp_path: Path) -> None:

@@ -234,7 +234,8 @@ async def test_services_connect_with_the_credentials_in_their_volumes(
             assert await client.ping()
             await client.aclose()
         checked.append(name)
-    assert len(checked) == 7, checked  # nats-setup, gateway, registry, scheduler, auditor, the two workers
+    # nats-setup, gateway, registry, scheduler, auditor, the two workers, lorafleet-demo and cli (as admin)
+    assert len(checked) == 9, checked
     with pytest.raises(nats_errors.Error):
         await nats_client.connect(nats.url, user="gateway", password="guess", allow_reconnect=False)
     anonymous = connect_redis(redis.url)

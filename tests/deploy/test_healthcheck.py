@@ -20,13 +20,18 @@ def as_scheduler(auth_server, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str
 async def test_probe_follows_the_heartbeats_of_its_instance(auth_server, as_scheduler) -> None:
     nc = await connect(auth_server.server.url, "beats", as_scheduler)
     state = {"ready": False}
-    beats = asyncio.create_task(publish_heartbeats(nc, "scheduler", "sched-1", 0.1, lambda: (state["ready"], "")))
+
+    def status() -> tuple[bool, str]:
+        return state["ready"], "" if state["ready"] else "discovering workers"
+
+    beats = asyncio.create_task(publish_heartbeats(nc, "scheduler", "sched-1", 0.1, status))
     try:
-        assert not await ready_heartbeat("scheduler", "sched-1", True, 0.5)
+        # not ready: what the instance says it is doing
+        assert await ready_heartbeat("scheduler", "sched-1", True, 1.5) == (False, "sched-1 discovering workers")
         state["ready"] = True
-        assert await ready_heartbeat("scheduler", "sched-1", True, 2)
-        assert await ready_heartbeat("scheduler", "sched", False, 2)
-        assert not await ready_heartbeat("scheduler", "sched-2", True, 0.5)
+        assert await ready_heartbeat("scheduler", "sched-1", True, 2) == (True, "")
+        assert await ready_heartbeat("scheduler", "sched", False, 2) == (True, "")
+        assert await ready_heartbeat("scheduler", "sched-2", True, 0.5) == (False, "")  # nothing heard of it
     finally:
         beats.cancel()
         await nc.close()

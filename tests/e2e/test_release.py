@@ -46,7 +46,7 @@ from shared.schemas import (
 )
 
 pytestmark = pytest.mark.slow
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
+EXAMPLES = Path(__file__).resolve().parents[2] / "lorafleet" / "demo_adapters"
 ADAPTERS = ("sql-employees", "json-extract", "capital-answer")
 MARGIN = 0.3
 T = TypeVar("T")

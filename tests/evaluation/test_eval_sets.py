@@ -11,7 +11,7 @@ from shared.adapter_format import WEIGHTS_FILE, read_adapter_dir
 from shared.errors import InvalidRequest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ADAPTERS = sorted(p for p in (EXAMPLES / "adapters").iterdir() if p.is_dir())
+ADAPTERS = sorted(p for p in (EXAMPLES.parent / "lorafleet" / "demo_adapters").iterdir() if p.is_dir())
 
 
 def _train_script():

@@ -1,7 +1,7 @@
 """/readyz's verdict: the scheduler and a worker always; the registry only until the catalog mirror is loaded."""
 
 from services.gateway.readiness import ClusterView
-from shared.schemas import ServiceHeartbeat, WorkerHeartbeat
+from shared.schemas import ServiceHeartbeat, WorkerHeartbeat, WorkerPhase
 
 
 def view(*services: str, worker: bool = True) -> ClusterView:
@@ -52,3 +52,23 @@ def test_readyz_says_which_safety_checks_a_deployment_turned_off():
     ready, components = cluster.status(catalog_loaded=True)
     assert ready and components["safety_checks"] == "off: registry release_require_eval"
     assert cluster.checks_off() == ["registry release_require_eval"]  # the dashboard's line
+
+
+def worker_phase(worker_id: str, phase: WorkerPhase, detail: str) -> ServiceHeartbeat:
+    return ServiceHeartbeat(service="worker", instance_id=worker_id, ready=phase == "ready", detail=detail, phase=phase)
+
+
+def test_a_starting_worker_shows_its_phase_not_just_missing():
+    cluster = view("scheduler", "registry", worker=False)
+    cluster.on_service(worker_phase("w2", "building_kernels", "building_kernels (the native CPU kernels) for 40 s"))
+    ready, components = cluster.status(catalog_loaded=True)
+    assert not ready
+    assert components["workers"] == "not ready: w2 building_kernels (the native CPU kernels) for 40 s"
+
+
+def test_ready_workers_are_counted_beside_the_ones_still_starting():
+    cluster = view("scheduler", "registry")  # w1 ready
+    cluster.on_service(worker_phase("w1", "ready", ""))
+    cluster.on_service(worker_phase("w2", "loading_model", "loading_model (m) for 3 s"))
+    ready, components = cluster.status(catalog_loaded=True)
+    assert ready and components["workers"] == "1 ready; not ready: w2 loading_model (m) for 3 s"
