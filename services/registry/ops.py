@@ -207,7 +207,7 @@ class Registry:
     async def _register_remote(self, req: RegisterRequest, uri: str) -> AdapterRecord:
         """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
-        async with self._remote.fetched(uri, req.tenant_id) as fetched:
+        async with self._remote.fetched(uri, req.tenant_id, req.wait_s) as fetched:
             with fetched.mapped() as files:
                 digests = await asyncio.to_thread(file_digests, files)
             for _ in range(COMMIT_ATTEMPTS):

@@ -92,7 +92,9 @@ class Push:
     signer: str
     tenant: str
 
-    def request(self, adapter_id: str, uri: str, files: Files, version: int = 1) -> RegisterRequest:
+    def request(
+        self, adapter_id: str, uri: str, files: Files, version: int = 1, wait_s: float | None = None
+    ) -> RegisterRequest:
         digests = {name: sha256(data) for name, data in files.items()}
         manifest = signing.manifest_bytes(digests, adapter_id, version, self.tenant, self.base.fingerprint)
         return RegisterRequest(
@@ -103,6 +105,7 @@ class Push:
             source_uri=uri,
             signature=signing.sign(manifest, signing.load_private_key(self.keys.private_pem)),
             signer=self.signer,
+            wait_s=wait_s,
             actor="test",
         )
 
