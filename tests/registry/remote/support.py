@@ -61,7 +61,11 @@ async def resolve(host: str, port: int) -> list[str]:
 
 
 async def start_registry(
-    nats_url: str, base_dir: Path, remote: RemoteSourceSettings, fleet_rank_classes: tuple[int, ...] = (8, 16, 32, 64)
+    nats_url: str,
+    base_dir: Path,
+    remote: RemoteSourceSettings,
+    fleet_rank_classes: tuple[int, ...] = (8, 16, 32, 64),
+    gateway_sync_timeout_s: float = 1.0,
 ) -> tuple[asyncio.Event, asyncio.Task]:
     settings = RegistrySettings(
         nats_url=nats_url,
@@ -71,6 +75,7 @@ async def start_registry(
         max_rank=16,
         remote=remote,
         fleet_rank_classes=fleet_rank_classes,
+        gateway_sync_timeout_s=gateway_sync_timeout_s,
     )
     nc = await connect(nats_url, "registry-remote-wait")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from shared.bus import connect, request
+from shared.bus import connect, encode, request
 from shared.errors import (
     FetchCapacityFull,
     SourceFetchesBusy,
@@ -24,7 +24,7 @@ from shared.errors import (
     UpstreamTimeout,
 )
 from shared.registry_config import RemoteSourceSettings
-from shared.schemas import AdapterRecord, AdapterRecordsReply, TrustedKeysReply, TrustKeyRequest
+from shared.schemas import AdapterRecord, AdapterRecordsReply, ServiceHeartbeat, TrustedKeysReply, TrustKeyRequest
 from tests.helpers.remote_sources import Route
 from tests.registry.remote.support import Files, Push, Servers, allow, call, start_registry, unique
 
@@ -32,6 +32,7 @@ HELD = 38_000  # bytes of a held source's weights: under the file cap, sent in a
 TENANT_SPOOL = 40_000
 SPOOL = 50_000
 TIMEOUT_S = 30.0  # the registry's own fetch limit: far past every wait here, so it never ends a fetch
+SYNC_S = 4.0  # how long a commit holds the registry's lock for a gateway that never confirms it
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ async def remote_registry(nats_url: str, base_dir: Path, servers: Servers, spool
         spool_bytes=SPOOL,
         spool_dir=str(spool),
     )
-    stop, service = await start_registry(nats_url, base_dir, remote)
+    stop, service = await start_registry(nats_url, base_dir, remote, gateway_sync_timeout_s=SYNC_S)
     nc = await connect(nats_url, "remote-bounds-test")
     yield nc
     stop.set()
@@ -105,8 +106,12 @@ def spooled(spool: Path, name: str = "*") -> list[int]:
     return sizes
 
 
+def spool_dirs(spool: Path) -> int:
+    return len(list(spool.iterdir()))
+
+
 def spool_empty(spool: Path) -> bool:
-    return not any(spool.iterdir())
+    return spool_dirs(spool) == 0
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> float:
@@ -139,7 +144,7 @@ async def test_pushes_over_the_tenant_or_registry_fetch_bound_are_refused_at_onc
     assert full.status == 503 and full.retry_after_s is not None and 1 <= full.retry_after_s <= 5
     assert time.monotonic() - started < 5  # refused at once, not queued behind the held fetches
     for task in held:  # each cut at its caller's wait, its spool deleted
-        with pytest.raises(SourceTimeout, match="within 5.0 s"):
+        with pytest.raises(SourceTimeout, match=r"within 5\.0 s"):
             await task
     assert spool_empty(spool)
     record: AdapterRecord = await push.register(unique("after"), good, adapter_files)  # the bounds are free again
@@ -189,6 +194,37 @@ async def test_a_push_whose_caller_gives_up_is_cancelled_and_its_spool_deleted_a
     print(f"spool deleted {freed_s:.3f} s after the caller gave up")
     record = await push.register(unique("next"), await good_source(push, servers, adapter_files), adapter_files)
     assert record.tenant_id == push.tenant  # the tenant's fetch bound was released too
+
+
+async def test_a_fetched_push_whose_caller_stops_waiting_for_admission_gives_its_spool_back(
+    push: Push, servers: Servers, adapter_files: Files, spool: Path
+) -> None:
+    # a gateway that never confirms a catalog write: each commit holds the registry's lock SYNC_S
+    silent = ServiceHeartbeat(service="gateway", instance_id=unique("silent"), ready=True)
+
+    async def beat() -> None:
+        while True:
+            await push.nc.publish(subjects.service_heartbeat("gateway"), encode(silent))
+            await asyncio.sleep(0.5)
+
+    beating = asyncio.create_task(beat())
+    syncs = await push.nc.subscribe(subjects.GATEWAY_CATALOG_SYNC)
+    try:
+        await asyncio.sleep(1.0)  # the registry has seen the gateway
+        first = asyncio.create_task(push.register(unique("first"), await good_source(push, servers, adapter_files),
+                                                  adapter_files))  # fmt: skip
+        await syncs.next_msg(timeout=10)  # the first push's commit now holds the lock
+        started = time.monotonic()
+        with pytest.raises(SourceTimeout, match="before the registry could admit it"):
+            second = push.request(unique("second"), await good_source(push, servers, adapter_files), adapter_files,
+                                  wait_s=1.5)  # fmt: skip
+            await request(push.nc, subjects.registry("register"), second, AdapterRecordsReply, 30)
+        assert time.monotonic() - started < SYNC_S - 1  # dropped at its caller's wait, not after the lock
+        assert spool_dirs(spool) == 1  # the first push's spool only: the second's is gone
+        assert (await first).tenant_id == push.tenant  # the push its caller still waits for goes on
+    finally:
+        beating.cancel()
+        await syncs.unsubscribe()
 
 
 def test_one_fetch_must_fit_each_spool_quota() -> None:
