@@ -74,10 +74,6 @@ class FetchBounds:
         lease.spooled += n
 
     @property
-    def in_flight(self) -> int:
-        return len(self._leases)
-
-    @property
     def spooled(self) -> int:
         return sum(held.spooled for held in self._leases)
 

@@ -58,7 +58,7 @@ class RemoteIntake:
         self._settings = settings
         self._sources = sources
         self._fetcher = fetcher
-        self.bounds = FetchBounds(settings)
+        self._bounds = FetchBounds(settings)
 
     @contextlib.asynccontextmanager
     async def fetched(self, uri: str, tenant_id: str, wait_s: float | None = None) -> AsyncIterator[FetchedAdapter]:
@@ -73,7 +73,7 @@ class RemoteIntake:
         grant = await self._sources.authorize(location, tenant_id)
         timeout_s = min(self._settings.timeout_s, wait_s or self._settings.timeout_s)
         with (
-            self.bounds.lease(tenant_id, timeout_s) as lease,
+            self._bounds.lease(tenant_id, timeout_s) as lease,
             tempfile.TemporaryDirectory(prefix="lf-fetch-", dir=self._settings.spool_dir) as spool,
         ):
             files = await self._fetcher.fetch(
