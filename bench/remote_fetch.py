@@ -154,6 +154,7 @@ def child(peer: str, args: dict) -> dict[str, float]:
         finally:
             shutil.rmtree(target.parent)
     if peer == "fetch":
+        from services.registry.fetch_bounds import FetchBounds
         from services.registry.remote_fetch import RemoteFetcher
         from services.registry.source_uri import parse_source
         from shared.registry_config import RemoteSourceSettings
@@ -162,10 +163,13 @@ def child(peer: str, args: dict) -> dict[str, float]:
         settings = RemoteSourceSettings(s3_enabled=True, s3_endpoint_url=args["endpoint"])
         entry = SourceEntry(prefix=f"s3://{BUCKET}/", tenants=["acme"], allow_private=True, added_by="bench")
         spool = Path(tempfile.mkdtemp(prefix="lf-bench-fetch-"))
+        bounds = FetchBounds(settings)
 
         async def fetch() -> None:
             location = parse_source(f"s3://{BUCKET}/{KEY}")
-            files = await RemoteFetcher(settings).fetch(location, entry, lambda _: entry, spool)
+            with bounds.lease("acme", settings.timeout_s) as lease:
+                fetcher = RemoteFetcher(settings)
+                files = await fetcher.fetch(location, entry, lambda _: entry, spool, lease, settings.timeout_s)
             assert files["adapter_model.safetensors"].size == args["size"]
 
         try:

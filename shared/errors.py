@@ -285,3 +285,32 @@ class SourceFetchFailed(LorafleetError):
     status = 502
     code = "source_fetch_failed"
     error_type = "server_error"
+
+
+class SourceFetchesBusy(QuotaExceeded):
+    """The tenant already runs as many remote fetches on this registry replica as it may: refused at
+    once with a Retry-After, never queued."""
+
+    code = "source_fetches_busy"
+
+
+class FetchCapacityFull(ServiceUnavailable):
+    """The registry replica already runs as many remote fetches as it may, all tenants together:
+    refused at once with a Retry-After, never queued."""
+
+    code = "fetch_capacity_full"
+
+
+class SpoolFull(LorafleetError):
+    """The fetches in flight on this registry replica, all tenants together, hold its whole spool
+    quota: the fetch is stopped, its spool deleted, and the push refused with a Retry-After."""
+
+    status = 507
+    code = "spool_full"
+    error_type = "server_error"
+
+
+class TenantSpoolFull(SpoolFull):
+    """The tenant's fetches in flight hold its whole spool quota on this registry replica."""
+
+    code = "tenant_spool_full"

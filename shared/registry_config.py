@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.config import CommonSettings, DefaultQuota
 
@@ -37,6 +37,40 @@ class RemoteSourceSettings(BaseModel):
     s3_region: str = Field(
         default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$", description="region requests are signed for"
     )
+    max_fetches: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="fetches this registry replica runs at once, all tenants together; one more is refused 503 "
+        "with Retry-After, never queued",
+    )
+    max_tenant_fetches: int = Field(
+        default=2, ge=1, le=1024, description="fetches one tenant runs at once on a replica; one more is refused 429"
+    )
+    spool_bytes: int = Field(
+        default=1280 * 1_048_576,
+        ge=1024,
+        le=1024**4,
+        description="bytes the fetches in flight on a replica may hold on its disk, all tenants together; a fetch "
+        "that would pass it is stopped and refused 507",
+    )
+    tenant_spool_bytes: int = Field(
+        default=640 * 1_048_576,
+        ge=1024,
+        le=1024**4,
+        description="bytes one tenant's fetches in flight may hold on a replica's disk; at least max_total_bytes",
+    )
+    spool_dir: str | None = Field(
+        default=None, description="where fetched files are spooled until admitted; None = the system's temp dir"
+    )
+
+    @model_validator(mode="after")
+    def _one_fetch_fits_its_quotas(self) -> "RemoteSourceSettings":
+        if not self.max_total_bytes <= self.tenant_spool_bytes <= self.spool_bytes:
+            raise ValueError("max_total_bytes <= tenant_spool_bytes <= spool_bytes: one fetch must fit either quota")
+        if self.max_tenant_fetches > self.max_fetches:
+            raise ValueError("max_tenant_fetches <= max_fetches")
+        return self
 
 
 class RegistrySettings(CommonSettings):

@@ -121,6 +121,7 @@ async def push_adapter(
             aliases=aliases or [],
             allowed_scopes=scopes or [],
             push_key=push_key,
+            wait_s=TIMEOUT_S if source_uri is not None else None,  # the registry cancels its fetch when this gives up
             actor=who,
         )
         try:

@@ -40,6 +40,11 @@ CHANGE_ERRORS = error_responses(409, *ERROR_STATUSES)
 PUSH_ERRORS = {
     **CHANGE_ERRORS,
     502: {"model": ErrorResponse, "description": "the remote source failed, or its TLS certificate did not verify"},
+    **error_responses(429),  # the tenant's remote fetches in flight are at their bound: see Retry-After
+    507: {
+        "model": ErrorResponse,
+        "description": "the fetches in flight hold the registry's spool quota; see Retry-After",
+    },
 }
 REMOTE_SCHEMES = ("s3://", "https://")  # a tenant admin never names a file:// path on the registry's host
 
@@ -144,6 +149,8 @@ async def push_adapter(
         raise not_found(adapter_id)
     ctx = request.app.state.ctx
     upload_id = None if source_uri is not None else secrets.token_hex(12)
+    # the registry fetches, then admits, before it answers: it cancels a fetch still running when this stops waiting
+    wait_s = ctx.settings.remote_push_timeout_s if source_uri is not None else None
     try:
         message = RegisterRequest(
             adapter_id=adapter_id,
@@ -156,6 +163,7 @@ async def push_adapter(
             signer=signer,
             aliases=aliases,
             allowed_scopes=allowed_scopes,
+            wait_s=wait_s,
             actor=actor(caller),
         )
     except ValidationError as e:
@@ -167,7 +175,7 @@ async def push_adapter(
         for name, data in files.items():
             await store.put(f"{upload_id}/{name}", data)
         return await registry_call(request, "register", message, AdapterRecordsReply)
-    timeout_s = ctx.settings.remote_push_timeout_s  # the registry fetches, then admits, before it answers
+    timeout_s = ctx.settings.remote_push_timeout_s
     return await bus_request(ctx.nc, subjects.registry("register"), message, AdapterRecordsReply, timeout_s)
 
 

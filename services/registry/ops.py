@@ -12,10 +12,11 @@ versions, never one twice or one lost, and each push's files lie under a prefix 
 """
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
 import structlog
@@ -39,7 +40,7 @@ from shared import metrics, subjects
 from shared.access import may_use
 from shared.adapter_format import AdapterBytes, read_adapter_dir
 from shared.catalog import Catalog, Change, record_key
-from shared.errors import LorafleetError, ModelNotFound
+from shared.errors import LorafleetError, ModelNotFound, SourceTimeout
 from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
@@ -207,11 +208,12 @@ class Registry:
     async def _register_remote(self, req: RegisterRequest, uri: str) -> AdapterRecord:
         """Fetch (allow-list, approval, limits), then the upload's admission, then the tenant's prefix.
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
-        async with self._remote.fetched(uri, req.tenant_id) as fetched:
+        until = None if req.wait_s is None else asyncio.get_running_loop().time() + req.wait_s
+        async with self._remote.fetched(uri, req.tenant_id, req.wait_s) as fetched:
             with fetched.mapped() as files:
                 digests = await asyncio.to_thread(file_digests, files)
             for _ in range(COMMIT_ATTEMPTS):
-                async with self._lock:
+                async with self._locked_until(until, fetched.uri):
                     if (stored := stored_push(self.catalog, req, digests)) is not None:
                         return stored
                     view = self._intake_view(req)
@@ -223,6 +225,22 @@ class Registry:
                     if await self._committed([change], req.actor, prefix, fetched.paths, reason):
                         return change.after
         raise contended(req.adapter_id)
+
+    @contextlib.asynccontextmanager
+    async def _locked_until(self, until: float | None, uri: str) -> AsyncIterator[None]:
+        """The registry's lock, waited for until loop time ``until`` at most: a fetched push whose caller
+        has stopped waiting gives its spool back at once instead of queueing for admission."""
+        try:
+            async with asyncio.timeout_at(until):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise SourceTimeout(
+                f"{uri}: fetched, but its caller stopped waiting before the registry could admit it"
+            ) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def _admit(
         self,

@@ -25,6 +25,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from botocore.session import Session
 
+from services.registry.fetch_bounds import FetchLease
 from services.registry.source_uri import SourceLocation, check_addresses
 from shared.adapter_format import ADAPTER_FILES, CONFIG_FILE, MAX_CONFIG_BYTES
 from shared.errors import (
@@ -57,16 +58,18 @@ class FetchedFile:
 
 
 class _Budget:
-    """Bytes left for the whole fetch."""
+    """Bytes left for the whole fetch, each also charged to the spool the fetch shares with the others."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, lease: FetchLease) -> None:
         self.left = total
         self.total = total
+        self.lease = lease
 
     def take(self, n: int, uri: str) -> None:
         self.left -= n
         if self.left < 0:
             raise SourceTooLarge(f"{uri}: the source exceeds the fetch's {self.total}-byte total limit")
+        self.lease.spool(n, uri)
 
 
 class RemoteFetcher:
@@ -78,14 +81,21 @@ class RemoteFetcher:
         self._credentials_loaded = False
 
     async def fetch(
-        self, location: SourceLocation, entry: SourceEntry, redirect_entry: RedirectEntry, into: Path
+        self,
+        location: SourceLocation,
+        entry: SourceEntry,
+        redirect_entry: RedirectEntry,
+        into: Path,
+        lease: FetchLease,
+        timeout_s: float,
     ) -> dict[str, FetchedFile]:
-        """Both adapter files of ``location``, written under ``into``; a typed error otherwise."""
+        """Both adapter files of ``location``, written under ``into`` within ``timeout_s`` and charged
+        to ``lease``; a typed error otherwise."""
         limits = self._settings
         try:
-            async with asyncio.timeout(limits.timeout_s):
-                async with httpx.AsyncClient(verify=self._tls, trust_env=False, timeout=limits.timeout_s) as client:
-                    budget = _Budget(limits.max_total_bytes)
+            async with asyncio.timeout(timeout_s):
+                async with httpx.AsyncClient(verify=self._tls, trust_env=False, timeout=timeout_s) as client:
+                    budget = _Budget(limits.max_total_bytes, lease)
                     if location.scheme == "s3":
                         return await self._fetch_s3(client, location, entry, into, budget)
                     files = {}
@@ -96,7 +106,7 @@ class RemoteFetcher:
                         )
                     return files
         except TimeoutError:
-            raise SourceTimeout(f"{location.uri}: the fetch did not finish within {limits.timeout_s} s") from None
+            raise SourceTimeout(f"{location.uri}: the fetch did not finish within {timeout_s} s") from None
 
     async def _fetch_s3(
         self, client: httpx.AsyncClient, location: SourceLocation, entry: SourceEntry, into: Path, budget: _Budget
@@ -216,13 +226,15 @@ async def _stream(response: httpx.Response, url: str, sink: Path, cap: int, budg
         raise SourceTooLarge(f"{_display(url)}: {declared} bytes exceeds the {cap}-byte per-file limit")
     digest, size = hashlib.sha256(), 0
     with sink.open("xb") as out:
-        async for chunk in response.aiter_raw(CHUNK_BYTES):
+        # each read as it arrives (httpcore reads at most 64 KiB): on disk and charged at once, never buffered
+        async for chunk in response.aiter_raw():
             size += len(chunk)
             if size > cap:
                 raise SourceTooLarge(f"{_display(url)}: exceeds the {cap}-byte per-file limit")
             budget.take(len(chunk), _display(url))
             digest.update(chunk)
             out.write(chunk)
+            out.flush()  # the spool on disk is what the quota charged, not less
     return FetchedFile(path=sink, size=size, sha256=digest.hexdigest(), etag=response.headers.get("etag"))
 
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.registry.fetch_bounds import FetchBounds
 from services.registry.remote_fetch import FetchedFile, RemoteFetcher
 from services.registry.source_uri import parse_source
 from services.registry.sources import Sources
@@ -57,16 +58,25 @@ class RemoteIntake:
         self._settings = settings
         self._sources = sources
         self._fetcher = fetcher
+        self._bounds = FetchBounds(settings)
 
     @contextlib.asynccontextmanager
-    async def fetched(self, uri: str, tenant_id: str) -> AsyncIterator[FetchedAdapter]:
-        """The adapter at ``uri`` on disk for the block's duration; a typed refusal otherwise."""
+    async def fetched(self, uri: str, tenant_id: str, wait_s: float | None = None) -> AsyncIterator[FetchedAdapter]:
+        """The adapter at ``uri`` on disk for the block's duration; a typed refusal otherwise. The fetch
+        ends by the registry's time limit, or by ``wait_s`` when the caller waits less: a fetch whose
+        answer nobody awaits is cancelled, and its spool deleted, when the caller gives up."""
         location = parse_source(uri)
         enabled = self._settings.s3_enabled if location.scheme == "s3" else self._settings.https_enabled
         if not enabled:
             variable = f"LF_REMOTE__{location.scheme.upper()}_ENABLED"
             raise RemoteSourceDisabled(f"this registry does not fetch {location.scheme}:// sources ({variable} is off)")
         grant = await self._sources.authorize(location, tenant_id)
-        with tempfile.TemporaryDirectory(prefix="lf-fetch-") as spool:
-            files = await self._fetcher.fetch(location, grant.entry, grant.redirect_entry, Path(spool))
+        timeout_s = min(self._settings.timeout_s, wait_s or self._settings.timeout_s)
+        with (
+            self._bounds.lease(tenant_id, timeout_s) as lease,
+            tempfile.TemporaryDirectory(prefix="lf-fetch-", dir=self._settings.spool_dir) as spool,
+        ):
+            files = await self._fetcher.fetch(
+                location, grant.entry, grant.redirect_entry, Path(spool), lease, timeout_s
+            )
             yield FetchedAdapter(uri=location.uri, files=files)

@@ -84,19 +84,54 @@ def covers(prefix: SourceLocation, location: SourceLocation) -> bool:
     return location.uri.startswith(prefix.uri)
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+# RFC 8215 local-use NAT64: internal by definition; read as its usual /96 prefix (the IPv4 in the last 32 bits)
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+_SIIT = ipaddress.IPv6Network("::ffff:0:0:0/96")
+_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses a translator or tunnel would deliver a connection to ``address`` to: IPv4-mapped,
+    SIIT, IPv4-compatible, NAT64 (well-known and local-use prefixes), 6to4 and Teredo (server and client)."""
+    if address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]
+    if any(address in net for net in (_NAT64, _NAT64_LOCAL, _SIIT)) or (address in _COMPATIBLE and int(address) > 1):
+        return [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)]
+    if address.sixtofour is not None:
+        return [address.sixtofour]
+    if address.teredo is not None:
+        return list(address.teredo)
+    return []
+
+
 def check_addresses(host: str, addresses: list[str], allow_private: bool) -> None:
     """Refuse the host unless every address it resolved to is a public unicast one; an entry with
-    ``allow_private`` also admits loopback, private and link-local (never unspecified or multicast)."""
+    ``allow_private`` also admits loopback, private and link-local (never unspecified or multicast).
+    An IPv6 address that embeds IPv4 ones is judged by each of them, as that IPv4 address would be."""
     if not addresses:
         raise SourceAddressRefused(f"{host} resolved to no address")
     for text in addresses:
         address = ipaddress.ip_address(text.split("%")[0])
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        if address.is_unspecified or address.is_multicast:
-            raise SourceAddressRefused(f"{host} resolves to {address}, which is never fetched from")
-        if not address.is_global and not allow_private:
+        inner = embedded_ipv4(address) if isinstance(address, ipaddress.IPv6Address) else []
+        if address in _NAT64_LOCAL and not allow_private:
             raise SourceAddressRefused(
-                f"{host} resolves to the internal address {address} (loopback, private, link-local or reserved); "
+                f"{host} resolves to {address}, a local-use NAT64 address (an internal network); "
                 "only an allow-list entry with allow_private may fetch from it"
             )
+        for embedded in inner:
+            _check_one(host, embedded, f"{embedded} (embedded in {address})", allow_private)
+        if not inner:
+            _check_one(host, address, str(address), allow_private)
+
+
+def _check_one(
+    host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address, shown: str, allow_private: bool
+) -> None:
+    if address.is_unspecified or address.is_multicast:
+        raise SourceAddressRefused(f"{host} resolves to {shown}, which is never fetched from")
+    if not address.is_global and not allow_private:
+        raise SourceAddressRefused(
+            f"{host} resolves to the internal address {shown} (loopback, private, link-local or reserved); "
+            "only an allow-list entry with allow_private may fetch from it"
+        )

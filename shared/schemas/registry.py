@@ -136,6 +136,13 @@ class RegisterRequest(Message):
         description="the client's idempotency key for this push: a retry with the same key (and the same "
         "files) gets the version it stored back, signed or not",
     )
+    wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        description="how long the caller waits for the answer: a remote fetch still running then is cancelled "
+        "(None = the registry's own fetch time limit only)",
+    )
     actor: Actor
 
     @model_validator(mode="after")

@@ -86,6 +86,7 @@ class Route:
     status: int = 200
     location: str | None = None  # a redirect's target
     drip_s: float | None = None  # send one byte per drip_s instead of the whole body
+    burst: int = 0  # with drip_s: bytes sent at once before the drip begins
     etag: str | None = None
     unsized: bool = False  # no Content-Length: the body ends when the connection closes
 
@@ -114,7 +115,9 @@ class HttpsServer:
                     if route.drip_s is None:
                         self.wfile.write(route.body)
                         return
-                    for i in range(len(route.body)):
+                    self.wfile.write(route.body[: route.burst])
+                    self.wfile.flush()
+                    for i in range(route.burst, len(route.body)):
                         self.wfile.write(route.body[i : i + 1])
                         self.wfile.flush()
                         time.sleep(route.drip_s)

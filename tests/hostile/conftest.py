@@ -286,6 +286,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
     }
     (root / "trusted").mkdir()
+    (root / "spool").mkdir()
     s3, https = MotoS3(), HttpsServer(make_ca(root / "ca"))
     env.update(AWS_ENV)
     env.update({
@@ -295,6 +296,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_REMOTE__CA_FILE": str(root / "ca" / "ca.pem"),
         "LF_REMOTE__TIMEOUT_S": str(REMOTE_TIMEOUT_S),
         "LF_REMOTE__MAX_FILE_BYTES": str(REMOTE_MAX_FILE),
+        "LF_REMOTE__MAX_TENANT_FETCHES": "1",  # test_remote_sources_hostile.py fills demo's one fetch slot
+        "LF_REMOTE__SPOOL_DIR": str(root / "spool"),
     })  # fmt: skip
     stack = Stack(env, root / "logs")
     running = HostileStack(

@@ -2,6 +2,7 @@
 and an HTTPS server with a test CA. Each hostile source is refused with its typed error, changes
 nothing (``snapshot``), and its refusal reaches the auditor's index; a good one is served."""
 
+import asyncio
 import hashlib
 import re
 import time
@@ -229,3 +230,46 @@ async def test_a_signed_remote_push_through_the_admin_api_is_served(hostile: Hos
     async with hostile.client(hostile.keys.other) as c:
         foreign = await c.post("/v1/completions", json=body)
     assert foreign.status_code == 404
+
+
+# ---- fetches in flight: bounded per tenant, refused at once, spool deleted (issue 47, MEDIUM) ----
+
+
+async def test_a_push_over_the_tenants_fetch_bound_is_refused_at_once_with_retry_after(
+    hostile: HostileStack, nc: NATS
+) -> None:
+    """demo may run one fetch at a time (LF_REMOTE__MAX_TENANT_FETCHES=1): while a dripping source
+    holds it, a push through the admin API is a 429 with Retry-After at once, stores nothing and is
+    audited; once the drip is cut and its spool deleted, the same push is served."""
+    assert hostile.s3 is not None
+    spool = hostile.trusted_dir.parent / "spool"
+    held_uri = await slow_drip(hostile, nc, f"c-{uuid.uuid4().hex[:8]}")
+    held_push = signed_push(hostile, held_uri, hostile.files, f"held-{uuid.uuid4().hex[:6]}")
+    held = asyncio.create_task(request(nc, subjects.registry("register"), held_push, AdapterRecordsReply, 60))
+    adapter_id, path = f"bounded-{uuid.uuid4().hex[:6]}", f"good-{uuid.uuid4().hex[:8]}"
+    hostile.s3.put_dir("hostile", f"{path}/", hostile.files)
+    await allow(nc, f"s3://hostile/{path}/", ["demo"])
+    push = signed_push(hostile, f"s3://hostile/{path}/", hostile.files, adapter_id)
+    form = {"adapter_id": adapter_id, "task_type": "chat", "source_uri": push.source_uri, "version": "1",
+            "signature": push.signature, "signer": "release"}  # fmt: skip
+    started = time.monotonic()
+    while not any(spool.rglob(CONFIG_FILE)):  # the drip's fetch has begun: demo's slot is taken
+        assert time.monotonic() - started < 10
+        await asyncio.sleep(0.02)
+    before, since = await hostile.snapshot(nc), time.time()
+    async with hostile.client(hostile.keys.demo_admin) as c:
+        busy = await c.post("/admin/adapters", data=form)
+    assert busy.status_code == 429, busy.text
+    assert busy.json()["error"]["code"] == "source_fetches_busy"
+    assert 1 <= int(busy.headers["Retry-After"]) <= REMOTE_TIMEOUT_S
+    assert time.monotonic() - started < REMOTE_TIMEOUT_S  # refused while the drip still runs, not queued behind it
+    assert await hostile.snapshot(nc) == before
+    await hostile.wait_audit("rejection", "demo", since, service="registry", code="source_fetches_busy",
+                             request_id=f"register.{adapter_id}")  # fmt: skip
+    with pytest.raises(SourceTimeout):
+        await held
+    assert not any(spool.iterdir())  # the cut fetch's spool is gone
+    async with hostile.client(hostile.keys.demo_admin) as c:
+        served = await c.post("/admin/adapters", data=form)
+    assert served.status_code == 201, served.text
+    assert hostile.stack.dead() == {}

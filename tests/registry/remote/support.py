@@ -61,7 +61,11 @@ async def resolve(host: str, port: int) -> list[str]:
 
 
 async def start_registry(
-    nats_url: str, base_dir: Path, remote: RemoteSourceSettings, fleet_rank_classes: tuple[int, ...] = (8, 16, 32, 64)
+    nats_url: str,
+    base_dir: Path,
+    remote: RemoteSourceSettings,
+    fleet_rank_classes: tuple[int, ...] = (8, 16, 32, 64),
+    gateway_sync_timeout_s: float = 1.0,
 ) -> tuple[asyncio.Event, asyncio.Task]:
     settings = RegistrySettings(
         nats_url=nats_url,
@@ -71,6 +75,7 @@ async def start_registry(
         max_rank=16,
         remote=remote,
         fleet_rank_classes=fleet_rank_classes,
+        gateway_sync_timeout_s=gateway_sync_timeout_s,
     )
     nc = await connect(nats_url, "registry-remote-wait")
     beats = await nc.subscribe(subjects.service_heartbeat("registry"))
@@ -92,7 +97,9 @@ class Push:
     signer: str
     tenant: str
 
-    def request(self, adapter_id: str, uri: str, files: Files, version: int = 1) -> RegisterRequest:
+    def request(
+        self, adapter_id: str, uri: str, files: Files, version: int = 1, wait_s: float | None = None
+    ) -> RegisterRequest:
         digests = {name: sha256(data) for name, data in files.items()}
         manifest = signing.manifest_bytes(digests, adapter_id, version, self.tenant, self.base.fingerprint)
         return RegisterRequest(
@@ -103,6 +110,7 @@ class Push:
             source_uri=uri,
             signature=signing.sign(manifest, signing.load_private_key(self.keys.private_pem)),
             signer=self.signer,
+            wait_s=wait_s,
             actor="test",
         )
 

@@ -1,6 +1,7 @@
 """Canonical source URIs, the prefixes an allow-list entry covers, and the address check: no server."""
 
 import ipaddress
+import re
 
 import pytest
 
@@ -77,3 +78,43 @@ def test_unspecified_and_multicast_are_refused_even_with_allow_private() -> None
     with pytest.raises(SourceAddressRefused):  # one internal answer among public ones is enough
         check_addresses("h", ["93.184.216.34", "10.0.0.1"], allow_private=False)
     assert ipaddress.ip_address("93.184.216.34").is_global
+
+
+# IPv6 forms that carry an IPv4 address a translator or tunnel delivers to (issue 47, LOW)
+EMBEDDED = [
+    pytest.param("64:ff9b::a00:1", "10.0.0.1", id="nat64"),
+    pytest.param("64:ff9b::a9fe:a9fe", "169.254.169.254", id="nat64-metadata"),
+    pytest.param("2002:7f00:1::", "127.0.0.1", id="6to4"),
+    pytest.param("2002:c0a8:101:1::1", "192.168.1.1", id="6to4-host"),
+    pytest.param("::a00:1", "10.0.0.1", id="ipv4-compatible"),
+    pytest.param("::ffff:a9fe:a9fe", "169.254.169.254", id="ipv4-mapped"),
+    pytest.param("::ffff:0:a00:1", "10.0.0.1", id="siit"),
+    pytest.param("::ffff:0:7f00:1", "127.0.0.1", id="siit-loopback"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("address, inner", EMBEDDED)
+def test_an_ipv6_address_embedding_an_internal_ipv4_one_is_refused(address: str, inner: str) -> None:
+    with pytest.raises(SourceAddressRefused, match=rf"internal address {re.escape(inner)} \(embedded in "):
+        check_addresses("h", [address], allow_private=False)
+    check_addresses("h", [address], allow_private=True)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::e000:1", "64:ff9b:1::0", "2002:e000:1::", "::e000:1", "::ffff:0:0:0", "::ffff:0:e000:1",
+     "2001:0:4136:e378:8000:63bf:1fff:fffe", "2001:0:0:0:8000:63bf:a2b4:2dcd"],
+)  # fmt: skip
+def test_an_embedded_unspecified_or_multicast_address_is_refused_even_with_allow_private(address: str) -> None:
+    with pytest.raises(SourceAddressRefused, match=r"embedded in .* which is never fetched from"):
+        check_addresses("h", [address], allow_private=True)
+
+
+def test_local_use_nat64_is_internal_and_public_embedded_addresses_pass() -> None:
+    with pytest.raises(SourceAddressRefused, match="local-use NAT64"):
+        check_addresses("h", ["64:ff9b:1::5db8:d822"], allow_private=False)
+    check_addresses("h", ["64:ff9b:1::5db8:d822"], allow_private=True)
+    with pytest.raises(SourceAddressRefused, match=r"internal address 192\.0\.2\.45"):  # a Teredo client in TEST-NET-1
+        check_addresses("h", ["2001:0:4136:e378:8000:63bf:3fff:fdd2"], allow_private=False)
+    # 93.184.216.34 reached through NAT64, 6to4, SIIT and IPv4-mapped: as public as itself
+    check_addresses("h", ["64:ff9b::5db8:d822", "2002:5db8:d822::1", "::ffff:0:5db8:d822"], allow_private=False)
