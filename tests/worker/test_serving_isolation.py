@@ -16,6 +16,7 @@ from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, Mod
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from shared.access import SHARED_TENANT
+from shared.request_ref import RequestRef
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ResolvedAdapter, SamplingParams
 from tests.helpers.adapters import make_peft_model
 
@@ -140,3 +141,26 @@ async def test_only_the_adapters_owner_is_told_whether_it_was_resident(worker: W
 
     accepted, final, _ = await worker.serve("globex", "base", None)
     assert (accepted.cache_hit, final.served_by.cache_hit) == (True, True)  # the base model is always resident
+
+
+async def test_the_engine_counts_each_request_toward_its_tenants_kv_share(worker: Worker) -> None:
+    """The serving path names the tenant to the engine, whose scheduler holds it to tenant_kv_share."""
+    request = InferRequest(
+        request_id="long",
+        tenant_id="globex",
+        model="m",
+        base_model=worker.server.base_model,
+        prompt="Once upon a time",
+        reply_to="_INBOX.long",
+        sampling=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    )
+    await worker.server.accept(request)
+    scheduler = worker.engine.engine.scheduler
+    deadline = time.monotonic() + 60
+    while not (running := list(scheduler.running)):
+        assert time.monotonic() < deadline, "the request never ran"
+        await asyncio.sleep(0.01)
+    assert [s.request.tenant for s in running] == ["globex"]
+    assert worker.server.cancel(RequestRef("globex", "long"))
+    while worker.server.tasks:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
