@@ -219,3 +219,28 @@ def test_without_a_share_one_tenant_takes_every_block_first() -> None:
     scheduler = make(num_blocks=6, kv_share=1.0)
     tenants_seqs(scheduler, "aaab")
     assert ids(step(scheduler).prefills) == ["a0", "a1", "a2"]
+
+
+@pytest.mark.parametrize("delay", [1, 2])  # a's run 3 steps: a longer delay lets them finish first
+def test_a_tenant_grown_past_its_kv_share_yields_its_newest_to_another_tenants_request(delay: int) -> None:
+    scheduler = make(num_blocks=6, delay=delay, kv_share=0.5)
+    tenants_seqs(scheduler, "aaa")
+    assert ids(step(scheduler).prefills) == ["a0", "a1", "a2"]  # alone: every block
+    scheduler.add(seq("b", prompt=5, max_tokens=3, tenant="b"))
+    waited = 0
+    while not (out := step(scheduler)).preempted:
+        waited += 1
+        assert out.prefills == []
+    assert waited == delay - 1
+    assert ids(out.preempted) == ["a2"] and ids(out.prefills) == ["b"]
+    admitted, preempted = drain(scheduler)
+    assert admitted == ["a2"] and preempted == []
+
+
+def test_the_kv_share_never_preempts_a_higher_class_for_a_lower_one() -> None:
+    scheduler = make(num_blocks=6, delay=1, kv_share=0.5)
+    for i in range(3):
+        scheduler.add(seq(f"a{i}", prompt=5, slo="interactive", max_tokens=3, tenant="a"))
+    step(scheduler)
+    scheduler.add(seq("b", prompt=5, slo="batch", max_tokens=3, tenant="b"))
+    assert not step(scheduler).preempted and not step(scheduler).preempted

@@ -90,8 +90,9 @@ class BatchScheduler:
         return enough
 
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
-        """Preempt lower-class sequences for the first waiting one once it has waited its delay, and
-        only when the room they free lets it in: each preemption costs a recompute."""
+        """Preempt lower-class sequences, and those of another tenant holding more than its KV share, for
+        the first waiting one once it has waited its delay, and only when the room they free lets it in:
+        each preemption costs a recompute."""
         delay = self.config.class_preempt_after_steps
         held, waiting = self._held(), self._waiting_tenants()
         seq = next((s for s in self.waiting if self._resident(s) and not self._over_share(s, held, waiting)), None)
@@ -101,10 +102,15 @@ class BatchScheduler:
         if self._fits(seq, staying, freed=0):
             return  # no help needed: it is admitted below
         victims: list[Sequence] = []
-        freed = 0
-        while staying and staying[-1].rank > seq.rank:  # the lowest class first, its newest first
-            victim = staying.pop()
+        freed, share = 0, self._share_blocks()
+        for victim in reversed(self.running):  # the lowest class first, its newest first
+            tenant = victim.request.tenant
+            over = tenant is not None and tenant != seq.request.tenant and held[tenant] > share
+            if victim.rank < seq.rank or (victim.rank == seq.rank and not over):  # never a higher class
+                continue
+            staying.remove(victim)
             victims.append(victim)
+            held[tenant] -= len(victim.block_table)
             freed += self.blocks.freeable(victim)
             if self._fits(seq, staying, freed):
                 for victim in victims:
@@ -147,6 +153,10 @@ class BatchScheduler:
             held[seq.request.tenant] += len(seq.block_table)
         return held
 
+    def _share_blocks(self) -> int:
+        """The KV blocks one tenant may hold while another's request waits (every block: no share)."""
+        return int(self.config.tenant_kv_share * self.blocks.allocator.num_blocks)
+
     def _waiting_tenants(self) -> Counter[str | None]:
         """Waiting sequences ready to run (adapter resident) by tenant."""
         return Counter(s.request.tenant for s in self.waiting if self._resident(s))
@@ -154,10 +164,9 @@ class BatchScheduler:
     def _over_share(self, seq: Sequence, held: Counter[str | None], waiting: Counter[str | None]) -> bool:
         """Whether admitting ``seq`` now takes its tenant past its KV share while another tenant waits."""
         tenant = seq.request.tenant
-        if tenant is None or not held[tenant] or self.config.tenant_kv_share >= 1:
+        if tenant is None or not held[tenant]:
             return False
-        share = int(self.config.tenant_kv_share * self.blocks.allocator.num_blocks)
-        if held[tenant] + self.blocks.blocks_needed(seq.num_tokens) <= share:
+        if held[tenant] + self.blocks.blocks_needed(seq.num_tokens) <= self._share_blocks():
             return False
         return any(count > 0 for other, count in waiting.items() if other != tenant)
 
