@@ -33,13 +33,14 @@ class Break:
     problem: str
 
 
-def walk(db: sqlite3.Connection, start: Tip | None) -> Tip | Break | None:
-    """Re-hash every record after ``start`` (None: from genesis) to the newest one: the new tip,
-    the first broken link, or None when there is nothing past ``start``."""
+def walk(db: sqlite3.Connection, start: Tip | None, until: int | None = None) -> Tip | Break | None:
+    """Re-hash every record after ``start`` (None: from genesis) to the newest one (or to ``until``):
+    the new tip, the first broken link, or None when there is nothing past ``start``."""
     prev, expected = (start.hash, start.pos + 1) if start else (GENESIS, 1)
     tip: Tip | None = None
     rows: Iterable[tuple[int, int, str, str, str]] = db.execute(
-        "SELECT pos, stream_seq, body, prev_hash, hash FROM audit WHERE pos >= ? ORDER BY pos", (expected,)
+        "SELECT pos, stream_seq, body, prev_hash, hash FROM audit WHERE pos >= ? AND pos <= ? ORDER BY pos",
+        (expected, until if until is not None else 2**62),
     )
     for pos, stream_seq, body, prev_hash, hash_ in rows:
         if pos != expected:
@@ -48,6 +49,23 @@ def walk(db: sqlite3.Connection, start: Tip | None) -> Tip | Break | None:
             return Break(pos, f"record {pos} does not link to the record before it: altered, dropped or moved")
         prev, expected, tip = hash_, pos + 1, Tip(pos, hash_, stream_seq)
     return tip
+
+
+def against_tip(found: Tip | Break | None, start: Tip | None, written: Tip) -> Break | None:
+    """Whether the rows re-hashed up to ``written`` (the tip this process appended) end in it: a record
+    after ``start`` rewritten on disk and the chain re-linked gives another hash at its position."""
+    if isinstance(found, Break):
+        return found
+    since = start.pos + 1 if start else 1
+    if found is None or found.pos != written.pos:
+        return Break(since, f"truncated: record {written.pos}, written by this auditor, is gone")
+    if found.hash != written.hash:
+        return Break(
+            since,
+            f"rewritten: record {written.pos} no longer has the hash this auditor wrote; "
+            f"a record from {since} to {written.pos} was altered and the chain re-linked",
+        )
+    return None
 
 
 def against_head(db: sqlite3.Connection, head: SignedHead, since: int = 1) -> Break | None:

@@ -8,7 +8,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.auditor.chain import GENESIS, Break, link, walk
+from services.auditor.chain import GENESIS, Break, Tip, link, walk
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -53,6 +53,8 @@ class AuditStore:
         self._db = sqlite3.connect(str(path))
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
+        row = self._db.execute("SELECT pos, hash, stream_seq FROM audit ORDER BY pos DESC LIMIT 1").fetchone()
+        self._tip = Tip(*row) if row else None
 
     def close(self) -> None:
         self._db.close()
@@ -62,8 +64,14 @@ class AuditStore:
         return self._db.execute("SELECT COALESCE(MAX(stream_seq), 0) FROM audit").fetchone()[0]
 
     def last_hash(self) -> str:
-        row = self._db.execute("SELECT hash FROM audit ORDER BY pos DESC LIMIT 1").fetchone()
-        return row[0] if row else GENESIS
+        return self._tip.hash if self._tip else GENESIS
+
+    @property
+    def tip(self) -> Tip | None:
+        """The newest record as this process wrote it (read from the file once, at open): what a
+        head is signed from, and what the next record links to, so rows rewritten on disk after
+        it are neither vouched for nor built upon."""
+        return self._tip
 
     def append(self, stream_seq: int, body: dict) -> bool:
         """Add one record to the chain; False if this stream sequence is already recorded."""
@@ -71,7 +79,8 @@ class AuditStore:
             return False
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         prev = self.last_hash()
-        pos = (self._db.execute("SELECT COALESCE(MAX(pos), 0) FROM audit").fetchone()[0]) + 1
+        pos = (self._tip.pos if self._tip else 0) + 1
+        hash_ = link(prev, pos, text)
         with self._db:
             self._db.execute(
                 "INSERT INTO audit (pos, stream_seq, kind, tenant_id, request_id, adapter_id, ts, body, prev_hash, hash)"
@@ -86,9 +95,10 @@ class AuditStore:
                     body["ts"],
                     text,
                     prev,
-                    link(prev, pos, text),
+                    hash_,
                 ),
             )
+        self._tip = Tip(pos, hash_, stream_seq)
         return True
 
     def query(

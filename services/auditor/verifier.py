@@ -3,7 +3,8 @@ new head; or verify all of it against every signed head, on request.
 
 Each tick re-hashes only the records added since the last verified one, checks that the record
 the newest signed head names still has that hash (a truncation removes it, a rewrite-and-relink
-changes it), then signs the new tip. A break is kept until restart, and nothing is signed after
+changes it), and that the rows end in the tip the store wrote, then signs that in-memory tip: a
+head never vouches for a row as the file holds it, only as this auditor appended it. A break is kept until restart, and nothing is signed after
 it: a later head must never vouch for a chain that was found altered."""
 
 import asyncio
@@ -54,21 +55,20 @@ class ChainVerifier:
         """Verify what was added since the last tick and sign the new tip."""
         if self._broken is not None:
             return
-        signed, start = self._signed, self._verified
+        signed, start, tip = self._signed, self._verified, self._store.tip
+        new = tip if tip is not None and (start is None or tip.pos > start.pos) else None
 
-        def check(db: sqlite3.Connection) -> Tip | Break | None:
+        def check(db: sqlite3.Connection) -> Break | None:
             broken = chain.against_head(db, signed) if signed else None
-            return broken or chain.walk(db, start)
+            if broken is None and new is not None:
+                broken = chain.against_tip(chain.walk(db, start, new.pos), start, new)
+            return broken
 
-        found = await self._in_thread(check)
-        if isinstance(found, Break):
-            self._fail(found)
+        if self._fail(await self._in_thread(check)) is not None or new is None:
             return
-        if found is None or (signed is not None and found.pos <= signed.pos):
-            return
-        head = self._signer.sign(found)
+        head = self._signer.sign(new)
         await self._heads.append(head)
-        self._verified, self._signed = found, head
+        self._verified, self._signed = new, head
 
     async def verify_all(self) -> None:
         """Re-hash the whole chain and hold it against every head this auditor ever signed; callers

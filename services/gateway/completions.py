@@ -216,14 +216,19 @@ async def _submit(
 
 
 def _served_headers(request_id: str, subs: list[Submission]) -> dict[str, str]:
+    """The served-by headers; no cache-hit header where a worker did not tell (an adapter the tenant
+    does not own, whose residency other tenants' traffic keeps up)."""
     adapter = subs[0].request.adapter
-    return {
+    headers = {
         "x-lorafleet-request-id": request_id,
         "x-lorafleet-adapter": adapter.adapter_id if adapter else "",
         "x-lorafleet-version": str(adapter.version) if adapter else "",
-        "x-lorafleet-cache-hit": "true" if all(s.accepted.cache_hit for s in subs) else "false",
         "x-lorafleet-worker": ",".join(sorted({s.accepted.worker_id for s in subs})),
     }
+    hits = [s.accepted.cache_hit for s in subs]
+    if None not in hits:
+        headers["x-lorafleet-cache-hit"] = "true" if all(hits) else "false"
+    return headers
 
 
 def _scored(final: ReplyFinal) -> ReplyFinal:

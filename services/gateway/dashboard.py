@@ -83,6 +83,8 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
     workers = dashboard_data.workers(ctx.cluster.ready_workers())
     if tenant is not None:
         own = {r.adapter_id for r in records}
+        for row in (*completions, *recent.records):
+            row.update(dashboard_data.told_hit(row, own))
         for w in workers:
             w["gpu_adapters"] = [k for k in w["gpu_adapters"] if adapter_of_key(k) in own]
             w["cpu_adapters"] = [k for k in w["cpu_adapters"] if adapter_of_key(k) in own]

@@ -20,21 +20,31 @@ def traffic(completions: list[dict]) -> dict:
     tenants: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "tokens": 0})
     adapters: dict[str, int] = defaultdict(int)
     for c in completions:
-        ttft[bool(c["cache_hit"])].append(c["ttft_ms"])
+        if c.get("cache_hit") is not None:
+            ttft[bool(c["cache_hit"])].append(c["ttft_ms"])
         tenants[c["tenant_id"]]["requests"] += 1
         tenants[c["tenant_id"]]["tokens"] += c["completion_tokens"]
         name = adapter_key(c["adapter_id"], c["adapter_version"]) if c.get("adapter_id") else "base"
         adapters[name] += c["completion_tokens"]
     lookups = len(ttft[True]) + len(ttft[False])
     return {
-        "requests": lookups,
+        "requests": len(completions),
         "hit_rate": len(ttft[True]) / lookups if lookups else None,
         "ttft_p95_hit_ms": p95(ttft[True]),
         "ttft_p95_miss_ms": p95(ttft[False]),
         "tenants": dict(tenants),
         "adapter_tokens": dict(sorted(adapters.items(), key=lambda kv: -kv[1])[:12]),
-        "ttft_series": [[c["ts"], c["ttft_ms"], bool(c["cache_hit"])] for c in completions[-200:]],
+        "ttft_series": [[c["ts"], c["ttft_ms"], c.get("cache_hit")] for c in completions[-200:]],
     }
+
+
+def told_hit(record: dict, own: set[str]) -> dict:
+    """A tenant admin's view of a record's cache_hit: none for an adapter the tenant does not own (as the
+    worker tells the requester), whose residency other tenants' traffic keeps up."""
+    adapter_id = record.get("adapter_id")
+    if "cache_hit" in record and adapter_id is not None and adapter_id not in own:
+        return {"cache_hit": None}
+    return {}
 
 
 def workers(beats: list[WorkerHeartbeat]) -> list[dict]:

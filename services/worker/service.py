@@ -199,6 +199,7 @@ async def run(settings: WorkerSettings) -> None:
             settings.adapter_metric_labels,
             served.rank_classes,
             settings.slo_window,
+            lambda adapter_id: resolver.mirror.catalog.owner(adapter_id),
         )
 
         async def on_dispatch(msg) -> None:

@@ -84,9 +84,17 @@ class Job:
     def slo_class(self) -> SloClass:
         return self.request.priority or "standard"  # None: it bypassed the scheduler
 
+    owned: bool = True  # the adapter is the requester's own (or none: the base model)
+
     @property
     def cache_hit(self) -> bool:
         return self.lookup is None or self.lookup.hit
+
+    @property
+    def told_hit(self) -> bool | None:
+        """What the requester is told of ``cache_hit``: nothing for an adapter it does not own, whose
+        residency other tenants' traffic keeps up (the audit and the metrics keep the truth)."""
+        return self.cache_hit if self.owned else None
 
 
 class RequestServer:
@@ -109,6 +117,7 @@ class RequestServer:
         adapter_metric_labels: int = 50,
         rank_classes: tuple[int, ...] = (),
         slo_window: int = 500,
+        owner_of: Callable[[str], str | None] | None = None,
     ):
         self.engine = engine
         self.prompts = prompts
@@ -120,6 +129,8 @@ class RequestServer:
         self.cache = cache
         self.digest_of = digest_of
         self.grants = grants  # None: adapters are trusted as dispatched (tests without a registry)
+        # adapter id -> owner tenant (the catalog mirror's); None: every requester is told (no registry)
+        self.owner_of = owner_of
         self.tasks: dict[RequestRef, asyncio.Task] = {}
         self._jobs: dict[RequestRef, Job] = {}
         self._stop_errors: dict[RequestRef, LorafleetError] = {}
@@ -154,6 +165,7 @@ class RequestServer:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")
             job.key = adapter_key(request.adapter.adapter_id, request.adapter.version)
+            job.owned = self.owner_of is None or self.owner_of(request.adapter.adapter_id) == request.tenant_id
             job.lookup = self.cache.acquire(
                 job.key,
                 request.adapter.rank,
@@ -171,7 +183,7 @@ class RequestServer:
         task.add_done_callback(lambda _: self.tasks.pop(ref, None))
         await self.emit(
             request.reply_to,
-            ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.cache_hit),
+            ReplyAccepted(request_id=request.request_id, worker_id=self.worker_id, cache_hit=job.told_hit),
         )
 
     async def _check_grant(self, request: InferRequest) -> None:
@@ -291,6 +303,7 @@ class RequestServer:
             adapter=job.key,
             cache_salt=salt,
             slo_class=job.slo_class,
+            tenant=request.tenant_id,
         )
         async for out in self.engine.generate(engine_request):
             for piece in prompt_pieces(rid, out.prompt_logprobs or []):
@@ -317,7 +330,7 @@ class RequestServer:
         served = ServedBy(
             worker_id=self.worker_id,
             base_model=self.base_model,
-            cache_hit=job.cache_hit,
+            cache_hit=job.told_hit,
             adapter_id=adapter.adapter_id if adapter else None,
             adapter_version=adapter.version if adapter else None,
             adapter_digest=job.digest,

@@ -228,7 +228,9 @@ class ServedBy(Message):
     adapter_id: str | None = None
     adapter_version: int | None = None
     adapter_digest: str | None = None
-    cache_hit: bool = True
+    cache_hit: bool | None = Field(
+        default=True, description="as on ReplyAccepted: None when the adapter is not the requester's own"
+    )
 
 
 class Usage(Message):
@@ -240,7 +242,10 @@ class ReplyAccepted(Message):
     kind: Literal["accepted"] = "accepted"
     request_id: RequestId
     worker_id: Identifier
-    cache_hit: bool = Field(description="the adapter (or base model) was resident when the worker accepted")
+    cache_hit: bool | None = Field(
+        description="the adapter (or base model) was resident when the worker accepted; None (not told) for an "
+        "adapter the requester does not own: a shared adapter's residency tells of other tenants' traffic"
+    )
 
 
 class TopLogprob(Message):

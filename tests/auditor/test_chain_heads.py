@@ -231,3 +231,39 @@ def test_a_head_is_signed_every_n_records_and_at_a_graceful_stop(own_nats, tmp_p
         assert final is not None and final.pos == 120
     finally:
         stack.stop_all()
+
+
+async def test_a_row_rewritten_after_the_newest_head_is_not_signed(world: World) -> None:
+    """Issue 47 (LOW): the tail past the newest signed head was re-read from the file and signed as
+    found; the head is now signed from the tip the store wrote, so a re-linked edit is never vouched for."""
+    verifier = world.verifier()
+    fill(world.store, 1, 11)
+    await verifier.tick()
+    fill(world.store, 11, 16)
+    written = world.store_tip()
+    assert written.pos == 15
+    relink_from(world.path, 13, '"n":13', '"n":99')
+    assert world.store.verify() is None  # every link on disk verifies
+    forged = world.store_tip()
+    assert forged.pos == 15 and forged.hash != written.hash
+
+    await verifier.tick()
+    status = verifier.status()
+    assert (status.intact, status.broken_at, status.signed_pos) == (False, 11, 10)
+    assert status.problem and status.problem.startswith("rewritten")
+    head = await HeadLog(world.js, world.chain_id).latest()
+    assert head is not None and head.pos == 10 and head.hash != forged.hash
+    fill(world.store, 16, 18)  # nothing is signed after the break, and new rows link to what was written
+    await verifier.tick()
+    assert verifier.status().signed_pos == 10
+    with contextlib.closing(world.store.reader()) as db:
+        assert db.execute("SELECT prev_hash FROM audit WHERE pos = 16").fetchone()[0] == written.hash
+
+
+async def test_the_head_covers_exactly_what_the_store_wrote(world: World) -> None:
+    verifier = world.verifier()
+    fill(world.store, 1, 8)
+    await verifier.tick()
+    head = await HeadLog(world.js, world.chain_id).latest()
+    assert head is not None and world.store.tip is not None
+    assert (head.pos, head.hash) == (world.store.tip.pos, world.store.tip.hash) == (7, world.store_tip().hash)

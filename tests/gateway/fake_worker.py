@@ -92,7 +92,8 @@ class FakeWorker:
             error = QuotaExceeded("tenant is over 10 requests/min", retry_after_s=2.6).to_body()
             await self._send(request, ReplyError(request_id=rid, error=error))
             return
-        await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=True))
+        told = None if "untold-hit" in text else True  # a worker tells no hit for an adapter not the tenant's own
+        await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=told))
         s = request.sampling
         echo = json.dumps(
             {

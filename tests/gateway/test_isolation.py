@@ -41,9 +41,22 @@ async def test_own_adapter_is_served_with_its_headers(gateway, two_tenants):
         model=ids[1], messages=[{"role": "user", "content": "hi"}]
     )
     assert raw.headers["x-lorafleet-adapter"] == ids[1] and raw.headers["x-lorafleet-version"] == "1"
+    assert raw.headers["x-lorafleet-cache-hit"] == "true"
     assert f'"adapter": "{ids[1]}"' in raw.parse().choices[0].message.content
     pinned = await oai(gateway, key).completions.create(model=f"{ids[0]}@1", prompt="hi")
     assert f'"adapter": "{ids[0]}"' in pinned.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_cache_hit_header_where_the_worker_did_not_tell(gateway, two_tenants, stream):
+    """Issue 47: a worker tells no cache hit for an adapter the tenant does not own (its residency is
+    other tenants' traffic); the gateway then sends no header rather than a guess."""
+    _, key, ids = two_tenants["a"]
+    raw = await oai(gateway, key).chat.completions.with_raw_response.create(
+        model=ids[0], messages=[{"role": "user", "content": "untold-hit"}], stream=stream
+    )
+    assert raw.headers["x-lorafleet-adapter"] == ids[0]
+    assert "x-lorafleet-cache-hit" not in raw.headers
 
 
 async def test_retrieve_model_answers_own_models_and_base(gateway, two_tenants):

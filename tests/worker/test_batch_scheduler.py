@@ -17,8 +17,9 @@ class _NullTokenizer:
         return "".join(chr(0x4E00 + i) for i in ids)
 
 
-def make(num_blocks: int, max_num_seqs: int = 8, delay: int | None = 2) -> BatchScheduler:
+def make(num_blocks: int, max_num_seqs: int = 8, delay: int | None = 2, kv_share: float = 1.0) -> BatchScheduler:
     config = EngineConfig(
+        tenant_kv_share=kv_share,
         num_blocks=num_blocks,
         kv_block_size=BLOCK,
         max_num_seqs=max_num_seqs,
@@ -33,9 +34,10 @@ def make(num_blocks: int, max_num_seqs: int = 8, delay: int | None = 2) -> Batch
 _next_token = iter(range(1, 10**9))
 
 
-def seq(rid: str, prompt: int, slo: SloClass = "standard", max_tokens: int = 40) -> Sequence:
+def seq(rid: str, prompt: int, slo: SloClass = "standard", max_tokens: int = 40, tenant: str | None = None) -> Sequence:
     ids = [next(_next_token) % 250 + 1 for _ in range(prompt)]
-    request = EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), slo_class=slo)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    request = EngineRequest(rid, ids, sampling, slo_class=slo, tenant=tenant)
     return Sequence(request, _NullTokenizer())
 
 
@@ -180,3 +182,65 @@ def test_without_a_delay_setting_a_waiting_interactive_never_preempts() -> None:
     assert ids(out.preempted) == ["b2"]
     admitted, _ = drain(scheduler)
     assert admitted[0] == "i"
+
+
+def tenants_seqs(scheduler: BatchScheduler, plan: str) -> None:
+    """``plan``: one letter per request, its tenant; each takes 2 blocks (5 prompt tokens, 3 more)."""
+    for i, tenant in enumerate(plan):
+        scheduler.add(seq(f"{tenant}{i}", prompt=5, max_tokens=3, tenant=tenant))
+
+
+def test_a_tenant_past_its_kv_share_waits_while_another_tenants_request_waits() -> None:
+    """Issue 47: one tenant's burst used to take every KV block, queueing the others behind it."""
+    scheduler = make(num_blocks=6, kv_share=0.5)  # a share of 3 blocks: one 2-block request each while both wait
+    tenants_seqs(scheduler, "aaab")
+    assert ids(step(scheduler).prefills) == ["a0", "b3"]
+    held = {s.request.tenant: len(s.block_table) for s in scheduler.running}
+    assert held == {"a": 2, "b": 2}
+    admitted, preempted = drain(scheduler)
+    assert admitted == ["a1", "a2"] and preempted == []  # nobody starves: a's rest run once b has nothing waiting
+    assert scheduler.blocks.allocator.num_free == 6
+
+
+def test_the_kv_share_binds_only_while_another_tenant_waits() -> None:
+    scheduler = make(num_blocks=6, kv_share=0.5)
+    tenants_seqs(scheduler, "aaa")
+    assert ids(step(scheduler).prefills) == ["a0", "a1", "a2"]  # alone, a tenant may use every block
+
+
+def test_a_tenant_with_nothing_running_is_admitted_past_its_share() -> None:
+    scheduler = make(num_blocks=8, kv_share=0.25)  # a share of 2 blocks
+    scheduler.add(seq("a-big", prompt=11, max_tokens=1, tenant="a"))  # 3 blocks
+    scheduler.add(seq("b-big", prompt=11, max_tokens=1, tenant="b"))
+    assert ids(step(scheduler).prefills) == ["a-big", "b-big"]
+
+
+def test_without_a_share_one_tenant_takes_every_block_first() -> None:
+    scheduler = make(num_blocks=6, kv_share=1.0)
+    tenants_seqs(scheduler, "aaab")
+    assert ids(step(scheduler).prefills) == ["a0", "a1", "a2"]
+
+
+@pytest.mark.parametrize("delay", [1, 2])  # a's run 3 steps: a longer delay lets them finish first
+def test_a_tenant_grown_past_its_kv_share_yields_its_newest_to_another_tenants_request(delay: int) -> None:
+    scheduler = make(num_blocks=6, delay=delay, kv_share=0.5)
+    tenants_seqs(scheduler, "aaa")
+    assert ids(step(scheduler).prefills) == ["a0", "a1", "a2"]  # alone: every block
+    scheduler.add(seq("b", prompt=5, max_tokens=3, tenant="b"))
+    waited = 0
+    while not (out := step(scheduler)).preempted:
+        waited += 1
+        assert out.prefills == []
+    assert waited == delay - 1
+    assert ids(out.preempted) == ["a2"] and ids(out.prefills) == ["b"]
+    admitted, preempted = drain(scheduler)
+    assert admitted == ["a2"] and preempted == []
+
+
+def test_the_kv_share_never_preempts_a_higher_class_for_a_lower_one() -> None:
+    scheduler = make(num_blocks=6, delay=1, kv_share=0.5)
+    for i in range(3):
+        scheduler.add(seq(f"a{i}", prompt=5, slo="interactive", max_tokens=3, tenant="a"))
+    step(scheduler)
+    scheduler.add(seq("b", prompt=5, slo="batch", max_tokens=3, tenant="b"))
+    assert not step(scheduler).preempted and not step(scheduler).preempted

@@ -352,3 +352,22 @@ def test_close_fails_loads_that_never_ran(cache: CacheHierarchy, store: Store) -
     with pytest.raises(ServiceUnavailable, match="shutting down"):
         lookups[2].ready.result(WAIT)
     assert all(lookup.ready.result(WAIT) >= 0 for lookup in lookups[:2])
+
+
+def test_a_tenant_past_its_cpu_share_evicts_its_own_cpu_copies(
+    manager: AdapterManager, store: Store, adapter_dirs: dict[str, Path]
+) -> None:
+    """Issue 47: acme's stream of adapters used to push globex's colder CPU copy out of the tier."""
+    size = manager.read_adapter(adapter_dirs[RANK8[0]]).nbytes
+    config = CacheConfig(policy="lru", cpu_policy="lru", cpu_budget_bytes=4 * size, tenant_cpu_share=0.5)
+    cache = CacheHierarchy(manager, store, config)
+    try:
+        for key, tenant in [(RANK8[3], "globex"), (RANK8[0], "acme"), (RANK8[1], "acme"), (RANK8[2], "acme"),
+                            (RANK8[4], "acme")]:  # fmt: skip
+            cache.acquire(key, 8, tenant).ready.result(WAIT)
+            cache.release(key)
+        stats = cache.stats()
+        assert sorted(stats.cpu_adapters) == sorted([RANK8[3], RANK8[1], RANK8[2], RANK8[4]])
+        assert stats.evictions.get("cpu/capacity") == 1 and stats.cpu_bytes == 4 * size
+    finally:
+        cache.close()

@@ -142,8 +142,34 @@ def test_cpu_tier_keeps_its_byte_budget_by_its_policy() -> None:
     assert tier.remove("B") and not tier.remove("B") and tier.nbytes == 1000
 
 
+def test_a_tenant_over_its_cpu_share_evicts_its_own_coldest_first() -> None:
+    """Issue 47: one tenant's stream of adapters used to flush every other tenant's CPU copies."""
+    tier = CpuTier(budget_bytes=4000, policy=LruPolicy(), tenant_share=0.5)  # 1000-byte adapters: 4 fit, 2 each
+    for now, (key, tenant) in enumerate([("b1", "b"), ("a1", "a"), ("a2", "a"), ("a3", "a")]):
+        tier.policy.touch(key, now)
+        assert tier.put(Entry(key, 8, tenant), weights(500), now) == []  # a free tier binds nobody
+    assert (tier.tenant_bytes("a"), tier.tenant_bytes("b")) == (3000, 1000)
+    tier.policy.touch("a4", 4)
+    assert tier.put(Entry("a4", 8, "a"), weights(500), 4) == ["a1"]  # over its share: its own, not b's colder b1
+    tier.policy.touch("b2", 5)
+    assert tier.put(Entry("b2", 8, "b"), weights(500), 5) == ["a2"]  # a is over its share: a leaves, not b1
+    tier.policy.touch("c1", 6)
+    assert tier.put(Entry("c1", 8, "c"), weights(500), 6) == ["b1"]  # nobody over: the policy's coldest
+    assert sorted(tier.keys()) == ["a3", "a4", "b2", "c1"]
+    assert tier.put(Entry("big", 8, "d"), weights(1500), 7) == [] and "big" not in tier  # more than a share
+    assert tier.put(Entry("warm", 8), weights(500), 8) == ["a3"]  # a prefetch (no tenant) evicts like the rest
+
+
+def test_a_full_cpu_share_restores_the_plain_policy() -> None:
+    tier = CpuTier(budget_bytes=2000, policy=LruPolicy(), tenant_share=1.0)
+    for now, (key, tenant) in enumerate([("b1", "b"), ("a1", "a"), ("a2", "a")]):
+        tier.policy.touch(key, now)
+        evicted = tier.put(Entry(key, 8, tenant), weights(500), now)
+    assert evicted == ["b1"]
+
+
 @pytest.mark.parametrize(
-    "config", [{"policy": "mru"}, {"load_threads": 0}, {"cpu_budget_bytes": -1}, {"half_life_s": 0},
+    "config", [{"policy": "mru"}, {"tenant_cpu_share": 0}, {"tenant_cpu_share": 1.5}, {"load_threads": 0}, {"cpu_budget_bytes": -1}, {"half_life_s": 0},
                {"tenant_slot_shares": {"t": 1.5}}, {"unknown": 1}],
 )  # fmt: skip
 def test_config_is_bounded_and_frozen(config: dict) -> None:

@@ -44,6 +44,13 @@ class CacheConfig(BaseModel):
         le=1,
         description="share of a rank class's slots one tenant may hold before its own coldest adapters go first",
     )
+    tenant_cpu_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="share of cpu_budget_bytes one tenant's adapters may hold once the tier is full and another "
+        "tenant's adapter needs room: the over-share tenant's coldest are evicted first; 1 = no share",
+    )
     tenant_slot_shares: Mapping[str, Share] = Field(
         default_factory=dict, max_length=100_000, description="per-tenant overrides of tenant_slot_share"
     )

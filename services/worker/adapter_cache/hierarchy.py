@@ -59,7 +59,8 @@ class CacheHierarchy:
         self._slot_bytes = {c.rank: c.slot_bytes for c in classes}
         gpu_policy = make_policy(config.policy, config)
         self._slots = SlotTier({c.rank: c.slots for c in classes}, gpu_policy, config.slot_quota)
-        self._cpu = CpuTier(config.cpu_budget_bytes, make_policy(config.cpu_policy, config, config.cpu_half_life_s))
+        cpu_policy = make_policy(config.cpu_policy, config, config.cpu_half_life_s)
+        self._cpu = CpuTier(config.cpu_budget_bytes, cpu_policy, config.tenant_cpu_share)
         self._refs: Counter[str] = Counter()  # key -> requests in flight
         self._pins: dict[str, int | None] = {}  # pinned key -> its rank class (None: not known yet)
         self._pins_refused: set[str] = set()

@@ -68,6 +68,14 @@ class EngineConfig(BaseModel):
         description="share the K/V of full prompt blocks between requests with the same tenant, "
         "adapter and leading tokens (computed once, kept until their blocks are needed)",
     )
+    tenant_kv_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="share of the built-in engine's KV blocks one tenant's running requests may hold while another tenant's "
+        "requests wait: a request that would take its tenant past it waits (others are admitted first), unless "
+        "its tenant has nothing running; 1 = no share",
+    )
     class_preempt_after_steps: int | None = Field(
         default=2,
         ge=0,

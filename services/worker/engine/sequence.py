@@ -28,6 +28,8 @@ class EngineRequest:
     cache_salt: str | None = None
     # the SLO class it is admitted by (services/worker/engine/batch_scheduler.py): interactive first
     slo_class: SloClass = "standard"
+    # whose share of the KV blocks it counts toward (EngineConfig.tenant_kv_share); None: nobody's
+    tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 

@@ -1,0 +1,33 @@
+"""A tenant admin's dashboard tells cache hits as the worker tells its requests: not for an adapter
+the tenant does not own (issue 47), and the hit rate counts only what was told."""
+
+from services.gateway import dashboard_data
+
+
+def completion(adapter_id: str | None, hit: bool | None, ttft_ms: float = 10.0) -> dict:
+    return {
+        "tenant_id": "acme",
+        "adapter_id": adapter_id,
+        "adapter_version": 1 if adapter_id else None,
+        "cache_hit": hit,
+        "ttft_ms": ttft_ms,
+        "completion_tokens": 4,
+        "ts": 1.0,
+    }
+
+
+def test_a_shared_adapters_hit_is_withheld_from_a_tenant_admin() -> None:
+    own = {"mine"}
+    rows = [completion("mine", True), completion("common", True), completion(None, True), {"kind": "rejection"}]
+    for row in rows:
+        row.update(dashboard_data.told_hit(row, own))
+    assert [row.get("cache_hit") for row in rows] == [True, None, True, None]
+    assert "cache_hit" not in rows[3]
+
+
+def test_the_hit_rate_counts_only_told_lookups() -> None:
+    traffic = dashboard_data.traffic(
+        [completion("mine", True), completion("mine", False, 30.0), completion("common", None, 99.0)]
+    )
+    assert (traffic["requests"], traffic["hit_rate"], traffic["ttft_p95_miss_ms"]) == (3, 0.5, 30.0)
+    assert [point[2] for point in traffic["ttft_series"]] == [True, False, None]
