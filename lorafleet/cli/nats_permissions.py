@@ -30,6 +30,7 @@ REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
 # exactly the registry ops the gateway sends (its inference path and admin API); trusting signer keys,
 # sources, recording evals and starting releases stay with the admin CLI user
 GATEWAY_REGISTRY_OPS = (
+    "resolve",  # its catalog mirror's fallback (shared/catalog_follow.py)
     "list",
     "get",
     "adapters",
