@@ -52,16 +52,17 @@ GRAFANA = "grafana"
 
 
 def write_if_changed(path: Path, text: str, uid: int | None) -> bool:
-    """Write ``text`` to ``path`` (0600, owned by ``uid`` when running as root) unless it holds it already."""
-    if path.exists() and path.read_text() == text:
-        return False
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(text)
+    """Write ``text`` to ``path`` (0600, owned by ``uid`` when running as root) unless it holds it already;
+    a file that does is still handed to ``uid`` (its reader changed: NATS once ran as root)."""
+    changed = not (path.exists() and path.read_text() == text)
+    if changed:
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)
+        path.write_text(text)
     if uid is not None and os.geteuid() == 0:
         os.chown(path, uid, uid)
         os.chown(path.parent, uid, uid)
-    return True
+    return changed
 
 
 def load(state: Path, workers: Sequence[str], imported: Path | None) -> Secrets:

@@ -106,3 +106,19 @@ def test_a_second_init_run_keeps_the_token_and_the_password(project: tuple[str, 
     _, done = run_init(compose, dirs["secrets-state"].parent)
     assert done.returncode == 0, done.stderr
     assert {p: p.read_text() for p in before} == before
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="init hands files to their readers only when it runs as root, as in compose")
+def test_an_upgrade_hands_a_root_nats_its_files_and_data(project: tuple[str, dict, dict]) -> None:
+    """A stack whose NATS ran as root: its config, unchanged, and its JetStream files become NATS's user's."""
+    _, compose, dirs = project
+    data = next(d for v, d in dirs.items() if v.startswith("nats-data"))
+    stored = data / "jetstream" / "$G" / "streams" / "INFER" / "msgs" / "1.blk"
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    stored.write_bytes(b"\0")
+    nats_files = [*dirs["secrets-nats"].iterdir(), stored]
+    for path in [*nats_files, dirs["secrets-nats"], data]:
+        os.chown(path, 0, 0)
+    _, done = run_init(compose, dirs["secrets-state"].parent)
+    assert done.returncode == 0, done.stderr
+    assert all(p.stat().st_uid == NATS_UID for p in [*nats_files, *stored.parents[:5]]), nats_files
