@@ -16,7 +16,9 @@ if [ ! -f "$dir/ca.key" ]; then
     -keyout "$dir/ca.key" -out "$dir/ca.crt" -subj "/CN=lorafleet NATS CA" \
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
 fi
-sans="DNS:nats,DNS:nats.$namespace,DNS:nats.$namespace.svc,DNS:nats.$namespace.svc.cluster.local"
+# localhost: the admin CLI through `kubectl port-forward svc/nats 4222` (docs/operations.md); the CA is
+# trusted by lorafleet's clients alone
+sans="DNS:localhost,DNS:nats,DNS:nats.$namespace,DNS:nats.$namespace.svc,DNS:nats.$namespace.svc.cluster.local"
 i=0
 while [ "$i" -lt "$nodes" ]; do
   for suffix in "" ".$namespace" ".$namespace.svc" ".$namespace.svc.cluster.local"; do
