@@ -167,8 +167,10 @@ async def connect(
 
     ``credentials`` (user, password) default to this process's ``LF_NATS_USER`` /
     ``LF_NATS_PASSWORD[_FILE]``; none there means a server without auth. ``inbox_prefix`` is where
-    this client's replies arrive (a worker's own, ``subjects.worker_inbox``)."""
-    user, password = credentials or CommonSettings().nats_credentials() or (None, None)
+    this client's replies arrive (a worker's own, ``subjects.worker_inbox``). Servers' TLS
+    certificates are verified against ``LF_NATS_CA_FILE`` when it is set."""
+    settings = CommonSettings()
+    user, password = credentials or settings.nats_credentials() or (None, None)
 
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", client=name, error=str(e))
@@ -192,6 +194,7 @@ async def connect(
         user=user,
         password=password,
         inbox_prefix=inbox_prefix,
+        tls=settings.nats_tls(),
     )
 
 

@@ -1,7 +1,9 @@
 """Validated settings, one model per service, read once from ``LF_*`` environment variables."""
 
+import ipaddress
 import os
 import socket
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -13,6 +15,16 @@ from shared.env_names import UnknownVariables, check_environment, describe
 from shared.schemas.base import SloClass
 
 S = TypeVar("S", bound=BaseSettings)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _default_instance_id() -> str:
@@ -96,6 +108,19 @@ class CommonSettings(BaseSettings):
         default=0, ge=-1, le=65535, description="Prometheus /metrics port: 0 = any free, -1 = off"
     )
     metrics_host: str = Field(default="127.0.0.1", description="bind address of /metrics")
+    metrics_token: SecretStr | None = Field(
+        default=None, description="bearer token every /metrics scrape must send; prefer metrics_token_file"
+    )
+    metrics_token_file: Path | None = Field(
+        default=None,
+        description="file holding the bearer token every /metrics scrape must send; without one (nor "
+        "metrics_token) /metrics listens on a loopback address only",
+    )
+    nats_ca_file: Path | None = Field(
+        default=None,
+        description="PEM of the CA that NATS servers' TLS certificates are verified against (tls:// URLs); "
+        "None = the system's CAs",
+    )
     redis_key_prefix: str = Field(
         default="lf:", pattern=r"^[A-Za-z0-9_.:-]{0,32}$", description="prefix of every Redis key"
     )
@@ -115,6 +140,33 @@ class CommonSettings(BaseSettings):
         if self.nats_password_file is not None:
             return self.nats_user, self.nats_password_file.read_text().strip()
         return self.nats_user, self.nats_password.get_secret_value() if self.nats_password else ""
+
+    def metrics_bearer(self) -> str | None:
+        """The token /metrics requires (``metrics_token_file`` wins), or None for an unauthenticated one."""
+        if self.metrics_token_file is not None:
+            token = self.metrics_token_file.read_text().strip()
+        elif self.metrics_token is not None:
+            token = self.metrics_token.get_secret_value().strip()
+        else:
+            return None
+        if not token:
+            raise ValueError("the /metrics bearer token is empty")
+        return token
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        """The TLS context NATS connections verify servers with (``nats_ca_file``), or None: nats-py's default."""
+        return ssl.create_default_context(cafile=self.nats_ca_file) if self.nats_ca_file else None
+
+    @model_validator(mode="after")
+    def _metrics_beyond_loopback_need_a_token(self) -> "CommonSettings":
+        if self.metrics_port >= 0 and not is_loopback(self.metrics_host) and not self.has_metrics_token():
+            raise ValueError(
+                f"LF_METRICS_HOST={self.metrics_host} exposes /metrics beyond this host: set LF_METRICS_TOKEN_FILE"
+            )
+        return self
+
+    def has_metrics_token(self) -> bool:
+        return self.metrics_token_file is not None or self.metrics_token is not None
 
     def redis_password(self) -> str | None:
         """The Redis AUTH password from ``redis_password_file``; a password in ``redis_url`` wins over it."""
@@ -178,6 +230,14 @@ class GatewaySettings(RequestBounds):
         description="how long an idle HTTP connection stays open; longer than clients' and load balancers' idle "
         "timeouts (httpx 5 s, ALB/nginx 60 s), so nobody sends a request on a connection the gateway is closing",
     )
+
+    @model_validator(mode="after")
+    def _public_metrics_need_a_token(self) -> "GatewaySettings":
+        if not is_loopback(self.host) and not self.has_metrics_token():
+            raise ValueError(
+                f"LF_HOST={self.host} serves the gateway's /metrics beyond this host: set LF_METRICS_TOKEN_FILE"
+            )
+        return self
 
 
 class DefaultQuota(BaseModel):

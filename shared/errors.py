@@ -57,6 +57,12 @@ class Unauthorized(LorafleetError):
     error_type = "authentication_error"
 
 
+class MetricsTokenRequired(Unauthorized):
+    """A /metrics scrape without the deployment's bearer token (LF_METRICS_TOKEN_FILE)."""
+
+    code = "metrics_token_required"
+
+
 class Forbidden(LorafleetError):
     status = 403
     code = "forbidden"

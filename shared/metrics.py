@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 import structlog
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 from shared.decay import DecayedRate
 
@@ -205,13 +205,3 @@ class TopLabels:
                 with contextlib.suppress(KeyError):
                     family.remove(gone)
         self._top = keep
-
-
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int | None:
-    """Expose /metrics on ``port`` (0 = any free port, -1 = off); the port actually used."""
-    if port < 0:
-        return None
-    server, _ = start_http_server(port, addr=host)
-    actual = server.server_address[1]
-    log.info("metrics_listening", port=actual)
-    return actual

@@ -58,11 +58,12 @@ async def cli_connect(url: str) -> NATS:
         return None
 
     try:
-        credentials = CommonSettings().nats_credentials()
+        settings = CommonSettings()
+        credentials = settings.nats_credentials()
         user, password = credentials if credentials else (None, None)
         return await nats.connect(servers=[u.strip() for u in url.split(",")], name="lorafleet-cli", connect_timeout=2,
                                   max_reconnect_attempts=1, allow_reconnect=False, error_cb=quiet,
-                                  user=user, password=password)  # fmt: skip
+                                  user=user, password=password, tls=settings.nats_tls())  # fmt: skip
     except (OSError, nats.errors.Error) as e:
         raise ServiceUnavailable(f"cannot reach NATS at {url}: {e}") from None
 

@@ -7,8 +7,10 @@
   deploy/secrets/<service>.env     LF_NATS_USER / LF_NATS_PASSWORD (+ Redis URL) per container (0600)
   deploy/secrets/worker-<id>.env   the same for each worker, with its LF_WORKER_ID (0600)
   deploy/secrets/redis.env         REDIS_PASSWORD for the redis container (0600)
+  (each service's and worker's env file also holds LF_METRICS_TOKEN, the bearer token of every /metrics)
   deploy/compose.workers.yaml      one compose service per worker (``-f compose.yaml -f deploy/compose.workers.yaml``)
-  deploy/prometheus.yml            Prometheus scrape config: every service's and every worker's /metrics
+  deploy/prometheus.yml            Prometheus scrape config: every service's and every worker's /metrics, with
+                                   the token compose_init --import puts in the prometheus volume
 ``user create --tenant T`` adds a direct-NATS user for one tenant and prints a working snippet;
 ``user create --audit-reader`` prints the SIEM role's credentials; ``setup`` creates the shared
 streams as the admin. ``start_secured_nats`` runs the same model for ``lorafleet up`` and tests.
@@ -56,12 +58,21 @@ REACH_S = 5.0  # how long ``user create`` tries to reach NATS to make a tenant's
 
 @dataclass(slots=True)
 class Secrets:
-    """Every NATS user's password (services, workers, admin, audit-reader, tenants) and the Redis password."""
+    """Every NATS user's password (services, workers, admin, audit-reader, tenants), the Redis password,
+    the bearer token of every /metrics and Grafana's admin password."""
 
     users: dict[str, str]
     tenants: dict[str, str] = field(default_factory=dict)
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> password of ``worker-<id>``
     redis: str = ""
+    metrics: str = ""
+    grafana: str = ""
+
+    def fill(self) -> None:
+        """Draw the Redis password, the metrics token and the Grafana password where missing."""
+        self.redis = self.redis or secrets.token_urlsafe(24)
+        self.metrics = self.metrics or secrets.token_urlsafe(32)
+        self.grafana = self.grafana or secrets.token_urlsafe(18)
 
     @classmethod
     def load_or_create(cls, path: Path, workers: Sequence[str] | None = None) -> "Secrets":
@@ -74,19 +85,31 @@ class Secrets:
             tenants=raw.get("tenants", {}),
             workers=raw.get("workers", {}),
             redis=raw.get("redis", ""),
+            metrics=raw.get("metrics", ""),
+            grafana=raw.get("grafana", ""),
         )
         made.users.pop("worker", None)  # the one credential every worker once shared
         for user in (*SERVICES, ADMIN, AUDIT_READER):
             made.users.setdefault(user, secrets.token_urlsafe(24))
         if workers is not None:
             made.workers = {w: made.workers.get(subjects.token(w)) or secrets.token_urlsafe(24) for w in workers}
-        made.redis = made.redis or secrets.token_urlsafe(24)
+        made.fill()
         made.save(path)
         return made
 
+    def raw(self) -> dict:
+        """The JSON form ``load_or_create`` reads (nats-users.json)."""
+        return {
+            "users": self.users,
+            "tenants": self.tenants,
+            "workers": self.workers,
+            "redis": self.redis,
+            "metrics": self.metrics,
+            "grafana": self.grafana,
+        }
+
     def save(self, path: Path) -> None:
-        raw = {"users": self.users, "tenants": self.tenants, "workers": self.workers, "redis": self.redis}
-        write_private(path, json.dumps(raw, indent=2))
+        write_private(path, json.dumps(self.raw(), indent=2))
 
 
 def render_config(creds: Secrets, server: dict | None = None, tls: dict | None = None) -> str:
@@ -126,7 +149,8 @@ def write_private(path: Path, text: str) -> None:
 # JetStream's ceiling (lorafleet.cli.infra.jetstream_limits), set when `init` runs:
 # LF_JETSTREAM_MAX_FILE_STORE=200G python -m lorafleet.cli.nats_auth init
 COMPOSE_JETSTREAM = {"store_dir": "/data", **jetstream_limits()}
-COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "0.0.0.0:8222", "jetstream": COMPOSE_JETSTREAM}
+# monitoring lists every connection and subscription: inside the container only, for its health probe
+COMPOSE_SERVER = {"listen": "0.0.0.0:4222", "http": "127.0.0.1:8222", "jetstream": COMPOSE_JETSTREAM}
 COMPOSE_TLS = {
     "cert_file": "/etc/nats/tls/server.pem",
     "key_file": "/etc/nats/tls/server-key.pem",
@@ -144,6 +168,7 @@ def compose_worker_ids(gpu: int, cpu: int, vllm: int = 0) -> list[str]:
 METRICS_PORT = 9100  # every compose service's /metrics inside its container (the gateway: its HTTP port)
 GATEWAY_PORT = 8000
 PROMETHEUS_FILE = "prometheus.yml"
+PROMETHEUS_TOKEN_FILE = "/etc/prometheus/secrets/metrics-token"  # compose_init's prometheus/metrics-token
 WORKER_ENV = {
     "LF_NATS_URL": "nats://nats:4222",
     "LF_REDIS_KEY_PREFIX": "lf:",
@@ -208,10 +233,13 @@ def prometheus_config(worker_ids: Sequence[str]) -> dict:
         **{name: [f"{name}:{METRICS_PORT}"] for name in ("registry", "scheduler", "auditor")},
         "worker": [f"{worker_user(w)}:{METRICS_PORT}" for w in worker_ids],
     }
+    auth = {"type": "Bearer", "credentials_file": PROMETHEUS_TOKEN_FILE}
     return {
         "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items() if targets
+            {"job_name": job, "authorization": auth, "static_configs": [{"targets": targets}]}
+            for job, targets in jobs.items()
+            if targets
         ],
     }
 
@@ -230,6 +258,8 @@ def init_deploy(directory: Path, tls: bool = False, workers: Sequence[str] | Non
         lines = [f"LF_NATS_USER={user}", f"LF_NATS_PASSWORD={creds.users[user]}"]
         if user in REDIS_USERS:
             lines.append(f"LF_REDIS_URL={redis_url}")
+        if user in SERVICES:
+            lines.append(f"LF_METRICS_TOKEN={creds.metrics}")
         write_private(directory / "secrets" / f"{user}.env", "\n".join(lines) + "\n")
     for old in (directory / "secrets").glob("worker*.env"):
         old.unlink()  # a worker dropped from the set keeps no credential file (its user is gone)
@@ -239,6 +269,7 @@ def init_deploy(directory: Path, tls: bool = False, workers: Sequence[str] | Non
             f"LF_NATS_USER={worker_user(worker_id)}",
             f"LF_NATS_PASSWORD={password}",
             f"LF_REDIS_URL={redis_url}",
+            f"LF_METRICS_TOKEN={creds.metrics}",
         ]
         write_private(directory / "secrets" / f"{worker_user(worker_id)}.env", "\n".join(lines) + "\n")
     workers_compose = {"services": {worker_user(w): compose_worker(w) for w in creds.workers}}

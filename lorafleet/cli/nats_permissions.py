@@ -27,9 +27,28 @@ ADMIN = "admin"
 AUDIT_READER = "audit-reader"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
-# the gateway serves inference and the admin API; trusting signer keys stays with the admin CLI user
-GATEWAY_REGISTRY_OPS = tuple(
-    op for op in subjects.REGISTRY_OPS if op not in ("trust_key", "untrust_key", "keys", *subjects.SOURCE_OPS)
+# exactly the registry ops the gateway sends (its inference path and admin API); trusting signer keys,
+# sources, recording evals and starting releases stay with the admin CLI user
+GATEWAY_REGISTRY_OPS = (
+    "resolve",  # its catalog mirror's fallback (shared/catalog_follow.py)
+    "list",
+    "get",
+    "adapters",
+    "register",
+    "promote",
+    "rollout",
+    "rollback",
+    "retire",
+    "revoke",
+    "tenant_create",
+    "tenants",
+    "quota_set",
+    "api_key_create",
+    "api_key_revoke",
+    "api_keys",
+    "pin",
+    "unpin",
+    "pins",
 )
 
 

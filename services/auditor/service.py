@@ -30,6 +30,7 @@ from shared.errors import (
 )
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
+from shared.metrics_http import serve_metrics
 from shared.registry_client import fetch_record
 from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
 from shared.telemetry import setup_tracing
@@ -188,7 +189,7 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
             ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
         )
-        metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beats = asyncio.create_task(
             publish_heartbeats(
                 nc,

@@ -15,7 +15,8 @@ from services.gateway.context import GatewayContext
 from services.gateway.dashboard import router as dashboard_router
 from services.gateway.errors_http import on_http_error, on_lorafleet_error, on_validation_error
 from services.gateway.feedback import router as feedback_router
-from shared.errors import LorafleetError
+from shared.errors import LorafleetError, MetricsTokenRequired
+from shared.metrics_http import bearer_matches
 
 
 def create_app(ctx: GatewayContext) -> FastAPI:
@@ -37,7 +38,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.include_router(dashboard_router)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        # read per scrape: a rotated token file applies without a restart
+        if not bearer_matches(request.headers.get("authorization"), ctx.settings.metrics_bearer()):
+            raise MetricsTokenRequired("send 'Authorization: Bearer <LF_METRICS_TOKEN_FILE>'")
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", tags=["health"])

@@ -44,7 +44,8 @@ from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
-from shared.metrics import QUALITY_SCORE, serve_metrics
+from shared.metrics import QUALITY_SCORE
+from shared.metrics_http import serve_metrics
 from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AddSourceRequest,
@@ -304,7 +305,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
             for record in registry.catalog.versions(adapter_id):
                 if "score" in record.eval_results:
                     QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(
                 nc,

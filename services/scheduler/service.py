@@ -47,7 +47,8 @@ from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
-from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT, serve_metrics
+from shared.metrics import QUEUE_DEPTH, SCHEDULER_WORKER_INFLIGHT
+from shared.metrics_http import serve_metrics
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import redis_from
 from shared.request_ref import RequestRef
@@ -320,7 +321,7 @@ async def run(settings: SchedulerSettings) -> None:
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
         stack.push_async_callback(psub.unsubscribe)
         stop = shutdown_event()
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host)
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         background = [
             asyncio.create_task(
                 publish_heartbeats(

@@ -37,6 +37,7 @@ from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
+from shared.metrics_http import serve_metrics
 from shared.redis_conn import redis_from
 from shared.request_ref import RequestRef
 from shared.schemas import (
@@ -157,7 +158,7 @@ async def run(settings: WorkerSettings) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         stop = shutdown_event()
-        metrics_port = metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
+        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         phases = StartPhase(settings.worker_id)
         beats = asyncio.create_task(
             publish_heartbeats(

@@ -18,6 +18,7 @@ from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
 from lorafleet.cli.nats_accounts import users_of
 from lorafleet.cli.nats_auth import (
+    PROMETHEUS_TOKEN_FILE,
     VLLM_PROFILE,
     VLLM_VERSION,
     WORKERS_COMPOSE_FILE,
@@ -331,3 +332,22 @@ def test_prometheus_scrapes_every_service_where_its_metrics_listen(deploy_dir: P
     prometheus = SERVICES["prometheus"]
     assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+
+
+def test_generated_scrapes_send_the_token_every_metrics_endpoint_takes(
+    deploy_dir: Path, workers: dict[str, dict]
+) -> None:
+    scrape = yaml.safe_load((deploy_dir / "deploy" / "prometheus.yml").read_text())
+    assert scrape["scrape_configs"] and all(
+        job["authorization"] == {"type": "Bearer", "credentials_file": PROMETHEUS_TOKEN_FILE}
+        for job in scrape["scrape_configs"]
+    )
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in SERVICES["prometheus"]["volumes"]}
+    assert mounts[str(Path(PROMETHEUS_TOKEN_FILE).parent)] == "secrets-prometheus"  # compose_init --import fills it
+    token = json.loads((deploy_dir / "deploy" / "secrets" / "nats-users.json").read_text())["metrics"]
+    assert len(token) >= 32
+    for service in workers.values():
+        assert read_env(deploy_dir / env_files(service)[0][0])["LF_METRICS_TOKEN"] == token
+    for name in ("gateway", "registry", "scheduler", "auditor"):
+        assert read_env(deploy_dir / "deploy" / "secrets" / f"{name}.env")["LF_METRICS_TOKEN"] == token
+    assert "LF_METRICS_TOKEN" not in read_env(deploy_dir / "deploy" / "secrets" / "admin.env")

@@ -33,7 +33,7 @@ from tests.deploy.compose_files import (
 )
 
 FRESH = {"single": ("compose.yaml",), "cluster": ("compose.cluster.yaml",)}
-CREDENTIAL_FILES = ("LF_NATS_PASSWORD_FILE", "LF_REDIS_PASSWORD_FILE")
+CREDENTIAL_FILES = ("LF_NATS_PASSWORD_FILE", "LF_REDIS_PASSWORD_FILE", "LF_METRICS_TOKEN_FILE")
 
 
 def tracked(path: str) -> bool:

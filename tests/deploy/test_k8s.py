@@ -7,21 +7,26 @@ Services, probes and GPU workers are what docs/operations.md promises."""
 import re
 import shlex
 import shutil
+import ssl
 import subprocess
 import sys
 from pathlib import Path
 
 import kubernetes_validate
+import nats
+import nats.errors
 import pytest
 import yaml
 
+from lorafleet.cli.compose_init import NATS_UID
 from lorafleet.cli.healthcheck import build_parser
-from lorafleet.cli.infra import nats_server_binary
+from lorafleet.cli.infra import free_port, nats_server_binary, start_nats
 from lorafleet.cli.nats_auth import compose_worker
 from services.worker.settings import WorkerSettings
 from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings
 from shared.registry_config import RegistrySettings
 from tests.deploy.compose_files import REPO
+from tests.deploy.network_policy import EXTERNAL, Pod, reachable
 
 K8S = REPO / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.33.0"  # the release the manifests are validated against
@@ -169,6 +174,14 @@ def secret_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+    certs = subprocess.run(
+        ["sh", str(K8S / "make-nats-certs.sh"), str(root / "nats-tls")], capture_output=True, text=True, timeout=60
+    )
+    assert certs.returncode == 0, certs.stderr
+    # the Secrets create-secrets.sh makes of them: the nodes' certificate, key and CA; the CA alone for clients
+    assert '--from-file=ca.crt="$dir/nats-tls/ca.crt"' in script and "lorafleet-nats-ca" in script
+    (root / "nats-ca").mkdir()
+    (root / "nats-ca" / "ca.crt").write_text((root / "nats-tls" / "ca.crt").read_text())
     return root
 
 
@@ -214,6 +227,35 @@ def test_every_secret_a_container_reads_is_made_by_create_secrets(overlay: str, 
     assert (mounted(redis_pod, redis, redis["args"][1], secret_dirs, config_maps) or "").startswith("requirepass ")
 
 
+def materialise(pod: dict, container: dict, path: str, secrets: Path, config_maps: dict[str, dict], root: Path) -> Path:
+    """Write the file a container reads at ``path`` under ``root``, as it sees it; its local path."""
+    content = mounted(pod, container, path, secrets, config_maps)
+    assert content is not None, path
+    local = root / path.lstrip("/")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_text(content)
+    return local
+
+
+def node_config(secret_dirs: Path, root: Path) -> Path:
+    """A NATS node's config with its includes and TLS files written under ``root``, paths pointing there."""
+    resources = RENDERED["cpu"]
+    nats = of_kind(resources, "StatefulSet")["nats"]
+    pod = nats["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    config_path = container["args"][container["args"].index("-c") + 1]
+    config_maps = of_kind(resources, "ConfigMap")
+    config = materialise(pod, container, config_path, secret_dirs, config_maps, root)
+    text = config.read_text()
+    for include in re.findall(r'include "([^"]+)"', text):
+        materialise(pod, container, (Path(config_path).parent / include).as_posix(), secret_dirs, config_maps, root)
+    for path in sorted(set(re.findall(r"(?:cert|key|ca)_file: (\S+)", text))):
+        local = materialise(pod, container, path, secret_dirs, config_maps, root)
+        text = text.replace(f" {path}\n", f" {local}\n")
+    config.write_text(text)
+    return config
+
+
 def test_nats_nodes_accept_their_config_and_route_to_every_pod(secret_dirs: Path, tmp_path: Path) -> None:
     resources = RENDERED["cpu"]
     nats = of_kind(resources, "StatefulSet")["nats"]
@@ -222,26 +264,12 @@ def test_nats_nodes_accept_their_config_and_route_to_every_pod(secret_dirs: Path
     routes = re.findall(r"@([\w.-]+):6222", (secret_dirs / "nats" / "cluster.conf").read_text())
     assert sorted(routes) == pods
     urls = of_kind(resources, "ConfigMap")["lorafleet-env"]["data"]["LF_NATS_URL"].split(",")
-    assert sorted(urls) == [f"nats://{p}:4222" for p in pods]
+    assert sorted(urls) == [f"tls://{p}:4222" for p in pods]
     assert of_kind(resources, "ConfigMap")["lorafleet-env"]["data"]["LF_JETSTREAM_REPLICAS"] == "3"
-    pod = nats["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    config_path = container["args"][container["args"].index("-c") + 1]
-    config_maps = of_kind(resources, "ConfigMap")
-    root = tmp_path / "node"
-    text = mounted(pod, container, config_path, secret_dirs, config_maps)
-    assert text is not None
-    (root / config_path.lstrip("/")).parent.mkdir(parents=True)
-    (root / config_path.lstrip("/")).write_text(text)
-    for include in re.findall(r'include "([^"]+)"', text):
-        path = (Path(config_path).parent / include).as_posix()
-        content = mounted(pod, container, path, secret_dirs, config_maps)
-        assert content is not None, include
-        (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
-        (root / path.lstrip("/")).write_text(content)
+    container = nats["spec"]["template"]["spec"]["containers"][0]
     assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     done = subprocess.run(
-        [nats_server_binary(), "-t", "-c", str(root / config_path.lstrip("/"))],
+        [nats_server_binary(), "-t", "-c", str(node_config(secret_dirs, tmp_path / "node"))],
         capture_output=True,
         text=True,
         timeout=30,
@@ -308,3 +336,153 @@ def test_gpu_workers_request_a_gpu_and_run_the_vllm_image() -> None:
             else:
                 assert worker["image"] == "lorafleet:cpu" and env["LF_ENGINE__DEVICE"] == "cpu"
                 assert "nvidia.com/gpu" not in str(worker["resources"])
+
+
+def pods_of(resources: list[dict]) -> dict[str, Pod]:
+    """Each workload's pods, by workload name, as NetworkPolicies see them."""
+    return {
+        r["metadata"]["name"]: Pod(r["metadata"]["namespace"], r["spec"]["template"]["metadata"]["labels"])
+        for r in resources
+        if r["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+
+
+PROMETHEUS_POD = Pod("monitoring", {"app.kubernetes.io/name": "prometheus"})
+INTRUDER = Pod("default", {"app.kubernetes.io/name": "prometheus-lookalike"})
+DNS = Pod("kube-system", {"k8s-app": "kube-dns"})
+OUTSIDE = Pod(EXTERNAL)
+CLIENTS = ("gateway", "registry", "scheduler", "auditor", "worker-1", "worker-2", "nats-setup")
+REDIS_CLIENTS = ("scheduler", "worker-1", "worker-2")
+METRICS = {"registry": 9100, "scheduler": 9100, "auditor": 9100, "worker-1": 9100, "worker-2": 9100, "gateway": 8000}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_allow_exactly_the_flows_the_services_use(overlay: str) -> None:
+    resources = RENDERED[overlay]
+    policies = list(of_kind(resources, "NetworkPolicy").values())
+    pods = pods_of(resources)
+    assert set(CLIENTS) | {"nats", "redis"} == set(pods)
+    for name, pod in pods.items():
+        assert reachable(policies, pod, DNS, 53, "UDP"), name
+        assert not reachable(policies, pod, OUTSIDE, 443), name  # nothing leaves the cluster
+        assert not reachable(policies, INTRUDER, pod, 9100) and not reachable(policies, OUTSIDE, pod, 9100), name
+        assert not reachable(policies, pod, pods["nats"], 8222), name  # monitoring: the node's loopback only
+    assert reachable(policies, OUTSIDE, pods["gateway"], 8000) and reachable(policies, INTRUDER, pods["gateway"], 8000)
+    for name in CLIENTS:
+        assert reachable(policies, pods[name], pods["nats"], 4222), name
+        assert not reachable(policies, pods[name], pods["nats"], 6222), name
+        assert reachable(policies, pods[name], pods["redis"], 6379) == (name in REDIS_CLIENTS), name
+    assert reachable(policies, pods["nats"], pods["nats"], 6222)
+    assert not reachable(policies, INTRUDER, pods["nats"], 4222) and not reachable(
+        policies, OUTSIDE, pods["nats"], 4222
+    )
+    assert not reachable(policies, INTRUDER, pods["redis"], 6379)
+    assert not reachable(policies, pods["worker-1"], pods["worker-2"], 9100)  # only Prometheus scrapes
+    for name, port in METRICS.items():
+        assert reachable(policies, PROMETHEUS_POD, pods[name], port), name
+
+
+def test_the_policy_model_refuses_and_allows_as_kubernetes_does() -> None:
+    a, b = Pod("ns", {"app": "a"}), Pod("ns", {"app": "b"})
+    assert reachable([], a, b, 80)  # no policy: open
+    deny = {"metadata": {"namespace": "ns"}, "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
+    assert not reachable([deny], a, b, 80)
+    allow_b = {
+        "metadata": {"namespace": "ns"},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "b"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "a"}}}], "ports": [{"port": 80}]}],
+        },
+    }
+    allow_a_out = {
+        "metadata": {"namespace": "ns"},
+        "spec": {"podSelector": {}, "policyTypes": ["Egress"], "egress": [{"to": [{"podSelector": {}}]}]},
+    }
+    assert not reachable([deny, allow_b], a, b, 80)  # a's egress is still denied
+    assert reachable([deny, allow_b, allow_a_out], a, b, 80) and not reachable([deny, allow_b, allow_a_out], a, b, 81)
+    assert not reachable([deny, allow_b, allow_a_out], Pod("other", {"app": "a"}), b, 80)  # another namespace
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_runs_as_a_non_root_user(overlay: str) -> None:
+    for pod, container in containers(RENDERED[overlay]):
+        context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+        assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) != 0, container["name"]
+        assert container.get("securityContext", {}).get("allowPrivilegeEscalation") is False, container["name"]
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"], container["name"]
+    nats = of_kind(RENDERED[overlay], "StatefulSet")["nats"]["spec"]["template"]["spec"]
+    assert nats["securityContext"]["runAsUser"] == NATS_UID and nats["securityContext"]["fsGroup"] == NATS_UID
+    for volume in nats["volumes"]:
+        if "secret" in volume:  # root-owned files of group fsGroup: nats-server reads them as that group
+            assert volume["secret"]["defaultMode"] & 0o040, volume["name"]
+
+
+def test_nats_monitoring_is_neither_exposed_nor_bound_beyond_the_pod() -> None:
+    resources = RENDERED["cpu"]
+    for service in of_kind(resources, "Service").values():
+        assert all(p["port"] != 8222 for p in service["spec"]["ports"]), service["metadata"]["name"]
+    nats = of_kind(resources, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]
+    assert all(p["containerPort"] != 8222 for p in nats["ports"])
+    text = of_kind(resources, "ConfigMap")["nats-config"]["data"]["nats.conf"]
+    assert re.search(r"^http: 127\.0\.0\.1:8222$", text, re.M)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "http://127.0.0.1:8222/healthz" in " ".join(nats[probe]["exec"]["command"]), probe
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_client_verifies_nats_tls_and_every_metrics_endpoint_takes_the_token(
+    overlay: str, secret_dirs: Path
+) -> None:
+    resources = RENDERED[overlay]
+    config_maps = of_kind(resources, "ConfigMap")
+    config = config_maps["lorafleet-env"]["data"]
+    token = (secret_dirs / "prometheus" / "metrics-token").read_text()
+    ca = (secret_dirs / "nats-tls" / "ca.crt").read_text()
+    text = config_maps["nats-config"]["data"]["nats.conf"]
+    assert text.count("tls {") == 2 and not re.search(r"^\s*verify:", text, re.M)  # passwords, not client certs
+    assert all(url.startswith("tls://") for url in config["LF_NATS_URL"].split(","))
+    clients = served = 0
+    for pod, container in containers(resources):
+        env = env_of(container, config)
+        if "LF_NATS_USER" not in env:
+            continue
+        assert mounted(pod, container, env["LF_NATS_CA_FILE"], secret_dirs, config_maps) == ca, container["name"]
+        clients += 1
+        if env.get("LF_METRICS_HOST") == "0.0.0.0" and container["command"][2] != "lorafleet.cli.nats_auth":
+            assert mounted(pod, container, env["LF_METRICS_TOKEN_FILE"], secret_dirs, config_maps) == token
+            served += 1
+    assert clients == 7 and served == 6
+
+
+async def test_a_client_reaches_a_tls_node_only_when_it_verifies_the_ca(secret_dirs: Path, tmp_path: Path) -> None:
+    """A nats-server with the nodes' TLS block, certificate and accounts; clients as the services connect."""
+    config = node_config(secret_dirs, tmp_path / "node").read_text()
+    tls = re.search(r"^tls \{.*?^\}", config, re.M | re.S)
+    auth = re.search(r'^include "(secrets/auth\.conf)"', config, re.M)
+    assert tls and auth
+    port = free_port()
+    server_conf = tmp_path / "node" / "etc" / "nats" / "test.conf"
+    server_conf.write_text(f'listen: 127.0.0.1:{port}\n{tls.group(0)}\ninclude "{auth.group(1)}"\n')
+    server = start_nats(port, tmp_path / "data", tmp_path / "nats.log", config=server_conf)
+    user = ("gateway", (secret_dirs / "gateway" / "nats-password").read_text().strip())
+    host = "nats-0.nats-headless"  # a name of the certificate; the socket goes to 127.0.0.1
+    try:
+        verified = CommonSettings(nats_ca_file=secret_dirs / "nats-ca" / "ca.crt").nats_tls()
+        nc = await nats.connect(
+            f"tls://127.0.0.1:{port}", user=user[0], password=user[1], tls=verified, tls_hostname=host
+        )
+        assert nc.is_connected and nc.connected_url is not None
+        await nc.close()
+        for context in (CommonSettings().nats_tls(), None):  # the system's CAs; no TLS at all
+            with pytest.raises((nats.errors.Error, OSError, ssl.SSLError)):
+                await nats.connect(
+                    f"tls://127.0.0.1:{port}" if context else f"nats://127.0.0.1:{port}",
+                    user=user[0],
+                    password=user[1],
+                    tls=context,
+                    tls_hostname=host,
+                    allow_reconnect=False,
+                    connect_timeout=2,
+                )
+    finally:
+        server.stop()

@@ -4,7 +4,7 @@ import asyncio
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from lorafleet.cli.stack import SERVICES, Stack, wait_ready
 
 API_KEY = "e2e-key-demo"
 OTHER_KEY = "e2e-key-other"
+METRICS_TOKEN = "e2e-metrics-token"
 
 
 @dataclass
@@ -26,6 +27,8 @@ class RunningStack:
     db_path: Path
     spans_path: Path
     worker_metrics_port: int = 0  # the worker binds /metrics to 0.0.0.0 on this port (as in compose)
+    # beyond loopback /metrics takes a bearer token (as in compose): what a scrape of the worker sends
+    worker_metrics_headers: dict[str, str] = field(default_factory=lambda: {"Authorization": f"Bearer {METRICS_TOKEN}"})
 
     def ready(self, services: tuple[str, ...] = SERVICES, timeout_s: float = 300) -> None:
         asyncio.run(wait_ready(self.nats.url, self.stack, services, timeout_s))
@@ -68,7 +71,11 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         root / "spans.jsonl",
         worker_metrics_port=free_port(),
     )
-    worker_metrics = {"LF_METRICS_HOST": "0.0.0.0", "LF_METRICS_PORT": str(running.worker_metrics_port)}
+    worker_metrics = {
+        "LF_METRICS_HOST": "0.0.0.0",
+        "LF_METRICS_PORT": str(running.worker_metrics_port),
+        "LF_METRICS_TOKEN": METRICS_TOKEN,
+    }
     try:
         for name in SERVICES:
             stack.start(name, worker_metrics if name == "worker" else None)

@@ -71,7 +71,7 @@ def test_metrics_families_have_values_after_traffic(running_stack):
     client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
     ports = asyncio.run(_metrics_ports(running_stack.nats.url))
     assert {"worker", "scheduler", "auditor"} <= set(ports)
-    worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics").text
+    worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics", headers=running_stack.worker_metrics_headers).text
     for family in (
         "ttft_ms_bucket",
         "tpot_ms_bucket",
@@ -88,7 +88,9 @@ def test_metrics_families_have_values_after_traffic(running_stack):
     deadline = time.monotonic() + 10  # the prefix-cache counters are brought up to date at each heartbeat
     while "prefix_cache_queried_tokens_total 0.0" in worker and time.monotonic() < deadline:
         time.sleep(0.5)
-        worker = httpx.get(f"http://127.0.0.1:{ports['worker']}/metrics").text
+        worker = httpx.get(
+            f"http://127.0.0.1:{ports['worker']}/metrics", headers=running_stack.worker_metrics_headers
+        ).text
     assert "prefix_cache_hit_tokens_total" in worker
     assert "prefix_cache_queried_tokens_total 0.0" not in worker and "prefix_cache_queried_tokens_total" in worker
     gateway = httpx.get(f"{running_stack.gateway_url}/metrics").text
@@ -113,7 +115,7 @@ def test_worker_metrics_bind_where_configured_and_time_steps_by_rank_mix(running
     port = running_stack.worker_metrics_port
     assert asyncio.run(_metrics_ports(running_stack.nats.url))["worker"] == port
     assert _listen_address(port) == "00000000"  # 0.0.0.0, not 127.0.0.1 (0100007F)
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=running_stack.worker_metrics_headers).text
     steps = {
         sample.labels["rank_mix"]: sample.value
         for family in text_string_to_metric_families(text)
@@ -172,7 +174,9 @@ def test_slo_families_by_class_on_a_worker_scrape(running_stack):
     client = openai.OpenAI(base_url=f"{running_stack.gateway_url}/v1", api_key=running_stack.api_key, max_retries=0)
     client.completions.create(model=MODEL, prompt="Hello there", max_tokens=4)
     assert asyncio.run(_dispatch_with_targets(running_stack.nats.url)) == {"slo-met", "slo-missed"}
-    text = httpx.get(f"http://127.0.0.1:{running_stack.worker_metrics_port}/metrics").text
+    text = httpx.get(
+        f"http://127.0.0.1:{running_stack.worker_metrics_port}/metrics", headers=running_stack.worker_metrics_headers
+    ).text
     values = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
