@@ -291,6 +291,7 @@ class RequestServer:
             adapter=job.key,
             cache_salt=salt,
             slo_class=job.slo_class,
+            tenant=request.tenant_id,
         )
         async for out in self.engine.generate(engine_request):
             for piece in prompt_pieces(rid, out.prompt_logprobs or []):

@@ -26,6 +26,8 @@ class EngineRequest:
     # Who may share this request's cached prompt K/V: only requests with the same salt and adapter
     # (the worker passes tenant and adapter digest, so no tenant can time another's prompts).
     cache_salt: str | None = None
+    # whose compiled grammars it uses and whose compile turns it waits for (the worker passes the tenant)
+    tenant: str = ""
     # the SLO class it is admitted by (services/worker/engine/batch_scheduler.py): interactive first
     slo_class: SloClass = "standard"
     arrival_time: float = field(default_factory=time.monotonic)

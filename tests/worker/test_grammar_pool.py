@@ -1,0 +1,133 @@
+"""Grammar compiles are bounded: a hostile regex ``pattern`` is killed with its child process at the
+time bound and refused (400 grammar_too_complex) while another tenant's grammar compiles beside it;
+each tenant waits for its own compile turns and holds its own share of the cache."""
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.worker.engine.grammar import Grammars
+from shared.config import GrammarBounds
+from shared.errors import GrammarCompilesBusy, GrammarTooComplex, InvalidSchema
+from shared.schemas import StructuredOutput
+
+# 18 bytes of regex: xgrammar's automaton for it takes over a minute of CPU on SmolLM2's vocabulary
+HOSTILE_PATTERN = '([^"]{1,10}){1,20}'
+HOSTILE = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "pattern": HOSTILE_PATTERN}},
+    "required": ["code"],
+}
+BOUND_S = 2.0
+SLACK_S = 3.0  # killing the child and starting its replacement, on a shared 2-core box
+
+
+def schema(i: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"field_{i}": {"type": "integer"}}, "required": [f"field_{i}"]}
+
+
+def spec(body: dict[str, Any]) -> StructuredOutput:
+    return StructuredOutput(kind="json_schema", json_schema=json.dumps(body))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(smollm_dir)
+
+
+@pytest.fixture
+def grammars(tokenizer: PreTrainedTokenizerBase) -> Iterator[Grammars]:
+    bounds = GrammarBounds(compile_timeout_s=BOUND_S, compile_processes=2, tenant_compiles=1, tenant_cache_share=3)
+    grammars = Grammars(tokenizer, len(tokenizer), set(), 4, capacity=8, bounds=bounds)
+
+    async def warm() -> None:  # both children booted: the bounds below time compiles, not interpreter starts
+        await asyncio.gather(
+            grammars.prepare(spec(schema(100)), "warm-1"), grammars.prepare(spec(schema(101)), "warm-2")
+        )
+
+    asyncio.run(warm())
+    assert len(grammars.compile_pids()) == 2
+    yield grammars
+    grammars.close()
+
+
+async def test_a_hostile_pattern_is_refused_at_the_bound_while_a_neighbour_compiles(grammars: Grammars) -> None:
+    children = set(grammars.compile_pids())
+    started = time.monotonic()
+    hostile = asyncio.create_task(grammars.prepare(spec(HOSTILE), "mallory"))
+    await asyncio.sleep(0.3)  # the hostile compile holds a child now
+    neighbour_started = time.monotonic()
+    await grammars.prepare(spec(schema(1)), "alice")
+    neighbour_s = time.monotonic() - neighbour_started
+    with pytest.raises(GrammarTooComplex) as refused:
+        await hostile
+    elapsed = time.monotonic() - started
+    assert refused.value.status == 400 and refused.value.code == "grammar_too_complex"
+    assert refused.value.param == "response_format"
+    assert BOUND_S <= elapsed < BOUND_S + SLACK_S
+    assert neighbour_s < BOUND_S
+    assert grammars.cached(spec(schema(1)), "alice") is not None
+    # the hostile compile's child was killed and replaced: still two children, one of them new
+    replaced = set(grammars.compile_pids())
+    assert len(replaced) == 2 and len(children - replaced) == 1
+    (killed,) = children - replaced
+    with pytest.raises(ProcessLookupError):
+        os.kill(killed, 0)
+    # the tenant's retry is refused at once, from its cache, without another compile
+    again = time.monotonic()
+    with pytest.raises(GrammarTooComplex):
+        await grammars.prepare(spec(HOSTILE), "mallory")
+    assert time.monotonic() - again < 0.5
+    # and the replacement compiles the next grammar
+    grammars.compile(spec(schema(2)), "alice")
+
+
+async def test_a_tenant_past_its_compile_turn_for_the_whole_bound_is_a_429_others_are_served(
+    grammars: Grammars,
+) -> None:
+    mallory = asyncio.gather(
+        grammars.prepare(spec(HOSTILE), "mallory"),
+        grammars.prepare(spec(schema(3)), "mallory"),  # waits for mallory's one turn, which the regex holds
+        return_exceptions=True,
+    )
+    await asyncio.sleep(0.3)
+    neighbour_started = time.monotonic()
+    await grammars.prepare(spec(schema(3)), "alice")  # alice's turn is her own, and a child is free
+    assert time.monotonic() - neighbour_started < BOUND_S
+    assert not mallory.done()
+    hostile, waiting = await mallory
+    assert isinstance(hostile, GrammarTooComplex)
+    assert isinstance(waiting, GrammarCompilesBusy)
+    assert waiting.status == 429 and waiting.code == "grammar_compiles_busy" and waiting.retry_after_s == BOUND_S
+    assert grammars.cached(spec(schema(3)), "mallory") is None  # a busy refusal is not remembered
+    grammars.compile(spec(schema(3)), "mallory")
+
+
+def test_a_tenants_grammars_are_never_served_to_or_evicted_by_another(grammars: Grammars) -> None:
+    alice = grammars.compile(spec(schema(0)), "alice")
+    assert grammars.compile(spec(schema(0)), "alice") is alice
+    bob = grammars.compile(spec(schema(0)), "bob")
+    assert bob is not alice  # compiled again for bob: no tenant learns what another compiled
+    for i in range(1, 6):  # alice past her share (3): only her own oldest go
+        grammars.compile(spec(schema(i)), "alice")
+    assert grammars.cached(spec(schema(0)), "bob") is bob
+    assert grammars.cached(spec(schema(0)), "alice") is None
+    assert grammars.cached(spec(schema(5)), "alice") is not None
+    for i in range(6, 9):  # the cache (8) full: the largest holders give up their oldest, not bob his one
+        grammars.compile(spec(schema(i)), "carol")
+        grammars.compile(spec(schema(i)), "dave")
+    assert grammars.cached(spec(schema(0)), "bob") is bob
+
+
+def test_a_schema_xgrammar_refuses_is_still_invalid_json_schema(grammars: Grammars) -> None:
+    bad = spec({"type": "string", "pattern": "(?<=a)b"})
+    with pytest.raises(InvalidSchema) as refused:
+        grammars.compile(bad, "alice")
+    assert refused.value.code == "invalid_json_schema" and "cannot be enforced" in refused.value.message
