@@ -20,7 +20,12 @@ NEIGHBOUR = {"model": MODEL, "prompt": "Hello", "max_tokens": 8}
 
 def structured(schema: dict) -> dict:
     format_ = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": format_}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "response_format": format_,
+    }
 
 
 async def timed(client: httpx.AsyncClient, path: str, body: dict) -> tuple[httpx.Response, float]:

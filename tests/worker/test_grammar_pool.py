@@ -131,3 +131,16 @@ def test_a_schema_xgrammar_refuses_is_still_invalid_json_schema(grammars: Gramma
     with pytest.raises(InvalidSchema) as refused:
         grammars.compile(bad, "alice")
     assert refused.value.code == "invalid_json_schema" and "cannot be enforced" in refused.value.message
+
+
+async def test_a_tenant_that_hangs_up_keeps_its_turn_until_its_compile_ends(grammars: Grammars) -> None:
+    hung_up = asyncio.create_task(grammars.prepare(spec(HOSTILE), "mallory"))
+    await asyncio.sleep(0.1)
+    hung_up.cancel()  # the client went away; the compile in the child runs on to the bound
+    with pytest.raises(asyncio.CancelledError):
+        await hung_up
+    started = time.monotonic()
+    with pytest.raises(GrammarTooComplex):  # its next compile starts only once the first one's child is killed
+        await grammars.prepare(spec({**HOSTILE, "title": "again"}), "mallory")
+    assert time.monotonic() - started >= 2 * BOUND_S - 0.6
+    await grammars.prepare(spec(schema(4)), "alice")

@@ -92,29 +92,39 @@ class Grammars:
 
     async def prepare(self, spec: StructuredOutput, tenant: str) -> None:
         """Compile ``spec`` for ``tenant`` off the caller's event loop, at most ``tenant_compiles`` of the
-        tenant's at once; a compile that waits past the bound for its turn is GrammarCompilesBusy."""
+        tenant's at once; a compile that waits past the bound for its turn is GrammarCompilesBusy. A
+        cancelled request's compile keeps its tenant's turn until it ends: a tenant cannot free its turns
+        by hanging up, while its compiles still hold the children."""
         if self.cached(spec, tenant) is not None:
             return
         queued_at = time.monotonic()
         turn = self._turns.setdefault(tenant, asyncio.Semaphore(self._bounds.tenant_compiles))
         self._waiting[tenant] += 1
         try:
-            try:
-                await asyncio.wait_for(turn.acquire(), self._bounds.compile_timeout_s)
-            except TimeoutError:
-                raise GrammarCompilesBusy(
-                    f"this tenant already runs {self._bounds.tenant_compiles} grammar compile(s) on the worker: "
-                    "retry shortly",
-                    retry_after_s=self._bounds.compile_timeout_s,
-                ) from None
-            try:
-                await asyncio.to_thread(self.compile, spec, tenant, queued_at)
-            finally:
-                turn.release()
-        finally:
-            self._waiting[tenant] -= 1
-            if not self._waiting[tenant]:
-                del self._waiting[tenant], self._turns[tenant]
+            await asyncio.wait_for(turn.acquire(), self._bounds.compile_timeout_s)
+        except BaseException as e:
+            self._leave(tenant)
+            if not isinstance(e, TimeoutError):
+                raise
+            raise GrammarCompilesBusy(
+                f"this tenant already runs {self._bounds.tenant_compiles} grammar compile(s) on the worker: "
+                "retry shortly",
+                retry_after_s=self._bounds.compile_timeout_s,
+            ) from None
+        compiling = asyncio.ensure_future(asyncio.to_thread(self.compile, spec, tenant, queued_at))
+        compiling.add_done_callback(lambda done: self._compiled(tenant, turn, done))
+        await asyncio.shield(compiling)
+
+    def _compiled(self, tenant: str, turn: asyncio.Semaphore, done: asyncio.Future[object]) -> None:
+        if not done.cancelled():
+            done.exception()  # retrieved: the request that awaited it may be gone
+        turn.release()
+        self._leave(tenant)
+
+    def _leave(self, tenant: str) -> None:
+        self._waiting[tenant] -= 1
+        if not self._waiting[tenant]:
+            del self._waiting[tenant], self._turns[tenant]
 
     def _remember(self, tenant: str, key: str, entry: _Entry) -> None:
         with self._lock:
