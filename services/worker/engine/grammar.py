@@ -115,7 +115,7 @@ class Grammars:
         compiling.add_done_callback(lambda done: self._compiled(tenant, turn, done))
         await asyncio.shield(compiling)
 
-    def _compiled(self, tenant: str, turn: asyncio.Semaphore, done: asyncio.Future[object]) -> None:
+    def _compiled(self, tenant: str, turn: asyncio.Semaphore, done: asyncio.Future[xgr.CompiledGrammar]) -> None:
         if not done.cancelled():
             done.exception()  # retrieved: the request that awaited it may be gone
         turn.release()
