@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.worker.engine.grammar import Grammars
@@ -58,7 +59,12 @@ def grammars(tokenizer: PreTrainedTokenizerBase) -> Iterator[Grammars]:
     grammars.close()
 
 
+def compiles(outcome: str) -> float:
+    return REGISTRY.get_sample_value("grammar_compiles_total", {"outcome": outcome}) or 0.0
+
+
 async def test_a_hostile_pattern_is_refused_at_the_bound_while_a_neighbour_compiles(grammars: Grammars) -> None:
+    counted = {outcome: compiles(outcome) for outcome in ("compiled", "too_complex", "refused_again")}
     children = set(grammars.compile_pids())
     started = time.monotonic()
     hostile = asyncio.create_task(grammars.prepare(spec(HOSTILE), "mallory"))
@@ -87,11 +93,15 @@ async def test_a_hostile_pattern_is_refused_at_the_bound_while_a_neighbour_compi
     assert time.monotonic() - again < 0.5
     # and the replacement compiles the next grammar
     grammars.compile(spec(schema(2)), "alice")
+    assert compiles("compiled") == counted["compiled"] + 2
+    assert compiles("too_complex") == counted["too_complex"] + 1
+    assert compiles("refused_again") == counted["refused_again"] + 1
 
 
 async def test_a_tenant_past_its_compile_turn_for_the_whole_bound_is_a_429_others_are_served(
     grammars: Grammars,
 ) -> None:
+    busy = compiles("busy")
     mallory = asyncio.gather(
         grammars.prepare(spec(HOSTILE), "mallory"),
         grammars.prepare(spec(schema(3)), "mallory"),  # waits for mallory's one turn, which the regex holds
@@ -106,6 +116,7 @@ async def test_a_tenant_past_its_compile_turn_for_the_whole_bound_is_a_429_other
     assert isinstance(hostile, GrammarTooComplex)
     assert isinstance(waiting, GrammarCompilesBusy)
     assert waiting.status == 429 and waiting.code == "grammar_compiles_busy" and waiting.retry_after_s == BOUND_S
+    assert compiles("busy") == busy + 1
     assert grammars.cached(spec(schema(3)), "mallory") is None  # a busy refusal is not remembered
     grammars.compile(spec(schema(3)), "mallory")
 

@@ -14,8 +14,9 @@ from transformers import PreTrainedTokenizerBase
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.upload import upload
 from services.worker.grammar_pool import CompilePool
+from shared import metrics
 from shared.config import GrammarBounds
-from shared.errors import GrammarCompilesBusy, InvalidRequest
+from shared.errors import GrammarCompilesBusy, GrammarTooComplex, InvalidRequest
 from shared.schemas import StructuredOutput
 
 # a tenant's cache entry: the compiled grammar, or the typed refusal a retry gets at once
@@ -73,6 +74,7 @@ class Grammars:
             assert entries is not None
             entries.move_to_end(digest(spec))
         if isinstance(entry, InvalidRequest):
+            metrics.GRAMMAR_COMPILES.labels("refused_again").inc()
             raise type(entry)(entry.message, param=entry.param)
         return entry
 
@@ -84,9 +86,16 @@ class Grammars:
             return cached
         try:
             grammar = self._pool_once().compile(spec, queued_at)
+        except GrammarCompilesBusy:
+            metrics.GRAMMAR_COMPILES.labels("busy").inc()
+            raise
         except InvalidRequest as refusal:  # refused again at once, without another compile
+            metrics.GRAMMAR_COMPILES.labels(
+                "too_complex" if isinstance(refusal, GrammarTooComplex) else "invalid"
+            ).inc()
             self._remember(tenant, digest(spec), refusal)
             raise
+        metrics.GRAMMAR_COMPILES.labels("compiled").inc()
         self._remember(tenant, digest(spec), grammar)
         return grammar
 
@@ -106,6 +115,7 @@ class Grammars:
             self._leave(tenant)
             if not isinstance(e, TimeoutError):
                 raise
+            metrics.GRAMMAR_COMPILES.labels("busy").inc()
             raise GrammarCompilesBusy(
                 f"this tenant already runs {self._bounds.tenant_compiles} grammar compile(s) on the worker: "
                 "retry shortly",
