@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -84,8 +84,8 @@ class AsyncEngine:
         request.
         """
         structured = request.sampling.structured
-        if structured is not None:  # compile off the step loop, bounded; the loop then hits the tenant's cache
-            await self.engine.grammars.prepare(structured, request.tenant)
+        if structured is not None:  # compiled off the step loop, bounded; the request carries it there
+            request = replace(request, grammar=await self.engine.grammars.prepare(structured, request.tenant))
         queue: _Outputs = asyncio.Queue()
         with self._wake:
             if self._stopping:

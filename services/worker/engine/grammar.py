@@ -99,13 +99,14 @@ class Grammars:
         self._remember(tenant, digest(spec), grammar)
         return grammar
 
-    async def prepare(self, spec: StructuredOutput, tenant: str) -> None:
+    async def prepare(self, spec: StructuredOutput, tenant: str) -> xgr.CompiledGrammar:
         """Compile ``spec`` for ``tenant`` off the caller's event loop, at most ``tenant_compiles`` of the
         tenant's at once; a compile that waits past the bound for its turn is GrammarCompilesBusy. A
         cancelled request's compile keeps its tenant's turn until it ends: a tenant cannot free its turns
         by hanging up, while its compiles still hold the children."""
-        if self.cached(spec, tenant) is not None:
-            return
+        cached = self.cached(spec, tenant)
+        if cached is not None:
+            return cached
         queued_at = time.monotonic()
         turn = self._turns.setdefault(tenant, asyncio.Semaphore(self._bounds.tenant_compiles))
         self._waiting[tenant] += 1
@@ -123,7 +124,7 @@ class Grammars:
             ) from None
         compiling = asyncio.ensure_future(asyncio.to_thread(self.compile, spec, tenant, queued_at))
         compiling.add_done_callback(lambda done: self._compiled(tenant, turn, done))
-        await asyncio.shield(compiling)
+        return await asyncio.shield(compiling)
 
     def _compiled(self, tenant: str, turn: asyncio.Semaphore, done: asyncio.Future[xgr.CompiledGrammar]) -> None:
         if not done.cancelled():
@@ -152,8 +153,11 @@ class Grammars:
             for name in [name for name, held in self._cache.items() if not held]:
                 del self._cache[name]
 
-    def matcher(self, spec: StructuredOutput, tenant: str = "") -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(spec, tenant))
+    def matcher(
+        self, spec: StructuredOutput, tenant: str = "", compiled: xgr.CompiledGrammar | None = None
+    ) -> xgr.GrammarMatcher:
+        """A matcher of ``compiled`` (compiled off the step loop), else of ``spec`` compiled now."""
+        return xgr.GrammarMatcher(compiled if compiled is not None else self.compile(spec, tenant))
 
     def compile_pids(self) -> list[int]:
         """The compile processes running now (none before the first grammar)."""

@@ -28,6 +28,9 @@ class EngineRequest:
     cache_salt: str | None = None
     # whose compiled grammars it uses and whose compile turns it waits for (the worker passes the tenant)
     tenant: str = ""
+    # its structured output's grammar, compiled off the step loop (AsyncEngine.generate); None: the engine
+    # compiles it when the request is added (direct LLMEngine callers)
+    grammar: xgr.CompiledGrammar | None = None
     # the SLO class it is admitted by (services/worker/engine/batch_scheduler.py): interactive first
     slo_class: SloClass = "standard"
     arrival_time: float = field(default_factory=time.monotonic)
