@@ -38,6 +38,7 @@ def _compile(compiler: xgr.GrammarCompiler, kind: str, text: str | None) -> xgr.
 def _serve(requests: Connection, replies: Connection) -> None:
     """A child's loop: the tokenizer info, then (kind, text) in, ("ok", compiled grammar JSON) or
     ("error", reason) out."""
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     info = xgr.TokenizerInfo.deserialize_json(requests.recv())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     replies.send(("ready", ""))
@@ -50,6 +51,13 @@ def _serve(requests: Connection, replies: Connection) -> None:
             replies.send(("ok", _compile(compiler, kind, text).serialize_json()))
         except (RuntimeError, ValueError) as e:
             replies.send(("error", _reason(e)))
+
+
+def _exit_with(parent: int) -> None:
+    """A worker that dies mid-compile leaves no child burning a core until xgrammar returns."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _reason(error: Exception) -> str:

@@ -5,6 +5,8 @@ each tenant waits for its own compile turns and holds its own share of the cache
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +157,45 @@ async def test_a_tenant_that_hangs_up_keeps_its_turn_until_its_compile_ends(gram
         await grammars.prepare(spec({**HOSTILE, "title": "again"}), "mallory")
     assert time.monotonic() - started >= 2 * BOUND_S - 0.6
     await grammars.prepare(spec(schema(4)), "alice")
+
+
+def test_a_compile_child_exits_when_its_worker_dies_mid_compile(tmp_path: Path, smollm_dir: Path) -> None:
+    """The worker is killed while its child compiles the hostile pattern: the child exits within
+    seconds instead of running the minute-long compile to its end."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from transformers import AutoTokenizer\n"
+        "from services.worker.engine.grammar import Grammars\n"
+        "from shared.schemas import StructuredOutput\n"
+        "if __name__ == '__main__':\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained({str(smollm_dir)!r})\n"
+        "    grammars = Grammars(tokenizer, len(tokenizer), set(), 1, 8)\n"
+        "    grammars.compile(StructuredOutput(kind='json_object'))\n"
+        "    print(*grammars.compile_pids(), flush=True)\n"
+        f"    grammars.compile(StructuredOutput(kind='json_schema', json_schema=json.dumps({HOSTILE!r})))\n"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert worker.stdout is not None
+    children = [int(pid) for pid in worker.stdout.readline().split()]
+    assert len(children) == 2
+    time.sleep(1.0)  # one child is inside the hostile compile now
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a compile child outlived its worker"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"  # a zombie has exited; init reaps it
+    except FileNotFoundError:
+        return False
