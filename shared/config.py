@@ -195,6 +195,15 @@ class RequestBounds(CommonSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1024, le=64 * 1_048_576, description="largest request body")
     max_tokens_limit: int = Field(default=4096, ge=1, le=32_768, description="largest max_tokens a client may ask")
     max_prompt_chars: int = Field(default=200_000, ge=1, le=2_000_000, description="largest prompt, in characters")
+    max_schema_depth: int = Field(
+        default=32,
+        ge=2,
+        le=256,
+        description="deepest nesting of objects and arrays in a JSON schema (response_format, a tool's parameters)",
+    )
+    max_schema_values: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="most JSON values (keys' values and items) in one JSON schema"
+    )
 
 
 class GatewaySettings(RequestBounds):
@@ -339,6 +348,35 @@ class SchedulerSettings(RequestBounds):
     cold_rate: float = Field(default=0.01, ge=0, description="requests/s below which a replicated adapter is evicted")
     max_controls_per_tick: int = Field(default=4, ge=0, le=1000, description="prefetch/evict messages per heat tick")
     dedupe_ttl_s: float = Field(default=3600.0, gt=0, description="how long a dispatched request id is remembered")
+
+
+class GrammarBounds(BaseModel):
+    """How far a worker goes compiling one request's grammar (response_format, tools): compiles run in
+    child processes, each killed past its time bound, and no tenant holds more than its share of them
+    or of the compiled-grammar cache (LF_GRAMMAR__COMPILE_TIMEOUT_S, ...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    compile_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="longest one grammar compile runs before it is killed and its request refused "
+        "(400 grammar_too_complex); also how long a compile waits for a free compiler (else 429)",
+    )
+    compile_processes: int = Field(
+        default=2, ge=1, le=64, description="child processes compiling grammars at once, all tenants together"
+    )
+    tenant_compiles: int = Field(
+        default=1, ge=1, le=64, description="grammar compiles one tenant may run at once; more wait their turn"
+    )
+    tenant_cache_share: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="compiled grammars (and refusals) one tenant may hold in the worker's cache "
+        "(LF_ENGINE__GRAMMAR_CACHE, all tenants together); past it its own oldest go",
+    )
 
 
 class WorkerIdentity(CommonSettings):

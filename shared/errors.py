@@ -51,6 +51,19 @@ class InvalidSchema(InvalidRequest):
     code = "invalid_json_schema"
 
 
+class GrammarTooComplex(InvalidRequest):
+    """A JSON schema or tools whose grammar does not compile within the worker's time bound (a
+    regex ``pattern`` whose automaton explodes, say): refused instead of holding a core for minutes."""
+
+    code = "grammar_too_complex"
+
+
+class SchemaTooLarge(InvalidRequest):
+    """A JSON schema nested deeper, or with more values, than the gateway's bounds."""
+
+    code = "schema_too_large"
+
+
 class Unauthorized(LorafleetError):
     status = 401
     code = "invalid_api_key"
@@ -114,6 +127,13 @@ class Overloaded(QuotaExceeded):
     the delay after which the estimate would admit it, instead of queued to miss its target."""
 
     code = "overloaded"
+
+
+class GrammarCompilesBusy(QuotaExceeded):
+    """The tenant's concurrent grammar compiles (or every compiler of the worker) stayed taken past the
+    compile bound: retry after it."""
+
+    code = "grammar_compiles_busy"
 
 
 class ServiceUnavailable(LorafleetError):

@@ -149,6 +149,12 @@ RANK_SPILLS = Counter(
     "requests of a rank class a worker pool serves placed outside that pool (every pool worker saturated)",
     ["rank_class"],
 )
+GRAMMAR_COMPILES = Counter(
+    "grammar_compiles",
+    "a worker's grammar compiles (response_format, tools) by outcome: compiled, invalid, too_complex (killed at "
+    "the time bound), busy (no turn or compiler within it), refused_again (a tenant's refused grammar, from its cache)",
+    ["outcome"],
+)
 REDIS_FALLBACKS = Counter("redis_fallbacks", "operations that fell back because Redis was unavailable", ["op"])
 
 

@@ -5,6 +5,7 @@ settings with ``check_submission``, so a tenant gains nothing by skipping the ga
 from shared.config import RequestBounds
 from shared.errors import InvalidRequest, PayloadTooLarge
 from shared.prompt_tokens import PromptTokens
+from shared.schema_bounds import check_schema_shape, parse_schema_text
 from shared.schemas import InferRequest
 
 
@@ -27,6 +28,7 @@ async def check_submission(
     stops = len(request.sampling.stop)
     if stops > bounds.max_stop:
         raise InvalidRequest(f"{stops} stop sequences exceed the limit of {bounds.max_stop}", param="stop")
+    check_schemas(request, bounds)
     param = "messages" if request.messages is not None else "prompt"
     if prompt_chars(request) > bounds.max_prompt_chars:
         raise InvalidRequest(f"{param} exceed {bounds.max_prompt_chars} characters", param=param)
@@ -37,3 +39,13 @@ async def check_submission(
         raise InvalidRequest(
             f"the prompt has {count} tokens, over the limit of {bounds.max_prompt_tokens}", param=param
         )
+
+
+def check_schemas(request: InferRequest, bounds: RequestBounds) -> None:
+    """The request's JSON schemas (its structured output's, its tools' parameters) within the shape bounds."""
+    depth, values = bounds.max_schema_depth, bounds.max_schema_values
+    structured = request.sampling.structured
+    if structured is not None and structured.json_schema is not None:
+        parse_schema_text(structured.json_schema, depth, values, "response_format")
+    for function in request.tools.functions if request.tools is not None else ():
+        check_schema_shape(function.parameters, depth, values, "tools")

@@ -108,6 +108,9 @@ MODEL_FIXTURES = frozenset(
 )
 PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or a whole file) -> what it starts
     "tests/bench/test_hop_floor.py": "the bare pipeline's processes",
+    "tests/worker/test_grammar_pool.py": "xgrammar's compile child processes (services/worker/grammar_pool.py)",
+    "tests/worker/test_engine_grammar.py": "xgrammar's compile child processes",
+    "tests/worker/test_engine_tools.py": "xgrammar's compile child processes",
     "tests/worker/test_vllm_engine.py": "vLLM's engine in .venv-vllm's interpreter",
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",

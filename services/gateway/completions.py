@@ -149,7 +149,7 @@ async def _submit(
     priority: SloClass | None,
 ) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
-    structured = body.structured()
+    structured = body.structured(ctx.settings)
     sampling = [_sampling(ctx, body, i, structured) for i in range(body.n)]
     await _check_prompt(ctx, inputs)
     missing = ctx.cluster.unavailable()
@@ -292,7 +292,7 @@ async def chat_completions(
     if sum(len(m.content) for m in messages) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"messages exceed {ctx.settings.max_prompt_chars} characters", param="messages")
     _answered_calls(messages)
-    inputs = {"messages": messages, "tools": body.tool_spec()}
+    inputs = {"messages": messages, "tools": body.tool_spec(ctx.settings)}
     priority = _priority(request, body)
     return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes, priority))
 

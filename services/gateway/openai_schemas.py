@@ -6,7 +6,9 @@ from typing import Annotated, Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shared.config import RequestBounds
 from shared.errors import InvalidSchema
+from shared.schema_bounds import check_schema_shape
 from shared.schemas import SloClass, StructuredOutput, ToolCall, ToolFunction, Tools
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
@@ -106,18 +108,20 @@ class ResponseFormat(_Body):
             raise ValueError("json_schema is given exactly when type is json_schema")
         return self
 
-    def structured(self) -> StructuredOutput | None:
+    def structured(self, bounds: RequestBounds) -> StructuredOutput | None:
         if self.type == "text":
             return None
         if self.json_schema is None:
             return StructuredOutput(kind="json_object")
-        return StructuredOutput(kind="json_schema", json_schema=checked_schema(self.json_schema.schema_))
+        return StructuredOutput(kind="json_schema", json_schema=checked_schema(self.json_schema.schema_, bounds))
 
 
-def checked_schema(schema: dict[str, Any], param: str = "response_format") -> str:
-    """The schema as canonical JSON text (one digest per schema), or InvalidSchema if it is not a
-    valid JSON Schema (checked here against the 2020-12 meta-schema; the worker's grammar compiler
-    refuses the rest with the same error)."""
+def checked_schema(schema: dict[str, Any], bounds: RequestBounds, param: str = "response_format") -> str:
+    """The schema as canonical JSON text (one digest per schema), or a typed 400: SchemaTooLarge past
+    the depth and size bounds (checked first, without recursion), InvalidSchema if it is not a valid
+    JSON Schema (checked here against the 2020-12 meta-schema; the worker's grammar compiler refuses
+    the rest with the same error, or GrammarTooComplex past its time bound)."""
+    check_schema_shape(schema, bounds.max_schema_depth, bounds.max_schema_values, param)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -197,7 +201,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("response_format together with tools is not supported (unless tool_choice is none)")
         return self
 
-    def tool_spec(self) -> Tools | None:
+    def tool_spec(self, bounds: RequestBounds) -> Tools | None:
         """The tools as the worker takes them, each function's parameters checked as a JSON schema."""
         if self.tools is None:
             return None
@@ -206,7 +210,7 @@ class ChatCompletionRequest(_Sampling):
             parameters = tool.function.parameters
             if parameters is None:
                 parameters = {"type": "object", "properties": {}}
-            checked_schema(parameters, param="tools")
+            checked_schema(parameters, bounds, param="tools")
             functions.append(
                 ToolFunction(name=tool.function.name, description=tool.function.description, parameters=parameters)
             )
@@ -221,8 +225,8 @@ class ChatCompletionRequest(_Sampling):
     def requested_logprobs(self) -> tuple[bool, int]:
         return self.logprobs, self.top_logprobs or 0
 
-    def structured(self) -> StructuredOutput | None:
-        return self.response_format.structured() if self.response_format is not None else None
+    def structured(self, bounds: RequestBounds) -> StructuredOutput | None:
+        return self.response_format.structured(bounds) if self.response_format is not None else None
 
 
 class CompletionRequest(_Sampling):
@@ -253,5 +257,5 @@ class CompletionRequest(_Sampling):
     def requested_logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
 
-    def structured(self) -> StructuredOutput | None:
+    def structured(self, bounds: RequestBounds) -> StructuredOutput | None:
         return None

@@ -74,7 +74,7 @@ async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack
     loader = _loader(nc, settings, loaded.directory, shapes)
     cache = CacheHierarchy(manager, loader, settings.cache)
     stack.callback(cache.close)
-    engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager)
+    engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager, grammar_bounds=settings.grammar)
     engine.start()
     stack.callback(engine.shutdown)
     prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)

@@ -10,7 +10,7 @@ from services.worker.adapter_cache.config import CacheConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.lora.config import LoraConfig
 from services.worker.vllm_engine.config import VllmConfig
-from shared.config import WorkerIdentity
+from shared.config import GrammarBounds, WorkerIdentity
 
 
 class WorkerSettings(WorkerIdentity):
@@ -29,6 +29,9 @@ class WorkerSettings(WorkerIdentity):
         default_factory=LoraConfig, description="rank classes and the byte budget of the adapter slots"
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="CPU tier, eviction policy, warmup")
+    grammar: GrammarBounds = Field(
+        default_factory=GrammarBounds, description="grammar compiles: time bound, processes, per-tenant shares"
+    )
     max_waiting: int = Field(default=256, ge=1, le=100_000, description="requests queued before dispatches are refused")
     require_signature: bool = Field(
         default=True, description="refuse unsigned adapters (False only beside a dev-mode registry)"

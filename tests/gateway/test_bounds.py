@@ -147,3 +147,38 @@ async def test_a_gap_in_the_reply_stream_fails_the_request_instead_of_dropping_t
     while request.request_id not in gateway.worker.cancelled:  # and the worker stops generating it
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
+
+
+def nested(depth: int) -> dict:
+    """A valid JSON schema whose objects nest ``depth`` deep or one less (two per property level, and the leaf)."""
+    schema: dict = {"type": "string"}
+    for _ in range((depth - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+
+
+@pytest.mark.parametrize("depth", [100, 400])
+async def test_a_schema_past_the_depth_bound_is_a_json_400_not_a_traceback(client, depth):
+    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema_format(nested(depth))})
+    assert "nests deeper than 32 levels" in error(r, 400, "response_format")
+    assert r.json()["error"]["code"] == "schema_too_large"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": nested(depth)}}]
+    r = await client.post("/v1/chat/completions", json={**CHAT, "tools": tools})
+    assert "nests deeper than 32 levels" in error(r, 400, "tools")
+    assert r.json()["error"]["code"] == "schema_too_large"
+
+
+async def test_a_schema_past_the_size_bound_is_a_json_400(client):
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema_format(wide)})
+    assert "more than 10000 values" in error(r, 400, "response_format")
+    assert r.json()["error"]["code"] == "schema_too_large"
+
+
+async def test_a_schema_within_the_bounds_is_served(client):
+    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema_format(nested(32))})
+    assert r.status_code == 200, r.text

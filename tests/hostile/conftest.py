@@ -63,6 +63,7 @@ AUDITOR = "main"  # the auditor's instance id: the subject of its signed heads, 
 SCRAPED = ("registry", "auditor", "scheduler")  # services whose /metrics the tests read
 REMOTE_TIMEOUT_S = 3.0  # the registry's fetch time limit
 REMOTE_MAX_FILE = 40_000  # bytes of one fetched file; the tiny adapter's weights are ~15 kB
+GRAMMAR_BOUND_S = 3.0  # the worker's grammar compile time bound (test_grammar_hostile.py)
 
 
 class _RunsCode:
@@ -283,6 +284,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileStack]:
         "LF_MAX_TOKENS_LIMIT": str(MAX_MODEL_LEN),  # the gateway's bound, which the scheduler applies too
         "LF_METRICS_PORT": "-1",
         "LF_WORKER_ID": WORKER,
+        "LF_GRAMMAR__COMPILE_TIMEOUT_S": str(GRAMMAR_BOUND_S),
         "LF_TRUSTED_SOURCE_DIRS": json.dumps([str(root / "trusted")]),
     }
     (root / "trusted").mkdir()

@@ -5,6 +5,7 @@ import json
 
 import jsonschema
 import pytest
+from prometheus_client import REGISTRY
 
 from services.worker.engine import EngineRequest, LLMEngine
 from services.worker.engine.grammar import digest
@@ -80,3 +81,19 @@ def test_a_schema_xgrammar_cannot_compile_is_a_typed_400(loaded: LoadedModel, en
         engine.add_request(EngineRequest("bad", chat(loaded, "hi"), params))
     assert raised.value.status == 400 and raised.value.code == "invalid_json_schema"
     assert not engine.has_unfinished()
+
+
+def test_a_request_carrying_its_compiled_grammar_is_not_compiled_on_the_step_loop(
+    loaded: LoadedModel, engine: LLMEngine
+) -> None:
+    spec = StructuredOutput(kind="json_schema", json_schema=json.dumps({**SCHEMA, "title": "carried"}))
+    grammar = engine.grammars.compile(spec, "alice")  # as AsyncEngine.generate does, before the step loop
+    compiled = REGISTRY.get_sample_value("grammar_compiles_total", {"outcome": "compiled"})
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured=spec)
+    # bob has no cache entry for it: without the carried grammar the engine would compile it here
+    engine.add_request(
+        EngineRequest("carried", chat(loaded, "Describe Paris as JSON."), params, tenant="bob", grammar=grammar)
+    )
+    assert REGISTRY.get_sample_value("grammar_compiles_total", {"outcome": "compiled"}) == compiled
+    assert engine.grammars.cached(spec, "bob") is None
+    assert run(engine)["carried"][1].startswith("{")

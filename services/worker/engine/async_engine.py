@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -16,6 +16,7 @@ from services.worker.engine.errors import DuplicateRequest
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraProvider
 from services.worker.engine.sequence import EngineRequest, RequestOutput
+from shared.config import GrammarBounds
 
 _IDLE_POLL_S = 0.005
 log = structlog.get_logger("engine")
@@ -54,9 +55,13 @@ class AsyncEngine:
 
     @classmethod
     def from_loaded(
-        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: LoraProvider | None = None
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        adapter_manager: LoraProvider | None = None,
+        grammar_bounds: GrammarBounds | None = None,
     ) -> "AsyncEngine":
-        return cls(LLMEngine.from_loaded(loaded, config, adapter_manager))
+        return cls(LLMEngine.from_loaded(loaded, config, adapter_manager, grammar_bounds))
 
     def start(self) -> None:
         self._thread.start()
@@ -66,6 +71,7 @@ class AsyncEngine:
             self._stopping = True
             self._wake.notify()
         self._thread.join()
+        self.engine.grammars.close()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -73,12 +79,13 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's per-step outputs; the last has ``finished`` set.
 
-        Raises RequestTooLarge, InvalidSchema (or DuplicateRequest) before the first output. Leaving the
-        iterator early, or cancelling the task consuming it, aborts the request.
+        Raises RequestTooLarge, InvalidSchema, GrammarTooComplex, GrammarCompilesBusy (or DuplicateRequest)
+        before the first output. Leaving the iterator early, or cancelling the task consuming it, aborts the
+        request.
         """
         structured = request.sampling.structured
-        if structured is not None:  # compile off the step loop (raises InvalidSchema); the loop then hits the cache
-            await asyncio.to_thread(self.engine.grammars.compile, structured)
+        if structured is not None:  # compiled off the step loop, bounded; the request carries it there
+            request = replace(request, grammar=await self.engine.grammars.prepare(structured, request.tenant))
         queue: _Outputs = asyncio.Queue()
         with self._wake:
             if self._stopping:

@@ -27,6 +27,7 @@ from services.worker.engine.sequence import EngineRequest, RequestOutput, Sequen
 from services.worker.engine.token_text import TokenText
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared import metrics
+from shared.config import GrammarBounds
 from shared.schemas import TokenLogprob
 
 log = structlog.get_logger("engine")
@@ -49,6 +50,7 @@ class LLMEngine:
         config: EngineConfig,
         eos_token_ids: set[int],
         adapter_manager: LoraProvider | None = None,
+        grammar_bounds: GrammarBounds | None = None,
     ):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -81,14 +83,20 @@ class LLMEngine:
             sizes = graph_batch_sizes(config.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.cache, num_blocks, config.max_model_len, sizes)
         self.vocab_size = spec.vocab_size
-        self.grammars = Grammars(tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache)
+        self.grammars = Grammars(
+            tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache, grammar_bounds
+        )
         self.token_text = TokenText(tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self.rank_skew = RankSkew(min(adapter_manager.rank_classes)) if adapter_manager is not None else None
 
     @classmethod
     def from_loaded(
-        cls, loaded: LoadedModel, config: EngineConfig, adapter_manager: LoraProvider | None = None
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        adapter_manager: LoraProvider | None = None,
+        grammar_bounds: GrammarBounds | None = None,
     ) -> "LLMEngine":
         """Build from the worker's loaded transformers model (weights shared, not copied, when dtypes match)."""
         weights = load_weights(loaded.model, config.torch_dtype, config.device, config.max_model_len)
@@ -96,7 +104,7 @@ class LLMEngine:
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if loaded.tokenizer.eos_token_id is not None:
             eos_ids.add(loaded.tokenizer.eos_token_id)
-        return cls(weights, loaded.tokenizer, config, eos_ids, adapter_manager)
+        return cls(weights, loaded.tokenizer, config, eos_ids, adapter_manager, grammar_bounds)
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +129,7 @@ class LLMEngine:
         self._check_token_ids(request)
         seq = Sequence(request, self.tokenizer)
         if request.sampling.structured is not None:
-            seq.matcher = self.grammars.matcher(request.sampling.structured)
+            seq.matcher = self.grammars.matcher(request.sampling.structured, request.tenant, request.grammar)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
