@@ -85,7 +85,7 @@ class AsyncEngine:
         """
         structured = request.sampling.structured
         if structured is not None:  # compiled off the step loop, bounded; the request carries it there
-            request = replace(request, grammar=await self.engine.grammars.prepare(structured, request.tenant))
+            request = replace(request, grammar=await self.engine.grammars.prepare(structured, request.tenant or ""))
         queue: _Outputs = asyncio.Queue()
         with self._wake:
             if self._stopping:

@@ -129,7 +129,7 @@ class LLMEngine:
         self._check_token_ids(request)
         seq = Sequence(request, self.tokenizer)
         if request.sampling.structured is not None:
-            seq.matcher = self.grammars.matcher(request.sampling.structured, request.tenant, request.grammar)
+            seq.matcher = self.grammars.matcher(request.sampling.structured, request.tenant or "", request.grammar)
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
 

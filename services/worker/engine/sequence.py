@@ -26,15 +26,14 @@ class EngineRequest:
     # Who may share this request's cached prompt K/V: only requests with the same salt and adapter
     # (the worker passes tenant and adapter digest, so no tenant can time another's prompts).
     cache_salt: str | None = None
-    # whose compiled grammars it uses and whose compile turns it waits for (the worker passes the tenant)
-    tenant: str = ""
+    # the tenant (the worker passes it): whose compiled grammars it uses and whose compile turns it waits
+    # for, and whose share of the KV blocks it counts toward (EngineConfig.tenant_kv_share); None: nobody's
+    tenant: str | None = None
     # its structured output's grammar, compiled off the step loop (AsyncEngine.generate); None: the engine
     # compiles it when the request is added (direct LLMEngine callers)
     grammar: xgr.CompiledGrammar | None = None
     # the SLO class it is admitted by (services/worker/engine/batch_scheduler.py): interactive first
     slo_class: SloClass = "standard"
-    # whose share of the KV blocks it counts toward (EngineConfig.tenant_kv_share); None: nobody's
-    tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 
