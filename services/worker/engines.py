@@ -99,6 +99,7 @@ async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, p
     """vLLM's engine on the base model's directory; this process loads only its config and tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from services.worker.engine.grammar import Grammars
     from services.worker.vllm_engine.adapter_dir import AdapterDir
     from services.worker.vllm_engine.engine import VllmEngine
     from services.worker.vllm_engine.slots import VllmSlots
@@ -106,11 +107,15 @@ async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, p
     phases.enter("loading_model", str(settings.model_dir or "embedded SmolLM2"))
     cache_dir = Path(settings.model_cache) if settings.model_cache else None
     directory = await asyncio.to_thread(resolve_model_dir, settings.model_dir, cache_dir)
-    shapes = ModelShapes.from_hf_config(await asyncio.to_thread(AutoConfig.from_pretrained, directory))
+    config = await asyncio.to_thread(AutoConfig.from_pretrained, directory)
+    shapes = ModelShapes.from_hf_config(config)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, directory)
     loader = _loader(nc, settings, directory, shapes)
     c = settings.vllm
-    engine = VllmEngine(directory, c, AdapterDir())
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    # the bounded pre-compile of every grammar (VllmEngine.grammars); it masks nothing, so one row
+    grammars = Grammars(tokenizer, config.vocab_size, stops, 1, settings.engine.grammar_cache, settings.grammar)
+    engine = VllmEngine(directory, c, AdapterDir(), grammars)
     engine.start()  # vLLM builds its output handler on this loop; its engine core loads in a child process
     stack.callback(engine.shutdown)
     rank = min(c.max_lora_rank, settings.lora.max_rank)

@@ -155,6 +155,22 @@ def test_a_schema_that_cannot_be_compiled_is_the_builtin_engines_typed_400(run: 
     }
 
 
+def test_a_grammar_past_the_compile_bound_is_refused_at_it_before_vllm_compiles_it(
+    run: tuple[dict, dict, int],
+) -> None:
+    """vLLM's engine core compiles a grammar where nothing bounds or stops it (xgrammar takes about a
+    minute on this pattern): the worker's bounded pre-compile refuses it at its 2 s bound."""
+    refusal = run[0]["refusals"]["hostile_schema"]
+    seconds = refusal.pop("seconds")
+    assert refusal == {
+        "type": "GrammarTooComplex",
+        "code": "grammar_too_complex",
+        "status": 400,
+        "param": "response_format",
+    }
+    assert seconds < 2.0 + 10.0, seconds  # the bound, plus killing the compile child on a shared machine
+
+
 def test_a_required_tool_call_decodes_under_the_tools_constraint(run: tuple[dict, dict, int]) -> None:
     """The structural tag the built-in engine compiles is what vLLM's xgrammar backend enforces."""
     seen = run[0]["tool_call"]

