@@ -27,29 +27,18 @@ ADMIN = "admin"
 AUDIT_READER = "audit-reader"
 SCHEDULER_CONSUMER = "scheduler"  # durable on INFER (services/scheduler/service.py CONSUMER)
 REGISTRY_READ_OPS = ("resolve", "list", "get", "adapters", "keys")
-# exactly the registry ops the gateway sends (its inference path and admin API); trusting signer keys,
-# sources, recording evals and starting releases stay with the admin CLI user
-GATEWAY_REGISTRY_OPS = (
-    "resolve",  # its catalog mirror's fallback (shared/catalog_follow.py)
-    "list",
-    "get",
-    "adapters",
-    "register",
-    "promote",
-    "rollout",
-    "rollback",
-    "retire",
-    "revoke",
-    "tenant_create",
-    "tenants",
-    "quota_set",
-    "api_key_create",
-    "api_key_revoke",
-    "api_keys",
-    "pin",
-    "unpin",
-    "pins",
+# the registry ops only the admin CLI user sends: trusting signer keys, sources, recording evals and
+# releases; the gateway (its inference path, its catalog mirror's fallback, its admin API) sends the rest
+OPERATOR_REGISTRY_OPS = (
+    "trust_key",
+    "untrust_key",
+    "keys",
+    "record_eval",
+    *subjects.SOURCE_OPS,
+    "release_start",
+    "release_status",
 )
+GATEWAY_REGISTRY_OPS = tuple(op for op in subjects.REGISTRY_OPS if op not in OPERATOR_REGISTRY_OPS)
 
 
 @dataclass(frozen=True, slots=True)
