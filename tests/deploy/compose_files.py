@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
 INIT = "lorafleet-init"
 WAITS = {"service_completed_successfully", "service_healthy"}  # conditions that wait for readiness
 

@@ -1,8 +1,13 @@
 """A nats-server running the generated permission model, and clients that record refusals."""
 
 import asyncio
+import re
+import shlex
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 import pytest
@@ -12,6 +17,7 @@ from lorafleet.cli.infra import Server, free_port, start_nats
 from lorafleet.cli.nats_auth import Secrets, render_config, setup_streams, write_private
 from lorafleet.cli.nats_permissions import ADMIN
 from shared import subjects
+from tests.deploy.compose_files import K8S, REPO
 from tests.helpers.bus import settled
 
 TENANTS = ("acme", "globex")
@@ -100,3 +106,33 @@ async def connect_as(auth_server: AuthServer) -> AsyncIterator:
     yield _connect
     for client in clients:
         await client.nc.close()
+
+
+@pytest.fixture(scope="module")
+def secret_dirs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directories create-secrets.sh fills, by its own compose_init command."""
+    script = (K8S / "create-secrets.sh").read_text()
+    consumers = re.search(r"^for consumer in (.*); do\n  mkdir", script, re.M)
+    command = re.search(r"^python -m lorafleet\.cli\.compose_init (.*)$", script, re.M)
+    assert consumers and command
+    root = tmp_path_factory.mktemp("k8s-secrets")
+    for consumer in consumers.group(1).split():
+        (root / consumer).mkdir()
+    args = shlex.split(command.group(1).replace('"$dir"', str(root)))
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafleet.cli.compose_init", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    certs = subprocess.run(
+        ["sh", str(K8S / "make-nats-certs.sh"), str(root / "nats-tls")], capture_output=True, text=True, timeout=60
+    )
+    assert certs.returncode == 0, certs.stderr
+    # the Secrets create-secrets.sh makes of them: the nodes' certificate, key and CA; the CA alone for clients
+    assert '--from-file=ca.crt="$dir/nats-tls/ca.crt"' in script and "lorafleet-nats-ca" in script
+    (root / "nats-ca").mkdir()
+    (root / "nats-ca" / "ca.crt").write_text((root / "nats-tls" / "ca.crt").read_text())
+    return root
