@@ -14,18 +14,11 @@ import pytest
 import yaml
 
 from kernels.native_build import KernelSettings
+from lorafleet.cli.compose_services import PROMETHEUS_TOKEN_FILE, VLLM_PROFILE, VLLM_VERSION, compose_worker_ids
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
 from lorafleet.cli.nats_accounts import users_of
-from lorafleet.cli.nats_auth import (
-    PROMETHEUS_TOKEN_FILE,
-    VLLM_PROFILE,
-    VLLM_VERSION,
-    WORKERS_COMPOSE_FILE,
-    add_tenant_user,
-    compose_worker_ids,
-    init_deploy,
-)
+from lorafleet.cli.nats_auth import WORKERS_COMPOSE_FILE, add_tenant_user, init_deploy
 from services.worker.settings import WorkerSettings
 from services.worker.vllm_engine.config import VllmConfig
 from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings

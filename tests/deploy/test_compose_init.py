@@ -14,9 +14,10 @@ import yaml
 from nats import errors as nats_errors
 from redis import exceptions as redis_exceptions
 
+from lorafleet.cli.compose_services import compose_worker_ids
 from lorafleet.cli.infra import Server, free_port, nats_server_binary, redis_server_binary, start_nats, wait_port
 from lorafleet.cli.nats_accounts import users_of
-from lorafleet.cli.nats_auth import compose_worker_ids, init_deploy
+from lorafleet.cli.nats_auth import init_deploy
 from shared.bus import connect
 from shared.config import CommonSettings
 from shared.redis_conn import connect_redis
