@@ -82,8 +82,14 @@ class CommonSettings(BaseSettings):
 
     nats_url: str = Field(default="nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis URL")
-    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
-    instance_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    log_level: str = Field(
+        default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="least severe log level written"
+    )
+    instance_id: str = Field(
+        default_factory=_default_instance_id,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="this process's name on NATS (connection, heartbeats, consumers); default <hostname>-<pid>",
+    )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, le=60, description="how often liveness is published")
     liveness_timeout_s: float = Field(default=5.0, gt=0, le=600, description="silence after which a peer is dead")
     nats_user: str | None = Field(default=None, description="NATS user of this service (None = no auth)")
@@ -278,9 +284,9 @@ class SloTargets(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    interactive: float = Field(default=2.0, gt=0, le=3600)
-    standard: float = Field(default=8.0, gt=0, le=3600)
-    batch: float = Field(default=60.0, gt=0, le=86400)
+    interactive: float = Field(default=2.0, gt=0, le=3600, description="TTFT target of interactive requests")
+    standard: float = Field(default=8.0, gt=0, le=3600, description="TTFT target of standard requests")
+    batch: float = Field(default=60.0, gt=0, le=86400, description="TTFT target of batch requests")
 
     def of(self, slo_class: SloClass) -> float:
         return float(getattr(self, slo_class))
@@ -382,7 +388,12 @@ class GrammarBounds(BaseModel):
 class WorkerIdentity(CommonSettings):
     """Who a worker is; the rest of its settings (services/worker/settings.py) need torch to validate."""
 
-    worker_id: str = Field(default_factory=_default_instance_id, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    worker_id: str = Field(
+        default_factory=_default_instance_id,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="this worker's name in its subjects (lf.worker.<id>.*), heartbeats and placement; "
+        "default <hostname>-<pid>",
+    )
 
 
 class AuditorSettings(CommonSettings):
