@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings
 from shared.env_names import DIRECT, KNOWN, SETTINGS, UnknownVariables, check_environment, model_env_names
 
 REPO = Path(__file__).resolve().parents[2]
-CODE = ("shared", "services", "kernels", "lorafleet", "bench")
+CODE = ("shared", "services", "kernels", "lorafleet", "bench", "tools")
 NAME = re.compile(r"(?<![A-Za-z0-9_])LF_[A-Z0-9_]+")
 
 
