@@ -152,12 +152,21 @@ def missing_references(doc: Path) -> list[str]:
     return missing
 
 
+def anchors(doc: Path) -> set[str]:
+    """The fragment GitHub gives each heading of ``doc``: lower case, punctuation dropped, spaces as ``-``."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
 def missing_links(doc: Path) -> list[str]:
+    """Relative links whose file is missing, or whose ``#fragment`` names no heading of that file."""
     missing = []
     for target in LINK.findall(re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        if not (doc.parent / target.split("#")[0]).exists():
+        path, _, fragment = target.partition("#")
+        linked = (doc.parent / path) if path else doc
+        if not linked.exists() or (fragment and linked.suffix == ".md" and fragment not in anchors(linked)):
             missing.append(target)
     return missing
 
@@ -183,3 +192,13 @@ def test_the_checks_catch_what_is_gone() -> None:
     assert bare_name_exists("Dispatcher.submit") and bare_name_exists("_split") and bare_name_exists("DecoderStack")
     assert not bare_name_exists("Grants.check") and not bare_name_exists("BoundedLabel")
     assert not bare_name_exists("_follow_quotas")
+    assert "vllm-workers" in anchors(REPO / "docs" / "operations.md")
+    assert "dashboard-and-metrics" in anchors(REPO / "docs" / "operations.md")
+
+
+def test_a_missing_link_target_or_fragment_is_caught(tmp_path: Path) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "[a](gone.md) [b](#nowhere) [c](#the-heres-heading) [d](https://example.com)\n\n## The here's heading\n"
+    )
+    assert missing_links(doc) == ["gone.md", "#nowhere"]

@@ -2,7 +2,7 @@
 once (its fused weights are the transformers modules' storage), and its logits stay as close to
 the fp32 result as transformers' own bf16 forward does.
 
-Documented bf16 tolerance (README "Supported base models"): on every prompt token,
+Documented bf16 tolerance (docs/models.md, "Serving dtype"): on every prompt token,
 ``|engine_bf16 - fp32| <= 2 * |transformers_bf16 - fp32| + 0.01 * max(1, |logit|max)`` (max over the vocabulary),
 and ``|engine_bf16 - transformers_bf16| <= 0.03 * max(1, |logit|max)``. Measured on the tiny family
 models: the engine's error is 0.5-1.5x transformers' own, both 0.2-2% of the largest logit.
