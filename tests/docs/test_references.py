@@ -1,9 +1,11 @@
 """The README and docs/*.md name only what exists: every backticked repository path (a file, a folder or a
 glob), every backticked ``module:symbol`` / ``module.symbol`` (found by reading the module's source, so a
 module that needs vLLM or a GPU is checked too), every backticked bare class (``Class``, ``Class.member``)
-or private name (``_name``) somewhere in the code, and every relative markdown link's target."""
+or private name (``_name``) somewhere in the code (name another library's class with its module:
+``contextlib.AsyncExitStack``), and every relative markdown link's target with its ``#fragment``."""
 
 import ast
+import builtins
 import fnmatch
 import re
 from collections.abc import Iterator
@@ -132,6 +134,8 @@ def bare_name_exists(span: str) -> bool:
     names, members = code_names()
     if private:
         return private in names
+    if member is None and hasattr(builtins, cls):  # `ValueError`
+        return True
     return cls in names and (member is None or member in members.get(cls, frozenset()))
 
 
@@ -191,6 +195,7 @@ def test_the_checks_catch_what_is_gone() -> None:
     assert path_exists("deploy/tls") and path_exists("bench/results/x.json")  # git-ignored: written by a command
     assert bare_name_exists("Dispatcher.submit") and bare_name_exists("_split") and bare_name_exists("DecoderStack")
     assert not bare_name_exists("Grants.check") and not bare_name_exists("BoundedLabel")
+    assert bare_name_exists("TimeoutError") and bare_name_exists("contextlib.AsyncExitStack")
     assert not bare_name_exists("_follow_quotas")
     assert "vllm-workers" in anchors(REPO / "docs" / "operations.md")
     assert "dashboard-and-metrics" in anchors(REPO / "docs" / "operations.md")
