@@ -27,7 +27,7 @@ from services.scheduler.ports import bus_ports
 from services.scheduler.service import Scheduler, build
 from shared import subjects
 from shared.bus import encode, ensure_streams
-from shared.catalog_follow import follow_catalog
+from shared.catalog.view import follow_catalog
 from shared.config import SchedulerSettings, StreamLimits
 from shared.redis_conn import connect_redis
 from shared.schemas import InferRequest
@@ -68,8 +68,8 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
             await js.delete_stream(subjects.INFER_STREAM)
         await ensure_streams(js, StreamLimits())
         settings = SchedulerSettings(redis_key_prefix=f"b{time.monotonic_ns()}:", no_worker_grace_s=300)
-        resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
-        core, upkeep = build(settings, bus_ports(nc, js, settings, resolver), redis)
+        followed = await follow_catalog(nc, settings.dispatch_timeout_s)
+        core, upkeep = build(settings, bus_ports(nc, js, settings, followed.view), redis)
         if fair:
             scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))
         else:
@@ -97,7 +97,7 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
         stop.set()
         await consuming
         await psub.unsubscribe()
-        catalog_watch.cancel()
+        followed.stop()
         return delay_ms
     finally:
         await redis.aclose()

@@ -25,8 +25,8 @@ from services.registry.kv import RecordsKV
 from shared import subjects
 from shared.base_model import EMBEDDED_MODEL_NAME
 from shared.bus import connect, decode, request
-from shared.catalog import Catalog
-from shared.resolve import resolve
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import resolve
 from shared.schemas import AdapterRecord, ResolveReply, ResolveRequest, ServiceHeartbeat
 
 RESULTS = Path(__file__).parent / "results" / "registry_scale.json"

@@ -30,7 +30,7 @@ from services.registry.kv import RecordsKV
 from shared import subjects
 from shared.base_model import EMBEDDED_MODEL_NAME
 from shared.bus import connect, decode, encode, ensure_streams, request
-from shared.rollout import in_canary
+from shared.catalog.rollout import in_canary
 from shared.schemas import (
     AdapterRecord,
     AuditEnvelope,

@@ -1,6 +1,6 @@
 """What a pin holds: the registry checks pins against the fleet's slots with it, the workers keep it resident."""
 
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 from shared.schemas import AdapterRecord, PinRecord
 
 

@@ -1,7 +1,7 @@
 """Cross-check a completion against the registry: the tenant was permitted to use the adapter,
 and the digest that served it is the registry's for that version."""
 
-from shared.access import may_use
+from shared.catalog.access import may_use
 from shared.schemas import AdapterRecord, CompletionAudit, ViolationAudit
 
 

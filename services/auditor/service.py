@@ -5,11 +5,13 @@ import asyncio
 import contextlib
 import json
 import sys
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import nats.errors
 import structlog
-from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.auditor.crosscheck import check_completion
@@ -19,6 +21,7 @@ from services.auditor.store import AuditStore
 from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
 from shared.bus import MAX_MESSAGE_BYTES, connect, decode, drain_or_close, ensure_streams, serve, shutdown_event
+from shared.catalog.view import CatalogView, follow_catalog
 from shared.config import AuditorSettings, load_settings
 from shared.errors import (
     IntegrityError,
@@ -31,48 +34,50 @@ from shared.errors import (
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics_http import serve_metrics
-from shared.registry_client import fetch_record
 from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
 from shared.telemetry import setup_tracing
 from shared.undecodable import skip
 
 log = structlog.get_logger("auditor")
+REGISTRY_TIMEOUT_S = 5.0  # its view never resolves a request: the bound of a fallback it does not use
 
 
-class RecordCache:
-    """Registry records by (adapter, version): versions are immutable, so a record never goes stale
-    for what the cross-check compares (owner, scopes, checksum)."""
+@dataclass(frozen=True, slots=True)
+class Records:
+    """The registry's records as the cross-check reads them: the auditor's catalog view, else the
+    records bucket itself (a version registered a moment ago may not have reached the view yet)."""
 
-    def __init__(self, nc: NATS, timeout_s: float = 5.0):
-        self._nc = nc
-        self._timeout_s = timeout_s
-        self._records: dict[tuple[str, int | None], AdapterRecord | None] = {}
+    catalog: CatalogView
+    js: JetStreamContext
 
     async def get(self, adapter_id: str, version: int | None) -> AdapterRecord | None:
-        key = (adapter_id, version)
-        if key not in self._records:
-            try:
-                self._records[key] = await fetch_record(self._nc, adapter_id, version, self._timeout_s)
-            except ModelNotFound:
-                self._records[key] = None
-        return self._records[key]
+        """The version's record; None when the registry has none (a completion without a version
+        names none)."""
+        if version is None:
+            return None
+        try:
+            return await self.catalog.record(self.js, adapter_id, version)
+        except ModelNotFound:
+            return None
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as e:
+            raise ServiceUnavailable(f"the records bucket did not answer: {type(e).__name__}") from None
 
 
-async def _violations(records: RecordCache, event, stop: asyncio.Event) -> list:
-    """The cross-check's findings; while the registry is unreachable it waits (the stream holds the rest)."""
+async def _violations(records: Records, event, stop: asyncio.Event) -> list:
+    """The cross-check's findings; while the records bucket is unreachable it waits (the stream holds the rest)."""
     if not isinstance(event, CompletionAudit) or event.adapter_id is None:
         return []
     while True:
         try:
             return check_completion(event, await records.get(event.adapter_id, event.adapter_version))
         except (ServiceUnavailable, UpstreamTimeout) as e:
-            log.warning("crosscheck_waiting_for_registry", error=e.message)
+            log.warning("crosscheck_waiting_for_records", error=e.message)
             if stop.is_set():
                 raise
             await asyncio.sleep(1.0)
 
 
-async def _record(store: AuditStore, records: RecordCache, seq: int, event, stop: asyncio.Event) -> None:
+async def _record(store: AuditStore, records: Records, seq: int, event, stop: asyncio.Event) -> None:
     violations = await _violations(records, event, stop)
     store.append(seq, event.model_dump(mode="json"))
     for number, violation in enumerate(violations, start=1):
@@ -159,7 +164,9 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
         stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
-        records = RecordCache(nc)
+        followed = await follow_catalog(nc, REGISTRY_TIMEOUT_S)  # the registry's records, for the cross-check
+        stack.callback(followed.stop)
+        records = Records(followed.view, js)
         verifier = ChainVerifier(store, signer, HeadLog(js, settings.chain_id))
         await verifier.start()
 

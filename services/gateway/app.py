@@ -51,7 +51,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.get("/readyz", tags=["health"], responses={503: {"description": "a required component is missing"}})
     async def readyz(request: Request) -> JSONResponse:
         ctx_: GatewayContext = request.app.state.ctx
-        ready, components = ctx_.cluster.status(catalog_loaded=ctx_.resolver.mirror.loaded)
+        ready, components = ctx_.cluster.status(catalog_loaded=ctx_.catalog.loaded)
         components["nats"] = "ok" if ctx_.nc.is_connected else "disconnected"
         ready = ready and ctx_.nc.is_connected
         return JSONResponse({"ready": ready, "components": components}, status_code=200 if ready else 503)

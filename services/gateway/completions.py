@@ -158,7 +158,7 @@ async def _submit(
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
     request_key = body.user or request_id
-    resolved = await ctx.resolver.resolve(
+    resolved = await ctx.catalog.resolve(
         ResolveRequest(tenant_id=tenant, model=body.model, request_key=request_key, preview=preview)
     )
     fields = [
@@ -338,7 +338,7 @@ async def retrieve_model(model: str, request: Request, caller: Principal = Depen
     if len(model) > MODEL_NAME_MAX:  # the inference routes' own bound on ``model``
         raise InvalidRequest(f"model: at most {MODEL_NAME_MAX} characters", param="model")
     key = f"retrieve:{hashlib.sha256(model.encode()).hexdigest()}"  # bounded whatever the name's length
-    resolved = await ctx.resolver.resolve(ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=key))
+    resolved = await ctx.catalog.resolve(ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=key))
     listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
     entry = listed.get(model) or listed.get(resolved.adapter.adapter_id if resolved.adapter else resolved.base_model)
     if entry is None:  # released a moment ago, or retired since the resolve

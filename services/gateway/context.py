@@ -1,4 +1,4 @@
-"""What the gateway's routes share: settings, the NATS connection, the cluster view, API keys, the resolver."""
+"""What the gateway's routes share: settings, the NATS connection, the cluster view, API keys, the catalog view."""
 
 from dataclasses import dataclass
 
@@ -7,7 +7,7 @@ from nats.js import JetStreamContext
 
 from services.gateway.auth import ApiKeys
 from services.gateway.readiness import ClusterView
-from shared.catalog_mirror import Resolver
+from shared.catalog.view import CatalogView
 from shared.config import GatewaySettings
 from shared.prompt_tokens import PromptTokens
 
@@ -19,5 +19,5 @@ class GatewayContext:
     js: JetStreamContext
     cluster: ClusterView
     keys: ApiKeys
-    resolver: Resolver
+    catalog: CatalogView
     prompt_tokens: PromptTokens | None = None  # None: prompts are bounded in characters only

@@ -8,13 +8,13 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
-from services.gateway.catalog_follow import start_resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.readiness import ClusterView
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
 from shared.bus import connect, decode, drain_or_close, ensure_streams, shutdown_event
+from shared.catalog.view import follow_catalog
 from shared.config import GatewaySettings, load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
@@ -60,9 +60,9 @@ async def run(settings: GatewaySettings) -> None:
         keys = ApiKeys(settings.api_keys)
         watch = asyncio.create_task(follow_keys(nc, keys))
         stack.callback(watch.cancel)
-        resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)
-        stack.callback(catalog_watch.cancel)
-        ctx = GatewayContext(settings, nc, js, cluster, keys, resolver, tokens)
+        followed = await follow_catalog(nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id))
+        stack.callback(followed.stop)
+        ctx = GatewayContext(settings, nc, js, cluster, keys, followed.view, tokens)
         # h11 even where httptools is installed: httptools answers a header holding a control byte
         # with its own plain-text 400 before the app can give its typed, OpenAI-style error.
         server = uvicorn.Server(

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from services.registry.fleet_ranks import RankClasses
 from shared import signing
-from shared.access import SHARED_TENANT
 from shared.adapter_format import AdapterBytes, AdapterLimits, validate_adapter
-from shared.catalog import Catalog, Change
+from shared.catalog.access import SHARED_TENANT
+from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, IntegrityError, RankNotServed, SignerNotAuthorized
 from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord, SourceOrigin

@@ -20,10 +20,10 @@ from nats.js.kv import KeyValue
 from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.bus import ensure_replicas, settling
-from shared.catalog import record_key
+from shared.catalog.records import record_key
+from shared.catalog.signers import parse_signer
 from shared.errors import Conflict, ServiceUnavailable
 from shared.kv_read import read_latest
-from shared.registry_client import parse_signer
 from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
 from shared.undecodable import decoded, skip
 

@@ -8,7 +8,7 @@ version; revoke is the security stop, terminal, of one version or all of them.
 
 import time
 
-from shared.catalog import Catalog, Change
+from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, ModelNotFound
 from shared.schemas import AdapterRecord, AdapterStatus
 

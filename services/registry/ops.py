@@ -37,11 +37,11 @@ from services.registry.stores import (
     trusted_source_dir,
 )
 from shared import metrics, subjects
-from shared.access import may_use
 from shared.adapter_format import AdapterBytes, read_adapter_dir
-from shared.catalog import Catalog, Change, record_key
+from shared.catalog.access import may_use
+from shared.catalog.records import Catalog, Change, record_key
+from shared.catalog.resolve import list_models, resolve
 from shared.errors import LorafleetError, ModelNotFound, SourceTimeout
-from shared.resolve import list_models, resolve
 from shared.schemas import (
     AdapterEvent,
     AdapterRecord,
@@ -67,10 +67,10 @@ from shared.schemas import (
 )
 
 log = structlog.get_logger("registry")
-SyncGateways = Callable[[int], Awaitable[object]]  # wait until the gateways' mirrors hold a records revision
+SyncViews = Callable[[int], Awaitable[object]]  # wait until every service's catalog view holds a records revision
 
 
-async def _no_gateways(_: int) -> None:
+async def _no_views(_: int) -> None:
     return None
 
 
@@ -90,7 +90,7 @@ class Registry:
         publish: Publish,
         gate: GatePolicy = GatePolicy(),
         fleet: Callable[[], RankClasses] = default_fleet,
-        sync_gateways: SyncGateways = _no_gateways,
+        sync_views: SyncViews = _no_views,
     ) -> None:
         self.catalog = catalog
         self.signers = signers
@@ -103,7 +103,7 @@ class Registry:
         self._remote = remote
         self._publish = publish
         self._gate = gate
-        self._sync_gateways = sync_gateways
+        self._sync_views = sync_views
         self._fleet = fleet  # the fleet's rank classes now, which a push's rank must fit
         self._lock = asyncio.Lock()
         self._started = int(time.time())
@@ -358,7 +358,7 @@ class Registry:
             self._revisions[key] = max(self._revisions.get(key, 0), written)
         revision = max(revisions)
         if changes:  # the caller's next request, through any gateway, sees this write
-            await self._sync_gateways(revision)
+            await self._sync_views(revision)
         for change in changes:
             after = change.after
             event = AdapterEvent(

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 from shared import subjects
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 from shared.errors import Conflict, NotFound, PinsExceedSlots
 from shared.pins import pinned_versions
 from shared.schemas import AdminAudit, ListPinsRequest, PinRecord, PinRequest, PinsReply, WorkerHeartbeat

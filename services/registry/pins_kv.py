@@ -5,7 +5,7 @@ from nats.js import JetStreamContext
 from services.registry.kv import AuditedBucket
 from services.registry.pins import FleetSlots, Pins, SlotQuota
 from shared import subjects
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 
 
 async def open_pins(js: JetStreamContext, catalog: Catalog, fleet: FleetSlots, slot_quota: SlotQuota) -> Pins:

@@ -18,7 +18,7 @@ from services.registry.ops import Publish, Registry
 from services.registry.release_policy import ReleasePolicy, judge
 from services.registry.releases_kv import LostRace, ReleasesKV, Stored
 from shared import subjects
-from shared.access import SHARED_TENANT
+from shared.catalog.access import SHARED_TENANT
 from shared.errors import Conflict, LorafleetError, ModelNotFound, ReleaseGateFailed
 from shared.schemas import (
     MAX_DECISIONS,

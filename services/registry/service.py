@@ -18,7 +18,6 @@ from pydantic import BaseModel
 
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
-from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.ops import Registry
@@ -37,7 +36,8 @@ from shared import event_loop, subjects
 from shared.adapter_format import AdapterLimits
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
-from shared.catalog import Catalog
+from shared.catalog.barrier import CatalogBarrier
+from shared.catalog.records import Catalog
 from shared.config import load_settings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
@@ -110,7 +110,7 @@ async def open_registry(
     nc: NATS,
     settings: RegistrySettings,
     base: BaseModelIdentity,
-    gateways: GatewaySync,
+    barrier: CatalogBarrier,
     sources: Sources,
     fleet: FleetRanks,
     tasks: set[asyncio.Task],
@@ -146,7 +146,7 @@ async def open_registry(
             min_score=settings.release_min_score,
             max_regression=settings.release_max_regression,
         ),
-        sync_gateways=gateways.wait,
+        sync_views=barrier.wait,
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
     mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
@@ -263,11 +263,11 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
     async with AsyncExitStack() as stack:
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
         stack.push_async_callback(drain_or_close, nc)
-        gateways = GatewaySync(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
+        barrier = CatalogBarrier(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
 
         async def on_heartbeat(msg) -> None:
             try:
-                gateways.on_heartbeat(decode(ServiceHeartbeat, msg.data))
+                barrier.on_heartbeat(decode(ServiceHeartbeat, msg.data))
             except LorafleetError as e:
                 log.warning("bad_heartbeat", error=e.message)
 
@@ -289,7 +289,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         watches: set[asyncio.Task] = set()
         stack.callback(lambda: [t.cancel() for t in watches])
         mirrors: list[Followed] = []
-        registry = await open_registry(nc, settings, base, gateways, sources, fleet, watches, mirrors, resolve)
+        registry = await open_registry(nc, settings, base, barrier, sources, fleet, watches, mirrors, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
         stack.callback(gc.unfreeze)
         releases = await start_controller(nc, settings, registry)

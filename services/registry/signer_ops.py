@@ -11,9 +11,9 @@ from pydantic import BaseModel
 
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
 from shared import subjects
-from shared.access import SHARED_TENANT
+from shared.catalog.access import SHARED_TENANT
+from shared.catalog.signers import parse_signer
 from shared.errors import Conflict, NotFound
-from shared.registry_client import parse_signer
 from shared.schemas import (
     AdminAudit,
     AuditEnvelope,

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from shared import subjects
-from shared.access import SHARED_TENANT
 from shared.api_keys import new_key
+from shared.catalog.access import SHARED_TENANT
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
     AdminAudit,

@@ -19,7 +19,8 @@ from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.submission import parse_submission, refusal_target
 from shared import metrics, subjects
-from shared.catalog import Catalog
+from shared.catalog.grants import IsolationAttempt
+from shared.catalog.view import CatalogView
 from shared.config import RequestBounds
 from shared.errors import (
     LorafleetError,
@@ -28,11 +29,9 @@ from shared.errors import (
     PriorityNotAllowed,
     QuotaExceeded,
     RequestIdInUse,
-    ServiceUnavailable,
     UpstreamTimeout,
     from_body,
 )
-from shared.grants import Grants, IsolationAttempt, Resolve
 from shared.prompt_tokens import PromptTokens
 from shared.request_bounds import check_submission
 from shared.request_ref import RequestRef
@@ -40,8 +39,6 @@ from shared.schemas import (
     CompletionAudit,
     DispatchReply,
     InferRequest,
-    ResolveReply,
-    ResolveRequest,
     SloClass,
     TenantQuota,
     WorkerControl,
@@ -81,18 +78,14 @@ class Handle(Protocol):
     async def in_progress(self) -> None: ...
 
 
-async def _no_registry(request: ResolveRequest, ask_registry: bool) -> ResolveReply:
-    raise ServiceUnavailable("no registry to resolve the model with")
-
-
 @dataclass(slots=True)
 class Ports:
     dispatch: Callable[[str, InferRequest, dict[str, str] | None], Awaitable[DispatchReply]]
     reply_error: Callable[[str, str, LorafleetError], Awaitable[None]]
     record_rejection: Callable[[str, str, LorafleetError], Awaitable[None]]
     control: Callable[[str, WorkerControl], Awaitable[None]]
-    resolve: Resolve = _no_registry  # without a registry, every adapter request is refused
-    catalog: Catalog = field(default_factory=Catalog)  # the mirror ``resolve`` answers from
+    # what submissions are granted by; without a registry behind it, every adapter request is refused
+    catalog: CatalogView = field(default_factory=CatalogView)
 
 
 @dataclass(slots=True, eq=False)
@@ -147,10 +140,6 @@ class Dispatcher:
     tasks: set[asyncio.Task] = field(default_factory=set)
     # request -> worker id -> its run's completion, seen while the request was still held here
     early: dict[RequestRef, dict[str, CompletionAudit]] = field(default_factory=dict)
-    grants: Grants = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.grants = Grants(self.ports.resolve, self.ports.catalog)
 
     async def submit(
         self, subject: str, data: bytes, handle: Handle, seq: int | None = None, stored_at: float | None = None
@@ -190,7 +179,7 @@ class Dispatcher:
         try:
             slo_class = slo_class_of(request, quota)
             await check_submission(request, len(data), self.bounds, self.prompt_tokens)
-            request = await self.grants.grant(request, preview)
+            request = await self.ports.catalog.grant(request, preview)
             now = time.monotonic()
             free = self.fleet.free_sequences(request)
             waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0

@@ -15,7 +15,7 @@ from shared.bus import (
     encode,
     request,
 )
-from shared.catalog_mirror import Resolver
+from shared.catalog.view import CatalogView
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, NoResponders, UpstreamTimeout
 from shared.schemas import (
@@ -32,7 +32,7 @@ RECONNECT_POLL_S = 0.25
 _tracer = tracer("scheduler")
 
 
-def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resolver: Resolver) -> Ports:
+def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, catalog: CatalogView) -> Ports:
     audits: set[asyncio.Task] = set()  # rejection records still being published
 
     async def dispatch(worker_id: str, req: InferRequest, headers: dict[str, str] | None) -> DispatchReply:
@@ -92,4 +92,4 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, resol
     async def control(worker_id: str, message: WorkerControl) -> None:
         await nc.publish(subjects.worker_control(worker_id), encode(message))
 
-    return Ports(dispatch, reply_error, record_rejection, control, resolver.resolve, resolver.mirror.catalog)
+    return Ports(dispatch, reply_error, record_rejection, control, catalog)

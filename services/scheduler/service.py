@@ -41,7 +41,7 @@ from shared.bus import (
     settling,
     shutdown_event,
 )
-from shared.catalog_follow import answer_catalog_sync, follow_catalog
+from shared.catalog.view import follow_catalog
 from shared.config import SchedulerSettings, load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
@@ -309,13 +309,13 @@ async def run(settings: SchedulerSettings) -> None:
         await ensure_streams(js)
         redis = redis_from(settings)
         stack.push_async_callback(redis.aclose)
-        resolver, catalog_watch = follow_catalog(nc, settings.dispatch_timeout_s)
-        # a promote, rollback or revoke returns once this mirror holds it: direct submissions see it at once
-        await answer_catalog_sync(nc, "scheduler", settings.instance_id, resolver.mirror, settings.dispatch_timeout_s)
+        # a promote, rollback or revoke returns once this view holds it: direct submissions see it at once
+        followed = await follow_catalog(nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id))
+        stack.callback(followed.stop)
         tokens = None
         if settings.max_prompt_tokens:  # the gateway's count, for direct-NATS submissions
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
-        core, upkeep = build(settings, bus_ports(nc, js, settings, resolver), redis, tokens)
+        core, upkeep = build(settings, bus_ports(nc, js, settings, followed.view), redis, tokens)
         scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))
         psub = await scheduler.subscribe(js)
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
@@ -338,7 +338,6 @@ async def run(settings: SchedulerSettings) -> None:
                     lambda: log.info("quotas_loaded"),
                 )
             ),
-            catalog_watch,
         ]
         # a scheduler that took work at once would place and shed it on the first worker it heard of:
         # every worker heartbeats within an interval, so it listens that long (and half again) first

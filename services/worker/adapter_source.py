@@ -18,8 +18,8 @@ from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.peft_loader import load_peft_files
 from shared import metrics
 from shared.adapter_keys import parse_adapter_key
+from shared.catalog.view import CatalogView
 from shared.errors import IntegrityError, ServiceUnavailable
-from shared.registry_client import read_record, read_trusted_keys
 
 ATTEMPT_S = 5.0  # one try of a cold load's store reads
 RETRY_PAUSE_S = 0.5
@@ -46,6 +46,7 @@ class StoreLoader:
     def __init__(
         self,
         nc: NATS,
+        catalog: CatalogView,
         loop: asyncio.AbstractEventLoop,
         base_fingerprint: str,
         shapes: ModelShapes,
@@ -55,6 +56,7 @@ class StoreLoader:
         timeout_s: float = 30.0,
     ):
         self.nc = nc
+        self.catalog = catalog
         self.loop = loop
         self.base_fingerprint = base_fingerprint
         self.shapes = shapes
@@ -96,8 +98,9 @@ class StoreLoader:
         return checksum, files, weights
 
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
-        """The record and the signers straight from their KV buckets (served by NATS itself: no
-        registry replica, dead or stalled, is on a cold load's path), then the files. Each try has
+        """The record and the signers from the worker's catalog view (which reads their KV buckets,
+        served by NATS itself: no registry replica, dead or stalled, is on a cold load's path), then
+        the files. Each try has
         ``ATTEMPT_S``: while a NATS cluster elects new leaders for the buckets of a node that died
         (a few seconds), a JetStream request goes unanswered or finds no responder; it is sent again
         until ``timeout_s`` is spent, instead of waiting out the whole bound once."""
@@ -106,8 +109,8 @@ class StoreLoader:
             left = deadline - time.monotonic()
             js = self.nc.jetstream(timeout=max(0.1, min(ATTEMPT_S, left)))
             try:
-                record = await read_record(js, adapter_id, version)
-                keys = await read_trusted_keys(js)
+                record = await self.catalog.record(js, adapter_id, version)
+                keys = await self.catalog.signers(js, max(0.1, min(ATTEMPT_S, left)))
                 files = await fetch_verified(
                     js, record, self.base_fingerprint, keys, require_signature=self.require_signature
                 )

@@ -17,6 +17,7 @@ from services.worker.prompt_ids import PromptIds
 from services.worker.settings import WorkerSettings
 from services.worker.start_phase import StartPhase
 from shared.base_model import resolve_model_dir, served_model_name
+from shared.catalog.view import CatalogView
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import EngineCapability
 
@@ -36,9 +37,10 @@ class Served:
     rank_pool: tuple[int, ...]  # the classes served as a pool (LF_WORKER_RANK_POOL); () = none
 
 
-def _loader(nc, settings: WorkerSettings, directory: Path, shapes: ModelShapes) -> StoreLoader:  # type: ignore[no-untyped-def]
+def _loader(nc, catalog: CatalogView, settings: WorkerSettings, directory: Path, shapes: ModelShapes) -> StoreLoader:  # type: ignore[no-untyped-def]
     return StoreLoader(
         nc,
+        catalog,
         asyncio.get_running_loop(),
         fingerprint_model_dir(directory),
         shapes,
@@ -47,7 +49,9 @@ def _loader(nc, settings: WorkerSettings, directory: Path, shapes: ModelShapes) 
     )
 
 
-async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase) -> Served:  # type: ignore[no-untyped-def]
+async def builtin(
+    nc, catalog: CatalogView, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase
+) -> Served:  # type: ignore[no-untyped-def]
     import torch
 
     from kernels import native
@@ -71,7 +75,7 @@ async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack
     )
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     manager = AdapterManager(settings.lora, shapes, device=settings.engine.device, dtype=settings.engine.torch_dtype)
-    loader = _loader(nc, settings, loaded.directory, shapes)
+    loader = _loader(nc, catalog, settings, loaded.directory, shapes)
     cache = CacheHierarchy(manager, loader, settings.cache)
     stack.callback(cache.close)
     engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager, grammar_bounds=settings.grammar)
@@ -95,7 +99,9 @@ async def builtin(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack
     )
 
 
-async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase) -> Served:  # type: ignore[no-untyped-def]
+async def vllm(
+    nc, catalog: CatalogView, settings: WorkerSettings, stack: contextlib.AsyncExitStack, phases: StartPhase
+) -> Served:  # type: ignore[no-untyped-def]
     """vLLM's engine on the base model's directory; this process loads only its config and tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -110,7 +116,7 @@ async def vllm(nc, settings: WorkerSettings, stack: contextlib.AsyncExitStack, p
     config = await asyncio.to_thread(AutoConfig.from_pretrained, directory)
     shapes = ModelShapes.from_hf_config(config)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, directory)
-    loader = _loader(nc, settings, directory, shapes)
+    loader = _loader(nc, catalog, settings, directory, shapes)
     c = settings.vllm
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     # the bounded pre-compile of every grammar (VllmEngine.grammars); it masks nothing, so one row

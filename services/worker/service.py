@@ -29,11 +29,10 @@ from shared.bus import (
     reply_error,
     shutdown_event,
 )
-from shared.catalog import Catalog
-from shared.catalog_follow import answer_catalog_sync, follow_catalog
+from shared.catalog.records import Catalog
+from shared.catalog.view import CatalogView, ask_registry, follow_catalog
 from shared.config import load_settings
 from shared.errors import InvalidMessage, LorafleetError
-from shared.grants import Grants
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import follow_bucket
 from shared.logs import configure_logging
@@ -172,7 +171,8 @@ async def run(settings: WorkerSettings) -> None:
             )
         )
         build = engines.vllm if settings.worker_engine == "vllm" else engines.builtin
-        served = await build(nc, settings, stack, phases)
+        catalog = CatalogView(ask_registry(nc, REGISTRY_TIMEOUT_S))
+        served = await build(nc, catalog, settings, stack, phases)
         phases.enter("warming", "engine, catalog mirror, subscriptions")
         cache = served.cache
 
@@ -182,10 +182,10 @@ async def run(settings: WorkerSettings) -> None:
         async def audit(event: CompletionAudit | RejectionAudit) -> None:
             await publish_audit(js, event, f"{event.kind}.{settings.worker_id}.{event.tenant_id}.{event.request_id}")
 
-        resolver, catalog_watch = follow_catalog(nc, REGISTRY_TIMEOUT_S)
-        await answer_catalog_sync(nc, "worker", settings.worker_id, resolver.mirror, REGISTRY_TIMEOUT_S)
-        stack.callback(catalog_watch.cancel)
-        grants = Grants(resolver.resolve, resolver.mirror.catalog)
+        followed = await follow_catalog(
+            nc, REGISTRY_TIMEOUT_S, barrier=("worker", settings.worker_id), signers=True, view=catalog
+        )
+        stack.callback(followed.stop)
         server = RequestServer(
             served.engine,
             served.prompts,
@@ -196,11 +196,11 @@ async def run(settings: WorkerSettings) -> None:
             settings.max_waiting,
             cache,
             served.loader.digest_of,
-            grants,
+            catalog,
             settings.adapter_metric_labels,
             served.rank_classes,
             settings.slo_window,
-            lambda adapter_id: resolver.mirror.catalog.owner(adapter_id),
+            catalog.owner,
         )
 
         async def on_dispatch(msg) -> None:
@@ -222,7 +222,7 @@ async def run(settings: WorkerSettings) -> None:
 
         async def on_control(msg) -> None:
             try:
-                done = _control(decode(WorkerControl, msg.data), server, cache, resolver.mirror.catalog)
+                done = _control(decode(WorkerControl, msg.data), server, cache, catalog.catalog)
             except LorafleetError as e:
                 log.warning("bad_control_message", error=e.message)
                 if msg.reply:
@@ -240,7 +240,7 @@ async def run(settings: WorkerSettings) -> None:
                 return
             pins.reconcile()  # a promotion or rollback moves a pin of the served version
 
-        pins = PinFollower(settings.worker_id, cache, lambda: resolver.mirror.catalog)
+        pins = PinFollower(settings.worker_id, cache, lambda: catalog.catalog)
         await follow(js, subjects.ADAPTER_EVENTS_STREAM, subjects.ADAPTER_EVENTS_ALL, on_event)
         await nc.subscribe(subjects.worker_dispatch(settings.worker_id), cb=on_dispatch)
         await nc.subscribe(subjects.worker_control(settings.worker_id), cb=on_control)

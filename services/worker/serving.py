@@ -19,8 +19,9 @@ from services.worker.slo_attainment import SloAttainment, ttft_outcome
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
+from shared.catalog.grants import IsolationAttempt
+from shared.catalog.view import CatalogView
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable, UpstreamTimeout
-from shared.grants import Grants, IsolationAttempt
 from shared.request_ref import RequestRef
 from shared.schemas import (
     CompletionAudit,
@@ -113,7 +114,7 @@ class RequestServer:
         max_waiting: int,
         cache: CacheHierarchy | None = None,
         digest_of: Callable[[str], str | None] = lambda _: None,
-        grants: Grants | None = None,
+        grants: CatalogView | None = None,
         adapter_metric_labels: int = 50,
         rank_classes: tuple[int, ...] = (),
         slo_window: int = 500,

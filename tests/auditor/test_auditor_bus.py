@@ -1,6 +1,6 @@
 """The auditor's query handler served as the service serves it (typed, each request in its own
-task) on a real nats-server, whose JetStream holds the signed heads; and its registry record
-cache, on the in-memory bus."""
+task) on a real nats-server, whose JetStream holds the signed heads; and the cross-check's reads
+of the registry's records."""
 
 import asyncio
 import sqlite3
@@ -18,14 +18,14 @@ from nats.aio.client import Client as NATS
 from services.auditor.chain import link
 from services.auditor.head_log import HeadLog
 from services.auditor.heads import HeadSigner, load_or_create_key
-from services.auditor.service import RecordCache, answer_query
+from services.auditor.service import Records, answer_query
 from services.auditor.store import AuditStore
 from services.auditor.verifier import ChainVerifier
 from shared import subjects
 from shared.bus import MAX_MESSAGE_BYTES, ensure_streams, request, serve
+from shared.catalog.view import follow_catalog
 from shared.errors import InvalidMessage, ServiceUnavailable
-from shared.memory_bus import MemoryBus
-from shared.schemas import AdapterRecordsReply, AuditQueryReply, AuditQueryRequest, GetAdapterRequest
+from shared.schemas import AuditQueryReply, AuditQueryRequest
 from tests.helpers.records import make_record
 
 
@@ -146,22 +146,31 @@ async def test_a_bad_query_gets_a_typed_refusal(auditor: Auditor) -> None:
         await request(auditor.nc, auditor.subject, AuditQueryRequest.model_construct(limit=5000), AuditQueryReply, 5)
 
 
-async def test_the_record_cache_asks_the_registry_once_per_version() -> None:
-    bus = MemoryBus()
-    registry = bus.connect("registry")
-    asked: list[tuple[str, int | None]] = []
-    known = {("sea", 1): make_record("sea", 1, "demo")}
-
-    async def get(req: GetAdapterRequest) -> AdapterRecordsReply:
-        asked.append((req.adapter_id, req.version))
-        record = known.get((req.adapter_id, req.version or 0))
-        return AdapterRecordsReply(records=[record] if record else [])
-
-    cache = RecordCache(bus.connect("auditor"), timeout_s=1)
-    with pytest.raises(ServiceUnavailable, match=r"nothing serves lf\.registry\.get"):  # registry not up yet
-        await cache.get("sea", 1)
-    await serve(registry, subjects.registry("get"), GetAdapterRequest, get)
-    for _ in range(3):
-        assert (await cache.get("sea", 1)).tenant_id == "demo"  # type: ignore[union-attr]
-        assert await cache.get("sea", 9) is None  # an unknown version is remembered as such
-    assert asked == [("sea", 1), ("sea", 9)]
+async def test_the_cross_check_reads_records_from_the_view_then_the_bucket(own_nats) -> None:
+    """The cross-check's records come from the auditor's catalog view, else the records bucket itself
+    (never a registry replica): an unknown version is None; the bucket unreachable is a typed 503."""
+    nc = await nats.connect(own_nats.url)
+    followed = None
+    try:
+        js = nc.jetstream(timeout=2)
+        bucket = await js.create_key_value(bucket=subjects.REGISTRY_RECORDS_BUCKET)
+        await bucket.put("sea.1", make_record("sea", 1, "demo").model_dump_json().encode())
+        followed = await follow_catalog(nc, 2.0)
+        records = Records(followed.view, js)
+        assert (await records.get("sea", 1)).tenant_id == "demo"  # type: ignore[union-attr]
+        assert await records.get("sea", 9) is None
+        assert await records.get("sea", None) is None  # a completion that names no version
+        followed.stop()  # the view stops; a version it never saw comes from the bucket itself
+        await bucket.put("sea.2", make_record("sea", 2, "demo").model_dump_json().encode())
+        assert followed.view.catalog.get("sea", 2) is None
+        assert (await records.get("sea", 2)).version == 2  # type: ignore[union-attr]
+        own_nats.stop()
+        try:
+            with pytest.raises(ServiceUnavailable, match="records bucket did not answer"):
+                await records.get("sea", 3)
+        finally:
+            own_nats.start()
+    finally:
+        if followed is not None:
+            followed.stop()
+        await nc.close()

@@ -50,7 +50,7 @@ def sent_registry_ops(files: list[Path]) -> set[str]:
 
 def test_the_gateway_may_send_exactly_the_registry_ops_its_code_sends() -> None:
     files = imported_modules("services.gateway")
-    assert REPO / "shared" / "catalog_follow.py" in files and REPO / "services" / "registry" / "ops.py" not in files
+    assert REPO / "shared" / "catalog" / "view.py" in files and REPO / "services" / "registry" / "ops.py" not in files
     sent = sent_registry_ops(files)
     assert len(sent) >= 15 and sent == set(GATEWAY_REGISTRY_OPS)
     assert not {"record_eval", "release_start", "release_status", "trust_key"} & sent

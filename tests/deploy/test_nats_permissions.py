@@ -265,57 +265,67 @@ async def test_tenant_users_are_confined_to_their_tenant(connect_as) -> None:
 
 
 async def test_gateway_mirrors_the_catalog_and_answers_the_registrys_sync(connect_as) -> None:
-    from services.gateway.catalog_follow import start_resolver
-    from services.registry.gateway_sync import GatewaySync
+    from shared.catalog.barrier import CatalogBarrier
+    from shared.catalog.view import follow_catalog
     from shared.schemas import ServiceHeartbeat
     from tests.helpers.records import make_record
 
     registry = await connect_as("registry")
     kv = await RecordsKV.open(registry.nc.jetstream(timeout=5))
     gateway = await connect_as("gateway")
-    resolver, watch = await start_resolver(gateway.nc, "gw1", 2.0)
+    followed = await follow_catalog(gateway.nc, 2.0, barrier=("gateway", "gw1"))
     try:
         await settled(gateway.nc)
         revision = await kv.put_record(make_record("perm-sum", 1, "acme"))
-        sync = GatewaySync(registry.nc, liveness_timeout_s=5, timeout_s=3)
+        sync = CatalogBarrier(registry.nc, liveness_timeout_s=5, timeout_s=3)
         sync.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
         assert await sync.wait(revision) == set()  # confirmed through the permission set
-        assert resolver.mirror.catalog.get("perm-sum", 1) is not None
+        assert followed.view.catalog.get("perm-sum", 1) is not None
         assert registry.errors == [] and gateway.errors == []
     finally:
-        watch.cancel()
+        followed.stop()
     assert await gateway.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
     worker = await connect_as("worker-w1")
     assert await worker.publish_refused(subjects.GATEWAY_CATALOG_SYNC)
 
 
 async def test_schedulers_and_workers_answer_the_registrys_sync_through_their_permission_sets(connect_as) -> None:
-    from services.registry.gateway_sync import GatewaySync
-    from shared.catalog_follow import answer_catalog_sync, follow_catalog
+    from shared.catalog.barrier import CatalogBarrier
+    from shared.catalog.view import follow_catalog
     from shared.schemas import ServiceHeartbeat
     from tests.helpers.records import make_record
 
     registry = await connect_as("registry")
     kv = await RecordsKV.open(registry.nc.jetstream(timeout=5))
-    sync = GatewaySync(registry.nc, liveness_timeout_s=5, timeout_s=3)
-    watches, mirrors, peers = [], [], []
+    sync = CatalogBarrier(registry.nc, liveness_timeout_s=5, timeout_s=3)
+    followed, peers = [], []
     for service, user, instance in (("scheduler", "scheduler", "s1"), ("worker", "worker-w1", "w1")):
         peer = await connect_as(user)
-        resolver, watch = follow_catalog(peer.nc, 2.0)
-        await answer_catalog_sync(peer.nc, service, instance, resolver.mirror, 2.0)
+        # a worker's view follows the signers too (its cold loads verify signatures from it)
+        view = await follow_catalog(peer.nc, 2.0, barrier=(service, instance), signers=service == "worker")
         await settled(peer.nc)
         sync.on_heartbeat(ServiceHeartbeat(service=service, instance_id=instance, ready=True))
-        watches.append(watch)
-        mirrors.append(resolver.mirror)
+        followed.append(view)
         peers.append(peer)
+    auditor = await connect_as("auditor")  # its view is the cross-check's records (no barrier to answer)
+    followed.append(await follow_catalog(auditor.nc, 2.0))
+    peers.append(auditor)
     try:
         revision = await kv.put_record(make_record("perm-sync", 1, "acme"))
         assert await sync.wait(revision) == set()  # both confirmed through their permission sets
-        assert all(m.catalog.get("perm-sync", 1) is not None for m in mirrors)
+        for view, peer in zip(followed, peers, strict=True):
+            assert await view.view.caught_up(revision, 5)
+            assert await view.view.record(peer.nc.jetstream(timeout=5), "perm-sync", 1) is not None
+        signers = await registry.nc.jetstream(timeout=5).key_value(subjects.REGISTRY_SIGNERS_BUCKET)
+        await signers.put(
+            "perm-signer", b"AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+        )  # a bare key, as stored before tenant binding
+        trusted = await followed[1].view.signers(peers[1].nc.jetstream(timeout=5), 5)  # the worker's, after a barrier
+        assert trusted["perm-signer"] == ["AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="]
         assert registry.errors == [] and all(p.errors == [] for p in peers)
     finally:
-        for watch in watches:
-            watch.cancel()
+        for view in followed:
+            view.stop()
 
 
 async def publish_audit_records(connect_as, tenants: tuple[str, ...]) -> None:

@@ -16,7 +16,7 @@ from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 from lorafleet.cli.stack import Stack, wait_ready
 from shared import subjects
 from shared.bus import decode, encode, request
-from shared.resolve import to_resolved
+from shared.catalog.resolve import to_resolved
 from shared.schemas import (
     AdapterRecordsReply,
     GetAdapterRequest,

@@ -30,9 +30,9 @@ from services.registry.release_policy import wilson_lower
 from shared import signing, subjects
 from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
+from shared.catalog.rollout import in_canary, split_key
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.fingerprint import fingerprint_model_dir
-from shared.rollout import in_canary, split_key
 from shared.schemas import (
     AdapterRecordsReply,
     ApiKeyCreatedReply,

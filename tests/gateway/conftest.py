@@ -16,14 +16,13 @@ from lorafleet.cli.infra import Server, free_port, start_nats
 from services.auditor.service import run as run_auditor
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
-from services.gateway.catalog_follow import start_resolver
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.readiness import ClusterView
 from services.registry.service import run as run_registry
 from shared import subjects
 from shared.bus import connect, request
-from shared.catalog_mirror import Resolver
+from shared.catalog.view import CatalogView, follow_catalog
 from shared.config import AuditorSettings, GatewaySettings
 from shared.errors import Unauthorized
 from shared.heartbeat import publish_heartbeats
@@ -71,7 +70,7 @@ class Gateway:
     keys: ApiKeys
     cluster: ClusterView
     admin_key: str
-    resolver: Resolver
+    catalog: CatalogView
 
     async def tenant(self, name: str | None = None, scopes: tuple[str, ...] = ("inference",)) -> tuple[str, str]:
         """A new tenant and one key of it: (tenant_id, key)."""
@@ -157,21 +156,21 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     watch = asyncio.create_task(follow_keys(nc, keys))
     port = free_port()
     settings = gateway_settings(gw_nats.url, port=port)
-    resolver, catalog_watch = await start_resolver(nc, settings.instance_id, settings.registry_timeout_s)
+    followed = await follow_catalog(nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id))
     # as the service does: the registry learns of this gateway and waits for its mirror on each write
     beating = asyncio.create_task(publish_heartbeats(nc, "gateway", settings.instance_id, 0.2, lambda: (True, "")))
-    app = create_app(GatewayContext(settings, nc, nc.jetstream(), cluster, keys, resolver, smol_tokens))
+    app = create_app(GatewayContext(settings, nc, nc.jetstream(), cluster, keys, followed.view, smol_tokens))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve())
     while not (server.started and keys.loaded):  # noqa: ASYNC110  # uvicorn and the key watch set plain flags
         await asyncio.sleep(0.02)
-    gw = Gateway(f"http://127.0.0.1:{port}", nc, worker, keys, cluster, "", resolver)
+    gw = Gateway(f"http://127.0.0.1:{port}", nc, worker, keys, cluster, "", followed.view)
     _, gw.admin_key = await gw.tenant(scopes=("platform_admin", "inference"))
     yield gw
     server.should_exit = True
     await serving
     watch.cancel()
-    catalog_watch.cancel()
+    followed.stop()
     beating.cancel()
     stop.set()
     await registry

@@ -18,7 +18,7 @@ from services.gateway.readiness import ClusterView
 from services.registry.tenants import Tenants
 from shared import subjects
 from shared.bus import serve
-from shared.catalog_mirror import CatalogMirror, Resolver
+from shared.catalog.view import CatalogView
 from shared.config import GatewaySettings
 from shared.memory_bus import MemoryBus
 from shared.schemas import (
@@ -81,7 +81,7 @@ async def admin() -> AsyncIterator[Admin]:
         None,
         ClusterView(3600),
         keys,
-        Resolver(CatalogMirror(), ask_registry),  # type: ignore[arg-type]
+        CatalogView(ask_registry),  # type: ignore[arg-type]
     )
     app = create_app(context)
 

@@ -1,4 +1,4 @@
-"""Read-your-writes through the gateways' catalog mirrors: once a registry write returns, the gateway
+"""Read-your-writes through the gateways' catalog views: once a registry write returns, the gateway
 serves the new state from its mirror (no registry round trip); a gateway that never confirms
 delays writes by the bound only."""
 
@@ -6,10 +6,9 @@ import asyncio
 import time
 import uuid
 
-from services.gateway.catalog_follow import start_resolver
 from shared import metrics, subjects
 from shared.bus import request
-from shared.catalog_mirror import CatalogMirror
+from shared.catalog.view import CatalogView, follow_catalog
 from shared.heartbeat import publish_heartbeats
 from shared.schemas import AdapterRecordsReply, PromoteRequest, RollbackRequest
 from tests.gateway.adapters import make_adapter, push, release
@@ -30,7 +29,7 @@ async def _served_version(client, model: str) -> str:
 async def test_a_write_is_in_the_mirror_when_it_returns(gateway, tmp_path):
     _tenant, key = await gateway.tenant(scopes=("admin", "inference"))
     adapter_id = f"sync-{uuid.uuid4().hex[:6]}"
-    mirror = gateway.resolver.mirror
+    mirror = gateway.catalog
     async with gateway.client(key) as client:
         await release(client, make_adapter(tmp_path / "v1", seed=1), adapter_id)  # through the admin API
         assert mirror.catalog.get(adapter_id, 1).status == "production"
@@ -76,12 +75,12 @@ async def test_a_gateway_that_never_confirms_delays_writes_by_the_bound_only(gat
             r = await push(client, make_adapter(tmp_path / "v1", seed=3), adapter_id)
             assert r.status_code == 201, r.text
         assert _count(metrics.GATEWAY_SYNC_TIMEOUTS) == timeouts + 1
-        assert gateway.resolver.mirror.catalog.get(adapter_id, 1) is not None  # the real gateway confirmed it
+        assert gateway.catalog.catalog.get(adapter_id, 1) is not None  # the real gateway confirmed it
     finally:
         ghost.cancel()
 
 
-class SlowMirror(CatalogMirror):
+class SlowMirror(CatalogView):
     """A mirror whose watch delivers every entry 300 ms late."""
 
     def __init__(self) -> None:
@@ -100,7 +99,7 @@ async def test_a_write_waits_for_a_slow_mirror(gateway, tmp_path):
     _, key = await gateway.tenant(scopes=("admin", "inference"))
     adapter_id = f"slow-{uuid.uuid4().hex[:6]}"
     slow = SlowMirror()
-    _, watch = await start_resolver(gateway.nc, "slow-gw", 2.0, slow)
+    followed = await follow_catalog(gateway.nc, 2.0, barrier=("gateway", "slow-gw"), view=slow)
     beats = asyncio.create_task(publish_heartbeats(gateway.nc, "gateway", "slow-gw", 0.2, lambda: (True, "")))
     try:
         await slow.ready.wait()
@@ -113,4 +112,4 @@ async def test_a_write_waits_for_a_slow_mirror(gateway, tmp_path):
         assert slow.catalog.get(adapter_id, 1) is not None  # held until the slow mirror had it
     finally:
         beats.cancel()
-        watch.cancel()
+        followed.stop()

@@ -8,7 +8,7 @@ from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
 from shared.bus import connect
-from shared.catalog_mirror import CatalogMirror, Resolver
+from shared.catalog.view import CatalogView
 from shared.config import GatewaySettings
 
 KEY = "test-key-acme"
@@ -31,7 +31,7 @@ async def client(nats_url):
         nc.jetstream(),
         ClusterView(5.0),
         ApiKeys(settings.api_keys),
-        Resolver(CatalogMirror(), _never_asked),
+        CatalogView(_never_asked),
     )
     transport = httpx.ASGITransport(app=create_app(ctx))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:

@@ -11,7 +11,7 @@ from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 from shared.errors import IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
 from shared.signing import KeyPair

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from services.registry.ops import Registry
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 from shared.errors import ModelNotFound
 from shared.schemas import ResolveRequest
 from tests.helpers.records import make_record

@@ -1,6 +1,6 @@
 """The registry's op table, wired by ``services.registry.service.subscribe`` exactly as the service
 wires it, on the in-memory bus: typed replies, typed refusals, the isolation audit, and the
-read-your-writes barrier with every catalog mirror (``GatewaySync``). No server process."""
+read-your-writes barrier with every catalog mirror (``CatalogBarrier``). No server process."""
 
 import asyncio
 from collections.abc import AsyncIterator
@@ -12,7 +12,6 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from services.registry.gate import GatePolicy
-from services.registry.gateway_sync import GatewaySync
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import StaleRecords
 from services.registry.live_stats import LiveStats
@@ -27,9 +26,9 @@ from services.registry.tenants import Tenants
 from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.bus import ERROR_HEADER, decode, encode, request
-from shared.catalog import Catalog, record_key
-from shared.catalog_follow import answer_catalog_sync
-from shared.catalog_mirror import CatalogMirror
+from shared.catalog.barrier import CatalogBarrier, answer_barrier
+from shared.catalog.records import Catalog, record_key
+from shared.catalog.view import CatalogView
 from shared.errors import (
     AdapterNotReleased,
     Conflict,
@@ -132,7 +131,7 @@ class Wired:
     nc: NATS  # a client of the registry's, as the gateway or the CLI would be
     registry: Registry
     kv: RecordsKVStub
-    gateways: GatewaySync
+    barrier: CatalogBarrier
     tenant_writes: dict[str, bytes] = field(default_factory=dict)
     published: list[tuple[str, BaseModel]] = field(default_factory=list)
     pins: dict[str, bytes] = field(default_factory=dict)  # the lf_pins bucket
@@ -148,14 +147,14 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
     bus = MemoryBus(seed=0)
     service_nc = bus.connect("registry")
     kv = RecordsKVStub()
-    gateways = GatewaySync(service_nc, liveness_timeout_s=60, timeout_s=SYNC_TIMEOUT_S)
+    barrier = CatalogBarrier(service_nc, liveness_timeout_s=60, timeout_s=SYNC_TIMEOUT_S)
     catalog = Catalog(
         [
             make_record("sea", 1, "demo", status="production", traffic_percent=100, eval_results={"score": 0.9}),
             make_record("sea", 2, "demo"),
         ]
     )
-    wired = Wired(bus, bus.connect("client"), None, kv, gateways)  # type: ignore[arg-type]
+    wired = Wired(bus, bus.connect("client"), None, kv, barrier)  # type: ignore[arg-type]
 
     async def publish(subject: str, message: BaseModel) -> None:
         wired.published.append((subject, message))
@@ -175,7 +174,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         remote=None,  # type: ignore[arg-type]  # only register reaches it
         publish=publish,
         gate=GatePolicy(require_eval=True),
-        sync_gateways=gateways.wait,
+        sync_views=barrier.wait,
     )
 
     async def audit(event: AdminAudit) -> None:
@@ -310,7 +309,7 @@ async def test_the_release_gate_refuses_then_promotion_waits_for_the_gateways(wi
         await gateway.publish(msg.reply, encode(CatalogSynced(instance_id="gw1", revision=syncs[-1])))
 
     await gateway.subscribe(subjects.GATEWAY_CATALOG_SYNC, cb=on_sync)
-    wired.gateways.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
+    wired.barrier.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="gw1", ready=True))
 
     evaluated = RecordEvalRequest(adapter_id="sea", version=2, results={"score": 0.95, "threshold": 0.5}, actor="t")
     await wired.call("record_eval", evaluated, AdapterRecordsReply)
@@ -325,10 +324,10 @@ async def test_the_release_gate_refuses_then_promotion_waits_for_the_gateways(wi
 
 
 async def test_a_silent_gateway_delays_a_write_by_the_bound_only(wired: Wired) -> None:
-    wired.gateways.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="ghost", ready=True))
+    wired.barrier.on_heartbeat(ServiceHeartbeat(service="gateway", instance_id="ghost", ready=True))
     loop = asyncio.get_running_loop()
     started = loop.time()
-    assert await wired.gateways.wait(7) == {"gateway/ghost"}
+    assert await wired.barrier.wait(7) == {"gateway/ghost"}
     assert loop.time() - started >= SYNC_TIMEOUT_S
     evaluated = RecordEvalRequest(adapter_id="sea", version=2, results={"score": 0.95}, actor="t")
     reply = await wired.call("record_eval", evaluated, AdapterRecordsReply)  # the write stands
@@ -338,12 +337,12 @@ async def test_a_silent_gateway_delays_a_write_by_the_bound_only(wired: Wired) -
 async def test_a_write_waits_for_every_ready_scheduler_and_worker_mirror_too(wired: Wired) -> None:
     """Before: the barrier counted gateways only, so a rollback returned while the scheduler's mirror
     (which resolves direct-NATS submissions) and the workers' could still hold the state before it."""
-    barrier = GatewaySync(wired.bus.connect("registry-barrier"), liveness_timeout_s=60, timeout_s=30)
+    barrier = CatalogBarrier(wired.bus.connect("registry-barrier"), liveness_timeout_s=60, timeout_s=30)
     mirrors = {}
     for service, instance in (("gateway", "0"), ("scheduler", "0"), ("worker", "w1")):
-        mirrors[service] = CatalogMirror()
+        mirrors[service] = CatalogView()
         mirrors[service].mark_loaded()
-        await answer_catalog_sync(wired.bus.connect(service), service, instance, mirrors[service], 30)
+        await answer_barrier(wired.bus.connect(service), service, instance, mirrors[service], 30)
         barrier.on_heartbeat(ServiceHeartbeat(service=service, instance_id=instance, ready=True))
     # a worker still loading its base model heartbeats before it follows the catalog: not waited for
     barrier.on_heartbeat(ServiceHeartbeat(service="worker", instance_id="loading", ready=False))

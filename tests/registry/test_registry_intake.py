@@ -8,7 +8,7 @@ from services.registry.fleet_ranks import RankClasses
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from shared import signing
 from shared.adapter_format import validate_adapter
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
 from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
 from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 from shared.signing import KeyPair

@@ -5,10 +5,10 @@ from collections.abc import Callable
 import pytest
 
 from services.registry import lifecycle
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import resolve
+from shared.catalog.rollout import BUCKETS, bucket, in_canary
 from shared.errors import Conflict
-from shared.resolve import resolve
-from shared.rollout import BUCKETS, bucket, in_canary
 from shared.schemas import AdapterRecord
 
 KEYS = [f"req-{i}" for i in range(BUCKETS)]

@@ -24,7 +24,8 @@ from services.worker.adapter_verify import fetch_verified
 from services.worker.lora import LoraConfig, ModelShapes
 from shared import signing, subjects
 from shared.bus import connect, drain_or_close, request
-from shared.catalog import record_key
+from shared.catalog.records import record_key
+from shared.catalog.view import follow_catalog
 from shared.errors import Conflict, ServiceUnavailable
 from shared.registry_config import RegistrySettings
 from shared.schemas import (
@@ -269,9 +270,10 @@ async def test_a_cold_load_rides_out_nats_being_away_and_is_refused_typed_when_i
     record = (await request(nc, subjects.registry("register"), req, AdapterRecordsReply, 30.0)).records[0]
     shapes = ModelShapes.from_hf_config(AutoConfig.from_pretrained(base_dir))
     worker = await connect(own_nats.url, "cold-load-test")
+    followed = await follow_catalog(worker, 5.0, signers=True)  # the worker's catalog view
     try:
         loop = asyncio.get_running_loop()
-        loader = StoreLoader(worker, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
+        loader = StoreLoader(worker, followed.view, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
                              lora=LoraConfig(rank_classes=(16,)), require_signature=False, timeout_s=20.0)  # fmt: skip
         own_nats.stop()
         load = asyncio.ensure_future(asyncio.to_thread(loader.files, f"cold@{record.version}"))
@@ -281,7 +283,7 @@ async def test_a_cold_load_rides_out_nats_being_away_and_is_refused_typed_when_i
         loaded = await asyncio.wait_for(load, 30)
         assert loaded.digest == record.checksum and loaded.files == adapter_files
 
-        short = StoreLoader(worker, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
+        short = StoreLoader(worker, followed.view, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
                             lora=LoraConfig(rank_classes=(16,)), require_signature=False, timeout_s=2.0)  # fmt: skip
         own_nats.stop()
         try:
@@ -292,4 +294,5 @@ async def test_a_cold_load_rides_out_nats_being_away_and_is_refused_typed_when_i
         finally:
             own_nats.start()
     finally:
+        followed.stop()
         await drain_or_close(worker)

@@ -4,9 +4,9 @@ from collections.abc import Callable
 
 import pytest
 
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import list_models, resolve
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
-from shared.resolve import list_models, resolve
 from shared.schemas import AdapterRecord
 
 BASE = "tiny-llama"

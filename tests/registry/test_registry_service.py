@@ -19,6 +19,7 @@ from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import request
+from shared.catalog.view import follow_catalog
 from shared.errors import (
     AdapterRevoked,
     IntegrityError,
@@ -27,7 +28,6 @@ from shared.errors import (
     ModelNotFound,
     RemoteSourceDisabled,
 )
-from shared.registry_client import fetch_record, fetch_trusted_keys
 from shared.schemas import (
     AdapterEvent,
     AdapterRecordsReply,
@@ -117,8 +117,12 @@ async def test_lifecycle_over_nats(
     await call(nc, "rollback", RollbackRequest(adapter_id=ID, actor="test"))
     assert await resolve_version(nc) == 1
 
-    record = await fetch_record(nc, ID, 1, timeout_s=5)
-    trusted = await fetch_trusted_keys(nc, timeout_s=5)
+    followed = await follow_catalog(nc, 5.0, signers=True)  # as a worker reads the registry's state
+    try:
+        record = await followed.view.record(nc.jetstream(timeout=5), ID, 1)
+        trusted = await followed.view.signers(nc.jetstream(timeout=5), 5)
+    finally:
+        followed.stop()
     assert trusted["release"] == [signer_keys.public_b64]
     files = await fetch_verified(nc.jetstream(), record, base.fingerprint, trusted)
     assert json.loads(files["adapter_config.json"])["r"] == 8

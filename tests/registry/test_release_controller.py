@@ -19,9 +19,9 @@ from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
 from shared.adapter_format import AdapterLimits
 from shared.bus import connect, ensure_streams
-from shared.catalog import Catalog
+from shared.catalog.records import Catalog
+from shared.catalog.rollout import choose
 from shared.errors import Conflict, ReleaseGateFailed
-from shared.rollout import choose
 from shared.schemas import (
     AuditEnvelope,
     CompletionAudit,

@@ -20,8 +20,8 @@ from nats.aio.client import Client as NATS
 from lorafleet.cli.stack import Stack
 from shared import subjects
 from shared.bus import connect, encode, request
+from shared.catalog.rollout import choose
 from shared.errors import LorafleetError
-from shared.rollout import choose
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,

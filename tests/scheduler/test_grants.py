@@ -4,12 +4,12 @@ block that is not that resolution; a lagging mirror is settled by the registry's
 
 import pytest
 
-from shared.catalog import Catalog
-from shared.catalog_mirror import CatalogMirror, Resolver
+from shared.catalog.grants import Grants, IsolationAttempt
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import resolve, to_resolved
+from shared.catalog.rollout import in_canary, split_key
+from shared.catalog.view import CatalogView
 from shared.errors import AdapterNotReleased, AdapterRevoked, IntegrityError, InvalidRequest, ModelNotFound
-from shared.grants import Grants, IsolationAttempt
-from shared.resolve import resolve, to_resolved
-from shared.rollout import in_canary, split_key
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 from tests.helpers.records import make_record
 
@@ -37,13 +37,13 @@ class Registry:
 
 
 def grants(mirror_records=RECORDS, registry_records=RECORDS) -> tuple[Grants, Registry]:
-    mirror = CatalogMirror()
+    registry = Registry(*registry_records)
+    mirror = CatalogView(registry)
     for revision, record in enumerate(mirror_records, start=1):
         mirror.apply(f"{record.adapter_id}.{record.version}", record.model_dump_json().encode(), revision)
     mirror.mark_loaded()
     mirror.base_model = BASE
-    registry = Registry(*registry_records)
-    return Grants(Resolver(mirror, registry).resolve, mirror.catalog), registry
+    return Grants(mirror.resolve, mirror.catalog), registry
 
 
 def submission(model: str, tenant: str = "acme", **over) -> InferRequest:

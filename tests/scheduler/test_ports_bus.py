@@ -13,11 +13,11 @@ from services.scheduler.dispatcher import Ports
 from services.scheduler.ports import bus_ports
 from shared import subjects
 from shared.bus import decode, serve
-from shared.catalog_follow import follow_catalog
+from shared.catalog.resolve import to_resolved
+from shared.catalog.view import CatalogView, ask_registry
 from shared.config import SchedulerSettings
 from shared.errors import ModelNotFound, NoFreeSlot, NoResponders, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
 from shared.memory_bus import MemoryBus
-from shared.resolve import to_resolved
 from shared.schemas import (
     DispatchReply,
     InferRequest,
@@ -47,10 +47,9 @@ def infer_request(request_id: str = "req-1") -> InferRequest:
 async def wired() -> AsyncIterator[tuple[MemoryBus, Ports]]:
     bus = MemoryBus(seed=0)
     nc = bus.connect("scheduler")
-    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
-    watch.cancel()  # an unloaded mirror: every resolve is asked of the registry
+    view = CatalogView(ask_registry(nc, DISPATCH_TIMEOUT_S))  # unloaded: every resolve is asked of the registry
     settings = SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S)
-    yield bus, bus_ports(nc, None, settings, resolver)  # type: ignore[arg-type]
+    yield bus, bus_ports(nc, None, settings, view)  # type: ignore[arg-type]
     await nc.close()
     assert bus.errors == []
 
@@ -113,9 +112,9 @@ async def test_a_resolve_the_mirror_cannot_answer_comes_from_the_registry(wired:
 
     await serve(bus.connect("registry"), subjects.registry("resolve"), ResolveRequest, resolve)
     asked = ResolveRequest(tenant_id="demo", model="sea", request_key="k")
-    assert (await ports.resolve(asked, False)).adapter == to_resolved(record)
+    assert (await ports.catalog.resolve(asked, False)).adapter == to_resolved(record)
     with pytest.raises(ModelNotFound, match="no sea for other"):
-        await ports.resolve(asked.model_copy(update={"tenant_id": "other"}), True)
+        await ports.catalog.resolve(asked.model_copy(update={"tenant_id": "other"}), True)
 
 
 async def test_a_worker_not_yet_resubscribed_after_a_reconnect_is_asked_again_not_judged_absent() -> None:
@@ -124,9 +123,8 @@ async def test_a_worker_not_yet_resubscribed_after_a_reconnect_is_asked_again_no
     the request went to another worker while this one could still run it."""
     bus = MemoryBus(seed=0)
     nc = bus.connect("scheduler")
-    resolver, watch = follow_catalog(nc, DISPATCH_TIMEOUT_S)
-    watch.cancel()
-    ports = bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S), resolver)  # type: ignore[arg-type]
+    view = CatalogView(ask_registry(nc, DISPATCH_TIMEOUT_S))
+    ports = bus_ports(nc, None, SchedulerSettings(dispatch_timeout_s=DISPATCH_TIMEOUT_S), view)  # type: ignore[arg-type]
     worker = bus.connect("w1")
     resubscribed = asyncio.Event()
 

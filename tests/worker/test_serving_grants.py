@@ -4,8 +4,8 @@ version served, preview only where the scheduler set it) before anything loads o
 import pytest
 
 from services.worker.serving import RequestServer
+from shared.catalog.resolve import to_resolved
 from shared.errors import AdapterNotReleased, ModelNotFound
-from shared.resolve import to_resolved
 from tests.scheduler.test_grants import OTHERS, SHARED_V1, STAGING, grants, submission
 
 

@@ -15,7 +15,7 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
-from shared.access import SHARED_TENANT
+from shared.catalog.access import SHARED_TENANT
 from shared.request_ref import RequestRef
 from shared.schemas import InferRequest, ReplyAccepted, ReplyFinal, ResolvedAdapter, SamplingParams
 from tests.helpers.adapters import make_peft_model

@@ -1,11 +1,14 @@
-"""Read-your-writes for every catalog mirror: a catalog write returns once every live gateway,
-scheduler and worker confirms its mirror holds the write's revision of the records bucket (or
-after a bound). The registry counts them by their service heartbeats."""
+"""Read-your-writes for every ``CatalogView``: a catalog write returns once every live gateway,
+scheduler and worker confirms its view holds the write's revision of the records bucket (or
+after a bound). The registry waits (``CatalogBarrier``), counting the views by their services'
+heartbeats; each view answers (``answer_barrier``)."""
 
 import asyncio
+from typing import Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from shared import metrics, subjects
 from shared.bus import decode, encode
@@ -13,7 +16,7 @@ from shared.errors import LorafleetError
 from shared.liveness import Liveness
 from shared.schemas import CatalogSync, CatalogSynced, ServiceHeartbeat
 
-log = structlog.get_logger("registry.gateway_sync")
+log = structlog.get_logger("catalog.barrier")
 
 # whose mirrors resolve requests: the gateway (HTTP), the scheduler (direct-NATS submissions) and the
 # worker (its own check of each dispatch). A scheduler or worker counts once ready: a worker heartbeats
@@ -25,7 +28,15 @@ def mirror_name(service: str, instance_id: str) -> str:
     return f"{service}/{instance_id}"  # instance ids are unique per service only
 
 
-class GatewaySync:
+class View(Protocol):
+    """What answers the barrier: a ``CatalogView`` (the records-bucket revision it holds)."""
+
+    revision: int
+
+    async def caught_up(self, revision: int, timeout_s: float) -> bool: ...
+
+
+class CatalogBarrier:
     def __init__(self, nc: NATS, liveness_timeout_s: float, timeout_s: float) -> None:
         self._nc = nc
         self._mirrors: Liveness[None] = Liveness(liveness_timeout_s)
@@ -43,7 +54,7 @@ class GatewaySync:
             return set()
         all_confirmed = asyncio.get_running_loop().create_future()
 
-        async def on_reply(msg) -> None:
+        async def on_reply(msg: Msg) -> None:
             try:
                 reply = decode(CatalogSynced, msg.data)
             except LorafleetError:
@@ -64,3 +75,21 @@ class GatewaySync:
         finally:
             await sub.unsubscribe()
         return set(pending)
+
+
+async def answer_barrier(nc: NATS, service: str, instance_id: str, view: View, timeout_s: float) -> None:
+    """Answer the registry's barrier after each catalog write once ``view`` holds the write's
+    revision (waiting up to ``timeout_s``), so that a promote, rollback or revoke returns only
+    when this instance resolves with it."""
+
+    async def on_sync(msg: Msg) -> None:
+        try:
+            wanted = decode(CatalogSync, msg.data).revision
+        except LorafleetError as e:
+            log.warning("bad_catalog_sync", error=e.message)
+            return
+        if await view.caught_up(wanted, timeout_s) and msg.reply:
+            synced = CatalogSynced(service=service, instance_id=instance_id, revision=view.revision)
+            await nc.publish(msg.reply, encode(synced))
+
+    await nc.subscribe(subjects.GATEWAY_CATALOG_SYNC, cb=on_sync)

@@ -12,10 +12,10 @@ settled by the registry's answer before a submission is refused."""
 
 from collections.abc import Awaitable, Callable
 
-from shared.access import may_use
-from shared.catalog import Catalog
+from shared.catalog.access import may_use
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import not_found
 from shared.errors import Forbidden, IntegrityError, InvalidRequest, ModelNotFound
-from shared.resolve import not_found
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 
 Resolve = Callable[[ResolveRequest, bool], Awaitable[ResolveReply]]  # (request, ask_registry)

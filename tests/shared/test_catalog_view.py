@@ -1,22 +1,22 @@
-"""The gateway's catalog mirror: successes answered locally, every refusal asked of the registry,
-and the sync barrier's wait for a revision."""
+"""``CatalogView`` (every service's read model of the registry): successes answered locally, every
+refusal asked of the registry, and the barrier's wait for a revision."""
 
 import asyncio
 
 import pytest
 
-from shared.catalog import Catalog
-from shared.catalog_mirror import CatalogMirror, Resolver
+from shared.catalog.records import Catalog
+from shared.catalog.resolve import resolve
+from shared.catalog.view import AskRegistry, CatalogView
 from shared.errors import LorafleetError
-from shared.resolve import resolve
 from shared.schemas import ResolveReply, ResolveRequest
 from tests.helpers.records import make_record
 
 BASE = "tiny-llama"
 
 
-def loaded_mirror(*records) -> CatalogMirror:
-    mirror = CatalogMirror()
+def loaded_mirror(*records, ask: AskRegistry | None = None) -> CatalogView:
+    mirror = CatalogView(ask) if ask is not None else CatalogView()
     for revision, record in enumerate(records, start=1):
         mirror.apply(f"{record.adapter_id}.{record.version}", record.model_dump_json().encode(), revision)
     mirror.mark_loaded()
@@ -41,7 +41,7 @@ SUM_V2_CANARY = make_record("acme-sum", 2, "acme", status="canary", traffic_perc
 
 async def test_a_loaded_mirror_answers_successes_without_the_registry():
     registry = Registry(SUM_V1)
-    resolver = Resolver(loaded_mirror(SUM_V1), registry)
+    resolver = loaded_mirror(SUM_V1, ask=registry)
     first = await resolver.resolve(ResolveRequest(tenant_id="acme", model="sum", request_key="k"))
     assert first.adapter.adapter_id == "acme-sum" and first.base_model == BASE
     assert len(registry.asked) == 1  # the base model's name is learnt from the registry's first answer
@@ -53,8 +53,8 @@ async def test_a_loaded_mirror_answers_successes_without_the_registry():
 
 async def test_the_mirror_splits_canary_traffic_as_the_registry_does():
     registry = Registry(SUM_V1, SUM_V2_CANARY)
-    resolver = Resolver(loaded_mirror(SUM_V1, SUM_V2_CANARY), registry)
-    resolver.mirror.base_model = BASE
+    resolver = loaded_mirror(SUM_V1, SUM_V2_CANARY, ask=registry)
+    resolver.base_model = BASE
     for i in range(200):
         req = ResolveRequest(tenant_id="acme", model="sum", request_key=f"user-{i}")
         local = await resolver.resolve(req)
@@ -82,8 +82,8 @@ async def test_every_refusal_is_the_registrys_answer(model, code):
         make_record("acme-draft", 1, "acme"),
     )
     registry = Registry(*records)
-    resolver = Resolver(loaded_mirror(*records), registry)
-    resolver.mirror.base_model = BASE
+    resolver = loaded_mirror(*records, ask=registry)
+    resolver.base_model = BASE
     with pytest.raises(LorafleetError) as info:
         await resolver.resolve(ResolveRequest(tenant_id="acme", model=model, request_key="k"))
     assert info.value.code == code
@@ -93,18 +93,18 @@ async def test_every_refusal_is_the_registrys_answer(model, code):
 async def test_an_adapter_the_mirror_has_not_seen_yet_is_resolved_by_the_registry():
     new = make_record("acme-new", 1, "acme", status="production", traffic_percent=100)
     registry = Registry(SUM_V1, new)
-    resolver = Resolver(loaded_mirror(SUM_V1), registry)
-    resolver.mirror.base_model = BASE
+    resolver = loaded_mirror(SUM_V1, ask=registry)
+    resolver.base_model = BASE
     reply = await resolver.resolve(ResolveRequest(tenant_id="acme", model="acme-new", request_key="k"))
     assert reply.adapter.adapter_id == "acme-new" and len(registry.asked) == 1
 
 
 async def test_an_unloaded_mirror_asks_the_registry():
     registry = Registry(SUM_V1)
-    mirror = CatalogMirror()
+    mirror = CatalogView(registry)
     mirror.apply("acme-sum.1", SUM_V1.model_dump_json().encode(), 1)  # still loading
     mirror.base_model = BASE
-    await Resolver(mirror, registry).resolve(ResolveRequest(tenant_id="acme", model="sum", request_key="k"))
+    await mirror.resolve(ResolveRequest(tenant_id="acme", model="sum", request_key="k"))
     assert len(registry.asked) == 1
 
 
@@ -124,7 +124,7 @@ async def test_caught_up_waits_for_the_revision_and_gives_up_after_the_bound():
 
 
 async def test_a_mirror_still_loading_is_not_caught_up():
-    mirror = CatalogMirror()
+    mirror = CatalogView()
     mirror.apply("acme-sum.1", SUM_V1.model_dump_json().encode(), 5)
     assert not await mirror.caught_up(1, 0.02)
     mirror.mark_loaded()
@@ -137,8 +137,8 @@ async def test_a_shared_adapters_scopes_are_judged_on_the_version_served():
     v1 = make_record("shared-chat", 1, "shared", status="production", allowed_scopes=["acme"])
     v2 = make_record("shared-chat", 2, "shared", status="canary", traffic_percent=100, allowed_scopes=["globex"])
     registry = Registry(v1, v2)
-    resolver = Resolver(loaded_mirror(v1, v2), registry)
-    resolver.mirror.base_model = BASE
+    resolver = loaded_mirror(v1, v2, ask=registry)
+    resolver.base_model = BASE
     for tenant, version in (("acme", 1), ("globex", 2)):
         reply = await resolver.resolve(ResolveRequest(tenant_id=tenant, model="shared-chat", request_key="k"))
         assert reply.adapter is not None and reply.adapter.version == version

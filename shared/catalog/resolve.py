@@ -5,10 +5,10 @@ tenant cannot probe which adapter names exist. Access is judged on the version s
 adapter's versions may each name different tenants in their scopes.
 """
 
-from shared.access import SHARED_TENANT, may_use
-from shared.catalog import RELEASED, Catalog
+from shared.catalog.access import SHARED_TENANT, may_use
+from shared.catalog.records import RELEASED, Catalog
+from shared.catalog.rollout import choose, split_key
 from shared.errors import AdapterNotReleased, AdapterRevoked, ModelNotFound
-from shared.rollout import choose, split_key
 from shared.schemas import AdapterRecord, ListModelsReply, ModelInfo, ResolvedAdapter, ResolveReply
 
 

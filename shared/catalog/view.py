@@ -1,0 +1,196 @@
+"""``CatalogView``: the registry's state as every other service reads it, from one KV follower.
+
+The gateway, the scheduler, the worker and the auditor each keep one view, fed by a watch on the
+registry's records bucket (and, for a worker, its signers bucket) through ``shared.kv_follow``.
+Every change is written to that bucket before the registry applies it, so the view equals the
+registry's own catalog within a watch delivery, and a request is resolved in microseconds
+instead of a registry round trip (~1.5 ms on the request's path to its first token).
+
+Reads:
+- ``resolve``: (tenant, model) -> base model or exact adapter version. Only successes are answered
+  locally: any refusal (unknown, foreign, unreleased, revoked) is asked of the registry, which holds
+  the newest state and audits an attempt on another tenant's adapter.
+- ``grant``: a submission with the adapter its ``model`` resolves to (``shared.catalog.grants``).
+- ``record``: one version's record, from the view, else from the bucket itself (never a registry
+  replica, dead or stalled).
+- ``signers``: the trusted signers' keys, after a read barrier on their bucket.
+
+The registry's writes wait for every live mirror to confirm them (``shared.catalog.barrier``), so
+once a promote, rollback or revoke has returned, no view resolves with the state before it.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+
+from shared import metrics, subjects
+from shared.bus import request
+from shared.catalog.barrier import answer_barrier
+from shared.catalog.grants import Grants
+from shared.catalog.records import Catalog, record_key
+from shared.catalog.resolve import resolve
+from shared.catalog.signers import parse_signer
+from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable
+from shared.kv_follow import Position, StaleMirror, follow_bucket
+from shared.schemas import AdapterRecord, InferRequest, ResolveReply, ResolveRequest, SignerRecord
+
+AskRegistry = Callable[[ResolveRequest], Awaitable[ResolveReply]]
+
+
+async def _no_registry(req: ResolveRequest) -> ResolveReply:
+    raise ServiceUnavailable("no registry to resolve the model with")
+
+
+def ask_registry(nc: NATS, timeout_s: float) -> AskRegistry:
+    """The registry's own resolve (``lf.registry.resolve``): what a view asks when it cannot answer."""
+
+    async def ask(req: ResolveRequest) -> ResolveReply:
+        return await request(nc, subjects.registry("resolve"), req, ResolveReply, timeout_s)
+
+    return ask
+
+
+class CatalogView:
+    def __init__(self, ask_registry: AskRegistry = _no_registry) -> None:
+        self.catalog = Catalog()
+        self.loaded = False
+        self.revision = 0  # the last records-bucket revision applied
+        self.base_model: str | None = None  # learnt from the registry's first answer
+        self._ask = ask_registry
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._grants = Grants(self.resolve, self.catalog)
+        self._signers: dict[str, SignerRecord] = {}
+        self.signer_position = Position(subjects.REGISTRY_SIGNERS_BUCKET)
+
+    # --- fed by the follower -------------------------------------------------------------------
+
+    def apply(self, key: str, value: bytes | None, revision: int) -> None:
+        """One watched record. Records are never deleted (a retired version keeps its record)."""
+        if value is not None:
+            self.catalog.put(AdapterRecord.model_validate_json(value))
+        self.revision = max(self.revision, revision)
+        self._wake()
+
+    def apply_signer(self, key: str, value: bytes | None, revision: int) -> None:
+        if value is None:
+            self._signers.pop(key, None)
+        else:
+            self._signers[key] = parse_signer(key, value)
+
+    def mark_loaded(self) -> None:
+        self.loaded = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self.loaded:
+            return
+        waiting = []
+        for revision, future in self._waiters:
+            if self.revision >= revision:
+                if not future.done():
+                    future.set_result(None)
+            else:
+                waiting.append((revision, future))
+        self._waiters = waiting
+
+    async def caught_up(self, revision: int, timeout_s: float) -> bool:
+        """Whether the view holds ``revision`` (waiting up to ``timeout_s`` for the watch to bring it)."""
+        if self.loaded and self.revision >= revision:
+            return True
+        future = asyncio.get_running_loop().create_future()
+        self._waiters.append((revision, future))
+        try:
+            await asyncio.wait_for(future, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiters = [(r, f) for r, f in self._waiters if f is not future]
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    async def resolve(self, req: ResolveRequest, ask_registry: bool = False) -> ResolveReply:
+        """From the view when it resolves; the registry's answer for a refusal, or with
+        ``ask_registry`` (a view may lag the registry by a watch delivery)."""
+        if self.loaded and self.base_model is not None and not ask_registry:
+            try:
+                reply = resolve(self.catalog, self.base_model, req.tenant_id, req.model, req.request_key, req.preview)
+                metrics.GATEWAY_RESOLVES.labels("mirror").inc()
+                return reply
+            except LorafleetError:
+                pass  # the registry answers (and audits) every refusal
+        reply = await self._ask(req)
+        metrics.GATEWAY_RESOLVES.labels("registry").inc()
+        self.base_model = reply.base_model
+        return reply
+
+    async def grant(self, request: InferRequest, preview: bool) -> InferRequest:
+        """The submission with the adapter its ``model`` resolves to, or a typed refusal."""
+        return await self._grants.grant(request, preview)
+
+    def owner(self, adapter_id: str) -> str | None:
+        return self.catalog.owner(adapter_id)
+
+    async def record(self, js: JetStreamContext, adapter_id: str, version: int) -> AdapterRecord:
+        """One version's record: the view's, else the records bucket's own (a version registered a
+        moment ago may not have reached the watch yet). ``ModelNotFound`` if neither has it."""
+        record = self.catalog.get(adapter_id, version)
+        if record is not None:
+            return record
+        bucket = await js.key_value(subjects.REGISTRY_RECORDS_BUCKET)
+        try:
+            entry = await bucket.get(record_key(adapter_id, version))
+        except KeyNotFoundError:
+            raise ModelNotFound(f"the registry has no {adapter_id} v{version}") from None
+        return AdapterRecord.model_validate_json(entry.value or b"")
+
+    async def signers(self, js: JetStreamContext, timeout_s: float) -> dict[str, list[str]]:
+        """Each signer's keys whose signatures still verify (signer -> base64 Ed25519 public keys),
+        once the view holds every signer write its bucket had acknowledged when called (a read
+        barrier: a signer added or untrusted a moment ago counts). Needs a view that follows the
+        signers bucket (``follow_catalog(..., signers=True)``)."""
+        bucket = await js.key_value(subjects.REGISTRY_SIGNERS_BUCKET)
+        try:
+            await self.signer_position.caught_up(bucket, timeout_s)
+        except StaleMirror as e:
+            raise ServiceUnavailable(f"the trusted signers are not current: {e}") from None
+        return {s.signer: s.verify_keys() for s in self._signers.values()}
+
+
+@dataclass
+class Followed:
+    """A running view: ``view`` and the tasks that keep it current (``stop`` cancels them)."""
+
+    view: CatalogView
+    tasks: list[asyncio.Task[None]]
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+async def follow_catalog(
+    nc: NATS,
+    registry_timeout_s: float,
+    *,
+    barrier: tuple[str, str] | None = None,
+    signers: bool = False,
+    view: CatalogView | None = None,
+) -> Followed:
+    """Start a ``CatalogView`` over NATS: its records follower and registry fallback; with
+    ``barrier=(service, instance_id)`` its answer to the registry's read-your-writes barrier; with
+    ``signers`` a follower of the signers bucket too. ``view``: one built beforehand (with its own
+    registry fallback), to follow."""
+    view = view or CatalogView(ask_registry(nc, registry_timeout_s))
+    tasks = [asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, view.apply, view.mark_loaded))]
+    if signers:
+        apply = view.signer_position.tracking(view.apply_signer)
+        tasks.append(asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_SIGNERS_BUCKET, apply, lambda: None)))
+    if barrier is not None:
+        service, instance_id = barrier
+        await answer_barrier(nc, service, instance_id, view, registry_timeout_s)
+    return Followed(view, tasks)
