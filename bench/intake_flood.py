@@ -68,7 +68,7 @@ async def _one(nats_url: str, redis_url: str, fair: bool, flood: int) -> float:
             await js.delete_stream(subjects.INFER_STREAM)
         await ensure_streams(js, StreamLimits())
         settings = SchedulerSettings(redis_key_prefix=f"b{time.monotonic_ns()}:", no_worker_grace_s=300)
-        followed = await follow_catalog(nc, settings.dispatch_timeout_s)
+        followed = await follow_catalog(nc, settings.dispatch_timeout_s, route="nats")
         core, upkeep = build(settings, bus_ports(nc, js, settings, followed.view), redis)
         if fair:
             scheduler = Scheduler(nc, core, upkeep, settings.max_inflight, Intake(settings.intake_per_tenant))

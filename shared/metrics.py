@@ -86,7 +86,16 @@ RANK_SKEW = Gauge(
     "step's token count rounded up to a power of two); running means since start, set once both are seen",
     ["rank_class", "batch_tokens"],
 )
-TENANT_ISOLATION_ERRORS = Counter("tenant_isolation_errors", "requests served or attempted across tenants")
+TENANT_ISOLATION_ERRORS = Counter(
+    "tenant_isolation_errors",
+    "cross-tenant attempts refused (a tenant naming another's adapter), by the route that refused them "
+    "(http: the gateway's resolve, nats: a direct-NATS submission, dispatch: a worker's check); counted by the auditor",
+    ["route"],
+)
+TENANT_ISOLATION_VIOLATIONS = Counter(
+    "tenant_isolation_violations",
+    "completions the auditor's cross-check found served across tenants (after the fact; should stay 0)",
+)
 INTEGRITY_ERRORS = Counter("integrity_errors", "adapter digest/signature/fingerprint mismatches", ["service"])
 QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adapter", "version"])
 

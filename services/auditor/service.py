@@ -21,6 +21,7 @@ from services.auditor.store import AuditStore
 from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
 from shared.bus import MAX_MESSAGE_BYTES, connect, decode, drain_or_close, ensure_streams, serve, shutdown_event
+from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView, follow_catalog
 from shared.config import AuditorSettings, load_settings
 from shared.errors import (
@@ -34,7 +35,14 @@ from shared.errors import (
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.metrics_http import serve_metrics
-from shared.schemas import AdapterRecord, AuditEnvelope, AuditQueryReply, AuditQueryRequest, CompletionAudit
+from shared.schemas import (
+    AdapterRecord,
+    AuditEnvelope,
+    AuditQueryReply,
+    AuditQueryRequest,
+    CompletionAudit,
+    RejectionAudit,
+)
 from shared.telemetry import setup_tracing
 from shared.undecodable import skip
 
@@ -80,11 +88,13 @@ async def _violations(records: Records, event, stop: asyncio.Event) -> list:
 async def _record(store: AuditStore, records: Records, seq: int, event, stop: asyncio.Event) -> None:
     violations = await _violations(records, event, stop)
     store.append(seq, event.model_dump(mode="json"))
+    if isinstance(event, RejectionAudit) and event.code == IsolationAttempt.code:
+        metrics.TENANT_ISOLATION_ERRORS.labels(event.route or "unknown").inc()
     for number, violation in enumerate(violations, start=1):
         # a derived record gets a sequence of its own beyond the stream's, so replays stay idempotent
         store.append(-(seq * 10 + number), violation.model_dump(mode="json"))
         if violation.violation == "tenant_isolation":
-            metrics.TENANT_ISOLATION_ERRORS.inc()
+            metrics.TENANT_ISOLATION_VIOLATIONS.inc()
         else:
             metrics.INTEGRITY_ERRORS.labels("auditor").inc()
         log.error(

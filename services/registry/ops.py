@@ -153,6 +153,7 @@ class Registry:
             service="registry",
             code="tenant_isolation_attempt",
             reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant",
+            route=req.route,
         )
         await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=attempt))
 

@@ -15,6 +15,7 @@ from shared.bus import (
     encode,
     request,
 )
+from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView
 from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, NoResponders, UpstreamTimeout
@@ -84,6 +85,7 @@ def bus_ports(nc: NATS, js: JetStreamContext, settings: SchedulerSettings, catal
             service="scheduler",
             code=err.code,
             reason=err.message,
+            route="nats" if isinstance(err, IsolationAttempt) else None,
         )
         task = asyncio.create_task(publish_audit(js, event, f"rejection.scheduler.{uuid.uuid4().hex}"))
         audits.add(task)

@@ -310,7 +310,9 @@ async def run(settings: SchedulerSettings) -> None:
         redis = redis_from(settings)
         stack.push_async_callback(redis.aclose)
         # a promote, rollback or revoke returns once this view holds it: direct submissions see it at once
-        followed = await follow_catalog(nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id))
+        followed = await follow_catalog(
+            nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id), route="nats"
+        )
         stack.callback(followed.stop)
         tokens = None
         if settings.max_prompt_tokens:  # the gateway's count, for direct-NATS submissions

@@ -171,7 +171,7 @@ async def run(settings: WorkerSettings) -> None:
             )
         )
         build = engines.vllm if settings.worker_engine == "vllm" else engines.builtin
-        catalog = CatalogView(ask_registry(nc, REGISTRY_TIMEOUT_S))
+        catalog = CatalogView(ask_registry(nc, REGISTRY_TIMEOUT_S), route="dispatch")
         served = await build(nc, catalog, settings, stack, phases)
         phases.enter("warming", "engine, catalog mirror, subscriptions")
         cache = served.cache

@@ -36,7 +36,7 @@ from shared.catalog.resolve import resolve
 from shared.catalog.signers import parse_signer
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable
 from shared.kv_follow import Position, StaleMirror, follow_bucket
-from shared.schemas import AdapterRecord, InferRequest, ResolveReply, ResolveRequest, SignerRecord
+from shared.schemas import AdapterRecord, InferRequest, RequestRoute, ResolveReply, ResolveRequest, SignerRecord
 
 AskRegistry = Callable[[ResolveRequest], Awaitable[ResolveReply]]
 
@@ -55,12 +55,13 @@ def ask_registry(nc: NATS, timeout_s: float) -> AskRegistry:
 
 
 class CatalogView:
-    def __init__(self, ask_registry: AskRegistry = _no_registry) -> None:
+    def __init__(self, ask_registry: AskRegistry = _no_registry, route: RequestRoute = "http") -> None:
         self.catalog = Catalog()
         self.loaded = False
         self.revision = 0  # the last records-bucket revision applied
         self.base_model: str | None = None  # learnt from the registry's first answer
         self._ask = ask_registry
+        self.route = route  # the path this view resolves for: the registry audits a refusal under it
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._grants = Grants(self.resolve, self.catalog)
         self._signers: dict[str, SignerRecord] = {}
@@ -123,7 +124,7 @@ class CatalogView:
                 return reply
             except LorafleetError:
                 pass  # the registry answers (and audits) every refusal
-        reply = await self._ask(req)
+        reply = await self._ask(req if req.route == self.route else req.model_copy(update={"route": self.route}))
         metrics.GATEWAY_RESOLVES.labels("registry").inc()
         self.base_model = reply.base_model
         return reply
@@ -180,12 +181,13 @@ async def follow_catalog(
     barrier: tuple[str, str] | None = None,
     signers: bool = False,
     view: CatalogView | None = None,
+    route: RequestRoute = "http",
 ) -> Followed:
     """Start a ``CatalogView`` over NATS: its records follower and registry fallback; with
     ``barrier=(service, instance_id)`` its answer to the registry's read-your-writes barrier; with
     ``signers`` a follower of the signers bucket too. ``view``: one built beforehand (with its own
-    registry fallback), to follow."""
-    view = view or CatalogView(ask_registry(nc, registry_timeout_s))
+    registry fallback), to follow. ``route``: the path the view resolves for (its refusals' audits)."""
+    view = view or CatalogView(ask_registry(nc, registry_timeout_s), route)
     tasks = [asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, view.apply, view.mark_loaded))]
     if signers:
         apply = view.signer_position.tracking(view.apply_signer)

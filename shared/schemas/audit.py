@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from shared.schemas.base import Identifier, Message, RequestId, SloClass
-from shared.schemas.registry import Actor, AdapterStatus
+from shared.schemas.registry import Actor, AdapterStatus, RequestRoute
 from shared.schemas.release import DecisionAction, VersionFigures
 
 # ---- audit -------------------------------------------------------------------------------
@@ -40,6 +40,7 @@ class RejectionAudit(Message):
     service: str
     code: str
     reason: str = Field(max_length=2000)
+    route: RequestRoute | None = Field(default=None, description="a refused cross-tenant attempt's path")
 
 
 class RegistryChangeAudit(Message):

@@ -17,6 +17,11 @@ from shared.schemas.sources import SourceOrigin
 MODEL_NAME_MAX = 256  # the longest model name any route accepts
 
 
+# the path a request came by: the gateway (HTTP), the scheduler (a direct-NATS submission), a worker's
+# check of a dispatch. Counts refused cross-tenant attempts by where they were refused.
+RequestRoute = Literal["http", "nats", "dispatch"]
+
+
 class ResolveRequest(Message):
     tenant_id: Identifier
     model: str = Field(min_length=1, max_length=MODEL_NAME_MAX)
@@ -24,6 +29,7 @@ class ResolveRequest(Message):
     preview: bool = Field(
         default=False, description="a pinned model@version may be a staging version (pre-release eval)"
     )
+    route: RequestRoute = Field(default="http", description="the path of the request being resolved (for audit)")
 
 
 class ModelInfo(Message):

@@ -242,7 +242,7 @@ async def test_foreign_adapter_is_404_like_a_missing_one_and_audited(
     assert error["message"] == missing.json()["error"]["message"].replace("no-such-adapter", "other-secret")
     assert await hostile.snapshot(nc) == before
     audit = await hostile.wait_audit("rejection", "demo", since, service="registry", code="tenant_isolation_attempt")
-    assert "other-secret" in audit["reason"]
+    assert "other-secret" in audit["reason"] and audit["route"] == "http"  # refused on the gateway's path
     assert hostile.audits("rejection", "other", since) == []
 
 

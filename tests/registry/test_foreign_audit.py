@@ -35,9 +35,10 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
     for model in ("globex-sql", "nobody-sql"):
         started = time.monotonic()
         with pytest.raises(ModelNotFound):
-            await registry.resolve(ResolveRequest(tenant_id="acme", model=model, request_key="k"))
+            await registry.resolve(ResolveRequest(tenant_id="acme", model=model, request_key="k", route="nats"))
         assert time.monotonic() - started < 0.2
     await asyncio.sleep(0.7)
     assert len(published) == 1  # the foreign attempt only, audited all the same
     subject, envelope = published[0]
     assert subject.endswith(".acme") and envelope.body.code == "tenant_isolation_attempt"
+    assert envelope.body.route == "nats"  # the path that asked: counted by it (tenant_isolation_errors_total)

@@ -145,3 +145,14 @@ async def test_a_shared_adapters_scopes_are_judged_on_the_version_served():
     for tenant, model in (("acme", "shared-chat@2"), ("globex", "shared-chat@1")):
         with pytest.raises(LorafleetError, match="does not exist"):
             await resolver.resolve(ResolveRequest(tenant_id=tenant, model=model, request_key="k"))
+
+
+async def test_a_refusal_asked_of_the_registry_names_the_views_route():
+    """The registry audits a foreign attempt under the path that asked (a scheduler's view: nats)."""
+    registry = Registry(SUM_V1)
+    view = CatalogView(registry, route="nats")
+    view.mark_loaded()
+    view.base_model = BASE
+    with pytest.raises(LorafleetError, match="does not exist"):
+        await view.resolve(ResolveRequest(tenant_id="other", model="sum", request_key="k"))
+    assert [r.route for r in registry.asked] == ["nats"]
