@@ -25,10 +25,11 @@ from services.scheduler.dispatcher import Handle
 from services.scheduler.intake import Intake
 from services.scheduler.ports import bus_ports
 from services.scheduler.service import Scheduler, build
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import encode, ensure_streams
 from shared.catalog.view import follow_catalog
-from shared.config import SchedulerSettings, StreamLimits
+from shared.config import StreamLimits
 from shared.redis_conn import connect_redis
 from shared.schemas import InferRequest
 

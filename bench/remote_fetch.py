@@ -156,8 +156,8 @@ def child(peer: str, args: dict) -> dict[str, float]:
     if peer == "fetch":
         from services.registry.fetch_bounds import FetchBounds
         from services.registry.remote_fetch import RemoteFetcher
+        from services.registry.settings import RemoteSourceSettings
         from services.registry.source_uri import parse_source
-        from shared.registry_config import RemoteSourceSettings
         from shared.schemas import SourceEntry
 
         settings = RemoteSourceSettings(s3_enabled=True, s3_endpoint_url=args["endpoint"])
@@ -181,9 +181,9 @@ def child(peer: str, args: dict) -> dict[str, float]:
 
 async def _register(args: dict) -> dict[str, float]:
     from services.registry.service import run
+    from services.registry.settings import RegistrySettings, RemoteSourceSettings
     from shared import subjects
     from shared.bus import connect, request
-    from shared.registry_config import RegistrySettings, RemoteSourceSettings
     from shared.schemas import AdapterRecordsReply, AddSourceRequest, RegisterRequest, SourcesReply
 
     settings = RegistrySettings(

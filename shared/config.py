@@ -1,4 +1,5 @@
-"""Validated settings, one model per service, read once from ``LF_*`` environment variables."""
+"""What two or more services share of their settings (every service's own model is in its
+``services/<service>/settings.py``), and ``load_settings``, which reads one once from ``LF_*`` variables."""
 
 import ipaddress
 import os
@@ -212,49 +213,6 @@ class RequestBounds(CommonSettings):
     )
 
 
-class GatewaySettings(RequestBounds):
-    host: str = Field(default="127.0.0.1", description="HTTP bind address")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
-    api_keys: dict[str, str] = Field(
-        default_factory=dict,
-        description="bootstrap/dev API key -> tenant id (JSON in LF_API_KEYS), inference scope only; "
-        "real keys are issued by the registry (lorafleet key create)",
-    )
-    max_n: int = Field(default=4, ge=1, le=16, description="largest n (choices per request)")
-    accept_timeout_s: float = Field(
-        default=10.0, gt=0, le=300, description="how long to wait for a worker to accept before answering 503"
-    )
-    request_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="end-to-end bound of one request")
-    registry_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one registry call")
-    remote_push_timeout_s: float = Field(
-        default=150.0,
-        gt=0,
-        le=3600,
-        description="bound of an admin push the registry fetches from a remote source; above its LF_REMOTE__TIMEOUT_S",
-    )
-    feedback_lookup_s: float = Field(
-        default=2.0,
-        ge=0,
-        le=30,
-        description="how long POST /v1/feedback waits for the rated request's completion to reach the audit index",
-    )
-    keep_alive_s: float = Field(
-        default=75.0,
-        gt=0,
-        le=3600,
-        description="how long an idle HTTP connection stays open; longer than clients' and load balancers' idle "
-        "timeouts (httpx 5 s, ALB/nginx 60 s), so nobody sends a request on a connection the gateway is closing",
-    )
-
-    @model_validator(mode="after")
-    def _public_metrics_need_a_token(self) -> "GatewaySettings":
-        if not is_loopback(self.host) and not self.has_metrics_token():
-            raise ValueError(
-                f"LF_HOST={self.host} serves the gateway's /metrics beyond this host: set LF_METRICS_TOKEN_FILE"
-            )
-        return self
-
-
 class DefaultQuota(BaseModel):
     """The platform's limits, applied to each tenant whose quota leaves one unset; 0 = no limit."""
 
@@ -298,64 +256,6 @@ class SloTargets(BaseModel):
         return self
 
 
-class SchedulerSettings(RequestBounds):
-    dispatch_timeout_s: float = Field(default=2.0, gt=0, le=60, description="bound of one dispatch to a worker")
-    no_worker_grace_s: float = Field(
-        default=3.0, ge=0, le=300, description="how long a request may wait for a live worker before a 503"
-    )
-    max_inflight: int = Field(default=256, ge=1, le=100_000, description="submissions held in the scheduler's queue")
-    intake_per_tenant: int = Field(
-        default=256,
-        ge=1,
-        le=100_000,
-        description="submissions of one tenant fetched but not yet admitted; beyond it the tenant's are refused (429)",
-    )
-    default_quota: DefaultQuota = Field(
-        default_factory=DefaultQuota,
-        description="limits of every tenant whose own quota leaves them unset (LF_DEFAULT_QUOTA__<FIELD>)",
-    )
-    concurrency_lease_s: float = Field(
-        default=60.0, gt=0, le=3600, description="a concurrency slot nobody renews frees itself after this long"
-    )
-    vtc_input_weight: float = Field(default=1.0, ge=0, le=100, description="fairness charge per prompt token")
-    vtc_output_weight: float = Field(default=2.0, ge=0, le=100, description="fairness charge per generated token")
-    vtc_hand_off_s: float = Field(
-        default=0.1,
-        gt=0,
-        le=10,
-        description="how often the fairness counters are handed to and read from Redis (shared by every "
-        "scheduler): how far behind the other schedulers' charges one scheduler's fair order may be",
-    )
-    slo_ttft_s: SloTargets = Field(
-        default_factory=lambda: SloTargets(),
-        description="time-to-first-token target of each SLO class (LF_SLO_TTFT_S__<CLASS>)",
-    )
-    shed_overload: bool = Field(
-        default=True,
-        description="refuse at once (429 overloaded + Retry-After) a request the fleet's measured service rate "
-        "says would miss its class's TTFT target, instead of queueing it to miss it",
-    )
-    shed_min_samples: int = Field(
-        default=16, ge=1, le=100_000, description="completed requests measured before shedding starts"
-    )
-    shed_margin: float = Field(
-        default=0.8, gt=0, le=1, description="admit while the predicted TTFT is within this share of the target"
-    )
-    capacity_headroom: int = Field(
-        default=2, ge=0, le=10_000, description="requests a worker may hold beyond max_running (its next batch)"
-    )
-    heat_half_life_s: float = Field(default=60.0, gt=0, le=86400, description="half-life of adapter heat")
-    heat_decay_interval_s: float = Field(
-        default=5.0, gt=0, le=3600, description="how often heat decays and is acted on"
-    )
-    hot_rate_per_worker: float = Field(
-        default=2.0, gt=0, description="requests/s of one adapter one worker serves before a replica is prefetched"
-    )
-    cold_rate: float = Field(default=0.01, ge=0, description="requests/s below which a replicated adapter is evicted")
-    max_controls_per_tick: int = Field(default=4, ge=0, le=1000, description="prefetch/evict messages per heat tick")
-    dedupe_ttl_s: float = Field(default=3600.0, gt=0, description="how long a dispatched request id is remembered")
-
-
 class GrammarBounds(BaseModel):
     """How far a worker goes compiling one request's grammar (response_format, tools): compiles run in
     child processes, each killed past its time bound, and no tenant holds more than its share of them
@@ -393,34 +293,6 @@ class WorkerIdentity(CommonSettings):
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="this worker's name in its subjects (lf.worker.<id>.*), heartbeats and placement; "
         "default <hostname>-<pid>",
-    )
-
-
-class AuditorSettings(CommonSettings):
-    db_path: str = Field(
-        default=".lorafleet/audit.sqlite3",
-        min_length=1,  # SQLite takes "" as a throwaway database
-        description="SQLite index of the audit trail",
-    )
-    key_path: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Ed25519 key that signs chain heads, created (mode 0600) on first start; default beside db_path",
-    )
-    chain_id: str = Field(
-        default="main",
-        pattern=r"^[A-Za-z0-9_-]{1,64}$",
-        description="this index's name on AUDIT_HEADS, stable across restarts; one per auditor with its own index",
-    )
-    head_interval_s: float = Field(
-        default=30.0, gt=0, le=3600, description="how often the chain is verified and its new head signed"
-    )
-    head_every_records: int = Field(
-        default=1000,
-        ge=1,
-        le=10_000_000,
-        description="sign a head as soon as this many records were appended since the last one, before the "
-        "interval is up: rows after the newest head can be deleted undetected, so this bounds how many",
     )
 
 

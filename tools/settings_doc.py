@@ -20,10 +20,13 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 from kernels.native_build import KernelSettings
+from services.auditor.settings import AuditorSettings
+from services.gateway.settings import GatewaySettings
+from services.registry.settings import RegistrySettings
+from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
-from shared.config import AuditorSettings, CommonSettings, GatewaySettings, RequestBounds, SchedulerSettings
+from shared.config import CommonSettings, RequestBounds
 from shared.env_names import DIRECT, PREFIX, TOOLING, model_variables
-from shared.registry_config import RegistrySettings
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "docs" / "settings.md"

@@ -17,13 +17,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from services.auditor.crosscheck import check_completion
 from services.auditor.head_log import HeadLog
 from services.auditor.heads import HeadSigner, load_or_create_key
+from services.auditor.settings import AuditorSettings
 from services.auditor.store import AuditStore
 from services.auditor.verifier import ChainVerifier
 from shared import event_loop, metrics, subjects
 from shared.bus import MAX_MESSAGE_BYTES, connect, decode, drain_or_close, ensure_streams, serve, shutdown_event
 from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView, follow_catalog
-from shared.config import AuditorSettings, load_settings
+from shared.config import load_settings
 from shared.errors import (
     IntegrityError,
     InvalidMessage,

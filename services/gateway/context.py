@@ -7,8 +7,8 @@ from nats.js import JetStreamContext
 
 from services.gateway.auth import ApiKeys
 from services.gateway.readiness import ClusterView
+from services.gateway.settings import GatewaySettings
 from shared.catalog.view import CatalogView
-from shared.config import GatewaySettings
 from shared.prompt_tokens import PromptTokens
 
 

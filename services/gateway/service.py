@@ -11,11 +11,12 @@ from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.readiness import ClusterView
+from services.gateway.settings import GatewaySettings
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
 from shared.bus import connect, decode, drain_or_close, ensure_streams, shutdown_event
 from shared.catalog.view import follow_catalog
-from shared.config import GatewaySettings, load_settings
+from shared.config import load_settings
 from shared.heartbeat import publish_heartbeats
 from shared.logs import configure_logging
 from shared.prompt_tokens import PromptTokens

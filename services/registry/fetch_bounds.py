@@ -11,8 +11,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from services.registry.settings import RemoteSourceSettings
 from shared.errors import FetchCapacityFull, SourceFetchesBusy, SpoolFull, TenantSpoolFull
-from shared.registry_config import RemoteSourceSettings
 
 
 @dataclass(slots=True, eq=False)

@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.registry_config import RegistrySettings
+from services.registry.settings import RegistrySettings
 from shared.schemas import VersionFigures
 
 GUARD_Z = 2.326  # one-sided 99%: a rate guard trips on the canary's Wilson lower bound, not on one unlucky error

@@ -16,10 +16,10 @@ from services.registry.ops import Registry
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
+from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.bus import FOLLOW_HEARTBEAT_S, decode, encode
 from shared.errors import LorafleetError
-from shared.registry_config import RegistrySettings
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
 from shared.undecodable import skip
 

@@ -26,6 +26,7 @@ from botocore.credentials import Credentials
 from botocore.session import Session
 
 from services.registry.fetch_bounds import FetchLease
+from services.registry.settings import RemoteSourceSettings
 from services.registry.source_uri import SourceLocation, check_addresses
 from shared.adapter_format import ADAPTER_FILES, CONFIG_FILE, MAX_CONFIG_BYTES
 from shared.errors import (
@@ -35,7 +36,6 @@ from shared.errors import (
     SourceTimeout,
     SourceTooLarge,
 )
-from shared.registry_config import RemoteSourceSettings
 from shared.schemas import SourceEntry
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]

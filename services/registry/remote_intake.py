@@ -15,11 +15,11 @@ from pathlib import Path
 
 from services.registry.fetch_bounds import FetchBounds
 from services.registry.remote_fetch import FetchedFile, RemoteFetcher
+from services.registry.settings import RemoteSourceSettings
 from services.registry.source_uri import parse_source
 from services.registry.sources import Sources
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterBytes
 from shared.errors import RemoteSourceDisabled
-from shared.registry_config import RemoteSourceSettings
 from shared.schemas import SourceOrigin
 
 

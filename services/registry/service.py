@@ -27,6 +27,7 @@ from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
 from services.registry.remote_intake import RemoteIntake
+from services.registry.settings import RegistrySettings
 from services.registry.sources import Sources
 from services.registry.sources_kv import open_sources
 from services.registry.stores import Uploads, open_approved_store, open_object_store
@@ -46,7 +47,6 @@ from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
 from shared.metrics import QUALITY_SCORE
 from shared.metrics_http import serve_metrics
-from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AddSourceRequest,
     ApproveSourceRequest,

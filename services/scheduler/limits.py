@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass, field
 
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import decode
-from shared.config import SchedulerSettings
 from shared.errors import LorafleetError
 from shared.schemas import TenantQuota, TenantRecord
 from shared.undecodable import skip

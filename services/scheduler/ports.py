@@ -9,6 +9,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from services.scheduler.dispatcher import Ports
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.audit_publish import publish_audit
 from shared.bus import (
@@ -17,7 +18,6 @@ from shared.bus import (
 )
 from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView
-from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, NoResponders, UpstreamTimeout
 from shared.schemas import (
     DispatchReply,

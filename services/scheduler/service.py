@@ -26,6 +26,7 @@ from services.scheduler.placement import Fleet
 from services.scheduler.ports import bus_ports
 from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
+from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.upkeep import Periods, Upkeep
 from services.scheduler.vtc import SharedCounters
@@ -42,7 +43,7 @@ from shared.bus import (
     shutdown_event,
 )
 from shared.catalog.view import follow_catalog
-from shared.config import SchedulerSettings, load_settings
+from shared.config import load_settings
 from shared.errors import LorafleetError, QuotaExceeded
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import follow_bucket

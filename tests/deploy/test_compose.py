@@ -19,10 +19,13 @@ from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
 from lorafleet.cli.nats_accounts import users_of
 from lorafleet.cli.nats_auth import WORKERS_COMPOSE_FILE, add_tenant_user, init_deploy
+from services.auditor.settings import AuditorSettings
+from services.gateway.settings import GatewaySettings
+from services.registry.settings import RegistrySettings
+from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
 from services.worker.vllm_engine.config import VllmConfig
-from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings
-from shared.registry_config import RegistrySettings
+from shared.config import CommonSettings
 from tests.deploy.compose_files import env_files, load, merge_service
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,9 +16,12 @@ import yaml
 from lorafleet.cli.compose_services import compose_worker
 from lorafleet.cli.healthcheck import build_parser
 from lorafleet.cli.infra import nats_server_binary
+from services.auditor.settings import AuditorSettings
+from services.gateway.settings import GatewaySettings
+from services.registry.settings import RegistrySettings
+from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
-from shared.config import AuditorSettings, CommonSettings, GatewaySettings, SchedulerSettings
-from shared.registry_config import RegistrySettings
+from shared.config import CommonSettings
 from tests.deploy.compose_files import K8S, REPO
 
 KUBERNETES_VERSION = "1.33.0"  # the release the manifests are validated against

@@ -14,20 +14,21 @@ import uvicorn
 
 from lorafleet.cli.infra import Server, free_port, start_nats
 from services.auditor.service import run as run_auditor
+from services.auditor.settings import AuditorSettings
 from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
 from services.gateway.key_watch import follow_keys
 from services.gateway.readiness import ClusterView
+from services.gateway.settings import GatewaySettings
 from services.registry.service import run as run_registry
+from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.bus import connect, request
 from shared.catalog.view import CatalogView, follow_catalog
-from shared.config import AuditorSettings, GatewaySettings
 from shared.errors import Unauthorized
 from shared.heartbeat import publish_heartbeats
 from shared.prompt_tokens import PromptTokens
-from shared.registry_config import RegistrySettings
 from shared.schemas import (
     ApiKeyCreatedReply,
     CreateApiKeyRequest,

@@ -15,11 +15,11 @@ from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
+from services.gateway.settings import GatewaySettings
 from services.registry.tenants import Tenants
 from shared import subjects
 from shared.bus import serve
 from shared.catalog.view import CatalogView
-from shared.config import GatewaySettings
 from shared.memory_bus import MemoryBus
 from shared.schemas import (
     AdminAudit,

@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from services.auditor.service import run as run_auditor
+from services.auditor.settings import AuditorSettings
 from services.auditor.store import AuditStore
 from shared.audit_publish import publish_audit
-from shared.config import AuditorSettings
 from shared.schemas import RejectionAudit
 from tests.gateway.conftest import Gateway
 

@@ -7,9 +7,9 @@ from services.gateway.app import create_app
 from services.gateway.auth import ApiKeys
 from services.gateway.context import GatewayContext
 from services.gateway.readiness import ClusterView
+from services.gateway.settings import GatewaySettings
 from shared.bus import connect
 from shared.catalog.view import CatalogView
-from shared.config import GatewaySettings
 
 KEY = "test-key-acme"
 

@@ -53,7 +53,7 @@ def test_document_declares_bearer_auth_bodies_and_errors():
     from services.gateway.auth import ApiKeys
     from services.gateway.context import GatewayContext
     from services.gateway.readiness import ClusterView
-    from shared.config import GatewaySettings
+    from services.gateway.settings import GatewaySettings
 
     doc = create_app(GatewayContext(GatewaySettings(), None, None, ClusterView(5), ApiKeys({}), None)).openapi()
     assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"

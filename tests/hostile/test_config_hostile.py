@@ -10,9 +10,12 @@ import pytest
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsError
 
+from services.auditor.settings import AuditorSettings
+from services.gateway.settings import GatewaySettings
+from services.registry.settings import RegistrySettings
+from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
-from shared.config import AuditorSettings, GatewaySettings, SchedulerSettings, load_settings
-from shared.registry_config import RegistrySettings
+from shared.config import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 

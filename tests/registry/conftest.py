@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.service import run
+from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits
 from shared.bus import connect
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
-from shared.registry_config import RegistrySettings
 from shared.schemas import AdapterRecord, ServiceHeartbeat
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers import records

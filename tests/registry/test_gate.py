@@ -5,10 +5,10 @@ import pytest
 from services.registry import lifecycle
 from services.registry.gate import GatePolicy, check_release
 from services.registry.service import checks_off
+from services.registry.settings import RegistrySettings
 from shared.catalog.records import Catalog
 from shared.catalog.resolve import resolve
 from shared.errors import AdapterNotReleased, Conflict, ReleaseGateFailed
-from shared.registry_config import RegistrySettings
 from shared.schemas import AdapterRecord
 
 DIGEST = "0" * 64

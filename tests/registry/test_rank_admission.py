@@ -15,11 +15,11 @@ from nats.aio.client import Client as NATS
 
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.service import run
+from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import connect, encode, request
 from shared.errors import RankNotServed
-from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AdapterRecordsReply,
     EngineCapability,

@@ -19,6 +19,7 @@ from lorafleet.cli.infra import Server
 from services.registry.intake import BaseModelIdentity
 from services.registry.kv import RecordsKV, StaleRecords
 from services.registry.service import run
+from services.registry.settings import RegistrySettings
 from services.worker.adapter_source import StoreLoader
 from services.worker.adapter_verify import fetch_verified
 from services.worker.lora import LoraConfig, ModelShapes
@@ -27,7 +28,6 @@ from shared.bus import connect, drain_or_close, request
 from shared.catalog.records import record_key
 from shared.catalog.view import follow_catalog
 from shared.errors import Conflict, ServiceUnavailable
-from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,

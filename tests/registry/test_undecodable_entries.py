@@ -11,9 +11,9 @@ from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY
 
 from services.registry.service import run
+from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.bus import connect, request
-from shared.registry_config import RegistrySettings
 from shared.schemas import (
     AdapterRecordsReply,
     ListAdaptersRequest,

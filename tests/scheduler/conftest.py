@@ -104,7 +104,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 @pytest.fixture
 async def world(redis_url):
     """The dispatcher and upkeep over a real Redis, no capacity headroom (a module may define its own)."""
-    from shared.config import SchedulerSettings
+    from services.scheduler.settings import SchedulerSettings
     from shared.redis_conn import connect_redis
     from tests.scheduler.test_dispatcher import World
 

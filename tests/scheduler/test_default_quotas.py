@@ -6,7 +6,7 @@ import time
 import pytest
 
 from services.scheduler.limits import Quotas
-from shared.config import SchedulerSettings
+from services.scheduler.settings import SchedulerSettings
 from shared.redis_conn import connect_redis
 from shared.schemas import TenantQuota
 from tests.scheduler.test_dispatcher import World

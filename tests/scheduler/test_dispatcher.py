@@ -6,9 +6,9 @@ from prometheus_client import REGISTRY
 
 from services.scheduler.dispatcher import Ports
 from services.scheduler.service import build
+from services.scheduler.settings import SchedulerSettings
 from services.scheduler.upkeep import Upkeep
 from shared import subjects
-from shared.config import SchedulerSettings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef

@@ -14,9 +14,10 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from services.scheduler.dispatcher import Ports
 from services.scheduler.intake import Intake
 from services.scheduler.service import Scheduler, build
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import encode, ensure_streams
-from shared.config import SchedulerSettings, StreamLimits
+from shared.config import StreamLimits
 from shared.errors import LorafleetError
 from shared.redis_conn import connect_redis
 from shared.schemas import DispatchReply, InferRequest, TenantQuota

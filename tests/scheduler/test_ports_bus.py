@@ -11,11 +11,11 @@ from nats.aio.msg import Msg
 
 from services.scheduler.dispatcher import Ports
 from services.scheduler.ports import bus_ports
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import decode, serve
 from shared.catalog.resolve import to_resolved
 from shared.catalog.view import CatalogView, ask_registry
-from shared.config import SchedulerSettings
 from shared.errors import ModelNotFound, NoFreeSlot, NoResponders, QuotaExceeded, ServiceUnavailable, UpstreamTimeout
 from shared.memory_bus import MemoryBus
 from shared.schemas import (

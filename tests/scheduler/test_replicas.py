@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from shared.config import DefaultQuota, SchedulerSettings
+from services.scheduler.settings import SchedulerSettings
+from shared.config import DefaultQuota
 from shared.errors import ServiceUnavailable
 from shared.redis_conn import connect_redis
 from shared.schemas import DispatchReply, InferRequest

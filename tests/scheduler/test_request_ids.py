@@ -1,7 +1,7 @@
 """Request ids are per tenant: one tenant's id never shadows another's, and a tenant reusing its own
 id is told so (409) while a redelivery of the same submission is acknowledged, never run twice."""
 
-from shared.config import SchedulerSettings
+from services.scheduler.settings import SchedulerSettings
 from shared.errors import RequestIdInUse, from_body
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef

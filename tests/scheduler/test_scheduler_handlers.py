@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.scheduler.service import Scheduler
+from services.scheduler.settings import SchedulerSettings
 from shared import subjects
 from shared.bus import encode
-from shared.config import SchedulerSettings
 from shared.redis_conn import connect_redis
 from shared.schemas import AuditEnvelope, InferRequest, WorkerControl, WorkerHeartbeat
 from tests.scheduler.test_dispatcher import BASE, Msg, World, completion_audit

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shedding import LoadShedder
-from shared.config import SchedulerSettings, SloTargets
+from shared.config import SloTargets
 from shared.errors import Overloaded
 from shared.redis_conn import connect_redis
 from shared.schemas import TenantQuota

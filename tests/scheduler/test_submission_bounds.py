@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from shared.config import SchedulerSettings
+from services.scheduler.settings import SchedulerSettings
 from shared.prompt_tokens import PromptTokens
 from shared.redis_conn import connect_redis
 from shared.schemas import ChatMessage, TenantQuota, Tools

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from lorafleet.cli.infra import free_port, wait_port
 from lorafleet.cli.stack import Stack
 from services.gateway.app import create_app
-from shared.config import GatewaySettings
+from services.gateway.settings import GatewaySettings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from services.registry.intake import BaseModelIdentity
+from services.registry.settings import RemoteSourceSettings
 from shared.bus import connect
-from shared.registry_config import RemoteSourceSettings
 from shared.schemas import TrustedKeysReply, TrustKeyRequest
 from shared.signing import KeyPair
 from tests.helpers.remote_sources import HttpsServer, MotoS3, aws_env, make_ca

@@ -17,13 +17,13 @@ from safetensors.torch import save as save_tensors
 from services.registry.intake import BaseModelIdentity
 from services.registry.remote_fetch import system_resolve
 from services.registry.service import run
+from services.registry.settings import RegistrySettings, RemoteSourceSettings
 from shared import signing, subjects
 from shared.adapter_format import WEIGHTS_FILE
 from shared.bus import connect, request
 from shared.errors import (
     LorafleetError,
 )
-from shared.registry_config import RegistrySettings, RemoteSourceSettings
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,

@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from pydantic import ValidationError
 
+from services.registry.settings import RemoteSourceSettings
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import connect, encode, request
@@ -23,7 +24,6 @@ from shared.errors import (
     TenantSpoolFull,
     UpstreamTimeout,
 )
-from shared.registry_config import RemoteSourceSettings
 from shared.schemas import AdapterRecord, AdapterRecordsReply, ServiceHeartbeat, TrustedKeysReply, TrustKeyRequest
 from tests.helpers.remote_sources import Route
 from tests.registry.remote.support import Files, Push, Servers, allow, call, start_registry, unique

@@ -8,9 +8,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from services.registry.intake import BaseModelIdentity
+from services.registry.settings import RemoteSourceSettings
 from shared.bus import connect
 from shared.errors import RankNotServed
-from shared.registry_config import RemoteSourceSettings
 from shared.schemas import TrustedKeysReply, TrustKeyRequest
 from shared.signing import KeyPair
 from tests.registry.remote.support import Files, Push, Servers, allow, call, start_registry, unique

@@ -1,4 +1,4 @@
-"""The registry's settings: intake, release policy and remote adapter sources (``LF_*``)."""
+"""The registry's settings: intake, release policy and remote adapter sources (``LF_*``); docs/settings.md lists every variable."""
 
 from typing import Literal
 
