@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, projections
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
 from services.worker.engine.experts import moe_mlp
 from services.worker.engine.kv_cache import KVCache
@@ -76,6 +76,8 @@ class LlamaForward:
                 proj |= {"gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
             self.proj.append(proj)
         self.lm_head = make(weights.lm_head)
+        # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
+        self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec
         # Granite's multipliers, resolved once: None where the family leaves that step as Llama's
         self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
@@ -200,7 +202,7 @@ class LlamaForward:
             if layer.experts is None:
                 d = self._mlp(i, proj, x, lora, groups)
             else:
-                d = moe_mlp(x, layer.experts, self.act)
+                d = moe_mlp(x, layer.experts, self.act, self._expert_small_rows)
                 if layer.experts.shared_gate is not None:  # Qwen2-MoE's shared expert, gated per token; no
                     # LoRA: the slots' gate/up/down are the dense layers' shape, and expert adapters are refused
                     d = d + torch.sigmoid(F.linear(x, layer.experts.shared_gate)) * self._mlp(i, proj, x, None, groups)
