@@ -10,14 +10,15 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from services.worker.engine import EngineConfig, LLMEngine
 from services.worker.engine.batch import build_batch
+from services.worker.engine.errors import UnsupportedModel
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import LinearFactory
-from services.worker.engine.loader import load_model
+from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams
-from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family
+from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family, word_tokenizer
 from tests.helpers.native import needs_toolchain
 
 BLOCK = 4
@@ -142,3 +143,14 @@ def test_saved_model_serves_through_load_model(family: str, tmp_path: Path) -> N
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == [_hf_greedy(model, p) for p in PROMPTS]
+
+
+def test_cuda_graphs_are_refused_for_a_moe_model() -> None:
+    """The expert groups are sized on the host every step: a captured graph would replay stale ones.
+    (The config refuses cuda_graphs off a cuda device, so it is built unvalidated here: the engine
+    refuses before it touches the device.)"""
+    model = MOE_FAMILIES["olmoe-wide-qk-norm"]()
+    loaded = LoadedModel("moe", model, word_tokenizer(model.config.vocab_size), Path("."))  # type: ignore[arg-type]
+    config = EngineConfig(kv_cache_bytes=16 * 2**20, max_model_len=MAX_LEN).model_copy(update={"cuda_graphs": True})
+    with pytest.raises(UnsupportedModel, match="cuda_graphs is not supported for a mixture-of-experts model"):
+        LLMEngine.from_loaded(loaded, config)
