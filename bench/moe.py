@@ -4,8 +4,9 @@
 for the MLP: the MoE has 8 experts of width 1024 routing each token to 2 (``norm_topk_prob``), the dense
 model one MLP of width 2048, so every token runs the same multiply-adds (hidden 1024, 16 heads on 4 KV
 heads, 4 layers, vocab 4096). The built-in engine decodes each at batch 1 and 8, the two models
-alternating within each round; TPOT is the median decode-step time of a round, and each round's
-MoE / dense ratio is taken before the median over rounds. The MoE reads more expert weights at batch
+in rotating order within each round; TPOT is the median decode-step time of a round, and each round's
+MoE / dense ratio is taken before the median over rounds (min and max beside it). The dense model also
+runs with its layers in the Python loop, as the MoE's run (the native layer loop serves dense models only). The MoE reads more expert weights at batch
 8 than the dense model reads (the batch's tokens pick up to all 8 experts), so its ratio there is bound
 by memory reads, not by arithmetic.
 """
@@ -23,6 +24,7 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3Mo
 from bench.environment import environment, rounds_argument, threads_argument
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
+from services.worker.engine.layer_loop import CpuLayerLoop
 from services.worker.engine.loader import LoadedModel
 from shared.schemas import SamplingParams
 
@@ -67,9 +69,11 @@ def _models() -> dict[str, PreTrainedModel]:
     return {"moe": moe, "dense": dense}
 
 
-def _engine(model: PreTrainedModel) -> LLMEngine:
+def _engine(model: PreTrainedModel, layer_loop: CpuLayerLoop = "auto") -> LLMEngine:
     loaded = LoadedModel("bench", model, _CharTokenizer(), Path("."))  # type: ignore[arg-type]
-    config = EngineConfig(kv_cache_bytes=64 * 2**20, max_model_len=512, enable_prefix_caching=False)
+    config = EngineConfig(
+        kv_cache_bytes=64 * 2**20, max_model_len=512, enable_prefix_caching=False, cpu_layer_loop=layer_loop
+    )
     return LLMEngine.from_loaded(loaded, config)
 
 
@@ -89,23 +93,29 @@ def _tpot_ms(engine: LLMEngine, batch: int, new_tokens: int, round_index: int) -
 
 
 def run(rounds: int, new_tokens: int) -> dict[str, Any]:
-    engines = {name: _engine(model) for name, model in _models().items()}
+    models = _models()
+    engines = {name: _engine(model) for name, model in models.items()}
+    # the dense model's layers in the Python loop, as the MoE's run (the native layer loop is dense-only)
+    engines["dense_python_loop"] = _engine(models["dense"], "python")
     for engine in engines.values():  # warm up: packing, first-touch of the weights
         _tpot_ms(engine, max(BATCHES), 4, -1)
     tpot: dict[int, dict[str, list[float]]] = {b: {name: [] for name in engines} for b in BATCHES}
     for r in range(rounds):
         for batch in BATCHES:
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]
             for name in order:
                 tpot[batch][name].append(_tpot_ms(engines[name], batch, new_tokens, r))
     rows = []
     for batch in BATCHES:
-        ratios = [m / d for m, d in zip(tpot[batch]["moe"], tpot[batch]["dense"], strict=True)]
+        moe = tpot[batch]["moe"]
         rows.append(
             {
                 "batch": batch,
                 "tpot_ms": {name: spread(values) for name, values in tpot[batch].items()},
-                "moe_over_dense": spread(ratios),
+                "moe_over_dense": spread([m / d for m, d in zip(moe, tpot[batch]["dense"], strict=True)]),
+                "moe_over_dense_python_loop": spread(
+                    [m / d for m, d in zip(moe, tpot[batch]["dense_python_loop"], strict=True)]
+                ),
             }
         )
     return {"experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH, "shape": SHAPE, "rows": rows}
@@ -113,14 +123,15 @@ def run(rounds: int, new_tokens: int) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "| batch | MoE TPOT ms | dense TPOT ms | MoE / dense (paired, median [min-max]) |",
-        "|---|---|---|---|",
+        "| batch | MoE TPOT ms | dense TPOT ms | dense, Python layer loop | MoE / dense | MoE / dense, Python loop |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        moe, dense, ratio = row["tpot_ms"]["moe"], row["tpot_ms"]["dense"], row["moe_over_dense"]
+        tpot, ratio, loop = row["tpot_ms"], row["moe_over_dense"], row["moe_over_dense_python_loop"]
         lines.append(
-            f"| {row['batch']} | {moe['median']:.2f} | {dense['median']:.2f} | "
-            f"{ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] |"
+            f"| {row['batch']} | {tpot['moe']['median']:.2f} | {tpot['dense']['median']:.2f} | "
+            f"{tpot['dense_python_loop']['median']:.2f} | {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] | "
+            f"{loop['median']:.2f}x [{loop['min']:.2f}-{loop['max']:.2f}] |"
         )
     return "\n".join(lines)
 
@@ -134,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
-    result = {"environment": environment(args.threads), **run(rounds, 16 if args.quick else 32)}
+    result = {"environment": environment(args.threads), **run(rounds, 8 if args.quick else 32)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result) + "\n")
