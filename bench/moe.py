@@ -145,7 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
-    result = {"environment": environment(args.threads), **run(rounds, 8 if args.quick else 32)}
+    model = f"random qwen3_moe ({EXPERTS} experts of {EXPERT_WIDTH}, top-{TOP_K}) vs qwen3 (MLP {TOP_K * EXPERT_WIDTH})"
+    result = {"environment": {**environment(args.threads), "model": model}, **run(rounds, 8 if args.quick else 32)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(markdown(result) + "\n")
