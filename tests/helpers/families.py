@@ -16,13 +16,21 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 if TYPE_CHECKING:
@@ -51,6 +59,8 @@ def _tiny(config_cls: type, model_cls: type, **kwargs: object) -> PreTrainedMode
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.2)
+            if name.endswith("mlp.gate.weight"):  # a router initialised at zero ties every expert
+                param.normal_(0.0, 0.5)
     model.generation_config.eos_token_id = None  # greedy references run their full length
     return model
 
@@ -122,6 +132,38 @@ FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
         logits_scaling=8.0,
         tie_word_embeddings=True,
     ),
+}
+
+
+EXPERTS: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2}
+QWEN_MOE: dict[str, Any] = {**EXPERTS, "moe_intermediate_size": 40}
+MOE_FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
+    "mixtral-window-8": lambda: _tiny(
+        MixtralConfig, MixtralForCausalLM, num_local_experts=6, num_experts_per_tok=2, sliding_window=8
+    ),
+    "qwen2-moe-shared-expert-dense-first": lambda: _tiny(
+        Qwen2MoeConfig, Qwen2MoeForCausalLM, **QWEN_MOE, shared_expert_intermediate_size=56, mlp_only_layers=[0]
+    ),
+    "qwen2-moe-sparse-step-2-normalised": lambda: _tiny(
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        **QWEN_MOE,
+        shared_expert_intermediate_size=56,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+        qkv_bias=True,
+    ),
+    "qwen3-moe-qk-norm-normalised": lambda: _tiny(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, **QWEN_MOE, head_dim=24, norm_topk_prob=True
+    ),
+    "qwen3-moe-top-1-window-5": lambda: _tiny(
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        **{**QWEN_MOE, "num_experts_per_tok": 1},
+        use_sliding_window=True,
+        sliding_window=5,
+    ),
+    "olmoe-wide-qk-norm": lambda: _tiny(OlmoeConfig, OlmoeForCausalLM, **EXPERTS, eos_token_id=None),
 }
 
 

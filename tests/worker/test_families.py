@@ -7,17 +7,22 @@ import pytest
 import torch
 import transformers
 from transformers import (
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from services.worker.engine.errors import UnsupportedModel
@@ -73,7 +78,18 @@ REFUSED = [
         r"'phi3': rope type 'longrope'",
         id="phi3-longrope",
     ),
-    pytest.param(MixtralConfig(**TINY, num_local_experts=4), r"model_type 'mixtral' is not supported", id="mixtral"),
+    pytest.param(DeepseekV3Config(**TINY), r"'deepseek_v3': multi-head latent attention \(MLA\)", id="deepseek-v3-mla"),
+    pytest.param(GptOssConfig(**TINY), r"'gpt_oss': attention sinks", id="gpt-oss-sinks"),
+    pytest.param(
+        _with(Qwen3MoeConfig(**TINY), n_routed_experts=8),
+        r"'qwen3_moe': mixture-of-experts \(n_routed_experts=8\)",
+        id="moe-key-the-family-does-not-read",
+    ),
+    pytest.param(
+        MixtralConfig(**TINY, num_local_experts=2, num_experts_per_tok=3),
+        r"'mixtral': routing 3 of 2 experts",
+        id="top-k-above-experts",
+    ),
     pytest.param(
         _with(LlamaConfig(**TINY), num_local_experts=4),
         r"'llama': mixture-of-experts \(num_local_experts=4\)",
@@ -117,6 +133,10 @@ def test_unsupported_config_is_refused_in_one_line(config: PretrainedConfig, mes
         pytest.param(Gemma2Config(**TINY), id="gemma2"),
         pytest.param(Phi3Config(**TINY, pad_token_id=0), id="phi3"),
         pytest.param(Gemma3TextConfig(**TINY), id="gemma3"),
+        pytest.param(MixtralConfig(**TINY, num_local_experts=4), id="mixtral"),
+        pytest.param(Qwen2MoeConfig(**TINY, num_experts=4), id="qwen2-moe"),
+        pytest.param(Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]), id="qwen3-moe"),
+        pytest.param(OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2), id="olmoe"),
     ],
 )
 def test_supported_config_is_accepted(config: PretrainedConfig) -> None:

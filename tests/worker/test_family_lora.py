@@ -1,4 +1,4 @@
-"""LoRA on every served family: greedy tokens through the engine equal HF PEFT, one adapter on the
+"""LoRA on every served family (on MoE families: attention, and the dense layers' MLP): greedy tokens through the engine equal HF PEFT, one adapter on the
 attention projections and one on every projection (Phi-3's on its fused modules, split at load)."""
 
 import copy
@@ -14,10 +14,11 @@ from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.loader import LoadedModel
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.lora.fused import split_fused
+from services.worker.lora.peft_loader import to_slot_layout
 from shared.errors import IntegrityError
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES
-from tests.helpers.families import FAMILIES, PROMPTS, word_tokenizer
+from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, word_tokenizer
 
 NEW_TOKENS = 8
 Adapters = dict[str, tuple[int, int, tuple[str, ...]]]
@@ -27,13 +28,16 @@ PHI3_ADAPTERS: Adapters = {
     "all-r16": (16, 192, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
 }
 SERVED = [f for f in FAMILIES if not f.startswith("phi3")]
+MOE_ADAPTERS: Adapters = {"attn-r8": ADAPTERS["attn-r8"], "qvo-r16": (16, 24, ("q_proj", "v_proj", "o_proj"))}
 
 
-def _peft(model: PreTrainedModel, root: Path, adapters: Adapters) -> PeftModel:
+def _peft(model: PreTrainedModel, root: Path, adapters: Adapters, layers: list[int] | None = None) -> PeftModel:
     peft: PeftModel | None = None
     for seed, (name, (rank, alpha, modules)) in enumerate(adapters.items()):
         torch.manual_seed(seed)
-        config = PeftLoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False)
+        config = PeftLoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=list(modules), init_lora_weights=False, layers_to_transform=layers
+        )
         if peft is None:
             peft = get_peft_model(copy.deepcopy(model), config, adapter_name=name)
         else:
@@ -71,9 +75,11 @@ def test_lora_greedy_matches_peft(family: str, tmp_path: Path) -> None:
     _check_against_peft(FAMILIES[family](), tmp_path, ADAPTERS)
 
 
-def _check_against_peft(model: PreTrainedModel, tmp_path: Path, adapters: Adapters) -> None:
+def _check_against_peft(
+    model: PreTrainedModel, tmp_path: Path, adapters: Adapters, layers: list[int] | None = None
+) -> None:
     family = type(model).__name__
-    peft = _peft(model, tmp_path, adapters)
+    peft = _peft(model, tmp_path, adapters, layers)
     manager = _manager(model)
     for adapter in adapters:
         manager.load_adapter(adapter, tmp_path / adapter)
@@ -108,3 +114,33 @@ def test_fused_adapter_with_wrong_rows_is_refused() -> None:
     tensors = {"base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight": torch.zeros(10, 8)}
     with pytest.raises(IntegrityError, match=r"qkv_proj.lora_B.weight has shape \(10, 8\), expected 128 rows"):
         split_fused({"target_modules": ["qkv_proj"]}, tensors, shapes)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_moe_attention_lora_greedy_matches_peft(family: str, tmp_path: Path) -> None:
+    _check_against_peft(MOE_FAMILIES[family](), tmp_path, MOE_ADAPTERS)
+
+
+def test_moe_models_dense_layer_mlp_lora_matches_peft(tmp_path: Path) -> None:
+    """Qwen2-MoE's mlp_only_layers are a plain MLP: an adapter on layer 0's gate/up/down is served."""
+    adapters: Adapters = {"mlp-r8": (8, 96, ("gate_proj", "up_proj", "down_proj"))}
+    _check_against_peft(MOE_FAMILIES["qwen2-moe-shared-expert-dense-first"](), tmp_path, adapters, layers=[0])
+
+
+@pytest.mark.parametrize(
+    ("family", "key"),
+    [
+        ("qwen2-moe-shared-expert-dense-first", "mlp.shared_expert.gate_proj"),  # as PEFT names it
+        ("mixtral-window-8", "mlp.gate_proj"),  # a dense-MLP name on a layer that has experts only
+    ],
+)
+def test_lora_on_a_moe_layers_mlp_is_refused(family: str, key: str) -> None:
+    shapes = ModelShapes.from_hf_config(MOE_FAMILIES[family]().config)
+    in_f, out_f = shapes.dims["gate_proj"]
+    prefix = f"base_model.model.model.layers.1.{key}"
+    tensors = {f"{prefix}.lora_A.weight": torch.zeros(8, in_f), f"{prefix}.lora_B.weight": torch.zeros(out_f, 8)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["gate_proj"]}
+    with pytest.raises(
+        IntegrityError, match=r"targets a mixture-of-experts layer's MLP: LoRA on experts is not served"
+    ):
+        to_slot_layout(config, tensors, shapes, max_rank=64, allowed_modules=ALL_MODULES)

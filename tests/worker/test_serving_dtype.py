@@ -21,10 +21,11 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
-from tests.helpers.families import FAMILIES, PROMPTS, save_family
+from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family
 from tests.helpers.native import TOOLCHAIN
 
 BF16 = torch.bfloat16
+SERVED = {**FAMILIES, **MOE_FAMILIES}
 MAX_LEN = 64
 BLOCK = 4
 
@@ -53,11 +54,11 @@ def _assert_within_bf16_tolerance(engine: torch.Tensor, hf_bf16: torch.Tensor, f
     assert float((engine - hf_bf16).abs().max()) <= 0.03 * scale
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(SERVED))
 def family_dir(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[PreTrainedModel, Path]:
-    model = FAMILIES[request.param]()
+    model = SERVED[request.param]()
     return model, save_family(model, tmp_path_factory.mktemp(request.param))
 
 
@@ -68,7 +69,10 @@ def test_loads_in_the_serving_dtype_and_holds_the_weights_once(family_dir: tuple
     weights = load_weights(loaded.model, BF16, "cpu", MAX_LEN)
     held = _storages(loaded.model)
     for layer in weights.layers:  # the engine's fused matrices are the modules' storage, not a copy
-        for tensor in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        experts = (layer.experts.router, layer.experts.gate_up, layer.experts.down) if layer.experts else ()
+        for tensor in (layer.qkv, layer.o, layer.gate_up, layer.down, *experts):
+            if tensor is None:  # a layer of experts only
+                continue
             assert tensor.dtype == BF16
             assert tensor.untyped_storage().data_ptr() in held
     assert weights.embed.untyped_storage().data_ptr() in held

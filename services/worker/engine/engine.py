@@ -13,7 +13,7 @@ from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
-from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedSampling
+from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedModel, UnsupportedSampling
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
@@ -79,6 +79,12 @@ class LLMEngine:
             log.info("native_layer_loop", dtype=str(config.torch_dtype), path=self.model.proj[0]["qkv"].path)
         self._argmax: Callable[[torch.Tensor], torch.Tensor] | None = native_argmax if layer_ops else None
         self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and any(layer.experts is not None for layer in weights.layers):
+            raise UnsupportedModel(
+                "cuda_graphs is not supported for a mixture-of-experts model: its expert groups are sized on the "
+                "host each step, which a captured graph cannot replay",
+                param="cuda_graphs",
+            )
         if config.cuda_graphs:
             sizes = graph_batch_sizes(config.max_num_seqs)
             self.graphs = DecodeGraphs(self.model, self.cache, num_blocks, config.max_model_len, sizes)

@@ -13,6 +13,16 @@ from services.worker.engine.rope import ROPE_TYPES, rope_parameters
 
 
 @dataclass(frozen=True, slots=True)
+class Moe:
+    """How a mixture-of-experts family routes: softmax over the experts in fp32, the top ``num_experts_per_tok``."""
+
+    always_normalise: bool = False  # Mixtral: top-k weights always renormalised (else norm_topk_prob says)
+    fp32_weights: bool = False  # Mixtral: top-k weights stay fp32 (others cast them to the model dtype)
+    shared_expert: bool = False  # Qwen2-MoE: a dense MLP beside the experts, scaled by sigmoid(shared_expert_gate)
+    sparse_layers: bool = False  # decoder_sparse_step and mlp_only_layers leave some layers a dense MLP
+
+
+@dataclass(frozen=True, slots=True)
 class Family:
     """What one model_type changes relative to Llama (RMSNorm, SwiGLU, rope, separate q/k/v, gate/up)."""
 
@@ -29,6 +39,8 @@ class Family:
     handled: frozenset[str] = frozenset()  # NEUTRAL keys this family implements
     sliding_window_key: str = "sliding_window"  # None when the family has no sliding-window attention
     per_layer_window: bool = False  # config.layer_types says which layers slide (else every layer does)
+    moe: Moe | None = None  # the MLP is a routed mixture of experts (on every layer, or as sparse_layers says)
+    wide_qk_norm: bool = False  # RMSNorm over all of q and all of k, before rope (OLMoE)
 
 
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -52,10 +64,21 @@ FAMILIES: dict[str, Family] = {
         Family("phi3", fused_projections=True),
         Family("gemma2", **GEMMA, handled=GEMMA_KEYS),
         Family("gemma3_text", **GEMMA, qk_norm=True, local_rope=True, handled=GEMMA_KEYS),
+        Family("mixtral", moe=Moe(always_normalise=True, fp32_weights=True)),
+        Family("qwen2_moe", per_layer_window=True, moe=Moe(shared_expert=True, sparse_layers=True)),
+        Family("qwen3_moe", qk_norm=True, moe=Moe(sparse_layers=True)),
+        Family("olmoe", wide_qk_norm=True, moe=Moe()),
     )
+}
+# Families often asked for that the engine does not serve, with what it lacks for them
+REFUSED_FAMILIES = {
+    "deepseek_v3": "multi-head latent attention (MLA) and grouped top-k routing",
+    "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
+    "gpt_oss": "attention sinks and clamped SwiGLU experts with biases",
 }
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+ROUTED_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok")  # what a Moe family reads
 # Keys that change the forward pass, each with the value at which it does not: a family that does not
 # implement a key must see it at that value (or absent).
 NEUTRAL: dict[str, object] = {
@@ -83,14 +106,20 @@ def family_of(config: Any) -> Family:
     """The config's family, or UnsupportedModel naming the model_type and the first unsupported feature."""
     model_type = getattr(config, "model_type", None) or "unknown"
     family = FAMILIES.get(model_type)
+    if model_type in REFUSED_FAMILIES:
+        raise _refuse(model_type, REFUSED_FAMILIES[model_type])
     if family is None:
         raise UnsupportedModel(
             f"model_type {model_type!r} is not supported by the engine (supported: {', '.join(FAMILIES)})",
             param="model",
         )
     for key in MOE_KEYS:
-        if getattr(config, key, None):
+        if getattr(config, key, None) and (family.moe is None or key not in ROUTED_KEYS):
             raise _refuse(model_type, f"mixture-of-experts ({key}={getattr(config, key)})")
+    if family.moe is not None:
+        experts, top_k = getattr(config, "num_experts", 0) or 0, getattr(config, "num_experts_per_tok", 0) or 0
+        if not 0 < top_k <= experts:
+            raise _refuse(model_type, f"routing {top_k} of {experts} experts")
     act = getattr(config, family.activation_key, None)
     if act != family.activation:
         raise _refuse(model_type, f"activation {family.activation_key}={act!r}")

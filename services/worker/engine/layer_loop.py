@@ -68,7 +68,9 @@ class NativeLayerLoop:
     ) -> bool:
         """Whether a model's layers can run natively: CPU, the fused layer ops and the native decode
         attention on, one panel kernel (or oneDNN's packed weight) and small-row split for every
-        projection."""
+        projection, and dense layers only (no experts, no OLMoE-wide q/k norm)."""
+        if any(layer.experts is not None or layer.wide_qk_norm is not None for layer in weights.layers):
+            return False
         linears = [layer[name] for layer in proj for name in PROJECTIONS]
         return (
             native_ops

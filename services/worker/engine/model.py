@@ -6,8 +6,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, projections
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
+from services.worker.engine.experts import moe_mlp
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.layer_loop import NativeLayerLoop
 from services.worker.engine.linear import Linear, LinearFactory
@@ -68,16 +69,15 @@ class LlamaForward:
         self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
-        self.proj: list[dict[str, Linear]] = [
-            {
-                "qkv": make(layer.qkv, layer.qkv_bias),
-                "o": make(layer.o, layer.o_bias),
-                "gate_up": make(layer.gate_up, layer.gate_up_bias),
-                "down": make(layer.down, layer.down_bias),
-            }
-            for layer in weights.layers
-        ]
+        self.proj: list[dict[str, Linear]] = []
+        for layer in weights.layers:
+            proj = {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias)}
+            if layer.gate_up is not None and layer.down is not None:  # a dense MLP (or the shared expert)
+                proj |= {"gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
+            self.proj.append(proj)
         self.lm_head = make(weights.lm_head)
+        # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
+        self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec
         # Granite's multipliers, resolved once: None where the family leaves that step as Llama's
         self._embed_mul = s.embedding_multiplier if s.embedding_multiplier != 1.0 else None
@@ -171,6 +171,16 @@ class LlamaForward:
             qkv = proj["qkv"](x)
             if lora is not None and "qkv" in groups:
                 lora.apply(i, "qkv", x, qkv)
+            if layer.wide_qk_norm is not None:
+                q_norm, k_norm = layer.wide_qk_norm
+                qkv = torch.cat(
+                    [
+                        self._norm_plain(qkv[:, : s.q_size], q_norm),
+                        self._norm_plain(qkv[:, s.q_size : k_end], k_norm),
+                        qkv[:, k_end:],
+                    ],
+                    dim=1,
+                )
             qk = qkv[:, :k_end].view(-1, heads, s.head_dim)
             if layer.qk_norm is not None:
                 qk = self._head_norm(qk, layer.qk_norm)
@@ -189,17 +199,13 @@ class LlamaForward:
             if layer.attn_out_norm is not None:
                 o = self.norm(o, layer.attn_out_norm)
             h, x = self._add_norm(h, o, layer.post_norm)
-            gate_up = proj["gate_up"](x)
-            inter = gate_up.shape[1] // 2
-            if lora is not None and "gate_up" in groups:
-                lora.apply(i, "gate_up", x, gate_up)
-            if self.native:
-                act = native.act_mul(gate_up, self._gelu)
+            if layer.experts is None:
+                d = self._mlp(i, proj, x, lora, groups)
             else:
-                act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            d = proj["down"](act)
-            if lora is not None and "down" in groups:
-                lora.apply(i, "down", act, d)
+                d = moe_mlp(x, layer.experts, self.act, self._expert_small_rows)
+                if layer.experts.shared_gate is not None:  # Qwen2-MoE's shared expert, gated per token; no
+                    # LoRA: the slots' gate/up/down are the dense layers' shape, and expert adapters are refused
+                    d = d + torch.sigmoid(F.linear(x, layer.experts.shared_gate)) * self._mlp(i, proj, x, None, groups)
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)
             if i + 1 < len(layers):  # the residual add with the next layer's input norm
@@ -207,6 +213,23 @@ class LlamaForward:
             else:
                 h = h + d if self._residual_mul is None else h + d * self._residual_mul
         return h
+
+    def _mlp(
+        self, i: int, proj: dict[str, Linear], x: torch.Tensor, lora: LoraHook | None, groups: frozenset[str]
+    ) -> torch.Tensor:
+        """x [n, hidden] -> the layer's dense MLP output (Qwen2-MoE: its shared expert), with its LoRA deltas."""
+        gate_up = proj["gate_up"](x)
+        inter = gate_up.shape[1] // 2
+        if lora is not None and "gate_up" in groups:
+            lora.apply(i, "gate_up", x, gate_up)
+        if self.native:
+            act = native.act_mul(gate_up, self._gelu)
+        else:
+            act = self.act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        d = proj["down"](act)
+        if lora is not None and "down" in groups:
+            lora.apply(i, "down", act, d)
+        return d
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from services.worker.engine.families import family_of, layer_windows
+from services.worker.engine.experts import ExpertWeights
+from services.worker.engine.families import Family, family_of, layer_windows
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -54,10 +55,12 @@ class LayerWeights:
     local_rope: bool  # this layer rotates by ModelWeights.rope_local (Gemma 3 sliding layers)
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: per-head RMSNorm weight of q then k (Qwen3)
     window: int | None  # sliding-window attention span in tokens; None for global (or a window >= max_model_len)
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]; rows: gate_proj, up_proj
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; rows: gate_proj, up_proj (None: experts only)
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
+    down: torch.Tensor | None  # [hidden, intermediate]
     down_bias: torch.Tensor | None  # [hidden]
+    experts: ExpertWeights | None = None  # a mixture-of-experts layer's router and experts (gate_up: the shared one)
+    wide_qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # ([q_size], [kv_size]): OLMoE's q and k norms
 
 
 @dataclass(slots=True)
@@ -160,6 +163,23 @@ def _qk_norm(attn: Any, spec: ModelSpec, dtype: torch.dtype, device: str) -> tor
     return torch.cat([q, k]).contiguous()
 
 
+def _experts(mlp: Any, family: Family, config: PreTrainedConfig, dtype: torch.dtype, device: str) -> ExpertWeights:
+    """A sparse MLP's router and its experts, as transformers holds them fused ([experts, 2 * inter, hidden])."""
+    moe = family.moe
+    assert moe is not None
+    experts = mlp.experts
+    shared_gate = mlp.shared_expert_gate.weight.detach().to(device=device, dtype=dtype) if moe.shared_expert else None
+    return ExpertWeights(
+        router=mlp.gate.weight.detach().to(device=device, dtype=dtype),
+        gate_up=experts.gate_up_proj.detach().to(device=device, dtype=dtype),
+        down=experts.down_proj.detach().to(device=device, dtype=dtype),
+        top_k=config.num_experts_per_tok,
+        normalise=moe.always_normalise or bool(config.norm_topk_prob),
+        fp32_weights=moe.fp32_weights,
+        shared_gate=shared_gate,
+    )
+
+
 def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_model_len: int) -> ModelWeights:
     """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
     (or a feature of one) the families table does not serve exactly."""
@@ -171,14 +191,26 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
     layers = []
     for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
+        sparse = hasattr(mlp, "experts")  # sparse_layers families mix dense MLP layers in
+        experts = _experts(mlp, family, config, dtype, device) if sparse else None
+        dense = mlp.shared_expert if experts is not None and experts.shared_gate is not None else mlp
+        gate_up = gate_up_bias = down = down_bias = None
         if family.fused_projections:  # Phi-3: rows already q, k, v and gate, up
             qkv, qkv_bias = _single(attn.qkv_proj, dtype, device)
             gate_up, gate_up_bias = _single(mlp.gate_up_proj, dtype, device)
         else:
             qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
-            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], dtype, device)
+            if not sparse or dense is not mlp:
+                gate_up, gate_up_bias = _fuse([dense.gate_proj, dense.up_proj], dtype, device)
         o, o_bias = _single(attn.o_proj, dtype, device)
-        down, down_bias = _single(mlp.down_proj, dtype, device)
+        if not sparse or dense is not mlp:
+            down, down_bias = _single(dense.down_proj, dtype, device)
+        wide_qk_norm = None
+        if family.wide_qk_norm:
+            wide_qk_norm = (
+                _norm_weight(attn.q_norm, spec, dtype, device),
+                _norm_weight(attn.k_norm, spec, dtype, device),
+            )
         sandwich = family.sandwich_norms
         pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         layers.append(
@@ -198,6 +230,8 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
                 gate_up_bias=gate_up_bias,
                 down=down,
                 down_bias=down_bias,
+                experts=experts,
+                wide_qk_norm=wide_qk_norm,
             )
         )
     embed = model.model.embed_tokens.weight.detach().to(device=device, dtype=dtype)

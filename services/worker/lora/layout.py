@@ -18,6 +18,7 @@ class ModelShapes:
 
     num_layers: int
     dims: Mapping[str, tuple[int, int]]
+    sparse_layers: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts: no dense gate/up/down
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShapes":
@@ -35,11 +36,21 @@ class ModelShapes:
             "up_proj": (hidden, inter),
             "down_proj": (inter, hidden),
         }
-        return cls(num_layers=config.num_hidden_layers, dims=dims)
+        return cls(num_layers=config.num_hidden_layers, dims=dims, sparse_layers=_sparse_layers(config))
 
     def params_per_rank(self, modules: tuple[str, ...]) -> int:
         """A and B elements of one rank unit over every layer: slot elements = rank * this."""
         return params_per_rank(self.num_layers, self.dims, modules)
+
+
+def _sparse_layers(config: Any) -> frozenset[int]:
+    """The layers transformers builds as a mixture of experts: every layer where the config has experts,
+    but for Qwen-MoE's ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips."""
+    if not getattr(config, "num_experts", None):
+        return frozenset()
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return frozenset(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,8 @@ UNSUPPORTED_OPTIONS = (
     "use_qalora",
     "alora_invocation_tokens",
 )
+MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
+EXPERTS = re.compile(r"\.mlp\.(?:experts|shared_expert|gate)\.")  # a mixture-of-experts block's modules
 KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -139,6 +141,13 @@ def to_slot_layout(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = KEY.match(key)
+        sparse = match is not None and int(match[1]) in shapes.sparse_layers and match[2] in MLP_MODULES
+        if EXPERTS.search(key) or sparse:
+            raise IntegrityError(
+                f"{key!r} targets a mixture-of-experts layer's MLP: LoRA on experts is not served yet "
+                "(attention projections only)",
+                param=key,
+            )
         if match is None:
             raise IntegrityError(f"unexpected tensor {key!r}: only lora_A / lora_B of Llama projections", param=key)
         layer, module, side = int(match[1]), match[2], match[3]

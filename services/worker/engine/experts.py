@@ -1,0 +1,66 @@
+"""A mixture-of-experts MLP over a flattened step of tokens: the router, then each routed expert's SwiGLU.
+
+The routed rows are grouped by expert (a stable sort of the step's token-expert pairs), and each expert
+that received rows runs its two matmuls once on all of them: a decode step of n tokens costs at most
+min(experts, n * top_k) expert calls, not n * top_k, and no loop runs per token. Measured on CPU (8
+experts top-2, hidden 1024, expert width 1408, fp32, 2 shared cores) against torch's ``_grouped_mm``,
+which has a CPU kernel in torch 2.13: 1.3 vs 1.1 ms at one row, 18 vs 22 ms at 8 rows, 49 vs 228 ms at
+64 rows, so the grouped loop stands. The bincount that sizes the groups is one host read per layer.
+An expert's few decode rows take the engine's small-row kernel, which streams the plain weight (no
+packed copy of the experts is held).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import projections
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: torch.Tensor  # [experts, 2 * expert_intermediate, hidden]; rows: gate, then up
+    down: torch.Tensor  # [experts, hidden, expert_intermediate]
+    top_k: int
+    normalise: bool  # the top-k weights are divided by their sum
+    fp32_weights: bool  # the top-k weights stay fp32 (Mixtral); else cast to the model dtype, as transformers does
+    shared_gate: torch.Tensor | None  # [1, hidden]: Qwen2-MoE's sigmoid gate of the shared expert
+
+
+def route(x: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, hidden] -> (weights [n, top_k], experts [n, top_k]): softmax in fp32 over the router's
+    logits, the top_k largest, renormalised where the family does."""
+    probs = F.softmax(F.linear(x, w.router).float(), dim=-1)
+    top, experts = torch.topk(probs, w.top_k, dim=-1)
+    if w.normalise:
+        top /= top.sum(dim=-1, keepdim=True)
+    return (top if w.fp32_weights else top.to(x.dtype)), experts
+
+
+def moe_mlp(
+    x: torch.Tensor, w: ExpertWeights, act: Callable[[torch.Tensor], torch.Tensor], small_rows: int = 0
+) -> torch.Tensor:
+    """x [n, hidden] -> sum over each row's top_k experts of weight * down(act(gate(x)) * up(x)) [n, hidden].
+
+    An expert given at most ``small_rows`` rows (a decode step's usual share) runs kernels.projections'
+    small-row kernel on its plain weight, else ``F.linear``; pass 0 where that kernel is not usable."""
+    weights, experts = route(x, w)
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert, each token's in its top-k order
+    tokens = order // w.top_k
+    rows = x[tokens]
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()):
+        if count:
+            end = start + count
+            linear = projections.small_linear if count <= small_rows else F.linear
+            gate_up = linear(rows[start:end], w.gate_up[expert])
+            inter = gate_up.shape[1] // 2
+            out[start:end] = linear(act(gate_up[:, :inter]) * gate_up[:, inter:], w.down[expert])
+            start = end
+    scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
