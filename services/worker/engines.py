@@ -121,11 +121,12 @@ async def vllm(
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     # the bounded pre-compile of every grammar (VllmEngine.grammars); it masks nothing, so one row
     grammars = Grammars(tokenizer, config.vocab_size, stops, 1, settings.engine.grammar_cache, settings.grammar)
-    engine = VllmEngine(directory, c, AdapterDir(), grammars)
+    engine = VllmEngine(directory, c, AdapterDir(), grammars, settings.lora.rank_classes)
     engine.start()  # vLLM builds its output handler on this loop; its engine core loads in a child process
     stack.callback(engine.shutdown)
-    rank = min(c.max_lora_rank, settings.lora.max_rank)
-    slots = VllmSlots(engine, asyncio.get_running_loop(), rank, c.max_loras - 1)
+    assert engine.plan is not None  # set by start
+    rank = engine.plan.served_rank
+    slots = VllmSlots(engine, asyncio.get_running_loop(), rank, engine.plan.slots)
     cache = CacheHierarchy(slots, loader.files, settings.cache)
     stack.callback(cache.close)
     prompts = await asyncio.to_thread(PromptIds.for_model, tokenizer, directory)

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -27,7 +28,7 @@ from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
-from services.worker.vllm_engine.config import VllmConfig
+from services.worker.vllm_engine.config import VllmConfig, VllmPlan
 from services.worker.vllm_engine.sampling import to_vllm
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
 from shared.schemas import StructuredOutput, TokenLogprob, slo_rank
@@ -69,10 +70,19 @@ class VllmEngine:
     """One worker's vLLM engine. ``start`` builds it (seconds: the engine core loads the model), ``shutdown`` at exit."""
 
     def __init__(
-        self, model_dir: str | Path, config: VllmConfig, adapter_dir: AdapterDir, grammars: Grammars | None = None
+        self,
+        model_dir: str | Path,
+        config: VllmConfig,
+        adapter_dir: AdapterDir,
+        grammars: Grammars | None = None,
+        rank_classes: tuple[int, ...] | None = None,
     ):
+        """``rank_classes``: the fleet's (the worker's LF_LORA__RANK_CLASSES); default the configured
+        ``max_lora_rank`` alone, else 64."""
         self.model_dir = str(model_dir)
         self.config = config
+        self.rank_classes = rank_classes or (config.max_lora_rank or 64,)
+        self.plan: VllmPlan | None = None  # set by start, on the platform vLLM found
         self.adapters = adapter_dir
         # vLLM compiles a grammar in its engine core, where nothing bounds or stops a compile: each is
         # first compiled here, under the built-in engine's bounds (time, per-tenant turns, per-tenant cache)
@@ -92,6 +102,7 @@ class VllmEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_omp_threads_bind
         c = self.config
+        self.plan = plan = VllmPlan.of(c, self.rank_classes, on_cpu=current_platform.is_cpu())
         args = AsyncEngineArgs(
             model=self.model_dir,
             dtype=c.dtype,
@@ -100,10 +111,10 @@ class VllmEngine:
             enable_lora=True,
             max_loras=c.max_loras,
             max_cpu_loras=c.max_cpu_loras,
-            max_lora_rank=c.max_lora_rank,
+            max_lora_rank=plan.max_lora_rank,
             enable_prefix_caching=c.enable_prefix_caching,
             gpu_memory_utilization=c.gpu_memory_utilization,
-            enforce_eager=True,  # vLLM runs LoRA eagerly on CPU either way
+            enforce_eager=plan.enforce_eager,  # the CPU build runs eagerly; CUDA graphs cover LoRA on a GPU
             logprobs_mode=LOGPROBS_MODE,
             scheduling_policy=c.scheduling_policy,
             disable_log_stats=False,  # the scheduler stats feed the heartbeat
