@@ -27,7 +27,7 @@ from services.registry.gate import GatePolicy, check_release
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, file_digests, stored_push
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
 from services.registry.remote_intake import RemoteIntake
-from services.registry.signer_ops import Publish, SignerOps
+from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (
     ApprovedStore,
     Uploads,
@@ -46,7 +46,6 @@ from shared.schemas import (
     AdapterEvent,
     AdapterRecord,
     AdapterRecordsReply,
-    AuditEnvelope,
     GetAdapterRequest,
     ListAdaptersRequest,
     ListModelsReply,
@@ -88,6 +87,7 @@ class Registry:
         trusted_dirs: tuple[Path, ...],
         remote: RemoteIntake,
         publish: Publish,
+        audit: Audit,
         gate: GatePolicy = GatePolicy(),
         fleet: Callable[[], RankClasses] = default_fleet,
         sync_views: SyncViews = _no_views,
@@ -101,7 +101,8 @@ class Registry:
         self._policy = policy
         self._trusted_dirs = trusted_dirs
         self._remote = remote
-        self._publish = publish
+        self._publish = publish  # adapter events
+        self._audit = audit
         self._gate = gate
         self._sync_views = sync_views
         self._fleet = fleet  # the fleet's rank classes now, which a push's rank must fit
@@ -110,7 +111,7 @@ class Registry:
         self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
         self._revisions: dict[str, int] = {}  # record key -> the bucket revision the catalog holds
         # the signers' ops share this lock: a trust change never interleaves with a push being checked
-        self.signer_ops = SignerOps(signers, kv, publish, self._lock)
+        self.signer_ops = SignerOps(signers, kv, audit, self._lock)
 
     def apply_entry(self, key: str, value: bytes | None, revision: int) -> None:
         """One entry of the records bucket's watch (records are never deleted): any replica's write."""
@@ -155,7 +156,7 @@ class Registry:
             reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant",
             route=req.route,
         )
-        await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=attempt))
+        await self._audit(attempt)
 
     async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
         return list_models(self.catalog, self._base.name, req.tenant_id, self._started)
@@ -199,7 +200,7 @@ class Registry:
                 code=e.code,
                 reason=f"push refused: {e.message}"[:2000],
             )
-            await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=refusal))
+            await self._audit(refusal)
             raise
         finally:
             if req.upload_id is not None:
@@ -382,7 +383,7 @@ class Registry:
                 after=after.status,
                 reason=reason,
             )
-            await self._publish(subjects.audit("registry_change", after.tenant_id), AuditEnvelope(body=audit))
+            await self._audit(audit)
 
 
 def _attempt() -> str:
