@@ -114,7 +114,7 @@ class StoreLoader:
                 files = await fetch_verified(
                     js, record, self.base_fingerprint, keys, require_signature=self.require_signature
                 )
-                return record.checksum, files
+                return record.digest, files
             except (*RETRIED, ServiceUnavailable) as e:
                 if time.monotonic() + RETRY_PAUSE_S >= deadline:
                     raise ServiceUnavailable(
