@@ -6,7 +6,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from shared.schemas import AdapterRecord
+from shared.bus import encode
+from shared.schemas import AdapterRecord, AdapterRecordsReply
 from tests.helpers.records import make_record
 
 WEIGHTS = "ab" * 32
@@ -17,6 +18,8 @@ def test_the_digest_is_stored_and_sent_as_checksum() -> None:
     stored = json.loads(record.model_dump_json())
     assert stored["checksum"] == WEIGHTS and "digest" not in stored
     assert record.model_dump()["checksum"] == WEIGHTS  # the CLI's --json output too
+    reply = json.loads(encode(AdapterRecordsReply(records=[record])))  # the registry's replies
+    assert reply["records"][0]["checksum"] == WEIGHTS
 
 
 def test_a_record_stored_under_either_name_reads_back_the_same() -> None:
