@@ -39,7 +39,7 @@ def make_record(i: int) -> AdapterRecord:
     return AdapterRecord(
         adapter_id=adapter_id, version=1, tenant_id=tenant, base_model=EMBEDDED_MODEL_NAME,
         base_model_fingerprint=DIGEST, task_type="chat", rank=(8, 16, 32, 64)[i % 4], alpha=16.0,
-        target_modules=["q_proj", "v_proj"], files={"adapter_model.safetensors": DIGEST}, checksum=DIGEST,
+        target_modules=["q_proj", "v_proj"], files={"adapter_model.safetensors": DIGEST}, digest=DIGEST,
         manifest_digest=DIGEST, storage_uri=f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/{adapter_id}/1",
         status="production", traffic_percent=100.0, aliases=[f"alias-{i:05d}"],
     )  # fmt: skip

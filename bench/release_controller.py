@@ -57,7 +57,7 @@ def record(i: int, version: int) -> AdapterRecord:
     return AdapterRecord(
         adapter_id=adapter_id, version=version, tenant_id=f"tenant-{i % 10}", base_model=EMBEDDED_MODEL_NAME,
         base_model_fingerprint=DIGEST, task_type="chat", rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"],
-        files={"adapter_model.safetensors": DIGEST}, checksum=DIGEST, manifest_digest=DIGEST,
+        files={"adapter_model.safetensors": DIGEST}, digest=DIGEST, manifest_digest=DIGEST,
         storage_uri=f"nats-os://{subjects.ADAPTER_STORE_BUCKET}/{adapter_id}/{version}",
         eval_results={"score": 0.9, "threshold": 0.5}, **released,
     )  # fmt: skip

@@ -67,12 +67,12 @@ class AdapterSummary:
     use_rslora: bool
     target_modules: tuple[str, ...]
     tensor_count: int
-    file_sha256: dict[str, str]  # file name -> sha256 hex
 
-    @property
-    def checksum(self) -> str:
-        """sha256 of the weights file: the digest a request's completion record carries."""
-        return self.file_sha256[WEIGHTS_FILE]
+
+def file_digests(files: Mapping[str, AdapterBytes]) -> dict[str, str]:
+    """File name -> sha256 hex: a record's ``files``, what its signed manifest covers. The weights file's
+    is the adapter's ``digest``."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
 
 
 def read_adapter_dir(path: str | Path, limits: AdapterLimits = AdapterLimits()) -> dict[str, bytes]:
@@ -95,7 +95,8 @@ def read_adapter_dir(path: str | Path, limits: AdapterLimits = AdapterLimits()) 
 
 
 def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, limits: AdapterLimits) -> AdapterSummary:
-    """Check both files completely; raise a typed error naming the first problem found."""
+    """Check both files completely; raise a typed error naming the first problem found. Hashing is
+    the caller's (``file_digests``), done once per push."""
     for name in files:
         _check_name(name)
     missing = [n for n in ADAPTER_FILES if n not in files]
@@ -113,7 +114,6 @@ def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, lim
         use_rslora=use_rslora,
         target_modules=tuple(sorted(modules)),
         tensor_count=count,
-        file_sha256={n: hashlib.sha256(files[n]).hexdigest() for n in ADAPTER_FILES},
     )
 
 

@@ -52,7 +52,7 @@ def load_public_key(public_b64: str) -> Ed25519PublicKey:
 
 
 def manifest_bytes(
-    files: dict[str, str], adapter_id: str, version: int, tenant_id: str, base_model_fingerprint: str
+    files: Mapping[str, str], adapter_id: str, version: int, tenant_id: str, base_model_fingerprint: str
 ) -> bytes:
     """The signed statement: every file name -> sha256 plus the record's identity fields."""
     return canonical_json(

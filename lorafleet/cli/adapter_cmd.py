@@ -3,7 +3,6 @@
 import argparse
 import asyncio
 import getpass
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
 from shared import signing, subjects
-from shared.adapter_format import read_adapter_dir
+from shared.adapter_format import file_digests, read_adapter_dir
 from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.config import CommonSettings
@@ -98,7 +97,7 @@ async def push_adapter(
     version = versions[-1].version + 1 if versions else 1
     signature = signer = None
     if sign_key is not None:
-        digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+        digests = file_digests(files)
         manifest = signing.manifest_bytes(digests, adapter_id, version, tenant_id, base_fingerprint)
         signature = signing.sign(manifest, signing.load_private_key(await asyncio.to_thread(sign_key.read_bytes)))
         signer = sign_key.stem
@@ -142,7 +141,7 @@ def _print(records: list[AdapterRecord], as_json: bool) -> None:
     for r in records:
         print(
             f"{r.adapter_id:<24} {r.version:>4} {r.tenant_id:<12} {r.status:<10} "
-            f"{r.traffic_percent:>6.1f}% {r.rank:>4}  {r.checksum[:12]}"
+            f"{r.traffic_percent:>6.1f}% {r.rank:>4}  {r.digest[:12]}"
         )
 
 

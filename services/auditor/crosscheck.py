@@ -30,12 +30,12 @@ def check_completion(event: CompletionAudit, record: AdapterRecord | None) -> li
                 f"tenant {event.tenant_id} was served {record.adapter_id} of tenant {record.tenant_id}",
             )
         )
-    if event.adapter_digest is not None and event.adapter_digest != record.checksum:
+    if event.adapter_digest is not None and event.adapter_digest != record.digest:
         found.append(
             violation(
                 "integrity",
                 f"served digest {event.adapter_digest[:12]} is not the registry's "
-                f"{record.checksum[:12]} for v{record.version}",
+                f"{record.digest[:12]} for v{record.version}",
             )
         )
     return found

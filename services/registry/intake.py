@@ -4,13 +4,12 @@ Pure: the service fetches the files and stores them only after ``admit`` returns
 refusal leaves nothing behind.
 """
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.registry.fleet_ranks import RankClasses
 from shared import signing
-from shared.adapter_format import AdapterBytes, AdapterLimits, validate_adapter
+from shared.adapter_format import WEIGHTS_FILE, AdapterBytes, AdapterLimits, validate_adapter
 from shared.catalog.access import SHARED_TENANT
 from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, IntegrityError, RankNotServed, SignerNotAuthorized
@@ -70,11 +69,6 @@ def _check_identity(catalog: Catalog, req: RegisterRequest) -> int:
     return req.version or next_version
 
 
-def file_digests(files: Mapping[str, AdapterBytes]) -> dict[str, str]:
-    """File name -> sha256 hex, as a record's ``files`` holds them."""
-    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-
-
 def stored_push(catalog: Catalog, req: RegisterRequest, digests: Mapping[str, str]) -> AdapterRecord | None:
     """The stored version of exactly this push, when a client retries one that was stored (its
     answer lost to a timeout, or to the replica that stored it dying), answered again instead of
@@ -118,16 +112,18 @@ def admit(
     storage_uri: str,
     origin: SourceOrigin | None = None,
     *,
+    digests: Mapping[str, str],
     fleet: RankClasses,
 ) -> Change:
-    """The staging record of a new version, or a typed error saying what is wrong. A signed push
+    """The staging record of a new version, or a typed error saying what is wrong. ``digests`` are
+    ``files``' sha256s (``file_digests``, or taken while a remote fetch streamed them). A signed push
     needs a trusted signer, its current key, and a signer bound to the pushing tenant; its rank
     needs a class of the ``fleet`` that holds it. Every source (upload, inline, trusted directory,
     remote fetch) passes through here alike."""
     version = _check_identity(catalog, req)
     summary = validate_adapter(files, base.spec, policy.limits)
     sizes = _slot_bytes(summary.rank, list(summary.target_modules), base.spec, fleet, policy.slot_element_bytes)
-    manifest = signing.manifest_bytes(summary.file_sha256, req.adapter_id, version, req.tenant_id, base.fingerprint)
+    manifest = signing.manifest_bytes(digests, req.adapter_id, version, req.tenant_id, base.fingerprint)
     if req.signature is not None and req.signer is not None:
         signer = signers.get(req.signer)
         if signer is None or not signer.trusted:
@@ -148,8 +144,8 @@ def admit(
         alpha=summary.alpha,
         use_rslora=summary.use_rslora,
         target_modules=list(summary.target_modules),
-        files=summary.file_sha256,
-        checksum=summary.checksum,
+        files=dict(digests),
+        digest=digests[WEIGHTS_FILE],
         manifest_digest=signing.manifest_digest(manifest),
         signature=req.signature,
         signer=req.signer,

@@ -24,8 +24,15 @@ from shared.catalog.records import record_key
 from shared.catalog.signers import parse_signer
 from shared.errors import Conflict, ServiceUnavailable
 from shared.kv_read import read_latest
-from shared.schemas import AdapterRecord, AdminAudit, SignerRecord
+from shared.schemas import AdapterRecord, AdminAudit, AuditEvent, SignerRecord
 from shared.undecodable import decoded, skip
+
+
+async def publish_registry_audit(js: JetStreamContext, event: AuditEvent) -> None:
+    """Store one of the registry's audit records (retried under one message id, as every service's are);
+    ServiceUnavailable when it could not be stored."""
+    if not await publish_audit(js, event, f"{event.kind}.registry.{uuid.uuid4().hex}"):
+        raise ServiceUnavailable(f"the registry's {event.kind} audit record could not be stored")
 
 
 @settling

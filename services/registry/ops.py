@@ -24,10 +24,10 @@ import structlog
 from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, file_digests, stored_push
+from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, stored_push
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
 from services.registry.remote_intake import RemoteIntake
-from services.registry.signer_ops import Publish, SignerOps
+from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (
     ApprovedStore,
     Uploads,
@@ -37,7 +37,7 @@ from services.registry.stores import (
     trusted_source_dir,
 )
 from shared import metrics, subjects
-from shared.adapter_format import AdapterBytes, read_adapter_dir
+from shared.adapter_format import AdapterBytes, file_digests, read_adapter_dir
 from shared.catalog.access import may_use
 from shared.catalog.records import Catalog, Change, record_key
 from shared.catalog.resolve import list_models, resolve
@@ -46,7 +46,6 @@ from shared.schemas import (
     AdapterEvent,
     AdapterRecord,
     AdapterRecordsReply,
-    AuditEnvelope,
     GetAdapterRequest,
     ListAdaptersRequest,
     ListModelsReply,
@@ -88,6 +87,7 @@ class Registry:
         trusted_dirs: tuple[Path, ...],
         remote: RemoteIntake,
         publish: Publish,
+        audit: Audit,
         gate: GatePolicy = GatePolicy(),
         fleet: Callable[[], RankClasses] = default_fleet,
         sync_views: SyncViews = _no_views,
@@ -101,7 +101,8 @@ class Registry:
         self._policy = policy
         self._trusted_dirs = trusted_dirs
         self._remote = remote
-        self._publish = publish
+        self._publish = publish  # adapter events
+        self._audit = audit
         self._gate = gate
         self._sync_views = sync_views
         self._fleet = fleet  # the fleet's rank classes now, which a push's rank must fit
@@ -110,7 +111,7 @@ class Registry:
         self._audits: set[asyncio.Task] = set()  # isolation-attempt records being published
         self._revisions: dict[str, int] = {}  # record key -> the bucket revision the catalog holds
         # the signers' ops share this lock: a trust change never interleaves with a push being checked
-        self.signer_ops = SignerOps(signers, kv, publish, self._lock)
+        self.signer_ops = SignerOps(signers, kv, audit, self._lock)
 
     def apply_entry(self, key: str, value: bytes | None, revision: int) -> None:
         """One entry of the records bucket's watch (records are never deleted): any replica's write."""
@@ -155,7 +156,7 @@ class Registry:
             reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant",
             route=req.route,
         )
-        await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=attempt))
+        await self._audit(attempt)
 
     async def list_models(self, req: ListModelsRequest) -> ListModelsReply:
         return list_models(self.catalog, self._base.name, req.tenant_id, self._started)
@@ -184,7 +185,7 @@ class Registry:
                             return AdapterRecordsReply(records=[stored])
                         view = self._intake_view(req)
                         prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
-                        change = await self._admit(view, req, files, prefix)
+                        change = await self._admit(view, req, files, digests, prefix)
                         await self._approved.put(prefix, files)
                         if await self._committed([change], req.actor, prefix, files):
                             record = change.after
@@ -199,7 +200,7 @@ class Registry:
                 code=e.code,
                 reason=f"push refused: {e.message}"[:2000],
             )
-            await self._publish(subjects.audit("rejection", req.tenant_id), AuditEnvelope(body=refusal))
+            await self._audit(refusal)
             raise
         finally:
             if req.upload_id is not None:
@@ -211,8 +212,7 @@ class Registry:
         The fetch runs outside the lock: a slow source never holds up other registry changes."""
         until = None if req.wait_s is None else asyncio.get_running_loop().time() + req.wait_s
         async with self._remote.fetched(uri, req.tenant_id, req.wait_s) as fetched:
-            with fetched.mapped() as files:
-                digests = await asyncio.to_thread(file_digests, files)
+            digests = fetched.digests
             for _ in range(COMMIT_ATTEMPTS):
                 async with self._locked_until(until, fetched.uri):
                     if (stored := stored_push(self.catalog, req, digests)) is not None:
@@ -220,7 +220,7 @@ class Registry:
                     view = self._intake_view(req)
                     prefix = object_prefix(req.adapter_id, _next_version(view, req), req.tenant_id, _attempt())
                     with fetched.mapped() as files:
-                        change = await self._admit(view, req, files, prefix, fetched.origin)
+                        change = await self._admit(view, req, files, digests, prefix, fetched.origin)
                     await self._approved.put(prefix, fetched.paths)
                     reason = f"fetched from {fetched.uri}"[:500]
                     if await self._committed([change], req.actor, prefix, fetched.paths, reason):
@@ -248,15 +248,17 @@ class Registry:
         view: Catalog,
         req: RegisterRequest,
         files: Mapping[str, AdapterBytes],
+        digests: Mapping[str, str],
         prefix: str,
         origin: SourceOrigin | None = None,
     ) -> Change:
-        """The push's staging record, its files to lie under ``prefix``. Validation reads every
-        tensor: off the event loop, so resolves keep flowing meanwhile."""
+        """The push's staging record, its files (of sha256s ``digests``) to lie under ``prefix``. Validation
+        reads every tensor: off the event loop, so resolves keep flowing meanwhile."""
         uri = self._approved.uri(prefix)
         return await asyncio.to_thread(
-            admit, view, req, files, self._base, self._policy, self.signers, uri, origin, fleet=self._fleet()
-        )
+            admit, view, req, files, self._base, self._policy, self.signers, uri, origin,
+            digests=digests, fleet=self._fleet(),
+        )  # fmt: skip
 
     async def _committed(
         self, changes: list[Change], actor: str, prefix: str, files: Mapping[str, object], reason: str | None = None
@@ -382,7 +384,7 @@ class Registry:
                 after=after.status,
                 reason=reason,
             )
-            await self._publish(subjects.audit("registry_change", after.tenant_id), AuditEnvelope(body=audit))
+            await self._audit(audit)
 
 
 def _attempt() -> str:

@@ -14,15 +14,14 @@ import structlog
 
 from services.registry.gate import GatePolicy, check_release
 from services.registry.live_stats import LiveStats
-from services.registry.ops import Publish, Registry
+from services.registry.ops import Registry
 from services.registry.release_policy import ReleasePolicy, judge
 from services.registry.releases_kv import LostRace, ReleasesKV, Stored
-from shared import subjects
+from services.registry.signer_ops import Audit
 from shared.catalog.access import SHARED_TENANT
 from shared.errors import Conflict, LorafleetError, ModelNotFound, ReleaseGateFailed
 from shared.schemas import (
     MAX_DECISIONS,
-    AuditEnvelope,
     DecisionAction,
     PromoteRequest,
     ReleaseDecision,
@@ -55,7 +54,7 @@ class ReleaseController:
         stats: LiveStats,
         policy: ReleasePolicy,
         config: ControllerConfig,
-        publish: Publish,
+        audit: Audit,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._registry = registry
@@ -63,7 +62,7 @@ class ReleaseController:
         self._stats = stats
         self._policy = policy
         self._config = config
-        self._publish = publish
+        self._publish_audit = audit
         self._clock = clock
 
     async def window_start(self) -> float:
@@ -237,7 +236,7 @@ class ReleaseController:
             canary=decision.canary,
             baseline=decision.baseline,
         )
-        await self._publish(subjects.audit(audit.kind, state.tenant_id), AuditEnvelope(body=audit))
+        await self._publish_audit(audit)
 
 
 def _eval_summary(results: dict[str, float]) -> str:

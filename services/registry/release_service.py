@@ -2,15 +2,16 @@
 
 import asyncio
 import datetime
+import functools
 
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from pydantic import BaseModel
 
 from services.registry.gate import GatePolicy
+from services.registry.kv import publish_registry_audit
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
 from services.registry.release_controller import ControllerConfig, ReleaseController
@@ -18,7 +19,7 @@ from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
 from services.registry.settings import RegistrySettings
 from shared import subjects
-from shared.bus import FOLLOW_HEARTBEAT_S, decode, encode
+from shared.bus import FOLLOW_HEARTBEAT_S, decode
 from shared.errors import LorafleetError
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
 from shared.undecodable import skip
@@ -56,9 +57,6 @@ async def start_controller(nc: NATS, settings: RegistrySettings, registry: Regis
     """Open the rollouts, replay the live records of their current steps, and return the controller."""
     js = nc.jetstream()
 
-    async def publish(subject: str, message: BaseModel) -> None:
-        await js.publish(subject, encode(message))
-
     stats = LiveStats()
     controller = ReleaseController(
         registry,
@@ -75,7 +73,7 @@ async def start_controller(nc: NATS, settings: RegistrySettings, registry: Regis
             ),
             lease_s=settings.release_lease_s,
         ),
-        publish,
+        functools.partial(publish_registry_audit, js),
     )
     since = await controller.window_start()
     for subject in (subjects.AUDIT_COMPLETION_ALL, subjects.AUDIT_FEEDBACK_ALL):

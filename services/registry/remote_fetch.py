@@ -53,7 +53,7 @@ async def system_resolve(host: str, port: int) -> list[str]:
 class FetchedFile:
     path: Path
     size: int
-    sha256: str
+    digest: str  # sha256 hex of the bytes written to ``path``
     etag: str | None
 
 
@@ -235,7 +235,7 @@ async def _stream(response: httpx.Response, url: str, sink: Path, cap: int, budg
             digest.update(chunk)
             out.write(chunk)
             out.flush()  # the spool on disk is what the quota charged, not less
-    return FetchedFile(path=sink, size=size, sha256=digest.hexdigest(), etag=response.headers.get("etag"))
+    return FetchedFile(path=sink, size=size, digest=digest.hexdigest(), etag=response.headers.get("etag"))
 
 
 def _cap(name: str, settings: RemoteSourceSettings) -> int:

@@ -34,6 +34,11 @@ class FetchedAdapter:
         return SourceOrigin(uri=self.uri, etags=etags)
 
     @property
+    def digests(self) -> dict[str, str]:
+        """File name -> sha256 hex, hashed as the fetch streamed each file to disk."""
+        return {name: f.digest for name, f in self.files.items()}
+
+    @property
     def paths(self) -> dict[str, Path]:
         return {name: f.path for name, f in self.files.items()}
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
 from services.registry.intake import BaseModelIdentity, IntakePolicy
-from services.registry.kv import RecordsKV
+from services.registry.kv import RecordsKV, publish_registry_audit
 from services.registry.ops import Registry
 from services.registry.pins import FleetSlots, Pins
 from services.registry.pins_kv import open_pins
@@ -140,6 +140,7 @@ async def open_registry(
         trusted_dirs=tuple(Path(d) for d in settings.trusted_source_dirs),
         remote=RemoteIntake(settings.remote, sources, RemoteFetcher(settings.remote, resolve)),
         publish=publish,
+        audit=functools.partial(publish_registry_audit, js),
         fleet=fleet.current,
         gate=GatePolicy(
             require_eval=settings.release_require_eval,

@@ -10,13 +10,12 @@ from typing import Literal
 from pydantic import BaseModel
 
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
-from shared import subjects
 from shared.catalog.access import SHARED_TENANT
 from shared.catalog.signers import parse_signer
 from shared.errors import Conflict, NotFound
 from shared.schemas import (
     AdminAudit,
-    AuditEnvelope,
+    AuditEvent,
     ListKeysRequest,
     SignerRecord,
     TrustedKeysReply,
@@ -25,6 +24,7 @@ from shared.schemas import (
 )
 
 Publish = Callable[[str, BaseModel], Awaitable[None]]  # a subject and the message published on it
+Audit = Callable[[AuditEvent], Awaitable[None]]  # stores one audit record (kv.publish_registry_audit)
 SignerAction = Literal["signer_trusted", "signer_rotated", "signer_untrusted"]
 
 
@@ -33,12 +33,12 @@ class SignerOps:
         self,
         signers: dict[str, SignerRecord],
         kv: RecordsKV,
-        publish: Publish,
+        audit: Audit,
         lock: asyncio.Lock,
     ) -> None:
         self.signers = signers  # the registry's own map: what its pushes are verified against
         self._kv = kv
-        self._publish = publish
+        self._audit = audit
         self._lock = lock
 
     def apply_signer(self, key: str, value: bytes | None, revision: int) -> None:
@@ -120,4 +120,4 @@ class SignerOps:
         }
         for tenant in tenants:
             audit = AdminAudit(actor=actor, tenant_id=tenant, action=action, target=after.signer, detail=detail)
-            await self._publish(subjects.audit(audit.kind, tenant), AuditEnvelope(body=audit))
+            await self._audit(audit)

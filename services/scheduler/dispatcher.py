@@ -152,6 +152,26 @@ class Dispatcher:
         except LorafleetError as e:
             await self.turn_away(subject, data, handle, e)
             return
+        if await self._settled_as_known(request, handle, seq):
+            return
+        quota = self.quotas.of(request.tenant_id)
+        try:
+            granted, slo_class = await self._vetted(request, preview, quota, len(data), stored_at)
+        except LorafleetError as e:
+            if await self.dispatched.seen(request.tenant_id, request.request_id):  # served: not refused under it
+                await self._served_before(request, handle, seq)
+                return
+            await self._refuse(request, e)
+            await handle.term()
+            return
+        grant = await self._admitted(granted, quota, handle, seq)
+        if grant is not None:
+            self._enqueue(Queued(self._stamped(granted, quota, preview, slo_class), handle, grant, seq))
+
+    async def _settled_as_known(self, request: InferRequest, handle: Handle, seq: int | None) -> bool:
+        """Settle, without admitting it again, a submission this scheduler knows or must not run: a new
+        one under an id in use (refused), a redelivery of one held or in flight (kept, acknowledged), one
+        past its accept deadline (refused), one served before. False: it is new here."""
         rid, tenant, ref = request.request_id, request.tenant_id, RequestRef.of(request)
         taken = self.held.get(ref) or self.inflight.get(ref)
         if seq is not None and taken is not None and taken.seq != seq:
@@ -160,60 +180,71 @@ class Dispatcher:
             reply_to = None if request.reply_to == taken.request.reply_to else request.reply_to
             await self._refuse_raw((tenant, rid, reply_to), RequestIdInUse(f"request id {rid} is in use"))
             await handle.term()
-            return
+            return True
         if ref in self.held:  # redelivered while we hold it: keep the newest delivery to acknowledge
             self.held[ref].handle = handle
-            return
+            return True
         late = past_accept_deadline(request, time.time())
         if late is not None:  # the client said it stops waiting then: refused (answered and audited), never run late
             await self._refuse(request, late)
             await handle.term()
-            return
+            return True
         if ref in self.inflight:
             await handle.ack()
-            return
+            return True
         if self.dispatched.seen_here(tenant, rid):
             await self._served_before(request, handle, seq)
-            return
-        quota = self.quotas.of(request.tenant_id)
+            return True
+        return False
+
+    async def _vetted(
+        self, request: InferRequest, preview: bool, quota: TenantQuota, size: int, stored_at: float | None
+    ) -> tuple[InferRequest, SloClass]:
+        """The request as its grant resolved it, and its SLO class; a typed error when its tier, its
+        bounds, its adapter grant or the fleet's load refuses it."""
+        slo_class = slo_class_of(request, quota)
+        await check_submission(request, size, self.bounds, self.prompt_tokens)
+        granted = await self.ports.catalog.grant(request, preview)
+        self._check_load(granted, slo_class, stored_at)
+        return granted, slo_class
+
+    def _check_load(self, request: InferRequest, slo_class: SloClass, stored_at: float | None) -> None:
+        """Overloaded when the shedder would not meet the class's target for one more request."""
+        now = time.monotonic()
+        free = self.fleet.free_sequences(request)
+        waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0
+        ahead = self.queue.ahead_of(slo_class, now)
+        patience = request.accept_deadline - time.time() if request.accept_deadline is not None else None
         try:
-            slo_class = slo_class_of(request, quota)
-            await check_submission(request, len(data), self.bounds, self.prompt_tokens)
-            request = await self.ports.catalog.grant(request, preview)
-            now = time.monotonic()
-            free = self.fleet.free_sequences(request)
-            waited = max(0.0, time.time() - stored_at) if stored_at is not None else 0.0
-            ahead = self.queue.ahead_of(slo_class, now)
-            patience = request.accept_deadline - time.time() if request.accept_deadline is not None else None
-            try:
-                self.shedder.check(slo_class, ahead, free, len(self.inflight), now, waited, patience)
-            except Overloaded:
-                loads = {w: (v.load, v.beat.max_running) for w, v in self.fleet.workers.items()}
-                log.info("request_shed", request_id=rid, tenant=tenant, slo_class=slo_class, ahead=ahead,
-                         free=free, waited_s=round(waited, 3), worker_loads=loads)  # fmt: skip
-                raise
-        except LorafleetError as e:
-            if await self.dispatched.seen(tenant, rid):  # a submission already served: not refused under it
-                await self._served_before(request, handle, seq)
-                return
-            await self._refuse(request, e)
-            await handle.term()
-            return
+            self.shedder.check(slo_class, ahead, free, len(self.inflight), now, waited, patience)
+        except Overloaded:
+            loads = {w: (v.load, v.beat.max_running) for w, v in self.fleet.workers.items()}
+            log.info("request_shed", request_id=request.request_id, tenant=request.tenant_id, slo_class=slo_class,
+                     ahead=ahead, free=free, waited_s=round(waited, 3), worker_loads=loads)  # fmt: skip
+            raise
+
+    async def _admitted(
+        self, request: InferRequest, quota: TenantQuota, handle: Handle, seq: int | None
+    ) -> Grant | None:
+        """The request's quota grant; None when it was settled instead (dispatched before, or over quota)."""
         try:
-            grant = await self.admission.admit(request, quota, self.dispatched.key(tenant, rid))
+            return await self.admission.admit(
+                request, quota, self.dispatched.key(request.tenant_id, request.request_id)
+            )
         except AlreadyDispatched:  # another scheduler (or this one before a restart) dispatched it
             await self._served_before(request, handle, seq)
-            return
         except QuotaExceeded as e:
             await self._refuse(request, e)
             await handle.term()
-            return
-        # these are the scheduler's, never the client's (a direct-NATS client writes them): a client's
-        # created_at would let the inflight sweep free the slot of a request still running, its
-        # tenant_gpu_slots or tenant_slot_enforce would lift the quota the worker's cache enforces at
-        # eviction time, its preview would let the worker serve a staging version, and its TTFT target
-        # would be measured against a bound of its own choosing
-        request = request.model_copy(
+        return None
+
+    def _stamped(self, request: InferRequest, quota: TenantQuota, preview: bool, slo_class: SloClass) -> InferRequest:
+        """The request with the fields only the scheduler sets. These are never the client's (a
+        direct-NATS client writes them): a client's created_at would let the inflight sweep free the
+        slot of a request still running, its tenant_gpu_slots or tenant_slot_enforce would lift the
+        quota the worker's cache enforces at eviction time, its preview would let the worker serve a
+        staging version, and its TTFT target would be measured against a bound of its own choosing."""
+        return request.model_copy(
             update={
                 "created_at": time.time(),
                 "tenant_gpu_slots": quota.max_gpu_adapter_slots or None,  # the quota's 0 = no limit = None
@@ -223,9 +254,10 @@ class Dispatcher:
                 "ttft_target_s": self.shedder.targets.of(slo_class),
             }
         )
-        self.shedder.admitted(slo_class, time.monotonic())
-        item = Queued(request, handle, grant, seq)
-        self.held[ref] = item
+
+    def _enqueue(self, item: Queued) -> None:
+        self.shedder.admitted(item.priority, time.monotonic())
+        self.held[item.ref] = item
         self.queue.push(item)
         self.pump()
 
@@ -307,9 +339,7 @@ class Dispatcher:
             # claimed before: its submission was redelivered here after another scheduler (or this one
             # before a restart) dispatched it; it runs once
             self.fleet.refused(worker_id, ref, back_off=False)
-            self.held.pop(ref, None)
-            self.early.pop(ref, None)
-            await self.admission.release(item.grant, 0)
+            await self._forget(item)
             await self._served_before(request, item.handle, item.seq)
             self.pump()
             return
@@ -330,10 +360,7 @@ class Dispatcher:
         await self.dispatched.release(request.tenant_id, request.request_id, item.seq)
         if reply.error is not None and reply.error.status < 500:
             self.fleet.refused(worker_id, ref, back_off=False)
-            self.held.pop(ref, None)
-            self.early.pop(ref, None)
-            await self._refuse(request, from_body(reply.error))
-            await self.admission.release(item.grant, 0)
+            await self._forget(item, from_body(reply.error))
             await item.handle.term()
         else:
             log.info(
@@ -398,9 +425,7 @@ class Dispatcher:
         item = self.queue.remove(ref)
         if item is None:
             return False
-        self.held.pop(ref, None)
-        self.early.pop(ref, None)
-        await self.admission.release(item.grant, 0)
+        await self._forget(item)
         await item.handle.term()
         log.info("queued_request_cancelled", request_id=ref.request_id, tenant=ref.tenant)
         return True
@@ -408,11 +433,18 @@ class Dispatcher:
     async def drop_queued(self, item: Queued, error: LorafleetError) -> None:
         """Take ``item`` out of the scheduler: answer and audit ``error``, free its quota, terminate it."""
         self.queue.remove(item.ref)
+        await self._forget(item, error)
+        await item.handle.term()
+
+    async def _forget(self, item: Queued, error: LorafleetError | None = None) -> None:
+        """Let go of a request that will not run from this delivery: it leaves the held and early maps,
+        ``error`` (if any) is answered and audited, and its quota grant is released unused. Its
+        handle is the caller's to settle."""
         self.held.pop(item.ref, None)
         self.early.pop(item.ref, None)
-        await self._refuse(item.request, error)
+        if error is not None:
+            await self._refuse(item.request, error)
         await self.admission.release(item.grant, 0)
-        await item.handle.term()
 
     async def _refuse(self, request: InferRequest, error: LorafleetError) -> None:
         await self._refuse_raw((request.tenant_id, request.request_id, request.reply_to), error)

@@ -4,7 +4,7 @@ It runs on the cache's load threads; the NATS calls it needs are handed to the w
 loop, so a slow store never blocks the step loop or the dispatch handler."""
 
 import asyncio
-import threading
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -63,27 +63,22 @@ class StoreLoader:
         self.lora = lora
         self.require_signature = require_signature
         self.timeout_s = timeout_s
-        self._digests: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def digest_of(self, key: str) -> str | None:
-        """sha256 of the weights actually verified and loaded for ``key``."""
-        with self._lock:
-            return self._digests.get(key)
 
     def __call__(self, key: str) -> AdapterWeights:
-        return self._verified(key)[2]
+        """The verified weights of ``key`` in slot layout, carrying the digest they were verified against."""
+        digest, _, weights = self._verified(key)
+        return dataclasses.replace(weights, digest=digest)
 
     def files(self, key: str) -> VerifiedFiles:
         """The verified files of ``key``, laid out once so the same rank, module and shape checks refuse them."""
-        checksum, files, weights = self._verified(key)
-        return VerifiedFiles(checksum, files, weights.rank, weights.modules)
+        digest, files, weights = self._verified(key)
+        return VerifiedFiles(digest, files, weights.rank, weights.modules)
 
     def _verified(self, key: str) -> tuple[str, dict[str, bytes], AdapterWeights]:
         adapter_id, version = parse_adapter_key(key)
         future = asyncio.run_coroutine_threadsafe(self._fetch(adapter_id, version), self.loop)
         try:
-            checksum, files = future.result(self.timeout_s + 1.0)  # _fetch bounds itself by timeout_s
+            digest, files = future.result(self.timeout_s + 1.0)  # _fetch bounds itself by timeout_s
         except IntegrityError:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
             raise
@@ -93,9 +88,7 @@ class StoreLoader:
         weights = load_peft_files(
             files, self.shapes, max_rank=self.lora.max_rank, allowed_modules=self.lora.target_modules
         )
-        with self._lock:
-            self._digests[key] = checksum
-        return checksum, files, weights
+        return digest, files, weights
 
     async def _fetch(self, adapter_id: str, version: int) -> tuple[str, dict[str, bytes]]:
         """The record and the signers from the worker's catalog view (which reads their KV buckets,
@@ -114,7 +107,7 @@ class StoreLoader:
                 files = await fetch_verified(
                     js, record, self.base_fingerprint, keys, require_signature=self.require_signature
                 )
-                return record.checksum, files
+                return record.digest, files
             except (*RETRIED, ServiceUnavailable) as e:
                 if time.monotonic() + RETRY_PAUSE_S >= deadline:
                     raise ServiceUnavailable(

@@ -1,11 +1,10 @@
 """Worker-side trust check: nothing enters adapter memory unless it is exactly what was signed.
 
 The registry already validated the adapter at push time; the worker re-checks the bytes it
-actually fetched (checksums, signed manifest, base-model fingerprint), because the store or
+actually fetched (digests, signed manifest, base-model fingerprint), because the store or
 the path between may have been tampered with since.
 """
 
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,7 +14,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from shared import signing
-from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME
+from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, file_digests
 from shared.bus import read_object
 from shared.errors import IntegrityError
 from shared.schemas import AdapterRecord
@@ -42,12 +41,12 @@ def verify_adapter(
         raise IntegrityError(
             f"{record.adapter_id} v{record.version}: fetched {sorted(files)}, expected {sorted(record.files)}"
         )
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    digests = file_digests(files)
     for name, digest in digests.items():
         if digest != record.files[name]:
             raise IntegrityError(f"{record.adapter_id} v{record.version}: {name} sha256 {digest[:12]} does not match")
-    if digests.get("adapter_model.safetensors") != record.checksum:
-        raise IntegrityError(f"{record.adapter_id} v{record.version}: weights checksum does not match the record")
+    if digests.get("adapter_model.safetensors") != record.digest:
+        raise IntegrityError(f"{record.adapter_id} v{record.version}: weights digest does not match the record")
     manifest = signing.manifest_bytes(digests, record.adapter_id, record.version, record.tenant_id, base_fingerprint)
     if signing.manifest_digest(manifest) != record.manifest_digest:
         raise IntegrityError(f"{record.adapter_id} v{record.version}: manifest digest does not match the record")

@@ -195,7 +195,6 @@ async def run(settings: WorkerSettings) -> None:
             audit,
             settings.max_waiting,
             cache,
-            served.loader.digest_of,
             catalog,
             settings.adapter_metric_labels,
             served.rank_classes,

@@ -113,7 +113,6 @@ class RequestServer:
         audit: Audit,
         max_waiting: int,
         cache: CacheHierarchy | None = None,
-        digest_of: Callable[[str], str | None] = lambda _: None,
         grants: CatalogView | None = None,
         adapter_metric_labels: int = 50,
         rank_classes: tuple[int, ...] = (),
@@ -128,7 +127,6 @@ class RequestServer:
         self.audit = audit
         self.max_waiting = max_waiting
         self.cache = cache
-        self.digest_of = digest_of
         self.grants = grants  # None: adapters are trusted as dispatched (tests without a registry)
         # adapter id -> owner tenant (the catalog mirror's); None: every requester is told (no registry)
         self.owner_of = owner_of
@@ -284,7 +282,7 @@ class RequestServer:
                 if not done:
                     raise UpstreamTimeout(f"{job.key}: no GPU slot was free within the request's timeout")
                 loaded.result()
-        job.digest = self.digest_of(job.key)
+        job.digest = job.lookup.ready.result().digest  # the weights in the slot, verified as they were fetched
         if job.digest is not None and job.digest != granted.digest:
             metrics.INTEGRITY_ERRORS.labels("worker").inc()
             raise IntegrityError(

@@ -43,7 +43,7 @@ def to_resolved(record: AdapterRecord) -> ResolvedAdapter:
         adapter_id=record.adapter_id,
         version=record.version,
         rank=record.rank,
-        digest=record.checksum,
+        digest=record.digest,
         storage_uri=record.storage_uri,
         alpha=record.alpha,
         use_rslora=record.use_rslora,

@@ -3,7 +3,7 @@
 import time
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from shared.schemas.base import Identifier, Message
 from shared.schemas.inference import ResolvedAdapter
@@ -75,6 +75,10 @@ TrafficPercent = Annotated[float, Field(gt=0, le=100, description="share of the 
 class AdapterRecord(Message):
     """One immutable adapter version plus its lifecycle state (status, traffic, aliases)."""
 
+    # ``digest`` is stored and sent as "checksum", its name before: records in the bucket, and every
+    # reader of them (CLI, older replicas), keep theirs
+    model_config = ConfigDict(serialize_by_alias=True)
+
     adapter_id: Identifier
     version: int = Field(ge=1, description="immutable, strictly increasing per adapter")
     tenant_id: Identifier = Field(description='owner tenant, or "shared"')
@@ -86,7 +90,11 @@ class AdapterRecord(Message):
     use_rslora: bool = False
     target_modules: list[str] = Field(min_length=1, max_length=7)
     files: dict[str, Sha256Hex] = Field(description="file name -> sha256: the signed manifest's content")
-    checksum: Sha256Hex = Field(description="sha256 of adapter_model.safetensors")
+    digest: Sha256Hex = Field(
+        validation_alias=AliasChoices("digest", "checksum"),
+        serialization_alias="checksum",
+        description="sha256 of adapter_model.safetensors: the adapter's digest",
+    )
     manifest_digest: Sha256Hex
     signature: str | None = Field(default=None, max_length=200, description="base64 Ed25519; None only in dev mode")
     signer: Identifier | None = None

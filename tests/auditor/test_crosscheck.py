@@ -16,7 +16,7 @@ def record(tenant: str = "acme", scopes: list[str] | None = None) -> AdapterReco
         alpha=16,
         target_modules=["q_proj"],
         files={"adapter_model.safetensors": DIGEST},
-        checksum=DIGEST,
+        digest=DIGEST,
         manifest_digest="b" * 64,
         storage_uri="nats-os://store/sql/2",
         allowed_scopes=scopes or [],

@@ -45,7 +45,7 @@ async def test_refused_attempts_count_by_route_and_violations_apart(tmp_path) ->
             "base_model": "tiny-llama",
             "adapter_id": "globex-sql",
             "adapter_version": 1,
-            "adapter_digest": make_record("globex-sql", 1, "globex").checksum,
+            "adapter_digest": make_record("globex-sql", 1, "globex").digest,
             "cache_hit": False,
             "ttft_ms": 1.0,
             "tpot_ms": 1.0,

@@ -19,7 +19,7 @@ def make_record(
         "alpha": 16.0,
         "target_modules": ["q_proj", "v_proj"],
         "files": {WEIGHTS_FILE: digest, CONFIG_FILE: digest},
-        "checksum": digest,
+        "digest": digest,
         "manifest_digest": digest,
         "storage_uri": f"nats-os://lf_adapter_store/{adapter_id}/{version}",
         **fields,

@@ -373,14 +373,14 @@ async def test_a_rollback_returns_once_the_scheduler_resolves_with_it(hostile: H
     its mirror (before: it waited for the gateways only and returned at once, the scheduler's mirror,
     which resolves direct submissions, possibly still holding the version rolled back)."""
     adapter = "direct-roll"
-    checksums = {}
+    digests = {}
     for seed in (5, 6):
         files = adapter_files(hostile.trusted_dir.parent / f"roll-{seed}", seed=seed)
         register = RegisterRequest(
             adapter_id=adapter, tenant_id=TENANT, task_type="chat", inline_files=inline(files), actor="test"
         )
         record = (await registry_call(nc, "register", register, AdapterRecordsReply)).records[0]
-        checksums[record.version] = record.checksum
+        digests[record.version] = record.digest
         promote = PromoteRequest(
             adapter_id=adapter, version=record.version, traffic_percent=100, force=True, reason="roll", actor="test"
         )
@@ -402,4 +402,4 @@ async def test_a_rollback_returns_once_the_scheduler_resolves_with_it(hostile: H
     bodies = await collect(sub, 30)
     assert bodies[-1].kind == "final", bodies
     served = bodies[-1].served_by
-    assert (served.adapter_id, served.adapter_version, served.adapter_digest) == (adapter, 1, checksums[1])
+    assert (served.adapter_id, served.adapter_version, served.adapter_digest) == (adapter, 1, digests[1])

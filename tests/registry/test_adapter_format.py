@@ -1,6 +1,7 @@
 """Admission checks of adapter files: each refusal names exactly what is wrong."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import struct
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 from services.registry.intake import BaseModelIdentity
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
+from shared.adapter_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterLimits,
+    file_digests,
+    read_adapter_dir,
+    validate_adapter,
+)
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, PayloadTooLarge
 
 LIMITS = AdapterLimits(max_rank=16, max_weights_bytes=1_000_000)
@@ -29,7 +37,12 @@ def test_peft_adapter_is_admitted_with_its_summary(adapter_files: dict[str, byte
     assert (summary.rank, summary.alpha, summary.use_rslora) == (8, 16.0, False)
     assert summary.target_modules == ("q_proj", "v_proj")
     assert summary.tensor_count == 2 * 2 * 2  # layers x modules x (A, B)
-    assert set(summary.file_sha256) == {CONFIG_FILE, WEIGHTS_FILE}
+
+
+def test_file_digests_are_each_files_sha256(adapter_files: dict[str, bytes]) -> None:
+    digests = file_digests(adapter_files)
+    assert set(digests) == {CONFIG_FILE, WEIGHTS_FILE}
+    assert digests[WEIGHTS_FILE] == hashlib.sha256(adapter_files[WEIGHTS_FILE]).hexdigest() != digests[CONFIG_FILE]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from services.registry.fleet_ranks import RankClasses
 from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
-from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_digests
 from shared.catalog.records import Catalog
 from shared.errors import IntegrityError
 from shared.schemas import AdapterRecord, RegisterRequest
@@ -26,8 +26,10 @@ def signed_record(
     """The record the registry admits for the peft adapter, signed by the trusted key."""
     unsigned = IntakePolicy(limits=policy.limits, dev_mode=True)
     req = RegisterRequest(adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, actor="a")
+    fleet = RankClasses((8, 16, 32, 64), "test")
+    digests = file_digests(adapter_files)
     draft = admit(
-        Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere", fleet=RankClasses((8, 16, 32, 64), "test")
+        Catalog(), req, adapter_files, base, unsigned, {}, "file:///nowhere", digests=digests, fleet=fleet
     ).after
     manifest = signing.manifest_bytes(draft.files, "summarize", 1, "acme", base.fingerprint)
     signature = signing.sign(manifest, signing.load_private_key(signer_keys.private_pem))
@@ -60,7 +62,7 @@ def test_tampered_record_is_refused(
     record = signed_record.model_copy(
         update={
             "files": digests,
-            "checksum": digests[WEIGHTS_FILE],
+            "digest": digests[WEIGHTS_FILE],
             "manifest_digest": signing.manifest_digest(manifest),
         }
     )

@@ -6,18 +6,22 @@ import time
 import pytest
 
 from services.registry.ops import Registry
+from shared import subjects
 from shared.catalog.records import Catalog
 from shared.errors import ModelNotFound
-from shared.schemas import ResolveRequest
+from shared.schemas import AuditEnvelope, ResolveRequest
 from tests.helpers.records import make_record
 
 
 async def test_the_isolation_audit_does_not_delay_the_answer(base):
     published: list[tuple[str, object]] = []
 
-    async def slow_publish(subject: str, message) -> None:
-        await asyncio.sleep(0.5)  # a JetStream publish waiting for its ack
+    async def publish(subject: str, message) -> None:
         published.append((subject, message))
+
+    async def slow_audit(event) -> None:
+        await asyncio.sleep(0.5)  # a JetStream publish waiting for its ack
+        published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
 
     catalog = Catalog([make_record("globex-sql", 1, "globex", status="production", traffic_percent=100)])
     registry = Registry(
@@ -30,7 +34,8 @@ async def test_the_isolation_audit_does_not_delay_the_answer(base):
         policy=None,
         trusted_dirs=(),
         remote=None,
-        publish=slow_publish,
+        publish=publish,
+        audit=slow_audit,
     )
     for model in ("globex-sql", "nobody-sql"):
         started = time.monotonic()

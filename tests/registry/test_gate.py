@@ -17,7 +17,7 @@ DIGEST = "0" * 64
 def record(version: int, status: str = "staging", **results: float) -> AdapterRecord:
     return AdapterRecord(
         adapter_id="sql", version=version, tenant_id="demo", base_model="base", base_model_fingerprint=DIGEST,
-        task_type="sql", rank=8, alpha=16, target_modules=["q_proj"], files={}, checksum=DIGEST,
+        task_type="sql", rank=8, alpha=16, target_modules=["q_proj"], files={}, digest=DIGEST,
         manifest_digest=DIGEST, storage_uri="mem://", status=status, eval_results=results,
     )  # fmt: skip
 

@@ -47,6 +47,7 @@ from shared.schemas import (
     ApiKeyCreatedReply,
     ApiKeysReply,
     AuditEnvelope,
+    AuditEvent,
     CatalogSync,
     CatalogSynced,
     CreateApiKeyRequest,
@@ -159,6 +160,9 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
     async def publish(subject: str, message: BaseModel) -> None:
         wired.published.append((subject, message))
 
+    async def audit(event: AuditEvent) -> None:
+        wired.published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
+
     async def put(key: str, value: bytes) -> None:
         wired.tenant_writes[key] = value
 
@@ -173,12 +177,10 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         trusted_dirs=(),
         remote=None,  # type: ignore[arg-type]  # only register reaches it
         publish=publish,
+        audit=audit,
         gate=GatePolicy(require_eval=True),
         sync_views=barrier.wait,
     )
-
-    async def audit(event: AdminAudit) -> None:
-        wired.published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
 
     sources: dict[str, bytes] = {}
 
@@ -206,7 +208,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         LiveStats(),
         ReleasePolicy(),
         ControllerConfig("reg-test", (1.0, 100.0), GatePolicy(require_eval=True), 10.0),
-        publish,
+        audit,
     )
     await subscribe(
         service_nc,

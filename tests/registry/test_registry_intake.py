@@ -1,14 +1,16 @@
 """Admission of a new version: signature, identity and version rules on top of the file checks."""
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from services.registry import intake
 from services.registry.fleet_ranks import RankClasses
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
+from services.registry.intake import BaseModelIdentity, IntakePolicy
 from shared import signing
-from shared.adapter_format import validate_adapter
-from shared.catalog.records import Catalog
+from shared.adapter_format import file_digests
+from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, IntegrityError, SignerNotAuthorized
 from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 from shared.signing import KeyPair
@@ -18,6 +20,11 @@ FLEET = RankClasses((8, 16, 32, 64), "test")
 Files = dict[str, bytes]
 
 
+def admit(catalog: Catalog, req: RegisterRequest, files: Files, *args: Any, **kwargs: Any) -> Change:
+    """``intake.admit`` given the files' digests as the registry hashes them, once per push."""
+    return intake.admit(catalog, req, files, *args, digests=file_digests(files), **kwargs)
+
+
 @pytest.fixture
 def sign_request(base: BaseModelIdentity, policy: IntakePolicy) -> Callable[..., RegisterRequest]:
     """A register request signed by ``keys`` over ``files`` for the identity in ``fields``."""
@@ -25,7 +32,7 @@ def sign_request(base: BaseModelIdentity, policy: IntakePolicy) -> Callable[...,
     def make(files: Files, keys: KeyPair, fingerprint: str | None = None, **fields: object) -> RegisterRequest:
         values: dict = {"adapter_id": "summarize", "tenant_id": "acme", "task_type": "summarization",
                         "version": 1, "inline_files": {}, "actor": "cli:alice", **fields}  # fmt: skip
-        digests = validate_adapter(files, base.spec, policy.limits).file_sha256
+        digests = file_digests(files)
         manifest = signing.manifest_bytes(
             digests, values["adapter_id"], values["version"], values["tenant_id"], fingerprint or base.fingerprint
         )

@@ -281,7 +281,7 @@ async def test_a_cold_load_rides_out_nats_being_away_and_is_refused_typed_when_i
         assert not load.done()
         own_nats.start()
         loaded = await asyncio.wait_for(load, 30)
-        assert loaded.digest == record.checksum and loaded.files == adapter_files
+        assert loaded.digest == record.digest and loaded.files == adapter_files
 
         short = StoreLoader(worker, followed.view, loop, base_fingerprint=record.base_model_fingerprint, shapes=shapes,
                             lora=LoraConfig(rank_classes=(16,)), require_signature=False, timeout_s=2.0)  # fmt: skip

@@ -17,6 +17,7 @@ from services.registry.ops import Registry
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
+from shared import subjects
 from shared.adapter_format import AdapterLimits
 from shared.bus import connect, ensure_streams
 from shared.catalog.records import Catalog
@@ -24,6 +25,7 @@ from shared.catalog.rollout import choose
 from shared.errors import Conflict, ReleaseGateFailed
 from shared.schemas import (
     AuditEnvelope,
+    AuditEvent,
     CompletionAudit,
     FeedbackAudit,
     ReleaseDecisionAudit,
@@ -69,11 +71,14 @@ class World:
     ) -> ReleaseController:
         config = ControllerConfig(instance, STEPS, GatePolicy(require_eval=True), LEASE_S)
         return ReleaseController(
-            registry or self.registry, self.releases, stats or LiveStats(), POLICY, config, self._publish, self.clock
+            registry or self.registry, self.releases, stats or LiveStats(), POLICY, config, self._audit, self.clock
         )
 
     async def _publish(self, subject: str, message: BaseModel) -> None:
         self.published.append((subject, message))
+
+    async def _audit(self, event: AuditEvent) -> None:
+        self.published.append((subjects.audit(event.kind, event.tenant_id), AuditEnvelope(body=event)))
 
     def traffic(self, stats: LiveStats, requests: int, behaviour: Behaviour = same) -> list[CompletionAudit]:
         """``requests`` completions split between the versions as the gateway would split them."""
@@ -114,6 +119,7 @@ class World:
             trusted_dirs=(),
             remote=None,  # type: ignore[arg-type]  # no register here
             publish=self._publish,
+            audit=self._audit,
         )
 
     def decisions(self) -> list[ReleaseDecisionAudit]:

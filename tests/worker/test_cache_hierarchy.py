@@ -1,5 +1,7 @@
 """The cache hierarchy over a real AdapterManager and real PEFT adapters: tiers, sharing, queueing, failures."""
 
+import dataclasses
+import hashlib
 import random
 import threading
 from collections import Counter
@@ -12,6 +14,7 @@ from prometheus_client import REGISTRY
 
 from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
+from shared.adapter_format import WEIGHTS_FILE
 from shared.errors import AdapterRevoked, IntegrityError, ServiceUnavailable
 from tests.helpers.adapters import save_peft_adapter, tiny_llama, tiny_llama_config
 
@@ -44,7 +47,11 @@ class Store:
         assert self.gate.wait(WAIT)
         if key.startswith("bad"):
             raise IntegrityError(f"{key}: adapter_model.safetensors sha256 does not match")
-        return self.manager.read_adapter(self.dirs[key])
+        return dataclasses.replace(self.manager.read_adapter(self.dirs[key]), digest=weights_digest(self.dirs[key]))
+
+
+def weights_digest(directory: Path) -> str:
+    return hashlib.sha256((directory / WEIGHTS_FILE).read_bytes()).hexdigest()
 
 
 @pytest.fixture
@@ -78,10 +85,10 @@ def test_miss_loads_then_hits_and_slot_of_serves_the_engine(cache: CacheHierarch
     gpu_lookups = REGISTRY.get_sample_value("adapter_cache_lookups_total", {"tier": "gpu"}) or 0.0
     first = cache.acquire(RANK8[0], rank=8, tenant="t1")
     assert first.tier == "miss" and not first.hit
-    slot = first.ready.result(WAIT)
+    slot = first.ready.result(WAIT).slot
     assert cache.manager.slot_of(RANK8[0]) == slot
     again = cache.acquire(RANK8[0], rank=8, tenant="t1")
-    assert again.hit and again.ready.result(0) == slot
+    assert again.hit and again.ready.result(0).slot == slot
     cache.release(RANK8[0])
     cache.release(RANK8[0])
     stats = cache.stats()
@@ -91,6 +98,23 @@ def test_miss_loads_then_hits_and_slot_of_serves_the_engine(cache: CacheHierarch
     assert REGISTRY.get_sample_value("adapter_slot_occupancy_ratio", {"rank_class": "8"}) == 0.5
     with pytest.raises(KeyError):
         cache.release(RANK8[0])
+
+
+def test_the_digest_travels_with_the_weights_into_the_slot(
+    cache: CacheHierarchy, adapter_dirs: dict[str, Path]
+) -> None:
+    """Store, CPU tier, slot: a lookup resolves to the digest of the weights its slot holds, whichever tier
+    they came from, and another adapter's load never lends it its own."""
+    digest = weights_digest(adapter_dirs[RANK8[0]])
+    assert cache.acquire(RANK8[0], 8).ready.result(WAIT).digest == digest  # from the store
+    assert cache.acquire(RANK8[0], 8).ready.result(0).digest == digest  # a hit
+    cache.release(RANK8[0])
+    cache.release(RANK8[0])
+    for key in RANK8[1:3]:  # LRU evicts RANK8[0]'s slot; its CPU copy stays
+        assert cache.acquire(key, 8).ready.result(WAIT).digest == weights_digest(adapter_dirs[key]) != digest
+        cache.release(key)
+    lookup = cache.acquire(RANK8[0], 8)
+    assert lookup.tier == "cpu" and lookup.ready.result(WAIT).digest == digest
 
 
 def test_concurrent_acquires_of_one_cold_adapter_share_one_load(cache: CacheHierarchy, store: Store) -> None:
@@ -103,7 +127,7 @@ def test_concurrent_acquires_of_one_cold_adapter_share_one_load(cache: CacheHier
         t.join()
     assert cache.manager.slot_of(RANK8[1]) is None and all(not lookup.ready.done() for lookup in lookups)
     store.gate.set()
-    assert len({lookup.ready.result(WAIT) for lookup in lookups}) == 1
+    assert len({lookup.ready.result(WAIT).slot for lookup in lookups}) == 1
     assert store.fetches == {RANK8[1]: 1} and cache.stats().in_flight == {RANK8[1]: 8}
 
 
@@ -113,7 +137,7 @@ def test_an_evicted_adapter_comes_back_from_the_cpu_tier(cache: CacheHierarchy, 
         cache.release(key)
     assert RANK8[0] not in cache.stats().gpu_adapters  # LRU left for the third
     lookup = cache.acquire(RANK8[0], 8)
-    assert lookup.tier == "cpu" and lookup.ready.result(WAIT) >= 0
+    assert lookup.tier == "cpu" and lookup.ready.result(WAIT).slot >= 0
     stats = cache.stats()
     assert store.fetches[RANK8[0]] == 1 and stats.loads == {"store": 3, "cpu": 1}
     assert stats.evictions == {"gpu/capacity": 2} and set(stats.load_ms_mean) == {"store", "cpu"}
@@ -128,7 +152,7 @@ def test_full_rank_class_queues_loads_and_drains_them_in_order(cache: CacheHiera
     for key, future in waiting.items():
         future.add_done_callback(lambda _, key=key: order.append(key))
     other = cache.acquire(RANK16[0], 16)  # another rank class is not held up
-    assert other.ready.result(WAIT) >= 0
+    assert other.ready.result(WAIT).slot >= 0
     _wait_for(lambda: cache.stats().waiting_for_slot == 3)
     assert not any(f.done() for f in waiting.values()) and set(cache.stats().gpu_adapters) >= set(held)
     cache.release(held[0])
@@ -242,7 +266,7 @@ def test_random_churn_never_evicts_in_flight_or_pinned(cache: CacheHierarchy) ->
         for _ in range(count):
             model[key] -= 1
             cache.release(key)
-    assert all(isinstance(f.result(WAIT), int) for f in futures)  # nothing starved, nothing failed
+    assert all(isinstance(f.result(WAIT).slot, int) for f in futures)  # nothing starved, nothing failed
     stats = cache.stats()
     assert violations == [] and stats.in_flight == {} and stats.waiting_for_slot == 0
     assert set(stats.gpu_adapters) == set(cache.manager.resident()) and set(pins) <= set(stats.gpu_adapters)
@@ -341,7 +365,7 @@ def test_a_version_invalidated_mid_copy_is_undone_before_it_loads_again(cache: C
     gate.set()
     assert undone.wait(WAIT) and cache.manager.resident() == {}
     cache.release(RANK8[0])
-    assert cache.acquire(RANK8[0], 8).ready.result(WAIT) >= 0  # a fresh load, verified again by the store
+    assert cache.acquire(RANK8[0], 8).ready.result(WAIT).slot >= 0  # a fresh load, verified again by the store
 
 
 def test_close_fails_loads_that_never_ran(cache: CacheHierarchy, store: Store) -> None:
@@ -351,7 +375,7 @@ def test_close_fails_loads_that_never_ran(cache: CacheHierarchy, store: Store) -
     cache.close()
     with pytest.raises(ServiceUnavailable, match="shutting down"):
         lookups[2].ready.result(WAIT)
-    assert all(lookup.ready.result(WAIT) >= 0 for lookup in lookups[:2])
+    assert all(lookup.ready.result(WAIT).slot >= 0 for lookup in lookups[:2])
 
 
 def test_a_tenant_past_its_cpu_share_evicts_its_own_cpu_copies(

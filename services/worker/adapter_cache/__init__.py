@@ -3,7 +3,7 @@
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.cpu_tier import CpuTier
 from services.worker.adapter_cache.hierarchy import CacheHierarchy, Lookup
-from services.worker.adapter_cache.loader import LoadFromStore
+from services.worker.adapter_cache.loader import LoadFromStore, Resident
 from services.worker.adapter_cache.policy import Entry, EvictionPolicy, HeatPolicy, LfuPolicy, LruPolicy, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.adapter_cache.stats import CacheStats
@@ -20,6 +20,7 @@ __all__ = [
     "LoadFromStore",
     "Lookup",
     "LruPolicy",
+    "Resident",
     "SlotTier",
     "make_policy",
 ]

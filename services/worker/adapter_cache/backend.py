@@ -1,5 +1,5 @@
 """What the cache tiers drive: the engine's slots (built-in AdapterManager, or vLLM's LoRA slots) and the
-verified adapters they copy in. The tiers read only a cached adapter's rank and size."""
+verified adapters they copy in. The tiers read only a cached adapter's rank, size and digest."""
 
 from typing import Any, Protocol
 
@@ -14,6 +14,9 @@ class Cached(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def digest(self) -> str | None: ...
 
 
 class SlotBackend(Protocol):

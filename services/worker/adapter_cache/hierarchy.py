@@ -20,7 +20,7 @@ from typing import Literal
 from services.worker.adapter_cache.backend import SlotBackend
 from services.worker.adapter_cache.config import CacheConfig
 from services.worker.adapter_cache.cpu_tier import CpuTier
-from services.worker.adapter_cache.loader import LoadFromStore, SlotLoader, settle
+from services.worker.adapter_cache.loader import LoadFromStore, Resident, SlotLoader, settle
 from services.worker.adapter_cache.policy import Entry, Slo, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.adapter_cache.stats import CacheCounters, CacheStats, Tier
@@ -33,10 +33,11 @@ EvictOutcome = Literal["done", "not_resident", "pinned", "in_flight"]
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """What acquire found. ``ready`` resolves to the slot once resident, or raises the load's error."""
+    """What acquire found. ``ready`` resolves to the slot and the digest of the weights in it once
+    resident, or raises the load's error."""
 
     tier: Tier
-    ready: Future[int]
+    ready: Future[Resident]
 
     @property
     def hit(self) -> bool:
@@ -99,16 +100,17 @@ class CacheHierarchy:
             tier: Tier = "gpu" if key in self._slots else "cpu" if key in self._cpu else "miss"
             self._counters.lookup(tier)
             if tier == "gpu":
-                self._slots.update(entry)
-                future: Future[int] = Future()
-                future.set_result(self.manager.slot_of(key))  # type: ignore[arg-type]
+                resident = self._slots.update(entry)
+                future: Future[Resident] = Future()
+                future.set_result(Resident(self.manager.slot_of(key), resident.digest))  # type: ignore[arg-type]
                 return Lookup(tier, future)
             load = self._loader.loads.get(key)
             if load is None:
                 load = self._loader.start(entry, prefetch=False, now=now)
             else:
                 load.prefetch = False
-                load.entry = replace(entry, rank=load.entry.rank if load.weights is not None else rank)
+                fetched = load.weights is not None
+                load.entry = replace(entry, rank=load.entry.rank if fetched else rank, digest=load.entry.digest)
             return Lookup(tier, load.future)
 
     def release(self, key: str) -> None:

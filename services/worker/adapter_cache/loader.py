@@ -26,11 +26,19 @@ from shared.errors import ServiceUnavailable
 LoadFromStore = Callable[[str], Cached]  # key -> fetched, verified adapter; raises IntegrityError
 
 
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """An adapter in its slot: what a lookup's ``ready`` resolves to."""
+
+    slot: int
+    digest: str | None  # the weights in the slot (Cached.digest)
+
+
 @dataclass(slots=True, eq=False)
 class Load:
     seq: int  # arrival order: loads wait for a slot in this order, whichever fetch finished first
     entry: Entry  # rank is the weights' once fetched
-    future: Future[int]  # the slot, or the error that ended the load
+    future: Future[Resident]  # the slot and digest, or the error that ended the load
     prefetch: bool  # nobody waits on it: it never queues for a slot nor evicts a hotter adapter
     started: float
     source: Source = "store"
@@ -131,7 +139,7 @@ class SlotLoader:
             with self._lock:
                 if load.cancelled:
                     return
-                load.weights, load.entry = weights, replace(load.entry, rank=weights.rank)
+                load.weights, load.entry = weights, replace(load.entry, rank=weights.rank, digest=weights.digest)
                 placed = self._place(load, self._clock())
         except Exception as error:  # the store's and the verifier's errors reach the waiters
             self._fail(load, error)
@@ -196,7 +204,7 @@ class SlotLoader:
                 self._occupancy()
             ready = self.drain(self._clock())
         if not load.cancelled:
-            settle(load.future, slot=slot)
+            settle(load.future, resident=Resident(slot, load.entry.digest))
         self.submit(ready)
 
     def _fail(self, load: Load, error: Exception) -> None:
@@ -214,11 +222,11 @@ def _shutting_down(load: Load) -> ServiceUnavailable:
     return ServiceUnavailable(f"adapter {load.entry.key}: the worker is shutting down")
 
 
-def settle(future: Future[int], *, slot: int | None = None, error: Exception | None = None) -> None:
+def settle(future: Future[Resident], *, resident: Resident | None = None, error: Exception | None = None) -> None:
     """Resolve a load's future once; an invalidation may have failed it already."""
     if future.done():
         return
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(slot)  # type: ignore[arg-type]
+        future.set_result(resident)  # type: ignore[arg-type]

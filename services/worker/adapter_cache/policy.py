@@ -26,6 +26,7 @@ class Entry:
     slo: Slo = "interactive"
     slot_limit: int | None = None  # the tenant's quota from its limits; tighter than the config share wins
     hard: bool = False  # at its quota the tenant waits for its own slots instead of evicting others'
+    digest: str | None = None  # its weights' (Cached.digest), once fetched
 
 
 class EvictionPolicy(ABC):

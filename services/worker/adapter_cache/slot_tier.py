@@ -69,12 +69,15 @@ class SlotTier:
         self.unreserve(rank_class, reserved_for)
         self._residents[rank_class][entry.key] = entry
 
-    def update(self, entry: Entry) -> None:
-        """Refresh a resident's tenant / SLO class (a request told more than a prefetch knew)."""
+    def update(self, entry: Entry) -> Entry:
+        """Refresh a resident's tenant / SLO class (a request told more than a prefetch knew); the resident
+        as now held (its rank and digest are the weights', never the request's)."""
         for residents in self._residents.values():
             held = residents.get(entry.key)
             if held is not None:
-                residents[entry.key] = replace(entry, rank=held.rank)
+                residents[entry.key] = replace(entry, rank=held.rank, digest=held.digest)
+                return residents[entry.key]
+        raise KeyError(f"{entry.key} is not resident")
 
     def remove(self, key: str) -> Entry | None:
         for residents in self._residents.values():

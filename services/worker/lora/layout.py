@@ -61,6 +61,9 @@ class AdapterWeights:
     scale: float  # alpha / rank, or alpha / sqrt(rank) for rsLoRA
     a: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [in, rank]
     b: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [rank, out]
+    # sha256 of adapter_model.safetensors, as the signed record names it (StoreLoader); None: read from a
+    # local directory, never verified against a record
+    digest: str | None = None
 
     @property
     def modules(self) -> frozenset[str]:

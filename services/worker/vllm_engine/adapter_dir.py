@@ -4,14 +4,13 @@ vLLM loads a LoRA from a path, so the bytes lorafleet fetched and re-verified ar
 (never the store's path) and vLLM is handed the folder. The root is mode 0700, owned by this
 worker, and removed with everything in it at shutdown; a folder leaves when its adapter is evicted."""
 
-import hashlib
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from shared.adapter_format import ADAPTER_FILES, WEIGHTS_FILE
+from shared.adapter_format import ADAPTER_FILES
 from shared.errors import IntegrityError
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -27,14 +26,13 @@ class AdapterDir:
     def put(self, digest: str, files: dict[str, bytes]) -> Path:
         """Write one verified adapter's files (``ADAPTER_FILES``, nothing else); its folder.
 
-        An existing folder for the digest is reused: same digest, same verified bytes.
+        ``digest`` is the one the files were verified against (``VerifiedFiles.digest``): not hashed
+        again here. An existing folder for the digest is reused: same digest, same verified bytes.
         """
         if not _DIGEST.match(digest):
             raise IntegrityError(f"adapter digest {digest[:80]!r} is not a sha256 hex digest")
         if set(files) != set(ADAPTER_FILES):
             raise IntegrityError(f"adapter files {sorted(files)} are not {sorted(ADAPTER_FILES)}")
-        if hashlib.sha256(files[WEIGHTS_FILE]).hexdigest() != digest:
-            raise IntegrityError(f"{WEIGHTS_FILE} is not the weights of digest {digest[:12]}")
         target = self.path_of(digest)
         if target.is_dir():
             return target

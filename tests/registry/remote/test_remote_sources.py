@@ -100,7 +100,7 @@ async def test_a_signed_https_adapter_is_fetched_from_the_pinned_address_through
     await allow(push.nc, f"{base}/{push.tenant}/", [push.tenant])
     record = await push.register(adapter_id, base + path, adapter_files)
     assert record.origin is not None and record.origin.etags == {CONFIG_FILE: '"cfg-1"', WEIGHTS_FILE: '"w-1"'}
-    assert record.checksum == sha256(adapter_files[WEIGHTS_FILE])
+    assert record.digest == sha256(adapter_files[WEIGHTS_FILE])
     assert re.search(f"/tenants/{push.tenant}/{adapter_id}/1\\.[0-9a-f]{{12}}$", record.storage_uri)
 
 
@@ -223,7 +223,7 @@ async def test_each_tenant_gets_its_own_fetch_and_copy_of_the_same_uri(
     updated = tampered(adapter_files)  # the URI now holds another adapter, signed by B's publisher
     servers.s3.put_dir("models", key, updated)
     record = await second.register(second_id, f"s3://models/{key}", updated)
-    assert record.checksum == sha256(updated[WEIGHTS_FILE]) != first.checksum
+    assert record.digest == sha256(updated[WEIGHTS_FILE]) != first.digest
     assert f"/tenants/{other}/" in record.storage_uri and f"/tenants/{push.tenant}/" in first.storage_uri
     names = await stored_names(push.nc)
     leaves = {re.sub(r"/1\.[0-9a-f]{12}/", "/1/", n) for n in names}  # each push's own leaf under v1

@@ -1,0 +1,47 @@
+"""The vLLM engine's private adapter directory (no vllm needed): verified files land content-addressed
+under the digest they were verified against, and nothing but a sha256 name and the adapter's two files
+is accepted."""
+
+import hashlib
+import stat
+from pathlib import Path
+
+import pytest
+
+from services.worker.vllm_engine.adapter_dir import AdapterDir
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from shared.errors import IntegrityError
+
+FILES = {CONFIG_FILE: b'{"r": 8}', WEIGHTS_FILE: b"weights"}
+DIGEST = hashlib.sha256(FILES[WEIGHTS_FILE]).hexdigest()
+
+
+@pytest.fixture
+def adapters(tmp_path: Path):
+    directory = AdapterDir(tmp_path)
+    yield directory
+    directory.close()
+
+
+def test_verified_files_land_under_their_digest_once(adapters: AdapterDir) -> None:
+    path = adapters.put(DIGEST, FILES)
+    assert path == adapters.path_of(DIGEST) and {p.name: p.read_bytes() for p in path.iterdir()} == FILES
+    assert adapters.put(DIGEST, FILES) == path and adapters.digests() == [DIGEST]
+    assert stat.S_IMODE(adapters.root.stat().st_mode) == 0o700
+    adapters.remove(DIGEST)
+    assert adapters.digests() == []
+
+
+@pytest.mark.parametrize("digest", ["../escape", DIGEST.upper(), DIGEST[:63], ""])
+def test_a_name_that_is_no_sha256_is_refused(adapters: AdapterDir, digest: str) -> None:
+    with pytest.raises(IntegrityError, match="not a sha256 hex digest"):
+        adapters.put(digest, FILES)
+    assert list(adapters.root.iterdir()) == []
+
+
+def test_other_files_than_the_adapters_two_are_refused(adapters: AdapterDir) -> None:
+    with pytest.raises(IntegrityError, match="are not"):
+        adapters.put(DIGEST, {**FILES, "model.py": b"import os"})
+    with pytest.raises(IntegrityError, match="are not"):
+        adapters.put(DIGEST, {WEIGHTS_FILE: FILES[WEIGHTS_FILE]})
+    assert adapters.digests() == []
