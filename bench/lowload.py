@@ -162,14 +162,23 @@ def worker_tpots(served: Served, skip: int) -> list[float]:
     return [json.loads(body)["tpot_ms"] for (body,) in rows][skip:]
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds so far of a process (``/proc/PID/stat``: all its threads) or a thread."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_by_process(stack: BenchStack) -> dict[str, float]:
-    return {name: cpu_s(pid) for name, pid in stack.pids().items()} | {"client": cpu_s(os.getpid())}
+    """CPU seconds of each of the stack's processes and of this one (the client); the worker's also
+    split into its event loop (the main thread: replies, NATS) and the rest (the engine's threads)."""
+    spent = {name: cpu_s(Path(f"/proc/{pid}/stat")) for name, pid in stack.pids().items()}
+    worker = stack.pids()["worker"]
+    loop = cpu_s(Path(f"/proc/{worker}/task/{worker}/stat"))
+    return spent | {
+        "worker event loop": loop,
+        "worker engine threads": spent["worker"] - loop,
+        "client": cpu_s(Path(f"/proc/{os.getpid()}/stat")),
+    }
 
 
 def median_of(figures: list[tuple[float, float]], which: int) -> float:
@@ -273,6 +282,15 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME:K=V,K=V`` -> (NAME, {K: V}); ValueError for a spec without a name or a setting without ``=``."""
+    name, _, settings = spec.partition(":")
+    items = [item for item in settings.split(",") if item]
+    if not name or name in ("stack", "baseline", "engine") or any("=" not in item for item in items):
+        raise ValueError(f"bad variant {spec!r}: want NAME:K=V,K=V with a NAME other than stack, baseline, engine")
+    return name, dict(item.split("=", 1) for item in items)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
@@ -286,10 +304,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     extra_env = dict(item.split("=", 1) for item in args.env)
-    variants = {}
-    for spec in args.variant:
-        name, _, settings = spec.partition(":")
-        variants[name] = dict(item.split("=", 1) for item in settings.split(",") if item)
+    variants = dict(map(parse_variant, args.variant))
     results = {}
     for dtype in args.dtype:
         print(f"{dtype}: starting", flush=True)
