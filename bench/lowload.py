@@ -207,10 +207,10 @@ def run_dtype(
         for served in systems:
             asyncio.run(stack_round(served, warm, []))
         alone.round(warm)
-        per_round: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems} | {"engine": []}
-        cpu: dict[str, dict[str, float]] = {name: {} for name in per_round}  # process -> CPU s, summed
-        failures: dict[str, list[str]] = {name: [] for name in per_round}
         names = [s.name for s in systems] + ["engine"]
+        per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in names}  # (TTFT, TPOT) ms
+        cpu: dict[str, dict[str, float]] = {name: {} for name in names}  # process -> CPU s, summed
+        failures: dict[str, list[str]] = {name: [] for name in names}
         for r in range(rounds):
             prompts = [prompt(rng) for _ in range(requests)]
             for name in names[r % len(names) :] + names[: r % len(names)]:
