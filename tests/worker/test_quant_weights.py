@@ -48,8 +48,8 @@ def _reference_weight(w: torch.Tensor, fmt: str, group: int = GROUP) -> torch.Te
 
 
 def _dequantized_model(model: PreTrainedModel, fmt: str) -> PreTrainedModel:
-    """A copy whose every nn.Linear holds its dequantized weight; a tied lm_head is untied (the embedding
-    stays unquantized, as the engine keeps it)."""
+    """A copy whose every nn.Linear holds its dequantized weight (lm_head int8 under int4); a tied lm_head
+    is untied (the embedding stays unquantized, as the engine keeps it)."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         head = ref.get_output_embeddings()  # type: ignore[no-untyped-call]
@@ -57,7 +57,8 @@ def _dequantized_model(model: PreTrainedModel, fmt: str) -> PreTrainedModel:
             head.weight = torch.nn.Parameter(head.weight.detach().clone())
         for module in ref.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(_reference_weight(module.weight.detach().float(), fmt))
+                module_fmt = "int8" if module is head else fmt  # int4 weights keep lm_head in int8
+                module.weight.copy_(_reference_weight(module.weight.detach().float(), module_fmt))
     return ref
 
 
@@ -115,7 +116,7 @@ def test_logits_match_transformers_with_dequantized_weights(family: str, fmt: st
     model = FAMILIES[family]()
     reference = _dequantized_model(model, fmt)
     runner = _Runner(model, fmt)
-    assert runner.forward.proj[0]["qkv"].path == fmt and runner.forward.lm_head.path == fmt
+    assert runner.forward.proj[0]["qkv"].path == fmt and runner.forward.lm_head.path == "int8"
     drift = 0.0
     for i, prompt in enumerate(PROMPTS):
         logits = runner.prompt_logits(i, prompt)

@@ -75,7 +75,7 @@ class LlamaForward:
             if layer.gate_up is not None and layer.down is not None:  # a dense MLP (or the shared expert)
                 proj |= {"gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
             self.proj.append(proj)
-        self.lm_head = make(weights.lm_head)
+        self.lm_head = make.head(weights.lm_head)
         # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
         self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec
