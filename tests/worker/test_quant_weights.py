@@ -35,30 +35,35 @@ BLOCK = 4
 CHECKED = ["llama-head-dim", "qwen3-qk-norm", "gemma2-window-8-softcaps"]  # gemma2: tied lm_head, gelu, fp32 norms
 
 
-def _reference_weight(w: torch.Tensor, fmt: str, group: int = GROUP) -> torch.Tensor:
-    """The format's definition in plain torch: symmetric, per output row (int8) or per group of inputs (int4)."""
+def _reference_weight(
+    w: torch.Tensor, fmt: str, group: int = GROUP, scale_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The format's definition in plain torch: symmetric, per output row (int8) or per group of inputs
+    (int4), the scales held in ``scale_dtype`` (the activations')."""
     if fmt == "int8":
         s = w.abs().amax(dim=1, keepdim=True) / 127
-        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = torch.where(s > 0, s, torch.ones_like(s)).to(scale_dtype).float()
         return torch.round(w / s).clamp(-127, 127) * s
     g = w.reshape(w.shape[0], -1, group)
     s = g.abs().amax(dim=2, keepdim=True) / 7
-    s = torch.where(s > 0, s, torch.ones_like(s))
+    s = torch.where(s > 0, s, torch.ones_like(s)).to(scale_dtype).float()
     return (torch.round(g / s).clamp(-7, 7) * s).reshape(w.shape)
 
 
-def _dequantized_model(model: PreTrainedModel, fmt: str) -> PreTrainedModel:
+def _dequantized_model(model: PreTrainedModel, fmt: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A copy whose every nn.Linear holds its dequantized weight (lm_head int8 under int4); a tied lm_head
     is untied (the embedding stays unquantized, as the engine keeps it)."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
+        for param in ref.parameters():  # the engine's weights in ``dtype``, held in fp32
+            param.copy_(param.to(dtype).float())
         head = ref.get_output_embeddings()  # type: ignore[no-untyped-call]
         if head.weight is ref.get_input_embeddings().weight:
             head.weight = torch.nn.Parameter(head.weight.detach().clone())
         for module in ref.modules():
             if isinstance(module, torch.nn.Linear):
                 module_fmt = "int8" if module is head else fmt  # int4 weights keep lm_head in int8
-                module.weight.copy_(_reference_weight(module.weight.detach().float(), module_fmt))
+                module.weight.copy_(_reference_weight(module.weight.detach().float(), module_fmt, scale_dtype=dtype))
     return ref
 
 
@@ -95,11 +100,11 @@ def test_bf16_kernels_match_the_dequantized_matmul(fmt: str, rows: int) -> None:
 
 
 class _Runner:
-    def __init__(self, model: PreTrainedModel, fmt: str):
-        weights = load_weights(model, torch.float32, "cpu", MAX_LEN)
-        linear = LinearFactory("auto", "cpu", torch.float32, fmt, GROUP)  # type: ignore[arg-type]
+    def __init__(self, model: PreTrainedModel, fmt: str, dtype: torch.dtype = torch.float32):
+        weights = load_weights(model, dtype, "cpu", MAX_LEN)
+        linear = LinearFactory("auto", "cpu", dtype, fmt, GROUP)  # type: ignore[arg-type]
         self.forward = LlamaForward(weights, linear, native_layer_ops=False)
-        self.cache = KVCache(weights.spec, 64, BLOCK, torch.float32, "cpu")
+        self.cache = KVCache(weights.spec, 64, BLOCK, dtype, "cpu")
         self.blocks = BlockManager(64, BLOCK)
 
     def prompt_logits(self, i: int, prompt: list[int]) -> torch.Tensor:
@@ -126,6 +131,26 @@ def test_logits_match_transformers_with_dequantized_weights(family: str, fmt: st
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
         drift = max(drift, (logits - unquantized).abs().max().item())
     assert drift > 1e-3  # the weights were quantized: the unquantized model's logits differ
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("family", ["llama-head-dim", "qwen3-qk-norm"])
+def test_bf16_engine_on_the_kernels_is_within_the_bf16_tolerance(family: str, fmt: str) -> None:
+    """bf16 activations run torch's int8 / int4 kernels: the logits stay within a third of the README's
+    bf16 tolerance of an fp32 forward over the same dequantized weights (bf16 scales). Measured: 0.3-0.45
+    of this bound; the unquantized model's logits are 0.8-1.0 of it (int8) and 8-11x (int4) away, so the
+    exact check is the fp32 one above and this one proves the kernels' path serves the same weights."""
+    model = FAMILIES[family]()
+    reference = _dequantized_model(model, fmt, torch.bfloat16)
+    runner = _Runner(model, fmt, torch.bfloat16)
+    quant = runner.forward.proj[0]["qkv"].quant
+    assert quant is not None and (quant.packed is not None if fmt == "int4" else quant.kernel_rows > 0)
+    for i, prompt in enumerate(PROMPTS):
+        logits = runner.prompt_logits(i, prompt)
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0].float()
+        bound = 0.01 * max(1.0, expected.abs().max().item())
+        assert (logits - expected).abs().max().item() <= bound, f"prompt {i}"
 
 
 def _peft(model: PreTrainedModel, root: Path) -> PeftModel:
