@@ -8,12 +8,16 @@ stay in the engine's dtype; a projection's values are ``x @ dequantize(w).T + bi
 
 The rows run through torch's own CPU kernels, ``aten._weight_int8pack_mm`` and
 ``aten._weight_int4pack_mm_for_cpu`` (the weight in its blocked int4 layout), which accumulate in fp32.
-Both are vectorised for bf16 activations only: with fp32 ones they took 5-15x (int8) and 15-100x (int4)
-F.linear's time on SmolLM2's projections (one thread, Zen 4). So in fp32 every call dequantizes the
-weight into fp32 and runs F.linear (the values the reference forward has, bit for bit: that is the
-exactness path, not a fast one), and in bf16 the kernels take the rows: int8 up to INT8_KERNEL_ROWS
-rows (past them dequantizing per call was faster: 256 rows 35 -> 17 ms for gate_up), int4 at every row
-count (even with dequantizing at 256 rows, 2x faster below).
+Both are vectorised for bf16 activations only: with fp32 ones they took 5-27x (int8, 1-8 rows) and
+16-120x (int4, 1-64 rows) F.linear's time on SmolLM2's gate_up projection (one thread, Zen 4, a machine
+shared with other jobs). So in fp32 every call dequantizes the weight into fp32 and runs F.linear (the
+values the reference forward has: that is the exactness path, not a fast one), and in bf16 the kernels
+take the rows: int8 up to INT8_KERNEL_ROWS rows (past them dequantizing per call was faster: 256 rows
+35 -> 17 ms), int4 at every row count (even with dequantizing per call at 256 rows, 1.4-7x faster at
+4-64 rows, and it holds no unpacked copy to dequantize from).
+
+The unquantized weights stay in memory (the transformers model and ModelWeights hold them): a step reads
+only the quantized ones, so this saves bandwidth per token, not resident memory.
 """
 
 from dataclasses import dataclass
