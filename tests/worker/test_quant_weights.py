@@ -26,7 +26,7 @@ from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.settings import WorkerSettings
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES
-from tests.helpers.families import FAMILIES, PROMPTS, word_tokenizer
+from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, word_tokenizer
 
 QUANTIZED = ["int8", "int4"]
 GROUP = 32
@@ -255,3 +255,10 @@ def test_quantized_weights_refuse_float16_and_vllm() -> None:
         LinearFactory("auto", "cpu", torch.float16, "int8")
     with pytest.raises(ValidationError, match=r"LF_ENGINE__WEIGHTS=int8 is served by the built-in engine only"):
         WorkerSettings(worker_engine="vllm", engine=EngineConfig(weights="int8"))
+
+
+def test_quantized_weights_refuse_mixture_of_experts() -> None:
+    model = MOE_FAMILIES["qwen3-moe-qk-norm-normalised"]()
+    linear = LinearFactory("auto", "cpu", torch.float32, "int8")
+    with pytest.raises(UnsupportedQuantization, match=r"does not quantize mixture-of-experts layers"):
+        LlamaForward(load_weights(model, torch.float32, "cpu", MAX_LEN), linear)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kernels import native, projections
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
+from services.worker.engine.errors import UnsupportedQuantization
 from services.worker.engine.experts import moe_mlp
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.layer_loop import NativeLayerLoop
@@ -69,6 +70,10 @@ class LlamaForward:
         self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
+        if make.weights != "none" and any(layer.experts is not None for layer in weights.layers):
+            raise UnsupportedQuantization(
+                f"LF_ENGINE__WEIGHTS={make.weights} does not quantize mixture-of-experts layers"
+            )
         self.proj: list[dict[str, Linear]] = []
         for layer in weights.layers:
             proj = {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias)}
