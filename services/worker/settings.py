@@ -67,6 +67,14 @@ class WorkerSettings(WorkerIdentity):
         return self
 
     @model_validator(mode="after")
+    def _quantized_weights_builtin_only(self) -> "WorkerSettings":
+        if self.worker_engine == "vllm" and self.engine.weights != "none":
+            raise ValueError(
+                f"LF_ENGINE__WEIGHTS={self.engine.weights} is served by the built-in engine only, not LF_WORKER_ENGINE=vllm"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _pool_of_own_classes(self) -> "WorkerSettings":
         listed = self.worker_rank_pool not in ("", "high")
         if listed and not set(self.rank_pool(self.lora.rank_classes)) <= set(self.lora.rank_classes):

@@ -9,6 +9,7 @@ from services.worker.engine.attention import CpuAttention
 from services.worker.engine.layer_loop import CpuLayerLoop
 from services.worker.engine.linear import CpuLinear
 from services.worker.engine.model import CpuLayerOps
+from services.worker.engine.quant import GroupSize, WeightFormat
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +43,18 @@ class EngineConfig(BaseModel):
         "has no bf16 GEMM), else oneDNN-prepacked weights, fp32 and bf16, each where its probe passes, else "
         "F.linear; holds the weights twice), torch (F.linear only), onednn / panel (that path for every row "
         "count, refusing to start where it is not usable)",
+    )
+    weights: WeightFormat = Field(
+        default="none",
+        description="LF_ENGINE__WEIGHTS: weight-only quantization of every projection and lm_head at load "
+        "(CPU, float32 or bfloat16 activations): none (the weights in dtype), int8 (per output channel), "
+        "int4 (per group of weight_group_size input features); symmetric, LoRA deltas and the embedding "
+        "stay in dtype; fast with dtype=bfloat16 (torch's kernels), float32 dequantizes per call",
+    )
+    weight_group_size: GroupSize = Field(
+        default=32,
+        description="LF_ENGINE__WEIGHT_GROUP_SIZE: input features per int4 scale (32, 64 or 128); every "
+        "projection's in_features must be divisible by it",
     )
     cpu_attention: CpuAttention = Field(
         default="auto",

@@ -69,7 +69,9 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.scheduler = BatchScheduler(config, self.blocks, adapter_manager)
         native = use_native_decode(config.cpu_attention, config.device, config.torch_dtype, spec.head_dim)
-        linear = LinearFactory(config.cpu_linear, config.device, config.torch_dtype)
+        linear = LinearFactory(
+            config.cpu_linear, config.device, config.torch_dtype, config.weights, config.weight_group_size
+        )
         layer_ops = use_native_layer_ops(config.cpu_layer_ops, config.device, config.torch_dtype)
         loop = config.cpu_layer_loop == "auto"
         self.model = LlamaForward(

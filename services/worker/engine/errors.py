@@ -23,3 +23,9 @@ class UnsupportedSampling(InvalidRequest):
     """A sampling parameter this engine cannot honour exactly: refused rather than silently approximated."""
 
     code = "unsupported_sampling_parameter"
+
+
+class UnsupportedQuantization(UnsupportedModel):
+    """LF_ENGINE__WEIGHTS asks for a quantized format this model's shapes, dtype or device cannot take."""
+
+    code = "unsupported_quantization"

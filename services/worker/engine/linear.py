@@ -74,11 +74,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native, projections
+from services.worker.engine.errors import UnsupportedQuantization
+from services.worker.engine.quant import QuantWeight, WeightFormat, quantize
 
 CpuLinear = Literal["auto", "torch", "onednn", "panel"]
 PanelKernel = Literal["eight", "wide", "dot"]  # kernels.projections' panel_linear, _wide, _dot
-# How a projection runs its rows past the small-row kernel: a panel kernel, oneDNN's packed weight, F.linear
-LinearPath = PanelKernel | Literal["onednn", "torch"]
+# How a projection runs its rows past the small-row kernel: a panel kernel, oneDNN's packed weight, F.linear;
+# or a quantized weight's (quant.py) for all its rows
+LinearPath = PanelKernel | Literal["onednn", "torch", "int8", "int4"]
 PANEL_KERNELS: tuple[PanelKernel, ...] = ("eight", "wide", "dot")
 log = structlog.get_logger("engine")
 BF16_WIDENING_ROWS = 4  # bf16 rows the kernel takes without AVX512-BF16's dot product
@@ -200,15 +203,20 @@ PREPARE: dict[LinearPath, Callable[[torch.Tensor], torch.Tensor]] = {
 class Linear:
     """``y = x @ weight.T + bias``: up to ``small_rows`` rows through kernels.projections' small-row
     kernel, the rest by ``path``: a panel kernel or oneDNN on ``prepared``, the weight in that path's
-    layout (so never both copies besides the plain weight), or ``F.linear`` on the plain weight."""
+    layout (so never both copies besides the plain weight), or ``F.linear`` on the plain weight. With
+    ``quant`` (paths int8 and int4) every row runs on the quantized weight, and ``weight`` is a meta
+    tensor holding only the logical shape."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None
     path: LinearPath = "torch"
-    prepared: torch.Tensor | None = None  # None exactly on the torch path
+    prepared: torch.Tensor | None = None  # None exactly on the torch and quantized paths
     small_rows: int = 0  # 0: no small-row kernel
+    quant: QuantWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.bias)
         if x.shape[0] <= self.small_rows and x.shape[0] > 0:
             return projections.small_linear(x if x.stride(-1) == 1 else x.contiguous(), self.weight, self.bias)
         prepared = self.prepared
@@ -230,9 +238,17 @@ class LinearFactory:
     product for bf16 with AVX512-BF16 but no AMX (with AMX, oneDNN's tile GEMM), sixteen lanes for fp32 with AVX-512, eight lanes without
     AVX-512 or where it is the only bf16 GEMM; else oneDNN's packed path where usable, else
     ``F.linear``), ``torch`` (``F.linear`` only), ``onednn`` / ``panel`` (that path for every row
-    count, refusing to start where it is not usable)."""
+    count, refusing to start where it is not usable). With ``weights`` int8 or int4 every projection is
+    quantized (quant.py) whatever the mode, CPU fp32 and bf16 only (UnsupportedQuantization elsewhere)."""
 
-    def __init__(self, mode: CpuLinear, device: str, dtype: torch.dtype):
+    def __init__(
+        self, mode: CpuLinear, device: str, dtype: torch.dtype, weights: WeightFormat = "none", group_size: int = 32
+    ):
+        self.weights, self.group_size, self.dtype = weights, group_size, dtype
+        if weights != "none" and (torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+            raise UnsupportedQuantization(
+                f"LF_ENGINE__WEIGHTS={weights} serves the CPU engine in float32 or bfloat16, not {device} {dtype}"
+            )
         cpu, panels = torch.device(device).type == "cpu", mode in ("auto", "panel")
         eight = cpu and panels and dtype in native.DTYPES and projections.native_panel_linear()
         reference_bf16 = cpu and dtype == torch.bfloat16 and not onednn_usable(dtype)
@@ -264,7 +280,21 @@ class LinearFactory:
                 cpu_linear=mode,
             )
 
-    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def head(self, weight: torch.Tensor) -> Linear:
+        """The lm_head: as a projection, except that int4 weights keep it in int8 (as llama.cpp's 4-bit
+        types keep their output matrix at 6 bits or more): on SmolLM2, int4 there cost the greedy
+        agreement with bf16 more than every int4 layer together."""
+        return self(weight, weights="int8" if self.weights == "int4" else self.weights)
+
+    def __call__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, weights: WeightFormat | None = None
+    ) -> Linear:
+        weights = weights or self.weights
+        if weights != "none":
+            quant = quantize(weight, weights, self.group_size, self.dtype)
+            logical = torch.empty(weight.shape, dtype=self.dtype, device="meta")
+            bias = bias.contiguous() if bias is not None else None
+            return Linear(logical, bias, weights, None, 0, quant)
         prepared = PREPARE[self.path](weight) if self.path != "torch" else None
         weight, bias = weight.contiguous(), bias.contiguous() if bias is not None else None
         return Linear(weight, bias, self.path, prepared, self.small_rows)

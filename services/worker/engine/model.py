@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kernels import native, projections
 from services.worker.engine.attention import AttentionMetadata, AttentionParams, paged_attention, write_kv
+from services.worker.engine.errors import UnsupportedQuantization
 from services.worker.engine.experts import moe_mlp
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.layer_loop import NativeLayerLoop
@@ -69,13 +70,17 @@ class LlamaForward:
         self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
+        if make.weights != "none" and any(layer.experts is not None for layer in weights.layers):
+            raise UnsupportedQuantization(
+                f"LF_ENGINE__WEIGHTS={make.weights} does not quantize mixture-of-experts layers"
+            )
         self.proj: list[dict[str, Linear]] = []
         for layer in weights.layers:
             proj = {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias)}
             if layer.gate_up is not None and layer.down is not None:  # a dense MLP (or the shared expert)
                 proj |= {"gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
             self.proj.append(proj)
-        self.lm_head = make(weights.lm_head)
+        self.lm_head = make.head(weights.lm_head)
         # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
         self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec

@@ -1,0 +1,110 @@
+"""Weight-only quantized projections (``LF_ENGINE__WEIGHTS``): int8 per output channel, int4 per group
+of ``LF_ENGINE__WEIGHT_GROUP_SIZE`` input features, both symmetric, quantized once at load from the
+model's fp32 or bf16 weights. Activations, biases, norms, the embedding, the K/V cache and LoRA deltas
+stay in the engine's dtype; a projection's values are ``x @ dequantize(w).T + bias`` in that dtype.
+
+    int8: q = round(w / s).clamp(-127, 127), s = max|w[row]| / 127           w' = q * s
+    int4: q = round(w / s).clamp(-7, 7),     s = max|w[row, group]| / 7      w' = q * s
+
+The rows run through torch's own CPU kernels, ``aten._weight_int8pack_mm`` and
+``aten._weight_int4pack_mm_for_cpu`` (the weight in its blocked int4 layout), which accumulate in fp32.
+Both are vectorised for bf16 activations only: with fp32 ones they took 5-27x (int8, 1-8 rows) and
+16-120x (int4, 1-64 rows) F.linear's time on SmolLM2's gate_up projection (one thread, Zen 4, a machine
+shared with other jobs). So in fp32 every call dequantizes the weight into fp32 and runs F.linear (the
+values the reference forward has: that is the exactness path, not a fast one), and in bf16 the kernels
+take the rows: int8 up to INT8_KERNEL_ROWS rows (past them dequantizing per call was faster: 256 rows
+35 -> 17 ms), int4 at every row count (even with dequantizing per call at 256 rows, 1.4-7x faster at
+4-64 rows, and it holds no unpacked copy to dequantize from).
+
+The unquantized weights stay in memory (the transformers model and ModelWeights hold them): a step reads
+only the quantized ones, so this saves bandwidth per token, not resident memory.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.engine.errors import UnsupportedQuantization
+
+WeightFormat = Literal["none", "int8", "int4"]
+GroupSize = Literal[32, 64, 128]
+INT8_KERNEL_ROWS = 64
+INT4_PACK_ROWS = 16  # torch's int4 layout packs 16 output features together
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """One projection's quantized weight; ``x -> x @ dequantize().T + bias``."""
+
+    format: Literal["int8", "int4"]
+    out_features: int
+    in_features: int
+    group_size: int  # int4: input features per scale; int8: in_features
+    codes: torch.Tensor | None  # int8: [out, in] int8; int4 (fp32): [out, in / 2] uint8, even features low
+    scales: torch.Tensor  # int8: [out]; int4: [out, in / group_size]; in the activation dtype
+    packed: torch.Tensor | None = None  # int4 (bf16): torch's blocked int4 layout of the codes
+    scale_zeros: torch.Tensor | None = None  # int4 (bf16): [in / group_size, out, 2], (scale, 0) per group
+    kernel_rows: int = 0  # rows up to which torch's kernel runs (0: none, dequantize per call)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the projection computes with, [out, in] in the activation dtype."""
+        dtype = self.scales.dtype
+        if self.format == "int8":
+            assert self.codes is not None
+            return self.codes.to(dtype) * self.scales[:, None]
+        assert self.codes is not None, "bf16 int4 weights live in the kernel's layout only"
+        low, high = (self.codes & 0xF).to(torch.int8), (self.codes >> 4).to(torch.int8)
+        codes = torch.stack((low, high), dim=-1).view(self.out_features, -1, self.group_size) - 8
+        return (codes.to(dtype) * self.scales[:, :, None]).view(self.out_features, self.in_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.format == "int4" and self.packed is not None:
+            out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.packed, self.group_size, self.scale_zeros
+            )
+        elif 0 < rows <= self.kernel_rows:
+            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
+        else:
+            return F.linear(x, self.dequantize(), bias)
+        return out.add_(bias) if bias is not None else out
+
+
+def quantize(weight: torch.Tensor, format: Literal["int8", "int4"], group_size: int, dtype: torch.dtype) -> QuantWeight:
+    """Quantize ``weight`` [out, in] (any float dtype, read in fp32) for activations of ``dtype``
+    (fp32 or bf16); UnsupportedQuantization where the shape does not fit the format."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float()
+    if format == "int8":
+        scales = _scales(w.abs().amax(dim=1), 127).to(dtype)
+        codes = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
+        return QuantWeight(format, out_features, in_features, in_features, codes, scales, kernel_rows=kernel_rows)
+    if in_features % group_size:
+        raise UnsupportedQuantization(
+            f"int4 weights need in_features divisible by the group size: a [{out_features}, {in_features}] "
+            f"projection with LF_ENGINE__WEIGHT_GROUP_SIZE={group_size}"
+        )
+    if out_features % INT4_PACK_ROWS:
+        raise UnsupportedQuantization(
+            f"int4 weights need out_features divisible by {INT4_PACK_ROWS} (torch's int4 layout): "
+            f"a [{out_features}, {in_features}] projection"
+        )
+    groups = w.view(out_features, in_features // group_size, group_size)
+    scales = _scales(groups.abs().amax(dim=2), 7).to(dtype)  # [out, groups]
+    codes = (torch.round(groups / scales.float()[:, :, None]).clamp_(-7, 7) + 8).to(torch.uint8)
+    codes = codes.view(out_features, in_features)
+    if dtype == torch.bfloat16:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scale_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).transpose(0, 1).contiguous()
+        return QuantWeight(format, out_features, in_features, group_size, None, scales, packed, scale_zeros)
+    nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return QuantWeight(format, out_features, in_features, group_size, nibbles.contiguous(), scales)
+
+
+def _scales(amax: torch.Tensor, levels: int) -> torch.Tensor:
+    """max|w| / levels, 1 for an all-zero row or group (its codes are 0 whatever the scale)."""
+    scales = amax / levels
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
