@@ -17,7 +17,7 @@ from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.shedding import LoadShedder
-from services.scheduler.submission import parse_submission, refusal_target
+from services.scheduler.submission import parse_submission, past_accept_deadline, refusal_target, slo_class_of
 from shared import metrics, subjects
 from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView
@@ -26,7 +26,6 @@ from shared.errors import (
     LorafleetError,
     NoResponders,
     Overloaded,
-    PriorityNotAllowed,
     QuotaExceeded,
     RequestIdInUse,
     UpstreamTimeout,
@@ -42,31 +41,10 @@ from shared.schemas import (
     SloClass,
     TenantQuota,
     WorkerControl,
-    slo_rank,
 )
 from shared.undecodable import skip
 
 log = structlog.get_logger("scheduler")
-
-
-def past_accept_deadline(request: InferRequest, wall: float) -> UpstreamTimeout | None:
-    """The refusal of a request whose client said it stops waiting before ``wall`` (None: it still waits)."""
-    if request.accept_deadline is None or wall <= request.accept_deadline:
-        return None
-    return UpstreamTimeout("the request's accept deadline passed before it was scheduled")
-
-
-def slo_class_of(request: InferRequest, quota: TenantQuota) -> SloClass:
-    """The class the request runs in: the one it asks for, at most its tenant's tier (above it:
-    refused, never lowered silently), or the tier when it asks for none."""
-    tier = quota.slo_tier or "standard"
-    if request.priority is None:
-        return tier
-    if slo_rank(request.priority) < slo_rank(tier):
-        raise PriorityNotAllowed(
-            f"priority {request.priority} is above tenant {request.tenant_id}'s tier ({tier})", param="priority"
-        )
-    return request.priority
 
 
 class Handle(Protocol):

@@ -1,12 +1,13 @@
-"""Check a submission from the INFER work queue before the scheduler takes it."""
+"""Check a submission from the INFER work queue before the scheduler takes it: its subject, inbox,
+accept deadline and SLO class."""
 
 import json
 import re
 
 from shared import subjects
 from shared.bus import decode
-from shared.errors import Forbidden, InvalidMessage
-from shared.schemas import InferRequest
+from shared.errors import Forbidden, InvalidMessage, PriorityNotAllowed, UpstreamTimeout
+from shared.schemas import InferRequest, SloClass, TenantQuota, slo_rank
 
 _INBOX = re.compile(r"_INBOX[._][A-Za-z0-9_.-]{1,250}")  # InferRequest.reply_to's pattern: no wildcard, space or CR/LF
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what a RequestId may not hold
@@ -56,3 +57,23 @@ def refusal_target(subject: str, data: bytes) -> tuple[str, str, str | None] | N
     if inbox and reply.startswith(mine):
         return tenant, rid, reply
     return tenant, rid, None
+
+
+def past_accept_deadline(request: InferRequest, wall: float) -> UpstreamTimeout | None:
+    """The refusal of a request whose client said it stops waiting before ``wall`` (None: it still waits)."""
+    if request.accept_deadline is None or wall <= request.accept_deadline:
+        return None
+    return UpstreamTimeout("the request's accept deadline passed before it was scheduled")
+
+
+def slo_class_of(request: InferRequest, quota: TenantQuota) -> SloClass:
+    """The class the request runs in: the one it asks for, at most its tenant's tier (above it:
+    refused, never lowered silently), or the tier when it asks for none."""
+    tier = quota.slo_tier or "standard"
+    if request.priority is None:
+        return tier
+    if slo_rank(request.priority) < slo_rank(tier):
+        raise PriorityNotAllowed(
+            f"priority {request.priority} is above tenant {request.tenant_id}'s tier ({tier})", param="priority"
+        )
+    return request.priority

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.scheduler.dispatcher import Dispatcher, past_accept_deadline
+from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.prefetch import Prefetcher
+from services.scheduler.submission import past_accept_deadline
 from services.scheduler.vtc import SharedCounters
 from shared import metrics
 from shared.errors import NoWorkerAvailable, WorkerLost
