@@ -245,6 +245,7 @@ async def test_a_push_over_the_tenants_fetch_bound_is_refused_at_once_with_retry
     spool = hostile.trusted_dir.parent / "spool"
     held_uri = await slow_drip(hostile, nc, f"c-{uuid.uuid4().hex[:8]}")
     held_push = signed_push(hostile, held_uri, hostile.files, f"held-{uuid.uuid4().hex[:6]}")
+    pushed = time.monotonic()  # the held fetch starts after this, so its time limit ends after pushed + the limit
     held = asyncio.create_task(request(nc, subjects.registry("register"), held_push, AdapterRecordsReply, 60))
     adapter_id, path = f"bounded-{uuid.uuid4().hex[:6]}", f"good-{uuid.uuid4().hex[:8]}"
     hostile.s3.put_dir("hostile", f"{path}/", hostile.files)
@@ -256,12 +257,18 @@ async def test_a_push_over_the_tenants_fetch_bound_is_refused_at_once_with_retry
     while not any(spool.rglob(CONFIG_FILE)):  # the drip's fetch has begun: demo's slot is taken
         assert time.monotonic() - started < 10
         await asyncio.sleep(0.02)
+    seen = time.monotonic()  # the held fetch had started by now, so its time limit ends by seen + the limit
     before, since = await hostile.snapshot(nc), time.time()
     async with hostile.client(hostile.keys.demo_admin) as c:
+        asked = time.monotonic()
         busy = await c.post("/admin/adapters", data=form)
+        answered = time.monotonic()
     assert busy.status_code == 429, busy.text
     assert busy.json()["error"]["code"] == "source_fetches_busy"
-    assert 1 <= int(busy.headers["Retry-After"]) <= REMOTE_TIMEOUT_S
+    # Retry-After is the held fetch's time left (at least 1 s), not a constant: within what the clocks allow
+    soonest = max(1, round(REMOTE_TIMEOUT_S - (answered - pushed)))
+    latest = max(1, round(REMOTE_TIMEOUT_S - (asked - seen)))
+    assert soonest <= int(busy.headers["Retry-After"]) <= latest
     assert time.monotonic() - started < REMOTE_TIMEOUT_S  # refused while the drip still runs, not queued behind it
     assert await hostile.snapshot(nc) == before
     await hostile.wait_audit("rejection", "demo", since, service="registry", code="source_fetches_busy",
