@@ -63,7 +63,10 @@ class Position:
     async def caught_up(self, bucket: KeyValue, timeout_s: float = CATCH_UP_S) -> None:
         """Return once the mirror has applied the bucket's last revision as of now; ``StaleMirror``
         if the watch does not bring it within ``timeout_s`` (it is restarted by then if stalled)."""
-        target = (await bucket.status()).stream_info.state.last_seq
+        await self.reached((await bucket.status()).stream_info.state.last_seq, timeout_s)
+
+    async def reached(self, target: int, timeout_s: float = CATCH_UP_S) -> None:
+        """Return once the mirror has applied revision ``target``; ``StaleMirror`` past ``timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.revision < target:

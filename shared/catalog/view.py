@@ -154,9 +154,10 @@ class CatalogView:
         once the view holds every signer write its bucket had acknowledged when called (a read
         barrier: a signer added or untrusted a moment ago counts). Needs a view that follows the
         signers bucket (``follow_catalog(..., signers=True)``)."""
-        bucket = await js.key_value(subjects.REGISTRY_SIGNERS_BUCKET)
+        # one request: the bucket's stream state (a KeyValue handle would cost a second)
+        info = await js.stream_info(f"KV_{subjects.REGISTRY_SIGNERS_BUCKET}")
         try:
-            await self.signer_position.caught_up(bucket, timeout_s)
+            await self.signer_position.reached(info.state.last_seq, timeout_s)
         except StaleMirror as e:
             raise ServiceUnavailable(f"the trusted signers are not current: {e}") from None
         return {s.signer: s.verify_keys() for s in self._signers.values()}
