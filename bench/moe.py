@@ -25,7 +25,7 @@ from bench.environment import environment, rounds_argument, threads_argument
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.layer_loop import CpuLayerLoop
-from services.worker.engine.loader import LoadedModel
+from services.worker.engine.model_loader import LoadedModel
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"

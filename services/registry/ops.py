@@ -24,8 +24,8 @@ import structlog
 from services.registry import lifecycle
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, stored_push
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, stored_push
 from services.registry.remote_intake import RemoteIntake
 from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (

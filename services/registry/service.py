@@ -18,11 +18,11 @@ from pydantic import BaseModel
 
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
-from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV, publish_registry_audit
 from services.registry.ops import Registry
-from services.registry.pins import FleetSlots, Pins
+from services.registry.pin_ops import FleetSlots, Pins
 from services.registry.pins_kv import open_pins
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve

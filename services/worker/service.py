@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 from services.worker import engines
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_events import on_adapter_event
-from services.worker.pins import PinFollower
+from services.worker.pin_follower import PinFollower
 from services.worker.serving import RequestServer
 from services.worker.settings import WorkerSettings
 from services.worker.start_phase import StartPhase

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.registry.fleet_ranks import RankClasses
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_digests

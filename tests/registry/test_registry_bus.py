@@ -12,11 +12,11 @@ from nats.aio.msg import Msg
 from pydantic import BaseModel
 
 from services.registry.gate import GatePolicy
-from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import StaleRecords
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
-from services.registry.pins import FleetSlots, Pins
+from services.registry.pin_ops import FleetSlots, Pins
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import Stored

@@ -16,8 +16,8 @@ from transformers import AutoConfig
 
 from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.infra import Server
-from services.registry.intake import BaseModelIdentity
 from services.registry.kv import RecordsKV, StaleRecords
+from services.registry.push_admission import BaseModelIdentity
 from services.registry.service import run
 from services.registry.settings import RegistrySettings
 from services.worker.adapter_source import StoreLoader

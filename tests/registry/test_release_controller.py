@@ -10,10 +10,10 @@ import pytest
 from pydantic import BaseModel
 
 from services.registry.gate import GatePolicy
-from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine, RequestTooLarge
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from services.worker.engine.weights import ModelWeights, load_weights
 from shared.schemas import SamplingParams
 from tests.helpers.families import tiny_llama

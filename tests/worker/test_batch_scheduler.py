@@ -4,7 +4,7 @@ preemption of lower classes for a waiting interactive request (bounded by its de
 import pytest
 
 from services.worker.engine.batch_scheduler import BatchScheduler, SchedulerOutput
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.kv_cache import BlockManager
 from services.worker.engine.sequence import EngineRequest, Sequence
 from shared.schemas import SamplingParams, SloClass

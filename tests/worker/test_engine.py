@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine, RequestTooLarge
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 
 QUESTIONS = [

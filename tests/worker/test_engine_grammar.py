@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 
 from services.worker.engine import EngineRequest, LLMEngine
 from services.worker.engine.grammar import digest
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.errors import InvalidSchema
 from shared.schemas import SamplingParams, StructuredOutput
 from tests.worker.test_engine import make_engine, run

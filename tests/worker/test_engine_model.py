@@ -8,8 +8,8 @@ from services.worker.engine.batch import build_batch
 from services.worker.engine.errors import UnsupportedModel
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import CpuLinear, LinearFactory
-from services.worker.engine.loader import load_model
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.model_loader import load_model
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from tests.helpers.native import needs_toolchain

@@ -5,7 +5,7 @@ import torch
 
 from services.worker.engine import EngineRequest, LLMEngine, RequestOutput
 from services.worker.engine import prompt_logprobs as prompt_module
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams, TokenLogprob
 from tests.worker.test_engine import make_engine
 

@@ -7,7 +7,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from services.worker.engine import EngineRequest, LLMEngine, UnsupportedSampling
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
 from tests.worker.test_engine import make_engine, run
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from services.worker.engine import EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.prompt_ids import PromptIds
 from services.worker.tool_grammar import constraint
 from shared import tool_calls

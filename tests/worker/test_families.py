@@ -27,7 +27,7 @@ from transformers import (
 
 from services.worker.engine.errors import UnsupportedModel
 from services.worker.engine.families import family_of, layer_windows
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 
 TINY: dict[str, Any] = {
     "vocab_size": 512,

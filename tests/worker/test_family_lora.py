@@ -11,7 +11,7 @@ from peft import PeftModel, get_peft_model
 from transformers import GenerationConfig, PreTrainedModel
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.lora.fused import split_fused
 from services.worker.lora.peft_loader import to_slot_layout

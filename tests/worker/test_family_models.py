@@ -13,8 +13,8 @@ from services.worker.engine.batch import build_batch
 from services.worker.engine.errors import UnsupportedModel
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import LinearFactory
-from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import load_weights
 from shared.schemas import SamplingParams

@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.kv_cache import BlockAllocator, BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import ModelSpec

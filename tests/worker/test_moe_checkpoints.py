@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.engine import EngineConfig, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import EngineRequest
 from shared.schemas import SamplingParams
 from tests.helpers.families import MOE_FAMILIES, PROMPTS, save_family

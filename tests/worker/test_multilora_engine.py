@@ -17,7 +17,7 @@ from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES, tiny_llama

@@ -6,7 +6,7 @@ import torch
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.kv_cache import BlockAllocator, BlockManager
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import Sequence
 from shared.schemas import SamplingParams
 

@@ -17,8 +17,8 @@ from services.worker.engine.batch import build_batch
 from services.worker.engine.errors import UnsupportedQuantization
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import LinearFactory
-from services.worker.engine.loader import LoadedModel
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.engine.quant import quantize
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import load_weights

@@ -5,7 +5,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.worker.engine.detokenizer import IncrementalDetokenizer
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from services.worker.engine.sampler import sample
 from services.worker.engine.sequence import EngineRequest, Sequence
 from shared.schemas import SamplingParams

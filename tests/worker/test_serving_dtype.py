@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from services.worker.engine.batch import build_batch
 from services.worker.engine.kv_cache import BlockManager, KVCache
 from services.worker.engine.linear import CpuLinear, LinearFactory
-from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import EngineRequest, Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family

@@ -4,7 +4,7 @@ slot is used and decode runs through vLLM's CUDA graphs."""
 
 import pytest
 
-from services.worker.vllm_engine.config import VLLM_MAX_LORA_RANKS, VllmConfig, VllmPlan
+from services.worker.vllm_engine.vllm_config import VLLM_MAX_LORA_RANKS, VllmConfig, VllmPlan
 
 
 def test_the_cpu_build_keeps_a_slot_free_and_runs_eagerly() -> None:

@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from services.worker.adapter_cache.config import CacheConfig
+from services.worker.adapter_cache.cache_config import CacheConfig
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from services.worker.adapter_source import VerifiedFiles
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest
 from services.worker.tool_grammar import constraint
 from services.worker.vllm_engine.adapter_dir import AdapterDir
-from services.worker.vllm_engine.config import VllmConfig
 from services.worker.vllm_engine.engine import VllmEngine
 from services.worker.vllm_engine.slots import VllmSlots
+from services.worker.vllm_engine.vllm_config import VllmConfig
 from shared.adapter_format import ADAPTER_FILES
 from shared.chat_tokens import ChatTokenizer
 from shared.config import GrammarBounds

@@ -11,15 +11,15 @@ from kernels.native import argmax as native_argmax
 from services.worker.engine.attention import use_native_decode
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedModel, UnsupportedSampling
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
-from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward, use_native_layer_ops
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.engine.prompt_logprobs import prompt_entries
 from services.worker.engine.rank_skew import RankSkew
 from services.worker.engine.sampler import Sampled, sample

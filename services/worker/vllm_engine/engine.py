@@ -28,8 +28,8 @@ from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
-from services.worker.vllm_engine.config import VllmConfig, VllmPlan
 from services.worker.vllm_engine.sampling import to_vllm
+from services.worker.vllm_engine.vllm_config import VllmConfig, VllmPlan
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
 from shared.schemas import StructuredOutput, TokenLogprob, slo_rank
 

@@ -12,8 +12,7 @@ import structlog
 
 from services.worker.adapter_cache.hierarchy import CacheHierarchy
 from shared.adapter_keys import adapter_key
-from shared.catalog.records import Catalog
-from shared.pins import pinned_versions
+from shared.catalog.records import Catalog, pinned_versions
 from shared.schemas import AdapterRecord, PinRecord
 
 log = structlog.get_logger("worker")

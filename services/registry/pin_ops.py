@@ -21,9 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 from shared import subjects
-from shared.catalog.records import Catalog
+from shared.catalog.records import Catalog, pinned_versions
 from shared.errors import Conflict, NotFound, PinsExceedSlots
-from shared.pins import pinned_versions
 from shared.schemas import AdminAudit, ListPinsRequest, PinRecord, PinRequest, PinsReply, WorkerHeartbeat
 from shared.undecodable import decoded
 
