@@ -9,7 +9,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from services.worker.engine import EngineRequest, LLMEngine, UnsupportedSampling
 from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams
-from tests.worker.test_engine import make_engine, run
+from tests.worker.engine.test_engine import make_engine, run
 
 BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 REPEAT = "Repeat this line exactly, ten times: the cat sat on the mat."

@@ -14,7 +14,7 @@ from services.worker.tool_grammar import constraint
 from shared import tool_calls
 from shared.errors import InvalidSchema
 from shared.schemas import ChatMessage, SamplingParams, ToolFunction, Tools
-from tests.worker.test_engine import make_engine, run
+from tests.worker.engine.test_engine import make_engine, run
 
 WEATHER = ToolFunction(
     name="get_weather",

@@ -1,4 +1,4 @@
-"""Run by tests/worker/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
+"""Run by tests/worker/vllm_engine/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
 the project's transformers): drives services.worker.vllm_engine and prints what it saw as one JSON line.
 
 argv[1]: JSON {"mode": "engine" | "guard" | "priority", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
@@ -33,7 +33,7 @@ from shared.schemas import ChatMessage, SamplingParams, StructuredOutput, ToolFu
 
 RESULT = "VLLM_PROGRAM_RESULT "
 COMPILE_BOUND_S = 2.0  # the grammar compile bound the "engine" mode runs under
-# a pattern whose automaton takes xgrammar about a minute to build (tests/worker/test_grammar_pool.py)
+# a pattern whose automaton takes xgrammar about a minute to build (tests/worker/engine/test_grammar_pool.py)
 HOSTILE = {"type": "object", "properties": {"code": {"type": "string", "pattern": '([^"]{1,10}){1,20}'}}}
 
 

@@ -7,7 +7,7 @@ from services.worker.engine import EngineRequest, LLMEngine, RequestOutput
 from services.worker.engine import prompt_logprobs as prompt_module
 from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams, TokenLogprob
-from tests.worker.test_engine import make_engine
+from tests.worker.engine.test_engine import make_engine
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, and then it runs away into the forest.",

@@ -54,7 +54,7 @@ def test_auto_linear_in_bf16_equals_f_linear_within_bf16_rounding(rows: int, bia
 def test_every_row_count_takes_the_packed_path_a_single_row_unpadded(monkeypatch):
     """The packed path serves decode steps and prefills alike (oneDNN is 2x MKL's fp32 GEMM on a
     prefill here too), at the padded row counts, a single row as it is (``onednn`` sends it every row
-    count; ``auto`` sends it all but a small batch's, tests/worker/test_small_linear.py)."""
+    count; ``auto`` sends it all but a small batch's, tests/worker/engine/test_small_linear.py)."""
     _, weight, _ = _case(1, 64, 32, False)
     rows = [1, 5, 8, 128, 129, 1405]
     linear = LinearFactory("onednn", "cpu", torch.float32)(weight)

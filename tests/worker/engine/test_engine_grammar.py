@@ -12,7 +12,7 @@ from services.worker.engine.grammar import digest
 from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.errors import InvalidSchema
 from shared.schemas import SamplingParams, StructuredOutput
-from tests.worker.test_engine import make_engine, run
+from tests.worker.engine.test_engine import make_engine, run
 
 SCHEMA = {
     "type": "object",

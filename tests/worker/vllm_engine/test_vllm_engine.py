@@ -3,7 +3,7 @@ equals HF PEFT's, token for token; what vLLM cannot serve is refused typed; canc
 the adapter's private files.
 
 vLLM lives in .venv-vllm (``make venv-vllm``), so the engine runs there, in a subprocess
-(tests/worker/vllm_program.py); the HF PEFT reference runs here, in the project's environment."""
+(tests/worker/vllm_engine/vllm_program.py); the HF PEFT reference runs here, in the project's environment."""
 
 import copy
 import hashlib
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shared import tool_calls
 from tests.helpers.adapters import ALL_MODULES
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three things to pack for a hike:")
 MAX_TOKENS = 16
@@ -95,7 +95,11 @@ def reference(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 def _program(work: Path, spec: dict, mode: str) -> dict:
     # one OpenMP thread: on a shared 2-core machine spinning OpenMP threads slow vLLM's CPU build tenfold
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-    args = [str(VLLM_PYTHON), str(REPO / "tests/worker/vllm_program.py"), json.dumps({**spec, "mode": mode})]
+    args = [
+        str(VLLM_PYTHON),
+        str(REPO / "tests/worker/vllm_engine/vllm_program.py"),
+        json.dumps({**spec, "mode": mode}),
+    ]
     # its own process group: vLLM's engine core and worker leave with it if it runs out of time
     with subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:  # fmt: skip
