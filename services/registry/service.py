@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
@@ -258,6 +259,42 @@ async def subscribe(
     ]
 
 
+@dataclass(eq=False)
+class RegistryService:
+    """What this replica learns from the bus besides its ops: each message is one call of a named handler."""
+
+    nc: NATS
+    barrier: CatalogBarrier  # which services' catalog views a change waits for
+    fleet: FleetRanks  # the rank classes a push must fit
+    slots: FleetSlots  # the slots pins must fit
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=self.on_heartbeat)
+        await self.nc.subscribe(subjects.WORKER_HEARTBEAT, cb=self.on_worker_heartbeat)
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.barrier.on_heartbeat(decode(ServiceHeartbeat, msg.data))
+        except LorafleetError as e:
+            log.warning("bad_heartbeat", error=e.message)
+
+    async def on_worker_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = decode(WorkerHeartbeat, msg.data)
+            self.fleet.heartbeat(beat)
+            self.slots.on_heartbeat(beat)
+        except LorafleetError as e:
+            log.warning("bad_worker_heartbeat", error=e.message)
+
+
+def export_quality_scores(catalog: Catalog) -> None:
+    """The quality gauge of every version with an eval score, as loaded (``record_eval`` sets later ones)."""
+    for adapter_id in catalog.adapters():
+        for record in catalog.versions(adapter_id):
+            if "score" in record.eval_results:
+                QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
+
+
 async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver = system_resolve) -> None:
     """Serve until ``stop`` is set, then drain. ``resolve`` is how remote source hosts are looked up."""
     base = await asyncio.to_thread(base_model_identity, settings)
@@ -265,26 +302,9 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
         stack.push_async_callback(drain_or_close, nc)
         barrier = CatalogBarrier(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
-
-        async def on_heartbeat(msg) -> None:
-            try:
-                barrier.on_heartbeat(decode(ServiceHeartbeat, msg.data))
-            except LorafleetError as e:
-                log.warning("bad_heartbeat", error=e.message)
-
-        await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
         fleet = FleetRanks(base.name, settings.fleet_rank_classes, settings.liveness_timeout_s)
-        slots = FleetSlots(settings.liveness_timeout_s)
-
-        async def on_worker_heartbeat(msg) -> None:
-            try:
-                beat = decode(WorkerHeartbeat, msg.data)
-                fleet.heartbeat(beat)  # the rank classes a push must fit
-                slots.on_heartbeat(beat)  # the slots pins must fit
-            except LorafleetError as e:
-                log.warning("bad_worker_heartbeat", error=e.message)
-
-        await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker_heartbeat)
+        service = RegistryService(nc, barrier, fleet, FleetSlots(settings.liveness_timeout_s))
+        await service.subscribe()
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
         watches: set[asyncio.Task] = set()
@@ -298,14 +318,11 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         # other replicas' changes
         mirrors.append(await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches))
         slot_quota = functools.partial(tenants.slot_quota, default=settings.default_quota.max_gpu_adapter_slots)
-        pins = await open_pins(nc.jetstream(), registry.catalog, slots, slot_quota)
+        pins = await open_pins(nc.jetstream(), registry.catalog, service.slots, slot_quota)
         await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
-        for adapter_id in registry.catalog.adapters():
-            for record in registry.catalog.versions(adapter_id):
-                if "score" in record.eval_results:
-                    QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
+        export_quality_scores(registry.catalog)
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(
