@@ -61,7 +61,9 @@ async def run(settings: GatewaySettings) -> None:
         keys = ApiKeys(settings.api_keys)
         watch = asyncio.create_task(follow_keys(nc, keys))
         stack.callback(watch.cancel)
-        followed = await follow_catalog(nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id))
+        followed = await follow_catalog(
+            nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id), routing=True
+        )
         stack.callback(followed.stop)
         ctx = GatewayContext(settings, nc, js, cluster, keys, followed.view, tokens)
         # h11 even where httptools is installed: httptools answers a header holding a control byte

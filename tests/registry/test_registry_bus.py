@@ -20,6 +20,7 @@ from services.registry.pins import FleetSlots, Pins
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import Stored
+from services.registry.routing import Routing
 from services.registry.service import subscribe
 from services.registry.sources import Sources
 from services.registry.tenants import Tenants
@@ -210,6 +211,20 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         ControllerConfig("reg-test", (1.0, 100.0), GatePolicy(require_eval=True), 10.0),
         audit,
     )
+    routing_kv: dict[str, tuple[bytes, int]] = {}
+
+    async def read_routing(key: str) -> tuple[bytes | None, int]:
+        value, revision = routing_kv.get(key, (None, 0))
+        return value, revision
+
+    async def write_routing(key: str, value: bytes, revision: int) -> int:
+        assert routing_kv.get(key, (b"", 0))[1] == revision
+        routing_kv[key] = (value, revision + 1)
+        return revision + 1
+
+    async def synced(records: int, routing: int) -> set[str]:
+        return set()
+
     await subscribe(
         service_nc,
         wired.registry,
@@ -217,6 +232,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         Sources(load, put_source, delete_source, audit),
         releases,
         Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
+        Routing(catalog, read_routing, write_routing, audit, synced),
         [],  # in-memory state, no KV mirror to wait for
     )
     yield wired
