@@ -6,6 +6,9 @@ direct-NATS submission held to the same policy by the scheduler. Audit records a
 metrics carry the task."""
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -265,5 +268,57 @@ async def _direct(nats_url: str, model: str, **fields) -> str:
                 return body.error.code
             if isinstance(body, ReplyFinal):
                 return body.served_by.adapter_id or ""
+    finally:
+        await nc.close()
+
+
+def _cli(s: RoutingStack, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lorafleet.cli", *argv, "--nats-url", s.nats.url], text=True,
+                          capture_output=True, timeout=60, check=False)  # fmt: skip
+
+
+async def test_the_cli_sets_shows_and_deletes_a_tenants_routes_and_policies(
+    routed_stack: RoutingStack, client: httpx.AsyncClient, tmp_path
+):
+    s = routed_stack
+    await _until_ready(client, s.admin_key)
+    await _routes(client, s)
+    assert _cli(s, "route", "set", "globex", "summarize", f"{SECRET}@1").returncode == 0
+    shown = json.loads(_cli(s, "route", "show", "globex", "--json").stdout)["routes"]
+    assert shown["routes"]["summarize"] == {"adapter": SECRET, "version": 1}
+    assert "secret_task" in shown["routes"]  # the tenant's other routes are kept
+    served = await _complete(client, s.globex_key, {"model": "task:summarize"})
+    assert served.headers["x-lorafleet-adapter"] == SECRET  # the CLI's write is served at once (read-your-writes)
+    foreign = _cli(s, "route", "set", "globex", "steal", SQL)
+    assert foreign.returncode == 1 and "not_found" in foreign.stdout
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"name": "all-refused", "target": {"kind": "refuse", "message": "maintenance"}}]))
+    assert _cli(s, "policy", "set", "--tenant", "globex", "--file", str(rules)).returncode == 0
+    refused = await _complete(client, s.globex_key, {"model": "task:summarize"})
+    assert refused.status_code == 403 and "maintenance" in refused.json()["error"]["message"]
+    assert "all-refused" in _cli(s, "policy", "show", "--tenant", "globex").stdout
+    assert _cli(s, "policy", "delete", "--tenant", "globex").returncode == 0
+    assert _cli(s, "route", "delete", "globex", "summarize").returncode == 0
+    gone = await _complete(client, s.globex_key, {"model": "task:summarize"})
+    assert gone.status_code == 404
+    actions = await _admin_audits(s.nats.url, "globex")
+    expected = ["task_routes_set", "route_policies_set", "route_policies_set", "task_routes_deleted"]
+    assert actions[-4:] == expected  # every change audited, in order
+
+
+async def _admin_audits(nats_url: str, tenant: str) -> list[str]:
+    """The actions of every admin audit record of the tenant on the AUDIT stream, oldest first."""
+    nc = await nats.connect(nats_url)
+    actions: list[str] = []
+    try:
+        js = nc.jetstream()
+        subject = subjects.audit("admin", tenant)
+        last = (await js.get_last_msg(subjects.AUDIT_STREAM, subject)).seq
+        sub = await js.subscribe(subject, ordered_consumer=True)
+        while True:
+            msg = await sub.next_msg(timeout=WAIT_S)
+            actions.append(getattr(decode(AuditEnvelope, msg.data).body, "action", ""))
+            if msg.metadata.sequence.stream >= last:
+                return actions
     finally:
         await nc.close()
