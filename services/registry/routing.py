@@ -8,8 +8,8 @@ next ``revision`` of its table or set, is recorded on the AUDIT stream (``AdminA
 ``shared`` tenant) and returns once every gateway and scheduler view holds it (the catalog barrier).
 """
 
-import time
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from shared.catalog.access import SHARED_TENANT
 from shared.catalog.records import Catalog
@@ -34,6 +34,7 @@ Read = Callable[[str], Awaitable[tuple[bytes | None, int]]]  # key -> (value or 
 Write = Callable[[str, bytes, int], Awaitable[int]]  # (key, value, expected revision) -> the new revision
 Audit = Callable[[AdminAudit], Awaitable[None]]
 SyncViews = Callable[[int, int], Awaitable[set[str]]]  # (records revision, routing revision) -> views behind
+RoutingAction = Literal["task_routes_set", "task_routes_deleted", "route_policies_set"]
 
 
 class Routing:
@@ -103,9 +104,9 @@ class Routing:
         written = await self._write(key, value, revision)
         await self._sync(0, written)
 
-    async def _record(self, actor: str, tenant_id: str, action: str, revision: int, **detail: object) -> None:
-        event = AdminAudit(actor=actor, tenant_id=tenant_id, action=action, target=tenant_id,  # type: ignore[arg-type]
-                           detail={"revision": revision, **detail, "at": time.time()})  # fmt: skip
+    async def _record(self, actor: str, tenant_id: str, action: RoutingAction, revision: int, **detail: object) -> None:
+        event = AdminAudit(actor=actor, tenant_id=tenant_id, action=action, target=tenant_id,
+                           detail={"revision": revision, **detail})  # fmt: skip
         await self._audit(event)
 
 

@@ -59,6 +59,8 @@ from shared.schemas import (
     ListPinsRequest,
     PinRequest,
     PinsReply,
+    PoliciesReply,
+    PolicyRule,
     PromoteRequest,
     RecordEvalRequest,
     RejectionAudit,
@@ -68,7 +70,10 @@ from shared.schemas import (
     ResolveReply,
     ResolveRequest,
     RevokeApiKeyRequest,
+    RoutesReply,
     ServiceHeartbeat,
+    SetPoliciesRequest,
+    SetRoutesRequest,
     SignerRecord,
     TenantsReply,
     WorkerHeartbeat,
@@ -455,3 +460,35 @@ async def test_a_tenant_pins_no_more_of_a_workers_rank_class_than_its_own_slot_q
         await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)  # pinning never lifts the slot quota
     wired.slot_quotas["demo"] = 2
     await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)
+
+
+async def test_task_routes_and_policies_are_versioned_audited_and_name_only_usable_adapters(wired: Wired) -> None:
+    first = await wired.call(
+        "routes_set", SetRoutesRequest(tenant_id="demo", routes={"sql": {"adapter": "sea"}}, actor="t"), RoutesReply
+    )
+    second = await wired.call(
+        "routes_set",
+        SetRoutesRequest(tenant_id="demo", routes={"sql": {"adapter": "sea", "version": 1}}, actor="t"),
+        RoutesReply,
+    )
+    assert (first.routes.revision, second.routes.revision) == (1, 2)
+    with pytest.raises(NotFound):  # another tenant's adapter: the same 404 as a missing one
+        await wired.call(
+            "routes_set", SetRoutesRequest(tenant_id="acme", routes={"x": {"adapter": "sea"}}, actor="t"), RoutesReply
+        )
+    with pytest.raises(NotFound):
+        await wired.call(
+            "routes_set",
+            SetRoutesRequest(tenant_id="demo", routes={"x": {"adapter": "sea", "version": 9}}, actor="t"),
+            RoutesReply,
+        )
+    refuse = PolicyRule.model_validate({"name": "r", "target": {"kind": "refuse"}})
+    platform = await wired.call("policies_set", SetPoliciesRequest(rules=[refuse], actor="t"), PoliciesReply)
+    assert platform.policies.tenant_id is None and platform.policies.revision == 1
+    audits = [m.body for s, m in wired.published if isinstance(m, AuditEnvelope) and isinstance(m.body, AdminAudit)]
+    trail = [(a.action, a.tenant_id, a.detail["revision"]) for a in audits]
+    assert trail == [
+        ("task_routes_set", "demo", 1),
+        ("task_routes_set", "demo", 2),
+        ("route_policies_set", "shared", 1),
+    ]
