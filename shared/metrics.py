@@ -101,6 +101,13 @@ QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adap
 
 # operations
 REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])
+ROUTED_REQUESTS = Counter(
+    "routed_requests",
+    "requests a task route or a routing policy decided, by the path that evaluated them (http: gateway, "
+    "nats: scheduler), task (the top 50, the rest as other; none: no task) and outcome (task, rule, or the "
+    "refusal's error code)",
+    ["route", "task", "outcome"],
+)
 GATEWAY_RESOLVES = Counter(
     "gateway_resolves",
     "model resolutions by where they were answered: the gateway's catalog mirror or the registry",

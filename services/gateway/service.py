@@ -108,7 +108,9 @@ async def run(settings: GatewaySettings) -> None:
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
         watch = asyncio.create_task(follow_keys(nc, gateway.keys))
         stack.callback(watch.cancel)
-        followed = await follow_catalog(nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id))
+        followed = await follow_catalog(
+            nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id), routing=True
+        )
         stack.callback(followed.stop)
         ctx = GatewayContext(settings, nc, js, gateway.cluster, gateway.keys, followed.view, tokens)
         gateway.server = http_server(settings, ctx)

@@ -28,6 +28,8 @@ from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
 from services.registry.remote_intake import RemoteIntake
+from services.registry.routing import Routing
+from services.registry.routing_kv import open_routing
 from services.registry.settings import RegistrySettings
 from services.registry.sources import Sources
 from services.registry.sources_kv import open_sources
@@ -53,7 +55,10 @@ from shared.schemas import (
     ApproveSourceRequest,
     CreateApiKeyRequest,
     CreateTenantRequest,
+    DeleteRoutesRequest,
     GetAdapterRequest,
+    GetPoliciesRequest,
+    GetRoutesRequest,
     ListAdaptersRequest,
     ListApiKeysRequest,
     ListKeysRequest,
@@ -75,7 +80,9 @@ from shared.schemas import (
     RollbackRequest,
     RolloutRequest,
     ServiceHeartbeat,
+    SetPoliciesRequest,
     SetQuotaRequest,
+    SetRoutesRequest,
     TrustKeyRequest,
     UntrustKeyRequest,
     WorkerHeartbeat,
@@ -207,6 +214,7 @@ async def subscribe(
     sources: Sources,
     releases: ReleaseController,
     pins: Pins,
+    routing: Routing,
     mirrors: list[Followed],
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``, in the ``registry`` queue group:
@@ -242,6 +250,11 @@ async def subscribe(
         "pin": _op(PinRequest, pins.pin),
         "unpin": _op(PinRequest, pins.unpin),
         "pins": _op(ListPinsRequest, pins.list_pins),
+        "routes_set": _op(SetRoutesRequest, routing.set_routes),
+        "routes_delete": _op(DeleteRoutesRequest, routing.delete_routes),
+        "routes": _op(GetRoutesRequest, routing.routes),
+        "policies_set": _op(SetPoliciesRequest, routing.set_policies),
+        "policies": _op(GetPoliciesRequest, routing.policies),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     # a register from a remote source spends its fetch outside the registry's lock: run each in its
@@ -319,7 +332,8 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         mirrors.append(await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches))
         slot_quota = functools.partial(tenants.slot_quota, default=settings.default_quota.max_gpu_adapter_slots)
         pins = await open_pins(nc.jetstream(), registry.catalog, service.slots, slot_quota)
-        await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
+        routing = await open_routing(nc.jetstream(), registry.catalog, barrier.wait)
+        await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
         export_quality_scores(registry.catalog)

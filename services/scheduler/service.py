@@ -312,7 +312,7 @@ async def run(settings: SchedulerSettings) -> None:
         stack.push_async_callback(redis.aclose)
         # a promote, rollback or revoke returns once this view holds it: direct submissions see it at once
         followed = await follow_catalog(
-            nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id), route="nats"
+            nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id), route="nats", routing=True
         )
         stack.callback(followed.stop)
         tokens = None

@@ -402,4 +402,5 @@ class RequestServer:
             worker_id=self.worker_id,
             outcome=outcome,
             slo_class=job.slo_class,
+            task=job.request.task,
         )

@@ -30,6 +30,7 @@ class CompletionAudit(Message):
     worker_id: Identifier
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
+    task: str | None = Field(default=None, max_length=64, description="the task it was routed by, if any")
 
 
 class RejectionAudit(Message):
@@ -76,6 +77,9 @@ class AdminAudit(Message):
         "source_approved",
         "adapter_pinned",
         "adapter_unpinned",
+        "task_routes_set",
+        "task_routes_deleted",
+        "route_policies_set",
     ]
     target: str = Field(max_length=128, description="the tenant, key id, signer or adapter changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")

@@ -36,7 +36,7 @@ class ModelInfo(Message):
     id: str
     owned_by: str
     created: int
-    kind: Literal["base", "adapter"]
+    kind: Literal["base", "adapter", "task"]
 
 
 class ResolveReply(Message):
@@ -49,6 +49,7 @@ class CatalogSync(Message):
     answer once your mirror holds ``revision``."""
 
     revision: int = Field(ge=0, description="the records bucket's revision of the write")
+    routing_revision: int = Field(default=0, ge=0, description="the routing bucket's revision of the write (0: none)")
 
 
 class CatalogSynced(Message):

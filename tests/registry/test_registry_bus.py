@@ -20,6 +20,7 @@ from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import Stored
+from services.registry.routing import Routing
 from services.registry.service import subscribe
 from services.registry.sources import Sources
 from services.registry.tenants import Tenants
@@ -58,6 +59,8 @@ from shared.schemas import (
     ListPinsRequest,
     PinRequest,
     PinsReply,
+    PoliciesReply,
+    PolicyRule,
     PromoteRequest,
     RecordEvalRequest,
     RejectionAudit,
@@ -67,7 +70,10 @@ from shared.schemas import (
     ResolveReply,
     ResolveRequest,
     RevokeApiKeyRequest,
+    RoutesReply,
     ServiceHeartbeat,
+    SetPoliciesRequest,
+    SetRoutesRequest,
     SignerRecord,
     TenantsReply,
     WorkerHeartbeat,
@@ -210,6 +216,20 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         ControllerConfig("reg-test", (1.0, 100.0), GatePolicy(require_eval=True), 10.0),
         audit,
     )
+    routing_kv: dict[str, tuple[bytes, int]] = {}
+
+    async def read_routing(key: str) -> tuple[bytes | None, int]:
+        value, revision = routing_kv.get(key, (None, 0))
+        return value, revision
+
+    async def write_routing(key: str, value: bytes, revision: int) -> int:
+        assert routing_kv.get(key, (b"", 0))[1] == revision
+        routing_kv[key] = (value, revision + 1)
+        return revision + 1
+
+    async def synced(records: int, routing: int) -> set[str]:
+        return set()
+
     await subscribe(
         service_nc,
         wired.registry,
@@ -217,6 +237,7 @@ async def wired(base: BaseModelIdentity) -> AsyncIterator[Wired]:
         Sources(load, put_source, delete_source, audit),
         releases,
         Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
+        Routing(catalog, read_routing, write_routing, audit, synced),
         [],  # in-memory state, no KV mirror to wait for
     )
     yield wired
@@ -439,3 +460,35 @@ async def test_a_tenant_pins_no_more_of_a_workers_rank_class_than_its_own_slot_q
         await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)  # pinning never lifts the slot quota
     wired.slot_quotas["demo"] = 2
     await wired.call("pin", _pin("q1", tenant_id="demo"), PinsReply)
+
+
+async def test_task_routes_and_policies_are_versioned_audited_and_name_only_usable_adapters(wired: Wired) -> None:
+    first = await wired.call(
+        "routes_set", SetRoutesRequest(tenant_id="demo", routes={"sql": {"adapter": "sea"}}, actor="t"), RoutesReply
+    )
+    second = await wired.call(
+        "routes_set",
+        SetRoutesRequest(tenant_id="demo", routes={"sql": {"adapter": "sea", "version": 1}}, actor="t"),
+        RoutesReply,
+    )
+    assert (first.routes.revision, second.routes.revision) == (1, 2)
+    with pytest.raises(NotFound):  # another tenant's adapter: the same 404 as a missing one
+        await wired.call(
+            "routes_set", SetRoutesRequest(tenant_id="acme", routes={"x": {"adapter": "sea"}}, actor="t"), RoutesReply
+        )
+    with pytest.raises(NotFound):
+        await wired.call(
+            "routes_set",
+            SetRoutesRequest(tenant_id="demo", routes={"x": {"adapter": "sea", "version": 9}}, actor="t"),
+            RoutesReply,
+        )
+    refuse = PolicyRule.model_validate({"name": "r", "target": {"kind": "refuse"}})
+    platform = await wired.call("policies_set", SetPoliciesRequest(rules=[refuse], actor="t"), PoliciesReply)
+    assert platform.policies.tenant_id is None and platform.policies.revision == 1
+    audits = [m.body for s, m in wired.published if isinstance(m, AuditEnvelope) and isinstance(m.body, AdminAudit)]
+    trail = [(a.action, a.tenant_id, a.detail["revision"]) for a in audits]
+    assert trail == [
+        ("task_routes_set", "demo", 1),
+        ("task_routes_set", "demo", 2),
+        ("route_policies_set", "shared", 1),
+    ]
