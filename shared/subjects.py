@@ -43,6 +43,7 @@ REGISTRY_OPS = (
     "untrust_key",
     "keys",
     "record_eval",
+    "attach_eval_set",
     "tenant_create",
     "tenants",
     "quota_set",

@@ -14,7 +14,7 @@ from typing import cast
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from lorafleet.evaluation.scorers import scorer
+from shared.eval_scorers import scorer
 from shared.errors import InvalidRequest
 
 

@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from services.registry.eval_client import asker
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
 from services.registry.kv import RecordsKV, publish_registry_audit
@@ -45,11 +46,11 @@ from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
-from shared.metrics import QUALITY_SCORE
 from shared.metrics_http import serve_metrics
 from shared.schemas import (
     AddSourceRequest,
     ApproveSourceRequest,
+    AttachEvalSetRequest,
     CreateApiKeyRequest,
     CreateTenantRequest,
     GetAdapterRequest,
@@ -148,6 +149,7 @@ async def open_registry(
             max_regression=settings.release_max_regression,
         ),
         sync_views=barrier.wait,
+        askers=lambda tenant, base_model: asker(nc, tenant, base_model, settings.release_eval_timeout_s),
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
     mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
@@ -226,6 +228,7 @@ async def subscribe(
         "untrust_key": _op(UntrustKeyRequest, registry.signer_ops.untrust_key),
         "keys": _op(ListKeysRequest, registry.signer_ops.keys),
         "record_eval": _op(RecordEvalRequest, registry.record_eval),
+        "attach_eval_set": _op(AttachEvalSetRequest, registry.attach_eval_set),
         "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),
         "tenants": _op(ListTenantsRequest, tenants.list_tenants),
         "quota_set": _op(SetQuotaRequest, tenants.set_quota),
@@ -243,8 +246,9 @@ async def subscribe(
         "pins": _op(ListPinsRequest, pins.list_pins),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
-    # a register from a remote source spends its fetch outside the registry's lock: run each in its
-    # own task, so one slow source does not hold up the pushes behind it
+    # a register from a remote source spends its fetch outside the registry's lock, a promote or a
+    # release start its eval set's run on a worker: run each in its own task, so one slow source or
+    # eval does not hold up the ops behind it
     return [
         await serve(
             nc,
@@ -252,7 +256,7 @@ async def subscribe(
             model,
             read_your_writes(mirrors, handler),
             queue=QUEUE,
-            concurrent=op == "register",
+            concurrent=op in ("register", "promote", "release_start"),
         )
         for op, (model, handler) in handlers.items()
     ]
@@ -302,10 +306,6 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
-        for adapter_id in registry.catalog.adapters():
-            for record in registry.catalog.versions(adapter_id):
-                if "score" in record.eval_results:
-                    QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(

@@ -24,7 +24,7 @@ from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
-from lorafleet.evaluation.scorers import answer_format
+from shared.eval_scorers import answer_format
 from services.auditor.store import AuditStore
 from services.registry.release_policy import wilson_lower
 from shared import signing, subjects

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from lorafleet.evaluation.scorers import SQL_DEADLINE_S, answer_format, exact, json_fields, scorer, sql_exec
+from shared.eval_scorers import SQL_DEADLINE_S, answer_format, exact, json_fields, scorer, sql_exec
 from shared.errors import InvalidRequest
 
 SQL = "SELECT name FROM employees WHERE department = 'Legal';"

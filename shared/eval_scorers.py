@@ -1,4 +1,6 @@
-"""Scorers: ``(answer, expected) -> score in [0, 1]``, looked up by the name an eval item carries."""
+"""Eval scorers: ``(answer, expected) -> score in [0, 1]``, looked up by the name an eval item carries.
+
+Shared by the registry's platform-run release eval and the client-side harness (``lorafleet eval``)."""
 
 import json
 import re
