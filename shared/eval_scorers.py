@@ -40,7 +40,7 @@ def normalise(text: str) -> str:
     return " ".join(text.strip().rstrip(";").split()).lower()
 
 
-def _query(sql: str, deadline_s: float = SQL_DEADLINE_S) -> list[tuple] | None:
+def _query(sql: str, deadline_s: float = SQL_DEADLINE_S) -> list[tuple[object, ...]] | None:
     """Rows of ``sql`` on a fresh in-memory copy of the demo table (order-insensitive); None if it
     fails, runs past ``deadline_s`` (SQLite's progress handler interrupts it: a recursive CTE never
     ends) or returns more than ``SQL_MAX_ROWS`` rows."""

@@ -24,7 +24,6 @@ from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
-from shared.eval_scorers import answer_format
 from services.auditor.store import AuditStore
 from services.registry.release_policy import wilson_lower
 from shared import signing, subjects
@@ -32,6 +31,7 @@ from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.catalog.rollout import in_canary, split_key
 from shared.errors import Conflict, ReleaseGateFailed
+from shared.eval_scorers import answer_format
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecordsReply,
