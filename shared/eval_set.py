@@ -74,8 +74,16 @@ def parse_eval_set(data: bytes) -> EvalSetSpec:
                 meta = EvalSetMeta.model_validate(known)
             else:
                 items.append(EvalItem.model_validate(row))
-        except (ValueError, TypeError, ValidationError) as e:
-            raise InvalidRequest(f"{EVAL_SET_FILE}:{number}: {str(e).splitlines()[0][:300]}") from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise InvalidRequest(
+                f"{EVAL_SET_FILE}:{number}: {where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"[
+                    :500
+                ]
+            ) from None
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest(f"{EVAL_SET_FILE}:{number}: {str(e)[:300]}") from None
     try:
         return EvalSetSpec(meta=meta, items=items)
     except ValidationError as e:

@@ -182,6 +182,8 @@ async def _pins(args: argparse.Namespace) -> list[PinRecord]:
 
 
 async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
+    if getattr(args, "skip_eval", False) and not args.reason:
+        raise InvalidRequest("--skip-eval needs --reason: passing a version unevaluated is audited with it")
     nc = await cli_connect(args.nats_url)
     try:
         who = actor()

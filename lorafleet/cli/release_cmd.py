@@ -28,6 +28,8 @@ def _version(text: str | None) -> int:
 
 async def _start(args: argparse.Namespace) -> ReleaseState:
     version = _version(args.version)
+    if args.skip_eval and not args.reason:
+        raise InvalidRequest("--skip-eval needs --reason: passing a version unevaluated is audited with it")
     if args.eval:
         eval_set = load_eval_set(eval_set_path(args.adapter, args.eval_set))
         client = gateway_client(args.gateway_url, args.api_key or "")
