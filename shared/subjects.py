@@ -43,6 +43,7 @@ REGISTRY_OPS = (
     "untrust_key",
     "keys",
     "record_eval",
+    "attach_eval_set",
     "tenant_create",
     "tenants",
     "quota_set",
@@ -93,6 +94,7 @@ def token(value: str) -> str:
 # nats-server vouches for the origin of every submission
 VIA_TENANT, VIA_GATEWAY, VIA_PREVIEW = "tenant", "gateway", "preview"  # preview: a key allowed pre-release
 _VIAS = (VIA_GATEWAY, VIA_PREVIEW)
+INFER_SUBMIT_PREVIEW_ALL = f"{PREFIX}.infer.submit.*.{VIA_PREVIEW}"  # the registry's release-gate evals, any owner
 
 
 def infer_submit(tenant_id: str, via: str = VIA_TENANT) -> str:

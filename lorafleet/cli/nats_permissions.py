@@ -172,6 +172,8 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_write(subjects.REGISTRY_PINS_BUCKET),
                 *kv_write(subjects.REGISTRY_ROUTING_BUCKET),
                 *stream_reader(subjects.AUDIT_STREAM),  # the release controller's live figures
+                # the release gate's eval items, submitted as the version's owner on the preview subject
+                subjects.INFER_SUBMIT_PREVIEW_ALL,
                 *obj_write(subjects.ADAPTER_STORE_BUCKET),
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),

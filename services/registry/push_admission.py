@@ -13,6 +13,7 @@ from shared.adapter_format import WEIGHTS_FILE, AdapterBytes, AdapterLimits, val
 from shared.catalog.access import SHARED_TENANT
 from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, IntegrityError, RankNotServed, SignerNotAuthorized
+from shared.eval_set import EVAL_SET_FILE
 from shared.fingerprint import BaseModelSpec
 from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord, SourceOrigin
 from shared.slot_size import slot_bytes
@@ -153,6 +154,7 @@ def admit(
         allowed_scopes=req.allowed_scopes,
         aliases=req.aliases,
         eval_results=req.eval_results,
+        eval_set_digest=digests.get(EVAL_SET_FILE),
         origin=origin,
         push_key=req.push_key,
         slot_bytes=sizes,

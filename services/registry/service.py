@@ -17,6 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from services.registry.eval_client import asker
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
 from services.registry.kv import RecordsKV, publish_registry_audit
@@ -48,11 +49,11 @@ from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
-from shared.metrics import QUALITY_SCORE
 from shared.metrics_http import serve_metrics
 from shared.schemas import (
     AddSourceRequest,
     ApproveSourceRequest,
+    AttachEvalSetRequest,
     CreateApiKeyRequest,
     CreateTenantRequest,
     DeleteRoutesRequest,
@@ -156,6 +157,7 @@ async def open_registry(
             max_regression=settings.release_max_regression,
         ),
         sync_views=barrier.wait,
+        askers=lambda tenant, base_model: asker(nc, tenant, base_model, settings.release_eval_timeout_s),
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
     mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
@@ -235,6 +237,7 @@ async def subscribe(
         "untrust_key": _op(UntrustKeyRequest, registry.signer_ops.untrust_key),
         "keys": _op(ListKeysRequest, registry.signer_ops.keys),
         "record_eval": _op(RecordEvalRequest, registry.record_eval),
+        "attach_eval_set": _op(AttachEvalSetRequest, registry.attach_eval_set),
         "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),
         "tenants": _op(ListTenantsRequest, tenants.list_tenants),
         "quota_set": _op(SetQuotaRequest, tenants.set_quota),
@@ -257,8 +260,9 @@ async def subscribe(
         "policies": _op(GetPoliciesRequest, routing.policies),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
-    # a register from a remote source spends its fetch outside the registry's lock: run each in its
-    # own task, so one slow source does not hold up the pushes behind it
+    # a register from a remote source spends its fetch outside the registry's lock, a promote or a
+    # release start its eval set's run on a worker: run each in its own task, so one slow source or
+    # eval does not hold up the ops behind it
     return [
         await serve(
             nc,
@@ -266,7 +270,7 @@ async def subscribe(
             model,
             read_your_writes(mirrors, handler),
             queue=QUEUE,
-            concurrent=op == "register",
+            concurrent=op in ("register", "promote", "release_start"),
         )
         for op, (model, handler) in handlers.items()
     ]
@@ -300,14 +304,6 @@ class RegistryService:
             log.warning("bad_worker_heartbeat", error=e.message)
 
 
-def export_quality_scores(catalog: Catalog) -> None:
-    """The quality gauge of every version with an eval score, as loaded (``record_eval`` sets later ones)."""
-    for adapter_id in catalog.adapters():
-        for record in catalog.versions(adapter_id):
-            if "score" in record.eval_results:
-                QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
-
-
 async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver = system_resolve) -> None:
     """Serve until ``stop`` is set, then drain. ``resolve`` is how remote source hosts are looked up."""
     base = await asyncio.to_thread(base_model_identity, settings)
@@ -336,7 +332,6 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
-        export_quality_scores(registry.catalog)
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(

@@ -51,7 +51,9 @@ class RegistryChangeAudit(Message):
     tenant_id: Identifier
     adapter_id: Identifier
     version: int = Field(ge=1)
-    action: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
+    action: Literal[
+        "registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated", "eval_set_attached"
+    ]
     before: AdapterStatus | None = None
     after: AdapterStatus
     reason: str | None = Field(default=None, max_length=500)

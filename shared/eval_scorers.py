@@ -1,4 +1,6 @@
-"""Scorers: ``(answer, expected) -> score in [0, 1]``, looked up by the name an eval item carries."""
+"""Eval scorers: ``(answer, expected) -> score in [0, 1]``, looked up by the name an eval item carries.
+
+Shared by the registry's platform-run release eval and the client-side harness (``lorafleet eval``)."""
 
 import json
 import re
@@ -38,7 +40,7 @@ def normalise(text: str) -> str:
     return " ".join(text.strip().rstrip(";").split()).lower()
 
 
-def _query(sql: str, deadline_s: float = SQL_DEADLINE_S) -> list[tuple] | None:
+def _query(sql: str, deadline_s: float = SQL_DEADLINE_S) -> list[tuple[object, ...]] | None:
     """Rows of ``sql`` on a fresh in-memory copy of the demo table (order-insensitive); None if it
     fails, runs past ``deadline_s`` (SQLite's progress handler interrupts it: a recursive CTE never
     ends) or returns more than ``SQL_MAX_ROWS`` rows."""
