@@ -30,6 +30,12 @@ class CompletionAudit(Message):
     worker_id: Identifier
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
+    engine_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="engine seconds the request consumed (its token share of each step it ran in); the worker "
+        "measures it, None where its engine does not (vLLM) and in records written before it was measured",
+    )
 
 
 class RejectionAudit(Message):
