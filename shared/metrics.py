@@ -42,6 +42,18 @@ ADAPTER_TPOT = Histogram(
     ["adapter"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
+ADAPTER_ENGINE_SECONDS = Counter(
+    "adapter_engine_seconds",
+    "engine step time charged to each adapter's requests by their token share of each step (the top N adapters by "
+    "traffic, the rest as other; the built-in engine only)",
+    ["adapter"],
+)
+ADAPTER_ENGINE_TOKENS = Counter(
+    "adapter_engine_output_tokens",
+    "output tokens of the requests adapter_engine_seconds charged: its rate over this one's is engine time per "
+    "output token",
+    ["adapter"],
+)
 RANK_CLASS_TTFT = Histogram(
     "rank_class_ttft_ms",
     "time to first token by the adapter's rank class on the worker (base: no adapter)",

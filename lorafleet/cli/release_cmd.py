@@ -67,10 +67,12 @@ def _figures(f: VersionFigures | None) -> str:
     def ms(value: float | None) -> str:
         return f"{value:.0f}" if value is not None else "?"
 
-    cost = f"{f.tokens_per_request:.1f}" if f.tokens_per_request is not None else "?"
+    tokens = f"{f.tokens_per_request:.1f}" if f.tokens_per_request is not None else "?"
+    cost = f"{f.engine_ms_per_token:.2f}" if f.engine_ms_per_token is not None else "?"
     return (
         f"v{f.version}: n={f.samples} errors {f.error_rate:.1%} TTFT p50/p95 {ms(f.ttft_p50_ms)}/{ms(f.ttft_p95_ms)} ms "
-        f"TPOT p50/p95 {ms(f.tpot_p50_ms)}/{ms(f.tpot_p95_ms)} ms tokens/req {cost} complaints {f.complaint_rate:.1%}"
+        f"TPOT p50/p95 {ms(f.tpot_p50_ms)}/{ms(f.tpot_p95_ms)} ms tokens/req {tokens} engine ms/token {cost} "
+        f"complaints {f.complaint_rate:.1%}"
     )
 
 

@@ -148,7 +148,7 @@ class RegistrySettings(CommonSettings):
         default=5.0, ge=0, le=60_000, description="a latency difference under this never trips the ratio guard"
     )
     release_max_cost_ratio: float = Field(
-        default=1.5, ge=1, le=100, description="canary tokens per request over production's that rolls back"
+        default=1.5, ge=1, le=100, description="canary engine time per output token over production's that rolls back"
     )
     release_max_complaint_increase: float = Field(
         default=0.05, ge=0, le=1, description="canary complaint rate above production's that rolls back"

@@ -31,6 +31,12 @@ class CompletionAudit(Message):
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
     task: str | None = Field(default=None, max_length=64, description="the task it was routed by, if any")
+    engine_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="engine seconds the request consumed (its token share of each step it ran in); the worker "
+        "measures it, None where its engine does not (vLLM) and in records written before it was measured",
+    )
 
 
 class RejectionAudit(Message):

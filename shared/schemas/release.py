@@ -25,7 +25,13 @@ class VersionFigures(Message):
     ttft_p95_ms: float | None = None
     tpot_p50_ms: float | None = None
     tpot_p95_ms: float | None = None
-    tokens_per_request: float | None = Field(default=None, description="prompt + completion tokens (cost)")
+    tokens_per_request: float | None = Field(default=None, description="prompt + completion tokens (shown, not judged)")
+    engine_ms_per_token: float | None = Field(
+        default=None,
+        ge=0,
+        description="cost: engine time charged to its completions over their output tokens, of the completions "
+        "whose worker measured it (None: none did, e.g. on vLLM workers)",
+    )
     feedback: int = Field(default=0, ge=0, description="rated requests")
     complaints: int = Field(
         default=0, ge=0, description="requests rated down (a shared version's: each tenant's bounded)"

@@ -93,7 +93,7 @@ class World:
             i = next(self.counter)
             record = choose(production, canary, f"user-{i}")
             assert record is not None
-            fields = {"ttft_ms": 50.0, "tpot_ms": 10.0, "completion_tokens": 12, "outcome": "stop"}
+            fields = {"ttft_ms": 50.0, "tpot_ms": 10.0, "completion_tokens": 12, "engine_s": 0.024, "outcome": "stop"}
             fields.update(behaviour(record.version, i))
             completion = CompletionAudit(
                 ts=self.clock.now,
@@ -215,7 +215,7 @@ async def test_a_good_version_walks_every_step_to_production(world: World) -> No
         (lambda v, i: {"outcome": "error"} if v == 2 and i % 3 == 0 else {}, "error rate"),
         (lambda v, i: {"ttft_ms": 200.0} if v == 2 else {}, "TTFT p50 ms"),
         (lambda v, i: {"tpot_ms": 40.0} if v == 2 else {}, "TPOT p50 ms"),
-        (lambda v, i: {"completion_tokens": 64} if v == 2 else {}, "tokens per request"),
+        (lambda v, i: {"engine_s": 0.06} if v == 2 else {}, "engine time per output token"),
     ],
     ids=["errors", "ttft", "tpot", "cost"],
 )

@@ -80,7 +80,13 @@ class Traffic:
                 i = next(self.counter)
                 served = choose(production, canary, f"user-{i}")
                 assert served is not None
-                fields = {"ttft_ms": 40.0 + i % 20, "tpot_ms": 8.0 + i % 5, "completion_tokens": 12, "outcome": "stop"}
+                fields = {
+                    "ttft_ms": 40.0 + i % 20,
+                    "tpot_ms": 8.0 + i % 5,
+                    "completion_tokens": 12,
+                    "engine_s": 0.024,
+                    "outcome": "stop",
+                }
                 fields.update(self.behaviour(served.version, i))
                 record = CompletionAudit(
                     request_id=f"req-{i}",
@@ -207,8 +213,9 @@ async def test_a_good_version_is_released_step_by_step(live: Live) -> None:
     [
         (lambda v, i: {"outcome": "error"} if v == 2 and i % 2 == 0 else {}, "error rate"),
         (lambda v, i: {"ttft_ms": 400.0 + i % 20} if v == 2 else {}, "TTFT p50 ms"),
+        (lambda v, i: {"engine_s": 0.06} if v == 2 else {}, "engine time per output token"),
     ],
-    ids=["errors", "latency"],
+    ids=["errors", "latency", "cost"],
 )
 async def test_a_bad_version_is_rolled_back_without_any_cli(live: Live, behaviour: Behaviour, reason: str) -> None:
     async with traffic(live, behaviour):

@@ -210,6 +210,8 @@ class VllmEngine:
             self._streaming.add(rid)
         completion, first_token_time, finished = 0, None, False
         try:
+            # engine_s stays None: vLLM's per-request metrics are timestamps (queued, scheduled, first and last
+            # token) of batches it shares with others, not its share of the steps' time
             async for out in llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority):  # type: ignore[arg-type]
                 piece = out.outputs[0]
                 token_ids = list(piece.token_ids)
