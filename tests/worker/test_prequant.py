@@ -14,22 +14,16 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from bench.prequant_writer import ct_pack, ct_quantize, write_awq, write_compressed_tensors, write_gptq
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.errors import UnsupportedQuantization
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.prequant import checkpoint_quant
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
-from shared.fingerprint import BaseModelSpec
+from shared.fingerprint import BaseModelSpec, compute_fingerprint
 from shared.schemas import SamplingParams
-from tests.helpers.families import FAMILIES, PROMPTS, save_family
-from tests.helpers.prequant import (
-    ct_pack,
-    ct_quantize,
-    with_weights,
-    write_awq,
-    write_compressed_tensors,
-    write_gptq,
-)
+from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family
+from tests.helpers.prequant import with_weights
 
 MAX_LEN = 64
 Writer = Callable[[PreTrainedModel, Path], dict[str, torch.Tensor]]
@@ -86,7 +80,7 @@ def _checkpoint(case: str, root: Path) -> tuple[PreTrainedModel, PreTrainedModel
     """(the unquantized model, the reference on the dequantized weights, the checkpoint's directory)."""
     _, make, write = next(c for c in CHECKPOINTS if c[0] == case)
     model = make()
-    weights = write(model, root / case)
+    weights = write(model, save_family(model, root / case))
     return model, with_weights(copy.deepcopy(model), weights), root / case
 
 
@@ -230,13 +224,17 @@ def test_lora_adapters_match_peft_on_the_dequantized_model(tmp_path: Path) -> No
 
 
 def test_adapter_shapes_and_architecture_stay_logical(tmp_path: Path) -> None:
-    """The LoRA shape check (ModelShapes), the fingerprint's architecture (BaseModelSpec) and the engine's
-    projections see the unquantized model's shapes, not the packed tensors'."""
+    """The LoRA shape check (ModelShapes), the registry's adapter check and the fingerprint's architecture
+    (BaseModelSpec) and the engine's projections see the unquantized model's shapes, not the packed
+    tensors'; the fingerprint hashes the checkpoint's own tensors (another base than the unquantized one)."""
     model, _, directory = _checkpoint("awq-g32-qwen3", tmp_path)
     plain = save_family(model, tmp_path / "plain")
     loaded = load_model(str(directory))
     assert ModelShapes.from_hf_config(loaded.model.config) == ModelShapes.from_hf_config(model.config)
-    assert BaseModelSpec.from_model_dir(directory) == BaseModelSpec.from_model_dir(plain)
+    spec = BaseModelSpec.from_model_dir(directory)
+    assert spec == BaseModelSpec.from_model_dir(plain)
+    assert spec.projection_dims()["down_proj"] == (96, 64)  # (in, out) of the logical [64, 96] weight
+    assert compute_fingerprint(directory) != compute_fingerprint(plain)
     engine = _engine(loaded)
     reference = _engine(load_model(str(plain)))
     for a, b in zip(engine.model.proj, reference.model.proj, strict=True):
@@ -360,3 +358,12 @@ def test_checkpoints_written_by_compressed_tensors_match_its_own_decompression(
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(_prompt_logits(engine, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_pre_quantized_mixture_of_experts_checkpoint_is_refused(tmp_path: Path) -> None:
+    directory = save_family(MOE_FAMILIES["qwen3-moe-qk-norm-normalised"](), tmp_path / "moe")
+    path = directory / "config.json"
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": config}))
+    with pytest.raises(UnsupportedQuantization, match=r"a gptq checkpoint is served by the CPU engine for dense "):
+        load_model(str(directory))
