@@ -217,6 +217,7 @@ def load_child(directory: str, weights: Literal["none", "int8", "int4"], threads
         compute_nice=0,
     )
     engine = LLMEngine.from_loaded(loaded, config)
+    del loaded  # as the worker drops it: what stays is what the engine holds
     load_s = time.perf_counter() - start
     rss_mb = _rss_mb()
     run = run_engine(engine, [list(range(5, 37))], 8)

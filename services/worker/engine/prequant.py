@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from services.worker.engine.errors import UnsupportedQuantization
-from services.worker.engine.quant import QuantWeight, from_codes
+from services.worker.engine.quant import QuantWeight, from_codes, pack_nibbles, unpack_nibbles
 
 Method = Literal["gptq", "awq", "compressed-tensors"]
 GROUP_SIZES = (32, 64, 128)
@@ -61,14 +61,15 @@ class CheckpointQuant:
 class PackedLinear:
     """One projection's codes as the weight-only kernels take them (quant.from_codes)."""
 
-    codes: torch.Tensor  # int8 [out, in] (int8), or uint8 [out, in] holding 0-15 (int4)
+    codes: torch.Tensor  # int8 [out, in] (int8), or uint8 [out, in / 2], two 0-15 codes a byte (int4: pack_nibbles)
     scales: torch.Tensor  # [out] (int8) or [out, in / group_size] (int4)
     zeros: torch.Tensor | None  # int4, asymmetric: [out, in / group_size] uint8 z in 0-16
     group_size: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1]
+        widen = 2 if self.codes.dtype == torch.uint8 else 1
+        return self.codes.shape[0], self.codes.shape[1] * widen
 
     def quant(self, dtype: torch.dtype) -> QuantWeight:
         return from_codes(self.codes, self.scales, self.zeros, self.group_size, dtype)
@@ -79,7 +80,7 @@ class PackedLinear:
             return self.codes.float() * self.scales.float()[:, None]
         out, inputs = self.shape
         zeros = self.zeros.float() if self.zeros is not None else torch.full_like(self.scales.float(), 8)
-        q = self.codes.float().view(out, -1, self.group_size)
+        q = unpack_nibbles(self.codes).float().view(out, -1, self.group_size)
         return ((q - zeros[:, :, None]) * self.scales.float()[:, :, None]).view(out, inputs)
 
 
@@ -225,7 +226,7 @@ def read_linear(quant: CheckpointQuant, tensors: dict[str, torch.Tensor], module
     group_zeros = zeros.T.contiguous()  # [out, groups]
     symmetric = quant.symmetric and bool((group_zeros == 8).all())
     zero_codes = None if symmetric else group_zeros.to(torch.uint8)
-    return PackedLinear(codes.to(torch.uint8), scales.T.contiguous(), zero_codes, quant.group_size)
+    return PackedLinear(pack_nibbles(codes.to(torch.uint8)), scales.T.contiguous(), zero_codes, quant.group_size)
 
 
 def _read_ct(quant: CheckpointQuant, tensors: dict[str, torch.Tensor], module: str) -> PackedLinear:
@@ -249,7 +250,7 @@ def _read_ct(quant: CheckpointQuant, tensors: dict[str, torch.Tensor], module: s
             raise _refuse(f"compressed-tensors asymmetric int8 ({module})")
         return PackedLinear(q.to(torch.int8).contiguous(), scales.view(-1), None, 0)
     zeros = None if zero_point is None else (zero_point.to(torch.int16) + offset).to(torch.uint8)
-    return PackedLinear((q + offset).to(torch.uint8).contiguous(), scales, zeros, quant.group_size)
+    return PackedLinear(pack_nibbles((q + offset).to(torch.uint8)), scales, zeros, quant.group_size)
 
 
 def checked(linear: PackedLinear, module: str) -> PackedLinear:

@@ -93,18 +93,19 @@ def quantize(weight: torch.Tensor, format: Literal["int8", "int4"], group_size: 
     groups = w.view(out_features, in_features // group_size, group_size)
     scales = _scales(groups.abs().amax(dim=2), 7).to(dtype)  # [out, groups]
     codes = (torch.round(groups / scales.float()[:, :, None]).clamp_(-7, 7) + 8).to(torch.uint8)
-    return _int4(codes.view(out_features, in_features), scales, None, group_size, dtype)
+    return _int4(pack_nibbles(codes.view(out_features, in_features)), scales, None, group_size, dtype)
 
 
 def from_codes(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
 ) -> QuantWeight:
     """A checkpoint's quantized weight as it is, for activations of ``dtype``: int8 ``codes`` [out, in]
-    (symmetric, ``scales`` [out]), or int4 ``codes`` [out, in] holding 0-15 with ``scales`` and ``zeros``
-    [out, in / group_size] (zeros None: 8), ``w' = (q - z) * s``. UnsupportedQuantization where the shape
-    does not fit the format."""
-    out_features, in_features = codes.shape
+    (symmetric, ``scales`` [out]), or int4 ``codes`` [out, in / 2] uint8 (two 0-15 codes a byte, even
+    inputs in the low nibble: pack_nibbles) with ``scales`` and ``zeros`` [out, in / group_size] (zeros
+    None: 8), ``w' = (q - z) * s``; fp32 keeps those bytes as they are. UnsupportedQuantization where the
+    shape does not fit the format."""
     if codes.dtype == torch.int8:
+        out_features, in_features = codes.shape
         assert zeros is None and scales.shape == (out_features,)
         kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
         return QuantWeight(
@@ -116,8 +117,18 @@ def from_codes(
             scales.to(dtype),
             kernel_rows=kernel_rows,
         )
-    _check_int4(out_features, in_features, group_size)
-    return _int4(codes.to(torch.uint8), scales.to(dtype), zeros, group_size, dtype)
+    _check_int4(codes.shape[0], codes.shape[1] * 2, group_size)
+    return _int4(codes, scales.to(dtype), zeros, group_size, dtype)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] uint8 0-15 -> [out, in / 2] uint8, even inputs in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [out, in / 2] -> [out, in] uint8."""
+    return torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(nibbles.shape[0], -1)
 
 
 def _check_int4(out_features: int, in_features: int, group_size: int) -> None:
@@ -134,16 +145,16 @@ def _check_int4(out_features: int, in_features: int, group_size: int) -> None:
 
 
 def _int4(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
+    nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
 ) -> QuantWeight:
-    """codes [out, in] uint8 0-15, scales [out, groups] in ``dtype``, zeros [out, groups] (None: 8)."""
-    out_features, in_features = codes.shape
+    """nibbles [out, in / 2] (pack_nibbles), scales [out, groups] in ``dtype``, zeros [out, groups] (None: 8)."""
+    out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
     if dtype == torch.bfloat16:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        codes = unpack_nibbles(nibbles).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         offsets = torch.zeros_like(scales) if zeros is None else ((8 - zeros.float()) * scales.float()).to(dtype)
         scale_zeros = torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous()
         return QuantWeight("int4", out_features, in_features, group_size, None, scales, packed, scale_zeros)
-    nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
     zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None else None
     return QuantWeight("int4", out_features, in_features, group_size, nibbles.contiguous(), scales, zeros=zero_codes)
 
