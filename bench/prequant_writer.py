@@ -72,20 +72,24 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, 
     path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": config}, indent=2))
 
 
-def write_gptq(model: PreTrainedModel, directory: Path, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
-    """GPTQ v1 (checkpoint_format gptq): qweight int32 [in / 8, out] packed along the input, qzeros int32
-    [groups, out / 8] holding z - 1, scales fp16 [groups, out], g_idx [in]."""
+def write_gptq(
+    model: PreTrainedModel, directory: Path, group: int, symmetric: bool, checkpoint_format: str = "gptq"
+) -> dict[str, torch.Tensor]:
+    """GPTQ: qweight int32 [in / 8, out] packed along the input, qzeros int32 [groups, out / 8] holding
+    z - 1 (checkpoint_format gptq, v1) or z (gptq_v2, as gptqmodel saves it), scales fp16 [groups, out],
+    g_idx [in]."""
     tensors, weights = {}, {}
     for name in _projections(model):
         w = _weight(model, name)
         codes, scales, zeros = int4_groups(w, group, symmetric)
         weights[name] = dequantized(codes, scales, zeros, group)
         tensors[f"{name}.qweight"] = pack_nibbles(codes).T.contiguous()  # word [r, j]: inputs 8r..8r+7 of j
-        tensors[f"{name}.qzeros"] = pack_nibbles((zeros.T.to(torch.int64) - 1).contiguous())
+        stored = zeros.T.to(torch.int64) - (1 if checkpoint_format == "gptq" else 0)
+        tensors[f"{name}.qzeros"] = pack_nibbles(stored.contiguous())
         tensors[f"{name}.scales"] = scales.T.contiguous()
         tensors[f"{name}.g_idx"] = (torch.arange(w.shape[1]) // group).to(torch.int32)
     config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": symmetric}
-    _write(directory, tensors, {**config, "checkpoint_format": "gptq", "static_groups": False})
+    _write(directory, tensors, {**config, "checkpoint_format": checkpoint_format, "static_groups": False})
     return weights
 
 

@@ -52,6 +52,7 @@ CHECKPOINTS: list[tuple[str, Callable[[], PreTrainedModel], Writer]] = [
     ("gptq-asym-g32-qwen3", FAMILIES["qwen3-qk-norm"], lambda m, d: write_gptq(m, d, 32, False)),
     ("gptq-asym-g64-wide", _wide_llama, lambda m, d: write_gptq(m, d, 64, False)),
     ("gptq-sym-g128-wide", _wide_llama, lambda m, d: write_gptq(m, d, 128, True)),
+    ("gptq-v2-asym-g32-llama", FAMILIES["llama-head-dim"], lambda m, d: write_gptq(m, d, 32, False, "gptq_v2")),
     ("awq-g32-llama", FAMILIES["llama-head-dim"], lambda m, d: write_awq(m, d, 32)),
     ("awq-g128-wide", _wide_llama, lambda m, d: write_awq(m, d, 128)),
     ("awq-g32-qwen3", FAMILIES["qwen3-qk-norm"], lambda m, d: write_awq(m, d, 32)),
