@@ -13,11 +13,23 @@
   greedy agreement). fp32 is listed as the yardstick of bf16's own rounding.
 
 Writes bench/results/quant.json and prints a Markdown table.
+
+``python -m bench.quant --checkpoints [--rounds N] [--threads N]``: pre-quantized checkpoints against
+bf16 on one seeded tiny-but-wide random Llama (hidden 1024, intermediate 4096, 4 layers, vocab 8192),
+written as bf16 and by bench/prequant_writer.py as GPTQ int4, AWQ int4 and compressed-tensors int4 / int8
+(groups of 128), beside bf16 quantized at load (LF_ENGINE__WEIGHTS): per system, in a fresh process
+each round (systems rotating; one round unless --rounds), the time to load the model and build the bf16
+engine, the process's RSS before (imports only) and after it and its peak, and batch-1 TPOT over 8
+greedy tokens. Writes bench/results/quant_checkpoints.json.
 """
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +45,16 @@ from services.worker.engine.sequence import Sequence
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "quant.json"
+CHECKPOINT_RESULTS = Path(__file__).parent / "results" / "quant_checkpoints.json"
+# checkpoint directory and LF_ENGINE__WEIGHTS of each system of --checkpoints
+CHECKPOINT_SYSTEMS: dict[str, tuple[str, Literal["none", "int8", "int4"]]] = {
+    "bf16": ("bf16", "none"),
+    "bf16, int4 at load": ("bf16", "int4"),
+    "gptq int4": ("gptq", "none"),
+    "awq int4": ("awq", "none"),
+    "compressed-tensors int4": ("ct-int4", "none"),
+    "compressed-tensors int8": ("ct-int8", "none"),
+}
 Dtype = Literal["float32", "bfloat16"]
 SYSTEMS: dict[str, tuple[Dtype, Literal["none", "int8", "int4"]]] = {
     "fp32": ("float32", "none"),
@@ -144,13 +166,144 @@ def table(speed: dict[str, object], good: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def write_checkpoints(root: Path) -> None:
+    """The wide random Llama saved in bf16 and in each pre-quantized format, under ``root``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from bench.prequant_writer import write_awq, write_compressed_tensors, write_gptq
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0")
+    writers = {
+        "bf16": lambda d: None,
+        "gptq": lambda d: write_gptq(model, d, 128, symmetric=True),
+        "awq": lambda d: write_awq(model, d, 128),
+        "ct-int4": lambda d: write_compressed_tensors(model, d, "pack-quantized", 4, 128),
+        "ct-int8": lambda d: write_compressed_tensors(model, d, "pack-quantized", 8),
+    }
+    for name, write in writers.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        write(root / name)
+
+
+def load_child(directory: str, weights: Literal["none", "int8", "int4"], threads: int) -> None:
+    """One system in this fresh process: load, build the engine, decode; prints its figures as JSON."""
+    torch.set_num_threads(threads)
+    before_mb = _rss_mb()
+    start = time.perf_counter()
+    loaded = load_model(directory, dtype=torch.bfloat16)
+    config = EngineConfig(
+        dtype="bfloat16",
+        weights=weights,
+        weight_group_size=128,
+        kv_cache_bytes=16 * 2**20,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        num_threads=threads,
+        compute_nice=0,
+    )
+    engine = LLMEngine.from_loaded(loaded, config)
+    del loaded  # as the worker drops it: what stays is what the engine holds
+    load_s = time.perf_counter() - start
+    rss_mb = _rss_mb()
+    run = run_engine(engine, [list(range(5, 37))], 8)
+    # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec
+    peak_mb = _status_mb("VmHWM")
+    figures = {"load_s": load_s, "rss_before_mb": before_mb, "rss_mb": rss_mb, "peak_rss_mb": peak_mb}
+    print(json.dumps({**figures, "tpot_ms": run["tpot_s"][0] * 1e3}))
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
+
+
+def _status_mb(field: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(f"{field}:"))
+    return int(line.split()[1]) / 1024
+
+
+def checkpoints(rounds: int, threads: int) -> None:
+    names = list(CHECKPOINT_SYSTEMS)
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="lf-prequant-") as tmp:
+        root = Path(tmp)
+        write_checkpoints(root)
+        sizes = {
+            d: sum(f.stat().st_size for f in (root / d).glob("*.safetensors")) / 2**20
+            for d in {CHECKPOINT_SYSTEMS[n][0] for n in names}
+        }
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                directory, weights = CHECKPOINT_SYSTEMS[name]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "bench.quant",
+                    "--load-child",
+                    str(root / directory),
+                    "--weights",
+                    weights,
+                ]
+                out = subprocess.run([*command, "--threads", str(threads)], capture_output=True, text=True, check=True)
+                runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    figures = {
+        name: {
+            "checkpoint_mb": sizes[CHECKPOINT_SYSTEMS[name][0]],
+            **{k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]},
+        }
+        for name in names
+    }
+    result = {"environment": environment(threads, "bfloat16"), "rounds": rounds, "systems": figures}
+    CHECKPOINT_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    CHECKPOINT_RESULTS.write_text(json.dumps(result, indent=2))
+    base = figures["bf16"]
+    print(f"\n## Wide random Llama (hidden 1024, 4 layers), bf16 engine, median of {rounds} fresh process(es)\n")
+    print(
+        "| system | checkpoint (MB) | load + engine (s) | x bf16 | RSS before / after load (MB) | "
+        "model RSS (MB) | x bf16 | peak RSS (MB) | TPOT (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    base_model = base["rss_mb"] - base["rss_before_mb"]
+    for name, f in figures.items():
+        model = f["rss_mb"] - f["rss_before_mb"]
+        print(
+            f"| {name} | {f['checkpoint_mb']:.0f} | {f['load_s']:.2f} | {f['load_s'] / base['load_s']:.2f} | "
+            f"{f['rss_before_mb']:.0f} / {f['rss_mb']:.0f} | {model:.0f} | {model / base_model:.2f} | "
+            f"{f['peak_rss_mb']:.0f} | {f['tpot_ms']:.1f} |"
+        )
+    print(f"\nwrote {CHECKPOINT_RESULTS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and prompts")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32, help="int4 group size")
+    parser.add_argument("--checkpoints", action="store_true", help="pre-quantized checkpoints' load time and RSS")
+    parser.add_argument("--load-child", help=argparse.SUPPRESS)
+    parser.add_argument("--weights", default="none", help=argparse.SUPPRESS)
     rounds_argument(parser)
     threads_argument(parser)
     args = parser.parse_args()
+    if args.load_child:
+        load_child(args.load_child, args.weights, args.threads)
+        return
+    if args.checkpoints:
+        checkpoints(args.rounds or 1, args.threads)
+        return
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     new_tokens, count = (16, 4) if args.quick else (64, 16)

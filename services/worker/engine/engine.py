@@ -114,7 +114,7 @@ class LLMEngine:
         grammar_bounds: GrammarBounds | None = None,
     ) -> "LLMEngine":
         """Build from the worker's loaded transformers model (weights shared, not copied, when dtypes match)."""
-        weights = load_weights(loaded.model, config.torch_dtype, config.device, config.max_model_len)
+        weights = load_weights(loaded.model, config.torch_dtype, config.device, config.max_model_len, loaded.packed)
         eos = loaded.model.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         if loaded.tokenizer.eos_token_id is not None:

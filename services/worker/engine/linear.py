@@ -75,6 +75,7 @@ import torch.nn.functional as F
 
 from kernels import native, projections
 from services.worker.engine.errors import UnsupportedQuantization
+from services.worker.engine.prequant import PackedLinear
 from services.worker.engine.quant import QuantWeight, WeightFormat, quantize
 
 CpuLinear = Literal["auto", "torch", "onednn", "panel"]
@@ -244,7 +245,7 @@ class LinearFactory:
     def __init__(
         self, mode: CpuLinear, device: str, dtype: torch.dtype, weights: WeightFormat = "none", group_size: int = 32
     ):
-        self.weights, self.group_size, self.dtype = weights, group_size, dtype
+        self.weights, self.group_size, self.dtype, self.device = weights, group_size, dtype, device
         if weights != "none" and (torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
             raise UnsupportedQuantization(
                 f"LF_ENGINE__WEIGHTS={weights} serves the CPU engine in float32 or bfloat16, not {device} {dtype}"
@@ -280,15 +281,32 @@ class LinearFactory:
                 cpu_linear=mode,
             )
 
-    def head(self, weight: torch.Tensor) -> Linear:
+    def head(self, weight: torch.Tensor, packed: PackedLinear | None = None) -> Linear:
         """The lm_head: as a projection, except that int4 weights keep it in int8 (as llama.cpp's 4-bit
         types keep their output matrix at 6 bits or more): on SmolLM2, int4 there cost the greedy
         agreement with bf16 more than every int4 layer together."""
-        return self(weight, weights="int8" if self.weights == "int4" else self.weights)
+        return self(weight, weights="int8" if self.weights == "int4" else self.weights, packed=packed)
 
     def __call__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, weights: WeightFormat | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weights: WeightFormat | None = None,
+        packed: PackedLinear | None = None,
     ) -> Linear:
+        """A projection of ``weight`` [out, in]; with ``packed`` (a pre-quantized checkpoint's, ``weight``
+        then a meta tensor of its logical shape) it runs on those codes whatever ``weights`` says."""
+        if packed is not None:
+            if torch.device(self.device).type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+                raise UnsupportedQuantization(
+                    f"a pre-quantized checkpoint serves the CPU engine in float32 or bfloat16, not {self.device} "
+                    f"{self.dtype}"
+                )
+            quant = packed.quant(self.dtype)
+            bias = bias.contiguous() if bias is not None else None
+            return Linear(
+                torch.empty(weight.shape, dtype=self.dtype, device="meta"), bias, quant.format, None, 0, quant
+            )
         weights = weights or self.weights
         if weights != "none":
             quant = quantize(weight, weights, self.group_size, self.dtype)

@@ -76,11 +76,18 @@ class LlamaForward:
             )
         self.proj: list[dict[str, Linear]] = []
         for layer in weights.layers:
-            proj = {"qkv": make(layer.qkv, layer.qkv_bias), "o": make(layer.o, layer.o_bias)}
+            packed = layer.packed
+            proj = {
+                "qkv": make(layer.qkv, layer.qkv_bias, packed=packed.get("qkv")),
+                "o": make(layer.o, layer.o_bias, packed=packed.get("o")),
+            }
             if layer.gate_up is not None and layer.down is not None:  # a dense MLP (or the shared expert)
-                proj |= {"gate_up": make(layer.gate_up, layer.gate_up_bias), "down": make(layer.down, layer.down_bias)}
+                proj |= {
+                    "gate_up": make(layer.gate_up, layer.gate_up_bias, packed=packed.get("gate_up")),
+                    "down": make(layer.down, layer.down_bias, packed=packed.get("down")),
+                }
             self.proj.append(proj)
-        self.lm_head = make.head(weights.lm_head)
+        self.lm_head = make.head(weights.lm_head, weights.lm_head_packed)
         # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
         self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec

@@ -16,6 +16,11 @@ take the rows: int8 up to INT8_KERNEL_ROWS rows (past them dequantizing per call
 35 -> 17 ms), int4 at every row count (even with dequantizing per call at 256 rows, 1.4-7x faster at
 4-64 rows, and it holds no unpacked copy to dequantize from).
 
+A pre-quantized checkpoint (prequant.py) arrives as codes, scales and zero points: ``from_codes`` takes
+them as they are. Its int4 groups may be asymmetric, ``w' = (q - z) * s`` with z in 0-16 per group
+(``zeros``; None is the engine's own z = 8): fp32 dequantizes exactly that, and torch's bf16 kernel,
+which computes ``(q - 8) * s + zero``, takes ``zero = (8 - z) * s`` rounded to bf16.
+
 The unquantized weights stay in memory (the transformers model and ModelWeights hold them): a step reads
 only the quantized ones, so this saves bandwidth per token, not resident memory.
 """
@@ -47,6 +52,7 @@ class QuantWeight:
     packed: torch.Tensor | None = None  # int4 (bf16): torch's blocked int4 layout of the codes
     scale_zeros: torch.Tensor | None = None  # int4 (bf16): [in / group_size, out, 2], (scale, 0) per group
     kernel_rows: int = 0  # rows up to which torch's kernel runs (0: none, dequantize per call)
+    zeros: torch.Tensor | None = None  # int4 (fp32), asymmetric checkpoints: [out, in / group_size] uint8 z
 
     def dequantize(self) -> torch.Tensor:
         """The weight the projection computes with, [out, in] in the activation dtype."""
@@ -55,8 +61,9 @@ class QuantWeight:
             assert self.codes is not None
             return self.codes.to(dtype) * self.scales[:, None]
         assert self.codes is not None, "bf16 int4 weights live in the kernel's layout only"
-        low, high = (self.codes & 0xF).to(torch.int8), (self.codes >> 4).to(torch.int8)
-        codes = torch.stack((low, high), dim=-1).view(self.out_features, -1, self.group_size) - 8
+        low, high = (self.codes & 0xF).to(torch.int16), (self.codes >> 4).to(torch.int16)
+        codes = torch.stack((low, high), dim=-1).view(self.out_features, -1, self.group_size)
+        codes = codes - (self.zeros[:, :, None].to(torch.int16) if self.zeros is not None else 8)
         return (codes.to(dtype) * self.scales[:, :, None]).view(self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -82,26 +89,74 @@ def quantize(weight: torch.Tensor, format: Literal["int8", "int4"], group_size: 
         codes = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
         kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
         return QuantWeight(format, out_features, in_features, in_features, codes, scales, kernel_rows=kernel_rows)
+    _check_int4(out_features, in_features, group_size)
+    groups = w.view(out_features, in_features // group_size, group_size)
+    scales = _scales(groups.abs().amax(dim=2), 7).to(dtype)  # [out, groups]
+    codes = (torch.round(groups / scales.float()[:, :, None]).clamp_(-7, 7) + 8).to(torch.uint8)
+    return _int4(pack_nibbles(codes.view(out_features, in_features)), scales, None, group_size, dtype)
+
+
+def from_codes(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
+) -> QuantWeight:
+    """A checkpoint's quantized weight as it is, for activations of ``dtype``: int8 ``codes`` [out, in]
+    (symmetric, ``scales`` [out]), or int4 ``codes`` [out, in / 2] uint8 (two 0-15 codes a byte, even
+    inputs in the low nibble: pack_nibbles) with ``scales`` and ``zeros`` [out, in / group_size] (zeros
+    None: 8), ``w' = (q - z) * s``; fp32 keeps those bytes as they are. UnsupportedQuantization where the
+    shape does not fit the format."""
+    if codes.dtype == torch.int8:
+        out_features, in_features = codes.shape
+        assert zeros is None and scales.shape == (out_features,)
+        kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
+        return QuantWeight(
+            "int8",
+            out_features,
+            in_features,
+            in_features,
+            codes.contiguous(),
+            scales.to(dtype),
+            kernel_rows=kernel_rows,
+        )
+    _check_int4(codes.shape[0], codes.shape[1] * 2, group_size)
+    return _int4(codes, scales.to(dtype), zeros, group_size, dtype)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] uint8 0-15 -> [out, in / 2] uint8, even inputs in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [out, in / 2] -> [out, in] uint8."""
+    return torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(nibbles.shape[0], -1)
+
+
+def _check_int4(out_features: int, in_features: int, group_size: int) -> None:
     if in_features % group_size:
         raise UnsupportedQuantization(
             f"int4 weights need in_features divisible by the group size: a [{out_features}, {in_features}] "
-            f"projection with LF_ENGINE__WEIGHT_GROUP_SIZE={group_size}"
+            f"projection with group size {group_size}"
         )
     if out_features % INT4_PACK_ROWS:
         raise UnsupportedQuantization(
             f"int4 weights need out_features divisible by {INT4_PACK_ROWS} (torch's int4 layout): "
             f"a [{out_features}, {in_features}] projection"
         )
-    groups = w.view(out_features, in_features // group_size, group_size)
-    scales = _scales(groups.abs().amax(dim=2), 7).to(dtype)  # [out, groups]
-    codes = (torch.round(groups / scales.float()[:, :, None]).clamp_(-7, 7) + 8).to(torch.uint8)
-    codes = codes.view(out_features, in_features)
+
+
+def _int4(
+    nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
+) -> QuantWeight:
+    """nibbles [out, in / 2] (pack_nibbles), scales [out, groups] in ``dtype``, zeros [out, groups] (None: 8)."""
+    out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
     if dtype == torch.bfloat16:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        scale_zeros = torch.stack((scales, torch.zeros_like(scales)), dim=-1).transpose(0, 1).contiguous()
-        return QuantWeight(format, out_features, in_features, group_size, None, scales, packed, scale_zeros)
-    nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return QuantWeight(format, out_features, in_features, group_size, nibbles.contiguous(), scales)
+        codes = unpack_nibbles(nibbles).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        offsets = torch.zeros_like(scales) if zeros is None else ((8 - zeros.float()) * scales.float()).to(dtype)
+        scale_zeros = torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous()
+        return QuantWeight("int4", out_features, in_features, group_size, None, scales, packed, scale_zeros)
+    zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None else None
+    return QuantWeight("int4", out_features, in_features, group_size, nibbles.contiguous(), scales, zeros=zero_codes)
 
 
 def _scales(amax: torch.Tensor, levels: int) -> torch.Tensor:

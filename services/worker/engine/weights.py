@@ -1,14 +1,16 @@
 """Engine-owned view of a transformers Llama-family model: shapes, rope and fused weights."""
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from services.worker.engine.errors import UnsupportedQuantization
 from services.worker.engine.experts import ExpertWeights
 from services.worker.engine.families import Family, family_of, layer_windows
+from services.worker.engine.prequant import PackedLinear, concat
 from services.worker.engine.rope import cos_sin_table, inverse_frequencies, rope_parameters
 
 
@@ -61,6 +63,8 @@ class LayerWeights:
     down_bias: torch.Tensor | None  # [hidden]
     experts: ExpertWeights | None = None  # a mixture-of-experts layer's router and experts (gate_up: the shared one)
     wide_qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # ([q_size], [kv_size]): OLMoE's q and k norms
+    # a pre-quantized checkpoint's projections ("qkv", "o", "gate_up", "down"), whose weights above are meta
+    packed: dict[str, PackedLinear] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -72,23 +76,21 @@ class ModelWeights:
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
     rope: torch.Tensor  # [max_model_len, 2, head_dim]: cos and the signed sin (rope.cos_sin_table)
     rope_local: torch.Tensor | None = None  # [max_model_len, 2, head_dim]: Gemma 3's sliding-layer rope
+    lm_head_packed: PackedLinear | None = None  # a pre-quantized lm_head (lm_head then a meta tensor)
 
 
 def _fuse(modules: list[torch.nn.Linear], dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate projections row-wise; rebind the modules' parameters as views of the result.
 
     Rebinding keeps the transformers model usable while the weights are held only once in memory.
+    Pre-quantized projections (meta weights) give a meta tensor of the fused logical shape.
     """
+    if modules[0].weight.is_meta:
+        rows = sum(m.weight.shape[0] for m in modules)
+        weight = torch.empty(rows, modules[0].weight.shape[1], dtype=dtype, device="meta")
+        return weight, _fused_bias(modules, dtype, device)
     weight = torch.cat([m.weight.detach() for m in modules]).to(device=device, dtype=dtype).contiguous()
-    biases = [m.bias for m in modules]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [
-                b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
-                for m, b in zip(modules, biases, strict=True)
-            ]
-        ).to(device=device, dtype=dtype)
+    bias = _fused_bias(modules, dtype, device)
     if weight.dtype == modules[0].weight.dtype and weight.device == modules[0].weight.device:
         start = 0
         for m in modules:
@@ -98,6 +100,33 @@ def _fuse(modules: list[torch.nn.Linear], dtype: torch.dtype, device: str) -> tu
                 m.bias.data = bias[start : start + rows]
             start += rows
     return weight, bias
+
+
+def _fused_bias(modules: list[torch.nn.Linear], dtype: torch.dtype, device: str) -> torch.Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=dtype, device=device)
+            for m, b in zip(modules, biases, strict=True)
+        ]
+    ).to(device=device, dtype=dtype)
+
+
+def _packed(
+    modules: list[torch.nn.Linear], names: dict[int, str], packed: dict[str, PackedLinear]
+) -> PackedLinear | None:
+    """The fused pre-quantized projection of ``modules`` (None: they are plain)."""
+    parts = [packed.get(names[id(m)]) for m in modules]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise UnsupportedQuantization(
+            f"{', '.join(names[id(m)] for m in modules)}: only some are quantized, and the engine fuses them",
+            param="model",
+        )
+    return concat([p for p in parts if p is not None])
 
 
 def _return_freed_heap() -> None:
@@ -114,6 +143,8 @@ def _return_freed_heap() -> None:
 
 def _single(module: torch.nn.Linear, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = module.bias.detach().to(device=device, dtype=dtype) if module.bias is not None else None
+    if module.weight.is_meta:  # pre-quantized
+        return torch.empty(module.weight.shape, dtype=dtype, device="meta"), bias
     return module.weight.detach().to(device=device, dtype=dtype), bias
 
 
@@ -180,9 +211,18 @@ def _experts(mlp: Any, family: Family, config: PreTrainedConfig, dtype: torch.dt
     )
 
 
-def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_model_len: int) -> ModelWeights:
+def load_weights(
+    model: PreTrainedModel,
+    dtype: torch.dtype,
+    device: str,
+    max_model_len: int,
+    packed: dict[str, PackedLinear] | None = None,
+) -> ModelWeights:
     """Take the tensors transformers loaded into the engine's layout; UnsupportedModel for a family
-    (or a feature of one) the families table does not serve exactly."""
+    (or a feature of one) the families table does not serve exactly. ``packed``: a pre-quantized
+    checkpoint's projections by module name (loader.LoadedModel.packed)."""
+    packed = packed or {}
+    names = {id(m): n for n, m in model.named_modules()}
     config = model.config
     family = family_of(config)
     windows = [w if w is not None and w < max_model_len else None for w in layer_windows(config, family)]
@@ -195,16 +235,22 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
         experts = _experts(mlp, family, config, dtype, device) if sparse else None
         dense = mlp.shared_expert if experts is not None and experts.shared_gate is not None else mlp
         gate_up = gate_up_bias = down = down_bias = None
+        groups: dict[str, list[torch.nn.Linear]] = {"o": [attn.o_proj]}
         if family.fused_projections:  # Phi-3: rows already q, k, v and gate, up
             qkv, qkv_bias = _single(attn.qkv_proj, dtype, device)
             gate_up, gate_up_bias = _single(mlp.gate_up_proj, dtype, device)
+            groups |= {"qkv": [attn.qkv_proj], "gate_up": [mlp.gate_up_proj]}
         else:
             qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype, device)
+            groups["qkv"] = [attn.q_proj, attn.k_proj, attn.v_proj]
             if not sparse or dense is not mlp:
                 gate_up, gate_up_bias = _fuse([dense.gate_proj, dense.up_proj], dtype, device)
+                groups["gate_up"] = [dense.gate_proj, dense.up_proj]
         o, o_bias = _single(attn.o_proj, dtype, device)
         if not sparse or dense is not mlp:
             down, down_bias = _single(dense.down_proj, dtype, device)
+            groups["down"] = [dense.down_proj]
+        layer_packed = {k: p for k, modules in groups.items() if (p := _packed(modules, names, packed)) is not None}
         wide_qk_norm = None
         if family.wide_qk_norm:
             wide_qk_norm = (
@@ -232,11 +278,19 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
                 down_bias=down_bias,
                 experts=experts,
                 wide_qk_norm=wide_qk_norm,
+                packed=layer_packed,
             )
         )
     embed = model.model.embed_tokens.weight.detach().to(device=device, dtype=dtype)
-    head = model.get_output_embeddings().weight.detach()  # type: ignore[no-untyped-call]  # unannotated in transformers
-    lm_head = embed if head.data_ptr() == model.model.embed_tokens.weight.data_ptr() else head.to(device, dtype)
+    head_module = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+    head = head_module.weight.detach()
+    head_packed = _packed([head_module], names, packed)
+    if head.is_meta:
+        lm_head = torch.empty(head.shape, dtype=dtype, device="meta")
+    elif head.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+        lm_head = embed
+    else:
+        lm_head = head.to(device, dtype)
     inv_freq = inverse_frequencies(rope_parameters(config), spec.head_dim, max_model_len)
     rope_local = None
     if family.local_rope:
@@ -250,6 +304,7 @@ def load_weights(model: PreTrainedModel, dtype: torch.dtype, device: str, max_mo
         lm_head=lm_head,
         rope=cos_sin_table(inv_freq, max_model_len, dtype, device),
         rope_local=rope_local,
+        lm_head_packed=head_packed,
     )
     _return_freed_heap()
     return weights

@@ -241,7 +241,7 @@ def test_engine_shapes_stay_logical() -> None:
 def test_int4_refuses_a_group_that_does_not_divide_in_features() -> None:
     model = FAMILIES["llama-head-dim"]()  # intermediate 96: the down projection's in_features
     linear = LinearFactory("auto", "cpu", torch.float32, "int4", 64)
-    with pytest.raises(UnsupportedQuantization, match=r"a \[64, 96\] projection with LF_ENGINE__WEIGHT_GROUP_SIZE=64"):
+    with pytest.raises(UnsupportedQuantization, match=r"a \[64, 96\] projection with group size 64"):
         LlamaForward(load_weights(model, torch.float32, "cpu", MAX_LEN), linear)
 
 
