@@ -1,7 +1,7 @@
 """Writers of pre-quantized checkpoints in the published formats (GPTQ v1, AWQ GEMM, compressed-tensors
 pack-quantized / int-quantized / naive-quantized), for bench.quant and the tests: gptqmodel/auto-gptq and
 autoawq need CUDA builds, and compressed-tensors is not in the project's environment
-(tests/worker/test_prequant.py checks this writer against its compressor where it is importable).
+(tests/worker/engine/test_prequant.py checks this writer against its compressor where it is importable).
 
 Each writer rewrites a directory that already holds ``model`` saved with ``save_pretrained``: every
 projection of the decoder layers is quantized (lm_head stays plain, as the formats' own tools leave it)

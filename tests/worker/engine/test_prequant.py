@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from bench.prequant_writer import ct_pack, ct_quantize, write_awq, write_compressed_tensors, write_gptq
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.errors import UnsupportedQuantization
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.prequant import checkpoint_quant
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.fingerprint import BaseModelSpec, compute_fingerprint
