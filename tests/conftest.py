@@ -145,7 +145,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
 # another xdist worker: they time a kill under load, measure, or load every core themselves.
 SERIAL_TESTS: dict[str, str] = {  # node id -> why
     "tests/faults": "kills a process under load and times the recovery",
-    "tests/bench/test_load.py": "a load run",
+    "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "a load run",
     "tests/bench/test_engine_peers.py": "runs both engines' benchmark",
     "tests/bench/test_hop_floor.py": "measures the bare pipeline's latency floor",
     "tests/e2e/test_up_own_model.py": "kill -9 of every process of a whole stack under traffic",
