@@ -77,13 +77,14 @@ endif
 # (markers vllm, compose, serial: the fault tests that time a kill under load, the load runs and
 # benchmarks, tests/conftest.py SERIAL_TESTS). Either failing fails `make test`; a run that selects no
 # test (exit 5, e.g. PYTEST_ARGS names one file) does not.
+# --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once.
 TEST_WORKERS ?= 2
 HEAVY_MARK := -m "(serial or vllm or compose)$(foreach s,$(SKIP), and not $(s))"
 LIGHT_MARK := -m "not serial and not vllm and not compose"
 
 test: $(TEST_DEPS)
 	@status=0; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30 $(LIGHT_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(LIGHT_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(BIN)/python -m pytest -q --durations=30 $(HEAVY_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
