@@ -140,6 +140,14 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_a_service_with_an_unknown_variable_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
+    "tests/bench/test_gpu_check.py": "bash and bench/gpu_check.sh",
+    "tests/bench/test_placement_scale.py::test_the_command_writes_json_and_markdown": "python -m bench.placement_scale",
+    "tests/cli/test_supervisor.py": "the supervised python processes",
+    "tests/deploy/test_compose_hardening.py": "compose's init command",
+    "tests/deploy/test_k8s_hardening.py": "create-secrets.sh's init command and nats-server",
+    "tests/deploy/test_nats_accounts.py::test_a_local_store_from_before_accounts_moves_to_the_platform_account": "nats-server",
+    "tests/faults/test_nats_cluster.py": "a 3-node NATS cluster and the stack",
+    "tests/scheduler/test_rank_pools_stack.py": "the stack with two workers",
 }
 # `make test` runs these in its second, serial pytest (with the vllm and compose tiers), not beside
 # another xdist worker: they time a kill under load, measure, or load every core themselves.
@@ -155,6 +163,9 @@ SERIAL_TESTS: dict[str, str] = {  # node id -> why
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",
     "tests/worker/test_engine_model.py::test_smollm2_matches_transformers",
+    "tests/worker/test_serving_isolation.py",
+    "tests/scheduler/test_rank_pools_stack.py",
+    "tests/faults/test_nats_cluster.py",
 )
 
 
