@@ -73,10 +73,20 @@ endif
 ifeq ($(LF_SKIP_COMPOSE),1)
 SKIP += compose
 endif
-TEST_MARK := $(if $(strip $(SKIP)),-m "not $(subst $(eval) , and not ,$(strip $(SKIP)))")
+# Two pytest runs: the light tiers on TEST_WORKERS pytest-xdist workers, then the heavy ones serially
+# (markers vllm, compose, serial: the fault tests that time a kill under load, the load runs and
+# benchmarks, tests/conftest.py SERIAL_TESTS). Either failing fails `make test`; a run that selects no
+# test (exit 5, e.g. PYTEST_ARGS names one file) does not.
+# --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once.
+TEST_WORKERS ?= 2
+HEAVY_MARK := -m "(serial or vllm or compose)$(foreach s,$(SKIP), and not $(s))"
+LIGHT_MARK := -m "not serial and not vllm and not compose"
 
 test: $(TEST_DEPS)
-	$(BIN)/python -m pytest -q --durations=30 $(TEST_MARK) $(PYTEST_ARGS)
+	@status=0; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(LIGHT_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(BIN)/python -m pytest -q --durations=30 $(HEAVY_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
 # The tests that need no process besides pytest and no embedded model (markers set in tests/conftest.py),
 # in under 2 minutes; LF_TEST_TIER=fast fails any of them that starts a process or reads the model cache.

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
+from lorafleet.cli import infra
+from lorafleet.cli.infra import Server, start_nats, start_redis
+from tests.helpers.ports import PortSlice, worker_ports
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
@@ -24,6 +26,17 @@ os.environ.setdefault("LF_FINGERPRINT_CACHE", tempfile.mkdtemp(prefix="lf-finger
 # kernels/, which any test module may trigger: choose the CPU interpreter before all of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the light tiers under pytest-xdist (`-n 2`): WORKER is set in each worker process.
+# Every worker hands out ports from a slice of its own (tests/helpers/ports.py), installed here before
+# any test module imports free_port; and each runs torch on one thread (the workers share the cores;
+# a test that measures threads sets its own count, tests/kernels/test_native_lora.py).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    infra.free_port = PortSlice(
+        worker_ports(WORKER, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.environ["PYTEST_XDIST_TESTRUNUID"])
+    ).free_port
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
@@ -35,7 +48,7 @@ def smollm_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_nats(free_port(), tmp_path_factory.mktemp("nats"))
+    server = start_nats(infra.free_port(), tmp_path_factory.mktemp("nats"))
     yield server
     server.stop()
 
@@ -47,7 +60,7 @@ def nats_url(nats_server: Server) -> str:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_redis(free_port(), tmp_path_factory.mktemp("redis"))
+    server = start_redis(infra.free_port(), tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
 
@@ -60,7 +73,7 @@ def redis_url(redis_server: Server) -> str:
 @pytest.fixture
 def own_nats(tmp_path: Path) -> Iterator[Server]:
     """A nats-server of this test alone, for tests that restart or fill it."""
-    server = start_nats(free_port(), tmp_path / "nats")
+    server = start_nats(infra.free_port(), tmp_path / "nats")
     yield server
     server.stop()
 
@@ -127,15 +140,44 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/hostile/test_config_hostile.py::test_service_with_a_bad_config_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_a_service_with_an_unknown_variable_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
+    "tests/bench/test_gpu_check.py": "bash and bench/gpu_check.sh",
+    "tests/bench/test_placement_scale.py::test_the_command_writes_json_and_markdown": "python -m bench.placement_scale",
+    "tests/cli/test_supervisor.py": "the supervised python processes",
+    "tests/deploy/test_compose_hardening.py": "compose's init command",
+    "tests/deploy/test_k8s_hardening.py": "create-secrets.sh's init command and nats-server",
+    "tests/deploy/test_nats_accounts.py::test_a_local_store_from_before_accounts_moves_to_the_platform_account": "nats-server",
+    "tests/faults/test_nats_cluster.py": "a 3-node NATS cluster and the stack",
+    "tests/scheduler/test_rank_pools_stack.py": "the stack with two workers",
+}
+# `make test` runs these in its second, serial pytest (with the vllm and compose tiers), not beside
+# another xdist worker: they time a kill under load, measure, or load every core themselves.
+SERIAL_TESTS: dict[str, str] = {  # node id -> why
+    "tests/faults": "kills a process under load and times the recovery",
+    "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "a load run",
+    "tests/bench/test_engine_peers.py": "runs both engines' benchmark",
+    "tests/bench/test_hop_floor.py": "measures the bare pipeline's latency floor",
+    "tests/e2e/test_up_own_model.py": "kill -9 of every process of a whole stack under traffic",
+    "tests/registry/test_release_live.py::test_a_killed_registry_is_replaced_and_the_rollout_carries_on": "kills the "
+    "registry mid-rollout (under -n 2 on a loaded runner it ran past its 300 s timeout once)",
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",
     "tests/worker/engine/test_engine_model.py::test_smollm2_matches_transformers",
+    "tests/worker/test_serving_isolation.py",
+    "tests/scheduler/test_rank_pools_stack.py",
+    "tests/faults/test_nats_cluster.py",
 )
 
 
 def _listed(nodeid: str, prefixes: Iterable[str]) -> bool:
-    return any(nodeid == p or nodeid.startswith(p + ("::" if p.endswith(".py") else "[")) for p in prefixes)
+    """Whether ``nodeid`` is one of ``prefixes``: a folder, a file, a test or one of its parameters."""
+    return any(nodeid == p or nodeid.startswith(p + _separator(p)) for p in prefixes)
+
+
+def _separator(prefix: str) -> str:
+    if prefix.endswith(".py"):
+        return "::"
+    return "[" if "::" in prefix else "/"
 
 
 def _fixtures(item: pytest.Item) -> set[str]:
@@ -157,6 +199,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.servers)
         if fixtures & MODEL_FIXTURES or _listed(item.nodeid, MODEL_TESTS):
             item.add_marker(pytest.mark.model)
+        if _listed(item.nodeid, SERIAL_TESTS):
+            item.add_marker(pytest.mark.serial)
 
 
 _running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast
@@ -187,6 +231,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     native_decode()
     native_lora()
+    if WORKER:
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(wrapper=True)

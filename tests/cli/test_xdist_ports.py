@@ -1,0 +1,46 @@
+"""The ports of parallel test workers (tests/helpers/ports.py, installed by tests/conftest.py under
+pytest-xdist): disjoint slices below the kernel's ephemeral range, busy ports skipped."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from lorafleet.cli import infra
+from tests.helpers.ports import HIGH, LOW, PortSlice, worker_ports
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_the_workers_of_a_run_get_disjoint_slices_below_the_ephemeral_range(workers):
+    for run in ("0123abcd", "ffff0000", "a" * 32):
+        slices = [set(worker_ports(f"gw{i}", workers, run)) for i in range(workers)]
+        assert all(min(s) >= LOW and max(s) < HIGH for s in slices)
+        assert sum(len(s) for s in slices) == len(set().union(*slices))
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert ephemeral_low >= HIGH
+
+
+def test_a_slice_skips_busy_ports_and_hands_each_out_once_per_round():
+    ports = PortSlice(range(LOW, LOW + 8))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", LOW + 3))
+        handed = [ports.free_port() for _ in range(7)]
+    assert sorted(handed) == [p for p in range(LOW, LOW + 8) if p != LOW + 3]
+
+
+def test_a_full_slice_is_an_error():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", LOW + 9))
+        with pytest.raises(infra.InfraError, match="in use"):
+            PortSlice(range(LOW + 9, LOW + 10)).free_port()
+
+
+@pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="only an xdist worker has a slice")
+def test_an_xdist_worker_hands_out_only_its_own_slice():
+    mine = worker_ports(
+        os.environ["PYTEST_XDIST_WORKER"],
+        int(os.environ["PYTEST_XDIST_WORKER_COUNT"]),
+        os.environ["PYTEST_XDIST_TESTRUNUID"],
+    )
+    assert all(infra.free_port() in mine for _ in range(50))
