@@ -25,7 +25,7 @@ from services.worker.engine.loader import LoadedModel
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import load_weights
-from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
+from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes, applier
 from services.worker.lora.peft_loader import to_slot_layout
 from shared.errors import IntegrityError, UnservedTarget
 from shared.schemas import SamplingParams
@@ -316,3 +316,16 @@ def test_expert_lora_bytes_count_in_the_slot_size() -> None:
     )
     assert weights.modules == {"experts.down_proj"}
     assert weights.nbytes == 8 * experts * (inter + hidden) * 4
+
+
+def test_a_prefills_pairs_gathered_in_chunks_give_the_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GATHER_ELEMENTS bounds what one gather holds (a long prefill's pairs); chunked, the deltas are the same."""
+    monkeypatch.setattr(applier, "GATHER_ELEMENTS", 1)  # one pair per chunk
+    model = MOE_FAMILIES["olmoe-wide-qk-norm"]()
+    peft = _peft_experts(model, tmp_path)
+    manager = _manager(model)
+    for name in PARAM_ADAPTERS:
+        manager.load_adapter(name, tmp_path / name)
+    _steps(model, manager, _cases(list(PARAM_ADAPTERS)), _peft_reference(peft))

@@ -10,6 +10,7 @@ from services.worker.engine.lora_hook import EXPERT_GROUPS, GROUPS, BgmvCalls
 from services.worker.lora.slots import RankClassStack
 
 GROUP_INDEX = {name: i for i, name in enumerate(GROUPS)}
+GATHER_ELEMENTS = 2**24  # most A and B elements apply_experts gathers at once (64 MiB in fp32)
 
 
 @dataclass(slots=True)
@@ -96,9 +97,13 @@ class LoraBatch:
             flat = rows[pairs] * num_experts + experts[pairs]  # each pair's (slot row, expert) in the flat stack
             scale = part.stack.scale.index_select(0, rows[pairs]).unsqueeze(1)  # [n, 1] fp32
             for a, b, col in zip(layer_weights.a, layer_weights.b, layer_weights.cols, strict=True):
-                h = reference.shrink(x, a.flatten(0, 1), pairs, flat) * scale  # [n, r] fp32
-                delta = torch.bmm(h.unsqueeze(1), b.flatten(0, 1).index_select(0, flat).float()).squeeze(1)
-                y[:, col : col + b.shape[-1]].index_add_(0, pairs, delta.to(y.dtype))
+                # a prefill's thousands of pairs gather their weights in chunks of GATHER_ELEMENTS
+                chunk = max(1, GATHER_ELEMENTS // (a.shape[2] * a.shape[3] + b.shape[2] * b.shape[3]))
+                for lo in range(0, pairs.shape[0], chunk):
+                    p, f = pairs[lo : lo + chunk], flat[lo : lo + chunk]
+                    h = reference.shrink(x, a.flatten(0, 1), p, f) * scale[lo : lo + chunk]  # [n, r] fp32
+                    delta = torch.bmm(h.unsqueeze(1), b.flatten(0, 1).index_select(0, f).float()).squeeze(1)
+                    y[:, col : col + b.shape[-1]].index_add_(0, p, delta.to(y.dtype))
 
     def bgmv_calls(self, dtype: torch.dtype) -> BgmvCalls | None:
         """``apply``'s deltas as lora_bgmv calls, where every one of them would take that kernel (a CPU
