@@ -155,6 +155,8 @@ def _check_pairs(targets: Mapping[str, Target]) -> None:
         if len(seen) != 2:
             where = f"expert {expert} " if expert is not None else ""
             (side,) = seen
-            raise IntegrityError(f"layer {layer} {where}{module} has lora_{side} without its pair", param=module)
+            raise IntegrityError(
+                f"layer {layer} {where}{module} lacks its lora_A or lora_B: lora_{side} without its pair", param=module
+            )
         if expert is not None and (layer, module, None) in sides:
             raise IntegrityError(f"layer {layer} {module}: per-expert modules and target_parameters both", param=module)
