@@ -22,7 +22,7 @@ from bench.environment import environment
 from bench.rounds import percentiles
 from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.adapter_cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.cache_config import CacheConfig, PolicyName
 from services.worker.adapter_cache.cpu_tier import CpuTier
 from services.worker.adapter_cache.policy import Entry, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier

@@ -35,7 +35,7 @@ from bench.environment import device_argument, environment, rounds_argument, thr
 from bench.roofline import LimitsProbe, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.weights import spec_of
 from shared.schemas import SamplingParams
 

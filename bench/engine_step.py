@@ -37,7 +37,7 @@ from services.worker.engine.batch_scheduler import BatchScheduler
 from services.worker.engine.detokenizer import IncrementalDetokenizer
 from services.worker.engine.layer_loop import NativeLayerLoop
 from services.worker.engine.linear import Linear
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_step.json"

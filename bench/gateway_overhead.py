@@ -207,7 +207,7 @@ def engine_phase(requests: int, warmup: int, settle_s: float = 0.05) -> list[flo
     from bench.engine import chat_ids
     from services.worker.engine import EngineRequest
     from services.worker.engine.async_engine import AsyncEngine
-    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_loader import load_model
     from services.worker.settings import WorkerSettings
 
     settings = WorkerSettings()

@@ -52,7 +52,7 @@ run_step() {
 run_step kernels env LF_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
     tests/kernels/test_bgmv.py tests/kernels/test_sgmv.py --junitxml="$OUT/kernels.xml"
 run_step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda \
-    tests/worker/test_cuda_graph.py tests/worker/test_host_syncs.py --junitxml="$OUT/cuda_tests.xml"
+    tests/worker/engine/test_cuda_graph.py tests/worker/engine/test_host_syncs.py --junitxml="$OUT/cuda_tests.xml"
 run_step engine_bf16 "$PY" -m bench.engine --quick --device cuda --dtype bfloat16 --out "$OUT/engine.json"
 run_step engine_graphs "$PY" -m bench.engine --quick --device cuda --dtype bfloat16 --cuda-graphs \
     --out "$OUT/engine_graphs.json"

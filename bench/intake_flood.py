@@ -22,10 +22,10 @@ from nats.js.errors import APIError, NotFoundError
 
 from lorafleet.cli.infra import free_port, start_nats, start_redis
 from services.scheduler.dispatcher import Handle
-from services.scheduler.intake import Intake
 from services.scheduler.ports import bus_ports
 from services.scheduler.service import Scheduler, build
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.waiting import Intake
 from shared import subjects
 from shared.bus import encode, ensure_streams
 from shared.catalog.view import follow_catalog

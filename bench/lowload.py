@@ -45,7 +45,7 @@ from bench.multilora import random_weights
 from bench.rounds import DEFAULT_ROUNDS, Spread, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.async_engine import lower_priority
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 

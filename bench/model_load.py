@@ -48,7 +48,7 @@ def probe(system: str, dtype_name: str, model_dir: str | None) -> Probe:
     import torch
     import transformers
 
-    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_loader import load_model
     from services.worker.engine.weights import load_weights
     from shared.base_model import resolve_model_dir
 

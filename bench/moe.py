@@ -30,7 +30,7 @@ from bench.environment import environment, rounds_argument, threads_argument
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.layer_loop import CpuLayerLoop
-from services.worker.engine.loader import LoadedModel
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
 from services.worker.lora.peft_loader import to_slot_layout
 from shared.schemas import SamplingParams

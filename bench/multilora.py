@@ -32,7 +32,7 @@ from bench.environment import device_argument, environment, rounds_argument, thr
 from bench.roofline import LimitsProbe, ProbeSpread, roofline, roofline_line, step_floor_ms, weights_of
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, Run, Spread, Summary, spread, spread_text, summarise
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.lora import MODULES, AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.cache_sim import git_commit
 from services.scheduler.placement import Fleet
-from services.worker.adapter_cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.cache_config import CacheConfig, PolicyName
 from services.worker.adapter_cache.policy import Entry, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier
 from shared.decay import DecayedRate

@@ -43,7 +43,7 @@ import numpy as np
 from services.scheduler.fairness import FairQueue
 from services.scheduler.placement import Fleet
 from services.scheduler.shedding import LoadShedder
-from services.worker.adapter_cache.config import CacheConfig
+from services.worker.adapter_cache.cache_config import CacheConfig
 from services.worker.adapter_cache.policy import Entry, make_policy
 from services.worker.adapter_cache.slot_tier import SlotTier
 from shared.config import SloTargets

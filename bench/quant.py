@@ -28,7 +28,7 @@ from bench.environment import environment, rounds_argument, threads_argument
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch import build_batch
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import Sequence
 from shared.schemas import SamplingParams
 

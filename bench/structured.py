@@ -21,7 +21,7 @@ import torch
 from bench.engine import chat_prompts
 from bench.environment import environment, load_average
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from shared.schemas import SamplingParams, StructuredOutput
 
 RESULTS = Path(__file__).parent / "results" / "structured.json"

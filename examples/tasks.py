@@ -5,7 +5,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lorafleet.evaluation.scorers import SQL_ROWS
+from shared.eval_scorers import SQL_ROWS
 
 Pair = tuple[str, str]
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from tasks import TASKS, Task
 
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 
 TRAIN_SEED, EVAL_SEED = 0, 1
 EVAL_ITEMS = 16

@@ -1,5 +1,8 @@
 """Admission check of a LoRA adapter's two files, before anything is stored or loaded.
 
+A push may carry a third file, its eval set (``eval.jsonl``, shared/eval_set.py): signed with the
+adapter, kept by the registry for its release gate, never served.
+
 Only ``adapter_model.safetensors`` + ``adapter_config.json`` are admitted: no pickle, no
 remote code, no feature the serving engine does not implement (DoRA, modules_to_save,
 per-module ranks), tensors exactly shaped for the base model (its routed experts included:
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
+from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES, parse_eval_set
 from shared.fingerprint import BaseModelSpec
 from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, resolve
 
@@ -90,7 +94,8 @@ def read_adapter_dir(path: str | Path, limits: AdapterLimits = AdapterLimits()) 
         _check_name(entry.name)
         if entry.is_symlink() or not entry.is_file():
             raise InvalidRequest(f"{entry.name}: must be a regular file, not a symlink or directory")
-        cap = MAX_CONFIG_BYTES if entry.name == CONFIG_FILE else limits.max_weights_bytes
+        caps = {CONFIG_FILE: MAX_CONFIG_BYTES, EVAL_SET_FILE: MAX_EVAL_SET_BYTES}
+        cap = caps.get(entry.name, limits.max_weights_bytes)
         if entry.stat().st_size > cap:
             raise PayloadTooLarge(f"{entry.name}: {entry.stat().st_size} bytes exceeds the {cap}-byte cap")
         files[entry.name] = entry.read_bytes()
@@ -109,6 +114,8 @@ def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, lim
         raise PayloadTooLarge(f"{CONFIG_FILE}: exceeds the {MAX_CONFIG_BYTES}-byte cap")
     if len(files[WEIGHTS_FILE]) > limits.max_weights_bytes:
         raise PayloadTooLarge(f"{WEIGHTS_FILE}: exceeds the {limits.max_weights_bytes}-byte cap")
+    if EVAL_SET_FILE in files:
+        parse_eval_set(bytes(files[EVAL_SET_FILE]))
     rank, alpha, use_rslora, modules = _check_config(bytes(files[CONFIG_FILE]), limits)
     count, slot_modules = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
     return AdapterSummary(
@@ -123,9 +130,9 @@ def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, lim
 def _check_name(name: str) -> None:
     if "/" in name or "\\" in name or name in ("", ".", "..") or "\x00" in name:
         raise InvalidRequest(f"file name {name!r} is refused: path components are not allowed")
-    if name not in ADAPTER_FILES:
+    if name not in (*ADAPTER_FILES, EVAL_SET_FILE):
         raise InvalidRequest(
-            f"file {name!r} is refused: only {WEIGHTS_FILE} and {CONFIG_FILE} are accepted "
+            f"file {name!r} is refused: only {WEIGHTS_FILE}, {CONFIG_FILE} and {EVAL_SET_FILE} are accepted "
             "(no pickle, .bin, .pt or code files)"
         )
 

@@ -347,3 +347,17 @@ class TenantSpoolFull(SpoolFull):
     """The tenant's fetches in flight hold its whole spool quota on this registry replica."""
 
     code = "tenant_spool_full"
+
+
+class TaskNotFound(ModelNotFound):
+    """A request named a task its tenant has no route for; the message lists only what the tenant may call."""
+
+    code = "task_not_found"
+
+
+class RoutePolicyRefused(Forbidden):
+    """A routing policy rule refuses the request (its rule's own message)."""
+
+    code = "route_policy_refused"
+    rule: str | None = None  # the refusing rule, for /admin/route/explain
+    scope: str | None = None

@@ -42,6 +42,18 @@ ADAPTER_TPOT = Histogram(
     ["adapter"],
     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
 )
+ADAPTER_ENGINE_SECONDS = Counter(
+    "adapter_engine_seconds",
+    "engine step time charged to each adapter's requests by their token share of each step (the top N adapters by "
+    "traffic, the rest as other; the built-in engine only)",
+    ["adapter"],
+)
+ADAPTER_ENGINE_TOKENS = Counter(
+    "adapter_engine_output_tokens",
+    "output tokens of the requests adapter_engine_seconds charged: its rate over this one's is engine time per "
+    "output token",
+    ["adapter"],
+)
 RANK_CLASS_TTFT = Histogram(
     "rank_class_ttft_ms",
     "time to first token by the adapter's rank class on the worker (base: no adapter)",
@@ -101,6 +113,13 @@ QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adap
 
 # operations
 REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])
+ROUTED_REQUESTS = Counter(
+    "routed_requests",
+    "requests a task route or a routing policy decided, by the path that evaluated them (http: gateway, "
+    "nats: scheduler), task (the top 50, the rest as other; none: no task) and outcome (task, rule, or the "
+    "refusal's error code)",
+    ["route", "task", "outcome"],
+)
 GATEWAY_RESOLVES = Counter(
     "gateway_resolves",
     "model resolutions by where they were answered: the gateway's catalog mirror or the registry",

@@ -43,6 +43,7 @@ REGISTRY_OPS = (
     "untrust_key",
     "keys",
     "record_eval",
+    "attach_eval_set",
     "tenant_create",
     "tenants",
     "quota_set",
@@ -58,6 +59,11 @@ REGISTRY_OPS = (
     "pin",
     "unpin",
     "pins",
+    "routes_set",
+    "routes_delete",
+    "routes",
+    "policies_set",
+    "policies",
 )
 SOURCE_OPS = ("source_add", "source_remove", "source_approve", "sources")  # operator only: never the gateway's
 
@@ -68,6 +74,9 @@ ADAPTER_UPLOADS_BUCKET = "lf_adapter_uploads"  # object store: client uploads aw
 REGISTRY_SOURCES_BUCKET = "lf_sources"  # KV: "source.<sha256>" -> SourceEntry, "approval.<sha256>" -> SourceApproval
 REGISTRY_RELEASES_BUCKET = "lf_releases"  # KV: "<adapter_id>" -> ReleaseState (the controller's rollouts)
 REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
+REGISTRY_ROUTING_BUCKET = (
+    "lf_routing"  # KV: "tasks.<tenant>" -> TaskRoutes, "policies.<tenant>" / "platform.policies" -> RoutePolicies
+)
 REGISTRY_PINS_BUCKET = "lf_pins"  # KV: "<adapter_id>.<fleet|w-<worker>>.<v<N>|served>" -> PinRecord
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -85,6 +94,7 @@ def token(value: str) -> str:
 # nats-server vouches for the origin of every submission
 VIA_TENANT, VIA_GATEWAY, VIA_PREVIEW = "tenant", "gateway", "preview"  # preview: a key allowed pre-release
 _VIAS = (VIA_GATEWAY, VIA_PREVIEW)
+INFER_SUBMIT_PREVIEW_ALL = f"{PREFIX}.infer.submit.*.{VIA_PREVIEW}"  # the registry's release-gate evals, any owner
 
 
 def infer_submit(tenant_id: str, via: str = VIA_TENANT) -> str:

@@ -93,25 +93,25 @@ SERVER_FIXTURES = frozenset(
 MODEL_FIXTURES = frozenset(
     {
         "smollm_dir",
-        "tests/worker/test_engine.py::loaded",  # load_model(): the embedded SmolLM2
-        "tests/worker/test_prefix_cache.py::loaded",
+        "tests/worker/engine/test_engine.py::loaded",  # load_model(): the embedded SmolLM2
+        "tests/worker/engine/test_prefix_cache.py::loaded",
         "tests/worker/test_serving_cache.py::loaded",
         "tests/worker/test_serving_slo.py::loaded",
-        "tests/worker/test_engine_grammar.py::loaded",
-        "tests/worker/test_engine_sampling.py::loaded",
-        "tests/worker/test_engine_tools.py::loaded",
-        "tests/worker/test_engine_prompt_logprobs.py::loaded",
-        "tests/worker/test_async_engine.py::parts",
-        "tests/worker/test_sampler.py::tokenizer",
-        "tests/worker/test_multilora_engine.py::setup",  # its tokenizer, in both parameters
+        "tests/worker/engine/test_engine_grammar.py::loaded",
+        "tests/worker/engine/test_engine_sampling.py::loaded",
+        "tests/worker/engine/test_engine_tools.py::loaded",
+        "tests/worker/engine/test_engine_prompt_logprobs.py::loaded",
+        "tests/worker/engine/test_async_engine.py::parts",
+        "tests/worker/engine/test_sampler.py::tokenizer",
+        "tests/worker/engine/test_multilora_engine.py::setup",  # its tokenizer, in both parameters
     }
 )
 PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or a whole file) -> what it starts
     "tests/bench/test_hop_floor.py": "the bare pipeline's processes",
-    "tests/worker/test_grammar_pool.py": "xgrammar's compile child processes (services/worker/grammar_pool.py)",
-    "tests/worker/test_engine_grammar.py": "xgrammar's compile child processes",
-    "tests/worker/test_engine_tools.py": "xgrammar's compile child processes",
-    "tests/worker/test_vllm_engine.py": "vLLM's engine in .venv-vllm's interpreter",
+    "tests/worker/engine/test_grammar_pool.py": "xgrammar's compile child processes (services/worker/grammar_pool.py)",
+    "tests/worker/engine/test_engine_grammar.py": "xgrammar's compile child processes",
+    "tests/worker/engine/test_engine_tools.py": "xgrammar's compile child processes",
+    "tests/worker/vllm_engine/test_vllm_engine.py": "vLLM's engine in .venv-vllm's interpreter",
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/cli/test_nats_limits.py": "nats-server",
@@ -130,7 +130,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",
-    "tests/worker/test_engine_model.py::test_smollm2_matches_transformers",
+    "tests/worker/engine/test_engine_model.py::test_smollm2_matches_transformers",
 )
 
 

@@ -118,7 +118,7 @@ async def register_adapters(
                     adapter_id=plan.adapter_id,
                     version=record.version,
                     traffic_percent=100,
-                    force=True,  # the release gate needs an eval set: these adapters are random weights
+                    skip_eval=True,  # the release gate needs an eval set: these adapters are random weights
                     reason="load bench: synthetic adapter, no eval set",
                     actor=ACTOR,
                 ),

@@ -11,7 +11,7 @@
 // The ops are the registered lorafleet ops the Python loop calls (small_linear, the panel kernels,
 // rope_write_kv, paged_decode, add_rms_norm, rms_norm, act_mul, lora_bgmv) and ATen's add and mul,
 // with the same arguments in the same order, so a step's values are the Python loop's bit for bit
-// (tests/worker/test_decoder_stack.py). A projection takes small_linear up to `small_rows` rows and
+// (tests/worker/engine/test_decoder_stack.py). A projection takes small_linear up to `small_rows` rows and
 // the stack's panel kernel past them, as linear.py's Linear does, or oneDNN's packed linear with the
 // rows padded as linear.py's padded_rows pads them (bf16 on CPUs with AMX, where oneDNN's AMX GEMM is
 // 1.5-5x the dot-product panel kernel from 16 rows on); the stack is built only where every projection

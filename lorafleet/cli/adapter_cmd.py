@@ -15,16 +15,19 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
+from lorafleet.evaluation.release import PROMOTE_TIMEOUT_S
 from shared import signing, subjects
 from shared.adapter_format import file_digests, read_adapter_dir
 from shared.base_model import resolve_model_dir
 from shared.bus import request
 from shared.config import CommonSettings
 from shared.errors import InvalidRequest, LorafleetError, NoResponders, ServiceUnavailable, UpstreamTimeout
+from shared.eval_set import EVAL_SET_FILE, parse_eval_set
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecord,
     AdapterRecordsReply,
+    AttachEvalSetRequest,
     GetAdapterRequest,
     ListAdaptersRequest,
     ListPinsRequest,
@@ -68,7 +71,8 @@ async def cli_connect(url: str) -> NATS:
 
 
 async def call(nc: NATS, op: str, message: BaseModel) -> AdapterRecordsReply:
-    return await request(nc, subjects.registry(op), message, AdapterRecordsReply, TIMEOUT_S)
+    timeout_s = PROMOTE_TIMEOUT_S if op == "promote" else TIMEOUT_S  # a promote runs the eval set first
+    return await request(nc, subjects.registry(op), message, AdapterRecordsReply, timeout_s)
 
 
 async def push_adapter(
@@ -84,8 +88,10 @@ async def push_adapter(
     scopes: list[str] | None = None,
     who: str = "cli",
     source_uri: str | None = None,
+    eval_set: Path | None = None,
 ) -> AdapterRecord:
-    """Upload the two files, sign the manifest for the next version, and register it.
+    """Upload the two files (and ``eval_set``, the version's own eval set, as ``eval.jsonl``), sign the
+    manifest for the next version, and register it.
 
     With ``source_uri`` nothing is uploaded: the registry fetches the files from that allow-listed
     remote source; ``directory`` is then the local copy the signature is made over (needed only
@@ -93,6 +99,12 @@ async def push_adapter(
     if directory is None and (source_uri is None or sign_key is not None):
         raise InvalidRequest("push needs the adapter directory (with --source-uri, to sign its files)")
     files = read_adapter_dir(directory) if directory is not None else {}
+    if eval_set is not None:
+        if source_uri is not None:
+            raise InvalidRequest("--eval-set goes with an upload; attach one to a fetched version (attach-eval)")
+        data = await asyncio.to_thread(eval_set.read_bytes)
+        parse_eval_set(data)  # refused here rather than after the upload
+        files[EVAL_SET_FILE] = data
     versions = (await call(nc, "get", GetAdapterRequest(adapter_id=adapter_id))).records
     version = versions[-1].version + 1 if versions else 1
     signature = signer = None
@@ -170,6 +182,8 @@ async def _pins(args: argparse.Namespace) -> list[PinRecord]:
 
 
 async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
+    if getattr(args, "skip_eval", False) and not args.reason:
+        raise InvalidRequest("--skip-eval needs --reason: passing a version unevaluated is audited with it")
     nc = await cli_connect(args.nats_url)
     try:
         who = actor()
@@ -179,14 +193,17 @@ async def _run(args: argparse.Namespace) -> list[AdapterRecord]:
                 nc, args.dir, adapter_id=args.id, tenant_id=args.tenant, task_type=args.task,
                 base_fingerprint=fingerprint_model_dir(base_dir), sign_key=args.sign_key,
                 aliases=args.alias, scopes=args.scope, who=who, source_uri=args.source_uri,
+                eval_set=args.eval_set,
             )  # fmt: skip
             return [record]
         ops: dict[str, Callable[[], tuple[str, BaseModel]]] = {
             "list": lambda: ("adapters", ListAdaptersRequest(tenant_id=args.tenant)),
             "show": lambda: ("get", GetAdapterRequest(adapter_id=args.id, version=args.version)),
             "promote": lambda: ("promote", PromoteRequest(adapter_id=args.id, version=args.version,
-                                                          traffic_percent=args.percent, force=args.force,
+                                                          traffic_percent=args.percent, skip_eval=args.skip_eval,
                                                           reason=args.reason, actor=who)),
+            "attach-eval": lambda: ("attach_eval_set", AttachEvalSetRequest(
+                adapter_id=args.id, version=args.version, eval_set=args.file.read_text(), actor=who)),
             "rollout": lambda: ("rollout", RolloutRequest(adapter_id=args.id, traffic_percent=args.percent, actor=who)),
             "rollback": lambda: ("rollback", RollbackRequest(adapter_id=args.id, reason=args.reason, actor=who)),
             "retire": lambda: ("retire", RetireRequest(adapter_id=args.id, version=args.version, actor=who)),
@@ -240,6 +257,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument("--sign-key", type=Path, help="Ed25519 private key (NAME.key from `keys gen`)")
     push.add_argument("--alias", action="append", default=[], help="extra name clients may ask for")
     push.add_argument("--scope", action="append", default=[], help='tenant allowed to use a shared adapter, or "*"')
+    push.add_argument(
+        "--eval-set", type=Path, help="the version's own eval set (JSONL), uploaded and signed with it as eval.jsonl"
+    )
     push.add_argument("--base-model-dir", help="base model the adapter is for; default: the embedded SmolLM2")
     sub.add_parser("list", parents=[opts], help="every adapter version").add_argument("--tenant")
     show = sub.add_parser("show", parents=[opts], help="one adapter's versions")
@@ -249,8 +269,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     promote.add_argument("id")
     promote.add_argument("version", type=int)
     promote.add_argument("--percent", type=float, default=1.0)
-    promote.add_argument("--force", action="store_true", help="skip the release gate (audited with --reason)")
+    promote.add_argument(
+        "--skip-eval",
+        action="store_true",
+        help="pass the version without the registry's run of its eval set (operator only; needs --reason, audited)",
+    )
     promote.add_argument("--reason", help="why, for the audit trail")
+    attach = sub.add_parser(
+        "attach-eval", parents=[opts], help="attach (or replace) a version's eval set, which the release gate runs"
+    )
+    attach.add_argument("id")
+    attach.add_argument("version", type=int)
+    attach.add_argument("file", type=Path, help="JSONL eval set (prompt or messages, expected, scorer)")
     rollout = sub.add_parser("rollout", parents=[opts], help="set the canary's traffic share; 100 makes it production")
     rollout.add_argument("id")
     rollout.add_argument("--percent", type=float, required=True)

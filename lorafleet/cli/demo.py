@@ -139,7 +139,7 @@ async def _release(
             live.version,
             prompt,
             f"{adapter_id}@{live.version}: already in production, "
-            f"score {live.eval_results.get('score', float('nan')):.3f}",
+            f"platform eval {live.platform_eval.score if live.platform_eval else float('nan'):.3f}",
         )
     record = await push_adapter(
         nc,
@@ -150,6 +150,7 @@ async def _release(
         base_fingerprint=served.fingerprint,
         sign_key=key_file,
         who=actor,
+        eval_set=directory / "eval.jsonl",
     )
     evaluation = await evaluate(client, adapter_id, record.version, eval_set, base_model=served.name, max_tokens=40)
     await record_eval(nc, adapter_id, record.version, evaluation, actor)

@@ -1,5 +1,6 @@
-"""``lorafleet eval <adapter>@<version>``: score a version on its eval set through the gateway,
-beside the base model (``--base``), and record the score in the registry."""
+"""``lorafleet eval <adapter>@<version>``: score a version on an eval set through the gateway, beside
+the base model (``--base``), and record the score with the version as advisory: the release gate runs
+the version's own eval set itself and never reads a client's score."""
 
 import argparse
 import asyncio
@@ -76,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="score an adapter version on its eval set through the gateway")
+    p = sub.add_parser(
+        "eval", help="score an adapter version on an eval set through the gateway (recorded as advisory only)"
+    )
     p.add_argument("target", help="<adapter>@<version>")
     p.add_argument("--base", action="store_true", help="score the base model on the same set, beside it")
     p.add_argument("--base-model", default=EMBEDDED_MODEL_NAME)

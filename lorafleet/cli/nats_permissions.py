@@ -147,6 +147,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
                 *kv_read(subjects.REGISTRY_TENANTS_BUCKET),
                 *kv_read(subjects.REGISTRY_RECORDS_BUCKET),
+                *kv_read(subjects.REGISTRY_ROUTING_BUCKET),  # task routes and policies it routes by
             ),
             subscribe=(
                 "_INBOX.>",
@@ -169,7 +170,10 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *kv_write(subjects.REGISTRY_SOURCES_BUCKET),
                 *kv_write(subjects.REGISTRY_RELEASES_BUCKET),
                 *kv_write(subjects.REGISTRY_PINS_BUCKET),
+                *kv_write(subjects.REGISTRY_ROUTING_BUCKET),
                 *stream_reader(subjects.AUDIT_STREAM),  # the release controller's live figures
+                # the release gate's eval items, submitted as the version's owner on the preview subject
+                subjects.INFER_SUBMIT_PREVIEW_ALL,
                 *obj_write(subjects.ADAPTER_STORE_BUCKET),
                 f"{API}.STREAM.CREATE.OBJ_{subjects.ADAPTER_STORE_BUCKET}",
                 *obj_write(subjects.ADAPTER_UPLOADS_BUCKET),
@@ -194,6 +198,7 @@ def service_permissions(tenants: Iterable[str] = ()) -> dict[str, Permissions]:
                 *stream_reader(subjects.AUDIT_STREAM),
                 *kv_read(subjects.REGISTRY_TENANTS_BUCKET),
                 *kv_read(subjects.REGISTRY_RECORDS_BUCKET),  # its catalog mirror resolves direct submissions
+                *kv_read(subjects.REGISTRY_ROUTING_BUCKET),  # and routes them by the same policies
             ),
             subscribe=(
                 "_INBOX.>",

@@ -1,7 +1,7 @@
 """``lorafleet release <adapter> <version>``: hand a staging version to the registry's release
 controller and return; ``lorafleet release status [<adapter>]``: the rollouts, their steps, live
-figures and decisions. ``--eval`` first scores the version on its offline eval set through the
-gateway and records it, which the controller's gate (on by default) needs."""
+figures and decisions. The controller's gate runs the version's own eval set on a worker first;
+``--eval`` also scores it on this machine and records that beside it (advisory: the gate never reads it)."""
 
 import argparse
 import asyncio
@@ -10,7 +10,7 @@ import os
 
 from lorafleet.cli.adapter_cmd import actor, cli_connect
 from lorafleet.cli.eval_cmd import eval_set_path, gateway_options
-from lorafleet.evaluation.release import REGISTRY_TIMEOUT_S, evaluate, record_eval, summary
+from lorafleet.evaluation.release import PROMOTE_TIMEOUT_S, REGISTRY_TIMEOUT_S, evaluate, record_eval, summary
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
 from shared import subjects
 from shared.bus import request
@@ -28,6 +28,8 @@ def _version(text: str | None) -> int:
 
 async def _start(args: argparse.Namespace) -> ReleaseState:
     version = _version(args.version)
+    if args.skip_eval and not args.reason:
+        raise InvalidRequest("--skip-eval needs --reason: passing a version unevaluated is audited with it")
     if args.eval:
         eval_set = load_eval_set(eval_set_path(args.adapter, args.eval_set))
         client = gateway_client(args.gateway_url, args.api_key or "")
@@ -40,9 +42,9 @@ async def _start(args: argparse.Namespace) -> ReleaseState:
         if args.eval:
             await record_eval(nc, args.adapter, version, evaluation, actor())
         message = ReleaseStartRequest(
-            adapter_id=args.adapter, version=version, force=args.force, reason=args.reason, actor=actor()
+            adapter_id=args.adapter, version=version, skip_eval=args.skip_eval, reason=args.reason, actor=actor()
         )
-        reply = await request(nc, subjects.registry("release_start"), message, ReleaseStatusReply, REGISTRY_TIMEOUT_S)
+        reply = await request(nc, subjects.registry("release_start"), message, ReleaseStatusReply, PROMOTE_TIMEOUT_S)
     finally:
         await nc.drain()
     return reply.releases[0]
@@ -65,10 +67,12 @@ def _figures(f: VersionFigures | None) -> str:
     def ms(value: float | None) -> str:
         return f"{value:.0f}" if value is not None else "?"
 
-    cost = f"{f.tokens_per_request:.1f}" if f.tokens_per_request is not None else "?"
+    tokens = f"{f.tokens_per_request:.1f}" if f.tokens_per_request is not None else "?"
+    cost = f"{f.engine_ms_per_token:.2f}" if f.engine_ms_per_token is not None else "?"
     return (
         f"v{f.version}: n={f.samples} errors {f.error_rate:.1%} TTFT p50/p95 {ms(f.ttft_p50_ms)}/{ms(f.ttft_p95_ms)} ms "
-        f"TPOT p50/p95 {ms(f.tpot_p50_ms)}/{ms(f.tpot_p95_ms)} ms tokens/req {cost} complaints {f.complaint_rate:.1%}"
+        f"TPOT p50/p95 {ms(f.tpot_p50_ms)}/{ms(f.tpot_p95_ms)} ms tokens/req {tokens} engine ms/token {cost} "
+        f"complaints {f.complaint_rate:.1%}"
     )
 
 
@@ -111,8 +115,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("adapter", help=f"the adapter to roll out, or {STATUS!r}")
     p.add_argument("version", nargs="?", help="the staging version; after status: an adapter to show alone")
-    p.add_argument("--eval", action="store_true", help="score and record the offline eval set first")
-    p.add_argument("--force", action="store_true", help="skip the offline eval gate (audited with --reason)")
+    p.add_argument(
+        "--eval", action="store_true", help="also score the eval set on this machine and record it (advisory only)"
+    )
+    p.add_argument(
+        "--skip-eval",
+        action="store_true",
+        help="skip the registry's run of the version's eval set (operator only; needs --reason, audited)",
+    )
     p.add_argument("--reason", default=None)
     gateway_options(p)
     p.set_defaults(func=run, nats_url=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))

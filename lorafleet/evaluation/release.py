@@ -1,4 +1,5 @@
-"""The guarded release of one version: evaluate through the gateway, record, then promote.
+"""A version's evaluation through the gateway on the client's side (advisory: recorded beside the
+version, never read by the release gate, which runs the version's own eval set itself), and promote.
 
 Shared by ``lorafleet eval``, ``lorafleet release`` and the demo seeding of ``lorafleet up``.
 """
@@ -15,6 +16,7 @@ from shared.errors import ServiceUnavailable
 from shared.schemas import AdapterRecord, AdapterRecordsReply, PromoteRequest, RecordEvalRequest
 
 REGISTRY_TIMEOUT_S = 30.0
+PROMOTE_TIMEOUT_S = 600.0  # the registry's release gate runs the version's eval set on a worker before answering
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ async def evaluate(
 
 
 async def record_eval(nc: NATS, adapter_id: str, version: int, evaluation: Evaluation, actor: str) -> AdapterRecord:
+    """Store the client's scores with the version: advisory only, the release gate runs its own."""
     reply = await request(
         nc,
         subjects.registry("record_eval"),
@@ -73,14 +76,15 @@ async def promote(
     percent: float,
     actor: str,
     *,
-    force: bool = False,
+    skip_eval: bool = False,
     reason: str | None = None,
 ) -> list[AdapterRecord]:
-    """staging -> canary at ``percent`` (100 = production); the registry's release gate decides."""
+    """staging -> canary at ``percent`` (100 = production); the registry's release gate decides, on its
+    own run of the version's eval set. ``skip_eval`` (the operator's, with ``reason``) passes it unevaluated."""
     message = PromoteRequest(
-        adapter_id=adapter_id, version=version, traffic_percent=percent, force=force, reason=reason, actor=actor
+        adapter_id=adapter_id, version=version, traffic_percent=percent, skip_eval=skip_eval, reason=reason, actor=actor
     )
-    return (await request(nc, subjects.registry("promote"), message, AdapterRecordsReply, REGISTRY_TIMEOUT_S)).records
+    return (await request(nc, subjects.registry("promote"), message, AdapterRecordsReply, PROMOTE_TIMEOUT_S)).records
 
 
 def summary(adapter_id: str, version: int, evaluation: Evaluation) -> str:

@@ -14,8 +14,8 @@ from typing import cast
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from lorafleet.evaluation.scorers import scorer
 from shared.errors import InvalidRequest
+from shared.eval_scorers import scorer
 
 
 @dataclass(frozen=True, slots=True)

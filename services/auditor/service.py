@@ -5,12 +5,13 @@ import asyncio
 import contextlib
 import json
 import sys
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -49,6 +50,7 @@ from shared.undecodable import skip
 
 log = structlog.get_logger("auditor")
 REGISTRY_TIMEOUT_S = 5.0  # its view never resolves a request: the bound of a fallback it does not use
+QUEUED = 1024  # AUDIT messages received and not yet recorded; past it the subscription waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,84 @@ async def keep_verifying(verifier: ChainVerifier, interval_s: float, stop: async
             waiting.cancel()
 
 
+@dataclass(eq=False)
+class Auditor:
+    """The auditor's wired parts: each bus message is one call of a named handler."""
+
+    store: AuditStore
+    records: Records
+    verifier: ChainVerifier
+    head_every_records: int
+    stop: asyncio.Event
+    due: asyncio.Event = field(default_factory=asyncio.Event)  # set once enough records wait for a signed head
+    _arrived: asyncio.Queue[Msg] = field(default_factory=lambda: asyncio.Queue(maxsize=QUEUED))
+
+    async def serve_queries(self, nc: NATS) -> None:
+        await serve(
+            nc,
+            subjects.AUDITOR_QUERY,
+            AuditQueryRequest,
+            self.on_query,
+            queue="auditor",
+            concurrent=True,  # a full verification must not hold up the queries behind it
+        )
+
+    async def subscribe(self, js: JetStreamContext) -> int:
+        """Follow AUDIT from the record after the last one stored; that stream sequence."""
+        # Resume in stream order right after the last recorded sequence: the index is the cursor,
+        # so a restart has no gaps, no duplicates and no reordering.
+        start = self.store.last_stream_seq() + 1
+        await js.subscribe(
+            subjects.AUDIT_ALL,
+            cb=self.on_audit,
+            stream=subjects.AUDIT_STREAM,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
+        )
+        return start
+
+    async def on_query(self, query: AuditQueryRequest) -> AuditQueryReply:
+        return await answer_query(self.store, self.verifier, query)
+
+    async def on_audit(self, msg: Msg) -> None:
+        await self._arrived.put(msg)
+
+    async def consume(self) -> None:
+        """Record what arrives on AUDIT, one message at a time in stream order, until ``stop``."""
+        while not self.stop.is_set():
+            try:
+                msg = await asyncio.wait_for(self._arrived.get(), 0.5)
+            except TimeoutError:
+                continue
+            await self.on_record(msg)
+
+    async def on_record(self, msg: Msg) -> None:
+        try:
+            event = decode(AuditEnvelope, msg.data).body
+            if msg.subject != subjects.audit(event.kind, event.tenant_id):
+                # publishers write audit(kind, tenant): anything else on AUDIT (e.g. a JetStream
+                # acknowledgement a client redirected there with its reply subject) is not a record
+                raise IntegrityError(f"a {event.kind} record of tenant {event.tenant_id!r} on {msg.subject}")
+            await _record(self.store, self.records, msg.metadata.sequence.stream, event, self.stop)
+            if self.store.last_pos() - self.verifier.signed_pos >= self.head_every_records:
+                self.due.set()
+        except InvalidMessage as e:  # not a record at all
+            skip(subjects.AUDIT_STREAM, msg.subject, e)
+        except LorafleetError as e:
+            metrics.INTEGRITY_ERRORS.labels("auditor").inc()
+            log.warning("bad_audit_record", subject=msg.subject, error=e.message)
+
+    def status(self) -> tuple[bool, str]:
+        return True, f"{self.store.last_pos()} records"
+
+    async def drain(self, beats: asyncio.Task, verifying: asyncio.Task) -> None:
+        """Stop heartbeating, let the verifier finish, sign the head after the last record: a graceful
+        stop leaves no unsigned tail."""
+        beats.cancel()
+        await verifying
+        await sign_head(self.verifier)
+
+
 async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (default: SIGTERM or SIGINT), then drain."""
     configure_logging("auditor", settings.log_level)
@@ -177,70 +257,22 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
         await ensure_streams(js)
         followed = await follow_catalog(nc, REGISTRY_TIMEOUT_S)  # the registry's records, for the cross-check
         stack.callback(followed.stop)
-        records = Records(followed.view, js)
         verifier = ChainVerifier(store, signer, HeadLog(js, settings.chain_id))
         await verifier.start()
-
-        await serve(
-            nc,
-            subjects.AUDITOR_QUERY,
-            AuditQueryRequest,
-            partial(answer_query, store, verifier),
-            queue="auditor",
-            concurrent=True,  # a full verification must not hold up the queries behind it
-        )
         stop = stop or shutdown_event()
-        due = asyncio.Event()  # set once head_every_records were appended since the last signed head
-        verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop, due))
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
-
-        async def on_audit(msg) -> None:
-            await queue.put(msg)
-
-        # Resume in stream order right after the last recorded sequence: the index is the cursor,
-        # so a restart has no gaps, no duplicates and no reordering.
-        start = store.last_stream_seq() + 1
-        await js.subscribe(
-            subjects.AUDIT_ALL,
-            cb=on_audit,
-            stream=subjects.AUDIT_STREAM,
-            ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start),
-        )
+        auditor = Auditor(store, Records(followed.view, js), verifier, settings.head_every_records, stop)
+        await auditor.serve_queries(nc)
+        verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop, auditor.due))
+        start = await auditor.subscribe(js)
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beats = asyncio.create_task(
             publish_heartbeats(
-                nc,
-                "auditor",
-                settings.instance_id,
-                settings.heartbeat_interval_s,
-                lambda: (True, f"{store.last_pos()} records"),
-                metrics_port,
+                nc, "auditor", settings.instance_id, settings.heartbeat_interval_s, auditor.status, metrics_port
             )
         )
         log.info("auditor_started", records=store.last_pos(), resume_from=start, head_key=signer.public_key)
-        while not stop.is_set():
-            try:
-                msg = await asyncio.wait_for(queue.get(), 0.5)
-            except TimeoutError:
-                continue
-            try:
-                event = decode(AuditEnvelope, msg.data).body
-                if msg.subject != subjects.audit(event.kind, event.tenant_id):
-                    # publishers write audit(kind, tenant): anything else on AUDIT (e.g. a JetStream
-                    # acknowledgement a client redirected there with its reply subject) is not a record
-                    raise IntegrityError(f"a {event.kind} record of tenant {event.tenant_id!r} on {msg.subject}")
-                await _record(store, records, msg.metadata.sequence.stream, event, stop)
-                if store.last_pos() - verifier.signed_pos >= settings.head_every_records:
-                    due.set()
-            except InvalidMessage as e:  # not a record at all
-                skip(subjects.AUDIT_STREAM, msg.subject, e)
-            except LorafleetError as e:
-                metrics.INTEGRITY_ERRORS.labels("auditor").inc()
-                log.warning("bad_audit_record", subject=msg.subject, error=e.message)
-        beats.cancel()
-        await verifying
-        await sign_head(verifier)  # after the last record: a graceful stop leaves no unsigned tail
+        await auditor.consume()
+        await auditor.drain(beats, verifying)
         log.info("auditor_stopped", records=store.last_pos(), signed_pos=verifier.signed_pos)
 
 

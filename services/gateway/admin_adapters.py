@@ -15,9 +15,11 @@ from services.gateway.openai_responses import ErrorResponse, error_responses
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from shared.bus import request as bus_request
-from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
+from shared.errors import Forbidden, InvalidRequest, NotFound, PayloadTooLarge
+from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES
 from shared.schemas import (
     AdapterRecordsReply,
+    AttachEvalSetRequest,
     GetAdapterRequest,
     Identifier,
     ListAdaptersRequest,
@@ -53,6 +55,19 @@ class Promote(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=1)
     traffic_percent: TrafficPercent = 1.0
+    skip_eval: bool = Field(
+        default=False,
+        description="pass the version without its platform-run eval: a platform_admin key only, with a reason (audited)",
+    )
+    reason: str | None = Field(default=None, max_length=500, description="why, for the audit trail")
+
+
+class AttachEvalSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1)
+    eval_set: str = Field(
+        min_length=1, max_length=MAX_EVAL_SET_BYTES, description="the eval set's JSONL text (see docs/api.md)"
+    )
 
 
 class Rollout(BaseModel):
@@ -118,6 +133,9 @@ async def push_adapter(
     task_type: str = Form(min_length=1, max_length=64),
     adapter_config: UploadFile | None = File(default=None, description=CONFIG_FILE),
     adapter_model: UploadFile | None = File(default=None, description=WEIGHTS_FILE),
+    eval_set: UploadFile | None = File(
+        default=None, description=f"{EVAL_SET_FILE}: the version's own eval set, covered by its signature"
+    ),
     source_uri: str | None = Form(
         default=None,
         max_length=2048,
@@ -133,8 +151,8 @@ async def push_adapter(
     allowed_scopes: list[str] = Form(default=[]),
     caller: Principal = Depends(admin_caller),
 ) -> AdapterRecordsReply:
-    """Upload a PEFT adapter, or name the remote source the registry fetches it from (status
-    staging); the registry validates, verifies and stores it either way."""
+    """Upload a PEFT adapter (with its eval set, optional), or name the remote source the registry fetches
+    it from (status staging); the registry validates, verifies and stores it either way."""
     tenant = scoped_tenant(caller, tenant_id) or caller.tenant_id
     uploaded = (adapter_config, adapter_model)
     if source_uri is not None:
@@ -171,6 +189,8 @@ async def push_adapter(
     if adapter_config is not None and adapter_model is not None:
         limit = ctx.settings.max_body_bytes
         files = {CONFIG_FILE: await _read(adapter_config, limit), WEIGHTS_FILE: await _read(adapter_model, limit)}
+        if eval_set is not None:
+            files[EVAL_SET_FILE] = await _read(eval_set, MAX_EVAL_SET_BYTES)
         store = await ctx.js.object_store(subjects.ADAPTER_UPLOADS_BUCKET)
         for name, data in files.items():
             await store.put(f"{upload_id}/{name}", data)
@@ -183,12 +203,41 @@ async def push_adapter(
 async def promote(
     body: Promote, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
 ) -> AdapterRecordsReply:
-    """staging -> canary at traffic_percent (100 = production)."""
+    """staging -> canary at traffic_percent (100 = production), through the release gate: the registry
+    runs the version's own eval set on a worker and compares it with production's score on the same set.
+    ``skip_eval`` (platform_admin only, with a reason) passes an unevaluated version, audited."""
     await owned(request, caller, adapter_id)
+    if body.skip_eval and not caller.platform_admin:
+        raise Forbidden("skip_eval needs a platform_admin key: a tenant's version passes the eval gate or waits")
+    if body.skip_eval and not body.reason:
+        raise InvalidRequest("skip_eval needs a reason (it is audited)", param="reason")
     message = PromoteRequest(
-        adapter_id=adapter_id, version=body.version, traffic_percent=body.traffic_percent, actor=actor(caller)
+        adapter_id=adapter_id,
+        version=body.version,
+        traffic_percent=body.traffic_percent,
+        skip_eval=body.skip_eval,
+        reason=body.reason,
+        actor=actor(caller),
     )
-    return await registry_call(request, "promote", message, AdapterRecordsReply)
+    ctx = request.app.state.ctx
+    timeout_s = ctx.settings.promote_timeout_s
+    return await bus_request(ctx.nc, subjects.registry("promote"), message, AdapterRecordsReply, timeout_s)
+
+
+@router.post("/{adapter_id}/eval-set", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)
+async def attach_eval_set(
+    body: AttachEvalSet, request: Request, adapter_id: str = AdapterId, caller: Principal = Depends(admin_caller)
+) -> AdapterRecordsReply:
+    """Attach (or replace) a version's eval set, which the release gate runs on a worker; audited with its digest."""
+    await owned(request, caller, adapter_id)
+    message = AttachEvalSetRequest(
+        adapter_id=adapter_id,
+        version=body.version,
+        eval_set=body.eval_set,
+        tenant_id=None if caller.platform_admin else caller.tenant_id,
+        actor=actor(caller),
+    )
+    return await registry_call(request, "attach_eval_set", message, AdapterRecordsReply)
 
 
 @router.post("/{adapter_id}/rollout", response_model=AdapterRecordsReply, responses=CHANGE_ERRORS)

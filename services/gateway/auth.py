@@ -18,9 +18,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from shared.api_keys import matches, parse_key
 from shared.errors import Forbidden, Unauthorized
-from shared.schemas import ApiKeyRecord
+from shared.schemas import ApiKeyRecord, TenantRecord
 
 KEY_PREFIX = "key."
+TENANT_PREFIX = "tenant."
+DEFAULT_TIER = "standard"  # a tenant's tier when its record sets none (as the scheduler reads it)
 bearer = HTTPBearer(auto_error=False, description="an API key: `lf-<key_id>-<secret>`")
 
 
@@ -45,10 +47,23 @@ class ApiKeys:
     def __init__(self, config_keys: dict[str, str]) -> None:
         self._config = dict(config_keys)
         self._records: dict[str, ApiKeyRecord] = {}
+        self._tiers: dict[str, str] = {}
         self.loaded = False
+
+    def tier(self, tenant_id: str) -> str:
+        """The tenant's SLO tier, as routing policies match it."""
+        return self._tiers.get(tenant_id, DEFAULT_TIER)
 
     def apply(self, kv_key: str, value: bytes | None) -> None:
         """One watched bucket entry: a put (value) or a delete/purge (None)."""
+        if kv_key.startswith(TENANT_PREFIX):
+            tenant_id = kv_key[len(TENANT_PREFIX) :]
+            tier = TenantRecord.model_validate_json(value).quota.slo_tier if value is not None else None
+            if tier is None:
+                self._tiers.pop(tenant_id, None)
+            else:
+                self._tiers[tenant_id] = tier
+            return
         if not kv_key.startswith(KEY_PREFIX):
             return
         key_id = kv_key[len(KEY_PREFIX) :]

@@ -25,8 +25,10 @@ from services.gateway.openai_responses import (
     error_responses,
 )
 from services.gateway.openai_schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from services.gateway.routing import RouteAsk, route_ask, routed
 from shared import subjects
 from shared.bus import request as bus_request
+from shared.catalog.routing import TASK_PREFIX, task_not_found
 from shared.errors import InvalidRequest, LorafleetError, ModelNotFound, NoWorkerAvailable, ServiceUnavailable
 from shared.schemas import (
     SLO_CLASSES,
@@ -130,13 +132,13 @@ async def _answer(request: Request, run: Coroutine[Any, Any, Response]) -> Respo
 
 
 async def _run(
-    ctx: GatewayContext, tenant: str, body: Body, inputs: dict, preview: bool, priority: SloClass | None
+    ctx: GatewayContext, tenant: str, body: Body, inputs: dict, preview: bool, priority: SloClass | None, ask: RouteAsk
 ) -> JSONResponse | StreamingResponse:
     request_id = uuid.uuid4().hex
     with _tracer.start_as_current_span(
         "gateway.request", attributes={"lf.request_id": request_id, "lf.tenant_id": tenant, "lf.model": body.model}
     ):
-        return await _submit(ctx, tenant, body, request_id, inputs, preview, priority)
+        return await _submit(ctx, tenant, body, request_id, inputs, preview, priority, ask)
 
 
 async def _submit(
@@ -147,6 +149,7 @@ async def _submit(
     inputs: dict,
     preview: bool,
     priority: SloClass | None,
+    ask: RouteAsk,
 ) -> JSONResponse | StreamingResponse:
     chat = isinstance(body, ChatCompletionRequest)
     structured = body.structured(ctx.settings)
@@ -158,14 +161,18 @@ async def _submit(
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
     request_key = body.user or request_id
+    route = routed(ctx, tenant, ask)
     resolved = await ctx.catalog.resolve(
-        ResolveRequest(tenant_id=tenant, model=body.model, request_key=request_key, preview=preview)
+        ResolveRequest(tenant_id=tenant, model=route.model, request_key=request_key, preview=preview)
     )
     fields = [
         dict(
             request_id=request_id if body.n == 1 else f"{request_id}.{i}",
             tenant_id=tenant,
             model=body.model,
+            task=ask.task,
+            metadata=body.metadata,
+            route_facts=ask.carried,
             request_key=request_key,
             base_model=resolved.base_model,
             adapter=resolved.adapter,
@@ -184,6 +191,8 @@ async def _submit(
         request_id=request_id,
         tenant_id=tenant,
         model=body.model,
+        task=route.task,
+        rule=route.rule,
         n=body.n,
         workers=[s.accepted.worker_id for s in subs],
     )
@@ -294,7 +303,8 @@ async def chat_completions(
     _answered_calls(messages)
     inputs = {"messages": messages, "tools": body.tool_spec(ctx.settings)}
     priority = _priority(request, body)
-    return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes, priority))
+    ask = route_ask(ctx, caller, request.headers, body.model, body.metadata)
+    return await _answer(request, _run(ctx, caller.tenant_id, body, inputs, "admin" in caller.scopes, priority, ask))
 
 
 @router.post(
@@ -305,18 +315,27 @@ async def completions(body: CompletionRequest, request: Request, caller: Princip
     ctx = _ctx(request)
     if len(body.prompt) > ctx.settings.max_prompt_chars:
         raise InvalidRequest(f"prompt exceeds {ctx.settings.max_prompt_chars} characters", param="prompt")
-    run = _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, "admin" in caller.scopes, _priority(request, body))
+    ask = route_ask(ctx, caller, request.headers, body.model, body.metadata)
+    admin = "admin" in caller.scopes
+    run = _run(ctx, caller.tenant_id, body, {"prompt": body.prompt}, admin, _priority(request, body), ask)
     return await _answer(request, run)
 
 
 async def _models(ctx: GatewayContext, tenant: str) -> ListModelsReply:
-    return await bus_request(
+    """The registry's list, then the tenant's task routes as ``task:<name>`` models."""
+    reply = await bus_request(
         ctx.nc,
         subjects.registry("list"),
         ListModelsRequest(tenant_id=tenant),
         ListModelsReply,
         ctx.settings.registry_timeout_s,
     )
+    table = ctx.catalog.routes.task_table(tenant)
+    tasks = [
+        ModelInfo(id=f"{TASK_PREFIX}{task}", owned_by=tenant, created=int(table.updated_at), kind="task")
+        for task in sorted(table.routes)
+    ]
+    return ListModelsReply(models=[*reply.models, *tasks])
 
 
 def _model_object(model: ModelInfo, model_id: str | None = None) -> dict:
@@ -325,7 +344,7 @@ def _model_object(model: ModelInfo, model_id: str | None = None) -> dict:
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 403, 503, 504))
 async def list_models(request: Request, caller: Principal = Depends(inference_caller)) -> dict:
-    """The base model plus the released adapters this tenant may use."""
+    """The base model, the released adapters this tenant may use, and its task routes (``task:<name>``)."""
     reply = await _models(_ctx(request), caller.tenant_id)
     return {"object": "list", "data": [_model_object(m) for m in reply.models]}
 
@@ -337,6 +356,13 @@ async def retrieve_model(model: str, request: Request, caller: Principal = Depen
     ctx = _ctx(request)
     if len(model) > MODEL_NAME_MAX:  # the inference routes' own bound on ``model``
         raise InvalidRequest(f"model: at most {MODEL_NAME_MAX} characters", param="model")
+    if model.startswith(TASK_PREFIX):  # a task route: listed, or the same 404 as on the inference routes
+        listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}
+        if model not in listed:
+            table = ctx.catalog.routes.task_table(caller.tenant_id)
+            visible = [name for name in listed if not name.startswith(TASK_PREFIX)]
+            raise task_not_found(model.removeprefix(TASK_PREFIX), table.routes, visible)
+        return _model_object(listed[model])
     key = f"retrieve:{hashlib.sha256(model.encode()).hexdigest()}"  # bounded whatever the name's length
     resolved = await ctx.catalog.resolve(ResolveRequest(tenant_id=caller.tenant_id, model=model, request_key=key))
     listed = {m.id: m for m in (await _models(ctx, caller.tenant_id)).models}

@@ -74,7 +74,17 @@ def adapters(records: list[AdapterRecord]) -> list[dict]:
             "status": r.status,
             "traffic_percent": r.traffic_percent,
             "rank": r.rank,
-            "eval": r.eval_results,
+            "eval": _eval(r),
         }
         for r in sorted(records, key=lambda r: (r.adapter_id, r.version))
     ]
+
+
+def _eval(record: AdapterRecord) -> dict[str, float]:
+    """The platform-run score the gate read, and a client's own score beside it, marked advisory."""
+    shown = {}
+    if record.platform_eval is not None:
+        shown = {"platform": record.platform_eval.score, "threshold": record.platform_eval.threshold}
+    if "score" in record.eval_results:
+        shown["client_advisory"] = record.eval_results["score"]
+    return shown

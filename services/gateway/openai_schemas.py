@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.config import RequestBounds
 from shared.errors import InvalidSchema
 from shared.schema_bounds import check_schema_shape
-from shared.schemas import SloClass, StructuredOutput, ToolCall, ToolFunction, Tools
+from shared.schemas import SloClass, StructuredOutput, ToolCall, ToolFunction, Tools, check_metadata
 
 StopText = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -130,7 +130,16 @@ def checked_schema(schema: dict[str, Any], bounds: RequestBounds, param: str = "
 
 
 class _Sampling(_Body):
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(
+        default="auto",
+        min_length=1,
+        max_length=256,
+        description="an adapter id or alias, alias@version, the base model, task:<name>, or auto (omitted) "
+        "with the x-lorafleet-task header",
+    )
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] = Field(
+        default_factory=dict, max_length=16, description="request metadata (routing policies may match it)"
+    )
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -167,6 +176,12 @@ class _Sampling(_Body):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
+        check_metadata(metadata)
+        return metadata
 
 
 class ChatCompletionRequest(_Sampling):

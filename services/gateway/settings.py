@@ -25,6 +25,12 @@ class GatewaySettings(RequestBounds):
         le=3600,
         description="bound of an admin push the registry fetches from a remote source; above its LF_REMOTE__TIMEOUT_S",
     )
+    promote_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="bound of an admin promote: the registry's release gate runs the version's eval set on a worker first",
+    )
     feedback_lookup_s: float = Field(
         default=2.0,
         ge=0,

@@ -10,7 +10,7 @@ import time
 
 from shared.catalog.records import Catalog, Change
 from shared.errors import Conflict, ModelNotFound
-from shared.schemas import AdapterRecord, AdapterStatus
+from shared.schemas import AdapterRecord, AdapterStatus, PlatformEval
 
 
 def _record(catalog: Catalog, adapter_id: str, version: int) -> AdapterRecord:
@@ -98,8 +98,28 @@ def revoke(catalog: Catalog, adapter_id: str, version: int | None) -> list[Chang
 
 
 def record_eval(catalog: Catalog, adapter_id: str, version: int, results: dict[str, float]) -> list[Change]:
-    """Attach eval results to a version; its status and traffic stay as they are."""
+    """Attach a client's (advisory) eval results to a version; its status and traffic stay as they are."""
     record = _record(catalog, adapter_id, version)
     if record.status == "revoked":
         raise Conflict(f"{adapter_id} v{version} is revoked; its eval is not recorded")
     return [Change(kind="evaluated", before=record, after=record.model_copy(update={"eval_results": dict(results)}))]
+
+
+def record_platform_eval(catalog: Catalog, adapter_id: str, version: int, run: PlatformEval) -> list[Change]:
+    """The release gate's own score of a version's eval set; refused if the set changed meanwhile."""
+    record = _record(catalog, adapter_id, version)
+    if record.eval_set_digest != run.eval_set_digest:
+        raise Conflict(f"{adapter_id} v{version}'s eval set changed while it was being evaluated; promote again")
+    if record.status == "revoked":
+        raise Conflict(f"{adapter_id} v{version} is revoked; its eval is not recorded")
+    return [Change(kind="evaluated", before=record, after=record.model_copy(update={"platform_eval": run}))]
+
+
+def attach_eval_set(catalog: Catalog, adapter_id: str, version: int, digest: str) -> list[Change]:
+    """A version's eval set is now the one of sha256 ``digest``; a platform score of another set is dropped."""
+    record = _record(catalog, adapter_id, version)
+    if record.status in ("retired", "revoked"):
+        raise Conflict(f"{adapter_id} v{version} is {record.status}; its eval set is not changed")
+    run = record.platform_eval if record.platform_eval and record.platform_eval.eval_set_digest == digest else None
+    after = record.model_copy(update={"eval_set_digest": digest, "platform_eval": run})
+    return [Change(kind="eval_set_attached", before=record, after=after)]

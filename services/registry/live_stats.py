@@ -19,6 +19,8 @@ class Sample:
     ttft_ms: float
     tpot_ms: float
     tokens: int
+    completion_tokens: int
+    engine_s: float | None  # None: its worker's engine does not measure it (vLLM), or an older worker
 
 
 @dataclass(slots=True)
@@ -35,6 +37,16 @@ def percentile(values: list[float], q: float) -> float | None:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def engine_ms_per_token(served: list[Sample]) -> float | None:
+    """The version's cost: engine time over output tokens, of the completions whose worker measured
+    it; None while none did (never a figure made up for an engine that does not measure)."""
+    measured = [s for s in served if s.engine_s is not None]
+    tokens = sum(s.completion_tokens for s in measured)
+    if not tokens:
+        return None
+    return sum(s.engine_s or 0.0 for s in measured) * 1000 / tokens
 
 
 class LiveStats:
@@ -63,7 +75,17 @@ class LiveStats:
         if traffic is None or record.outcome == "cancelled":  # a client that left says nothing of the version
             return
         tokens = record.prompt_tokens + record.completion_tokens
-        traffic.samples.append(Sample(record.ts, record.outcome == "error", record.ttft_ms, record.tpot_ms, tokens))
+        traffic.samples.append(
+            Sample(
+                record.ts,
+                record.outcome == "error",
+                record.ttft_ms,
+                record.tpot_ms,
+                tokens,
+                record.completion_tokens,
+                record.engine_s,
+            )
+        )
 
     def add_feedback(self, record: FeedbackAudit) -> None:
         """One rating per request of a tenant: a later one of that tenant replaces it; another
@@ -105,6 +127,7 @@ class LiveStats:
             tpot_p50_ms=percentile(tpot, 50),
             tpot_p95_ms=percentile(tpot, 95),
             tokens_per_request=statistics.fmean(s.tokens for s in served) if served else None,
+            engine_ms_per_token=engine_ms_per_token(served),
             feedback=len(rated),
             complaints=complaints,
             complaining_tenants=len(by_tenant),

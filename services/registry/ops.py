@@ -22,10 +22,11 @@ from pathlib import Path
 import structlog
 
 from services.registry import lifecycle
+from services.registry.evaluation import Ask, score_set
 from services.registry.fleet_ranks import RankClasses, default_fleet
-from services.registry.gate import GatePolicy, check_release
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit, stored_push
+from services.registry.gate import GatePolicy, check_release, needs_run, summary
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, stored_push
 from services.registry.remote_intake import RemoteIntake
 from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (
@@ -41,15 +42,18 @@ from shared.adapter_format import AdapterBytes, file_digests, read_adapter_dir
 from shared.catalog.access import may_use
 from shared.catalog.records import Catalog, Change, record_key
 from shared.catalog.resolve import list_models, resolve
-from shared.errors import LorafleetError, ModelNotFound, SourceTimeout
+from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, SourceTimeout
+from shared.eval_set import EVAL_SET_FILE, eval_set_digest, parse_eval_set
 from shared.schemas import (
     AdapterEvent,
     AdapterRecord,
     AdapterRecordsReply,
+    AttachEvalSetRequest,
     GetAdapterRequest,
     ListAdaptersRequest,
     ListModelsReply,
     ListModelsRequest,
+    PlatformEval,
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
@@ -67,6 +71,7 @@ from shared.schemas import (
 
 log = structlog.get_logger("registry")
 SyncViews = Callable[[int], Awaitable[object]]  # wait until every service's catalog view holds a records revision
+Askers = Callable[[str, str], Ask]  # (owner tenant, base model) -> how the release gate asks a version an eval item
 
 
 async def _no_views(_: int) -> None:
@@ -91,6 +96,7 @@ class Registry:
         gate: GatePolicy = GatePolicy(),
         fleet: Callable[[], RankClasses] = default_fleet,
         sync_views: SyncViews = _no_views,
+        askers: Askers | None = None,
     ) -> None:
         self.catalog = catalog
         self.signers = signers
@@ -105,6 +111,7 @@ class Registry:
         self._audit = audit
         self._gate = gate
         self._sync_views = sync_views
+        self._askers = askers
         self._fleet = fleet  # the fleet's rank classes now, which a push's rank must fit
         self._lock = asyncio.Lock()
         self._started = int(time.time())
@@ -116,8 +123,10 @@ class Registry:
     def apply_entry(self, key: str, value: bytes | None, revision: int) -> None:
         """One entry of the records bucket's watch (records are never deleted): any replica's write."""
         if value is not None and revision > self._revisions.get(key, 0):
-            self.catalog.put(AdapterRecord.model_validate_json(value))
+            record = AdapterRecord.model_validate_json(value)
+            self.catalog.put(record)
             self._revisions[key] = revision
+            export_quality(record)
 
     async def _refresh(self, adapter_id: str) -> None:
         """One adapter's records and revisions as KV holds them now."""
@@ -187,6 +196,8 @@ class Registry:
                         prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
                         change = await self._admit(view, req, files, digests, prefix)
                         await self._approved.put(prefix, files)
+                        if EVAL_SET_FILE in files:
+                            await self._approved.put_eval_set(digests[EVAL_SET_FILE], bytes(files[EVAL_SET_FILE]))
                         if await self._committed([change], req.actor, prefix, files):
                             record = change.after
                             break
@@ -282,26 +293,84 @@ class Registry:
         return Catalog(record for name in names for record in self.catalog.versions(name))
 
     async def promote(self, req: PromoteRequest) -> AdapterRecordsReply:
-        """staging -> canary/production, through the release gate unless ``force`` (audited with the reason)."""
+        """staging -> canary/production through the release gate: the version's eval set is run on a
+        worker first when it has no platform score against today's production. ``skip_eval`` (a platform
+        admin's, with a reason) passes it unevaluated, audited."""
+        if not req.skip_eval:
+            await self.evaluate_for_release(req.adapter_id, req.version)
 
         def plan() -> list[Change]:
             changes = lifecycle.promote(self.catalog, req.adapter_id, req.version, req.traffic_percent)
-            if not req.force:
-                candidate = changes[-1].before
-                assert candidate is not None
+            candidate = changes[-1].before
+            assert candidate is not None
+            if not req.skip_eval:
                 check_release(candidate, self.catalog.released(req.adapter_id)[0], self._gate)
             return changes
 
-        reason = req.reason or ("forced past the release gate" if req.force else None)
-        return await self._change(req.actor, plan, reason)
+        candidate = self.catalog.get(req.adapter_id, req.version)
+        if req.skip_eval:
+            reason = f"eval gate skipped by platform admin {req.actor}: {req.reason}"
+        else:
+            reason = req.reason or f"release gate passed: {summary(candidate.platform_eval if candidate else None)}"
+        return await self._change(req.actor, plan, reason[:500])
+
+    async def evaluate_for_release(self, adapter_id: str, version: int) -> AdapterRecord:
+        """The version's record with a platform-run score of its eval set against the production version
+        serving now: run on a worker and recorded (with the set's digest) when it has none yet. A version
+        without an eval set is returned as it is (the gate decides)."""
+        record = self.catalog.get(adapter_id, version)
+        if record is None:
+            raise ModelNotFound(f"adapter {adapter_id!r} has no version {version}")
+        production = self.catalog.released(adapter_id)[0]
+        if not needs_run(record, production):
+            return record
+        if self._askers is None:
+            raise ServiceUnavailable("this registry cannot run evaluations (no serving path wired)")
+        digest = record.eval_set_digest
+        assert digest is not None
+        spec = parse_eval_set(await self._approved.eval_set(digest))
+        ask = self._askers(record.tenant_id, record.base_model)
+        mine = await score_set(ask, f"{adapter_id}@{version}", spec)
+        baseline = None
+        if production is not None and production.version != version:
+            baseline = await score_set(ask, f"{adapter_id}@{production.version}", spec)
+        run = PlatformEval(
+            eval_set_digest=digest,
+            score=mine.score,
+            threshold=spec.meta.threshold,
+            items=mine.items,
+            errors=mine.errors,
+            baseline_version=production.version if baseline is not None and production is not None else None,
+            baseline_score=baseline.score if baseline is not None else None,
+        )
+        reply = await self._change(
+            "release-gate", lambda: lifecycle.record_platform_eval(self.catalog, adapter_id, version, run), summary(run)
+        )
+        log.info("platform_eval", adapter_id=adapter_id, version=version, score=run.score, digest=digest[:12])
+        return reply.records[0]
+
+    async def attach_eval_set(self, req: AttachEvalSetRequest) -> AdapterRecordsReply:
+        """Attach (or replace) a version's eval set, kept by its digest; a tenant admin only to its own
+        tenant's versions (another tenant's answers as missing). Audited with the set's digest."""
+        data = req.eval_set.encode()
+        spec = parse_eval_set(data)
+        digest = eval_set_digest(data)
+        record = self.catalog.get(req.adapter_id, req.version)
+        if record is None or req.tenant_id not in (None, record.tenant_id):
+            raise ModelNotFound(f"adapter {req.adapter_id!r} has no version {req.version}")
+        await self._approved.put_eval_set(digest, data)
+        why = f"eval set {digest[:12]} attached ({len(spec.items)} items, threshold {spec.meta.threshold:.3f})"
+        return await self._change(
+            req.actor, lambda: lifecycle.attach_eval_set(self.catalog, req.adapter_id, req.version, digest), why
+        )
 
     async def record_eval(self, req: RecordEvalRequest) -> AdapterRecordsReply:
-        """Store one version's eval results (replacing earlier ones) and export its quality score."""
-        reply = await self._change(
-            req.actor, lambda: lifecycle.record_eval(self.catalog, req.adapter_id, req.version, req.results)
+        """Store a client's eval results (replacing earlier ones): advisory only, the gate never reads them."""
+        return await self._change(
+            req.actor,
+            lambda: lifecycle.record_eval(self.catalog, req.adapter_id, req.version, req.results),
+            "client-supplied eval results (advisory)",
         )
-        metrics.QUALITY_SCORE.labels(req.adapter_id, str(req.version)).set(req.results["score"])
-        return reply
 
     async def rollout(self, req: RolloutRequest) -> AdapterRecordsReply:
         return await self._change(
@@ -357,6 +426,8 @@ class Registry:
         expected = [0 if c.before is None else self._revisions.get(k, 0) for c, k in zip(changes, keys, strict=True)]
         revisions = await self._kv.commit([(c.after, e) for c, e in zip(changes, expected, strict=True)])
         self.catalog.apply(changes)
+        for change in changes:
+            export_quality(change.after)
         for key, written in zip(keys, revisions, strict=True):  # this replica's next plan starts from them
             self._revisions[key] = max(self._revisions.get(key, 0), written)
         revision = max(revisions)
@@ -385,6 +456,13 @@ class Registry:
                 reason=reason,
             )
             await self._audit(audit)
+
+
+def export_quality(record: AdapterRecord) -> None:
+    """``adapter_quality_score``: a version's platform-run score as the records bucket holds it (every
+    replica follows the bucket, so each exports the same figure)."""
+    if record.platform_eval is not None:
+        metrics.QUALITY_SCORE.labels(record.adapter_id, str(record.version)).set(record.platform_eval.score)
 
 
 def _attempt() -> str:

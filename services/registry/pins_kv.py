@@ -3,7 +3,7 @@
 from nats.js import JetStreamContext
 
 from services.registry.kv import AuditedBucket
-from services.registry.pins import FleetSlots, Pins, SlotQuota
+from services.registry.pin_ops import FleetSlots, Pins, SlotQuota
 from shared import subjects
 from shared.catalog.records import Catalog
 

@@ -1,6 +1,6 @@
 """The release controller: drives each rollout through its traffic steps on live figures.
 
-A rollout starts with the offline eval gate and a promote to the first step, then every tick the
+A rollout starts with the eval gate (the version's eval set run on a worker by the registry) and a promote to the first step, then every tick the
 replica holding its lease compares the canary with production on the step's live traffic
 (``live_stats``), and advances, holds or rolls back (``release_policy``). The state lives in KV
 (``releases_kv``), so another replica, or this one restarted, carries on where it stopped.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.registry.gate import GatePolicy, check_release
+from services.registry.gate import GatePolicy, check_release, summary
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
 from services.registry.release_policy import ReleasePolicy, judge
@@ -42,7 +42,7 @@ ACTOR = "release-controller"
 class ControllerConfig:
     instance_id: str
     steps: tuple[float, ...]
-    gate: GatePolicy  # the offline eval gate before the first step
+    gate: GatePolicy  # the platform-run eval gate before the first step
     lease_s: float
 
 
@@ -97,21 +97,22 @@ class ReleaseController:
             lease_until=now + self._config.lease_s,
         )
         revision = previous.revision if previous else None
-        if req.force:
-            reasons = [f"offline eval gate skipped by {req.actor}: {req.reason or 'forced'}"]
+        if req.skip_eval:
+            reasons = [f"eval gate skipped by platform admin {req.actor}: {req.reason}"]
         else:
             try:
+                record = await self._registry.evaluate_for_release(req.adapter_id, req.version)
                 check_release(record, production, self._config.gate)
             except ReleaseGateFailed as e:
                 await self._decide(Stored(state, revision), {"phase": "gate_failed"}, "gate_failed", [e.message])
                 raise
-            reasons = [f"offline eval gate passed: {_eval_summary(record.eval_results)}"]
+            reasons = [f"eval gate passed: {summary(record.platform_eval)}"]
         await self._registry.promote(
             PromoteRequest(
                 adapter_id=req.adapter_id,
                 version=req.version,
                 traffic_percent=state.percent,
-                force=req.force,
+                skip_eval=req.skip_eval,
                 reason=req.reason,
                 actor=req.actor,
             )
@@ -237,9 +238,3 @@ class ReleaseController:
             baseline=decision.baseline,
         )
         await self._publish_audit(audit)
-
-
-def _eval_summary(results: dict[str, float]) -> str:
-    if "score" not in results:
-        return "no eval required"
-    return f"score {results['score']:.3f}, threshold {results.get('threshold', 0.0):.3f}"

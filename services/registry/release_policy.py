@@ -101,7 +101,11 @@ def guard_trips(
             _ratio_guard("TPOT p50 ms", canary.tpot_p50_ms, baseline.tpot_p50_ms, ratio, slack),
             _ratio_guard("TPOT p95 ms", canary.tpot_p95_ms, baseline.tpot_p95_ms, ratio, slack),
             _ratio_guard(
-                "tokens per request", canary.tokens_per_request, baseline.tokens_per_request, policy.max_cost_ratio, 0.0
+                "engine time per output token ms",
+                canary.engine_ms_per_token,
+                baseline.engine_ms_per_token,
+                policy.max_cost_ratio,
+                0.0,
             ),
         ]
     return [r for r in reasons if r is not None]

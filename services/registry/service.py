@@ -12,21 +12,25 @@ from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from services.registry.eval_client import asker
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
-from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV, publish_registry_audit
 from services.registry.ops import Registry
-from services.registry.pins import FleetSlots, Pins
+from services.registry.pin_ops import FleetSlots, Pins
 from services.registry.pins_kv import open_pins
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ReleaseController
 from services.registry.release_service import drive_releases, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
 from services.registry.remote_intake import RemoteIntake
+from services.registry.routing import Routing
+from services.registry.routing_kv import open_routing
 from services.registry.settings import RegistrySettings
 from services.registry.sources import Sources
 from services.registry.sources_kv import open_sources
@@ -45,14 +49,17 @@ from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.heartbeat import publish_heartbeats
 from shared.kv_follow import Apply, Position, StaleMirror, follow_bucket
 from shared.logs import configure_logging
-from shared.metrics import QUALITY_SCORE
 from shared.metrics_http import serve_metrics
 from shared.schemas import (
     AddSourceRequest,
     ApproveSourceRequest,
+    AttachEvalSetRequest,
     CreateApiKeyRequest,
     CreateTenantRequest,
+    DeleteRoutesRequest,
     GetAdapterRequest,
+    GetPoliciesRequest,
+    GetRoutesRequest,
     ListAdaptersRequest,
     ListApiKeysRequest,
     ListKeysRequest,
@@ -74,7 +81,9 @@ from shared.schemas import (
     RollbackRequest,
     RolloutRequest,
     ServiceHeartbeat,
+    SetPoliciesRequest,
     SetQuotaRequest,
+    SetRoutesRequest,
     TrustKeyRequest,
     UntrustKeyRequest,
     WorkerHeartbeat,
@@ -148,6 +157,7 @@ async def open_registry(
             max_regression=settings.release_max_regression,
         ),
         sync_views=barrier.wait,
+        askers=lambda tenant, base_model: asker(nc, tenant, base_model, settings.release_eval_timeout_s),
     )
     # the catalog and the signers follow their buckets: every replica's writes, not this one's alone
     mirrors.append(await follow_loaded(nc, subjects.REGISTRY_RECORDS_BUCKET, registry.apply_entry, tasks))
@@ -206,6 +216,7 @@ async def subscribe(
     sources: Sources,
     releases: ReleaseController,
     pins: Pins,
+    routing: Routing,
     mirrors: list[Followed],
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``, in the ``registry`` queue group:
@@ -226,6 +237,7 @@ async def subscribe(
         "untrust_key": _op(UntrustKeyRequest, registry.signer_ops.untrust_key),
         "keys": _op(ListKeysRequest, registry.signer_ops.keys),
         "record_eval": _op(RecordEvalRequest, registry.record_eval),
+        "attach_eval_set": _op(AttachEvalSetRequest, registry.attach_eval_set),
         "tenant_create": _op(CreateTenantRequest, tenants.create_tenant),
         "tenants": _op(ListTenantsRequest, tenants.list_tenants),
         "quota_set": _op(SetQuotaRequest, tenants.set_quota),
@@ -241,10 +253,16 @@ async def subscribe(
         "pin": _op(PinRequest, pins.pin),
         "unpin": _op(PinRequest, pins.unpin),
         "pins": _op(ListPinsRequest, pins.list_pins),
+        "routes_set": _op(SetRoutesRequest, routing.set_routes),
+        "routes_delete": _op(DeleteRoutesRequest, routing.delete_routes),
+        "routes": _op(GetRoutesRequest, routing.routes),
+        "policies_set": _op(SetPoliciesRequest, routing.set_policies),
+        "policies": _op(GetPoliciesRequest, routing.policies),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
-    # a register from a remote source spends its fetch outside the registry's lock: run each in its
-    # own task, so one slow source does not hold up the pushes behind it
+    # a register from a remote source spends its fetch outside the registry's lock, a promote or a
+    # release start its eval set's run on a worker: run each in its own task, so one slow source or
+    # eval does not hold up the ops behind it
     return [
         await serve(
             nc,
@@ -252,10 +270,38 @@ async def subscribe(
             model,
             read_your_writes(mirrors, handler),
             queue=QUEUE,
-            concurrent=op == "register",
+            concurrent=op in ("register", "promote", "release_start"),
         )
         for op, (model, handler) in handlers.items()
     ]
+
+
+@dataclass(eq=False)
+class RegistryService:
+    """What this replica learns from the bus besides its ops: each message is one call of a named handler."""
+
+    nc: NATS
+    barrier: CatalogBarrier  # which services' catalog views a change waits for
+    fleet: FleetRanks  # the rank classes a push must fit
+    slots: FleetSlots  # the slots pins must fit
+
+    async def subscribe(self) -> None:
+        await self.nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=self.on_heartbeat)
+        await self.nc.subscribe(subjects.WORKER_HEARTBEAT, cb=self.on_worker_heartbeat)
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.barrier.on_heartbeat(decode(ServiceHeartbeat, msg.data))
+        except LorafleetError as e:
+            log.warning("bad_heartbeat", error=e.message)
+
+    async def on_worker_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = decode(WorkerHeartbeat, msg.data)
+            self.fleet.heartbeat(beat)
+            self.slots.on_heartbeat(beat)
+        except LorafleetError as e:
+            log.warning("bad_worker_heartbeat", error=e.message)
 
 
 async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver = system_resolve) -> None:
@@ -265,26 +311,9 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         nc = await connect(settings.nats_url, f"registry-{settings.instance_id}")
         stack.push_async_callback(drain_or_close, nc)
         barrier = CatalogBarrier(nc, settings.liveness_timeout_s, settings.gateway_sync_timeout_s)
-
-        async def on_heartbeat(msg) -> None:
-            try:
-                barrier.on_heartbeat(decode(ServiceHeartbeat, msg.data))
-            except LorafleetError as e:
-                log.warning("bad_heartbeat", error=e.message)
-
-        await nc.subscribe(subjects.SERVICE_HEARTBEAT_ALL, cb=on_heartbeat)
         fleet = FleetRanks(base.name, settings.fleet_rank_classes, settings.liveness_timeout_s)
-        slots = FleetSlots(settings.liveness_timeout_s)
-
-        async def on_worker_heartbeat(msg) -> None:
-            try:
-                beat = decode(WorkerHeartbeat, msg.data)
-                fleet.heartbeat(beat)  # the rank classes a push must fit
-                slots.on_heartbeat(beat)  # the slots pins must fit
-            except LorafleetError as e:
-                log.warning("bad_worker_heartbeat", error=e.message)
-
-        await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=on_worker_heartbeat)
+        service = RegistryService(nc, barrier, fleet, FleetSlots(settings.liveness_timeout_s))
+        await service.subscribe()
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
         watches: set[asyncio.Task] = set()
@@ -298,14 +327,11 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         # other replicas' changes
         mirrors.append(await follow_loaded(nc, subjects.REGISTRY_TENANTS_BUCKET, tenants.apply, watches))
         slot_quota = functools.partial(tenants.slot_quota, default=settings.default_quota.max_gpu_adapter_slots)
-        pins = await open_pins(nc.jetstream(), registry.catalog, slots, slot_quota)
-        await subscribe(nc, registry, tenants, sources, releases, pins, mirrors)
+        pins = await open_pins(nc.jetstream(), registry.catalog, service.slots, slot_quota)
+        routing = await open_routing(nc.jetstream(), registry.catalog, barrier.wait)
+        await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.callback(ticks.cancel)
-        for adapter_id in registry.catalog.adapters():
-            for record in registry.catalog.versions(adapter_id):
-                if "score" in record.eval_results:
-                    QUALITY_SCORE.labels(adapter_id, str(record.version)).set(record.eval_results["score"])
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(

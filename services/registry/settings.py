@@ -109,17 +109,27 @@ class RegistrySettings(CommonSettings):
     )
     release_require_eval: bool = Field(
         default=True,
-        description="refuse to promote a version with no recorded eval (off: /readyz and the dashboard say so)",
+        description="refuse to promote a version without an eval set, unless a platform admin skips the eval "
+        "(off: /readyz and the dashboard say so; a version with an eval set is always gated on its platform-run score)",
     )
-    release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every adapter's own threshold")
+    release_eval_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="how long the release gate waits for each eval item's answer from a worker",
+    )
+    release_min_score: float = Field(default=0.0, ge=0, le=1, description="floor under every eval set's own threshold")
     release_max_regression: float = Field(
-        default=0.05, ge=0, le=1, description="how far a candidate's score may fall below production's"
+        default=0.05,
+        ge=0,
+        le=1,
+        description="how far a candidate's platform-run score may fall below production's on the same eval set",
     )
     release_steps: tuple[float, ...] = Field(
         default=(1.0, 10.0, 50.0, 100.0), min_length=1, description="the controller's canary traffic shares, percent"
     )
     release_gate: bool = Field(
-        default=True, description="the controller refuses a rollout whose version has no passing recorded eval"
+        default=True, description="the controller refuses a rollout whose version has no passing platform-run eval"
     )
     release_min_samples: int = Field(
         default=200, ge=1, le=1_000_000, description="completions of each version a step needs before advancing"
@@ -138,7 +148,7 @@ class RegistrySettings(CommonSettings):
         default=5.0, ge=0, le=60_000, description="a latency difference under this never trips the ratio guard"
     )
     release_max_cost_ratio: float = Field(
-        default=1.5, ge=1, le=100, description="canary tokens per request over production's that rolls back"
+        default=1.5, ge=1, le=100, description="canary engine time per output token over production's that rolls back"
     )
     release_max_complaint_increase: float = Field(
         default=0.05, ge=0, le=1, description="canary complaint rate above production's that rolls back"

@@ -24,7 +24,10 @@ from nats.js.object_store import ObjectStore
 from shared import subjects
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, AdapterLimits
 from shared.bus import ensure_replicas, read_object, settling
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, NotFound
+from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES
+
+EVAL_SETS = "eval-sets"  # content-addressed: every version's eval set, under its sha256
 
 
 def object_prefix(adapter_id: str, version: int, tenant_id: str | None = None, attempt: str | None = None) -> str:
@@ -89,10 +92,17 @@ class Uploads:
             if info.size > limits.max_weights_bytes:
                 raise InvalidRequest(f"upload {upload_id!r}: {name} exceeds the size cap")
             files[name] = await read_object(self._store, f"{upload_id}/{name}")
+        try:  # optional: the version's own eval set, signed with it
+            info = await self._store.get_info(f"{upload_id}/{EVAL_SET_FILE}")
+        except NotFoundError:
+            return files
+        if info.size is None or info.size > MAX_EVAL_SET_BYTES:
+            raise InvalidRequest(f"upload {upload_id!r}: {EVAL_SET_FILE} exceeds {MAX_EVAL_SET_BYTES} bytes")
+        files[EVAL_SET_FILE] = await read_object(self._store, f"{upload_id}/{EVAL_SET_FILE}")
         return files
 
     async def delete(self, upload_id: str) -> None:
-        for name in ADAPTER_FILES:
+        for name in (*ADAPTER_FILES, EVAL_SET_FILE):
             with contextlib.suppress(NotFoundError):
                 await self._store.delete(f"{upload_id}/{name}")
 
@@ -129,6 +139,28 @@ class ApprovedStore:
                     await self._objects.put(f"{prefix}/{name}", reader)
             else:
                 await self._objects.put(f"{prefix}/{name}", data)
+
+    async def put_eval_set(self, digest: str, data: bytes) -> None:
+        """Keep an eval set by its sha256 (``eval-sets/<digest>``): pushed with a version, or attached later."""
+        if self._file_dir is not None:
+            target = self._file_dir / EVAL_SETS / digest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(target.write_bytes, data)
+            return
+        assert self._objects is not None
+        await self._objects.put(f"{EVAL_SETS}/{digest}", data)
+
+    async def eval_set(self, digest: str) -> bytes:
+        if self._file_dir is not None:
+            path = self._file_dir / EVAL_SETS / digest
+            if not path.is_file():
+                raise NotFound(f"eval set {digest[:12]} is not in the store")
+            return await asyncio.to_thread(path.read_bytes)
+        assert self._objects is not None
+        try:
+            return await read_object(self._objects, f"{EVAL_SETS}/{digest}")
+        except NotFoundError:
+            raise NotFound(f"eval set {digest[:12]} is not in the store") from None
 
     async def delete(self, prefix: str, names: Iterable[str]) -> None:
         """Remove the files a push stored under ``prefix`` whose record did not commit."""

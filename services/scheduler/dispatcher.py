@@ -182,7 +182,7 @@ class Dispatcher:
         bounds, its adapter grant or the fleet's load refuses it."""
         slo_class = slo_class_of(request, quota)
         await check_submission(request, size, self.bounds, self.prompt_tokens)
-        granted = await self.ports.catalog.grant(request, preview)
+        granted = await self.ports.catalog.grant(request, preview, quota.slo_tier or "standard")
         self._check_load(granted, slo_class, stored_at)
         return granted, slo_class
 

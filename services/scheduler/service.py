@@ -20,7 +20,6 @@ from services.scheduler.dedupe import Dispatched
 from services.scheduler.dispatcher import Dispatcher, Ports
 from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
-from services.scheduler.intake import Intake
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet
 from services.scheduler.ports import bus_ports
@@ -30,6 +29,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.upkeep import Periods, Upkeep
 from services.scheduler.vtc import SharedCounters
+from services.scheduler.waiting import Intake
 from shared import event_loop, subjects
 from shared.base_model import resolve_model_dir
 from shared.bus import (
@@ -312,7 +312,7 @@ async def run(settings: SchedulerSettings) -> None:
         stack.push_async_callback(redis.aclose)
         # a promote, rollback or revoke returns once this view holds it: direct submissions see it at once
         followed = await follow_catalog(
-            nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id), route="nats"
+            nc, settings.dispatch_timeout_s, barrier=("scheduler", settings.instance_id), route="nats", routing=True
         )
         stack.callback(followed.stop)
         tokens = None

@@ -27,6 +27,9 @@ def parse_submission(subject: str, data: bytes) -> tuple[InferRequest, bool]:
     own = request.reply_to.startswith(f"_INBOX_{tenant}.")
     if not own and (via == subjects.VIA_TENANT or request.reply_to.startswith("_INBOX_")):
         raise Forbidden("replies may only go to the requesting tenant's own inbox")
+    if via == subjects.VIA_TENANT and request.route_facts is not None:
+        # the caller's key and headers are the gateway's to vouch for: a direct client claims none
+        request = request.model_copy(update={"route_facts": None})
     return request, via == subjects.VIA_PREVIEW
 
 

@@ -13,8 +13,8 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services.worker.adapter_verify import fetch_verified
-from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
+from services.worker.lora.lora_config import LoraConfig
 from services.worker.lora.peft_loader import load_peft_files
 from shared import metrics
 from shared.adapter_keys import parse_adapter_key

@@ -17,6 +17,7 @@ from shared import signing
 from shared.adapter_format import ADAPTER_FILES, OBJECT_STORE_SCHEME, file_digests
 from shared.bus import read_object
 from shared.errors import IntegrityError
+from shared.eval_set import EVAL_SET_FILE
 from shared.schemas import AdapterRecord
 
 
@@ -37,7 +38,9 @@ def verify_adapter(
             f"{record.adapter_id} v{record.version} was built for base model {record.base_model_fingerprint[:12]}, "
             f"this worker serves {base_fingerprint[:12]}"
         )
-    if set(files) != set(record.files):
+    # a pushed eval set is signed with the adapter but never served: its digest enters the manifest as recorded
+    signed_only = {n: d for n, d in record.files.items() if n == EVAL_SET_FILE}
+    if set(files) != set(record.files) - set(signed_only):
         raise IntegrityError(
             f"{record.adapter_id} v{record.version}: fetched {sorted(files)}, expected {sorted(record.files)}"
         )
@@ -47,7 +50,9 @@ def verify_adapter(
             raise IntegrityError(f"{record.adapter_id} v{record.version}: {name} sha256 {digest[:12]} does not match")
     if digests.get("adapter_model.safetensors") != record.digest:
         raise IntegrityError(f"{record.adapter_id} v{record.version}: weights digest does not match the record")
-    manifest = signing.manifest_bytes(digests, record.adapter_id, record.version, record.tenant_id, base_fingerprint)
+    manifest = signing.manifest_bytes(
+        {**digests, **signed_only}, record.adapter_id, record.version, record.tenant_id, base_fingerprint
+    )
     if signing.manifest_digest(manifest) != record.manifest_digest:
         raise IntegrityError(f"{record.adapter_id} v{record.version}: manifest digest does not match the record")
     if record.signature is None or record.signer is None:

@@ -56,7 +56,7 @@ async def builtin(
 
     from kernels import native
     from services.worker.engine.async_engine import AsyncEngine
-    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_loader import load_model
     from services.worker.lora.manager import AdapterManager
 
     if torch.device(settings.engine.device).type == "cpu":

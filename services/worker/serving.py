@@ -134,7 +134,14 @@ class RequestServer:
         self._jobs: dict[RequestRef, Job] = {}
         self._stop_errors: dict[RequestRef, LorafleetError] = {}
         self._adapter_label = metrics.TopLabels(
-            adapter_metric_labels, (metrics.ADAPTER_TOKENS, metrics.ADAPTER_TTFT, metrics.ADAPTER_TPOT)
+            adapter_metric_labels,
+            (
+                metrics.ADAPTER_TOKENS,
+                metrics.ADAPTER_TTFT,
+                metrics.ADAPTER_TPOT,
+                metrics.ADAPTER_ENGINE_SECONDS,
+                metrics.ADAPTER_ENGINE_TOKENS,
+            ),
         )
         self.rank_classes = rank_classes  # the engine's, for the rank-class metric label
         self._slo = SloAttainment(slo_window)
@@ -305,6 +312,7 @@ class RequestServer:
             tenant=request.tenant_id,
         )
         async for out in self.engine.generate(engine_request):
+            job.timing.charged(out.engine_s)
             for piece in prompt_pieces(rid, out.prompt_logprobs or []):
                 await self.emit(request.reply_to, piece)
             if out.token_ids:
@@ -364,6 +372,9 @@ class RequestServer:
             metrics.ADAPTER_TPOT.labels(adapter).observe(tpot)
             metrics.RANK_CLASS_TPOT.labels(rank_class).observe(tpot)
         metrics.ADAPTER_TOKENS.labels(adapter).inc(job.timing.tokens)
+        if job.timing.engine_s is not None:  # both or neither: their ratio is never a made-up figure
+            metrics.ADAPTER_ENGINE_SECONDS.labels(adapter).inc(job.timing.engine_s)
+            metrics.ADAPTER_ENGINE_TOKENS.labels(adapter).inc(job.timing.tokens)
         self._observe_slo(job, outcome)
 
     def _observe_slo(self, job: Job, outcome: str) -> None:
@@ -402,4 +413,6 @@ class RequestServer:
             worker_id=self.worker_id,
             outcome=outcome,
             slo_class=job.slo_class,
+            task=job.request.task,
+            engine_s=job.timing.engine_s,
         )

@@ -6,10 +6,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.worker.adapter_cache.config import CacheConfig
-from services.worker.engine.config import EngineConfig
-from services.worker.lora.config import LoraConfig
-from services.worker.vllm_engine.config import VllmConfig
+from services.worker.adapter_cache.cache_config import CacheConfig
+from services.worker.engine.engine_config import EngineConfig
+from services.worker.lora.lora_config import LoraConfig
+from services.worker.vllm_engine.vllm_config import VllmConfig
 from shared.config import GrammarBounds, WorkerIdentity
 
 

@@ -1,4 +1,4 @@
-"""Per-request latency bookkeeping: time to first token and time per output token."""
+"""Per-request latency bookkeeping: time to first token, time per output token and engine time."""
 
 import time
 from dataclasses import dataclass, field
@@ -11,6 +11,11 @@ class Timing:
     first_token_wall: float | None = None  # time.time() of the first token, to measure from another process's clock
     last_token: float | None = None
     tokens: int = 0
+    engine_s: float | None = None  # the engine's time charged to it so far (RequestOutput.engine_s)
+
+    def charged(self, engine_s: float | None) -> None:
+        if engine_s is not None:
+            self.engine_s = engine_s
 
     def token(self, completion_tokens: int) -> None:
         now = time.monotonic()

@@ -35,6 +35,8 @@ class View(Protocol):
 
     async def caught_up(self, revision: int, timeout_s: float) -> bool: ...
 
+    async def routing_caught_up(self, revision: int, timeout_s: float) -> bool: ...
+
 
 class CatalogBarrier:
     def __init__(self, nc: NATS, liveness_timeout_s: float, timeout_s: float) -> None:
@@ -46,9 +48,9 @@ class CatalogBarrier:
         if beat.service == "gateway" or (beat.service in MIRRORS and beat.ready):
             self._mirrors.seen(mirror_name(beat.service, beat.instance_id), None)
 
-    async def wait(self, revision: int) -> set[str]:
-        """The live mirrors (``service/instance``) that did not confirm ``revision`` in time
-        (empty: every one did)."""
+    async def wait(self, revision: int, routing_revision: int = 0) -> set[str]:
+        """The live mirrors (``service/instance``) that did not confirm ``revision`` of the records
+        bucket (and ``routing_revision`` of the routing bucket) in time (empty: every one did)."""
         pending = set(self._mirrors.alive())
         if not pending or self._timeout_s == 0:
             return set()
@@ -67,7 +69,8 @@ class CatalogBarrier:
         inbox = self._nc.new_inbox()
         sub = await self._nc.subscribe(inbox, cb=on_reply)
         try:
-            await self._nc.publish(subjects.GATEWAY_CATALOG_SYNC, encode(CatalogSync(revision=revision)), reply=inbox)
+            sync = CatalogSync(revision=revision, routing_revision=routing_revision)
+            await self._nc.publish(subjects.GATEWAY_CATALOG_SYNC, encode(sync), reply=inbox)
             await asyncio.wait_for(all_confirmed, self._timeout_s)
         except TimeoutError:
             metrics.GATEWAY_SYNC_TIMEOUTS.inc()
@@ -84,11 +87,12 @@ async def answer_barrier(nc: NATS, service: str, instance_id: str, view: View, t
 
     async def on_sync(msg: Msg) -> None:
         try:
-            wanted = decode(CatalogSync, msg.data).revision
+            wanted = decode(CatalogSync, msg.data)
         except LorafleetError as e:
             log.warning("bad_catalog_sync", error=e.message)
             return
-        if await view.caught_up(wanted, timeout_s) and msg.reply:
+        held = await view.caught_up(wanted.revision, timeout_s)
+        if held and await view.routing_caught_up(wanted.routing_revision, timeout_s) and msg.reply:
             synced = CatalogSynced(service=service, instance_id=instance_id, revision=view.revision)
             await nc.publish(msg.reply, encode(synced))
 

@@ -13,12 +13,32 @@ settled by the registry's answer before a submission is refused."""
 from collections.abc import Awaitable, Callable
 
 from shared.catalog.access import may_use
+from shared.catalog.policy import RequestFacts
 from shared.catalog.records import Catalog
 from shared.catalog.resolve import not_found
+from shared.catalog.routing import Routed
 from shared.errors import Forbidden, IntegrityError, InvalidRequest, ModelNotFound
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 
 Resolve = Callable[[ResolveRequest, bool], Awaitable[ResolveReply]]  # (request, ask_registry)
+Route = Callable[[str, str | None, str | None, RequestFacts], Routed]  # (tenant, model, task header, facts)
+
+
+def _no_routes(tenant_id: str, model: str | None, task: str | None, facts: RequestFacts) -> Routed:
+    return Routed(model or "")
+
+
+def facts_of(request: InferRequest, tier: str | None) -> RequestFacts:
+    """What a policy matches in a submission: ``route_facts`` as the gateway wrote them (the
+    scheduler clears them on a tenant's own subject, so a direct client claims no key or header)."""
+    written = request.route_facts
+    return RequestFacts(
+        tier=tier,
+        key_id=written.key_id if written else None,
+        model=request.model,
+        metadata=request.metadata,
+        headers=written.headers if written else {},
+    )
 
 
 class IsolationAttempt(Forbidden):
@@ -33,14 +53,20 @@ class IsolationAttempt(Forbidden):
 
 
 class Grants:
-    def __init__(self, resolve: Resolve, catalog: Catalog | None = None):
+    def __init__(self, resolve: Resolve, catalog: Catalog | None = None, route: Route = _no_routes):
         self._resolve = resolve
+        self._route = route
         # the mirror's (empty until loaded, so never ``or``-ed away), to tell a foreign adapter block apart
         self._catalog = catalog if catalog is not None else Catalog()
 
-    async def grant(self, request: InferRequest, preview: bool) -> InferRequest:
-        """The request with the adapter its ``model`` resolves to, or a typed refusal. ``preview``:
-        it came on the gateway's preview subject, where a pinned staging version may be served."""
+    async def grant(self, request: InferRequest, preview: bool, tier: str | None = None) -> InferRequest:
+        """The request with the adapter its ``model`` resolves to (after its task route or policy
+        rule, the same step the gateway took), or a typed refusal. ``preview``: it came on the
+        gateway's preview subject, where a pinned staging version may be served. The granted
+        request names the routed model and task: a worker's check resolves it as it stands."""
+        routed = self._route(request.tenant_id, request.model, request.task, facts_of(request, tier))
+        if routed.model != request.model or routed.task != request.task:
+            request = request.model_copy(update={"model": routed.model, "task": routed.task})
         if request.model == request.base_model and request.adapter is None:
             return request
         self._refuse_foreign_block(request)

@@ -8,7 +8,7 @@ fed by a watch on the same bucket, to resolve requests without a registry round 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from shared.schemas import AdapterRecord, AdapterStatus
+from shared.schemas import AdapterRecord, AdapterStatus, PinRecord
 
 RELEASED: frozenset[AdapterStatus] = frozenset({"canary", "production"})
 
@@ -77,3 +77,11 @@ class Catalog:
             elif record.status == "canary":
                 canary = record
         return production, canary
+
+
+def pinned_versions(pin: PinRecord, catalog: Catalog) -> list[AdapterRecord]:
+    """The versions a pin holds now: its own (unless retired or revoked), or each one served (production, canary)."""
+    if pin.version is not None:
+        record = catalog.get(pin.adapter_id, pin.version)
+        return [record] if record is not None and record.status not in ("retired", "revoked") else []
+    return [r for r in catalog.released(pin.adapter_id) if r is not None]

@@ -14,6 +14,8 @@ Reads:
 - ``record``: one version's record, from the view, else from the bucket itself (never a registry
   replica, dead or stalled).
 - ``signers``: the trusted signers' keys, after a read barrier on their bucket.
+- ``route``: (tenant, model or task, request facts) -> the model to resolve, by the tenant's task
+  routes and the routing policies (``shared.catalog.routing``), for a view that follows ``lf_routing``.
 
 The registry's writes wait for every live mirror to confirm them (``shared.catalog.barrier``), so
 once a promote, rollback or revoke has returned, no view resolves with the state before it.
@@ -31,14 +33,17 @@ from shared import metrics, subjects
 from shared.bus import request
 from shared.catalog.barrier import answer_barrier
 from shared.catalog.grants import Grants
+from shared.catalog.policy import RequestFacts
 from shared.catalog.records import Catalog, record_key
-from shared.catalog.resolve import resolve
+from shared.catalog.resolve import list_models, resolve
+from shared.catalog.routing import Routed, Routes
 from shared.catalog.signers import parse_signer
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable
 from shared.kv_follow import Position, StaleMirror, follow_bucket
 from shared.schemas import AdapterRecord, InferRequest, RequestRoute, ResolveReply, ResolveRequest, SignerRecord
 
 AskRegistry = Callable[[ResolveRequest], Awaitable[ResolveReply]]
+TASK_LABELS = 50  # distinct task label values a view's routing metric keeps
 
 
 async def _no_registry(req: ResolveRequest) -> ResolveReply:
@@ -61,11 +66,14 @@ class CatalogView:
         self.revision = 0  # the last records-bucket revision applied
         self.base_model: str | None = None  # learnt from the registry's first answer
         self._ask = ask_registry
-        self.route = route  # the path this view resolves for: the registry audits a refusal under it
+        self.route_path = route  # the path this view resolves for: the registry audits a refusal under it
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._grants = Grants(self.resolve, self.catalog)
+        self.routes = Routes()
+        self.routing_position: Position | None = None  # set when the view follows the routing bucket
+        self._grants = Grants(self.resolve, self.catalog, self.route)
         self._signers: dict[str, SignerRecord] = {}
         self.signer_position = Position(subjects.REGISTRY_SIGNERS_BUCKET)
+        self._task_label = metrics.TopLabels(TASK_LABELS, (metrics.ROUTED_REQUESTS,))
 
     # --- fed by the follower -------------------------------------------------------------------
 
@@ -98,6 +106,17 @@ class CatalogView:
                 waiting.append((revision, future))
         self._waiters = waiting
 
+    async def routing_caught_up(self, revision: int, timeout_s: float) -> bool:
+        """Whether the view holds the routing bucket's ``revision`` (a view that does not follow it:
+        a worker's, which checks an already-routed request, always does)."""
+        if self.routing_position is None or revision == 0:
+            return True
+        try:
+            await self.routing_position.reached(revision, timeout_s)
+            return True
+        except StaleMirror:
+            return False
+
     async def caught_up(self, revision: int, timeout_s: float) -> bool:
         """Whether the view holds ``revision`` (waiting up to ``timeout_s`` for the watch to bring it)."""
         if self.loaded and self.revision >= revision:
@@ -124,14 +143,37 @@ class CatalogView:
                 return reply
             except LorafleetError:
                 pass  # the registry answers (and audits) every refusal
-        reply = await self._ask(req if req.route == self.route else req.model_copy(update={"route": self.route}))
+        path = self.route_path
+        reply = await self._ask(req if req.route == path else req.model_copy(update={"route": path}))
         metrics.GATEWAY_RESOLVES.labels("registry").inc()
         self.base_model = reply.base_model
         return reply
 
-    async def grant(self, request: InferRequest, preview: bool) -> InferRequest:
-        """The submission with the adapter its ``model`` resolves to, or a typed refusal."""
-        return await self._grants.grant(request, preview)
+    def route(self, tenant_id: str, model: str | None, task: str | None, facts: RequestFacts) -> Routed:
+        """The model this request is resolved as (its task route or the policy rule that matched),
+        or a typed refusal; counted by task (the top ``TASK_LABELS``, the rest as other). A view that
+        does not follow the routing bucket (a worker's) checks requests the scheduler routed: as they stand."""
+        if self.routing_position is None:
+            return Routed(model or "", task)
+        try:
+            routed = self.routes.route(tenant_id, model, task, facts, lambda: self._visible(tenant_id))
+        except LorafleetError as e:
+            metrics.ROUTED_REQUESTS.labels(self.route_path, "none", e.code).inc()
+            raise
+        if routed.task is not None or routed.rule is not None:
+            outcome = "rule" if routed.rule is not None else "task"
+            metrics.ROUTED_REQUESTS.labels(self.route_path, self._task_label(routed.task or "none"), outcome).inc()
+        return routed
+
+    def _visible(self, tenant_id: str) -> list[str]:
+        if self.base_model is None:
+            return []
+        return [m.id for m in list_models(self.catalog, self.base_model, tenant_id, 0).models]
+
+    async def grant(self, request: InferRequest, preview: bool, tier: str | None = None) -> InferRequest:
+        """The submission with the adapter its ``model`` resolves to (after its task route or policy
+        rule: ``tier`` is its tenant's), or a typed refusal."""
+        return await self._grants.grant(request, preview, tier)
 
     def owner(self, adapter_id: str) -> str | None:
         return self.catalog.owner(adapter_id)
@@ -181,18 +223,24 @@ async def follow_catalog(
     *,
     barrier: tuple[str, str] | None = None,
     signers: bool = False,
+    routing: bool = False,
     view: CatalogView | None = None,
     route: RequestRoute = "http",
 ) -> Followed:
     """Start a ``CatalogView`` over NATS: its records follower and registry fallback; with
     ``barrier=(service, instance_id)`` its answer to the registry's read-your-writes barrier; with
-    ``signers`` a follower of the signers bucket too. ``view``: one built beforehand (with its own
+    ``signers`` a follower of the signers bucket too; with ``routing`` one of the routing bucket
+    (task routes and policies: the gateway's and the scheduler's views). ``view``: one built beforehand (with its own
     registry fallback), to follow. ``route``: the path the view resolves for (its refusals' audits)."""
     view = view or CatalogView(ask_registry(nc, registry_timeout_s), route)
     tasks = [asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_RECORDS_BUCKET, view.apply, view.mark_loaded))]
     if signers:
         apply = view.signer_position.tracking(view.apply_signer)
         tasks.append(asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_SIGNERS_BUCKET, apply, lambda: None)))
+    if routing:
+        view.routing_position = Position(subjects.REGISTRY_ROUTING_BUCKET)
+        apply = view.routing_position.tracking(view.routes.apply)
+        tasks.append(asyncio.create_task(follow_bucket(nc, subjects.REGISTRY_ROUTING_BUCKET, apply, lambda: None)))
     if barrier is not None:
         service, instance_id = barrier
         await answer_barrier(nc, service, instance_id, view, registry_timeout_s)

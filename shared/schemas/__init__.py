@@ -7,5 +7,6 @@ from shared.schemas.liveness import *  # noqa: F403
 from shared.schemas.pins import *  # noqa: F403
 from shared.schemas.registry import *  # noqa: F403
 from shared.schemas.release import *  # noqa: F403
+from shared.schemas.routing import *  # noqa: F403
 from shared.schemas.sources import *  # noqa: F403
 from shared.schemas.tenants import *  # noqa: F403

@@ -30,6 +30,13 @@ class CompletionAudit(Message):
     worker_id: Identifier
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
+    task: str | None = Field(default=None, max_length=64, description="the task it was routed by, if any")
+    engine_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="engine seconds the request consumed (its token share of each step it ran in); the worker "
+        "measures it, None where its engine does not (vLLM) and in records written before it was measured",
+    )
 
 
 class RejectionAudit(Message):
@@ -50,7 +57,9 @@ class RegistryChangeAudit(Message):
     tenant_id: Identifier
     adapter_id: Identifier
     version: int = Field(ge=1)
-    action: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
+    action: Literal[
+        "registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated", "eval_set_attached"
+    ]
     before: AdapterStatus | None = None
     after: AdapterStatus
     reason: str | None = Field(default=None, max_length=500)
@@ -76,6 +85,9 @@ class AdminAudit(Message):
         "source_approved",
         "adapter_pinned",
         "adapter_unpinned",
+        "task_routes_set",
+        "task_routes_deleted",
+        "route_policies_set",
     ]
     target: str = Field(max_length=128, description="the tenant, key id, signer or adapter changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")

@@ -1,5 +1,6 @@
 """Inference: a request, its dispatch, and what flows back on its reply inbox."""
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -139,6 +140,39 @@ class ResolvedAdapter(Message):
     )
 
 
+TASK_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"  # a task type as a route names it
+HEADER_PATTERN = r"^x-[a-z0-9-]{1,62}$"  # a header a routing rule may match: lower case, ``x-`` only
+META_KEY_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_METADATA = 16
+_META_KEY = re.compile(META_KEY_PATTERN)
+_HEADER = re.compile(HEADER_PATTERN)
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """Request metadata (and a rule's match on it): at most 16 pairs, keys of ``META_KEY_PATTERN``, values 1-512 chars."""
+    if len(metadata) > MAX_METADATA:
+        raise ValueError(f"metadata holds at most {MAX_METADATA} pairs")
+    for key, value in metadata.items():
+        if not _META_KEY.fullmatch(key) or not 0 < len(value) <= 512:
+            raise ValueError(f"metadata {key[:80]!r}: keys match {META_KEY_PATTERN}, values are 1-512 characters")
+
+
+class RouteFacts(Message):
+    """What a policy may match beyond the tenant and the request: set by the gateway from the caller's
+    key and headers (the scheduler trusts it only on the gateway's subjects, and clears it on a
+    tenant's own)."""
+
+    key_id: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    headers: dict[str, str] = Field(default_factory=dict, max_length=16)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "RouteFacts":
+        for name, value in self.headers.items():
+            if not _HEADER.fullmatch(name) or not 0 < len(value) <= 256:
+                raise ValueError(f"header {name[:80]!r}: names match {HEADER_PATTERN}, values at most 256 chars")
+        return self
+
+
 class InferRequest(Message):
     """One generation request, as submitted on ``lf.infer.submit.<tenant>``."""
 
@@ -200,9 +234,22 @@ class InferRequest(Message):
     accept_deadline: float | None = Field(
         default=None, description="epoch seconds after which the client no longer waits for a worker"
     )
+    task: str | None = Field(
+        default=None,
+        pattern=TASK_PATTERN,
+        description="the task the request names (with ``model`` ``auto``); the scheduler sets the task it was routed by",
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="the request's metadata (routing policies match it)"
+    )
+    route_facts: RouteFacts | None = Field(
+        default=None,
+        description="the caller's key and headers, as the gateway saw them (cleared on a tenant's own subject)",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "InferRequest":
+        check_metadata(self.metadata)
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("exactly one of messages or prompt must be given")
         if self.messages is not None and not self.messages:

@@ -36,7 +36,7 @@ class ModelInfo(Message):
     id: str
     owned_by: str
     created: int
-    kind: Literal["base", "adapter"]
+    kind: Literal["base", "adapter", "task"]
 
 
 class ResolveReply(Message):
@@ -49,6 +49,7 @@ class CatalogSync(Message):
     answer once your mirror holds ``revision``."""
 
     revision: int = Field(ge=0, description="the records bucket's revision of the write")
+    routing_revision: int = Field(default=0, ge=0, description="the routing bucket's revision of the write (0: none)")
 
 
 class CatalogSynced(Message):
@@ -70,6 +71,20 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Actor = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:@-]{1,128}$", description="who asked for a change")]
 Scope = Annotated[str, Field(pattern=r"^(\*|[A-Za-z0-9_-]{1,64})$")]
 TrafficPercent = Annotated[float, Field(gt=0, le=100, description="share of the adapter's requests, in percent")]
+
+
+class PlatformEval(Message):
+    """A score the registry itself measured: the version's eval set run on a worker through the serving
+    path (greedy, pinned to the version), and production's score on the same set at the same time."""
+
+    eval_set_digest: Sha256Hex = Field(description="sha256 of the eval set the score is on")
+    score: float = Field(ge=0, le=1)
+    threshold: float = Field(ge=0, le=1, description="the eval set's own release threshold")
+    items: int = Field(ge=1)
+    errors: int = Field(ge=0, description="items whose request failed (scored 0)")
+    baseline_version: int | None = Field(default=None, ge=1, description="the production version compared with")
+    baseline_score: float | None = Field(default=None, ge=0, le=1, description="its score on the same eval set")
+    ran_at: float = Field(default_factory=time.time)
 
 
 class AdapterRecord(Message):
@@ -105,7 +120,17 @@ class AdapterRecord(Message):
     promoted_at: float | None = Field(default=None, description="when it last became production")
     allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
-    eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+    eval_results: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="client-supplied scores: advisory only, shown, never read by the release gate",
+    )
+    eval_set_digest: Sha256Hex | None = Field(
+        default=None, description="sha256 of the version's own eval set (pushed with it, or attached by an admin)"
+    )
+    platform_eval: PlatformEval | None = Field(
+        default=None, description="the release gate's own run of that eval set: what the gate and metrics read"
+    )
     origin: SourceOrigin | None = Field(default=None, description="the remote source it was fetched from, if any")
     push_key: Identifier | None = Field(default=None, description="the idempotency key of the push that stored it")
     slot_bytes: dict[str, int] = Field(
@@ -120,7 +145,9 @@ class AdapterRecord(Message):
 class AdapterEvent(Message):
     """A lifecycle change, published on ``lf.adapter.event.<adapter_id>`` (stream ADAPTER_EVENTS)."""
 
-    kind: Literal["registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated"]
+    kind: Literal[
+        "registered", "promoted", "rollout", "rolled_back", "retired", "revoked", "evaluated", "eval_set_attached"
+    ]
     adapter_id: Identifier
     version: int = Field(ge=1)
     tenant_id: Identifier
@@ -144,7 +171,9 @@ class RegisterRequest(Message):
     signer: Identifier | None = None
     aliases: list[Identifier] = Field(default_factory=list, max_length=16)
     allowed_scopes: list[Scope] = Field(default_factory=list, max_length=1000)
-    eval_results: dict[str, float] = Field(default_factory=dict, max_length=64)
+    eval_results: dict[str, float] = Field(
+        default_factory=dict, max_length=64, description="the client's own scores: stored as advisory, never gate"
+    )
     push_key: Identifier | None = Field(
         default=None,
         description="the client's idempotency key for this push: a retry with the same key (and the same "
@@ -175,9 +204,19 @@ class PromoteRequest(Message):
     adapter_id: Identifier
     version: int = Field(ge=1)
     traffic_percent: TrafficPercent = 1.0
-    force: bool = Field(default=False, description="skip the release gate (audited with the reason)")
+    skip_eval: bool = Field(
+        default=False,
+        description="pass an unevaluated version: a platform admin's only (the operator CLI, or a platform_admin "
+        "key at the gateway), with a reason, audited",
+    )
     reason: str | None = Field(default=None, max_length=500)
     actor: Actor
+
+    @model_validator(mode="after")
+    def _skip_has_reason(self) -> "PromoteRequest":
+        if self.skip_eval and not self.reason:
+            raise ValueError("skip_eval needs a reason (it is audited)")
+        return self
 
 
 class RolloutRequest(Message):
@@ -195,7 +234,8 @@ class RollbackRequest(Message):
 
 
 class RecordEvalRequest(Message):
-    """An evaluation of one version: ``results`` holds score (and base_score, threshold, items)."""
+    """A client's evaluation of one version: ``results`` holds score (and base_score, threshold, items).
+    Stored as advisory only: the release gate reads the registry's own run (``AdapterRecord.platform_eval``)."""
 
     adapter_id: Identifier
     version: int = Field(ge=1)
@@ -207,6 +247,16 @@ class RecordEvalRequest(Message):
         if not 0 <= self.results.get("score", -1) <= 1:
             raise ValueError("results must hold a score in [0, 1]")
         return self
+
+
+class AttachEvalSetRequest(Message):
+    """An admin attaches (or replaces) a version's eval set; the platform-run score of an earlier set is dropped."""
+
+    adapter_id: Identifier
+    version: int = Field(ge=1)
+    eval_set: str = Field(min_length=1, max_length=64 * 1024, description="the JSONL text (shared/eval_set.py)")
+    tenant_id: Identifier | None = Field(default=None, description="a tenant admin's tenant; None: a platform admin")
+    actor: Actor
 
 
 class RetireRequest(Message):

@@ -4,7 +4,7 @@ and the registry ops that start one and show them."""
 import time
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.schemas.base import Identifier, Message
 from shared.schemas.registry import Actor
@@ -25,7 +25,13 @@ class VersionFigures(Message):
     ttft_p95_ms: float | None = None
     tpot_p50_ms: float | None = None
     tpot_p95_ms: float | None = None
-    tokens_per_request: float | None = Field(default=None, description="prompt + completion tokens (cost)")
+    tokens_per_request: float | None = Field(default=None, description="prompt + completion tokens (shown, not judged)")
+    engine_ms_per_token: float | None = Field(
+        default=None,
+        ge=0,
+        description="cost: engine time charged to its completions over their output tokens, of the completions "
+        "whose worker measured it (None: none did, e.g. on vLLM workers)",
+    )
     feedback: int = Field(default=0, ge=0, description="rated requests")
     complaints: int = Field(
         default=0, ge=0, description="requests rated down (a shared version's: each tenant's bounded)"
@@ -71,9 +77,17 @@ class ReleaseStartRequest(Message):
 
     adapter_id: Identifier
     version: int = Field(ge=1)
-    force: bool = Field(default=False, description="skip the offline eval gate (audited with the reason)")
+    skip_eval: bool = Field(
+        default=False, description="skip the platform-run eval gate: a platform admin's only, audited with the reason"
+    )
     reason: str | None = Field(default=None, max_length=500)
     actor: Actor
+
+    @model_validator(mode="after")
+    def _skip_has_reason(self) -> "ReleaseStartRequest":
+        if self.skip_eval and not self.reason:
+            raise ValueError("skip_eval needs a reason (it is audited)")
+        return self
 
 
 class ReleaseStatusRequest(Message):

@@ -22,7 +22,7 @@ def test_it_names_each_step_with_its_command():
     text = SCRIPT.read_text()
     steps = {
         "kernels": r"LF_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 .*-m pytest.*\s+tests/kernels/test_bgmv.py tests/kernels/test_sgmv.py",
-        "cuda_tests": r"-m pytest .*-m cuda \\\s+tests/worker/test_cuda_graph.py tests/worker/test_host_syncs.py",
+        "cuda_tests": r"-m pytest .*-m cuda \\\s+tests/worker/engine/test_cuda_graph.py tests/worker/engine/test_host_syncs.py",
         "engine_bf16": r"-m bench.engine --quick --device cuda --dtype bfloat16 --out \"\$OUT/engine.json\"",
         "engine_graphs": r"-m bench.engine --quick --device cuda --dtype bfloat16 --cuda-graphs \\\s+--out \"\$OUT/engine_graphs.json\"",
         "multilora": r"-m bench.multilora --device cuda --out \"\$OUT/multilora.json\"",
@@ -37,7 +37,7 @@ def test_it_names_each_step_with_its_command():
 
 def test_its_cuda_step_selects_the_gpu_tests() -> None:
     """The cuda_tests step is not empty: its files hold tests marked ``cuda`` (skipped here without a GPU)."""
-    files = ["tests/worker/test_cuda_graph.py", "tests/worker/test_host_syncs.py"]
+    files = ["tests/worker/engine/test_cuda_graph.py", "tests/worker/engine/test_host_syncs.py"]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda", *files],
         cwd=SCRIPT.parents[1],

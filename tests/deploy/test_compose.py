@@ -24,7 +24,7 @@ from services.gateway.settings import GatewaySettings
 from services.registry.settings import RegistrySettings
 from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
-from services.worker.vllm_engine.config import VllmConfig
+from services.worker.vllm_engine.vllm_config import VllmConfig
 from shared.config import CommonSettings
 from tests.deploy.compose_files import env_files, load, merge_service
 

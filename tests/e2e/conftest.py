@@ -1,6 +1,7 @@
 """The whole stack as real processes: nats-server, redis-server and the five services."""
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -34,9 +35,9 @@ class RunningStack:
         asyncio.run(wait_ready(self.nats.url, self.stack, services, timeout_s))
 
 
-@pytest.fixture(scope="module")
-def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    root = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def stack_of(root: Path, service_env: dict[str, dict[str, str]] | None = None) -> Iterator[RunningStack]:
+    """The stack under ``root``, each service with its ``service_env`` on top of the common environment."""
     nats = start_nats(free_port(), root / "nats")
     redis = start_redis(free_port(), root / "redis")
     port = free_port()
@@ -71,17 +72,25 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
         root / "spans.jsonl",
         worker_metrics_port=free_port(),
     )
-    worker_metrics = {
+    own_env = dict(service_env or {})
+    own_env["worker"] = {
         "LF_METRICS_HOST": "0.0.0.0",
         "LF_METRICS_PORT": str(running.worker_metrics_port),
         "LF_METRICS_TOKEN": METRICS_TOKEN,
+        **own_env.get("worker", {}),
     }
     try:
         for name in SERVICES:
-            stack.start(name, worker_metrics if name == "worker" else None)
+            stack.start(name, own_env.get(name))
         running.ready()
         yield running
     finally:
         stack.stop_all()
         redis.stop()
         nats.stop()
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    with stack_of(tmp_path_factory.mktemp("stack")) as running:
+        yield running

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from lorafleet.cli.keys_cmd import ensure_trusted
-from services.worker.engine.loader import load_model
+from services.worker.engine.model_loader import load_model
 from shared import signing, subjects
 from shared.bus import decode, request
 from shared.fingerprint import fingerprint_model_dir

@@ -29,7 +29,7 @@ import torch
 from lorafleet.cli.infra import Server, free_port, start_nats, start_redis
 from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.cli.stack import Stack, wait_ready
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.prompt_ids import PromptIds
 from shared import signing, subjects
 from shared.bus import decode, request

@@ -11,7 +11,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from tests.e2e.test_adapters import adapters  # noqa: F401  (the released demo adapters)
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -24,7 +24,6 @@ from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.keys_cmd import ensure_trusted
 from lorafleet.evaluation.release import evaluate, promote, record_eval
 from lorafleet.evaluation.runner import gateway_client, load_eval_set
-from lorafleet.evaluation.scorers import answer_format
 from services.auditor.store import AuditStore
 from services.registry.release_policy import wilson_lower
 from shared import signing, subjects
@@ -32,6 +31,7 @@ from shared.base_model import EMBEDDED_MODEL_NAME, resolve_model_dir
 from shared.bus import request
 from shared.catalog.rollout import in_canary, split_key
 from shared.errors import Conflict, ReleaseGateFailed
+from shared.eval_scorers import answer_format
 from shared.fingerprint import fingerprint_model_dir
 from shared.schemas import (
     AdapterRecordsReply,
@@ -166,8 +166,13 @@ def test_each_shipped_adapter_beats_the_base_model_and_is_released(release: Rele
 
 def test_a_broken_version_fails_the_release_gate(release: Release, tmp_path: Path) -> None:
     broken = _broken_copy(EXAMPLES / "sql-employees" / "adapter", tmp_path / "broken")
+    shipped = (EXAMPLES / "sql-employees" / "eval.jsonl").read_text().splitlines()
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text("\n".join(shipped[:5]))  # its meta (threshold) and four items: the gate runs them itself
 
-    async def work(nc: NATS, client: openai.AsyncOpenAI) -> float:
+    async def work(nc: NATS, client: openai.AsyncOpenAI) -> tuple[float, float]:
+        if (await _records(nc, "sql-employees"))[1] != "production":  # run alone, without the release test above
+            await promote(nc, "sql-employees", 1, 100, "test", skip_eval=True, reason="run alone")
         record = await push_adapter(
             nc,
             broken,
@@ -177,17 +182,27 @@ def test_a_broken_version_fails_the_release_gate(release: Release, tmp_path: Pat
             base_fingerprint=release.fingerprint,
             sign_key=release.sign_key,
             who="test",
+            eval_set=eval_set,
         )
         assert record.version == 2
-        eval_set = load_eval_set(EXAMPLES / "sql-employees" / "eval.jsonl")
-        evaluation = await evaluate(client, "sql-employees", 2, eval_set, base_model=None, max_tokens=40)
-        await record_eval(nc, "sql-employees", 2, evaluation, "test")
+        evaluation = await evaluate(client, "sql-employees", 2, load_eval_set(eval_set), base_model=None, max_tokens=40)
+        await record_eval(nc, "sql-employees", 2, evaluation, "test")  # advisory: the gate runs its own
         with pytest.raises(ReleaseGateFailed, match="under its release threshold"):
             await promote(nc, "sql-employees", 2, 10, "test")
         assert await _records(nc, "sql-employees") == {1: "production", 2: "staging"}
-        return evaluation.adapter.score
+        reply = await request(
+            nc,
+            subjects.registry("get"),
+            GetAdapterRequest(adapter_id="sql-employees", version=2),
+            AdapterRecordsReply,
+            10,
+        )
+        run = reply.records[0].platform_eval
+        assert run is not None and run.items == 4
+        return evaluation.adapter.score, run.score
 
-    assert release.run(work) < 0.3
+    client_score, platform_score = release.run(work)
+    assert client_score < 0.3 and platform_score < 0.3
 
 
 def _format_broken_copy(source: Path, target: Path) -> Path:
@@ -259,7 +274,7 @@ def test_a_canary_that_breaks_the_answer_format_is_rolled_back_on_live_feedback(
     async def work(nc: NATS, _: openai.AsyncOpenAI):
         statuses = await _records(nc, "capital-answer")
         if statuses[1] != "production":  # run alone, without the release test above
-            await promote(nc, "capital-answer", 1, 100, "test", force=True)
+            await promote(nc, "capital-answer", 1, 100, "test", skip_eval=True, reason="run alone")
         record = await push_adapter(
             nc,
             broken,
@@ -271,9 +286,9 @@ def test_a_canary_that_breaks_the_answer_format_is_rolled_back_on_live_feedback(
             who="test",
         )
         start = ReleaseStartRequest(adapter_id="capital-answer", version=record.version, actor="canary-test")
-        with pytest.raises(ReleaseGateFailed, match="no recorded eval"):  # the offline gate is on by default
+        with pytest.raises(ReleaseGateFailed, match="has no eval set"):  # the controller's gate is on by default
             await request(nc, subjects.registry("release_start"), start, ReleaseStatusReply, 30)
-        forced = start.model_copy(update={"force": True, "reason": "live traffic decides"})
+        forced = start.model_copy(update={"skip_eval": True, "reason": "live traffic decides"})
         await request(nc, subjects.registry("release_start"), forced, ReleaseStatusReply, 30)
         # from here on no process of the test's drives the rollout: only users and their ratings
         stop, counts = asyncio.Event(), collections.Counter()

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from lorafleet.evaluation.scorers import SQL_DEADLINE_S, answer_format, exact, json_fields, scorer, sql_exec
 from shared.errors import InvalidRequest
+from shared.eval_scorers import SQL_DEADLINE_S, answer_format, exact, json_fields, scorer, sql_exec
 
 SQL = "SELECT name FROM employees WHERE department = 'Legal';"
 

@@ -49,7 +49,7 @@ async def pushes(
     while True:
         try:
             promote = PromoteRequest(
-                adapter_id=ID, version=acked[-1].version, traffic_percent=100, actor="t", force=True
+                adapter_id=ID, version=acked[-1].version, traffic_percent=100, actor="t", skip_eval=True, reason="seed"
             )
             await request(nc, subjects.registry("promote"), promote, AdapterRecordsReply, 10.0)
             return retries

@@ -2,6 +2,8 @@
 the tenant does not own (issue 47), and the hit rate counts only what was told."""
 
 from services.gateway import dashboard_data
+from shared.schemas import PlatformEval
+from tests.helpers.records import make_record
 
 
 def completion(adapter_id: str | None, hit: bool | None, ttft_ms: float = 10.0) -> dict:
@@ -31,3 +33,11 @@ def test_the_hit_rate_counts_only_told_lookups() -> None:
     )
     assert (traffic["requests"], traffic["hit_rate"], traffic["ttft_p95_miss_ms"]) == (3, 0.5, 30.0)
     assert [point[2] for point in traffic["ttft_series"]] == [True, False, None]
+
+
+def test_the_adapters_table_shows_the_platform_score_and_a_client_claim_as_advisory() -> None:
+    run = PlatformEval(eval_set_digest="a" * 64, score=0.25, threshold=0.5, items=4, errors=0)
+    rows = dashboard_data.adapters(
+        [make_record("sea", 2, eval_results={"score": 1.0}, platform_eval=run), make_record("sea", 1)]
+    )
+    assert [row["eval"] for row in rows] == [{}, {"platform": 0.25, "threshold": 0.5, "client_advisory": 1.0}]

@@ -66,7 +66,12 @@ async def _seed(hostile: HostileStack) -> Direct:
             version = (await registry_call(nc, "register", register, AdapterRecordsReply)).records[0].version
             if version < 3:
                 promote = PromoteRequest(
-                    adapter_id=ADAPTER, version=version, traffic_percent=100, force=True, reason="seed", actor="test"
+                    adapter_id=ADAPTER,
+                    version=version,
+                    traffic_percent=100,
+                    skip_eval=True,
+                    reason="seed",
+                    actor="test",
                 )
                 await registry_call(nc, "promote", promote, AdapterRecordsReply)
         await registry_call(nc, "rollback", RollbackRequest(adapter_id=ADAPTER, actor="test"), AdapterRecordsReply)
@@ -382,7 +387,7 @@ async def test_a_rollback_returns_once_the_scheduler_resolves_with_it(hostile: H
         record = (await registry_call(nc, "register", register, AdapterRecordsReply)).records[0]
         digests[record.version] = record.digest
         promote = PromoteRequest(
-            adapter_id=adapter, version=record.version, traffic_percent=100, force=True, reason="roll", actor="test"
+            adapter_id=adapter, version=record.version, traffic_percent=100, skip_eval=True, reason="roll", actor="test"
         )
         await registry_call(nc, "promote", promote, AdapterRecordsReply)
     scheduler = hostile.stack.procs["scheduler"]

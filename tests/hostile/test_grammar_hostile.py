@@ -11,7 +11,7 @@ import httpx
 
 from tests.hostile.conftest import GRAMMAR_BOUND_S, MODEL, HostileStack
 from tests.hostile.test_http_hostile import assert_error
-from tests.worker.test_grammar_pool import HOSTILE
+from tests.worker.engine.test_grammar_pool import HOSTILE
 
 CHAT = "/v1/chat/completions"
 SLACK_S = 4.0  # the request's hops, and killing the compile child and starting its replacement, on a shared box

@@ -12,7 +12,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file
 
-from services.registry.intake import BaseModelIdentity, IntakePolicy
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.service import run
 from services.registry.settings import RegistrySettings
 from shared import subjects

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from shared.adapter_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from services.registry.fleet_ranks import RankClasses
-from services.registry.intake import BaseModelIdentity, IntakePolicy, admit
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit
 from services.worker.adapter_verify import fetch_adapter_files, verify_adapter
 from shared import signing
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, file_digests
 from shared.catalog.records import Catalog
-from shared.errors import IntegrityError
-from shared.schemas import AdapterRecord, RegisterRequest
+from shared.errors import IntegrityError, InvalidRequest
+from shared.eval_set import EVAL_SET_FILE
+from shared.schemas import AdapterRecord, RegisterRequest, SignerRecord
 from shared.signing import KeyPair
 
 Files = dict[str, bytes]
@@ -40,6 +41,40 @@ def test_untouched_adapter_verifies(
     signed_record: AdapterRecord, adapter_files: Files, base: BaseModelIdentity, signer_keys: KeyPair
 ) -> None:
     verify_adapter(signed_record, adapter_files, base.fingerprint, {"release": signer_keys.public_b64})
+
+
+EVAL_SET = b'{"meta": {"threshold": 0.5}}\n{"prompt": "2+2=", "expected": "4"}\n'
+
+
+def test_an_eval_set_pushed_with_the_adapter_is_signed_with_it_and_never_served(
+    adapter_files: Files, base: BaseModelIdentity, policy: IntakePolicy, signer_keys: KeyPair
+) -> None:
+    """The worker fetches the two served files; the eval set's digest enters the manifest as recorded,
+    so a record whose eval set digest was swapped no longer matches the signature."""
+    pushed = {**adapter_files, EVAL_SET_FILE: EVAL_SET}
+    digests = file_digests(pushed)
+    manifest = signing.manifest_bytes(digests, "summarize", 1, "acme", base.fingerprint)
+    signature = signing.sign(manifest, signing.load_private_key(signer_keys.private_pem))
+    req = RegisterRequest(
+        adapter_id="summarize", tenant_id="acme", task_type="t", inline_files={}, signature=signature,
+        signer="release", actor="a",
+    )  # fmt: skip
+    signer = SignerRecord(signer="release", public_key=signer_keys.public_b64, tenants=["acme"])
+    fleet = RankClasses((8, 16, 32, 64), "test")
+    record = admit(
+        Catalog(), req, pushed, base, policy, {"release": signer}, "file:///nowhere", digests=digests, fleet=fleet
+    ).after
+    assert record.eval_set_digest == hashlib.sha256(EVAL_SET).hexdigest() == record.files[EVAL_SET_FILE]
+    trusted = {"release": signer_keys.public_b64}
+    verify_adapter(record, adapter_files, base.fingerprint, trusted)  # the served files only
+    swapped = record.model_copy(update={"files": {**record.files, EVAL_SET_FILE: "f" * 64}})
+    with pytest.raises(IntegrityError, match="manifest digest does not match"):
+        verify_adapter(swapped, adapter_files, base.fingerprint, trusted)
+    with pytest.raises(InvalidRequest, match=r"eval\.jsonl:3: an item needs exactly one of prompt or messages"):
+        admit(
+            Catalog(), req, {**pushed, EVAL_SET_FILE: EVAL_SET + b'{"expected": "no prompt"}\n'}, base, policy,
+            {"release": signer}, "file:///nowhere", digests=digests, fleet=fleet,
+        )  # fmt: skip
 
 
 def test_tampered_weights_are_refused(

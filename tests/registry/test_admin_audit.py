@@ -10,7 +10,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import DeliverPolicy
 
 from lorafleet.cli.adapter_cmd import push_adapter
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from shared import signing, subjects
 from shared.bus import decode, request
 from shared.errors import Conflict, SignerNotAuthorized

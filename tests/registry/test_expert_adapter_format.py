@@ -13,7 +13,7 @@ from safetensors.torch import save
 from transformers import PreTrainedModel
 
 from services.registry.fleet_ranks import RankClasses
-from services.registry.intake import _slot_bytes
+from services.registry.push_admission import _slot_bytes
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
 from shared.errors import IntegrityError, UnservedTarget
 from shared.fingerprint import BaseModelSpec

@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import hashlib
 import json
 from pathlib import Path
 
@@ -47,6 +48,42 @@ async def test_keys_then_signed_push_promote_and_show(
     assert code == 1 and "error (conflict): cli-sum has no canary version to roll out" in out
 
 
+async def test_an_eval_set_is_pushed_signed_with_its_version_or_attached_later(
+    registry: NATS, nats_url: str, peft_adapter_dir: Path, base_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    url = ["--nats-url", nats_url]
+    await lorafleet(["keys", "gen", "cli-evals", "--out", str(tmp_path)], capsys)
+    trust = ["keys", "trust", "cli-evals", str(tmp_path / "cli-evals.pub"), "--tenant", "acme", *url]
+    assert (await lorafleet(trust, capsys))[0] == 0
+    pushed, attached, broken = tmp_path / "pushed.jsonl", tmp_path / "attached.jsonl", tmp_path / "broken.jsonl"
+    pushed.write_text('{"meta": {"threshold": 0.5}}\n{"prompt": "2+2=", "expected": "4", "scorer": "exact"}\n')
+    attached.write_text('{"prompt": "3+3=", "expected": "6"}\n')
+    broken.write_text('{"prompt": "3+3=", "expected": "6", "scorer": "vibes"}\n')
+    push = ["adapter", "push", str(peft_adapter_dir), "--id", "cli-evals", "--tenant", "acme", "--task", "summarization",
+            "--sign-key", str(tmp_path / "cli-evals.key"), "--base-model-dir", str(base_dir), *url]  # fmt: skip
+    code, out = await lorafleet([*push, "--eval-set", str(broken)], capsys)
+    assert (
+        code == 1 and "error (invalid_request): eval.jsonl:1: unknown scorer 'vibes'" in out
+    )  # refused before any upload
+    assert (await lorafleet([*push, "--eval-set", str(pushed)], capsys))[0] == 0
+    code, out = await lorafleet(["adapter", "show", "cli-evals", "--json", *url], capsys)
+    [record] = json.loads(out)
+    digest = hashlib.sha256(pushed.read_bytes()).hexdigest()
+    # the signed manifest covers it (the registry verified the signature over every file's digest)
+    assert record["files"]["eval.jsonl"] == digest and record["eval_set_digest"] == digest
+    assert record["platform_eval"] is None
+    code, out = await lorafleet(["adapter", "attach-eval", "cli-evals", "1", str(broken), *url], capsys)
+    assert code == 1 and "error (invalid_request)" in out
+    assert (await lorafleet(["adapter", "attach-eval", "cli-evals", "1", str(attached), *url], capsys))[0] == 0
+    code, out = await lorafleet(["adapter", "show", "cli-evals", "--json", *url], capsys)
+    [record] = json.loads(out)
+    assert record["eval_set_digest"] == hashlib.sha256(attached.read_bytes()).hexdigest()
+    assert record["files"]["eval.jsonl"] == digest  # what was signed stays as signed
+    code, out = await lorafleet(["adapter", "promote", "cli-evals", "1", "--skip-eval", *url], capsys)
+    assert code == 1 and "--skip-eval needs --reason" in out
+
+
 async def test_a_signer_is_rotated_explicitly_and_untrusted_from_the_cli(
     registry: NATS, nats_url: str, peft_adapter_dir: Path, base_dir: Path, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -90,17 +127,15 @@ async def test_release_starts_a_controlled_rollout_and_returns_and_status_shows_
         assert (await lorafleet(push, capsys))[0] == 0
     assert (await lorafleet(["adapter", "promote", "cli-rel", "1", "--percent", "100", *url], capsys))[0] == 0
     code, out = await lorafleet(["release", "cli-rel", "2", *url], capsys)  # the eval gate is on by default
-    assert code == 1 and "error (release_gate_failed): cli-rel v2 has no recorded eval" in out
+    assert code == 1 and "error (release_gate_failed): cli-rel v2 has no eval set" in out
     code, out = await lorafleet(["release", "status", "cli-rel", *url], capsys)
-    assert (
-        code == 0 and "cli-rel v2 (gate_failed)" in out and "gate_failed at 0%: cli-rel v2 has no recorded eval" in out
-    )
-    code, out = await lorafleet(["release", "cli-rel", "2", "--force", "--reason", "hotfix", *url], capsys)
+    assert code == 0 and "cli-rel v2 (gate_failed)" in out and "gate_failed at 0%: cli-rel v2 has no eval set" in out
+    code, out = await lorafleet(["release", "cli-rel", "2", "--skip-eval", "--reason", "hotfix", *url], capsys)
     assert code == 0 and out.splitlines()[-1] == "cli-rel v2: rollout started at 1% (`lorafleet release status`)"
     code, out = await lorafleet(["release", "status", "cli-rel", *url], capsys)
     lines = [line for line in out.splitlines() if "[info" not in line]  # the in-process registry logs here too
     assert code == 0 and lines[0].startswith("cli-rel v2 (running) vs production v1: [1%] -> 10% -> 50% -> 100%")
-    assert "started at 1%: offline eval gate skipped by" in lines[-1] and lines[-1].endswith(": hotfix")
+    assert "started at 1%: eval gate skipped by platform admin" in lines[-1] and lines[-1].endswith(": hotfix")
     code, out = await lorafleet(["release", "cli-rel", "two", *url], capsys)
     assert code == 1 and "error (invalid_request): version 'two'" in out
 

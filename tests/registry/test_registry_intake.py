@@ -5,9 +5,9 @@ from typing import Any
 
 import pytest
 
-from services.registry import intake
+from services.registry import push_admission as intake
 from services.registry.fleet_ranks import RankClasses
-from services.registry.intake import BaseModelIdentity, IntakePolicy
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from shared import signing
 from shared.adapter_format import file_digests
 from shared.catalog.records import Catalog, Change

@@ -16,8 +16,8 @@ from transformers import AutoConfig
 
 from lorafleet.cli.adapter_cmd import push_adapter
 from lorafleet.cli.infra import Server
-from services.registry.intake import BaseModelIdentity
 from services.registry.kv import RecordsKV, StaleRecords
+from services.registry.push_admission import BaseModelIdentity
 from services.registry.service import run
 from services.registry.settings import RegistrySettings
 from services.worker.adapter_source import StoreLoader
@@ -116,7 +116,9 @@ async def test_signed_pushes_racing_through_both_replicas_get_distinct_increasin
 
     # a promotion through one replica is what the other plans its next change from
     for version in (PUSHES, 1):
-        promote = PromoteRequest(adapter_id=ID, version=version, traffic_percent=100, actor="t", force=True)
+        promote = PromoteRequest(
+            adapter_id=ID, version=version, traffic_percent=100, actor="t", skip_eval=True, reason="seed"
+        )
         await request(nc, subjects.registry("promote"), promote, AdapterRecordsReply, 10.0)
     for reply in await answers(nc, "adapters", ListAdaptersRequest(tenant_id="acme"), AdapterRecordsReply):
         production = [r.version for r in reply.records if r.status == "production"]

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
 from lorafleet.cli.adapter_cmd import push_adapter
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import WEIGHTS_FILE

@@ -10,10 +10,10 @@ import pytest
 from pydantic import BaseModel
 
 from services.registry.gate import GatePolicy
-from services.registry.intake import BaseModelIdentity, IntakePolicy
 from services.registry.kv import RecordsKV
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ControllerConfig, ReleaseController
 from services.registry.release_policy import ReleasePolicy
 from services.registry.releases_kv import ReleasesKV
@@ -28,6 +28,7 @@ from shared.schemas import (
     AuditEvent,
     CompletionAudit,
     FeedbackAudit,
+    PlatformEval,
     ReleaseDecisionAudit,
     ReleaseStartRequest,
     ReleaseState,
@@ -40,7 +41,11 @@ from tests.helpers.records import make_record
 POLICY = ReleasePolicy(min_samples=20, dwell_s=5.0, guard_min_samples=10)
 STEPS = (1.0, 10.0, 50.0, 100.0)
 LEASE_S = 5.0
-EVAL = {"score": 0.9, "threshold": 0.5}
+EVAL_SET = "e" * 64  # the sha256 of v2's eval set
+# the registry's own run of it, on v2 and on production v1: no worker is asked again here
+EVALUATED = PlatformEval(
+    eval_set_digest=EVAL_SET, score=0.9, threshold=0.5, items=4, errors=0, baseline_version=1, baseline_score=0.9
+)
 Behaviour = Callable[[int, int], dict]  # (version, i) -> CompletionAudit fields
 
 
@@ -88,7 +93,7 @@ class World:
             i = next(self.counter)
             record = choose(production, canary, f"user-{i}")
             assert record is not None
-            fields = {"ttft_ms": 50.0, "tpot_ms": 10.0, "completion_tokens": 12, "outcome": "stop"}
+            fields = {"ttft_ms": 50.0, "tpot_ms": 10.0, "completion_tokens": 12, "engine_s": 0.024, "outcome": "stop"}
             fields.update(behaviour(record.version, i))
             completion = CompletionAudit(
                 ts=self.clock.now,
@@ -139,9 +144,9 @@ async def world(own_nats, base: BaseModelIdentity) -> AsyncIterator[World]:
     clock = Clock()
     catalog = Catalog(
         [
-            make_record("sea", 1, "acme", status="production", traffic_percent=100, promoted_at=1.0, eval_results=EVAL),
-            make_record("sea", 2, "acme", eval_results=EVAL),
-            make_record("sea", 3, "acme"),  # never evaluated
+            make_record("sea", 1, "acme", status="production", traffic_percent=100, promoted_at=1.0),
+            make_record("sea", 2, "acme", eval_set_digest=EVAL_SET, platform_eval=EVALUATED),
+            make_record("sea", 3, "acme", eval_results={"score": 1.0}),  # no eval set: a client's claim alone
         ]
     )
     records = await RecordsKV.open(js)
@@ -196,7 +201,9 @@ async def test_a_good_version_walks_every_step_to_production(world: World) -> No
     ]
     audits = world.decisions()
     assert [a.action for a in audits] == ["started", "advanced", "advanced", "released"]
-    assert audits[0].reasons == ["offline eval gate passed: score 0.900, threshold 0.500"]
+    assert audits[0].reasons == [
+        "eval gate passed: platform eval 0.900 on 4 items of set eeeeeeeeeeee, threshold 0.500, production v1 0.900"
+    ]
     for audit in audits[1:]:  # each step's decision names the figures it was based on
         assert audit.canary is not None and audit.canary.samples >= POLICY.min_samples
         assert audit.baseline is not None and audit.baseline.samples >= POLICY.min_samples
@@ -208,7 +215,7 @@ async def test_a_good_version_walks_every_step_to_production(world: World) -> No
         (lambda v, i: {"outcome": "error"} if v == 2 and i % 3 == 0 else {}, "error rate"),
         (lambda v, i: {"ttft_ms": 200.0} if v == 2 else {}, "TTFT p50 ms"),
         (lambda v, i: {"tpot_ms": 40.0} if v == 2 else {}, "TPOT p50 ms"),
-        (lambda v, i: {"completion_tokens": 64} if v == 2 else {}, "tokens per request"),
+        (lambda v, i: {"engine_s": 0.06} if v == 2 else {}, "engine time per output token"),
     ],
     ids=["errors", "ttft", "tpot", "cost"],
 )
@@ -265,16 +272,16 @@ async def test_complaints_on_the_canary_roll_it_back(world: World) -> None:
     assert world.decisions()[-1].reasons[0].startswith("complaint rate")
 
 
-async def test_the_eval_gate_is_on_and_a_forced_start_is_audited(world: World) -> None:
+async def test_the_eval_gate_is_on_and_a_skipped_eval_is_audited(world: World) -> None:
     controller = world.controller()
-    with pytest.raises(ReleaseGateFailed, match="no recorded eval"):
+    with pytest.raises(ReleaseGateFailed, match="has no eval set"):
         await start(world, controller, version=3)
     assert world.status(3) == ("staging", 0.0)
     assert (await state_of(controller)).phase == "gate_failed"
     assert world.decisions()[-1].action == "gate_failed"
-    forced = await start(world, controller, version=3, force=True, reason="hotfix")
+    forced = await start(world, controller, version=3, skip_eval=True, reason="hotfix")
     assert forced.phase == "running" and world.status(3) == ("canary", 1.0)
-    assert world.decisions()[-1].reasons == ["offline eval gate skipped by alice: hotfix"]
+    assert world.decisions()[-1].reasons == ["eval gate skipped by platform admin alice: hotfix"]
     with pytest.raises(Conflict, match="already being rolled out"):
         await start(world, controller, version=2)
 

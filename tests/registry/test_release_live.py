@@ -29,7 +29,6 @@ from shared.schemas import (
     CompletionAudit,
     GetAdapterRequest,
     PromoteRequest,
-    RecordEvalRequest,
     RegisterRequest,
     ReleaseStartRequest,
     ReleaseState,
@@ -81,7 +80,13 @@ class Traffic:
                 i = next(self.counter)
                 served = choose(production, canary, f"user-{i}")
                 assert served is not None
-                fields = {"ttft_ms": 40.0 + i % 20, "tpot_ms": 8.0 + i % 5, "completion_tokens": 12, "outcome": "stop"}
+                fields = {
+                    "ttft_ms": 40.0 + i % 20,
+                    "tpot_ms": 8.0 + i % 5,
+                    "completion_tokens": 12,
+                    "engine_s": 0.024,
+                    "outcome": "stop",
+                }
                 fields.update(self.behaviour(served.version, i))
                 record = CompletionAudit(
                     request_id=f"req-{i}",
@@ -133,6 +138,11 @@ class Live:
             await asyncio.sleep(0.1)
 
 
+# no worker runs here: the eval gate (tests/registry/test_registry_bus.py, tests/e2e/test_platform_eval.py)
+# is skipped, audited, and the live figures alone decide
+START = ReleaseStartRequest(adapter_id="sea", version=2, skip_eval=True, reason="live figures decide", actor="t")
+
+
 @pytest.fixture
 async def live(own_nats, base_dir: Path, adapter_files: dict[str, bytes], tmp_path: Path) -> AsyncIterator[Live]:
     env = {
@@ -151,19 +161,15 @@ async def live(own_nats, base_dir: Path, adapter_files: dict[str, bytes], tmp_pa
     try:
         await found.start_registry("reg-1")
         inline = {name: base64.b64encode(data).decode() for name, data in adapter_files.items()}
-        for version in (1, 2):
+        for _ in (1, 2):  # versions 1 and 2
             register = RegisterRequest(
                 adapter_id="sea", tenant_id="acme", task_type="t", inline_files=inline, actor="t"
             )
             await found.call("register", register, AdapterRecordsReply)
-            evaluated = {"score": 0.9, "threshold": 0.5}
-            await found.call(
-                "record_eval",
-                RecordEvalRequest(adapter_id="sea", version=version, results=evaluated, actor="t"),
-                AdapterRecordsReply,
-            )
         await found.call(
-            "promote", PromoteRequest(adapter_id="sea", version=1, traffic_percent=100, actor="t"), AdapterRecordsReply
+            "promote",
+            PromoteRequest(adapter_id="sea", version=1, traffic_percent=100, skip_eval=True, reason="seed", actor="t"),
+            AdapterRecordsReply,
         )
         yield found
     finally:
@@ -190,9 +196,7 @@ async def statuses(live: Live) -> dict[int, tuple[str, float]]:
 
 async def test_a_good_version_is_released_step_by_step(live: Live) -> None:
     async with traffic(live, lambda v, i: {}):
-        await live.call(
-            "release_start", ReleaseStartRequest(adapter_id="sea", version=2, actor="t"), ReleaseStatusReply
-        )
+        await live.call("release_start", START, ReleaseStatusReply)
         state = await live.wait_phase({"released", "rolled_back", "superseded"})
     assert state.phase == "released", state.decisions
     assert [(d.action, d.percent) for d in state.decisions] == [
@@ -209,14 +213,13 @@ async def test_a_good_version_is_released_step_by_step(live: Live) -> None:
     [
         (lambda v, i: {"outcome": "error"} if v == 2 and i % 2 == 0 else {}, "error rate"),
         (lambda v, i: {"ttft_ms": 400.0 + i % 20} if v == 2 else {}, "TTFT p50 ms"),
+        (lambda v, i: {"engine_s": 0.06} if v == 2 else {}, "engine time per output token"),
     ],
-    ids=["errors", "latency"],
+    ids=["errors", "latency", "cost"],
 )
 async def test_a_bad_version_is_rolled_back_without_any_cli(live: Live, behaviour: Behaviour, reason: str) -> None:
     async with traffic(live, behaviour):
-        await live.call(
-            "release_start", ReleaseStartRequest(adapter_id="sea", version=2, actor="t"), ReleaseStatusReply
-        )
+        await live.call("release_start", START, ReleaseStatusReply)
         state = await live.wait_phase({"released", "rolled_back", "superseded"})
     assert state.phase == "rolled_back", state.decisions
     last = state.decisions[-1]
@@ -227,9 +230,7 @@ async def test_a_bad_version_is_rolled_back_without_any_cli(live: Live, behaviou
 
 async def test_a_killed_registry_is_replaced_and_the_rollout_carries_on(live: Live) -> None:
     async with traffic(live, lambda v, i: {}):
-        await live.call(
-            "release_start", ReleaseStartRequest(adapter_id="sea", version=2, actor="t"), ReleaseStatusReply
-        )
+        await live.call("release_start", START, ReleaseStatusReply)
         mid = await live.wait_phase({"released", "rolled_back"}, until=lambda s: s.step >= 1)
         assert (mid.phase, mid.owner) == ("running", "reg-1")
         live.stack.kill("reg-1")  # SIGKILL mid-rollout, lease held

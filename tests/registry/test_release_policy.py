@@ -23,6 +23,7 @@ def completion(version: int, i: int, *, ts: float = 100.0, outcome: str = "stop"
         tpot_ms=kw.pop("tpot", 10.0),
         prompt_tokens=kw.pop("prompt", 20),
         completion_tokens=kw.pop("tokens", 10),
+        engine_s=kw.pop("engine_s", None),
         worker_id="w1",
         outcome=outcome,  # type: ignore[arg-type]
     )
@@ -37,6 +38,7 @@ def figures(version: int = 2, samples: int = 100, **kw) -> VersionFigures:
         "tpot_p50_ms": 10.0,
         "tpot_p95_ms": 15.0,
         "tokens_per_request": 30.0,
+        "engine_ms_per_token": 2.0,
     }
     values.update(kw)
     if "errors" in kw:
@@ -68,6 +70,24 @@ def test_figures_count_errors_apart_and_skip_cancelled_and_unwatched_adapters() 
     assert got.ttft_p50_ms == pytest.approx(45.0)  # the error's latency is not a served latency
     assert got.tokens_per_request == pytest.approx(20 + 3.5)
     assert stats.figures("lake", 2, since=0.0).samples == 0
+
+
+def test_cost_is_engine_time_per_output_token_of_the_completions_that_measured_it() -> None:
+    stats = LiveStats()
+    stats.watch(["sea"])
+    stats.add_completion(completion(2, 1, tokens=10, engine_s=0.030))
+    stats.add_completion(completion(2, 2, tokens=30, engine_s=0.050))
+    stats.add_completion(completion(2, 3, tokens=100))  # a vLLM worker's: no figure, not counted as free
+    stats.add_completion(completion(2, 4, tokens=5, engine_s=9.0, outcome="error"))  # not a served completion
+    assert stats.figures("sea", 2, since=0.0).engine_ms_per_token == pytest.approx(80 / 40)
+    stats.add_completion(completion(3, 1, tokens=10))
+    assert stats.figures("sea", 3, since=0.0).engine_ms_per_token is None  # never a made-up figure
+
+
+def test_a_version_without_a_cost_figure_is_not_judged_on_cost() -> None:
+    canary = figures(engine_ms_per_token=None)
+    assert guard_trips(canary, figures(1, 2000, engine_ms_per_token=0.1), POLICY) == []
+    assert guard_trips(figures(engine_ms_per_token=9.0), figures(1, 2000, engine_ms_per_token=None), POLICY) == []
 
 
 def test_window_starts_at_the_step_and_forgetting_drops_older_records() -> None:
@@ -122,7 +142,7 @@ def test_guards_stay_quiet_below_their_sample_count_and_for_an_equal_canary() ->
         ({"ttft_p50_ms": 120.0}, "TTFT p50"),
         ({"tpot_p50_ms": 30.0}, "TPOT p50"),
         ({"tpot_p95_ms": 40.0}, "TPOT p95"),
-        ({"tokens_per_request": 60.0}, "tokens per request"),
+        ({"engine_ms_per_token": 4.0}, "engine time per output token"),
     ],
 )
 def test_each_guard_trips_on_its_own_figure(canary: dict, reason: str) -> None:
@@ -204,3 +224,7 @@ def test_one_tenant_alone_neither_rolls_back_a_shared_version_nor_outweighs_the_
     canary = stats.figures("sea", 2, 0.0, tenant_share=share)
     assert canary.complaining_tenants == 3
     assert guard_trips(canary, baseline, POLICY, shared=True)[0].startswith("complaint rate")
+
+
+def test_longer_answers_at_the_same_engine_time_per_token_are_no_cost_regression() -> None:
+    assert guard_trips(figures(tokens_per_request=300.0), figures(1, 2000), POLICY) == []

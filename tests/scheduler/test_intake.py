@@ -12,9 +12,9 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.scheduler.dispatcher import Ports
-from services.scheduler.intake import Intake
 from services.scheduler.service import Scheduler, build
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.waiting import Intake
 from shared import subjects
 from shared.bus import encode, ensure_streams
 from shared.config import StreamLimits

@@ -11,7 +11,7 @@ import pytest
 
 from services.worker.adapter_cache import CacheConfig, CacheHierarchy
 from services.worker.engine import AsyncEngine, EngineConfig
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.lora import AdapterManager, AdapterWeights, LoraConfig, ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer

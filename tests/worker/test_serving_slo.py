@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.worker.engine import AsyncEngine, EngineConfig
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.prompt_ids import PromptIds
 from services.worker.serving import RequestServer
 from services.worker.slo_attainment import SloAttainment, ttft_outcome

@@ -18,10 +18,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from services.worker.adapter_cache.backend import SlotBackend
-from services.worker.adapter_cache.config import CacheConfig
+from services.worker.adapter_cache.cache_config import CacheConfig
 from services.worker.adapter_cache.cpu_tier import CpuTier
-from services.worker.adapter_cache.loader import LoadFromStore, Resident, SlotLoader, settle
 from services.worker.adapter_cache.policy import Entry, Slo, make_policy
+from services.worker.adapter_cache.slot_loader import LoadFromStore, Resident, SlotLoader, settle
 from services.worker.adapter_cache.slot_tier import SlotTier
 from services.worker.adapter_cache.stats import CacheCounters, CacheStats, Tier
 from shared import metrics

@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from services.worker.adapter_cache.config import CacheConfig, PolicyName
+from services.worker.adapter_cache.cache_config import CacheConfig, PolicyName
 from shared.decay import DecayedRate
 from shared.schemas import SloClass
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest
-from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraProvider
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from shared.config import GrammarBounds
 

@@ -3,7 +3,7 @@
 from collections import Counter
 from dataclasses import dataclass, field
 
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.kv_cache import BlockManager
 from services.worker.engine.lora_hook import LoraProvider
 from services.worker.engine.sequence import Sequence, Status

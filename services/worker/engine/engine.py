@@ -11,15 +11,15 @@ from kernels.native import argmax as native_argmax
 from services.worker.engine.attention import use_native_decode
 from services.worker.engine.batch import StepBatch, build_batch
 from services.worker.engine.batch_scheduler import BatchScheduler
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest, RequestTooLarge, UnsupportedModel, UnsupportedSampling
 from services.worker.engine.grammar import Grammars
 from services.worker.engine.kv_cache import BlockManager, KVCache, blocks_for_budget
 from services.worker.engine.linear import LinearFactory
-from services.worker.engine.loader import LoadedModel
 from services.worker.engine.lora_hook import LoraHook, LoraProvider
 from services.worker.engine.model import LlamaForward, use_native_layer_ops
+from services.worker.engine.model_loader import LoadedModel
 from services.worker.engine.prompt_logprobs import prompt_entries
 from services.worker.engine.rank_skew import RankSkew
 from services.worker.engine.sampler import Sampled, sample
@@ -33,6 +33,13 @@ from shared.schemas import TokenLogprob
 log = structlog.get_logger("engine")
 
 PromptLogprobs = dict[str, list[TokenLogprob]]  # request id -> its prompt's entries
+
+
+def step_shares(step_s: float, fed: list[int]) -> list[float]:
+    """The step's seconds split over its rows by the tokens each fed it (a prefill row its prompt
+    tokens this step, a decode row one): the shares sum to ``step_s``."""
+    total = sum(fed)
+    return [step_s * n / total for n in fed] if total else [0.0] * len(fed)
 
 
 def rank_mix(lora: LoraHook | None) -> str:
@@ -173,6 +180,7 @@ class LLMEngine:
         if plan.empty:
             return []
         seqs = plan.decodes + plan.prefills
+        fed = [seq.num_new_tokens for seq in seqs]  # after scheduling: prefix-cache hits are not fed
         try:
             logits, lora, prompts, num_tokens = self._forward(plan.decodes, plan.prefills)
         except BaseException:
@@ -183,7 +191,11 @@ class LLMEngine:
         with torch.inference_mode():  # the logits are an inference tensor, changed in place
             sampled = sample(logits, seqs, self.grammars.mask if constrained else None, self._argmax)
         outputs = self._postprocess(seqs, sampled, prompts)
-        step_ms = (time.perf_counter() - started) * 1000
+        step_s = time.perf_counter() - started
+        for seq, output, share in zip(seqs, outputs, step_shares(step_s, fed), strict=True):
+            seq.engine_s += share
+            output.engine_s = seq.engine_s
+        step_ms = step_s * 1000
         metrics.STEP_TIME.labels(rank_mix(lora)).observe(step_ms)
         if lora is not None and self.rank_skew is not None:
             self.rank_skew.observe(lora.ranks, num_tokens, step_ms)
@@ -277,4 +289,5 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             logprobs=logprobs,
             token_logprobs=entries,
+            engine_s=seq.engine_s,
         )

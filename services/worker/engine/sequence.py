@@ -52,6 +52,9 @@ class RequestOutput:
     logprobs: list[float] | None = None
     token_logprobs: list[TokenLogprob] | None = None  # OpenAI's entries, one per token id, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, on the first output, when asked
+    # engine seconds the request consumed so far: its share of each step by the tokens it fed the step
+    # (services/worker/engine/engine.py step_shares); None where the engine does not measure it (vLLM)
+    engine_s: float | None = None
 
 
 class Status(enum.Enum):
@@ -78,6 +81,7 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids, request.sampling.stop)
         self.first_token_time: float | None = None
         self.finish_reason: str | None = None
+        self.engine_s = 0.0  # its shares of the steps it ran in (RequestOutput.engine_s)
         seed = request.sampling.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.matcher: xgr.GrammarMatcher | None = None  # set by the engine for a structured request

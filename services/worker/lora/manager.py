@@ -8,8 +8,8 @@ import torch
 
 from kernels.dispatch import use_native_lora
 from services.worker.lora.applier import ClassBatch, LoraBatch
-from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
+from services.worker.lora.lora_config import LoraConfig
 from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.peft_loader import load_peft_adapter
 from services.worker.lora.slots import SlotPool

@@ -8,8 +8,8 @@ import torch
 
 from kernels import LoraGroup
 from services.worker.engine.lora_hook import EXPERT_GROUPS, GROUPS
-from services.worker.lora.config import LoraConfig
 from services.worker.lora.layout import AdapterWeights, ModelShapes
+from services.worker.lora.lora_config import LoraConfig
 from shared.errors import IntegrityError, NoFreeSlot
 from shared.lora_targets import EXPERT_MODULES
 

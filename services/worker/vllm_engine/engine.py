@@ -28,8 +28,8 @@ from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
-from services.worker.vllm_engine.config import VllmConfig, VllmPlan
 from services.worker.vllm_engine.sampling import to_vllm
+from services.worker.vllm_engine.vllm_config import VllmConfig, VllmPlan
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
 from shared.schemas import StructuredOutput, TokenLogprob, slo_rank
 
@@ -210,6 +210,8 @@ class VllmEngine:
             self._streaming.add(rid)
         completion, first_token_time, finished = 0, None, False
         try:
+            # engine_s stays None: vLLM's per-request metrics are timestamps (queued, scheduled, first and last
+            # token) of batches it shares with others, not its share of the steps' time
             async for out in llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority):  # type: ignore[arg-type]
                 piece = out.outputs[0]
                 token_ids = list(piece.token_ids)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from services.registry.settings import RemoteSourceSettings
 from shared.bus import connect
 from shared.schemas import TrustedKeysReply, TrustKeyRequest

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from services.registry.remote_fetch import system_resolve
 from services.registry.service import run
 from services.registry.settings import RegistrySettings, RemoteSourceSettings

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from lorafleet.cli import adapter_cmd, keys_cmd, source_cmd
-from services.registry.intake import BaseModelIdentity
+from services.registry.push_admission import BaseModelIdentity
 from services.worker.adapter_verify import fetch_verified
 from shared import subjects
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
