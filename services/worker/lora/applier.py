@@ -103,7 +103,11 @@ class LoraBatch:
                     p, f = pairs[lo : lo + chunk], flat[lo : lo + chunk]
                     h = reference.shrink(x, a.flatten(0, 1), p, f) * scale[lo : lo + chunk]  # [n, r] fp32
                     delta = torch.bmm(h.unsqueeze(1), b.flatten(0, 1).index_select(0, f).float()).squeeze(1)
-                    y[:, col : col + b.shape[-1]].index_add_(0, p, delta.to(y.dtype))
+                    cols = y[:, col : col + b.shape[-1]]
+                    if p.shape[0] == cols.shape[0]:  # every pair (a decode step of one class): in place
+                        cols.add_(delta.to(y.dtype))
+                    else:  # each pair once: no accumulation needed (index_add_ on a column slice is slow on CPU)
+                        cols[p] += delta.to(y.dtype)
 
     def bgmv_calls(self, dtype: torch.dtype) -> BgmvCalls | None:
         """``apply``'s deltas as lora_bgmv calls, where every one of them would take that kernel (a CPU

@@ -148,7 +148,8 @@ def test_target_parameters_adapters_match_peft_logits_alone_and_mixed(family: st
     for name in PARAM_ADAPTERS:
         manager.load_adapter(name, tmp_path / name)
     reference = _peft_reference(peft)
-    for name in PARAM_ADAPTERS:  # alone (with a base row), then every adapter mixed in one batch
+    for name in PARAM_ADAPTERS:  # alone, beside a base row, then every adapter mixed in one batch
+        _steps(model, manager, [(PROMPTS[0], name)], reference)
         _steps(model, manager, [(PROMPTS[0], name), (PROMPTS[1], None)], reference)
     _steps(model, manager, _cases(list(PARAM_ADAPTERS)), reference)
 
