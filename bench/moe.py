@@ -9,6 +9,11 @@ MoE / dense ratio is taken before the median over rounds (min and max beside it)
 runs with its layers in the Python loop, as the MoE's run (the native layer loop serves dense models only). The MoE reads more expert weights at batch
 8 than the dense model reads (the batch's tokens pick up to all 8 experts), so its ratio there is bound
 by memory reads, not by arithmetic.
+
+The MoE also decodes with LoRA: every request its own rank-16 adapter on q/k/v/o and on every expert's
+gate, up and down (PEFT's ``target_parameters`` form, read by the worker's loader), the batch's adapters
+all distinct; ``lora_ratio_vs_base`` is the MoE's base TPOT over its multi-LoRA TPOT in the same round
+(1.0: LoRA costs nothing), as bench.multilora's ``tpot_ratio_vs_base``.
 """
 
 import argparse
@@ -26,6 +31,8 @@ from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.layer_loop import CpuLayerLoop
 from services.worker.engine.model_loader import LoadedModel
+from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
+from services.worker.lora.peft_loader import to_slot_layout
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
@@ -40,6 +47,7 @@ SHAPE: dict[str, Any] = {
 }
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 1024
 BATCHES = (1, 8)
+LORA_RANK = 16
 
 
 class _CharTokenizer:
@@ -69,20 +77,52 @@ def _models() -> dict[str, PreTrainedModel]:
     return {"moe": moe, "dense": dense}
 
 
-def _engine(model: PreTrainedModel, layer_loop: CpuLayerLoop = "auto") -> LLMEngine:
+def _expert_adapters(model: PreTrainedModel, count: int) -> AdapterManager:
+    """``count`` random rank-16 adapters on attention and every expert (target_parameters form), resident."""
+    shapes = ModelShapes.from_hf_config(model.config)
+    per_slot = LORA_RANK * shapes.params_per_rank(MODULES) * 4
+    config = LoraConfig(rank_classes=(LORA_RANK,), memory_budget_bytes=count * per_slot, max_num_tokens=512)
+    manager = AdapterManager(config, shapes)
+    h, q, kv, e, inter, r = SHAPE["hidden_size"], 16 * 64, 4 * 64, EXPERTS, EXPERT_WIDTH, LORA_RANK
+    generator = torch.Generator().manual_seed(1)
+    for n in range(count):
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in range(SHAPE["num_hidden_layers"]):
+            prefix = f"base_model.model.model.layers.{layer}"
+            shapes_of = {
+                "self_attn.q_proj": ((r, h), (q, r)),
+                "self_attn.k_proj": ((r, h), (kv, r)),
+                "self_attn.v_proj": ((r, h), (kv, r)),
+                "self_attn.o_proj": ((r, q), (h, r)),
+                "mlp.experts.base_layer": ((r * e, h), (2 * inter, r * e)),
+                "mlp.experts": ((r * e, inter), (h, r * e)),
+            }
+            for module, (a, b) in shapes_of.items():
+                tensors[f"{prefix}.{module}.lora_A.weight"] = torch.randn(a, generator=generator) * 0.02
+                tensors[f"{prefix}.{module}.lora_B.weight"] = torch.randn(b, generator=generator) * 0.02
+        adapter = {"r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+        manager.load_adapter(f"a{n}", to_slot_layout(adapter, tensors, shapes, max_rank=r, allowed_modules=MODULES))
+    return manager
+
+
+def _engine(
+    model: PreTrainedModel, layer_loop: CpuLayerLoop = "auto", adapters: AdapterManager | None = None
+) -> LLMEngine:
     loaded = LoadedModel("bench", model, _CharTokenizer(), Path("."))  # type: ignore[arg-type]
     config = EngineConfig(
         kv_cache_bytes=64 * 2**20, max_model_len=512, enable_prefix_caching=False, cpu_layer_loop=layer_loop
     )
-    return LLMEngine.from_loaded(loaded, config)
+    return LLMEngine.from_loaded(loaded, config, adapters)
 
 
 def _tpot_ms(engine: LLMEngine, batch: int, new_tokens: int, round_index: int) -> float:
-    """The median decode-step time of ``batch`` requests generating ``new_tokens`` each."""
+    """The median decode-step time of ``batch`` requests generating ``new_tokens`` each (each with its
+    own adapter where the engine has them)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    lora = engine.adapter_manager is not None
     for i in range(batch):
         prompt = [(7 * i + 13 * j + round_index) % SHAPE["vocab_size"] for j in range(24)]
-        engine.add_request(EngineRequest(f"{round_index}-{i}", prompt, params))
+        engine.add_request(EngineRequest(f"{round_index}-{i}", prompt, params, adapter=f"a{i}" if lora else None))
     engine.step()  # the prefill
     steps = []
     while engine.has_unfinished():
@@ -97,6 +137,7 @@ def run(rounds: int, new_tokens: int) -> dict[str, Any]:
     engines = {name: _engine(model) for name, model in models.items()}
     # the dense model's layers in the Python loop, as the MoE's run (the native layer loop is dense-only)
     engines["dense_python_loop"] = _engine(models["dense"], "python")
+    engines["moe_lora"] = _engine(models["moe"], adapters=_expert_adapters(models["moe"], max(BATCHES)))
     for engine in engines.values():  # warm up: packing, first-touch of the weights
         _tpot_ms(engine, max(BATCHES), 4, -1)
     tpot: dict[int, dict[str, list[float]]] = {b: {name: [] for name in engines} for b in BATCHES}
@@ -116,22 +157,33 @@ def run(rounds: int, new_tokens: int) -> dict[str, Any]:
                 "moe_over_dense_python_loop": spread(
                     [m / d for m, d in zip(moe, tpot[batch]["dense_python_loop"], strict=True)]
                 ),
+                "lora_ratio_vs_base": spread([m / lo for m, lo in zip(moe, tpot[batch]["moe_lora"], strict=True)]),
             }
         )
-    return {"experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH, "shape": SHAPE, "rows": rows}
+    return {
+        "experts": EXPERTS,
+        "top_k": TOP_K,
+        "expert_width": EXPERT_WIDTH,
+        "lora_rank": LORA_RANK,
+        "shape": SHAPE,
+        "rows": rows,
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "| batch | MoE TPOT ms | dense TPOT ms | dense, Python layer loop | MoE / dense | MoE / dense, Python loop |",
-        "|---|---|---|---|---|---|",
+        "| batch | MoE TPOT ms | dense TPOT ms | dense, Python layer loop | MoE / dense | MoE / dense, Python loop "
+        "| MoE + expert LoRA TPOT ms | LoRA ratio_vs_base |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         tpot, ratio, loop = row["tpot_ms"], row["moe_over_dense"], row["moe_over_dense_python_loop"]
+        lora = row["lora_ratio_vs_base"]
         lines.append(
             f"| {row['batch']} | {tpot['moe']['median']:.2f} | {tpot['dense']['median']:.2f} | "
             f"{tpot['dense_python_loop']['median']:.2f} | {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] | "
-            f"{loop['median']:.2f}x [{loop['min']:.2f}-{loop['max']:.2f}] |"
+            f"{loop['median']:.2f}x [{loop['min']:.2f}-{loop['max']:.2f}] | {tpot['moe_lora']['median']:.2f} | "
+            f"{lora['median']:.2f} [{lora['min']:.2f}-{lora['max']:.2f}] |"
         )
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ adapter, kept by the registry for its release gate, never served.
 
 Only ``adapter_model.safetensors`` + ``adapter_config.json`` are admitted: no pickle, no
 remote code, no feature the serving engine does not implement (DoRA, modules_to_save,
-per-module ranks), tensors exactly shaped for the base model, all values finite.
+per-module ranks), tensors exactly shaped for the base model (its routed experts included:
+shared.lora_targets), all values finite.
 """
 
 import hashlib
@@ -24,13 +25,17 @@ import numpy as np
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
 from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES, parse_eval_set
 from shared.fingerprint import BaseModelSpec
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, resolve
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 OBJECT_STORE_SCHEME = "nats-os"  # storage URIs nats-os://<bucket>/<adapter_id>/<version>
 IGNORED_IN_DIR = frozenset({"README.md"})  # the model card peft writes; never uploaded
-ALLOWED_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+ALLOWED_MODULES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *MIXTRAL_NAMES}
+)
+
 # dtype -> (little-endian word, exponent mask, bytes per value)
 _FLOAT_BITS: dict[str, tuple[np.dtype[np.unsignedinteger[Any]], int, int]] = {
     "F32": (np.dtype("<u4"), 0x7F800000, 4),
@@ -40,14 +45,12 @@ _FLOAT_BITS: dict[str, tuple[np.dtype[np.unsignedinteger[Any]], int, int]] = {
 MAX_CONFIG_BYTES = 64 * 1024
 AdapterBytes = bytes | mmap.mmap  # a file's contents, or a read-only map of a file too large to copy
 
-_TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z]+_proj)\.lora_(A|B)\.weight$"
-)
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.\d+\.")
+_MODULE_NAME = re.compile(r"\.(\w+)\.lora_[AB]\.weight$")  # the module a per-module tensor's target_modules entry names
 _NEUTRAL_KEYS = frozenset({
     "peft_type", "peft_version", "r", "lora_alpha", "use_rslora", "target_modules", "base_model_name_or_path",
     "revision", "task_type", "inference_mode", "init_lora_weights", "lora_dropout", "bias", "auto_mapping",
-    "megatron_core", "qalora_group_size",
+    "megatron_core", "qalora_group_size", "target_parameters",
 })  # fmt: skip
 _REFUSED = {
     "use_dora": "DoRA adapters (use_dora) are not supported by the serving engine",
@@ -114,12 +117,12 @@ def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, lim
     if EVAL_SET_FILE in files:
         parse_eval_set(bytes(files[EVAL_SET_FILE]))
     rank, alpha, use_rslora, modules = _check_config(bytes(files[CONFIG_FILE]), limits)
-    count = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
+    count, slot_modules = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
     return AdapterSummary(
         rank=rank,
         alpha=alpha,
         use_rslora=use_rslora,
-        target_modules=tuple(sorted(modules)),
+        target_modules=tuple(sorted(slot_modules)),
         tensor_count=count,
     )
 
@@ -164,48 +167,53 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
     alpha = config.get("lora_alpha")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
         raise InvalidRequest(f"{CONFIG_FILE}: lora_alpha must be a positive number, got {alpha!r}")
-    modules = config.get("target_modules")
+    modules = config.get("target_modules") or []
     if isinstance(modules, str):
         modules = [modules]
-    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
-        raise InvalidRequest(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names")
+    parameters = config.get("target_parameters") or []
+    if not all(isinstance(v, list) and all(isinstance(m, str) for m in v) for v in (modules, parameters)) or not (
+        modules or parameters
+    ):
+        raise InvalidRequest(f"{CONFIG_FILE}: target_modules (or target_parameters) must be a non-empty list of names")
     unknown = sorted(set(modules) - ALLOWED_MODULES)
     if unknown:
         raise InvalidRequest(f"{CONFIG_FILE}: target_modules {unknown} are refused; allowed: {sorted(ALLOWED_MODULES)}")
+    unserved = sorted(p for p in parameters if not p.endswith(EXPERT_PARAMETERS))
+    if unserved:
+        raise InvalidRequest(
+            f"{CONFIG_FILE}: target_parameters {unserved} are refused; served: the routed experts' "
+            f"{' and '.join(EXPERT_PARAMETERS)}"
+        )
     return rank, float(alpha), bool(config.get("use_rslora", False)), set(modules)
 
 
-def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> int:
+def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> tuple[int, set[str]]:
+    """Every tensor's name, dtype and shape against the base model; the slot modules the adapter fills."""
     header = _header(raw)
-    dims = spec.projection_dims()
-    seen: set[tuple[int, str, str]] = set()
     for name, entry in header.items():
-        match = _TENSOR_NAME.match(name)
-        if not match:
-            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} is not a LoRA A/B weight of a Llama projection")
-        layer, block, module, side = int(match[1]), match[2], match[3], match[4]
-        if module not in modules or _BLOCK.get(module, "mlp") != block:
-            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} targets a module outside target_modules")
-        if layer >= spec.num_layers:
-            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r}: the base model has {spec.num_layers} layers")
+        if not _TENSOR_NAME.match(name):
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} is not a LoRA A/B weight of a decoder layer")
         if entry.get("dtype") not in _FLOAT_BITS:
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} has dtype {entry.get('dtype')!r}")
-        in_f, out_f = dims[module]
-        expected = [rank, in_f] if side == "A" else [out_f, rank]
-        if list(entry.get("shape", ())) != expected:
-            raise IntegrityError(
-                f"{WEIGHTS_FILE}: tensor {name!r} has shape {entry.get('shape')}, expected {expected} "
-                "for this base model"
-            )
-        seen.add((layer, module, side))
-    for layer, module, side in seen:
-        if (layer, module, "B" if side == "A" else "A") not in seen:
-            raise IntegrityError(f"{WEIGHTS_FILE}: layer {layer} {module} has lora_{side} without its pair")
-    missing = sorted(modules - {m for _, m, _ in seen})
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+            raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} has a malformed shape {shape!r}")
+    try:
+        targets = resolve({name: entry["shape"] for name, entry in header.items()}, spec.layer_dims(), rank)
+    except IntegrityError as err:
+        raise type(err)(f"{WEIGHTS_FILE}: {err.message}", param=err.param) from None
+    seen: set[str] = set()
+    for name, target in targets.items():
+        module = _MODULE_NAME.search(name)
+        if module is not None and not target.fused:
+            if module[1] not in modules:
+                raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} targets a module outside target_modules")
+            seen.add(module[1])
+    missing = sorted(modules - seen)
     if missing:
         raise IntegrityError(f"{WEIGHTS_FILE}: no tensors for target_modules {missing}")
     _check_data(raw, header, data_start=8 + struct.unpack("<Q", raw[:8])[0])
-    return len(header)
+    return len(header), {m for target in targets.values() for m in target.modules}
 
 
 def _header(raw: AdapterBytes) -> dict[str, dict[str, Any]]:

@@ -116,6 +116,13 @@ class IntegrityError(LorafleetError):
     error_type = "invalid_request_error"
 
 
+class UnservedTarget(IntegrityError):
+    """An adapter tensor on a mixture-of-experts module LoRA is not served on (the router, the shared
+    expert's gate, a dense-MLP name on a sparse layer): shared.lora_targets."""
+
+    code = "unserved_lora_target"
+
+
 class QuotaExceeded(LorafleetError):
     status = 429
     code = "quota_exceeded"

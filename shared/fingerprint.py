@@ -22,6 +22,7 @@ from shared.signing import canonical_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 FINGERPRINT_VERSION = 2  # 1: names, dtypes and shapes only; 2: and each tensor's bytes
+CACHE_VERSION = 3  # the disk cache's: 3 since a mixture-of-experts model's architecture names its experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,20 +34,36 @@ class BaseModelSpec:
     num_kv_heads: int
     head_dim: int
     vocab: int
+    # mixture-of-experts layers (0 / empty on a dense model): routed experts, their width, the sparse
+    # layers, and Qwen2-MoE's shared expert's width (0: none)
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BaseModelSpec":
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
+            layers = int(config["num_hidden_layers"])
+            experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
             return cls(
                 hidden_size=hidden,
                 intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 vocab=int(config["vocab_size"]),
+                num_experts=experts,
+                expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"])
+                if experts
+                else 0,
+                sparse_layers=_sparse_layers(config, layers) if experts else (),
+                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
+                if experts
+                else 0,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise IntegrityError(f"base model config.json lacks a Llama-family field: {e}") from None
@@ -68,6 +85,40 @@ class BaseModelSpec:
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
         }
+
+    def layer_dims(self) -> list[dict[str, tuple[int, int, int]]]:
+        """Per layer, each LoRA-targetable slot module's (copies, in_features, out_features): a dense
+        layer's seven projections; a sparse layer's attention, its routed experts (copies: the expert
+        count) and, on Qwen2-MoE, its shared expert as the MLP projections (shared.lora_targets)."""
+        dense = {m: (1, i, o) for m, (i, o) in self.projection_dims().items()}
+        attention = {m: dense[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        sparse = dict(attention)
+        e, h, inter = self.num_experts, self.hidden_size, self.expert_intermediate_size
+        sparse |= {
+            "experts.gate_proj": (e, h, inter),
+            "experts.up_proj": (e, h, inter),
+            "experts.down_proj": (e, inter, h),
+        }
+        shared = self.shared_expert_intermediate_size
+        if shared:
+            sparse |= {"gate_proj": (1, h, shared), "up_proj": (1, h, shared), "down_proj": (1, shared, h)}
+        return [sparse if i in self.sparse_layers else dense for i in range(self.num_layers)]
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields the fingerprint hashes: a dense model's as before the MoE fields existed."""
+        fields = asdict(self)
+        if not self.num_experts:
+            for name in ("num_experts", "expert_intermediate_size", "sparse_layers", "shared_expert_intermediate_size"):
+                del fields[name]
+        return fields
+
+
+def _sparse_layers(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers transformers builds as a mixture of experts: all, but for Qwen-MoE's ``mlp_only_layers``
+    and the layers ``decoder_sparse_step`` skips."""
+    dense = set(config.get("mlp_only_layers") or ())
+    step = int(config.get("decoder_sparse_step") or 1)
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _read_header(f: Any, name: str) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -142,7 +193,7 @@ def _read_disk_cache(path: Path, keys: tuple[tuple[str, int, int, int], ...]) ->
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if entry.get("version") != FINGERPRINT_VERSION or [tuple(k) for k in entry.get("files", [])] != list(keys):
+    if entry.get("version") != CACHE_VERSION or [tuple(k) for k in entry.get("files", [])] != list(keys):
         return None
     value = entry.get("fingerprint")
     return value if isinstance(value, str) and len(value) == 64 else None
@@ -153,7 +204,7 @@ def _write_disk_cache(path: Path, keys: tuple[tuple[str, int, int, int], ...], v
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": FINGERPRINT_VERSION, "files": keys, "fingerprint": value}))
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "files": keys, "fingerprint": value}))
         tmp.replace(path)
     except OSError:
         pass
@@ -170,7 +221,7 @@ def compute_fingerprint(directory: Path) -> str:
     names = [row[0] for row in tensors]
     if len(set(names)) != len(names):
         raise IntegrityError(f"{directory}: a tensor name appears in two safetensors files")
-    body = {"version": FINGERPRINT_VERSION, "architecture": asdict(spec), "tensors": tensors}
+    body = {"version": FINGERPRINT_VERSION, "architecture": spec.architecture(), "tensors": tensors}
     return hashlib.sha256(canonical_json(body)).hexdigest()
 
 

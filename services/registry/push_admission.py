@@ -39,7 +39,7 @@ def _slot_bytes(
     rank: int, modules: list[str], base: BaseModelSpec, fleet: RankClasses, element_bytes: int
 ) -> dict[str, int]:
     """Rank class -> one slot's bytes, for every fleet class that holds ``rank``; refuses a rank none holds."""
-    sizes = slot_bytes(rank, fleet.classes, base.num_layers, base.projection_dims(), modules, element_bytes)
+    sizes = slot_bytes(rank, fleet.classes, base.layer_dims(), modules, element_bytes)
     if not sizes:
         raise RankNotServed(
             f"rank {rank} fits no rank class of the fleet: classes {fleet.describe()}; the largest holds rank "

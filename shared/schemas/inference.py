@@ -136,7 +136,7 @@ class ResolvedAdapter(Message):
     alpha: float = Field(gt=0)
     use_rslora: bool = False
     target_modules: list[str] = Field(
-        default_factory=list, max_length=7, description="the modules it adapts; empty: not known (any engine)"
+        default_factory=list, max_length=10, description="the modules it adapts; empty: not known (any engine)"
     )
 
 

@@ -103,7 +103,7 @@ class AdapterRecord(Message):
     rank: int = Field(ge=1, le=1024)
     alpha: float = Field(gt=0)
     use_rslora: bool = False
-    target_modules: list[str] = Field(min_length=1, max_length=7)
+    target_modules: list[str] = Field(min_length=1, max_length=10)  # 7 dense projections, 3 expert ones
     files: dict[str, Sha256Hex] = Field(description="file name -> sha256: the signed manifest's content")
     digest: Sha256Hex = Field(
         validation_alias=AliasChoices("digest", "checksum"),

@@ -111,7 +111,7 @@ def test_shape_mismatch_with_the_base_model_is_refused(variant: Callable, base: 
     def widen(tensors: dict[str, torch.Tensor]) -> None:
         tensors[Q_A] = torch.zeros(8, 96)
 
-    refused(variant(tensors=widen), base, IntegrityError, "has shape [8, 96], expected [8, 64]")
+    refused(variant(tensors=widen), base, IntegrityError, "has shape (8, 96), expected (8, 64)")
 
 
 def test_adapter_for_a_bigger_base_model_is_refused(adapter_files: dict[str, bytes], base: BaseModelIdentity) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import projections
+from services.worker.engine.lora_hook import LoraHook
 
 
 @dataclass(slots=True)
@@ -41,26 +42,78 @@ def route(x: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor
 
 
 def moe_mlp(
-    x: torch.Tensor, w: ExpertWeights, act: Callable[[torch.Tensor], torch.Tensor], small_rows: int = 0
+    x: torch.Tensor,
+    w: ExpertWeights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    small_rows: int = 0,
+    lora: LoraHook | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """x [n, hidden] -> sum over each row's top_k experts of weight * down(act(gate(x)) * up(x)) [n, hidden].
 
     An expert given at most ``small_rows`` rows (a decode step's usual share) runs kernels.projections'
-    small-row kernel on its plain weight, else ``F.linear``; pass 0 where that kernel is not usable."""
+    small-row kernel on its plain weight, else ``F.linear``; pass 0 where that kernel is not usable.
+    With a ``lora`` hook whose step targets this layer's experts, each expert's gate|up output and
+    down output get their tokens' deltas for that expert (``LoraHook.apply_experts``, over all the
+    layer's routed pairs at once) before the activation and before the weighting."""
     weights, experts = route(x, w)
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert, each token's in its top-k order
     tokens = order // w.top_k
     rows = x[tokens]
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
+    groups = lora.expert_groups if lora is not None else frozenset[str]()
+    if groups:
+        assert lora is not None
+        out = _moe_lora(rows, w, act, small_rows, counts, lora, layer, tokens, flat[order], groups)
+    else:
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                linear = projections.small_linear if count <= small_rows else F.linear
+                gate_up = linear(rows[start:end], w.gate_up[expert])
+                inter = gate_up.shape[1] // 2
+                out[start:end] = linear(act(gate_up[:, :inter]) * gate_up[:, inter:], w.down[expert])
+                start = end
+    scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+def _moe_lora(
+    rows: torch.Tensor,
+    w: ExpertWeights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    small_rows: int,
+    counts: list[int],
+    lora: LoraHook,
+    layer: int,
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    groups: frozenset[str],
+) -> torch.Tensor:
+    """moe_mlp's expert step with LoRA: each projection over every expert's rows, then its deltas over
+    all the pairs. rows [pairs, hidden] grouped by expert; tokens, experts [pairs] -> [pairs, hidden]."""
+    gate_up = rows.new_empty(rows.shape[0], w.gate_up.shape[1])
+    _grouped(rows, w.gate_up, counts, small_rows, gate_up)
+    if "gate_up" in groups:
+        lora.apply_experts(layer, "gate_up", rows, tokens, experts, gate_up)
+    inter = gate_up.shape[1] // 2
+    hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
     out = torch.empty_like(rows)
+    _grouped(hidden, w.down, counts, small_rows, out)
+    if "down" in groups:
+        lora.apply_experts(layer, "down", hidden, tokens, experts, out)
+    return out
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int], small_rows: int, out: torch.Tensor) -> None:
+    """out[rows of expert e] = x[those rows] @ weight[e].T, one matmul per expert that has rows."""
     start = 0
-    for expert, count in enumerate(torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()):
+    for expert, count in enumerate(counts):
         if count:
             end = start + count
             linear = projections.small_linear if count <= small_rows else F.linear
-            gate_up = linear(rows[start:end], w.gate_up[expert])
-            inter = gate_up.shape[1] // 2
-            out[start:end] = linear(act(gate_up[:, :inter]) * gate_up[:, inter:], w.down[expert])
+            out[start:end] = linear(x[start:end], weight[expert])
             start = end
-    scaled = (out * weights.flatten()[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, scaled)

@@ -13,6 +13,11 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# A mixture-of-experts layer's routed experts, the same way: each token-expert pair's rows.
+EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
+    "gate_up": ("experts.gate_proj", "experts.up_proj"),
+    "down": ("experts.down_proj",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +41,21 @@ class LoraHook(Protocol):
         group: a key of GROUPS; x: [num_tokens, in_features]; y: [num_tokens, the group's summed
         out_features], the group's fused output; tokens in the step's flattened order.
         """
+        ...
+
+    def apply_experts(
+        self, layer: int, group: str, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """The routed experts' form of ``apply``: row p of x is token ``tokens[p]``'s input to expert
+        ``experts[p]``, and y[p] += delta(x[p]) of that token's adapter for that expert, in place.
+
+        group: a key of EXPERT_GROUPS; x: [pairs, in]; tokens, experts: int64 [pairs]; y: [pairs, the
+        group's summed out_features]."""
+        ...
+
+    @property
+    def expert_groups(self) -> frozenset[str]:
+        """The EXPERT_GROUPS any of this step's tokens' adapters target (``apply_experts`` is called for these)."""
         ...
 
     @property

@@ -214,10 +214,10 @@ class LlamaForward:
             if layer.experts is None:
                 d = self._mlp(i, proj, x, lora, groups)
             else:
-                d = moe_mlp(x, layer.experts, self.act, self._expert_small_rows)
-                if layer.experts.shared_gate is not None:  # Qwen2-MoE's shared expert, gated per token; no
-                    # LoRA: the slots' gate/up/down are the dense layers' shape, and expert adapters are refused
-                    d = d + torch.sigmoid(F.linear(x, layer.experts.shared_gate)) * self._mlp(i, proj, x, None, groups)
+                d = moe_mlp(x, layer.experts, self.act, self._expert_small_rows, lora, i)
+                if layer.experts.shared_gate is not None:  # Qwen2-MoE's shared expert, gated per token; its
+                    # LoRA is the layer's gate/up/down slots, sized for it (shared.lora_targets)
+                    d = d + torch.sigmoid(F.linear(x, layer.experts.shared_gate)) * self._mlp(i, proj, x, lora, groups)
             if layer.mlp_out_norm is not None:
                 d = self.norm(d, layer.mlp_out_norm)
             if i + 1 < len(layers):  # the residual add with the next layer's input norm

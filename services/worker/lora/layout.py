@@ -2,55 +2,57 @@
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
+from shared.fingerprint import BaseModelSpec
+from shared.lora_targets import EXPERT_MODULES, LayerDims
 from shared.slot_size import params_per_rank
 
-Module = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODULES: tuple[Module, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Module = Literal[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "experts.gate_proj",
+    "experts.up_proj",
+    "experts.down_proj",
+]
+MODULES: tuple[Module, ...] = (*get_args(Module),)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelShapes:
-    """Layer count and (in_features, out_features) of each Llama projection."""
+    """Layer count, (in_features, out_features) of each dense Llama projection, and per layer the slot
+    modules it has (shared.lora_targets: a mixture-of-experts layer's experts, its shared expert)."""
 
     num_layers: int
     dims: Mapping[str, tuple[int, int]]
-    sparse_layers: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts: no dense gate/up/down
+    layers: tuple[LayerDims, ...] = ()  # per layer: module -> (copies, in, out); () = every layer dense
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            dense = {m: (1, i, o) for m, (i, o) in self.dims.items()}
+            object.__setattr__(self, "layers", (dense,) * self.num_layers)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShapes":
-        """From a transformers Llama-family config (hidden_size, heads, kv heads, head_dim, intermediate_size)."""
-        hidden, inter = config.hidden_size, config.intermediate_size
-        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-        heads = config.num_attention_heads
-        q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-        dims = {
-            "q_proj": (hidden, q),
-            "k_proj": (hidden, kv),
-            "v_proj": (hidden, kv),
-            "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter),
-            "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden),
-        }
-        return cls(num_layers=config.num_hidden_layers, dims=dims, sparse_layers=_sparse_layers(config))
+        """From a transformers Llama-family or mixture-of-experts config."""
+        spec = BaseModelSpec.from_config(config.to_dict())
+        return cls(num_layers=spec.num_layers, dims=spec.projection_dims(), layers=tuple(spec.layer_dims()))
+
+    @property
+    def sparse_layers(self) -> frozenset[int]:
+        """The layers whose MLP is a mixture of experts."""
+        return frozenset(i for i, layer in enumerate(self.layers) if EXPERT_MODULES[0] in layer)
 
     def params_per_rank(self, modules: tuple[str, ...]) -> int:
         """A and B elements of one rank unit over every layer: slot elements = rank * this."""
-        return params_per_rank(self.num_layers, self.dims, modules)
-
-
-def _sparse_layers(config: Any) -> frozenset[int]:
-    """The layers transformers builds as a mixture of experts: every layer where the config has experts,
-    but for Qwen-MoE's ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips."""
-    if not getattr(config, "num_experts", None):
-        return frozenset()
-    dense = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", None) or 1
-    return frozenset(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+        return params_per_rank(self.layers, modules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +61,8 @@ class AdapterWeights:
 
     rank: int
     scale: float  # alpha / rank, or alpha / sqrt(rank) for rsLoRA
-    a: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [in, rank]
-    b: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [rank, out]
+    a: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [in, rank]; an expert module: [experts, in, rank]
+    b: Mapping[tuple[int, str], torch.Tensor]  # (layer, module) -> [rank, out]; an expert module: [experts, rank, out]
     # sha256 of adapter_model.safetensors, as the signed record names it (StoreLoader); None: read from a
     # local directory, never verified against a record
     digest: str | None = None

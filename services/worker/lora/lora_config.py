@@ -35,7 +35,9 @@ class LoraConfig(BaseModel):
         default=MODULES,
         min_length=1,
         max_length=len(MODULES),
-        description="projections the slots hold; adapters may target any subset, others are refused",
+        description="projections the slots hold; adapters may target any subset, others are refused; on a "
+        "mixture-of-experts model the experts.* modules hold every expert's A and B (most of a slot's bytes: "
+        "leave them out to fit more adapters of attention only), on a dense model they cost nothing",
     )
     max_num_tokens: int = Field(
         default=2048, ge=1, le=2**20, description="most tokens in one step: sizes the per-step metadata buffers"

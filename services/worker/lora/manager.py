@@ -14,6 +14,7 @@ from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.peft_loader import load_peft_adapter
 from services.worker.lora.slots import SlotPool
 from shared.errors import IntegrityError
+from shared.lora_targets import EXPERT_MODULES
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +154,11 @@ class AdapterManager:
             message = f"target modules {unknown} are not served {list(self.config.target_modules)}"
             raise IntegrityError(message, param=unknown[0])
         for (layer, module), a in weights.a.items():
-            in_f, out_f = self.shapes.dims[module]
+            dims = self.shapes.layers[layer].get(module) if layer < self.shapes.num_layers else None
             b = weights.b[(layer, module)]
-            if layer >= self.shapes.num_layers or a.shape != (in_f, weights.rank) or b.shape != (weights.rank, out_f):
+            if dims is None:
+                raise IntegrityError(f"layer {layer} has no {module}", param=module)
+            copies, in_f, out_f = dims
+            experts = (copies,) if module in EXPERT_MODULES else ()
+            if a.shape != (*experts, in_f, weights.rank) or b.shape != (*experts, weights.rank, out_f):
                 raise IntegrityError(f"layer {layer} {module} weights do not fit the base model", param=module)

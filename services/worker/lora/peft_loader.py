@@ -8,7 +8,6 @@ base model, non-finite values.
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from safetensors.torch import load_file
 
 from services.worker.lora.fused import split_fused
 from services.worker.lora.layout import AdapterWeights, ModelShapes
-from shared.errors import IntegrityError
+from shared.errors import IntegrityError, UnservedTarget
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, resolve
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,14 +33,10 @@ UNSUPPORTED_OPTIONS = (
     "lora_bias",
     "fan_in_fan_out",
     "layer_replication",
-    "target_parameters",
     "trainable_token_indices",
     "use_qalora",
     "alora_invocation_tokens",
 )
-MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
-EXPERTS = re.compile(r"\.mlp\.(?:experts|shared_expert|gate)\.")  # a mixture-of-experts block's modules
-KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:
@@ -133,44 +129,65 @@ def to_slot_layout(
     rank, alpha = config["r"], float(config["lora_alpha"])
     if rank > max_rank:
         raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {max_rank}", param="r")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(allowed_modules))
-        if unknown:
-            raise IntegrityError(f"target modules {unknown} are not served {list(allowed_modules)}", param=unknown[0])
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = KEY.match(key)
-        sparse = match is not None and int(match[1]) in shapes.sparse_layers and match[2] in MLP_MODULES
-        if EXPERTS.search(key) or sparse:
-            raise IntegrityError(
-                f"{key!r} targets a mixture-of-experts layer's MLP: LoRA on experts is not served yet "
-                "(attention projections only)",
-                param=key,
-            )
-        if match is None:
-            raise IntegrityError(f"unexpected tensor {key!r}: only lora_A / lora_B of Llama projections", param=key)
-        layer, module, side = int(match[1]), match[2], match[3]
-        if module not in allowed_modules:
-            raise IntegrityError(f"module {module!r} is not a served target {list(allowed_modules)}", param=module)
-        if layer >= shapes.num_layers:
-            raise IntegrityError(f"layer {layer} does not exist in the {shapes.num_layers}-layer base model", param=key)
-        in_f, out_f = shapes.dims[module]
-        expected = (rank, in_f) if side == "A" else (out_f, rank)
-        if tuple(tensor.shape) != expected:
-            raise IntegrityError(f"{key} has shape {tuple(tensor.shape)}, expected {expected} for r={rank}", param=key)
+    _check_targets(config, allowed_modules)
+    if not tensors:
+        raise IntegrityError(f"{WEIGHTS_FILE} holds no LoRA weights", param=WEIGHTS_FILE)
+    targets = resolve({key: tensor.shape for key, tensor in tensors.items()}, shapes.layers, rank)
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    for key, target in targets.items():
+        tensor = tensors[key]
+        unserved = [m for m in target.modules if m not in allowed_modules]
+        if unserved:
+            raise IntegrityError(f"module {unserved[0]!r} is not a served target {list(allowed_modules)}", param=key)
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise IntegrityError(f"{key} holds non-finite or non-float values", param=key)
-        pairs.setdefault((layer, module), {})[side] = tensor
-    if not pairs:
-        raise IntegrityError(f"{WEIGHTS_FILE} holds no LoRA weights", param=WEIGHTS_FILE)
-    for (layer, module), pair in pairs.items():
-        if len(pair) != 2:
-            raise IntegrityError(f"layer {layer} {module} lacks its lora_A or lora_B", param=module)
+        _place(a if target.side == "A" else b, target, tensor, shapes, rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return AdapterWeights(
-        rank=rank,
-        scale=scale,
-        a={k: p["A"].t().contiguous() for k, p in pairs.items()},
-        b={k: p["B"].t().contiguous() for k, p in pairs.items()},
-    )
+    return AdapterWeights(rank=rank, scale=scale, a=a, b=b)
+
+
+def _check_targets(config: dict[str, Any], allowed_modules: tuple[str, ...]) -> None:
+    """The config's target_modules name served modules (a per-expert name such as Mixtral's ``w1``: its
+    expert module), and its target_parameters the routed experts' fused tensors."""
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(
+            t
+            for t in targets
+            if t not in allowed_modules and f"experts.{MIXTRAL_NAMES.get(t, t)}" not in allowed_modules
+        )
+        if unknown:
+            raise IntegrityError(f"target modules {unknown} are not served {list(allowed_modules)}", param=unknown[0])
+    parameters = config.get("target_parameters") or []
+    unserved = [p for p in parameters if not (isinstance(p, str) and p.endswith(EXPERT_PARAMETERS))]
+    if unserved:
+        raise UnservedTarget(
+            f"target_parameters {unserved} are not served: {list(EXPERT_PARAMETERS)} only", param=str(unserved[0])
+        )
+
+
+def _place(
+    out: dict[tuple[int, str], torch.Tensor], target: Target, tensor: torch.Tensor, shapes: ModelShapes, rank: int
+) -> None:
+    """Lay one checked tensor out for the slots: a dense module's A [in, r] / B [r, out]; an expert
+    module's [experts, in, r] / [experts, r, out], experts an adapter leaves out zero."""
+    layer, side = target.layer, target.side
+    if target.expert is None and not target.fused:
+        out[(layer, target.modules[0])] = tensor.t().contiguous()
+        return
+    copies, in_f, out_f = shapes.layers[layer][target.modules[0]]
+    if target.fused:
+        if side == "A":  # [E * r, in], expert-major -> [E, in, r]
+            stacked = tensor.reshape(copies, rank, -1).transpose(1, 2).contiguous()
+            for module in target.modules:  # gate and up share the fused tensor's A
+                out[(layer, module)] = stacked
+        else:  # [out, r * E], rank-major -> [E, r, out]; gate_up's rows split into gate's and up's
+            stacked = tensor.reshape(tensor.shape[0], rank, copies).permute(2, 1, 0)
+            for module, cols in zip(target.modules, torch.split(stacked, out_f, dim=2), strict=True):
+                out[(layer, module)] = cols.contiguous()
+        return
+    module = target.modules[0]
+    shape = (copies, in_f, rank) if side == "A" else (copies, rank, out_f)
+    stacked = out.setdefault((layer, module), torch.zeros(shape, dtype=tensor.dtype))
+    stacked[target.expert].copy_(tensor.t())

@@ -7,10 +7,16 @@ token slots also groups tokens by rank class. Slot -1 means the base model alone
 import torch
 
 from kernels import LoraGroup
-from services.worker.engine.lora_hook import GROUPS
+from services.worker.engine.lora_hook import EXPERT_GROUPS, GROUPS
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.lora_config import LoraConfig
 from shared.errors import IntegrityError, NoFreeSlot
+from shared.lora_targets import EXPERT_MODULES
+
+
+def _copies(module: str, copies: int) -> tuple[int, ...]:
+    """The expert dimension of an expert module's stack; none for a dense one."""
+    return (copies,) if module in EXPERT_MODULES else ()
 
 
 class RankClassStack:
@@ -31,39 +37,55 @@ class RankClassStack:
         self.rank = rank
         self.num_slots = num_slots
         self.first_slot = first_slot
-        dims = self.dims = shapes.dims
-        self.a: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, in, rank]
-            {m: torch.zeros(num_slots, dims[m][0], rank, device=device, dtype=dtype) for m in modules}
-            for _ in range(shapes.num_layers)
+        self.dims = shapes.layers
+        # per layer, each of its slot modules: A [num_slots, in, rank], B [num_slots, rank, out]; an
+        # expert module: A [num_slots, experts, in, rank], B [num_slots, experts, rank, out]
+        self.a: list[dict[str, torch.Tensor]] = [
+            {
+                m: torch.zeros(num_slots, *_copies(m, c), i, rank, device=device, dtype=dtype)
+                for m, (c, i, _) in layer.items()
+                if m in modules
+            }
+            for layer in shapes.layers
         ]
-        self.b: list[dict[str, torch.Tensor]] = [  # per layer: module -> [num_slots, rank, out]
-            {m: torch.zeros(num_slots, rank, dims[m][1], device=device, dtype=dtype) for m in modules}
-            for _ in range(shapes.num_layers)
+        self.b: list[dict[str, torch.Tensor]] = [
+            {
+                m: torch.zeros(num_slots, *_copies(m, c), rank, o, device=device, dtype=dtype)
+                for m, (c, _, o) in layer.items()
+                if m in modules
+            }
+            for layer in shapes.layers
         ]
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)  # [num_slots]
         self.row_modules: list[frozenset[str]] = [frozenset()] * num_slots  # host: modules each row targets
-        self._groups: dict[tuple[str, tuple[str, ...]], list[LoraGroup]] = {}
+        self._groups: dict[tuple[str, tuple[str, ...]], list[LoraGroup | None]] = {}
         self._flat: dict[tuple[str, tuple[str, ...]], tuple[list[torch.Tensor], tuple[int, ...]]] = {}
 
-    def group(self, name: str, modules: tuple[str, ...]) -> list[LoraGroup]:
-        """Per layer, the weights of ``modules`` (members of lora_hook.GROUPS[name], in its order) with
-        their columns in the group's fused output; built once per (group, modules), the stacks are
-        written in place so the views stay current."""
+    def group(self, name: str, modules: tuple[str, ...]) -> list[LoraGroup | None]:
+        """Per layer, the weights of ``modules`` (members of lora_hook.GROUPS[name], or of EXPERT_GROUPS'
+        for ``experts.`` names, in its order) with their columns in the group's fused output, None on a
+        layer without them (a mixture-of-experts layer's dense MLP); built once per (group, modules),
+        the stacks are written in place so the views stay current."""
         key = (name, modules)
         groups = self._groups.get(key)
         if groups is None:
-            cols, col = {}, 0
-            for member in GROUPS[name]:
-                cols[member] = col
-                col += self.dims[member][1]
-            groups = [
-                LoraGroup(
-                    a=tuple(layer_a[m] for m in modules),
-                    b=tuple(layer_b[m] for m in modules),
-                    cols=tuple(cols[m] for m in modules),
+            members = EXPERT_GROUPS[name] if modules[0] in EXPERT_MODULES else GROUPS[name]
+            groups = []
+            for layer_a, layer_b, dims in zip(self.a, self.b, self.dims, strict=True):
+                if not all(m in layer_a for m in modules):
+                    groups.append(None)
+                    continue
+                cols, col = {}, 0
+                for member in members:
+                    cols[member] = col
+                    col += dims[member][2]
+                groups.append(
+                    LoraGroup(
+                        a=tuple(layer_a[m] for m in modules),
+                        b=tuple(layer_b[m] for m in modules),
+                        cols=tuple(cols[m] for m in modules),
+                    )
                 )
-                for layer_a, layer_b in zip(self.a, self.b, strict=True)
-            ]
             self._groups[key] = groups
         return groups
 
@@ -73,7 +95,8 @@ class RankClassStack:
         key = (name, modules)
         flat = self._flat.get(key)
         if flat is None:
-            groups = self.group(name, modules)
+            groups = [g for g in self.group(name, modules) if g is not None]
+            assert len(groups) == len(self.a), "the native layer loop serves dense layers only"
             weights = [a for g in groups for a in g.a] + [b for g in groups for b in g.b]
             flat = self._flat[key] = (weights, groups[0].cols)
         return flat
@@ -83,8 +106,8 @@ class RankClassStack:
         self.reset_slot(row)
         r = weights.rank
         for (layer, module), a in weights.a.items():
-            self.a[layer][module][row, :, :r].copy_(a)
-            self.b[layer][module][row, :r, :].copy_(weights.b[(layer, module)])
+            self.a[layer][module][row, ..., :r].copy_(a)
+            self.b[layer][module][row, ..., :r, :].copy_(weights.b[(layer, module)])
         self.scale[row] = weights.scale
         self.row_modules[row] = weights.modules
 
@@ -105,9 +128,6 @@ class SlotPool:
 
     def __init__(self, config: LoraConfig, shapes: ModelShapes, device: torch.device | str, dtype: torch.dtype):
         modules = config.target_modules
-        unknown = set(modules) - set(shapes.dims)
-        if unknown:
-            raise ValueError(f"the base model has no projection {sorted(unknown)}")
         elem = torch.empty(0, dtype=dtype).element_size()
         classes, slot_bytes, first = [], [], 0
         for rank, budget in zip(config.rank_classes, config.class_budgets(), strict=True):

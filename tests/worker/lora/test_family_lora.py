@@ -1,4 +1,5 @@
-"""LoRA on every served family (on MoE families: attention, and the dense layers' MLP): greedy tokens through the engine equal HF PEFT, one adapter on the
+"""LoRA on every served family (on MoE families: attention, and the dense layers' MLP; experts:
+tests/worker/lora/test_expert_lora.py): greedy tokens through the engine equal HF PEFT, one adapter on the
 attention projections and one on every projection (Phi-3's on its fused modules, split at load)."""
 
 import copy
@@ -12,9 +13,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.model_loader import LoadedModel
-from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
+from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
 from services.worker.lora.fused import split_fused
-from services.worker.lora.peft_loader import to_slot_layout
 from shared.errors import IntegrityError
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import ALL_MODULES
@@ -50,7 +50,7 @@ def _peft(model: PreTrainedModel, root: Path, adapters: Adapters, layers: list[i
 
 def _manager(model: PreTrainedModel) -> AdapterManager:
     shapes = ModelShapes.from_hf_config(model.config)
-    per_rank = shapes.params_per_rank(ALL_MODULES) * 4
+    per_rank = shapes.params_per_rank(MODULES) * 4
     config = LoraConfig(
         rank_classes=(8, 16), class_shares=(1.0, 2.0), memory_budget_bytes=int(24 * per_rank * 1.01), max_num_tokens=512
     )
@@ -125,22 +125,3 @@ def test_moe_models_dense_layer_mlp_lora_matches_peft(tmp_path: Path) -> None:
     """Qwen2-MoE's mlp_only_layers are a plain MLP: an adapter on layer 0's gate/up/down is served."""
     adapters: Adapters = {"mlp-r8": (8, 96, ("gate_proj", "up_proj", "down_proj"))}
     _check_against_peft(MOE_FAMILIES["qwen2-moe-shared-expert-dense-first"](), tmp_path, adapters, layers=[0])
-
-
-@pytest.mark.parametrize(
-    ("family", "key"),
-    [
-        ("qwen2-moe-shared-expert-dense-first", "mlp.shared_expert.gate_proj"),  # as PEFT names it
-        ("mixtral-window-8", "mlp.gate_proj"),  # a dense-MLP name on a layer that has experts only
-    ],
-)
-def test_lora_on_a_moe_layers_mlp_is_refused(family: str, key: str) -> None:
-    shapes = ModelShapes.from_hf_config(MOE_FAMILIES[family]().config)
-    in_f, out_f = shapes.dims["gate_proj"]
-    prefix = f"base_model.model.model.layers.1.{key}"
-    tensors = {f"{prefix}.lora_A.weight": torch.zeros(8, in_f), f"{prefix}.lora_B.weight": torch.zeros(out_f, 8)}
-    config = {"r": 8, "lora_alpha": 16, "target_modules": ["gate_proj"]}
-    with pytest.raises(
-        IntegrityError, match=r"targets a mixture-of-experts layer's MLP: LoRA on experts is not served"
-    ):
-        to_slot_layout(config, tensors, shapes, max_rank=64, allowed_modules=ALL_MODULES)

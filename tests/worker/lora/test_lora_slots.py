@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.worker.lora import MODULES, AdapterWeights, LoraConfig, ModelShapes
+from services.worker.lora import AdapterWeights, LoraConfig, ModelShapes
 from services.worker.lora.metadata import LoraMetadata
 from services.worker.lora.slots import SlotPool
 from shared.errors import IntegrityError, NoFreeSlot
@@ -92,7 +92,9 @@ def test_set_slot_copies_zero_padded_and_reset_slot_zeroes() -> None:
     assert not stack.a[0]["k_proj"][row].any()
     assert stack.scale[row] == 0.5 and stack.row_modules[row] == {"q_proj", "v_proj"}
     p.release(slot)
-    zeroed = [not (stack.a[layer][m][row].any() or stack.b[layer][m][row].any()) for layer in range(2) for m in MODULES]
+    zeroed = [
+        not (stack.a[layer][m][row].any() or stack.b[layer][m][row].any()) for layer in range(2) for m in stack.a[layer]
+    ]
     assert all(zeroed)
     assert stack.scale[row] == 0 and stack.row_modules[row] == frozenset()
 

@@ -1,0 +1,107 @@
+"""Admission of adapters on mixture-of-experts base models: PEFT's target_parameters on the fused
+experts, per-expert modules and Qwen2-MoE's shared expert are accepted by shape (and their slot bytes
+count every expert); wrong shapes, and modules the engine does not serve LoRA on, are refused."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save
+from transformers import PreTrainedModel
+
+from services.registry.fleet_ranks import RankClasses
+from services.registry.push_admission import _slot_bytes
+from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
+from shared.errors import IntegrityError, UnservedTarget
+from shared.fingerprint import BaseModelSpec
+from tests.helpers.families import MOE_FAMILIES
+
+LIMITS = AdapterLimits(max_rank=16, max_weights_bytes=4_000_000)
+QWEN2 = "qwen2-moe-shared-expert-dense-first"
+PREFIX = "base_model.model.model.layers"
+
+
+def _spec(model: PreTrainedModel) -> BaseModelSpec:
+    return BaseModelSpec.from_config(model.config.to_dict())
+
+
+def _peft_files(model: PreTrainedModel, root: Path, modules: list[str], parameters: list[str]) -> dict[str, bytes]:
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=parameters or None)
+    get_peft_model(copy.deepcopy(model), config).save_pretrained(str(root))
+    return read_adapter_dir(root, LIMITS)
+
+
+def _files(tensors: dict[str, list[int]], modules: list[str], parameters: list[str] | None = None) -> dict[str, bytes]:
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": modules, "target_parameters": parameters}
+    weights = save({f"{PREFIX}.{name}": torch.ones(shape) for name, shape in tensors.items()})
+    return {CONFIG_FILE: json.dumps(config).encode(), WEIGHTS_FILE: weights}
+
+
+def test_target_parameters_and_shared_expert_adapter_is_admitted_with_expert_bytes(tmp_path: Path) -> None:
+    model = MOE_FAMILIES[QWEN2]()
+    spec = _spec(model)
+    files = _peft_files(model, tmp_path, ["q_proj", "gate_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    summary = validate_adapter(files, spec, LIMITS)
+    assert summary.target_modules == (
+        "experts.down_proj",
+        "experts.gate_proj",
+        "experts.up_proj",
+        "gate_proj",
+        "q_proj",
+    )
+    sizes = _slot_bytes(4, list(summary.target_modules), spec, RankClasses((8, 16), "test"), 4)
+    e, h, i, shared, dense = 6, 64, 40, 56, 96  # layer 0 dense, layer 1 sparse with a shared expert
+    per_rank = 2 * (h + h) + (h + dense) + (h + shared) + e * 2 * (h + i) + e * (h + i)
+    assert sizes == {"8": 8 * per_rank * 4, "16": 16 * per_rank * 4}
+
+
+def test_per_expert_module_adapter_is_admitted() -> None:
+    tensors = {
+        "1.block_sparse_moe.experts.3.w1.lora_A.weight": [4, 64],
+        "1.block_sparse_moe.experts.3.w1.lora_B.weight": [96, 4],
+    }
+    summary = validate_adapter(_files(tensors, ["w1"]), _spec(MOE_FAMILIES["mixtral-window-8"]()), LIMITS)
+    assert summary.target_modules == ("experts.gate_proj",)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "error", "text"),
+    [
+        ({"1.mlp.experts.lora_A.weight": [24, 64], "1.mlp.experts.lora_B.weight": [64, 24]}, IntegrityError,
+         "fit neither experts.gate_up_proj"),
+        ({"1.mlp.experts.0.gate_proj.lora_A.weight": [4, 64], "1.mlp.experts.0.gate_proj.lora_B.weight": [96, 4]},
+         IntegrityError, "expected (40, 4)"),
+        ({"1.mlp.shared_expert.gate_proj.lora_A.weight": [4, 64],
+          "1.mlp.shared_expert.gate_proj.lora_B.weight": [96, 4]}, IntegrityError, "expected (56, 4)"),
+        ({"1.mlp.gate_proj.lora_A.weight": [4, 64], "1.mlp.gate_proj.lora_B.weight": [96, 4]}, UnservedTarget,
+         "mixture-of-experts MLP"),  # a dense-MLP adapter on a sparse layer: what the registry used to admit
+        ({"1.mlp.gate.lora_A.weight": [4, 64], "1.mlp.gate.lora_B.weight": [6, 4]}, UnservedTarget,
+         "mixture-of-experts module"),  # the router
+    ],
+)  # fmt: skip
+def test_expert_adapters_of_the_wrong_shape_or_module_are_refused(
+    tensors: dict[str, list[int]], error: type[IntegrityError], text: str
+) -> None:
+    modules = sorted({name.split(".")[-3] for name in tensors} - {"experts", "gate"}) or ["q_proj"]
+    files = _files(tensors, modules, ["mlp.experts.down_proj"])
+    with pytest.raises(error) as info:
+        validate_adapter(files, _spec(MOE_FAMILIES[QWEN2]()), LIMITS)
+    assert text in info.value.message
+
+
+def test_an_adapter_for_another_expert_width_is_refused(tmp_path: Path) -> None:
+    files = _peft_files(MOE_FAMILIES[QWEN2](), tmp_path, ["q_proj"], ["mlp.experts.down_proj"])
+    other = _spec(MOE_FAMILIES["mixtral-window-8"]())  # the same attention, experts 96 wide, not 40
+    with pytest.raises(IntegrityError, match="fit neither"):
+        validate_adapter(files, other, LIMITS)
+
+
+def test_target_parameters_outside_the_experts_are_refused() -> None:
+    files = _files({"1.mlp.experts.0.gate_proj.lora_A.weight": [4, 64]}, ["gate_proj"])
+    config = json.loads(files[CONFIG_FILE]) | {"target_parameters": ["mlp.gate.weight"]}
+    files[CONFIG_FILE] = json.dumps(config).encode()
+    with pytest.raises(Exception, match="target_parameters"):
+        validate_adapter(files, _spec(MOE_FAMILIES[QWEN2]()), LIMITS)
