@@ -2,8 +2,10 @@
 production asyncio servers), or on asyncio's own loop where uvloop is not installed."""
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
+
+import structlog
 
 T = TypeVar("T")
 
@@ -14,3 +16,17 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:  # e.g. Windows: uvloop is Unix-only
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+async def cancel_all(tasks: Iterable[asyncio.Task[Any]], grace_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait, up to ``grace_s``, until each has run its own cleanup (a watch's
+    unsubscribe while the connection is still open), whatever it raised; one still running after
+    that is left, logged by name, rather than holding the shutdown."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return
+    _, late = await asyncio.wait(pending, timeout=grace_s)
+    for task in late:
+        structlog.get_logger("shutdown").warning("task_still_running", task=task.get_name(), grace_s=grace_s)

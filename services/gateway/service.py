@@ -107,7 +107,7 @@ async def run(settings: GatewaySettings) -> None:
         if settings.max_prompt_tokens:
             tokens = await asyncio.to_thread(lambda: PromptTokens.load(resolve_model_dir(settings.model_dir)))
         watch = asyncio.create_task(follow_keys(nc, gateway.keys))
-        stack.callback(watch.cancel)
+        stack.push_async_callback(event_loop.cancel_all, [watch])
         followed = await follow_catalog(
             nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id), routing=True
         )

@@ -317,7 +317,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await ensure_streams(nc.jetstream())
         sources = await open_sources(nc.jetstream())
         watches: set[asyncio.Task] = set()
-        stack.callback(lambda: [t.cancel() for t in watches])
+        stack.push_async_callback(lambda: event_loop.cancel_all(list(watches)))
         mirrors: list[Followed] = []
         registry = await open_registry(nc, settings, base, barrier, sources, fleet, watches, mirrors, resolve)
         gc.freeze()  # the loaded catalog is long-lived: keep full collections from rescanning it per request
@@ -331,7 +331,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         routing = await open_routing(nc.jetstream(), registry.catalog, barrier.wait)
         await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
-        stack.callback(ticks.cancel)
+        stack.push_async_callback(event_loop.cancel_all, [ticks])
         metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         beat = asyncio.create_task(
             publish_heartbeats(
@@ -344,7 +344,7 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
                 checks_off(settings),
             )
         )
-        stack.callback(beat.cancel)
+        stack.push_async_callback(event_loop.cancel_all, [beat])
         log.info("registry_ready", base_model=base.name, fingerprint=base.fingerprint, versions=len(registry.catalog))
         await stop.wait()
 
