@@ -97,6 +97,7 @@ SERVER_FIXTURES = frozenset(
         "running_stack",  # tests/e2e
         "docker_host",  # tests/compose: dockerd and the compose projects
         "engine_stack",  # tests/e2e/test_engines.py: the stack on each worker engine
+        "routed_stack",  # tests/e2e/test_routing.py: the stack with task routes and policies
         "pair",  # tests/scheduler/test_engine_placement.py: two workers of unlike engines
         "tests/deploy/test_redis_auth.py::redis_port",  # a redis-server with a password
         "tests/shared/test_redis_sentinel.py::replicated",  # a Redis master, a replica and three sentinels
@@ -117,6 +118,8 @@ MODEL_FIXTURES = frozenset(
         "tests/worker/engine/test_async_engine.py::parts",
         "tests/worker/engine/test_sampler.py::tokenizer",
         "tests/worker/engine/test_multilora_engine.py::setup",  # its tokenizer, in both parameters
+        "tests/worker/engine/test_step_cost.py::loaded",
+        "tests/worker/test_serving_cost.py::loaded",
     }
 )
 PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or a whole file) -> what it starts
