@@ -19,6 +19,7 @@ from services.worker.start_phase import StartPhase
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.catalog.view import CatalogView
 from shared.fingerprint import fingerprint_model_dir
+from shared.lora_targets import EXPERT_MODULES
 from shared.schemas import EngineCapability
 
 
@@ -83,7 +84,9 @@ async def builtin(
     stack.callback(engine.shutdown)
     prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
     capability = EngineCapability(
-        engine="builtin", max_lora_rank=settings.lora.max_rank, lora_modules=list(settings.lora.target_modules)
+        engine="builtin",
+        max_lora_rank=settings.lora.max_rank,
+        lora_modules=shapes.present(settings.lora.target_modules),
     )
     classes = settings.lora.rank_classes
     return Served(
@@ -130,7 +133,9 @@ async def vllm(
     cache = CacheHierarchy(slots, loader.files, settings.cache)
     stack.callback(cache.close)
     prompts = await asyncio.to_thread(PromptIds.for_model, tokenizer, directory)
-    capability = EngineCapability(engine="vllm", max_lora_rank=rank, lora_modules=list(settings.lora.target_modules))
+    # LoRA on experts is the built-in engine's: a vLLM worker announces (and the scheduler places on it) the rest
+    served = [m for m in shapes.present(settings.lora.target_modules) if m not in EXPERT_MODULES]
+    capability = EngineCapability(engine="vllm", max_lora_rank=rank, lora_modules=served)
     name = served_model_name(settings.model_dir, directory)
     # vLLM holds every adapter in one class of its max rank: any declared pool is that class
     pool = (rank,) if settings.worker_rank_pool else ()

@@ -50,6 +50,10 @@ class ModelShapes:
         """The layers whose MLP is a mixture of experts."""
         return frozenset(i for i, layer in enumerate(self.layers) if EXPERT_MODULES[0] in layer)
 
+    def present(self, modules: tuple[str, ...]) -> list[str]:
+        """Those of ``modules`` some layer of this model has (a dense model has no experts.*), in order."""
+        return [m for m in modules if any(m in layer for layer in self.layers)]
+
     def params_per_rank(self, modules: tuple[str, ...]) -> int:
         """A and B elements of one rank unit over every layer: slot elements = rank * this."""
         return params_per_rank(self.layers, modules)
