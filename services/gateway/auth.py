@@ -22,7 +22,7 @@ from shared.schemas import ApiKeyRecord, TenantRecord
 
 KEY_PREFIX = "key."
 TENANT_PREFIX = "tenant."
-DEFAULT_TIER = "standard"  # a tenant's tier when its record sets none (as the scheduler reads it)
+DEFAULT_TIER = "standard"  # a tenant's tier when neither its record nor the fleet default sets one
 bearer = HTTPBearer(auto_error=False, description="an API key: `lf-<key_id>-<secret>`")
 
 
@@ -44,15 +44,16 @@ class Principal:
 
 
 class ApiKeys:
-    def __init__(self, config_keys: dict[str, str]) -> None:
+    def __init__(self, config_keys: dict[str, str], default_tier: str = DEFAULT_TIER) -> None:
         self._config = dict(config_keys)
+        self._default_tier = default_tier  # the fleet's LF_DEFAULT_QUOTA__SLO_TIER, as the scheduler reads it
         self._records: dict[str, ApiKeyRecord] = {}
         self._tiers: dict[str, str] = {}
         self.loaded = False
 
     def tier(self, tenant_id: str) -> str:
         """The tenant's SLO tier, as routing policies match it."""
-        return self._tiers.get(tenant_id, DEFAULT_TIER)
+        return self._tiers.get(tenant_id, self._default_tier)
 
     def apply(self, kv_key: str, value: bytes | None) -> None:
         """One watched bucket entry: a put (value) or a delete/purge (None)."""

@@ -101,7 +101,9 @@ async def run(settings: GatewaySettings) -> None:
         stack.push_async_callback(drain_or_close, nc)
         js = nc.jetstream()
         await ensure_streams(js)
-        gateway = Gateway(nc, ClusterView(settings.liveness_timeout_s), ApiKeys(settings.api_keys))
+        gateway = Gateway(
+            nc, ClusterView(settings.liveness_timeout_s), ApiKeys(settings.api_keys, settings.default_quota.slo_tier)
+        )
         await gateway.subscribe()
         tokens = None
         if settings.max_prompt_tokens:

@@ -2,7 +2,7 @@
 
 from pydantic import Field, model_validator
 
-from shared.config import RequestBounds, is_loopback
+from shared.config import DefaultQuota, RequestBounds, is_loopback
 
 
 class GatewaySettings(RequestBounds):
@@ -12,6 +12,11 @@ class GatewaySettings(RequestBounds):
         default_factory=dict,
         description="bootstrap/dev API key -> tenant id (JSON in LF_API_KEYS), inference scope only; "
         "real keys are issued by the registry (lorafleet key create)",
+    )
+    default_quota: DefaultQuota = Field(
+        default_factory=DefaultQuota,
+        description="the fleet's default tenant quota (LF_DEFAULT_QUOTA__<FIELD>, as the scheduler reads it); the "
+        "gateway uses its slo_tier alone: a tenant's tier, as routing policies match it, when its record sets none",
     )
     max_n: int = Field(default=4, ge=1, le=16, description="largest n (choices per request)")
     accept_timeout_s: float = Field(
