@@ -16,6 +16,7 @@ log = structlog.get_logger()
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 CHALLENGE = ("WWW-Authenticate", 'Bearer realm="metrics"')
+POLL_S = 0.1  # how often the serving thread looks for a close: the longest a close blocks
 
 
 def bearer_matches(header: str | None, token: str | None) -> bool:
@@ -50,14 +51,45 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes are not worth a log line each."""
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1", token: str | None = None) -> int | None:
+class MetricsServer:
+    """A running /metrics listener: its ``port`` (None when off) and ``close`` (also on leaving a ``with``),
+    which stops it and frees the port, so that a stopped service's port can be bound again."""
+
+    def __init__(self, server: WSGIServer | None = None) -> None:
+        self._server = server
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        if server is not None:
+            self.port = server.server_address[1]
+            self._thread = threading.Thread(
+                target=server.serve_forever, args=(POLL_S,), name="metrics-http", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving (within ``POLL_S``) and close the listening socket; again is a no-op."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> "MetricsServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", token: str | None = None) -> MetricsServer:
     """Expose /metrics on ``port`` (0 = any free port, -1 = off), requiring ``token`` as a bearer token
-    when given; the port actually used."""
+    when given; the listener (its ``port`` the one actually used), for the caller to close."""
     if port < 0:
-        return None
+        return MetricsServer()
     server_class = _Server6 if ":" in host else _Server
     server = make_server(host.strip("[]"), port, guarded(make_wsgi_app(), token), server_class, _QuietHandler)
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    actual = server.server_address[1]
-    log.info("metrics_listening", port=actual, authenticated=token is not None)
-    return actual
+    listener = MetricsServer(server)
+    log.info("metrics_listening", port=listener.port, authenticated=token is not None)
+    return listener

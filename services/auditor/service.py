@@ -264,7 +264,9 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
         await auditor.serve_queries(nc)
         verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop, auditor.due))
         start = await auditor.subscribe(js)
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        metrics_port = stack.enter_context(
+            serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        ).port
         beats = asyncio.create_task(
             publish_heartbeats(
                 nc, "auditor", settings.instance_id, settings.heartbeat_interval_s, auditor.status, metrics_port

@@ -332,7 +332,9 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.push_async_callback(event_loop.cancel_all, [ticks])
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        metrics_port = stack.enter_context(
+            serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        ).port
         beat = asyncio.create_task(
             publish_heartbeats(
                 nc,

@@ -324,7 +324,9 @@ async def run(settings: SchedulerSettings) -> None:
         # before nc.drain: once a fetch has timed out, nats-py's drain waits its full 30 s on this subscription
         stack.push_async_callback(psub.unsubscribe)
         stop = shutdown_event()
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        metrics_port = stack.enter_context(
+            serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        ).port
         background = [
             asyncio.create_task(
                 publish_heartbeats(

@@ -252,7 +252,9 @@ async def run(settings: WorkerSettings) -> None:
         js = nc.jetstream()
         await ensure_streams(js)
         stop = shutdown_event()
-        metrics_port = serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        metrics_port = stack.enter_context(
+            serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
+        ).port
         phases = StartPhase(settings.worker_id)
         beats = asyncio.create_task(  # from the start: the gateway's /readyz shows how far loading has come
             publish_heartbeats(

@@ -1,9 +1,10 @@
 """/metrics behind a bearer token: a running service's own listener and the gateway's route refuse a scrape
 without the deployment's token (401) and serve one with it; a service refuses to expose /metrics beyond
-loopback without a token."""
+loopback without a token; a closed listener frees its port."""
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from lorafleet.cli.infra import free_port, wait_port
 from lorafleet.cli.stack import Stack
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
+from shared.metrics_http import serve_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,3 +83,34 @@ def test_the_gateway_serves_beyond_loopback_only_with_a_metrics_token(token_file
         GatewaySettings(host="0.0.0.0")
     assert GatewaySettings(host="127.0.0.1").metrics_bearer() is None
     assert GatewaySettings(host="0.0.0.0", metrics_token_file=token_file).metrics_bearer()
+
+
+def _bind(port: int) -> None:
+    """Listen on ``port`` as a server would (SO_REUSEADDR, as the metrics listener sets), then let it go."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+
+
+def test_a_closed_listener_frees_its_port() -> None:
+    listener = serve_metrics(0)
+    port = listener.port
+    assert port
+    assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
+    with pytest.raises(OSError):  # still listening: the port is taken
+        _bind(port)
+    listener.close()
+    listener.close()  # again: nothing left to close
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    _bind(port)
+    with serve_metrics(port) as again:  # a restarted service takes the same port back
+        assert again.port == port
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
+    _bind(port)
+
+
+def test_metrics_off_has_no_port_and_nothing_to_close() -> None:
+    with serve_metrics(-1) as off:
+        assert off.port is None
