@@ -234,12 +234,15 @@ class Auditor:
     def status(self) -> tuple[bool, str]:
         return True, f"{self.store.last_pos()} records"
 
-    async def drain(self, beats: asyncio.Task, verifying: asyncio.Task) -> None:
-        """Stop heartbeating, let the verifier finish, sign the head after the last record: a graceful
-        stop leaves no unsigned tail."""
-        beats.cancel()
-        await verifying
+    async def drain(self, verifying: asyncio.Task) -> None:
+        """Let the verifier finish, sign the head after the last record: a graceful stop leaves no unsigned
+        tail (the stack's step after the heartbeats' cancel, before the followers, NATS and the store close)."""
+        if self.stop.is_set():
+            await verifying  # it ends at its next wait
+        else:  # a failed start or a cancelled run: no stop comes to end it
+            await event_loop.cancel_all([verifying])
         await sign_head(self.verifier)
+        log.info("auditor_stopped", records=self.store.last_pos(), signed_pos=self.verifier.signed_pos)
 
 
 async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> None:
@@ -263,6 +266,7 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
         auditor = Auditor(store, Records(followed.view, js), verifier, settings.head_every_records, stop)
         await auditor.serve_queries(nc)
         verifying = asyncio.create_task(keep_verifying(verifier, settings.head_interval_s, stop, auditor.due))
+        stack.push_async_callback(auditor.drain, verifying)  # unwound after everything entered below
         start = await auditor.subscribe(js)
         metrics_port = stack.enter_context(
             serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
@@ -272,10 +276,9 @@ async def run(settings: AuditorSettings, stop: asyncio.Event | None = None) -> N
                 nc, "auditor", settings.instance_id, settings.heartbeat_interval_s, auditor.status, metrics_port
             )
         )
+        stack.push_async_callback(event_loop.cancel_all, [beats])
         log.info("auditor_started", records=store.last_pos(), resume_from=start, head_key=signer.public_key)
         await auditor.consume()
-        await auditor.drain(beats, verifying)
-        log.info("auditor_stopped", records=store.last_pos(), signed_pos=verifier.signed_pos)
 
 
 def main() -> None:

@@ -290,14 +290,14 @@ class Scheduler:
             detail = f"learning the fleet from heartbeats ({detail})"
         return self.nc.is_connected and self.discovered, detail
 
-    async def drain(self, background: list[asyncio.Task], timeout_s: float) -> None:
-        """Stop the clocks, let dispatches in progress finish, hand queued requests back to the work queue."""
-        for task in background:
-            task.cancel()
+    async def drain(self, timeout_s: float) -> None:
+        """Hand queued requests back to the work queue, let dispatches in progress finish (the stack's step
+        after the clocks' cancel, before the subscription, the followers, Redis and NATS close)."""
         for msg in [*self.intake.take_all(), *self._overflow]:  # not admitted: another scheduler decides
             await msg.nak()
         self._overflow.clear()
         await self.core.shutdown(timeout_s)
+        log.info("scheduler_stopped")
 
 
 async def run(settings: SchedulerSettings) -> None:
@@ -327,6 +327,8 @@ async def run(settings: SchedulerSettings) -> None:
         metrics_port = stack.enter_context(
             serve_metrics(settings.metrics_port, settings.metrics_host, settings.metrics_bearer())
         ).port
+        # unwound last in first out: the clocks stop, then the drain, then the subscription, the followers and NATS
+        stack.push_async_callback(scheduler.drain, settings.dispatch_timeout_s + 1)
         background = [
             asyncio.create_task(
                 publish_heartbeats(
@@ -344,14 +346,13 @@ async def run(settings: SchedulerSettings) -> None:
                 )
             ),
         ]
+        stack.push_async_callback(event_loop.cancel_all, background)
         # a scheduler that took work at once would place and shed it on the first worker it heard of:
         # every worker heartbeats within an interval, so it listens that long (and half again) first
         await asyncio.sleep(FLEET_DISCOVERY_INTERVALS * settings.heartbeat_interval_s)
         scheduler.discovered = True
         log.info("scheduler_started", workers=len(core.fleet.workers))
         await scheduler.consume(psub, stop)
-        await scheduler.drain(background, settings.dispatch_timeout_s + 1)
-        log.info("scheduler_stopped")
 
 
 def main() -> None:

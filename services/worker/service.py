@@ -232,13 +232,13 @@ class Worker:
             await asyncio.sleep(self.settings.pin_refresh_s)
             self.pins.reconcile()
 
-    async def drain(self, background: list[asyncio.Task], beats: asyncio.Task) -> None:
-        """Stop the clocks, give the requests in progress up to ``DRAIN_S`` to finish, then stop heartbeating."""
-        for task in background:
-            task.cancel()
+    async def drain(self, beats: asyncio.Task) -> None:
+        """Give the requests in progress up to ``DRAIN_S`` to finish, then stop heartbeating (the stack's
+        step after the clocks' cancel, before the followers, the engine and NATS close)."""
         if self.server.tasks:
             await asyncio.wait(list(self.server.tasks.values()), timeout=DRAIN_S)
-        beats.cancel()
+        await event_loop.cancel_all([beats])
+        log.info("worker_stopped")
 
 
 async def run(settings: WorkerSettings) -> None:
@@ -267,6 +267,7 @@ async def run(settings: WorkerSettings) -> None:
                 phase=phases.current,
             )
         )
+        stack.push_async_callback(event_loop.cancel_all, [beats])  # a failed start; a drain stops them earlier
         build = engines.vllm if settings.worker_engine == "vllm" else engines.builtin
         catalog = CatalogView(ask_registry(nc, REGISTRY_TIMEOUT_S), route="dispatch")
         served = await build(nc, catalog, settings, stack, phases)  # the engine and the cache enter the stack
@@ -280,6 +281,8 @@ async def run(settings: WorkerSettings) -> None:
         worker = Worker.wire(nc, settings, served, catalog)
         await worker.subscribe(js)
         served.cache.start()
+        # unwound last in first out: the clocks stop, then the drain, then the followers, the engine and NATS
+        stack.push_async_callback(worker.drain, beats)
         background = [
             asyncio.create_task(worker.beating()),
             asyncio.create_task(worker.following_heat(redis)),
@@ -288,6 +291,7 @@ async def run(settings: WorkerSettings) -> None:
             ),
             asyncio.create_task(worker.keeping_pins()),
         ]
+        stack.push_async_callback(event_loop.cancel_all, background)
         phases.enter("ready")
         log.info(
             "worker_ready",
@@ -298,8 +302,6 @@ async def run(settings: WorkerSettings) -> None:
         )
         await stop.wait()
         phases.enter("draining")
-        await worker.drain(background, beats)
-        log.info("worker_stopped")
 
 
 def main() -> None:
