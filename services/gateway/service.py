@@ -117,12 +117,12 @@ async def run(settings: GatewaySettings) -> None:
         ctx = GatewayContext(settings, nc, js, gateway.cluster, gateway.keys, followed.view, tokens)
         gateway.server = http_server(settings, ctx)
         stop = shutdown_event()
+        stack.callback(log.info, "gateway_stopped")  # unwound after the heartbeats stop, before the followers
         beats = asyncio.create_task(
             publish_heartbeats(nc, "gateway", settings.instance_id, settings.heartbeat_interval_s, gateway.health)
         )
+        stack.push_async_callback(event_loop.cancel_all, [beats])
         await gateway.serve(stop)
-        beats.cancel()
-        log.info("gateway_stopped")
 
 
 def main() -> None:
