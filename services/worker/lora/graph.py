@@ -55,7 +55,11 @@ class StaticLora:
         return tuple(count_bucket(n, bucket) for n in counts)
 
     def stage(self, token_slots: list[int], counts: tuple[int, ...]) -> None:
-        """Write each class's tokens, sorted by slot, then dead rows up to its count bucket: one copy."""
+        """Write each class's tokens, sorted by slot, then dead rows up to its count bucket: one copy
+        (none for a base-model step, whose forward reads no row)."""
+        if not any(counts):
+            self.used = ()
+            return
         width = self.rows.shape[2]
         per_class: list[list[tuple[int, int]]] = [[] for _ in self.stacks]
         for token, slot in enumerate(token_slots):

@@ -195,6 +195,24 @@ def test_fits_takes_adapter_steps_only_with_a_lora_hook(weights: ModelWeights, t
     assert with_lora.fits(seqs) and not with_lora.fits(seqs * 2)
 
 
+def test_static_lora_rows_sort_by_class_and_slot_then_pad_dead(weights: ModelWeights, tmp_path: Path) -> None:
+    manager = _lora_engine(weights, tmp_path).adapter_manager
+    assert isinstance(manager, AdapterManager)
+    hook = manager.graph_hook(8)
+    r8_all, r8_qv, r16 = (manager.slot_of(name) for name in ADAPTERS)
+    assert r8_all is not None and r8_qv is not None and r16 is not None and r8_all < r8_qv < r16
+    slots = [r16, -1, r8_qv, r8_all, r8_qv]
+    key = hook.key(slots, 8)
+    assert key == (4, 1)
+    hook.stage(slots, key)
+    first16 = hook.first_slots[1]
+    assert hook.rows[0, :, :4].tolist() == [[3, 2, 4, 0], [r8_all, r8_qv, r8_qv, 0], [1, 1, 1, 0]]
+    assert hook.rows[1, :, :1].tolist() == [[0], [r16 - first16], [1]]
+    assert hook.ranks == (8, 16)
+    with pytest.raises(ValueError, match="count bucket"):
+        hook.stage(slots, (2, 1))
+
+
 def _synced_steps(engine: LLMEngine) -> tuple[dict[str, list[int]], list[int]]:
     """Step to completion under CUDA's sync debug mode: the tokens, and the host syncs of each step."""
     tokens: dict[str, list[int]] = {}
