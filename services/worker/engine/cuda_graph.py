@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket, replayed over static input buffers.
+"""CUDA graphs of the decode step: one graph per batch-size bucket (and LoRA mix), replayed over static buffers.
 
 A decode-only step of ``n`` sequences is padded to the smallest bucket ``>= n`` (``bucket_for``);
 a step larger than the largest bucket runs eagerly. The padding rows write their K/V to a scratch
@@ -61,7 +61,8 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Static decode buffers at the largest bucket, and on CUDA one captured graph per bucket."""
+    """Static decode buffers at the largest bucket, and on CUDA one captured graph per key (batch bucket,
+    and with a LoRA hook each rank class's row-count bucket)."""
 
     def __init__(
         self,
