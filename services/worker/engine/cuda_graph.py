@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one graph per batch-size bucket, replayed over static input buffers.
+"""CUDA graphs of the decode step: one graph per batch-size bucket (and LoRA mix), replayed over static buffers.
 
 A decode-only step of ``n`` sequences is padded to the smallest bucket ``>= n`` (``bucket_for``);
 a step larger than the largest bucket runs eagerly. The padding rows write their K/V to a scratch
@@ -13,10 +13,15 @@ paged attention gathers a fixed ``ceil(max_model_len / block_size)`` blocks per 
 of a block table pointing at the scratch block. The price is attention over ``max_model_len``
 columns per row whatever the sequences' lengths; the gain, one launch for the whole step.
 
-LoRA: a step with adapter tokens runs eagerly. Its metadata (token order, segments, per-class
-index lists) is built on the host with data-dependent shapes, which a fixed-shape BGMV over the
-bucket could replace; until then graphs serve base-model decodes. Prefill and mixed steps always
-run eagerly.
+LoRA: with an adapter manager, a graph's key is (batch bucket, per rank class count bucket), the
+counts of the step's adapter tokens in each class bucketed to 0, 1, 2, 4, ... capped at the batch
+bucket (lora/graph.py's ``count_bucket``). The step's adapter tokens are staged, sorted by (class,
+slot), into the hook's static rows, padded per class with dead rows that add an exact zero; the
+captured forward runs a gathered shrink / expand over those rows, fixed shapes, no host read. A
+batch bucket ``B`` has at most ``K = len(count_buckets(B))`` (``ceil(log2 B) + 2``) count buckets per
+class, so at most ``K ** classes`` keys; the base-model keys (every count 0) are captured at start,
+the others on their first step (a step's warm-up, capture and replay: idempotent K/V writes), so only
+the mixes that occur cost graph memory, all in one pool. Prefill and mixed steps always run eagerly.
 
 With ``capture=False`` the same ``_forward`` runs without capture: the path the CPU tests compare
 with the eager step, on any device.
@@ -28,11 +33,14 @@ import torch
 
 from services.worker.engine.attention import AttentionMetadata
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.lora_hook import GraphLoraHook
 from services.worker.engine.model import LlamaForward
 from services.worker.engine.sequence import Sequence
 
 MAX_GRAPH_BATCH = 512  # vLLM's default largest capture: beyond it, replay saves little over the step's work
 FIELDS = 4  # per row: input id, position, cache slot, context length; then the block table
+
+GraphKey = tuple[int, tuple[int, ...]]  # (batch bucket, per rank class count bucket)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -53,7 +61,8 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """Static decode buffers at the largest bucket, and on CUDA one captured graph per bucket."""
+    """Static decode buffers at the largest bucket, and on CUDA one captured graph per key (batch bucket,
+    and with a LoRA hook each rank class's row-count bucket)."""
 
     def __init__(
         self,
@@ -63,6 +72,7 @@ class DecodeGraphs:
         max_model_len: int,
         sizes: list[int],
         capture: bool = True,
+        lora: GraphLoraHook | None = None,
     ):
         if not 0 <= scratch_block < cache.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is not in the cache's {cache.num_blocks} blocks")
@@ -76,8 +86,12 @@ class DecodeGraphs:
         self._columns = torch.arange(self.width * cache.block_size, device=device)  # [width * block_size]
         self._windows = sorted({p.window for p in model.attention if p.window is not None})
         self._padding = [0, 0, scratch_block * cache.block_size, 1] + [scratch_block] * self.width
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # bucket -> its graph's logits [bucket, vocab]
+        self.lora = lora
+        self._base = lora.counts if lora is not None else ()  # every class's count 0
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[GraphKey, torch.Tensor] = {}  # key -> its graph's logits [bucket, vocab]
+        self._pool = torch.cuda.graph_pool_handle() if capture else None  # every graph's memory
+        self.capture = capture
         if capture:
             self._capture()
 
@@ -86,23 +100,44 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def fits(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode-only step of ``seqs`` runs here: no more than the largest bucket, no adapter token."""
-        return len(seqs) <= self.largest and all(seq.slot < 0 for seq in seqs)
+        """Whether a decode-only step of ``seqs`` runs here: no more than the largest bucket, and an
+        adapter token only with a LoRA hook."""
+        return len(seqs) <= self.largest and (self.lora is not None or all(seq.slot < 0 for seq in seqs))
+
+    def key(self, seqs: list[Sequence]) -> GraphKey | None:
+        """The graph a decode step of ``seqs`` replays: its batch bucket and per class count buckets;
+        None above the largest bucket."""
+        bucket = bucket_for(len(seqs), self.sizes)
+        if bucket is None:
+            return None
+        if self.lora is None:
+            return bucket, ()
+        return bucket, self.lora.key([seq.slot for seq in seqs], bucket)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """The decode step of ``seqs`` (each with one new token) -> fp32 logits [len(seqs), vocab].
 
         The logits view the graph's output buffer: valid until the next run."""
         n = len(seqs)
-        bucket = bucket_for(n, self.sizes)
-        if bucket is None:
+        key = self.key(seqs)
+        if key is None:
             raise ValueError(f"{n} sequences exceed the largest decode bucket, {self.largest}")
+        bucket, counts = key
         self._stage(seqs, bucket)
-        graph = self._graphs.get(bucket)
+        if self.lora is not None:
+            self.lora.stage([seq.slot for seq in seqs], counts)
+        graph = self._graphs.get(key)
+        if graph is None and self.capture:
+            graph = self._capture_key(key)  # a LoRA mix's first step: captured now, replayed below
         if graph is None:
-            return self._forward(bucket)[:n]
+            return self._forward(key)[:n]
         graph.replay()
-        return self._outputs[bucket][:n]
+        return self._outputs[key][:n]
+
+    @property
+    def hook(self) -> GraphLoraHook | None:
+        """The LoRA hook of the last run, where its step had adapter tokens (the step's rank mix)."""
+        return self.lora if self.lora is not None and self.lora.ranks else None
 
     def _stage(self, seqs: list[Sequence], bucket: int) -> None:
         """Write the rows of ``seqs``, then padding rows up to ``bucket``, into the static buffer: one copy."""
@@ -123,8 +158,14 @@ class DecodeGraphs:
             staged = staged.pin_memory()
         self._static[:bucket].copy_(staged, non_blocking=True)
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """The forward pass a graph captures: static rows [:bucket] -> fp32 logits [bucket, vocab]."""
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        """The forward pass a graph captures: static rows [:bucket] and, with adapter rows in the key,
+        the LoRA hook's static rows -> fp32 logits [bucket, vocab]."""
+        bucket, counts = key
+        lora = None
+        if self.lora is not None and any(counts):
+            self.lora.counts = counts
+            lora = self.lora
         rows = self._static[:bucket]
         input_ids, positions, slots, lengths = rows[:, :FIELDS].t().contiguous().unbind()
         span = self._columns.shape[0]
@@ -141,22 +182,36 @@ class DecodeGraphs:
         meta.decode_bias(dtype)
         for window in self._windows:
             meta.window_decode_bias(dtype, window)
-        return self.model.logits(self.model.hidden(input_ids, positions, meta, self.cache))
+        return self.model.logits(self.model.hidden(input_ids, positions, meta, self.cache, lora))
 
     def _capture(self) -> None:
-        """Warm each bucket up on a side stream, then capture the largest first, all graphs in one
-        memory pool (a smaller graph's temporaries reuse a larger one's; replays never overlap)."""
+        """Warm each base-model key up on a side stream, then capture the largest first, all graphs in
+        one memory pool (a smaller graph's temporaries reuse a larger one's; replays never overlap)."""
         self._stage([], self.largest)  # every row padding: warm-up and capture touch the scratch block only
+        keys = [(bucket, self._base) for bucket in reversed(self.sizes)]
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for bucket in reversed(self.sizes):
-                self._forward(bucket)
+            for key in keys:
+                self._forward(key)
         torch.cuda.current_stream().wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.sizes):
+        for key in keys:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[bucket] = self._forward(bucket)
-            self._graphs[bucket] = graph
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._outputs[key] = self._forward(key)
+            self._graphs[key] = graph
         torch.cuda.synchronize()
+
+    def _capture_key(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+        """Capture one key over the rows staged for it, into the shared pool: a warm-up forward on a side
+        stream (its K/V writes are the replay's own), then the capture."""
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(key)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._outputs[key] = self._forward(key)
+        self._graphs[key] = graph
+        return graph

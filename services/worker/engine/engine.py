@@ -96,7 +96,8 @@ class LLMEngine:
             )
         if config.cuda_graphs:
             sizes = graph_batch_sizes(config.max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.cache, num_blocks, config.max_model_len, sizes)
+            hook = adapter_manager.graph_hook(sizes[-1]) if adapter_manager is not None else None
+            self.graphs = DecodeGraphs(self.model, self.cache, num_blocks, config.max_model_len, sizes, lora=hook)
         self.vocab_size = spec.vocab_size
         self.grammars = Grammars(
             tokenizer, spec.vocab_size, eos_token_ids, config.max_num_seqs, config.grammar_cache, grammar_bounds
@@ -204,10 +205,10 @@ class LLMEngine:
     def _forward(
         self, decodes: list[Sequence], prefills: list[Sequence]
     ) -> tuple[torch.Tensor, LoraHook | None, PromptLogprobs, int]:
-        """The step's logits (a decode-only base-model step through the CUDA graphs when they hold it),
-        its LoRA hook, prompt logprobs and token count."""
+        """The step's logits (a decode-only step through the CUDA graphs when they hold it), its LoRA
+        hook, prompt logprobs and token count."""
         if self.graphs is not None and not prefills and self.graphs.fits(decodes):
-            return self.graphs.run(decodes), None, {}, len(decodes)
+            return self.graphs.run(decodes), self.graphs.hook, {}, len(decodes)
         batch = build_batch(decodes, prefills, self.config.kv_block_size, self.config.device)
         logits, lora, prompts = self._run(batch)
         return logits, lora, prompts, len(batch.input_ids)

@@ -113,9 +113,10 @@ class EngineConfig(BaseModel):
 
     cuda_graphs: bool = Field(
         default=False,
-        description="replay a CUDA graph per batch-size bucket for decode-only steps without adapter tokens "
-        "(cuda devices only; prefill, mixed and adapter steps run eagerly); reserves one KV block for the "
-        "padding rows, and its decode attention spans max_model_len whatever the sequences' lengths",
+        description="replay a CUDA graph per batch-size bucket (and, with adapter tokens, per rank class "
+        "row-count bucket) for decode-only steps (cuda devices only; prefill and mixed steps run eagerly); "
+        "reserves one KV block for the padding rows, and its decode attention spans max_model_len whatever "
+        "the sequences' lengths",
     )
 
     @model_validator(mode="after")

@@ -76,6 +76,21 @@ class LoraHook(Protocol):
         ...
 
 
+class GraphLoraHook(LoraHook, Protocol):
+    """A LoraHook of fixed shapes for the CUDA-graph decode step: ``stage`` writes a step's rows into
+    static buffers, and ``apply`` reads the first ``counts[c]`` rows of each rank class c."""
+
+    counts: tuple[int, ...]  # per rank class, the rows the forward reads (set before a forward or capture)
+
+    def key(self, token_slots: list[int], bucket: int) -> tuple[int, ...]:
+        """Per rank class, the bucketed count of the step's tokens in it (0 where none)."""
+        ...
+
+    def stage(self, token_slots: list[int], counts: tuple[int, ...]) -> None:
+        """Write the step's adapter tokens (token_slots: one per row, -1 = base) for the key ``counts``."""
+        ...
+
+
 class LoraProvider(Protocol):
     """Maps adapter names to resident slots and builds each step's LoRA state."""
 
@@ -90,4 +105,8 @@ class LoraProvider(Protocol):
 
     def prepare(self, token_slots: torch.Tensor) -> LoraHook | None:
         """token_slots: int64 [num_tokens] on the host, -1 = base model only. Called once per step with any slot >= 0."""
+        ...
+
+    def graph_hook(self, max_rows: int) -> GraphLoraHook:
+        """The CUDA-graph decode step's static hook over steps of up to ``max_rows`` rows."""
         ...

@@ -8,6 +8,7 @@ import torch
 
 from kernels.dispatch import use_native_lora
 from services.worker.lora.applier import ClassBatch, LoraBatch
+from services.worker.lora.graph import StaticLora
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from services.worker.lora.lora_config import LoraConfig
 from services.worker.lora.metadata import LoraMetadata
@@ -142,6 +143,10 @@ class AdapterManager:
                 modules = frozenset().union(*(stack.row_modules[row] for _, _, row, _ in index.segments))
                 classes.append(ClassBatch(stack, index, modules, workspace, self.native))
         return LoraBatch(classes) if classes else None
+
+    def graph_hook(self, max_rows: int) -> StaticLora:
+        """The CUDA-graph decode step's fixed-shape hook over this pool's stacks (lora/graph.py)."""
+        return StaticLora(self.pool.classes, max_rows, self.device)
 
     def _check(self, weights: AdapterWeights) -> None:
         if weights.rank > self.config.max_rank:
