@@ -122,7 +122,13 @@ def gateway_settings(nats_url: str, **over) -> GatewaySettings:
 
 
 @pytest.fixture
-async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterator[Gateway]:
+def gateway_over() -> dict:
+    """GatewaySettings fields a test sets over gateway_settings' (parametrize it by name to change them)."""
+    return {}
+
+
+@pytest.fixture
+async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens, gateway_over) -> AsyncIterator[Gateway]:
     stop = asyncio.Event()
     reg = RegistrySettings(
         nats_url=gw_nats.url,
@@ -156,7 +162,7 @@ async def gateway(gw_nats, tiny_base_dir, tmp_path, smol_tokens) -> AsyncIterato
     keys = ApiKeys({"config-key": "configured"})
     watch = asyncio.create_task(follow_keys(nc, keys))
     port = free_port()
-    settings = gateway_settings(gw_nats.url, port=port)
+    settings = gateway_settings(gw_nats.url, port=port, **gateway_over)
     followed = await follow_catalog(nc, settings.registry_timeout_s, barrier=("gateway", settings.instance_id))
     # as the service does: the registry learns of this gateway and waits for its mirror on each write
     beating = asyncio.create_task(publish_heartbeats(nc, "gateway", settings.instance_id, 0.2, lambda: (True, "")))
