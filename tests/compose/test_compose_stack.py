@@ -53,8 +53,8 @@ def test_the_demo_service_releases_the_example_adapters_and_they_answer(
 
 @pytest.fixture(scope="module")
 def onboarded(stack: tuple[Compose, str], tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Tenant acme, an admin key, a signer trusted for it, and its signed adapter evaluated and released,
-    every step through the CLI inside the image; the key."""
+    """Tenant acme, an admin key, a signer trusted for it, and its signed adapter pushed with its eval set,
+    evaluated by the registry on a worker and released, every step through the CLI inside the image; the key."""
     compose, _ = stack
     mine = tmp_path_factory.mktemp("my-adapter")
     shutil.copytree(EXAMPLE, mine / "capital", dirs_exist_ok=True)
@@ -67,15 +67,11 @@ def onboarded(stack: tuple[Compose, str], tmp_path_factory: pytest.TempPathFacto
     compose.cli("keys", "trust", "release", "keys/release.pub", "--tenant", "acme")
     pushed = compose.cli(
         "adapter", "push", "/adapter/adapter", "--id", ADAPTER, "--tenant", "acme", "--task", "qa",
-        "--sign-key", "keys/release.key", volumes=mount,
+        "--sign-key", "keys/release.key", "--eval-set", "/adapter/eval.jsonl", volumes=mount,
     )  # fmt: skip
     assert ADAPTER in pushed
-    scored = compose.cli(
-        "eval", f"{ADAPTER}@1", "--gateway-url", "http://gateway:8000", "--api-key", key,
-        "--eval-set", "/adapter/eval.jsonl", volumes=mount,
-    )  # fmt: skip
-    assert "(recorded)" in scored, scored
-    compose.cli("adapter", "promote", ADAPTER, "1", "--percent", "100")
+    # the release gate: the registry runs the version's own eval set on a worker before it is promoted
+    compose.cli("adapter", "promote", ADAPTER, "1", "--percent", "100", timeout_s=600)
     return key
 
 
