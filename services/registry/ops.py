@@ -22,11 +22,11 @@ from pathlib import Path
 import structlog
 
 from services.registry import lifecycle
-from services.registry.evaluation import Ask, score_set
+from services.registry.evaluation import Ask, export_quality, platform_eval
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release, needs_run, summary
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
-from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, stored_push
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, next_version, stored_push
 from services.registry.remote_intake import RemoteIntake
 from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (
@@ -37,7 +37,7 @@ from services.registry.stores import (
     object_prefix,
     trusted_source_dir,
 )
-from shared import metrics, subjects
+from shared import subjects
 from shared.adapter_format import AdapterBytes, file_digests, read_adapter_dir
 from shared.catalog.access import may_use
 from shared.catalog.records import Catalog, Change, record_key
@@ -53,7 +53,6 @@ from shared.schemas import (
     ListAdaptersRequest,
     ListModelsReply,
     ListModelsRequest,
-    PlatformEval,
     PromoteRequest,
     RecordEvalRequest,
     RegisterRequest,
@@ -193,7 +192,7 @@ class Registry:
                         if (stored := stored_push(self.catalog, req, digests)) is not None:
                             return AdapterRecordsReply(records=[stored])
                         view = self._intake_view(req)
-                        prefix = object_prefix(req.adapter_id, _next_version(view, req), attempt=_attempt())
+                        prefix = object_prefix(req.adapter_id, next_version(view, req), attempt=_attempt())
                         change = await self._admit(view, req, files, digests, prefix)
                         await self._approved.put(prefix, files)
                         if EVAL_SET_FILE in files:
@@ -229,7 +228,7 @@ class Registry:
                     if (stored := stored_push(self.catalog, req, digests)) is not None:
                         return stored
                     view = self._intake_view(req)
-                    prefix = object_prefix(req.adapter_id, _next_version(view, req), req.tenant_id, _attempt())
+                    prefix = object_prefix(req.adapter_id, next_version(view, req), req.tenant_id, _attempt())
                     with fetched.mapped() as files:
                         change = await self._admit(view, req, files, digests, prefix, fetched.origin)
                     await self._approved.put(prefix, fetched.paths)
@@ -330,19 +329,8 @@ class Registry:
         assert digest is not None
         spec = parse_eval_set(await self._approved.eval_set(digest))
         ask = self._askers(record.tenant_id, record.base_model)
-        mine = await score_set(ask, f"{adapter_id}@{version}", spec)
-        baseline = None
-        if production is not None and production.version != version:
-            baseline = await score_set(ask, f"{adapter_id}@{production.version}", spec)
-        run = PlatformEval(
-            eval_set_digest=digest,
-            score=mine.score,
-            threshold=spec.meta.threshold,
-            items=mine.items,
-            errors=mine.errors,
-            baseline_version=production.version if baseline is not None and production is not None else None,
-            baseline_score=baseline.score if baseline is not None else None,
-        )
+        serving = production.version if production is not None else None
+        run = await platform_eval(ask, adapter_id, version, spec, digest, serving)
         reply = await self._change(
             "release-gate", lambda: lifecycle.record_platform_eval(self.catalog, adapter_id, version, run), summary(run)
         )
@@ -458,18 +446,6 @@ class Registry:
             await self._audit(audit)
 
 
-def export_quality(record: AdapterRecord) -> None:
-    """``adapter_quality_score``: a version's platform-run score as the records bucket holds it (every
-    replica follows the bucket, so each exports the same figure)."""
-    if record.platform_eval is not None:
-        metrics.QUALITY_SCORE.labels(record.adapter_id, str(record.version)).set(record.platform_eval.score)
-
-
 def _attempt() -> str:
     """A push's own token in its files' prefix."""
     return uuid.uuid4().hex[:12]
-
-
-def _next_version(catalog: Catalog, req: RegisterRequest) -> int:
-    latest = catalog.latest(req.adapter_id)
-    return req.version or (latest.version + 1 if latest else 1)

@@ -160,3 +160,9 @@ def admit(
         slot_bytes=sizes,
     )
     return Change(kind="registered", before=None, after=record)
+
+
+def next_version(catalog: Catalog, req: RegisterRequest) -> int:
+    """The version a push becomes: the one it names, else one past the adapter's latest."""
+    latest = catalog.latest(req.adapter_id)
+    return req.version or (latest.version + 1 if latest else 1)
