@@ -22,6 +22,7 @@ from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
 from shared.schemas import AdapterRecord, ServiceHeartbeat
 from shared.signing import KeyPair, generate_keypair
 from tests.helpers import records
+from tests.registry.bus_world import wired  # noqa: F401  # the op-table fixture of the *_bus tests
 
 TINY = {
     "model_type": "llama",
