@@ -99,3 +99,28 @@ async def push_released(nc: NATS, dirs: dict[str, Path], *, fingerprint: str, si
         await request(nc, subjects.registry("promote"), promote, AdapterRecordsReply, 10)
         versions[name] = record.version
     return versions
+
+
+def assert_greedy_matches_peft(
+    peft: PeftModel,
+    prompts: Sequence[list[int]],
+    cases: Sequence[tuple[int, str | None]],
+    tokens: dict[str, list[int]],
+    logprobs: dict[str, list[float]],
+) -> None:
+    """Each case's (prompt index, adapter or None = base) greedy tokens ``tokens["<i>-<name>"]`` are PEFT's
+    argmax, and their ``logprobs`` PEFT's within 1e-4."""
+    for i, name in cases:
+        ids = torch.tensor([prompts[i] + tokens[f"{i}-{name}"]])
+        with torch.no_grad():
+            if name is None:
+                with peft.disable_adapter():
+                    logits = peft(input_ids=ids).logits[0].float()
+            else:
+                peft.set_adapter(name)
+                logits = peft(input_ids=ids).logits[0].float()
+        expected = logits[len(prompts[i]) - 1 : -1].log_softmax(-1)
+        out_ids = torch.tensor(tokens[f"{i}-{name}"])
+        assert torch.equal(expected.argmax(-1), out_ids), f"prompt {i} adapter {name}"
+        got = torch.tensor(logprobs[f"{i}-{name}"])
+        torch.testing.assert_close(got, expected.gather(1, out_ids[:, None])[:, 0], atol=1e-4, rtol=0)

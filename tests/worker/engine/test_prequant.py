@@ -22,6 +22,7 @@ from services.worker.engine.prequant import checkpoint_quant
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.fingerprint import BaseModelSpec, compute_fingerprint
 from shared.schemas import SamplingParams
+from tests.helpers.adapters import assert_greedy_matches_peft
 from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family
 from tests.helpers.prequant import with_weights
 
@@ -207,20 +208,7 @@ def test_lora_adapters_match_peft_on_the_dequantized_model(tmp_path: Path) -> No
     tokens, logprobs = _run(
         engine, [EngineRequest(f"{i}-{n}", PROMPTS[i], params, adapter=n, logprobs=True) for i, n in cases]
     )
-    for i, name in cases:
-        ids = torch.tensor([PROMPTS[i] + tokens[f"{i}-{name}"]])
-        with torch.no_grad():
-            if name is None:
-                with peft.disable_adapter():
-                    logits = peft(input_ids=ids).logits[0].float()
-            else:
-                peft.set_adapter(name)
-                logits = peft(input_ids=ids).logits[0].float()
-        expected = logits[len(PROMPTS[i]) - 1 : -1].log_softmax(-1)
-        out_ids = torch.tensor(tokens[f"{i}-{name}"])
-        assert torch.equal(expected.argmax(-1), out_ids), f"prompt {i} adapter {name}"
-        got = torch.tensor(logprobs[f"{i}-{name}"])
-        torch.testing.assert_close(got, expected.gather(1, out_ids[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert_greedy_matches_peft(peft, PROMPTS, cases, tokens, logprobs)
     assert any(tokens[f"{i}-mlp-r16"] != tokens[f"{i}-None"] for i in range(len(PROMPTS)))
 
 

@@ -25,7 +25,7 @@ from services.worker.engine.weights import load_weights
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from services.worker.settings import WorkerSettings
 from shared.schemas import SamplingParams
-from tests.helpers.adapters import ALL_MODULES
+from tests.helpers.adapters import ALL_MODULES, assert_greedy_matches_peft
 from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, word_tokenizer
 
 QUANTIZED = ["int8", "int4"]
@@ -209,20 +209,7 @@ def test_lora_mixed_batch_matches_peft_on_dequantized_weights(family: str, fmt: 
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
             logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
-    for i, name in cases:
-        ids = torch.tensor([PROMPTS[i] + tokens[f"{i}-{name}"]])
-        with torch.no_grad():
-            if name is None:
-                with peft.disable_adapter():
-                    logits = peft(input_ids=ids).logits[0].float()
-            else:
-                peft.set_adapter(name)
-                logits = peft(input_ids=ids).logits[0].float()
-        expected = logits[len(PROMPTS[i]) - 1 : -1].log_softmax(-1)
-        out_ids = torch.tensor(tokens[f"{i}-{name}"])
-        assert torch.equal(expected.argmax(-1), out_ids), f"prompt {i} adapter {name}"
-        got = torch.tensor(logprobs[f"{i}-{name}"])
-        torch.testing.assert_close(got, expected.gather(1, out_ids[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert_greedy_matches_peft(peft, PROMPTS, cases, tokens, logprobs)
     assert any(tokens[f"{i}-all-r16"] != tokens[f"{i}-None"] for i in range(len(PROMPTS)))
 
 
