@@ -12,6 +12,7 @@ from nats.js.api import DeliverPolicy
 from lorafleet.cli.adapter_cmd import push_adapter
 from services.registry.push_admission import BaseModelIdentity
 from shared import signing, subjects
+from shared.api_keys import parse_key
 from shared.bus import decode, request
 from shared.errors import Conflict, SignerNotAuthorized
 from shared.schemas import (
@@ -82,7 +83,9 @@ async def test_tenant_key_and_quota_changes_are_audited(registry: NATS) -> None:
         records[2]["detail"]["quota"]["max_concurrent"] == 3
         and records[2]["detail"]["before"]["max_concurrent"] is None
     )
-    secret = created.key.split("_")[-1]
+    parsed = parse_key(created.key)
+    assert parsed is not None
+    secret = parsed[1]
     assert all(secret not in str(r) for r in records)  # a key's secret is never recorded
 
 
