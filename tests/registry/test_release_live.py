@@ -45,7 +45,11 @@ SETTINGS = {
     "LF_RELEASE_LEASE_S": "2",
 }
 DEADLINE_S = 90.0  # far past what each step needs at the traffic rate below, on a loaded machine
-BATCH = 100  # completion records published per round of traffic
+START_S = 60.0  # a registry process's start, on a loaded machine
+BATCH = 40  # completion records published per round of traffic (<= 800/s: a loaded registry keeps up)
+PAUSE_S = 0.05
+# past the sum of the waits one test may make, so a stalled wait fails with its own message and the logs
+pytestmark = pytest.mark.timeout(2 * START_S + 2 * DEADLINE_S + 60)
 Behaviour = Callable[[int, int], dict]
 
 
@@ -101,7 +105,7 @@ class Traffic:
                 )
                 acks.append(js.publish(subjects.audit("completion", "acme"), encode(AuditEnvelope(body=record))))
             await asyncio.gather(*acks)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(PAUSE_S)
 
 
 @dataclass
@@ -112,13 +116,22 @@ class Live:
     async def start_registry(self, instance: str) -> None:
         beats = await self.nc.subscribe(subjects.service_heartbeat("registry"))
         self.stack.start("registry", {"LF_INSTANCE_ID": instance}, key=instance)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_S
         while True:
-            beat = ServiceHeartbeat.model_validate_json((await beats.next_msg(timeout=120)).data)
-            if beat.instance_id == instance and beat.ready:
-                break
-            assert time.monotonic() < deadline
+            left = deadline - time.monotonic()
+            assert left > 0, f"registry {instance} not ready in {START_S} s\n{self.log_tails()}"
+            with contextlib.suppress(TimeoutError):
+                beat = ServiceHeartbeat.model_validate_json((await beats.next_msg(timeout=left)).data)
+                if beat.instance_id == instance and beat.ready:
+                    break
         await beats.unsubscribe()
+
+    def log_tails(self, lines: int = 30) -> str:
+        """The end of every registry's log: what a failed wait shows."""
+        return "\n".join(
+            f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+            for log in sorted(self.stack.log_dir.glob("*.log"))
+        )
 
     async def call(self, op: str, message, reply):
         return await request(self.nc, subjects.registry(op), message, reply, 10)
@@ -129,12 +142,13 @@ class Live:
 
     async def wait_phase(self, phases: set[str], until: Callable[[ReleaseState], bool] | None = None) -> ReleaseState:
         deadline = time.monotonic() + DEADLINE_S
+        state: ReleaseState | None = None
         while True:
             with contextlib.suppress(LorafleetError, IndexError):
                 state = await self.state()
                 if state.phase in phases or (until is not None and until(state)):
                     return state
-            assert time.monotonic() < deadline, "the controller did not decide in time"
+            assert time.monotonic() < deadline, f"no decision in time; last state: {state!r}\n{self.log_tails()}"
             await asyncio.sleep(0.1)
 
 
