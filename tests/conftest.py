@@ -128,6 +128,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/worker/engine/test_engine_grammar.py": "xgrammar's compile child processes",
     "tests/worker/engine/test_engine_tools.py": "xgrammar's compile child processes",
     "tests/worker/vllm_engine/test_vllm_engine.py": "vLLM's engine in .venv-vllm's interpreter",
+    "tests/worker/vllm_engine/test_vllm_bases.py": "vLLM's engine in .venv-vllm's interpreter",
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "the load stack",
     "tests/e2e/test_up_own_model.py": "lorafleet up and its whole stack",
     "tests/cli/test_nats_limits.py": "nats-server",

@@ -6,6 +6,7 @@ lorafleet cache key that ``EngineRequest.adapter`` names."""
 
 import asyncio
 import itertools
+import json
 import os
 import threading
 import time
@@ -28,6 +29,7 @@ from services.worker.engine.grammar import Grammars
 from services.worker.engine.sequence import EngineRequest, RequestOutput
 from services.worker.engine.token_text import TokenText
 from services.worker.vllm_engine.adapter_dir import AdapterDir
+from services.worker.vllm_engine.base_check import check_base
 from services.worker.vllm_engine.sampling import to_vllm
 from services.worker.vllm_engine.vllm_config import VllmConfig, VllmPlan
 from shared.errors import InvalidRequest, InvalidSchema, ServiceUnavailable
@@ -102,7 +104,9 @@ class VllmEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.config.cpu_kv_cache_gib)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_omp_threads_bind
         c = self.config
-        self.plan = plan = VllmPlan.of(c, self.rank_classes, on_cpu=current_platform.is_cpu())
+        on_cpu = current_platform.is_cpu()
+        check_base(json.loads((Path(self.model_dir) / "config.json").read_text()), c.dtype, on_cpu)
+        self.plan = plan = VllmPlan.of(c, self.rank_classes, on_cpu=on_cpu)
         args = AsyncEngineArgs(
             model=self.model_dir,
             dtype=c.dtype,

