@@ -36,7 +36,8 @@ def settings_models() -> set[type[BaseSettings]]:
     """Every settings model the code defines: the modules that configure one, imported, then BaseSettings'
     subclasses (a new model in a new module is found too)."""
     for path in repository_files(*CODE[:4], suffix=".py"):
-        if re.search(r"^class \w+\([^)]*(Settings|WorkerIdentity)", path.read_text(), flags=re.M):
+        # a model named *Settings, or one deriving from a settings class (GatewaySettings(RequestBounds) too)
+        if re.search(r"^class (\w*Settings\w*\(|\w+\([^)]*(Settings|WorkerIdentity))", path.read_text(), flags=re.M):
             importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
     found: set[type[BaseSettings]] = set()
     todo = [BaseSettings]
