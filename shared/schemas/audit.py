@@ -31,6 +31,8 @@ class CompletionAudit(Message):
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
     task: str | None = Field(default=None, max_length=64, description="the task it was routed by, if any")
+    experiment: str | None = Field(default=None, max_length=64, description="the experiment it was assigned by")
+    arm: str | None = Field(default=None, max_length=32, description="the experiment's arm that served it")
     engine_s: float | None = Field(
         default=None,
         ge=0,
