@@ -185,7 +185,7 @@ async def explain(request: Request, body: ExplainBody, caller: Principal = Depen
             "model": routed.model,
             "experiment": routed.experiment,
             "arm": routed.arm,
-        }  # fmt: skip
+        }
     )
     try:
         resolved = await ctx.catalog.resolve(
