@@ -90,6 +90,8 @@ class AdminAudit(Message):
         "task_routes_set",
         "task_routes_deleted",
         "route_policies_set",
+        "experiment_created",
+        "experiment_state_set",
     ]
     target: str = Field(max_length=128, description="the tenant, key id, signer or adapter changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")

@@ -120,7 +120,7 @@ class ArmFigures(Message):
         description="cost: engine ms per output token (ratio of sums, normal approximation over completions)"
     )
     feedback: int = Field(default=0, ge=0, description="rated completions")
-    complaint_rate: Interval = Field(description="rated down per rated completion (Wilson)")
+    complaint_rate: Interval = Field(description="completions rated down per completion (Wilson)")
 
 
 class ExperimentStatusReply(Message):
