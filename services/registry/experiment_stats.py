@@ -4,7 +4,8 @@ confidence interval kept simple:
 
 - a rate or share (arm share, complaint rate): the Wilson score interval;
 - a median (TTFT, TPOT): the distribution-free order-statistic interval, the sorted values at
-  ranks ``n/2 -+ 1.96 sqrt(n)/2`` (no assumption on the latency distribution);
+  (1-based) ranks ``floor(n/2 - 1.96 sqrt(n)/2)`` and ``ceil(1 + n/2 + 1.96 sqrt(n)/2)`` (no
+  assumption on the latency distribution);
 - cost (engine ms per output token, a ratio of sums as in ``live_stats.engine_ms_per_token``): the
   normal approximation of a ratio estimator, ``se = sqrt(sum((e_i - R t_i)^2) / (n (n-1))) / mean(t)``.
 """
@@ -43,7 +44,7 @@ def median_interval(values: list[float]) -> Interval:
     n = len(ordered)
     spread = Z95 * math.sqrt(n) / 2
     low = max(0, math.floor(n / 2 - spread) - 1)
-    high = min(n - 1, math.ceil(n / 2 + spread) - 1)
+    high = min(n - 1, math.ceil(1 + n / 2 + spread) - 1)
     return Interval(value=percentile(ordered, 50), low=ordered[low], high=ordered[high])
 
 

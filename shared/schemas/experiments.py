@@ -24,7 +24,7 @@ ExperimentState = Literal["running", "paused", "stopped"]
 class ExperimentArm(Message):
     name: str = Field(pattern=ARM_PATTERN, description="the arm's label in audit records, metrics and figures")
     adapter: RouteTarget | None = Field(default=None, description="adapter or adapter@version; None: the base model")
-    weight: int = Field(ge=1, le=10_000, description="its share of the traffic: weight over the arms' total")
+    weight: int = Field(default=1, ge=1, le=10_000, description="its share of the traffic: weight over the arms' total")
 
     @property
     def target(self) -> str:
