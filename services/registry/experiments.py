@@ -8,6 +8,8 @@ scheduler view holds it. State moves running <-> paused, and either -> stopped w
 (final: a new experiment of that name may then replace it). Figures come from ``ExperimentStats``.
 """
 
+import time
+
 from services.registry.experiment_stats import ExperimentStats
 from services.registry.routing import Audit, Read, SyncViews, Write, check_usable
 from shared.catalog.experiments import experiment_key
@@ -62,9 +64,9 @@ class Experiments:
             raise InvalidRequest("stopping an experiment names its winner, and only stopping does", param="winner")
         if req.winner is not None and req.winner not in {a.name for a in before.arms}:
             raise InvalidRequest(f"'{req.winner}' is not an arm of experiment '{req.name}'", param="winner")
-        experiment = before.model_copy(update={"state": req.state, "winner": req.winner,
-                                               "revision": before.revision + 1, "updated_by": req.actor})  # fmt: skip
-        experiment = Experiment.model_validate(experiment.model_dump())  # refresh updated_at, check the whole
+        changed = {"state": req.state, "winner": req.winner, "revision": before.revision + 1,
+                   "updated_by": req.actor, "updated_at": time.time()}  # fmt: skip
+        experiment = Experiment.model_validate({**before.model_dump(), **changed})  # checked whole
         await self._store(experiment, revision)
         await self._record(req.actor, experiment, "experiment_state_set", state=req.state, winner=req.winner)
         return ExperimentReply(experiment=experiment)
