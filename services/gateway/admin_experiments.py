@@ -4,7 +4,7 @@ tenant's experiments, a ``platform_admin`` key any tenant's. A request reaches a
 ``model: "experiment:<name>"`` or through a routing policy's ``experiment`` target."""
 
 from fastapi import APIRouter, Depends, Path, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.admin import ERRORS, actor, registry_call, scoped_tenant
 from services.gateway.admin_routing import WRITE_ERRORS
@@ -24,6 +24,7 @@ from shared.schemas import (
     GetExperimentRequest,
     Identifier,
     ListExperimentsRequest,
+    check_arms,
 )
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -35,6 +36,11 @@ class ExperimentBody(BaseModel):
     tenant_id: Identifier | None = Field(default=None, description="default: the caller's tenant")
     name: str = Field(pattern=EXPERIMENT_PATTERN)
     arms: list[ExperimentArm] = Field(min_length=MIN_ARMS, max_length=MAX_ARMS, description="the first: the control")
+
+    @field_validator("arms")
+    @classmethod
+    def _unique(cls, arms: list[ExperimentArm]) -> list[ExperimentArm]:
+        return check_arms(arms)
 
 
 class StopBody(BaseModel):

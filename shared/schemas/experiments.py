@@ -31,6 +31,13 @@ class ExperimentArm(Message):
         return "base" if self.adapter is None else self.adapter.model
 
 
+def check_arms(arms: list[ExperimentArm]) -> list[ExperimentArm]:
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError("arm names must be unique within an experiment")
+    return arms
+
+
 class Experiment(Message):
     """A running experiment splits by (tenant, user); a paused one serves its first arm (the control)
     to all; a stopped one serves its ``winner`` to all."""
@@ -47,9 +54,7 @@ class Experiment(Message):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Experiment":
-        names = [a.name for a in self.arms]
-        if len(set(names)) != len(names):
-            raise ValueError("arm names must be unique within an experiment")
+        names = [a.name for a in check_arms(self.arms)]
         if (self.state == "stopped") != (self.winner is not None):
             raise ValueError("a stopped experiment names its winner, and only a stopped one")
         if self.winner is not None and self.winner not in names:
@@ -70,6 +75,11 @@ class CreateExperimentRequest(Message):
     name: str = Field(pattern=EXPERIMENT_PATTERN)
     arms: list[ExperimentArm] = Field(min_length=MIN_ARMS, max_length=MAX_ARMS)
     actor: Actor
+
+    @model_validator(mode="after")
+    def _unique(self) -> "CreateExperimentRequest":
+        check_arms(self.arms)
+        return self
 
 
 class ExperimentStateRequest(Message):
