@@ -43,9 +43,12 @@ class ExperimentBody(BaseModel):
         return check_arms(arms)
 
 
-class StopBody(BaseModel):
+class StateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant_id: Identifier | None = Field(default=None, description="default: the caller's tenant")
+
+
+class StopBody(StateBody):
     winner: str = Field(pattern=ARM_PATTERN, description="the arm every request is served from now on")
 
 
@@ -95,18 +98,18 @@ async def _set_state(
 
 @router.post("/experiments/{name}/pause", response_model=ExperimentReply, responses=WRITE_ERRORS)
 async def pause_experiment(
-    request: Request, name: str = NAME, tenant: Identifier | None = None, caller: Principal = Depends(admin_caller)
+    body: StateBody, request: Request, name: str = NAME, caller: Principal = Depends(admin_caller)
 ) -> ExperimentReply:
     """Serve the control (the first arm) to every request until resumed. Audited."""
-    return await _set_state(request, caller, name, tenant, "paused", None)
+    return await _set_state(request, caller, name, body.tenant_id, "paused", None)
 
 
 @router.post("/experiments/{name}/resume", response_model=ExperimentReply, responses=WRITE_ERRORS)
 async def resume_experiment(
-    request: Request, name: str = NAME, tenant: Identifier | None = None, caller: Principal = Depends(admin_caller)
+    body: StateBody, request: Request, name: str = NAME, caller: Principal = Depends(admin_caller)
 ) -> ExperimentReply:
     """Split by weight again (each user back on its arm). Audited."""
-    return await _set_state(request, caller, name, tenant, "running", None)
+    return await _set_state(request, caller, name, body.tenant_id, "running", None)
 
 
 @router.post("/experiments/{name}/stop", response_model=ExperimentReply, responses=WRITE_ERRORS)

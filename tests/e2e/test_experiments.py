@@ -102,10 +102,12 @@ async def test_a_3_arm_experiment_splits_users_by_weight_and_ends_with_its_winne
     shown = _cli(s, "experiment", "status", "acme", NAME)
     assert shown.returncode == 0 and "control" in shown.stdout and SQL in shown.stdout, shown.stdout
 
-    paused = await client.post(f"/admin/experiments/{NAME}/pause", headers=_auth(s.admin_key))
+    paused = await client.post(f"/admin/experiments/{NAME}/pause", json={}, headers=_auth(s.admin_key))
     assert paused.status_code == 200 and paused.json()["experiment"]["state"] == "paused"
     assert set((await _served(client, s.admin_key, USERS[:10], {"model": f"experiment:{NAME}"})).values()) == {SQL}
-    assert (await client.post(f"/admin/experiments/{NAME}/resume", headers=_auth(s.admin_key))).status_code == 200
+    assert (
+        await client.post(f"/admin/experiments/{NAME}/resume", json={}, headers=_auth(s.admin_key))
+    ).status_code == 200
 
     rule = {"name": "ab", "match": {"metadata": {"ab": "1"}}, "target": {"kind": "experiment", "experiment": NAME}}
     assert (await client.put("/admin/policies", json={"rules": [rule]}, headers=_auth(s.admin_key))).status_code == 200
