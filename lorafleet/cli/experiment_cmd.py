@@ -77,10 +77,11 @@ def _print(reply: BaseModel) -> None:
     if not isinstance(reply, ExperimentStatusReply):
         return
     print(f"  {'arm':<12} {'target':<22} {'count':>6}  share           TTFT p50 ms          TPOT p50 ms"
-          "          engine ms/token      complaint rate")  # fmt: skip
+          "          engine ms/token      complaint rate       eval score")  # fmt: skip
     for a in reply.arms:
         print(f"  {a.arm:<12} {a.target:<22} {a.count:>6}  {_ci(a.share, 2):<15} {_ci(a.ttft_p50_ms, 1):<20} "
-              f"{_ci(a.tpot_p50_ms, 1):<20} {_ci(a.engine_ms_per_token, 2):<20} {_ci(a.complaint_rate, 3)}")  # fmt: skip
+              f"{_ci(a.tpot_p50_ms, 1):<20} {_ci(a.engine_ms_per_token, 2):<20} {_ci(a.complaint_rate, 3):<20} "
+              f"{_ci(a.eval_score, 2)}")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

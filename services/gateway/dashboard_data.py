@@ -106,6 +106,7 @@ def experiments(statuses: list[ExperimentStatusReply]) -> list[dict]:
             "tpot_p50_ms": _ci(a.tpot_p50_ms),
             "engine_ms_per_token": _ci(a.engine_ms_per_token),
             "complaint_rate": _ci(a.complaint_rate),
+            "eval_score": _ci(a.eval_score),
         }
         for s in statuses
         for a in s.arms

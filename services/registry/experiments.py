@@ -10,16 +10,19 @@ scheduler view holds it. State moves running <-> paused, and either -> stopped w
 
 import time
 
-from services.registry.experiment_stats import ExperimentStats
+from services.registry.experiment_stats import ExperimentStats, wilson
 from services.registry.routing import Audit, Read, SyncViews, Write, check_usable
 from shared.catalog.experiments import experiment_key
 from shared.catalog.records import Catalog
+from shared.catalog.resolve import find_adapter
 from shared.catalog.routing import Routes
 from shared.errors import Conflict, InvalidRequest, NotFound
 from shared.schemas import (
     AdminAudit,
+    ArmFigures,
     CreateExperimentRequest,
     Experiment,
+    ExperimentArm,
     ExperimentReply,
     ExperimentsReply,
     ExperimentStateRequest,
@@ -79,7 +82,27 @@ class Experiments:
         experiment, _ = await self._get(req.tenant_id, req.name)
         if experiment is None:
             raise self._missing(req.tenant_id, req.name)
-        return ExperimentStatusReply(experiment=experiment, arms=self.stats.figures(experiment))
+        arms = [self._with_eval(experiment.tenant_id, arm, figures)
+                for arm, figures in zip(experiment.arms, self.stats.figures(experiment), strict=True)]  # fmt: skip
+        return ExperimentStatusReply(experiment=experiment, arms=arms)
+
+    def _with_eval(self, tenant_id: str, arm: ExperimentArm, figures: ArmFigures) -> ArmFigures:
+        """The arm's figures with the platform eval of the version it serves (pinned, else production)."""
+        if arm.adapter is None:
+            return figures
+        adapter_id = find_adapter(self._catalog, tenant_id, arm.adapter.adapter)
+        if adapter_id is None:
+            return figures
+        if arm.adapter.version is not None:
+            record = self._catalog.get(adapter_id, arm.adapter.version)
+        else:
+            production, canary = self._catalog.released(adapter_id)
+            record = production or canary
+        if record is None or record.platform_eval is None:
+            return figures
+        scored = record.platform_eval
+        score = wilson(round(scored.score * scored.items), scored.items).model_copy(update={"value": scored.score})
+        return figures.model_copy(update={"eval_version": record.version, "eval_score": score})
 
     @staticmethod
     def _missing(tenant_id: str, name: str) -> NotFound:

@@ -131,6 +131,12 @@ class ArmFigures(Message):
     )
     feedback: int = Field(default=0, ge=0, description="rated completions")
     complaint_rate: Interval = Field(description="completions rated down per completion (Wilson)")
+    eval_version: int | None = Field(default=None, description="the version whose platform eval is shown")
+    eval_score: Interval = Field(
+        default_factory=Interval,
+        description="the platform-run eval score of the version the arm serves (its pinned one, else production), "
+        "Wilson over the eval set's items; none for the base model or an unevaluated version",
+    )
 
 
 class ExperimentStatusReply(Message):

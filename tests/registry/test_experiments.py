@@ -26,7 +26,9 @@ from shared.schemas import (
     FeedbackAudit,
     GetExperimentRequest,
     ListExperimentsRequest,
+    PlatformEval,
 )
+from tests.helpers.records import make_record
 from tests.registry.bus_world import Wired
 
 ARMS = [
@@ -138,6 +140,22 @@ def test_the_intervals_cover_their_figure_and_narrow_with_more_data():
     uniform = [Sample(0.0, False, 1.0, 1.0, 8, 4, 0.008) for _ in range(20)]
     cost = cost_interval(uniform)
     assert cost.value == pytest.approx(2.0) and cost.high == pytest.approx(cost.low)  # no spread, no width
+
+
+async def test_the_status_shows_each_adapter_arms_platform_eval_with_its_interval(wired: Wired) -> None:
+    scored = make_record("sea", 1, "demo", status="production", traffic_percent=100,
+                         platform_eval=PlatformEval(eval_set_digest="0" * 64, score=0.8, threshold=0.5, items=20,
+                                                    errors=0))  # fmt: skip
+    wired.registry.catalog.put(scored)
+    arms = [*ARMS, {"name": "base", "weight": 1}]
+    await wired.call("experiment_create", create(arms=arms), ExperimentReply)
+    status = await wired.call("experiment_status", GetExperimentRequest(tenant_id="demo", name="sea-ab"),
+                              ExperimentStatusReply)  # fmt: skip
+    control, released, base = status.arms
+    assert (control.eval_version, control.eval_score.value) == (1, 0.8)  # the pinned version's
+    assert control.eval_score.low < 0.8 < control.eval_score.high  # Wilson over its 20 items
+    assert (released.eval_version, released.eval_score.value) == (1, 0.8)  # unpinned: the production version's
+    assert (base.eval_version, base.eval_score.value) == (None, None)  # the base model has no eval set
 
 
 def test_a_rating_counts_for_the_arm_that_served_the_request_and_a_new_experiment_starts_empty():
