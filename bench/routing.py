@@ -10,6 +10,8 @@ matching on a key id, metadata or a header), and a task table. Each peer is time
 - ``route+resolve, no state``: a tenant with no routes or rules (the fast path);
 - ``route+resolve, task, 20 rules miss``: ``task:<name>`` after all 20 rules fail to match;
 - ``route+resolve, 20th rule matches``: the last rule (by key id) picks the adapter;
+- ``route+resolve, experiment, 20 rules miss``: ``experiment:<name>`` (3 weighted arms, the
+  request key hashed to its arm) after all 20 rules fail to match;
 - ``evaluator, 20 rules miss``: ``first_match`` alone over both sets.
 
 Writes bench/results/routing.json and a Markdown table (p50 / p99 in microseconds, and each peer's
@@ -24,11 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.cache_sim import git_commit
+from shared.catalog.experiments import experiment_key
 from shared.catalog.policy import RequestFacts, first_match
 from shared.catalog.records import Catalog
 from shared.catalog.resolve import resolve
 from shared.catalog.routing import Routes, policies_key, tasks_key
-from shared.schemas import AdapterRecord, PolicyRule, RoutePolicies, TaskRoutes
+from shared.schemas import AdapterRecord, Experiment, PolicyRule, RoutePolicies, TaskRoutes
 
 RESULTS = Path(__file__).parent / "results"
 BASE = "tiny-llama"
@@ -71,6 +74,9 @@ def state() -> Routes:
     routes.apply(policies_key(None), RoutePolicies(rules=rules("p", 10, False)).model_dump_json().encode(), 2)
     tenant = RoutePolicies(tenant_id=TENANT, rules=rules("t", 10, True))
     routes.apply(policies_key(TENANT), tenant.model_dump_json().encode(), 3)
+    arms = [{"name": f"arm{i}", "adapter": {"adapter": f"adapter-{i}"}, "weight": w} for i, w in enumerate((5, 3, 2))]
+    experiment = Experiment.model_validate({"tenant_id": TENANT, "name": "ab", "arms": arms})
+    routes.apply(experiment_key(TENANT, "ab"), experiment.model_dump_json().encode(), 4)
     return routes
 
 
@@ -99,9 +105,12 @@ def main() -> None:
     hit = RequestFacts(tier="standard", key_id=HIT_KEY, model="adapter-3")
     all_rules = [*routes.platform.rules, *routes.tenant_policies(TENANT).rules]
 
+    keyed = RequestFacts(tier="standard", key_id="0123456789abcdef", model="experiment:ab", metadata={"team": "x"},
+                         headers={"x-app": "none"}, request_key="user-1")  # fmt: skip
+
     def routed(table: Routes, model: str, facts: RequestFacts) -> Callable[[], object]:
         def call() -> object:
-            chosen = table.route(TENANT, model, None, facts)
+            chosen = table.route(TENANT, model, None, facts, base_model=BASE)
             return resolve(catalog, BASE, TENANT, chosen.model, "user-1")
 
         return call
@@ -111,6 +120,7 @@ def main() -> None:
         "route+resolve, no state": timed(routed(empty, "adapter-7", miss), n),
         "route+resolve, task, 20 rules miss": timed(routed(routes, "task:task7", miss), n),
         "route+resolve, 20th rule matches": timed(routed(routes, "adapter-3", hit), n),
+        "route+resolve, experiment, 20 rules miss": timed(routed(routes, "experiment:ab", keyed), n),
         "evaluator, 20 rules miss": timed(lambda: first_match(all_rules, miss), n),
     }
     base = peers["resolve"]["p50_us"]

@@ -120,6 +120,12 @@ ROUTED_REQUESTS = Counter(
     "refusal's error code)",
     ["route", "task", "outcome"],
 )
+EXPERIMENT_REQUESTS = Counter(
+    "experiment_requests",
+    "requests routed to an experiment, by the path that assigned them (http: gateway, nats: scheduler), "
+    "experiment (<tenant>/<name>, the top 50, the rest as other) and arm",
+    ["route", "experiment", "arm"],
+)
 GATEWAY_RESOLVES = Counter(
     "gateway_resolves",
     "model resolutions by where they were answered: the gateway's catalog mirror or the registry",

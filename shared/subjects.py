@@ -64,6 +64,10 @@ REGISTRY_OPS = (
     "routes",
     "policies_set",
     "policies",
+    "experiment_create",
+    "experiment_state",
+    "experiments",
+    "experiment_status",
 )
 SOURCE_OPS = ("source_add", "source_remove", "source_approve", "sources")  # operator only: never the gateway's
 
@@ -75,7 +79,8 @@ REGISTRY_SOURCES_BUCKET = "lf_sources"  # KV: "source.<sha256>" -> SourceEntry, 
 REGISTRY_RELEASES_BUCKET = "lf_releases"  # KV: "<adapter_id>" -> ReleaseState (the controller's rollouts)
 REGISTRY_TENANTS_BUCKET = "lf_tenants"  # KV: "tenant.<id>" -> TenantRecord, "key.<key_id>" -> ApiKeyRecord
 REGISTRY_ROUTING_BUCKET = (
-    "lf_routing"  # KV: "tasks.<tenant>" -> TaskRoutes, "policies.<tenant>" / "platform.policies" -> RoutePolicies
+    "lf_routing"  # KV: "tasks.<tenant>" -> TaskRoutes, "policies.<tenant>" / "platform.policies" -> RoutePolicies,
+    # "experiments.<tenant>.<name>" -> Experiment
 )
 REGISTRY_PINS_BUCKET = "lf_pins"  # KV: "<adapter_id>.<fleet|w-<worker>>.<v<N>|served>" -> PinRecord
 

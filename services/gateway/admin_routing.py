@@ -62,6 +62,7 @@ class ExplainBody(BaseModel):
     tier: SloClass | None = Field(default=None, description="default: the tenant's")
     metadata: dict[str, str] = Field(default_factory=dict, max_length=16)
     headers: dict[str, str] = Field(default_factory=dict, max_length=16)
+    user: str | None = Field(default=None, min_length=1, max_length=256, description="what an experiment splits by")
 
     @field_validator("metadata")
     @classmethod
@@ -167,6 +168,7 @@ async def explain(request: Request, body: ExplainBody, caller: Principal = Depen
         model=body.model,
         metadata=body.metadata,
         headers=body.headers,
+        request_key=body.user or "explain",
     )
     said = RouteExplanation(tenant_id=tenant_id, requested=body.model)
     try:
@@ -176,11 +178,18 @@ async def explain(request: Request, body: ExplainBody, caller: Principal = Depen
     except LorafleetError as e:
         return said.model_copy(update={"refused": e.code, "message": e.message})
     said = said.model_copy(
-        update={"rule": routed.rule, "rule_scope": routed.scope, "task": routed.task, "model": routed.model}
+        update={
+            "rule": routed.rule,
+            "rule_scope": routed.scope,
+            "task": routed.task,
+            "model": routed.model,
+            "experiment": routed.experiment,
+            "arm": routed.arm,
+        }
     )
     try:
         resolved = await ctx.catalog.resolve(
-            ResolveRequest(tenant_id=tenant_id, model=routed.model, request_key="explain")
+            ResolveRequest(tenant_id=tenant_id, model=routed.model, request_key=body.user or "explain")
         )
     except LorafleetError as e:
         return said.model_copy(update={"refused": e.code, "message": e.message})

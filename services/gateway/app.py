@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.admin import router as admin_router
 from services.gateway.admin_adapters import router as admin_adapters_router
+from services.gateway.admin_experiments import router as admin_experiments_router
 from services.gateway.admin_routing import router as admin_routing_router
 from services.gateway.body_limit import BodyLimit
 from services.gateway.completions import router as completions_router
@@ -37,6 +38,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.include_router(admin_router)
     app.include_router(admin_adapters_router)
     app.include_router(admin_routing_router)
+    app.include_router(admin_experiments_router)
     app.include_router(dashboard_router)
 
     @app.get("/metrics", include_in_schema=False)

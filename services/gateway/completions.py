@@ -161,7 +161,7 @@ async def _submit(
     if missing is not None:
         raise ServiceUnavailable(f"the {missing} is not available")
     request_key = body.user or request_id
-    route = routed(ctx, tenant, ask)
+    route = routed(ctx, tenant, ask, request_key)
     resolved = await ctx.catalog.resolve(
         ResolveRequest(tenant_id=tenant, model=route.model, request_key=request_key, preview=preview)
     )
@@ -193,6 +193,8 @@ async def _submit(
         model=body.model,
         task=route.task,
         rule=route.rule,
+        experiment=route.experiment,
+        arm=route.arm,
         n=body.n,
         workers=[s.accepted.worker_id for s in subs],
     )

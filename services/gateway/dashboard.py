@@ -19,7 +19,14 @@ from shared import subjects
 from shared.adapter_keys import adapter_of_key
 from shared.bus import request as bus_request
 from shared.errors import LorafleetError
-from shared.schemas import AdapterRecordsReply, AuditQueryReply, AuditQueryRequest, ListAdaptersRequest
+from shared.schemas import (
+    AdapterRecordsReply,
+    AuditQueryReply,
+    AuditQueryRequest,
+    ExperimentStatusReply,
+    GetExperimentRequest,
+    ListAdaptersRequest,
+)
 
 M = TypeVar("M", bound=BaseModel)
 router = APIRouter()
@@ -28,6 +35,7 @@ PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text()
 WINDOW_S = 900.0
 MAX_COMPLETIONS = 5000  # the traffic panels summarise at most the newest this many of the window
 RECENT = 25
+EXPERIMENTS = 10  # the newest experiments whose per-arm figures the page shows
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
@@ -80,6 +88,20 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
         AuditQueryReply(),
         "auditor",
     )
+    shown = sorted(
+        (e for (owner, _), e in ctx.catalog.routes.experiments.items() if tenant in (None, owner)),
+        key=lambda e: -e.started_at,
+    )[:EXPERIMENTS]
+    statuses = [
+        await ask(
+            subjects.registry("experiment_status"),
+            GetExperimentRequest(tenant_id=e.tenant_id, name=e.name),
+            ExperimentStatusReply,
+            ExperimentStatusReply(experiment=e, arms=[]),
+            "registry",
+        )
+        for e in shown
+    ]
     workers = dashboard_data.workers(ctx.cluster.ready_workers())
     if tenant is not None:
         own = {r.adapter_id for r in records}
@@ -92,6 +114,7 @@ async def dashboard_json(request: Request, caller: Principal = Depends(admin_cal
         "traffic": dashboard_data.traffic(completions),
         "workers": workers,
         "adapters": dashboard_data.adapters(records),
+        "experiments": dashboard_data.experiments(statuses),
         "audit": recent.records,
         "audit_intact": recent.chain.intact if recent.chain else None,
         "unavailable": sorted(set(missing)),

@@ -4,7 +4,7 @@ import math
 from collections import defaultdict
 
 from shared.adapter_keys import adapter_key
-from shared.schemas import AdapterRecord, WorkerHeartbeat
+from shared.schemas import AdapterRecord, ExperimentStatusReply, Interval, WorkerHeartbeat
 
 
 def p95(values: list[float]) -> float | None:
@@ -88,3 +88,30 @@ def _eval(record: AdapterRecord) -> dict[str, float]:
     if "score" in record.eval_results:
         shown["client_advisory"] = record.eval_results["score"]
     return shown
+
+
+def experiments(statuses: list[ExperimentStatusReply]) -> list[dict]:
+    """One row per arm: its experiment's state, its traffic and figures, each as value [low, high]."""
+    return [
+        {
+            "tenant_id": s.experiment.tenant_id,
+            "experiment": s.experiment.name,
+            "state": s.experiment.state,
+            "winner": s.experiment.winner,
+            "arm": a.arm,
+            "target": a.target,
+            "count": a.count,
+            "share": _ci(a.share),
+            "ttft_p50_ms": _ci(a.ttft_p50_ms),
+            "tpot_p50_ms": _ci(a.tpot_p50_ms),
+            "engine_ms_per_token": _ci(a.engine_ms_per_token),
+            "complaint_rate": _ci(a.complaint_rate),
+            "eval_score": _ci(a.eval_score),
+        }
+        for s in statuses
+        for a in s.arms
+    ]
+
+
+def _ci(interval: Interval) -> list[float | None]:
+    return [interval.value, interval.low, interval.high]

@@ -3,7 +3,7 @@ request's metadata and the ``x-`` headers some routing rule matches. The same fa
 route here and, carried on the submission (``InferRequest.route_facts``), in the scheduler."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.gateway.auth import Principal
 from services.gateway.context import GatewayContext
@@ -39,5 +39,7 @@ def route_ask(
     return RouteAsk(model, task, facts, RouteFacts(key_id=caller.key_id, headers=matched))
 
 
-def routed(ctx: GatewayContext, tenant_id: str, ask: RouteAsk) -> Routed:
-    return ctx.catalog.route(tenant_id, ask.model, ask.task, ask.facts)
+def routed(ctx: GatewayContext, tenant_id: str, ask: RouteAsk, request_key: str) -> Routed:
+    """The gateway's routing step; ``request_key`` (the ``user``, else the request id) is what an
+    experiment splits by, as the scheduler's step does with the submission's."""
+    return ctx.catalog.route(tenant_id, ask.model, ask.task, replace(ask.facts, request_key=request_key))

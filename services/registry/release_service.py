@@ -3,6 +3,7 @@
 import asyncio
 import datetime
 import functools
+from typing import Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -27,7 +28,12 @@ from shared.undecodable import skip
 log = structlog.get_logger("registry.release")
 
 
-async def _follow_since(js: JetStreamContext, subject: str, since: float, stats: LiveStats) -> None:
+class AuditFollower(Protocol):
+    def add_completion(self, record: CompletionAudit) -> None: ...
+    def add_feedback(self, record: FeedbackAudit) -> None: ...
+
+
+async def follow_since(js: JetStreamContext, subject: str, since: float, stats: AuditFollower) -> None:
     """Feed ``stats`` every completion or feedback record stored on ``subject`` from ``since`` on."""
 
     async def on_message(msg: Msg) -> None:
@@ -77,7 +83,7 @@ async def start_controller(nc: NATS, settings: RegistrySettings, registry: Regis
     )
     since = await controller.window_start()
     for subject in (subjects.AUDIT_COMPLETION_ALL, subjects.AUDIT_FEEDBACK_ALL):
-        await _follow_since(js, subject, since, stats)
+        await follow_since(js, subject, since, stats)
     return controller
 
 

@@ -83,10 +83,7 @@ class Routing:
         return PoliciesReply(policies=(await self._policies(req.tenant_id))[0])
 
     def _usable(self, tenant_id: str, target: RouteTarget) -> None:
-        """A route may name only an adapter (and version) the tenant may call: else the same 404 as a missing one."""
-        adapter_id = find_adapter(self._catalog, tenant_id, target.adapter)
-        if adapter_id is None or (target.version is not None and self._catalog.get(adapter_id, target.version) is None):
-            raise NotFound(f"adapter '{target.model}' does not exist or you do not have access to it", param="adapter")
+        check_usable(self._catalog, tenant_id, target)
 
     async def _tasks(self, tenant_id: str) -> tuple[TaskRoutes, int]:
         value, revision = await self._read(tasks_key(tenant_id))
@@ -108,6 +105,13 @@ class Routing:
         event = AdminAudit(actor=actor, tenant_id=tenant_id, action=action, target=tenant_id,
                            detail={"revision": revision, **detail})  # fmt: skip
         await self._audit(event)
+
+
+def check_usable(catalog: Catalog, tenant_id: str, target: RouteTarget) -> None:
+    """A route may name only an adapter (and version) the tenant may call: else the same 404 as a missing one."""
+    adapter_id = find_adapter(catalog, tenant_id, target.adapter)
+    if adapter_id is None or (target.version is not None and catalog.get(adapter_id, target.version) is None):
+        raise NotFound(f"adapter '{target.model}' does not exist or you do not have access to it", param="adapter")
 
 
 def _dump(routes: dict[str, RouteTarget]) -> dict[str, dict]:

@@ -4,6 +4,7 @@ import asyncio
 import functools
 import gc
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from services.registry.eval_client import asker
+from services.registry.experiment_stats import ExperimentStats
+from services.registry.experiments import Experiments
 from services.registry.fleet_ranks import FleetRanks
 from services.registry.gate import GatePolicy
 from services.registry.kv import RecordsKV, publish_registry_audit
@@ -26,11 +29,11 @@ from services.registry.pin_ops import FleetSlots, Pins
 from services.registry.pins_kv import open_pins
 from services.registry.push_admission import BaseModelIdentity, IntakePolicy
 from services.registry.release_controller import ReleaseController
-from services.registry.release_service import drive_releases, start_controller
+from services.registry.release_service import drive_releases, follow_since, start_controller
 from services.registry.remote_fetch import RemoteFetcher, Resolver, system_resolve
 from services.registry.remote_intake import RemoteIntake
 from services.registry.routing import Routing
-from services.registry.routing_kv import open_routing
+from services.registry.routing_kv import open_experiments, open_routing
 from services.registry.settings import RegistrySettings
 from services.registry.sources import Sources
 from services.registry.sources_kv import open_sources
@@ -43,6 +46,7 @@ from shared.base_model import resolve_model_dir, served_model_name
 from shared.bus import connect, decode, drain_or_close, encode, ensure_streams, serve, shutdown_event
 from shared.catalog.barrier import CatalogBarrier
 from shared.catalog.records import Catalog
+from shared.catalog.routing import Routes
 from shared.config import load_settings
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.fingerprint import BaseModelSpec, fingerprint_model_dir
@@ -55,13 +59,17 @@ from shared.schemas import (
     ApproveSourceRequest,
     AttachEvalSetRequest,
     CreateApiKeyRequest,
+    CreateExperimentRequest,
     CreateTenantRequest,
     DeleteRoutesRequest,
+    ExperimentStateRequest,
     GetAdapterRequest,
+    GetExperimentRequest,
     GetPoliciesRequest,
     GetRoutesRequest,
     ListAdaptersRequest,
     ListApiKeysRequest,
+    ListExperimentsRequest,
     ListKeysRequest,
     ListModelsRequest,
     ListPinsRequest,
@@ -217,6 +225,7 @@ async def subscribe(
     releases: ReleaseController,
     pins: Pins,
     routing: Routing,
+    experiments: Experiments,
     mirrors: list[Followed],
 ) -> list[Subscription]:
     """One typed request-reply handler per op on ``lf.registry.<op>``, in the ``registry`` queue group:
@@ -258,6 +267,10 @@ async def subscribe(
         "routes": _op(GetRoutesRequest, routing.routes),
         "policies_set": _op(SetPoliciesRequest, routing.set_policies),
         "policies": _op(GetPoliciesRequest, routing.policies),
+        "experiment_create": _op(CreateExperimentRequest, experiments.create),
+        "experiment_state": _op(ExperimentStateRequest, experiments.set_state),
+        "experiments": _op(ListExperimentsRequest, experiments.list_experiments),
+        "experiment_status": _op(GetExperimentRequest, experiments.status),
     }
     assert set(handlers) == set(subjects.REGISTRY_OPS)
     # a register from a remote source spends its fetch outside the registry's lock, a promote or a
@@ -304,6 +317,19 @@ class RegistryService:
             log.warning("bad_worker_heartbeat", error=e.message)
 
 
+async def start_experiments(
+    nc: NATS, registry: Registry, barrier: CatalogBarrier, watches: set[asyncio.Task], mirrors: list[Followed]
+) -> Experiments:
+    """The experiment ops, over a mirror of the routing bucket (in ``mirrors``: read-your-writes),
+    their figures fed by the completion and feedback records since the oldest experiment began."""
+    routes, stats = Routes(), ExperimentStats()
+    mirrors.append(await follow_loaded(nc, subjects.REGISTRY_ROUTING_BUCKET, routes.apply, watches))
+    since = min((e.started_at for e in routes.experiments.values()), default=time.time())
+    for subject in (subjects.AUDIT_COMPLETION_ALL, subjects.AUDIT_FEEDBACK_ALL):
+        await follow_since(nc.jetstream(), subject, since, stats)
+    return await open_experiments(nc.jetstream(), registry.catalog, routes, stats, barrier.wait)
+
+
 async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver = system_resolve) -> None:
     """Serve until ``stop`` is set, then drain. ``resolve`` is how remote source hosts are looked up."""
     base = await asyncio.to_thread(base_model_identity, settings)
@@ -329,7 +355,8 @@ async def run(settings: RegistrySettings, stop: asyncio.Event, resolve: Resolver
         slot_quota = functools.partial(tenants.slot_quota, default=settings.default_quota.max_gpu_adapter_slots)
         pins = await open_pins(nc.jetstream(), registry.catalog, service.slots, slot_quota)
         routing = await open_routing(nc.jetstream(), registry.catalog, barrier.wait)
-        await subscribe(nc, registry, tenants, sources, releases, pins, routing, mirrors)
+        experiments = await start_experiments(nc, registry, barrier, watches, mirrors)
+        await subscribe(nc, registry, tenants, sources, releases, pins, routing, experiments, mirrors)
         ticks = asyncio.create_task(drive_releases(releases, settings.release_tick_s))
         stack.push_async_callback(event_loop.cancel_all, [ticks])
         metrics_port = stack.enter_context(

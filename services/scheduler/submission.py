@@ -30,6 +30,9 @@ def parse_submission(subject: str, data: bytes) -> tuple[InferRequest, bool]:
     if via == subjects.VIA_TENANT and request.route_facts is not None:
         # the caller's key and headers are the gateway's to vouch for: a direct client claims none
         request = request.model_copy(update={"route_facts": None})
+    if request.experiment is not None or request.arm is not None:
+        # the scheduler's routing step assigns the experiment and arm: a submission claims none
+        request = request.model_copy(update={"experiment": None, "arm": None})
     return request, via == subjects.VIA_PREVIEW
 
 

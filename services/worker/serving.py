@@ -414,5 +414,7 @@ class RequestServer:
             outcome=outcome,
             slo_class=job.slo_class,
             task=job.request.task,
+            experiment=job.request.experiment,
+            arm=job.request.arm,
             engine_s=job.timing.engine_s,
         )

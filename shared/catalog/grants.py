@@ -21,10 +21,11 @@ from shared.errors import Forbidden, IntegrityError, InvalidRequest, ModelNotFou
 from shared.schemas import InferRequest, ResolveReply, ResolveRequest
 
 Resolve = Callable[[ResolveRequest, bool], Awaitable[ResolveReply]]  # (request, ask_registry)
-Route = Callable[[str, str | None, str | None, RequestFacts], Routed]  # (tenant, model, task header, facts)
+# (tenant, model, task header, facts, base model)
+Route = Callable[[str, str | None, str | None, RequestFacts, str | None], Routed]
 
 
-def _no_routes(tenant_id: str, model: str | None, task: str | None, facts: RequestFacts) -> Routed:
+def _no_routes(tenant_id: str, model: str | None, task: str | None, facts: RequestFacts, base: str | None) -> Routed:
     return Routed(model or "")
 
 
@@ -38,6 +39,7 @@ def facts_of(request: InferRequest, tier: str | None) -> RequestFacts:
         model=request.model,
         metadata=request.metadata,
         headers=written.headers if written else {},
+        request_key=request.request_key or request.request_id,
     )
 
 
@@ -64,9 +66,12 @@ class Grants:
         rule, the same step the gateway took), or a typed refusal. ``preview``: it came on the
         gateway's preview subject, where a pinned staging version may be served. The granted
         request names the routed model and task: a worker's check resolves it as it stands."""
-        routed = self._route(request.tenant_id, request.model, request.task, facts_of(request, tier))
-        if routed.model != request.model or routed.task != request.task:
-            request = request.model_copy(update={"model": routed.model, "task": routed.task})
+        routed = self._route(
+            request.tenant_id, request.model, request.task, facts_of(request, tier), request.base_model
+        )
+        if routed.model != request.model or routed.task != request.task or routed.experiment is not None:
+            update = {"model": routed.model, "task": routed.task, "experiment": routed.experiment, "arm": routed.arm}
+            request = request.model_copy(update=update)
         if request.model == request.base_model and request.adapter is None:
             return request
         self._refuse_foreign_block(request)

@@ -10,13 +10,15 @@ from shared.schemas import PolicyMatch, PolicyRule
 @dataclass(frozen=True, slots=True)
 class RequestFacts:
     """What a rule may match: the tenant's tier, the caller's API key, the model as asked, the
-    request's metadata and its ``x-`` headers (lower-case names)."""
+    request's metadata and its ``x-`` headers (lower-case names). ``request_key`` (the OpenAI
+    ``user``, else the request id) is matched by no rule: an experiment splits by it."""
 
     tier: str | None = None
     key_id: str | None = None
     model: str | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
+    request_key: str | None = None
 
 
 def matches(match: PolicyMatch, facts: RequestFacts) -> bool:

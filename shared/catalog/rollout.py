@@ -1,16 +1,10 @@
-"""Deterministic traffic split between an adapter's production and canary versions."""
+"""Deterministic traffic split between an adapter's production and canary versions: a 2-arm
+experiment [canary, production] on the one weighted split (``shared.catalog.experiments.assign``)."""
 
-import hashlib
-
+from shared.catalog.experiments import BUCKETS, assign, bucket
 from shared.schemas import AdapterRecord
 
-BUCKETS = 10_000
-
-
-def bucket(adapter_id: str, request_key: str) -> int:
-    """Stable bucket in [0, 10000) of a request key, independent per adapter."""
-    digest = hashlib.sha256(f"{adapter_id}\x00{request_key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") % BUCKETS
+__all__ = ["BUCKETS", "bucket", "choose", "in_canary", "split_key"]
 
 
 def split_key(tenant_id: str, request_key: str) -> str:
@@ -20,7 +14,9 @@ def split_key(tenant_id: str, request_key: str) -> str:
 
 
 def in_canary(adapter_id: str, request_key: str, traffic_percent: float) -> bool:
-    return bucket(adapter_id, request_key) < round(traffic_percent * BUCKETS / 100)
+    """The canary holds the first ``round(percent * 100)`` of the adapter's 10000 buckets."""
+    canary = round(traffic_percent * BUCKETS / 100)
+    return assign([canary, BUCKETS - canary], adapter_id, request_key) == 0
 
 
 def choose(production: AdapterRecord | None, canary: AdapterRecord | None, request_key: str) -> AdapterRecord | None:

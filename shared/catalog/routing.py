@@ -7,8 +7,13 @@ adapter the tenant's task table names. Anything else is resolved as asked. A tas
 no route for is ``TaskNotFound``, whose message lists only the tenant's own tasks and the models
 it may call.
 
+``experiment:<name>`` (or a rule's ``experiment`` target) is the arm of the tenant's experiment
+that the request's split key (tenant, user) is assigned (``shared.catalog.experiments``); an
+unknown experiment is ``ModelNotFound``.
+
 The state mirrors the registry's ``lf_routing`` bucket: ``tasks.<tenant>`` -> ``TaskRoutes``,
-``policies.<tenant>`` -> ``RoutePolicies``, ``platform.policies`` the platform-wide set.
+``policies.<tenant>`` -> ``RoutePolicies``, ``platform.policies`` the platform-wide set,
+``experiments.<tenant>.<name>`` -> ``Experiment``.
 """
 
 import re
@@ -16,9 +21,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.catalog.experiments import EXPERIMENT_PREFIX, EXPERIMENTS_PREFIX, arm_for
 from shared.catalog.policy import RequestFacts, first_match
-from shared.errors import InvalidRequest, RoutePolicyRefused, TaskNotFound
-from shared.schemas import TASK_PATTERN, PolicyRule, RoutePolicies, TaskRoutes
+from shared.catalog.rollout import split_key
+from shared.errors import InvalidRequest, ModelNotFound, RoutePolicyRefused, ServiceUnavailable, TaskNotFound
+from shared.schemas import TASK_PATTERN, Experiment, PolicyRule, RoutePolicies, TaskRoutes
 
 TASK_PREFIX = "task:"
 AUTO = "auto"
@@ -41,12 +48,15 @@ def policies_key(tenant_id: str | None) -> str:
 @dataclass(frozen=True, slots=True)
 class Routed:
     """What a request is resolved as: ``model`` (an adapter name, ``name@version`` or the base
-    model), the task it was routed by, and the rule that decided (None: no rule matched)."""
+    model), the task it was routed by, the rule that decided (None: no rule matched), and the
+    experiment and arm it was assigned (None: none)."""
 
     model: str
     task: str | None = None
     rule: str | None = None
     scope: Literal["tenant", "platform"] | None = None
+    experiment: str | None = None
+    arm: str | None = None
 
 
 class Routes:
@@ -56,6 +66,7 @@ class Routes:
         self.tasks: dict[str, TaskRoutes] = {}
         self.policies: dict[str, RoutePolicies] = {}
         self.platform = RoutePolicies()
+        self.experiments: dict[tuple[str, str], Experiment] = {}  # (tenant, name) ->
 
     def apply(self, key: str, value: bytes | None, revision: int) -> None:
         """One ``lf_routing`` entry (ValueError: a value that does not decode, skipped by the follower)."""
@@ -67,6 +78,12 @@ class Routes:
                 self.tasks.pop(tenant, None)
             else:
                 self.tasks[tenant] = TaskRoutes.model_validate_json(value)
+        elif key.startswith(EXPERIMENTS_PREFIX):
+            tenant, _, name = key.removeprefix(EXPERIMENTS_PREFIX).partition(".")
+            if value is None:
+                self.experiments.pop((tenant, name), None)
+            else:
+                self.experiments[(tenant, name)] = Experiment.model_validate_json(value)
         elif key.startswith(POLICIES_PREFIX):
             tenant = key.removeprefix(POLICIES_PREFIX)
             if value is None:
@@ -94,21 +111,51 @@ class Routes:
         task: str | None,
         facts: RequestFacts,
         visible: Callable[[], Iterable[str]] = tuple,
+        base_model: str | None = None,
     ) -> Routed:
         """The model to resolve for this request, or a typed refusal. ``task``: the task header (or a
         direct submission's ``task``), used when ``model`` is None or ``auto``. ``visible``: the
-        model names the tenant may call (listed in a ``TaskNotFound`` only)."""
+        model names the tenant may call (listed in a ``TaskNotFound`` only). ``base_model``: what
+        an experiment's base arm is served as."""
         asked_task = _asked_task(model, task)
         tenant_rules = self.policies.get(tenant_id)
         if self.platform.rules or (tenant_rules is not None and tenant_rules.rules):
             decided = self._decide(tenant_rules.rules if tenant_rules else [], facts)
             if decided is not None:
                 rule, scope = decided
-                return self._rule_target(tenant_id, rule, scope, asked_task, visible)
+                return self._rule_target(tenant_id, rule, scope, asked_task, visible, facts, base_model)
         if asked_task is None:
             assert model is not None  # _asked_task: no model and no task is refused
+            if model.startswith(EXPERIMENT_PREFIX):
+                return self._experiment(tenant_id, model.removeprefix(EXPERIMENT_PREFIX), facts, base_model)
             return Routed(model)
         return Routed(self._task_model(tenant_id, asked_task, visible), asked_task)
+
+    def experiment(self, tenant_id: str, name: str) -> Experiment | None:
+        return self.experiments.get((tenant_id, name))
+
+    def _experiment(
+        self,
+        tenant_id: str,
+        name: str,
+        facts: RequestFacts,
+        base_model: str | None,
+        rule: str | None = None,
+        scope: Literal["tenant", "platform"] | None = None,
+        task: str | None = None,
+    ) -> Routed:
+        experiment = self.experiments.get((tenant_id, name))
+        if experiment is None:
+            raise ModelNotFound(f"The model '{EXPERIMENT_PREFIX}{name[:64]}' does not exist or you do not have "
+                                "access to it.", param="model")  # fmt: skip
+        arm = arm_for(experiment, split_key(tenant_id, facts.request_key or ""))
+        if arm.adapter is not None:
+            model = arm.adapter.model
+        elif base_model is not None:
+            model = base_model
+        else:
+            raise ServiceUnavailable("the base model is not known yet; retry", retry_after_s=1.0)
+        return Routed(model, task, rule, scope, experiment.name, arm.name)
 
     def _decide(
         self, tenant_rules: list[PolicyRule], facts: RequestFacts
@@ -126,6 +173,8 @@ class Routes:
         scope: Literal["tenant", "platform"],
         asked_task: str | None,
         visible: Callable[[], Iterable[str]],
+        facts: RequestFacts,
+        base_model: str | None,
     ) -> Routed:
         target = rule.target
         if target.kind == "refuse":
@@ -135,6 +184,9 @@ class Routes:
         if target.kind == "adapter":
             assert target.adapter is not None  # PolicyTarget checks it
             return Routed(target.adapter.model, asked_task, rule.name, scope)
+        if target.kind == "experiment":
+            assert target.experiment is not None
+            return self._experiment(tenant_id, target.experiment, facts, base_model, rule.name, scope, asked_task)
         assert target.task is not None
         return Routed(self._task_model(tenant_id, target.task, visible), target.task, rule.name, scope)
 

@@ -74,6 +74,7 @@ class CatalogView:
         self._signers: dict[str, SignerRecord] = {}
         self.signer_position = Position(subjects.REGISTRY_SIGNERS_BUCKET)
         self._task_label = metrics.TopLabels(TASK_LABELS, (metrics.ROUTED_REQUESTS,))
+        self._experiment_label = metrics.TopLabels(TASK_LABELS, (metrics.EXPERIMENT_REQUESTS,))
 
     # --- fed by the follower -------------------------------------------------------------------
 
@@ -149,20 +150,29 @@ class CatalogView:
         self.base_model = reply.base_model
         return reply
 
-    def route(self, tenant_id: str, model: str | None, task: str | None, facts: RequestFacts) -> Routed:
-        """The model this request is resolved as (its task route or the policy rule that matched),
-        or a typed refusal; counted by task (the top ``TASK_LABELS``, the rest as other). A view that
-        does not follow the routing bucket (a worker's) checks requests the scheduler routed: as they stand."""
+    def route(
+        self, tenant_id: str, model: str | None, task: str | None, facts: RequestFacts, base_model: str | None = None
+    ) -> Routed:
+        """The model this request is resolved as (its task route, the policy rule that matched, or
+        its experiment's arm), or a typed refusal; counted by task (the top ``TASK_LABELS``, the rest
+        as other) and by experiment arm. A view that does not follow the routing bucket (a worker's)
+        checks requests the scheduler routed: as they stand. ``base_model``: the submission's (a
+        base arm is served as it), else the view's."""
         if self.routing_position is None:
             return Routed(model or "", task)
         try:
-            routed = self.routes.route(tenant_id, model, task, facts, lambda: self._visible(tenant_id))
+            routed = self.routes.route(
+                tenant_id, model, task, facts, lambda: self._visible(tenant_id), base_model or self.base_model
+            )
         except LorafleetError as e:
             metrics.ROUTED_REQUESTS.labels(self.route_path, "none", e.code).inc()
             raise
         if routed.task is not None or routed.rule is not None:
             outcome = "rule" if routed.rule is not None else "task"
             metrics.ROUTED_REQUESTS.labels(self.route_path, self._task_label(routed.task or "none"), outcome).inc()
+        if routed.experiment is not None and routed.arm is not None:
+            experiment = self._experiment_label(f"{tenant_id}/{routed.experiment}")
+            metrics.EXPERIMENT_REQUESTS.labels(self.route_path, experiment, routed.arm).inc()
         return routed
 
     def _visible(self, tenant_id: str) -> list[str]:

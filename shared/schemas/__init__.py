@@ -2,6 +2,7 @@
 
 from shared.schemas.audit import *  # noqa: F403
 from shared.schemas.base import *  # noqa: F403
+from shared.schemas.experiments import *  # noqa: F403
 from shared.schemas.inference import *  # noqa: F403
 from shared.schemas.liveness import *  # noqa: F403
 from shared.schemas.pins import *  # noqa: F403

@@ -31,6 +31,8 @@ class CompletionAudit(Message):
     outcome: Literal["stop", "length", "cancelled", "error"]
     slo_class: SloClass | None = Field(default=None, description="the SLO class it was served under")
     task: str | None = Field(default=None, max_length=64, description="the task it was routed by, if any")
+    experiment: str | None = Field(default=None, max_length=64, description="the experiment it was assigned by")
+    arm: str | None = Field(default=None, max_length=32, description="the experiment's arm that served it")
     engine_s: float | None = Field(
         default=None,
         ge=0,
@@ -88,6 +90,8 @@ class AdminAudit(Message):
         "task_routes_set",
         "task_routes_deleted",
         "route_policies_set",
+        "experiment_created",
+        "experiment_state_set",
     ]
     target: str = Field(max_length=128, description="the tenant, key id, signer or adapter changed")
     detail: dict[str, Any] = Field(default_factory=dict, description="what it changed to (never a secret)")

@@ -239,6 +239,10 @@ class InferRequest(Message):
         pattern=TASK_PATTERN,
         description="the task the request names (with ``model`` ``auto``); the scheduler sets the task it was routed by",
     )
+    experiment: str | None = Field(
+        default=None, pattern=TASK_PATTERN, description="the experiment it was assigned by: set by the scheduler only"
+    )
+    arm: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,32}$", description="the experiment's arm")
     metadata: dict[str, str] = Field(
         default_factory=dict, description="the request's metadata (routing policies match it)"
     )

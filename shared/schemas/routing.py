@@ -73,17 +73,20 @@ class PolicyMatch(Message):
 
 
 class PolicyTarget(Message):
-    """What a matched rule does. ``experiment`` is reserved for experiments across adapters (issue #49 item 2)."""
+    """What a matched rule does: serve an adapter, a task's route, an experiment's arm, or refuse."""
 
-    kind: Literal["adapter", "task", "refuse"]
+    kind: Literal["adapter", "task", "experiment", "refuse"]
     adapter: RouteTarget | None = None
     task: str | None = Field(default=None, pattern=TASK_PATTERN)
+    experiment: str | None = Field(default=None, pattern=TASK_PATTERN, description="the tenant's experiment")
     message: str = Field(default="refused by a routing policy", min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _one_target(self) -> "PolicyTarget":
-        if (self.kind == "adapter") != (self.adapter is not None) or (self.kind == "task") != (self.task is not None):
-            raise ValueError("an adapter target names an adapter, a task target a task, and nothing else")
+        named = {"adapter": self.adapter, "task": self.task, "experiment": self.experiment}
+        if any((self.kind == kind) != (value is not None) for kind, value in named.items()):
+            raise ValueError("an adapter target names an adapter, a task target a task, an experiment target an "
+                             "experiment, and nothing else")  # fmt: skip
         return self
 
 
@@ -153,6 +156,8 @@ class RouteExplanation(Message):
     rule: str | None = Field(default=None, description="the matching rule's name; None: no rule matched")
     rule_scope: Literal["tenant", "platform"] | None = None
     task: str | None = None
+    experiment: str | None = None
+    arm: str | None = Field(default=None, description="the experiment's arm this request key is assigned")
     model: str | None = Field(default=None, description="the model name resolved; None when refused")
     adapter_id: str | None = None
     adapter_version: int | None = None

@@ -41,3 +41,45 @@ def test_the_adapters_table_shows_the_platform_score_and_a_client_claim_as_advis
         [make_record("sea", 2, eval_results={"score": 1.0}, platform_eval=run), make_record("sea", 1)]
     )
     assert [row["eval"] for row in rows] == [{}, {"platform": 0.25, "threshold": 0.5, "client_advisory": 1.0}]
+
+
+def test_experiments_show_one_row_per_arm_with_each_figure_and_its_interval():
+    from services.registry.experiment_stats import ExperimentStats
+    from shared.schemas import CompletionAudit, Experiment, ExperimentStatusReply
+
+    exp = Experiment.model_validate(
+        {
+            "tenant_id": "acme",
+            "name": "ab",
+            "started_at": 0.0,
+            "state": "stopped",
+            "winner": "b",
+            "arms": [{"name": "a", "adapter": {"adapter": "sum"}, "weight": 3}, {"name": "b"}],
+        }
+    )
+    stats = ExperimentStats()
+    for i in range(8):
+        stats.add_completion(
+            CompletionAudit(
+                request_id=f"r{i}",
+                tenant_id="acme",
+                base_model="m",
+                cache_hit=True,
+                ttft_ms=10.0 + i,
+                tpot_ms=2.0,
+                prompt_tokens=1,
+                completion_tokens=2,
+                worker_id="w",
+                outcome="stop",
+                experiment="ab",
+                arm="a" if i < 6 else "b",
+            )
+        )
+    rows = dashboard_data.experiments([ExperimentStatusReply(experiment=exp, arms=stats.figures(exp))])
+    assert [(r["arm"], r["target"], r["count"], r["state"], r["winner"]) for r in rows] == [
+        ("a", "sum", 6, "stopped", "b"),
+        ("b", "base", 2, "stopped", "b"),
+    ]
+    low, value, high = rows[0]["share"][1], rows[0]["share"][0], rows[0]["share"][2]
+    assert value == 0.75 and low < value < high
+    assert rows[0]["engine_ms_per_token"] == [None, None, None]  # no worker measured it: no figure made up

@@ -11,6 +11,8 @@ from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
 from services.registry.evaluation import Ask
+from services.registry.experiment_stats import ExperimentStats
+from services.registry.experiments import Experiments
 from services.registry.gate import GatePolicy
 from services.registry.kv import StaleRecords
 from services.registry.live_stats import LiveStats
@@ -30,6 +32,7 @@ from shared.adapter_format import AdapterLimits
 from shared.bus import request
 from shared.catalog.barrier import CatalogBarrier
 from shared.catalog.records import Catalog, record_key
+from shared.catalog.routing import Routes
 from shared.eval_set import EvalItem
 from shared.memory_bus import MemoryBus
 from shared.schemas import (
@@ -104,6 +107,8 @@ class Wired:
     fleet: FleetSlots = field(default_factory=lambda: FleetSlots(liveness_timeout_s=60))
     slot_quotas: dict[str, int] = field(default_factory=dict)  # tenant -> its own GPU slot quota
     worker: "ScriptedWorker" = field(default_factory=lambda: ScriptedWorker())
+    routes: Routes = field(default_factory=Routes)  # the registry's mirror of the lf_routing bucket
+    experiment_stats: ExperimentStats = field(default_factory=ExperimentStats)
 
     async def call(self, op: str, message: BaseModel, reply: type[BaseModel]):
         return await request(self.nc, subjects.registry(op), message, reply, 5)
@@ -218,6 +223,7 @@ async def wired(base: BaseModelIdentity, tmp_path: Path) -> AsyncIterator[Wired]
     async def write_routing(key: str, value: bytes, revision: int) -> int:
         assert routing_kv.get(key, (b"", 0))[1] == revision
         routing_kv[key] = (value, revision + 1)
+        wired.routes.apply(key, value, revision + 1)
         return revision + 1
 
     async def synced(records: int, routing: int) -> set[str]:
@@ -231,6 +237,7 @@ async def wired(base: BaseModelIdentity, tmp_path: Path) -> AsyncIterator[Wired]
         releases,
         Pins(catalog, wired.fleet, load_pins, put_pin, delete_pin, audit, wired.slot_quotas.get),
         Routing(catalog, read_routing, write_routing, audit, synced),
+        Experiments(catalog, wired.routes, wired.experiment_stats, read_routing, write_routing, audit, synced),
         [],  # in-memory state, no KV mirror to wait for
     )
     yield wired
