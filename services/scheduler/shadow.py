@@ -37,9 +37,10 @@ def _sampled(request: InferRequest, share: float) -> bool:
 
 def mark(request: InferRequest, catalog: Catalog, policy: ShadowPolicy) -> InferRequest:
     """The granted request, marked to be compared when it is served by its adapter's production
-    version while a canary of it is out, it is greedy, and it falls in the sample."""
+    version while a canary of it is out, it is greedy, and it falls in the sample (an admin's request
+    on the preview subject included: resolved to production, it is production's traffic)."""
     adapter = request.adapter
-    if policy.sample <= 0 or adapter is None or request.preview or not greedy(request):
+    if policy.sample <= 0 or adapter is None or not greedy(request):
         return request
     production, canary = catalog.released(adapter.adapter_id)
     if production is None or canary is None or production.version != adapter.version:

@@ -49,6 +49,7 @@ def request(rid: str = "r1", temperature: float = 0.0, adapter=PROD, **over) -> 
 def test_only_greedy_production_requests_with_a_canary_out_are_marked() -> None:
     catalog = Catalog([PROD, CANARY])
     assert mark(request(), catalog, POLICY).compare_tokens == 16
+    assert mark(request(preview=True), catalog, POLICY).compare_tokens == 16  # an admin's, served by production
     assert mark(request(temperature=0.7), catalog, POLICY).compare_tokens is None  # sampled: not comparable
     assert mark(request(adapter=CANARY), catalog, POLICY).compare_tokens is None  # served by the canary itself
     assert mark(request(), Catalog([PROD]), POLICY).compare_tokens is None  # no canary out
