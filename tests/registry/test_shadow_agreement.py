@@ -3,11 +3,12 @@ of production and shadow answers by request, the figures, the agreement guard, a
 
 from prometheus_client import REGISTRY
 
+from lorafleet.cli.release_cmd import show
 from services.registry.comparison import export_comparison
 from services.registry.live_stats import LiveStats
 from services.registry.release_policy import ReleasePolicy, agreement_guard, judge
 from shared.answer_digest import agreement, checkpoints, digest_answer
-from shared.schemas import CompletionAudit, PlatformEval, VersionFigures
+from shared.schemas import CompletionAudit, PlatformEval, ReleaseState, VersionFigures
 
 POLICY = ReleasePolicy(min_samples=5, dwell_s=0, guard_min_samples=5, min_shadow_pairs=10, min_agreement=0.8)
 
@@ -119,3 +120,13 @@ def test_the_comparison_metrics_are_canary_minus_production() -> None:
     assert value("quality_regression", "exact") == -0.25
     assert value("quality_regression", "prefix") == -0.25
     assert abs((value("quality_regression", "eval_score") or 0) + 0.2) < 1e-9
+
+
+def test_release_status_shows_the_canarys_shadow_agreement() -> None:
+    state = ReleaseState(
+        adapter_id="sea", tenant_id="acme", version=2, baseline_version=1, steps=[1, 100], actor="t", owner="r1",
+        figures=[figures(2, 20, 10), figures(1, 0, 0)],
+    )  # fmt: skip
+    canary, production = show(state).splitlines()[1:3]
+    assert canary.endswith("shadow agreement 50.0% (prefix 50.0%) of 20")
+    assert "shadow" not in production
