@@ -213,6 +213,7 @@ def test_a_canary_identical_to_production_agrees_and_is_not_rolled_back(shadowed
     version, state, served, scraped = asyncio.run(work())
     assert state.phase == "running", state.decisions
     canary = canary_figures(state)
+    print("identical canary:", canary)
     assert canary is not None and canary.shadow_pairs >= MIN_PAIRS
     assert canary.agreement_rate is not None and canary.agreement_rate >= MIN_AGREEMENT, canary
     assert canary.samples == 0 and set(served) == {"1"}  # every answer the users got was production's
@@ -240,6 +241,7 @@ def test_a_canary_whose_shadow_answers_differ_is_rolled_back_on_agreement(shadow
     version, state, served, registry, scheduler = asyncio.run(work())
     assert state.phase == "rolled_back", state.decisions
     decision = state.decisions[-1]
+    print("random canary:", decision.reasons, decision.canary)
     assert decision.reasons[0].startswith("shadow agreement"), decision.reasons
     assert decision.canary is not None and decision.canary.shadow_pairs >= MIN_PAIRS
     assert decision.canary.agreement_rate is not None and decision.canary.agreement_rate < MIN_AGREEMENT
