@@ -26,7 +26,7 @@ from bench.multilora import QV, RANK, engine_with, save_adapters
 from bench.rounds import DEFAULT_ROUNDS, QUICK_ROUNDS, spread, spread_text
 from services.worker.engine import EngineRequest, LLMEngine
 from services.worker.engine.model_loader import load_model
-from services.worker.lora import LoraConfig, ModelShapes
+from services.worker.lora import MODULES, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -100,14 +100,20 @@ def main() -> None:
     threads_argument(parser)
     device_argument(parser)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--concurrency", type=int, help="production requests in flight (default 16, quick 4)")
+    parser.add_argument("--requests", type=int, help="production requests per round (default 200, quick 40)")
+    parser.add_argument("--new-tokens", type=int, help="tokens each request generates (default 32, quick 16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     concurrency, requests, new_tokens = (4, 40, 16) if args.quick else (16, 200, 32)
+    concurrency = args.concurrency or concurrency
+    requests = args.requests or requests
+    new_tokens = args.new_tokens or new_tokens
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     loaded = load_model(device=args.device)
     prompts = chat_prompts(loaded, 16)
     shapes = ModelShapes.from_hf_config(loaded.model.config)
-    budget = 4 * RANK * shapes.params_per_rank(QV) * 4
+    budget = 4 * RANK * shapes.params_per_rank(MODULES) * 4  # a slot is sized for every projection
     engine, manager = engine_with(
         loaded, LoraConfig(rank_classes=(RANK,), memory_budget_bytes=budget, max_num_tokens=2048), 2 * concurrency,
         args.device,
