@@ -103,6 +103,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, help="production requests in flight (default 16, quick 4)")
     parser.add_argument("--requests", type=int, help="production requests per round (default 200, quick 40)")
     parser.add_argument("--new-tokens", type=int, help="tokens each request generates (default 32, quick 16)")
+    parser.add_argument(
+        "--shares", type=lambda v: tuple(float(x) for x in v.split(",")), default=SHARES,
+        help="sample shares to run, the first 0 (the peer the others are compared with); default 0,0.05,1",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     concurrency, requests, new_tokens = (4, 40, 16) if args.quick else (16, 200, 32)
@@ -124,10 +128,11 @@ def main() -> None:
         ):
             manager.load_adapter(name, directory)
     served_round(engine, prompts, 1.0, 2, 2, 2)  # warm both adapters' paths
-    names = [f"{share:.0%}" if share else "off" for share in SHARES]
+    assert args.shares[0] == 0, "the first share is the off peer"
+    names = [f"{share:.0%}" if share else "off" for share in args.shares]
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for turn in range(rounds):
-        order = list(zip(names, SHARES, strict=True))
+        order = list(zip(names, args.shares, strict=True))
         for name, share in order[turn % len(order) :] + order[: turn % len(order)]:
             runs[name].append(served_round(engine, prompts, share, concurrency, requests, new_tokens))
             print(name, runs[name][-1], flush=True)
