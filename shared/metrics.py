@@ -110,6 +110,30 @@ TENANT_ISOLATION_VIOLATIONS = Counter(
 )
 INTEGRITY_ERRORS = Counter("integrity_errors", "adapter digest/signature/fingerprint mismatches", ["service"])
 QUALITY_SCORE = Gauge("adapter_quality_score", "latest evaluation score", ["adapter", "version"])
+SHADOW_RUNS = Counter(
+    "shadow_runs",
+    "canary runs of sampled production requests (shadow evaluation), by fate: dispatched, skipped (too many "
+    "shadow runs held or running) or dropped (refused, or no worker in time)",
+    ["fate"],
+)
+SHADOW_PAIRS = Counter(
+    "shadow_pairs",
+    "production answers paired with the canary's shadow answer to the same request, by whether they agree "
+    "(the same output tokens)",
+    ["adapter", "canary_version", "production_version", "agree"],
+)
+SHADOW_AGREEMENT = Gauge(
+    "shadow_agreement_ratio",
+    "the canary's shadow answers equal to production's over the rollout step's window, and the mean shared "
+    "prefix share (measure: exact, prefix)",
+    ["adapter", "canary_version", "production_version", "measure"],
+)
+QUALITY_REGRESSION = Gauge(
+    "quality_regression",
+    "canary minus production on the same items: shadow agreement (exact, prefix: production agrees with "
+    "itself, so 0 is no change) and the platform-run eval score (eval_score), per rollout",
+    ["adapter", "canary_version", "production_version", "measure"],
+)
 
 # operations
 REQUESTS = Counter("requests", "requests by service and outcome", ["service", "outcome"])

@@ -69,10 +69,13 @@ def _figures(f: VersionFigures | None) -> str:
 
     tokens = f"{f.tokens_per_request:.1f}" if f.tokens_per_request is not None else "?"
     cost = f"{f.engine_ms_per_token:.2f}" if f.engine_ms_per_token is not None else "?"
+    shadow = ""
+    if f.agreement_rate is not None:  # the canary's answers to production's requests, in the shadow
+        shadow = f" shadow agreement {f.agreement_rate:.1%} (prefix {f.prefix_agreement or 0:.1%}) of {f.shadow_pairs}"
     return (
         f"v{f.version}: n={f.samples} errors {f.error_rate:.1%} TTFT p50/p95 {ms(f.ttft_p50_ms)}/{ms(f.ttft_p95_ms)} ms "
         f"TPOT p50/p95 {ms(f.tpot_p50_ms)}/{ms(f.tpot_p95_ms)} ms tokens/req {tokens} engine ms/token {cost} "
-        f"complaints {f.complaint_rate:.1%}"
+        f"complaints {f.complaint_rate:.1%}{shadow}"
     )
 
 

@@ -19,6 +19,7 @@ def traffic(completions: list[dict]) -> dict:
     ttft: dict[bool, list[float]] = {True: [], False: []}
     tenants: dict[str, dict[str, int]] = defaultdict(lambda: {"requests": 0, "tokens": 0})
     adapters: dict[str, int] = defaultdict(int)
+    completions = [c for c in completions if c.get("shadow_of") is None]  # shadow runs served no tenant
     for c in completions:
         if c.get("cache_hit") is not None:
             ttft[bool(c["cache_hit"])].append(c["ttft_ms"])

@@ -50,7 +50,7 @@ async def own_completion(ctx: GatewayContext, tenant_id: str, request_id: str) -
         reply = await bus_request(
             ctx.nc, subjects.AUDITOR_QUERY, query, AuditQueryReply, ctx.settings.registry_timeout_s
         )
-        if reply.records:
+        if reply.records and reply.records[0].get("shadow_of") is None:  # a shadow run served no one to rate
             return reply.records[0]
         if time.monotonic() >= deadline:
             raise RequestNotFound(f"no completion {request_id!r} of this tenant", param="request_id")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.registry.comparison import export_comparison
 from services.registry.gate import GatePolicy, check_release, summary
 from services.registry.live_stats import LiveStats
 from services.registry.ops import Registry
@@ -172,6 +173,11 @@ class ReleaseController:
         if state.baseline_version is not None:
             baseline = self._stats.figures(state.adapter_id, state.baseline_version, state.step_started_at, share)
         figures = [canary, *([baseline] if baseline else [])]
+        if state.baseline_version is not None:
+            record = self._registry.catalog.get(state.adapter_id, state.version)
+            export_comparison(
+                state.adapter_id, canary, state.baseline_version, record.platform_eval if record else None
+            )
         verdict = judge(canary, baseline, now - state.step_started_at, self._policy, shared)
         if verdict.action == "rollback":
             why = f"v{state.version} at {state.percent:g}%: " + "; ".join(verdict.reasons)

@@ -22,6 +22,8 @@ class ReleasePolicy:
     max_complaint_increase: float = 0.05
     min_complaint_tenants: int = 3  # a shared version's complaint guard needs this many tenants complaining
     max_tenant_complaint_share: float = 0.1  # of a shared version's window, the most one tenant's complaints weigh
+    min_shadow_pairs: int = 50  # shadow pairs before the agreement guard judges
+    min_agreement: float = 0.0  # the canary's shadow answers equal to production's, at least (0: not judged)
 
     @classmethod
     def from_settings(cls, settings: RegistrySettings) -> "ReleasePolicy":
@@ -36,6 +38,8 @@ class ReleasePolicy:
             max_complaint_increase=settings.release_max_complaint_increase,
             min_complaint_tenants=settings.release_min_complaint_tenants,
             max_tenant_complaint_share=settings.release_max_tenant_complaint_share,
+            min_shadow_pairs=settings.release_min_shadow_pairs,
+            min_agreement=settings.release_min_agreement,
         )
 
 
@@ -73,20 +77,37 @@ def _ratio_guard(name: str, mine: float | None, theirs: float | None, ratio: flo
     return None
 
 
+def agreement_guard(canary: VersionFigures, policy: ReleasePolicy) -> str | None:
+    """Why the canary's shadow answers disagree with production's too often: over at least
+    ``min_shadow_pairs`` pairs, fewer than ``min_agreement`` of them are the same tokens."""
+    rate = canary.agreement_rate
+    if policy.min_agreement <= 0 or rate is None or canary.shadow_pairs < policy.min_shadow_pairs:
+        return None
+    if rate < policy.min_agreement:
+        agreed = round(rate * canary.shadow_pairs)
+        return (
+            f"shadow agreement {agreed}/{canary.shadow_pairs} ({rate:.3f}, prefix {canary.prefix_agreement or 0:.3f}) "
+            f"with production, below {policy.min_agreement:g}"
+        )
+    return None
+
+
 def guard_trips(
     canary: VersionFigures, baseline: VersionFigures | None, policy: ReleasePolicy, shared: bool = False
 ) -> list[str]:
     """Why the canary is worse than production beyond the policy; empty while it is not, or while
-    it has too few completions to judge. With no production to compare (or too little of its
-    traffic), the rates are held against zero and the ratios are not judged. A ``shared`` version
+    it has too few completions to judge (the shadow agreement guard counts its own pairs instead).
+    With no production to compare (or too little of its traffic), the rates are held against zero and the ratios are not judged. A ``shared`` version
     (served to many tenants) is judged on complaints only once ``min_complaint_tenants`` tenants
     complained: any one tenant chooses which of its requests it rates."""
+    agreement = agreement_guard(canary, policy)
     if canary.samples < policy.guard_min_samples:
-        return []
+        return [agreement] if agreement else []
     compared = baseline is not None and baseline.samples >= policy.guard_min_samples
     base_errors = baseline.error_rate if compared and baseline else 0.0
     base_complaints = baseline.complaint_rate if compared and baseline else 0.0
-    reasons = [_rate_guard("error rate", canary.errors, canary.samples, base_errors, policy.max_error_increase)]
+    errors = _rate_guard("error rate", canary.errors, canary.samples, base_errors, policy.max_error_increase)
+    reasons = [agreement, errors]
     if not shared or canary.complaining_tenants >= policy.min_complaint_tenants:
         reasons.append(
             _rate_guard(
@@ -119,7 +140,8 @@ def judge(
     shared: bool = False,
 ) -> Verdict:
     """Roll back when a guard trips; advance once the step has dwelt long enough and both versions
-    have the minimum sample count (production only when there is one); hold otherwise."""
+    have the minimum sample count (production only when there is one), and, with the agreement guard
+    on, the canary the minimum shadow pairs with production; hold otherwise."""
     reasons = guard_trips(canary, baseline, policy, shared)
     if reasons:
         return Verdict("rollback", tuple(reasons))
@@ -130,4 +152,6 @@ def judge(
         waiting.append(f"canary samples {canary.samples}/{policy.min_samples}")
     if baseline is not None and baseline.samples < policy.min_samples:
         waiting.append(f"production samples {baseline.samples}/{policy.min_samples}")
+    if baseline is not None and policy.min_agreement > 0 and canary.shadow_pairs < policy.min_shadow_pairs:
+        waiting.append(f"shadow pairs {canary.shadow_pairs}/{policy.min_shadow_pairs}")
     return Verdict("hold", tuple(waiting)) if waiting else Verdict("advance")

@@ -165,6 +165,19 @@ class RegistrySettings(CommonSettings):
         le=1,
         description="of a shared version's completions in a step, the most one tenant's complaints count for",
     )
+    release_min_shadow_pairs: int = Field(
+        default=50,
+        ge=1,
+        le=1_000_000,
+        description="production requests the canary answered in the shadow (paired) before the agreement guard judges",
+    )
+    release_min_agreement: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="share of the canary's shadow answers equal to production's below which it is rolled back "
+        "(0: the agreement is shown and exported, not judged; a version meant to answer differently disagrees)",
+    )
     release_tick_s: float = Field(default=1.0, gt=0, le=60, description="how often the controller judges each rollout")
     release_lease_s: float = Field(
         default=10.0, gt=0, le=600, description="a rollout whose driving replica is silent this long is taken over"

@@ -105,9 +105,12 @@ class Admission:
                 f"tenant {tenant} is over its {answer[1]} limit", retry_after_s=max(0.001, float(answer[2]))
             )
 
-    async def release(self, grant: Grant, used_tokens: int | None) -> None:
+    async def release(self, grant: Grant | None, used_tokens: int | None) -> None:
         """End of the request: free its concurrency slot and settle its tokens: refund those charged but
-        not used, charge those used beyond the charge (``used_tokens`` None = unknown, nothing settled)."""
+        not used, charge those used beyond the charge (``used_tokens`` None = unknown, nothing settled).
+        A shadow run (``grant`` None) was never charged: nothing to settle."""
+        if grant is None:
+            return
         delta = grant.tokens - used_tokens if used_tokens is not None else 0
         if not grant.in_redis:
             self.local.release(grant.tenant, grant.request_id, delta, grant.quota)
@@ -122,11 +125,11 @@ class Admission:
         ]
         await self.guard.call("release", lambda: self._release(keys=keys, args=args))
 
-    async def renew(self, grants: list[Grant]) -> None:
+    async def renew(self, grants: list[Grant | None]) -> None:
         """Extend the concurrency leases of requests still queued or running (a lost release then
         frees itself after ``lease_s``)."""
         for grant in grants:
-            if not grant.quota.max_concurrent:
+            if grant is None or not grant.quota.max_concurrent:
                 continue
             if not grant.in_redis:
                 self.local.renew(grant.tenant, grant.request_id)

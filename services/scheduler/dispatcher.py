@@ -16,6 +16,7 @@ from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
+from services.scheduler.shadow import ShadowPolicy, mark, shadow_of
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.submission import parse_submission, past_accept_deadline, refusal_target, slo_class_of
 from shared import metrics, subjects
@@ -66,11 +67,29 @@ class Ports:
     catalog: CatalogView = field(default_factory=CatalogView)
 
 
+class ShadowHandle:
+    """A shadow run's handle: the scheduler's own submission, on no work queue to settle."""
+
+    headers: dict[str, str] | None = None
+
+    async def ack(self) -> None:
+        return None
+
+    async def term(self) -> None:
+        return None
+
+    async def nak(self, delay: float | None = None) -> None:
+        return None
+
+    async def in_progress(self) -> None:
+        return None
+
+
 @dataclass(slots=True, eq=False)
 class Queued:
     request: InferRequest
     handle: Handle
-    grant: Grant
+    grant: Grant | None  # None: a shadow run, charged to no quota
     seq: int | None = None  # the work-queue message's stream sequence
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -95,7 +114,7 @@ class Queued:
 class Inflight:
     request: InferRequest
     worker_id: str
-    grant: Grant
+    grant: Grant | None
     seq: int | None = None
     started: float = field(default_factory=time.monotonic)  # when the worker accepted it
 
@@ -112,6 +131,7 @@ class Dispatcher:
     shedder: LoadShedder
     bounds: RequestBounds
     prompt_tokens: PromptTokens | None = None  # None: prompts bounded in characters only
+    shadow: ShadowPolicy = field(default_factory=lambda: ShadowPolicy(0.0, 1, 0))  # default: none
     # request ids are per tenant: every in-flight map is keyed by (tenant, request id)
     held: dict[RequestRef, Queued] = field(default_factory=dict)  # queued or being dispatched
     inflight: dict[RequestRef, Inflight] = field(default_factory=dict)  # accepted by a worker, not yet ended
@@ -144,7 +164,8 @@ class Dispatcher:
             return
         grant = await self._admitted(granted, quota, handle, seq)
         if grant is not None:
-            self._enqueue(Queued(self._stamped(granted, quota, preview, slo_class), handle, grant, seq))
+            stamped = mark(self._stamped(granted, quota, preview, slo_class), self.ports.catalog.catalog, self.shadow)
+            self._enqueue(Queued(stamped, handle, grant, seq))
 
     async def _settled_as_known(self, request: InferRequest, handle: Handle, seq: int | None) -> bool:
         """Settle, without admitting it again, a submission this scheduler knows or must not run: a new
@@ -230,6 +251,8 @@ class Dispatcher:
                 "preview": preview,
                 "priority": slo_class,
                 "ttft_target_s": self.shedder.targets.of(slo_class),
+                "compare_tokens": None,
+                "shadow_of": None,
             }
         )
 
@@ -313,7 +336,8 @@ class Dispatcher:
 
     async def _dispatch(self, item: Queued, worker_id: str) -> None:
         request, ref = item.request, item.ref
-        if not await self.dispatched.mark(request.tenant_id, request.request_id, item.seq):
+        shadow = request.shadow_of is not None  # the scheduler's own: no submission to dedupe
+        if not shadow and not await self.dispatched.mark(request.tenant_id, request.request_id, item.seq):
             # claimed before: its submission was redelivered here after another scheduler (or this one
             # before a restart) dispatched it; it runs once
             self.fleet.refused(worker_id, ref, back_off=False)
@@ -335,7 +359,8 @@ class Dispatcher:
             await self._accepted(item, worker_id)
             self.pump()
             return
-        await self.dispatched.release(request.tenant_id, request.request_id, item.seq)
+        if not shadow:
+            await self.dispatched.release(request.tenant_id, request.request_id, item.seq)
         if reply.error is not None and reply.error.status < 500:
             self.fleet.refused(worker_id, ref, back_off=False)
             await self._forget(item, from_body(reply.error))
@@ -358,7 +383,10 @@ class Dispatcher:
         self.inflight[ref] = Inflight(request, worker_id, item.grant, item.seq)
         self.fleet.accepted(worker_id)
         metrics.SCHEDULER_DISPATCHES.labels(worker_id).inc()
-        self.queue.charge(request.tenant_id, *token_cost(request))
+        if item.grant is None:  # a shadow run: charged to no tenant, its fair share included
+            metrics.SHADOW_RUNS.labels("dispatched").inc()
+        else:
+            self.queue.charge(request.tenant_id, *token_cost(request))
         waited = time.monotonic() - item.enqueued
         metrics.SCHEDULER_QUEUE_WAIT.labels(item.priority).observe(waited * 1000)
         if waited > self.shedder.targets.of(item.priority):
@@ -373,6 +401,26 @@ class Dispatcher:
         finally:  # a failed ack must not leave a run that already ended holding its worker
             if ended is not None:
                 await self.completed(ended)
+        self._shadow(request)
+
+    def _shadow(self, request: InferRequest) -> None:
+        """Queue the canary's run of a production request marked for the shadow, at the batch class
+        and charged to nobody: off the client's path, which its production run alone serves. Past
+        ``max_inflight`` shadow runs held or running, the request goes unshadowed."""
+        shadow = shadow_of(request, self.ports.catalog.catalog, self.shedder.targets.of("batch"))
+        if shadow is None:
+            return
+        live = sum(q.request.shadow_of is not None for q in self.held.values())
+        live += sum(e.request.shadow_of is not None for e in self.inflight.values())
+        if live >= self.shadow.max_inflight:
+            metrics.SHADOW_RUNS.labels("skipped").inc()
+            return
+        item = Queued(shadow, ShadowHandle(), None)
+        if item.ref in self.held or item.ref in self.inflight:
+            return
+        self.held[item.ref] = item
+        self.queue.push(item)
+        self.pump()
 
     async def completed(self, event: CompletionAudit) -> None:
         """A worker finished a request: free its concurrency slot, refund its unused tokens, and
@@ -389,6 +437,8 @@ class Dispatcher:
             return  # another run
         del self.inflight[ref]
         self.fleet.ended(entry.worker_id, ref, event.ts)
+        if entry.grant is None:
+            return  # a shadow run: nothing charged, and no client's wait to learn the service rate from
         if event.outcome in ("stop", "length"):  # what a served request costs the fleet
             self.shedder.ended(time.monotonic() - entry.started, event.ttft_ms / 1000)
         prompt_est, max_tokens = token_cost(entry.request)
@@ -420,7 +470,10 @@ class Dispatcher:
         handle is the caller's to settle."""
         self.held.pop(item.ref, None)
         self.early.pop(item.ref, None)
-        if error is not None:
+        if error is not None and item.request.shadow_of is not None:  # no client waits on a shadow run
+            metrics.SHADOW_RUNS.labels("dropped").inc()
+            log.info("shadow_dropped", request_id=item.request_id, shadow_of=item.request.shadow_of, error=error.code)
+        elif error is not None:
             await self._refuse(item.request, error)
         await self.admission.release(item.grant, 0)
 

@@ -26,6 +26,7 @@ from services.scheduler.ports import bus_ports
 from services.scheduler.prefetch import Prefetcher
 from services.scheduler.redis_guard import RedisGuard
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.shadow import ShadowPolicy
 from services.scheduler.shedding import LoadShedder
 from services.scheduler.upkeep import Periods, Upkeep
 from services.scheduler.vtc import SharedCounters
@@ -103,6 +104,7 @@ def build(
         ),
         bounds=settings,
         prompt_tokens=prompt_tokens,
+        shadow=ShadowPolicy(settings.shadow_sample, settings.shadow_max_tokens, settings.shadow_max_inflight),
     )
     periods = Periods(
         settings.no_worker_grace_s, ACK_WAIT_S / 3, settings.concurrency_lease_s / 3, settings.heat_decay_interval_s

@@ -61,3 +61,19 @@ class SchedulerSettings(RequestBounds):
     cold_rate: float = Field(default=0.01, ge=0, description="requests/s below which a replicated adapter is evicted")
     max_controls_per_tick: int = Field(default=4, ge=0, le=1000, description="prefetch/evict messages per heat tick")
     dedupe_ttl_s: float = Field(default=3600.0, gt=0, description="how long a dispatched request id is remembered")
+    shadow_sample: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="share of the greedy requests an adapter's production version serves, while a canary of it "
+        "is out, that the canary answers too in the shadow (off the client's path; 0: no shadow evaluation)",
+    )
+    shadow_max_tokens: int = Field(
+        default=64, ge=1, le=32_768, description="output tokens a shadow run generates and compares at most"
+    )
+    shadow_max_inflight: int = Field(
+        default=8,
+        ge=0,
+        le=10_000,
+        description="shadow runs held or running at once; past it a sampled request goes unshadowed",
+    )

@@ -75,8 +75,9 @@ class Upkeep:
                     continue
                 rid = ref.request_id
                 error = WorkerLost(f"worker {worker_id} stopped while serving request {rid}; retry it")
-                await core.ports.reply_error(entry.request.reply_to, rid, error)
-                await core.ports.record_rejection(ref.tenant, rid, error)
+                if entry.request.shadow_of is None:  # a shadow run has no client to answer
+                    await core.ports.reply_error(entry.request.reply_to, rid, error)
+                    await core.ports.record_rejection(ref.tenant, rid, error)
                 await core.admission.release(entry.grant, None)
 
     async def sweep_queue(self, now: float) -> None:

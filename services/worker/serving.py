@@ -19,6 +19,7 @@ from services.worker.slo_attainment import SloAttainment, ttft_outcome
 from services.worker.timing import Timing
 from shared import metrics
 from shared.adapter_keys import adapter_key
+from shared.answer_digest import digest_answer
 from shared.catalog.grants import IsolationAttempt
 from shared.catalog.view import CatalogView
 from shared.errors import IntegrityError, InvalidRequest, LorafleetError, ServiceUnavailable, UpstreamTimeout
@@ -76,6 +77,7 @@ class Job:
     lookup: Lookup | None = None
     timing: Timing = field(default_factory=Timing)
     digest: str | None = None
+    compared: list[int] | None = None  # output token ids kept for the answer's digest (a run compared in the shadow)
 
     @property
     def ref(self) -> RequestRef:
@@ -166,7 +168,7 @@ class RequestServer:
         tools = tool_grammar.constraint(request.tools)
         if tools is not None:
             request = request.model_copy(update={"sampling": request.sampling.model_copy(update={"structured": tools})})
-        job = Job(request, prompt_ids)
+        job = Job(request, prompt_ids, compared=[] if request.compare_tokens else None)
         if request.adapter is not None:
             if self.cache is None:
                 raise InvalidRequest("this worker serves the base model only")
@@ -317,6 +319,8 @@ class RequestServer:
                 await self.emit(request.reply_to, piece)
             if out.token_ids:
                 job.timing.token(out.completion_tokens)
+                if job.compared is not None and request.compare_tokens is not None:
+                    job.compared.extend(out.token_ids[: request.compare_tokens - len(job.compared)])
             if out.text or out.token_ids:
                 pieces.append(out.text)
                 await self.emit(
@@ -417,4 +421,6 @@ class RequestServer:
             experiment=job.request.experiment,
             arm=job.request.arm,
             engine_s=job.timing.engine_s,
+            shadow_of=job.request.shadow_of,
+            answer=digest_answer(job.compared) if job.compared is not None and outcome in ("stop", "length") else None,
         )

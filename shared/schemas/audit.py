@@ -12,6 +12,16 @@ from shared.schemas.release import DecisionAction, VersionFigures
 # ---- audit -------------------------------------------------------------------------------
 
 
+class AnswerDigest(Message):
+    """An answer's output tokens as digests (``shared/answer_digest.py``): compared, never shown."""
+
+    tokens: int = Field(ge=0, description="output tokens digested (at most the request's compare_tokens)")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of all of them")
+    prefixes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] = Field(
+        default_factory=list, max_length=32, description="of the first 1, 2, 4, ... and all of them"
+    )
+
+
 class CompletionAudit(Message):
     kind: Literal["completion"] = "completion"
     ts: float = Field(default_factory=time.time)
@@ -38,6 +48,14 @@ class CompletionAudit(Message):
         ge=0,
         description="engine seconds the request consumed (its token share of each step it ran in); the worker "
         "measures it, None where its engine does not (vLLM) and in records written before it was measured",
+    )
+    shadow_of: RequestId | None = Field(
+        default=None,
+        description="a shadow run: the canary answering this production request's prompt off the client's path; "
+        "never billed, never counted as the version's served traffic",
+    )
+    answer: AnswerDigest | None = Field(
+        default=None, description="digests of the output tokens of a run compared in the shadow (never its text)"
     )
 
 

@@ -250,6 +250,17 @@ class InferRequest(Message):
         default=None,
         description="the caller's key and headers, as the gateway saw them (cleared on a tenant's own subject)",
     )
+    compare_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=32_768,
+        description="the worker digests this many first output tokens into the audit record (a run compared in "
+        "the shadow): set by the scheduler, never taken from the client",
+    )
+    shadow_of: RequestId | None = Field(
+        default=None,
+        description="the production request this run shadows (the scheduler's own submission, never a client's)",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "InferRequest":

@@ -38,6 +38,18 @@ class VersionFigures(Message):
     )
     complaining_tenants: int = Field(default=0, ge=0, description="distinct tenants that rated a request down")
     complaint_rate: float = Field(default=0.0, ge=0, le=1, description="complaints per completion")
+    shadow_pairs: int = Field(
+        default=0, ge=0, description="production requests this version also answered in the shadow, paired by id"
+    )
+    agreement_rate: float | None = Field(
+        default=None, ge=0, le=1, description="share of the pairs whose two answers are the same tokens"
+    )
+    prefix_agreement: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="mean share of the longer answer both agree on from the start (a lower bound, per pair)",
+    )
 
 
 class ReleaseDecision(Message):

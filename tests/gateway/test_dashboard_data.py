@@ -35,6 +35,12 @@ def test_the_hit_rate_counts_only_told_lookups() -> None:
     assert [point[2] for point in traffic["ttft_series"]] == [True, False, None]
 
 
+def test_a_shadow_run_is_no_tenants_traffic() -> None:
+    shadow = {**completion("mine", True), "completion_tokens": 64, "shadow_of": "r1"}
+    traffic = dashboard_data.traffic([completion("mine", True), shadow])
+    assert traffic["requests"] == 1 and traffic["tenants"]["acme"] == {"requests": 1, "tokens": 4}
+
+
 def test_the_adapters_table_shows_the_platform_score_and_a_client_claim_as_advisory() -> None:
     run = PlatformEval(eval_set_digest="a" * 64, score=0.25, threshold=0.5, items=4, errors=0)
     rows = dashboard_data.adapters(
