@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble k of a word holds column 8c + this[k]
 SAVED_EXPERT = re.compile(r"^(.*\.experts\.\d+\.\w+)\.weight$")  # one expert's projection as save_pretrained writes it
-ROUTERS = ("mlp.gate", "shared_expert_gate")  # left plain
+ROUTERS = ("mlp.gate", "block_sparse_moe.gate", "shared_expert_gate")  # left plain (on-disk names)
 
 
 def _int32(values: torch.Tensor) -> torch.Tensor:

@@ -217,3 +217,41 @@ def test_act_order_is_refused_for_moe_as_for_dense(tmp_path: Path) -> None:
     path.write_text(json.dumps(config))
     with pytest.raises(UnsupportedQuantization, match=r"gptq desc_act=true \(act-order g_idx\)"):
         load_model(str(directory))
+
+
+@pytest.mark.parametrize("case", ["ct-pack-int4-qwen2-moe", "ct-int-int8-mixtral"])
+def test_compressed_tensors_own_decompression_reads_every_expert_as_the_engine(case: str, tmp_path: Path) -> None:
+    """Where compressed-tensors is importable (not in the project's environment: see docs/models.md): its
+    compressor for the checkpoint's format decompresses every expert (and dense) module of the writer's
+    MoE checkpoint into the writer's weights and the engine's, and its config matches the routers as ignored."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_name
+
+    from services.worker.engine.model_loader import memory_name
+
+    family, write = CHECKPOINTS[case]
+    model = PREQUANT_MOE_FAMILIES[family]()
+    weights = write(model, save_family(model, tmp_path / case))
+    raw = json.loads((tmp_path / case / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(raw)
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.load_from_registry(raw["format"])
+    state = load_file(tmp_path / case / "model.safetensors")
+    loaded = load_model(str(tmp_path / case))
+    assert len(loaded.packed) == len(weights)
+    for name, weight in weights.items():
+        local = {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")}
+        theirs = compressor.decompress(local, scheme)["weight"].float()
+        torch.testing.assert_close(theirs, weight, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            loaded.packed[memory_name(f"{name}.weight")[: -len(".weight")]].dequantize(),
+            theirs,
+            rtol=0,
+            atol=0,
+            msg=name,
+        )
+    routers = [k[: -len(".weight")] for k in state if k.endswith((".gate.weight", "shared_expert_gate.weight"))]
+    assert routers and all(any(match_name(r, pattern) for pattern in config.ignore or []) for r in routers)
+    assert not any(match_name(name, pattern) for name in weights for pattern in config.ignore or [])
