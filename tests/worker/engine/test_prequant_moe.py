@@ -1,6 +1,6 @@
-"""Pre-quantized mixture-of-experts checkpoints (GPTQ, AWQ, compressed-tensors): each expert's gate, up
-and down quantized as modules of their own, the router plain, Qwen2-MoE's shared expert quantized as a
-dense MLP. The engine's logits equal a transformers forward whose experts and projections hold the
+"""Pre-quantized mixture-of-experts checkpoints (GPTQ, AWQ, compressed-tensors; qwen3_moe, qwen2_moe,
+mixtral, olmoe): each expert's gate, up and down quantized as modules of their own, the router plain,
+Qwen2-MoE's shared expert quantized as a dense MLP. The engine's logits equal a transformers forward whose experts and projections hold the
 checkpoint's dequantized weights; greedy output and expert LoRA adapters (PEFT's ``target_parameters``
 on the fused experts) equal PEFT over that reference; what is not served is refused in one line."""
 
@@ -34,6 +34,7 @@ CHECKPOINTS: dict[str, tuple[str, Writer]] = {
     "awq-mixtral": ("mixtral", lambda m, d: write_awq(m, d, 32)),
     "awq-qwen3-moe": ("qwen3-moe", lambda m, d: write_awq(m, d, 32)),
     "awq-qwen2-moe": ("qwen2-moe-shared-expert", lambda m, d: write_awq(m, d, 32)),
+    "gptq-asym-olmoe": ("olmoe", lambda m, d: write_gptq(m, d, 32, False)),
     "ct-pack-int4-qwen2-moe": (
         "qwen2-moe-shared-expert",
         lambda m, d: write_compressed_tensors(m, d, "pack-quantized", 4, symmetric=False),
