@@ -139,7 +139,8 @@ def _expert_adapters(reference: PreTrainedModel, root: Path) -> PeftModel:
 @pytest.mark.parametrize("case", ["gptq-asym-qwen2-moe", "awq-mixtral"])
 def test_expert_adapters_over_the_quantized_base_equal_peft(case: str, tmp_path: Path) -> None:
     """Expert adapters trained on the unquantized shapes load by logical shape; both adapters and the base
-    in one batch equal PEFT over the dequantized reference, token for token and logprob within 1e-4."""
+    in one batch equal PEFT over the dequantized reference, token for token and logprob within 1e-4, and
+    an adapter's request alone gives its tokens in the batch."""
     _, reference, directory = _checkpoint(case, tmp_path)
     peft = _expert_adapters(reference, tmp_path / "adapters")
     loaded = load_model(str(directory))
@@ -157,6 +158,8 @@ def test_expert_adapters_over_the_quantized_base_equal_peft(case: str, tmp_path:
     )
     assert_greedy_matches_peft(peft, PROMPTS, cases, tokens, logprobs)
     assert any(tokens[f"{i}-{n}"] != tokens[f"{i}-None"] for i, n in cases if n is not None)
+    alone, _ = _run(engine, [EngineRequest("alone", PROMPTS[2], params, adapter="experts-r16")])
+    assert alone["alone"] == tokens["2-experts-r16"]
 
 
 def test_bf16_serves_the_experts_on_the_int4_kernel(tmp_path: Path) -> None:
