@@ -7,10 +7,14 @@ Each writer rewrites a directory that already holds ``model`` saved with ``save_
 projection of the decoder layers is quantized (lm_head stays plain, as the formats' own tools leave it)
 with a plain min/max rule (no calibration: the format is what is exercised, not the quantizer), and the
 dequantized weights ``(q - z) * s`` in fp32 come back by module name: the reference a transformers
-forward takes.
+forward takes (tests/helpers/prequant.py ``with_weights``). A mixture-of-experts model's experts are
+quantized one module per expert and projection under the names ``save_pretrained`` writes them
+(``mlp.experts.E.gate_proj``, Mixtral's ``block_sparse_moe.experts.E.w1``), as GPTQ and AWQ checkpoints of
+these families hold them; the router and Qwen2-MoE's shared-expert gate stay plain, as those tools leave them.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble k of a word holds column 8c + this[k]
+SAVED_EXPERT = re.compile(r"^(.*\.experts\.\d+\.\w+)\.weight$")  # one expert's projection as save_pretrained writes it
+ROUTERS = ("mlp.gate", "block_sparse_moe.gate", "shared_expert_gate")  # left plain (on-disk names)
 
 
 def _int32(values: torch.Tensor) -> torch.Tensor:
@@ -50,14 +56,17 @@ def dequantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     return (q * scales.float()[..., None]).view(codes.shape)
 
 
-def _weight(model: PreTrainedModel, name: str) -> torch.Tensor:
-    module = model.get_submodule(name)
-    assert isinstance(module, torch.nn.Linear)
-    return module.weight.detach()
-
-
-def _projections(model: PreTrainedModel) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+def _projections(model: PreTrainedModel, directory: Path) -> dict[str, torch.Tensor]:
+    """Every projection to quantize by module name, with its weight [out, in]: the decoder layers' linears
+    but the routers, and each expert's projections as saved in ``directory``."""
+    found = {
+        n: m.weight.detach()
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in n and not n.endswith(ROUTERS)
+    }
+    for file in sorted(directory.glob("*.safetensors")):
+        found |= {match[1]: w for key, w in load_file(file).items() if (match := SAVED_EXPERT.match(key))}
+    return found
 
 
 def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
@@ -79,8 +88,7 @@ def write_gptq(
     z - 1 (checkpoint_format gptq, v1) or z (gptq_v2, as gptqmodel saves it), scales fp16 [groups, out],
     g_idx [in]."""
     tensors, weights = {}, {}
-    for name in _projections(model):
-        w = _weight(model, name)
+    for name, w in _projections(model, directory).items():
         codes, scales, zeros = int4_groups(w, group, symmetric)
         weights[name] = dequantized(codes, scales, zeros, group)
         tensors[f"{name}.qweight"] = pack_nibbles(codes).T.contiguous()  # word [r, j]: inputs 8r..8r+7 of j
@@ -98,8 +106,7 @@ def write_awq(model: PreTrainedModel, directory: Path, group: int) -> dict[str, 
     in nibble k of word c; scales fp16 [groups, out]; zero points always."""
     order = list(AWQ_PACK_ORDER)
     tensors, weights = {}, {}
-    for name in _projections(model):
-        w = _weight(model, name)
+    for name, w in _projections(model, directory).items():
         codes, scales, zeros = int4_groups(w, group, symmetric=False)
         weights[name] = dequantized(codes, scales, zeros, group)
 
@@ -143,8 +150,8 @@ def write_compressed_tensors(
     """A weight-only compressed-tensors checkpoint as llm-compressor saves it (``fmt`` pack-quantized,
     int-quantized or naive-quantized; int8 channel-wise or int4 group-wise)."""
     tensors, weights = {}, {}
-    for name in _projections(model):
-        w = _weight(model, name).float()
+    for name, weight in _projections(model, directory).items():
+        w = weight.float()
         q, scale, zero_point = ct_quantize(w, bits, group, symmetric)
         zp = zero_point.float() if zero_point is not None else torch.zeros_like(scale)
         width = w.shape[1] if bits == 8 else group
@@ -166,7 +173,7 @@ def write_compressed_tensors(
         "quant_method": "compressed-tensors",
         "format": fmt,
         "quantization_status": "compressed",
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *(f"re:.*{router}$" for router in ROUTERS)],
         "kv_cache_scheme": None,
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": args, "input_activations": None, "output_activations": None}

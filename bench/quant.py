@@ -21,6 +21,11 @@ written as bf16 and by bench/prequant_writer.py as GPTQ int4, AWQ int4 and compr
 each round (systems rotating; one round unless --rounds), the time to load the model and build the bf16
 engine, the process's RSS before (imports only) and after it and its peak, and batch-1 TPOT over 8
 greedy tokens. Writes bench/results/quant_checkpoints.json.
+
+``python -m bench.quant --checkpoints --moe``: the same on a tiny-but-wide random Qwen3-MoE (hidden 1024,
+8 experts of width 1408, top 2, 4 layers, vocab 8192), every expert quantized as its own module (bf16
+quantized at load is not a system there: LF_ENGINE__WEIGHTS does not quantize experts). Writes
+bench/results/quant_checkpoints_moe.json.
 """
 
 import argparse
@@ -31,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,6 +51,7 @@ from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "quant.json"
 CHECKPOINT_RESULTS = Path(__file__).parent / "results" / "quant_checkpoints.json"
+MOE_CHECKPOINT_RESULTS = Path(__file__).parent / "results" / "quant_checkpoints_moe.json"
 # checkpoint directory and LF_ENGINE__WEIGHTS of each system of --checkpoints
 CHECKPOINT_SYSTEMS: dict[str, tuple[str, Literal["none", "int8", "int4"]]] = {
     "bf16": ("bf16", "none"),
@@ -166,24 +172,43 @@ def table(speed: dict[str, object], good: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def write_checkpoints(root: Path) -> None:
-    """The wide random Llama saved in bf16 and in each pre-quantized format, under ``root``."""
+def write_checkpoints(root: Path, moe: bool = False) -> None:
+    """The wide random Llama (``moe``: Qwen3-MoE) saved in bf16 and in each pre-quantized format, under ``root``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedModel,
+        PreTrainedTokenizerFast,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from bench.prequant_writer import write_awq, write_compressed_tensors, write_gptq
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
+    shape: dict[str, Any] = {
+        "vocab_size": 8192,
+        "hidden_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+    }
+    experts: dict[str, Any] = {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": True,
+        "head_dim": 64,
+    }
+    plain: PreTrainedModel = (
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **experts))
+        if moe
+        else LlamaForCausalLM(LlamaConfig(**shape, intermediate_size=4096))
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
+    model = plain.to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
+    config = model.config
     core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, unk_token="t0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0")
@@ -236,12 +261,12 @@ def _status_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def checkpoints(rounds: int, threads: int) -> None:
-    names = list(CHECKPOINT_SYSTEMS)
+def checkpoints(rounds: int, threads: int, moe: bool = False) -> None:
+    names = [n for n in CHECKPOINT_SYSTEMS if not (moe and CHECKPOINT_SYSTEMS[n][1] != "none")]
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="lf-prequant-") as tmp:
         root = Path(tmp)
-        write_checkpoints(root)
+        write_checkpoints(root, moe)
         sizes = {
             d: sum(f.stat().st_size for f in (root / d).glob("*.safetensors")) / 2**20
             for d in {CHECKPOINT_SYSTEMS[n][0] for n in names}
@@ -268,10 +293,12 @@ def checkpoints(rounds: int, threads: int) -> None:
         for name in names
     }
     result = {"environment": environment(threads, "bfloat16"), "rounds": rounds, "systems": figures}
-    CHECKPOINT_RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    CHECKPOINT_RESULTS.write_text(json.dumps(result, indent=2))
+    path = MOE_CHECKPOINT_RESULTS if moe else CHECKPOINT_RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
     base = figures["bf16"]
-    print(f"\n## Wide random Llama (hidden 1024, 4 layers), bf16 engine, median of {rounds} fresh process(es)\n")
+    model_name = "Qwen3-MoE (hidden 1024, 8 experts of 1408, top 2" if moe else "Llama (hidden 1024"
+    print(f"\n## Wide random {model_name}, 4 layers), bf16 engine, median of {rounds} fresh process(es)\n")
     print(
         "| system | checkpoint (MB) | load + engine (s) | x bf16 | RSS before / after load (MB) | "
         "model RSS (MB) | x bf16 | peak RSS (MB) | TPOT (ms) |"
@@ -285,7 +312,7 @@ def checkpoints(rounds: int, threads: int) -> None:
             f"{f['rss_before_mb']:.0f} / {f['rss_mb']:.0f} | {model:.0f} | {model / base_model:.2f} | "
             f"{f['peak_rss_mb']:.0f} | {f['tpot_ms']:.1f} |"
         )
-    print(f"\nwrote {CHECKPOINT_RESULTS}")
+    print(f"\nwrote {path}")
 
 
 def main() -> None:
@@ -293,6 +320,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and prompts")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32, help="int4 group size")
     parser.add_argument("--checkpoints", action="store_true", help="pre-quantized checkpoints' load time and RSS")
+    parser.add_argument("--moe", action="store_true", help="--checkpoints on a mixture-of-experts model")
     parser.add_argument("--load-child", help=argparse.SUPPRESS)
     parser.add_argument("--weights", default="none", help=argparse.SUPPRESS)
     rounds_argument(parser)
@@ -302,7 +330,7 @@ def main() -> None:
         load_child(args.load_child, args.weights, args.threads)
         return
     if args.checkpoints:
-        checkpoints(args.rounds or 1, args.threads)
+        checkpoints(args.rounds or 1, args.threads, args.moe)
         return
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)

@@ -166,6 +166,25 @@ MOE_FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
     "olmoe-wide-qk-norm": lambda: _tiny(OlmoeConfig, OlmoeForCausalLM, **EXPERTS, eos_token_id=None),
 }
 
+# MoE families whose every projection int4 groups of 32 divide (expert width 64, shared expert 96,
+# Mixtral's and OLMoE's 96): pre-quantized checkpoints of them (tests/worker/engine/test_prequant_moe.py)
+PREQUANT_MOE_FAMILIES: dict[str, Callable[[], PreTrainedModel]] = {
+    "mixtral": lambda: _tiny(MixtralConfig, MixtralForCausalLM, num_local_experts=6, num_experts_per_tok=2),
+    "qwen2-moe-shared-expert": lambda: _tiny(
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        **EXPERTS,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        mlp_only_layers=[0],
+        qkv_bias=True,
+    ),
+    "qwen3-moe": lambda: _tiny(
+        Qwen3MoeConfig, Qwen3MoeForCausalLM, **EXPERTS, moe_intermediate_size=64, head_dim=24, norm_topk_prob=True
+    ),
+    "olmoe": lambda: _tiny(OlmoeConfig, OlmoeForCausalLM, **EXPERTS, eos_token_id=None),
+}
+
 
 def word_tokenizer(vocab_size: int) -> "PreTrainedTokenizerFast":
     """A word-level tokenizer over "t0".."t{vocab_size - 1}": a real tokenizer that reads no model cache."""

@@ -7,7 +7,8 @@ experts top-2, hidden 1024, expert width 1408, fp32, 2 shared cores) against tor
 which has a CPU kernel in torch 2.13: 1.3 vs 1.1 ms at one row, 18 vs 22 ms at 8 rows, 49 vs 228 ms at
 64 rows, so the grouped loop stands. The bincount that sizes the groups is one host read per layer.
 An expert's few decode rows take the engine's small-row kernel, which streams the plain weight (no
-packed copy of the experts is held).
+packed copy of the experts is held). A pre-quantized checkpoint's experts run each expert's weight-only
+kernel (quant.QuantWeight) on its rows instead, once per expert that has rows, as the plain ones do.
 """
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import projections
 from services.worker.engine.lora_hook import LoraHook
+from services.worker.engine.quant import QuantWeight
 
 
 @dataclass(slots=True)
@@ -29,6 +31,9 @@ class ExpertWeights:
     normalise: bool  # the top-k weights are divided by their sum
     fp32_weights: bool  # the top-k weights stay fp32 (Mixtral); else cast to the model dtype, as transformers does
     shared_gate: torch.Tensor | None  # [1, hidden]: Qwen2-MoE's sigmoid gate of the shared expert
+    # a pre-quantized checkpoint's experts, one per expert (gate_up and down then meta tensors)
+    gate_up_quant: list[QuantWeight] | None = None  # each [2 * expert_intermediate, hidden]
+    down_quant: list[QuantWeight] | None = None  # each [hidden, expert_intermediate]
 
 
 def route(x: torch.Tensor, w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +77,10 @@ def moe_mlp(
         for expert, count in enumerate(counts):
             if count:
                 end = start + count
-                linear = projections.small_linear if count <= small_rows else F.linear
-                gate_up = linear(rows[start:end], w.gate_up[expert])
+                gate_up = _expert(rows[start:end], w.gate_up, w.gate_up_quant, expert, small_rows)
                 inter = gate_up.shape[1] // 2
-                out[start:end] = linear(act(gate_up[:, :inter]) * gate_up[:, inter:], w.down[expert])
+                hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
+                out[start:end] = _expert(hidden, w.down, w.down_quant, expert, small_rows)
                 start = end
     scaled = (out * weights.flatten()[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
@@ -96,24 +101,41 @@ def _moe_lora(
     """moe_mlp's expert step with LoRA: each projection over every expert's rows, then its deltas over
     all the pairs. rows [pairs, hidden] grouped by expert; tokens, experts [pairs] -> [pairs, hidden]."""
     gate_up = rows.new_empty(rows.shape[0], w.gate_up.shape[1])
-    _grouped(rows, w.gate_up, counts, small_rows, gate_up)
+    _grouped(rows, w.gate_up, w.gate_up_quant, counts, small_rows, gate_up)
     if "gate_up" in groups:
         lora.apply_experts(layer, "gate_up", rows, tokens, experts, gate_up)
     inter = gate_up.shape[1] // 2
     hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
     out = torch.empty_like(rows)
-    _grouped(hidden, w.down, counts, small_rows, out)
+    _grouped(hidden, w.down, w.down_quant, counts, small_rows, out)
     if "down" in groups:
         lora.apply_experts(layer, "down", hidden, tokens, experts, out)
     return out
 
 
-def _grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int], small_rows: int, out: torch.Tensor) -> None:
+def _grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    quant: list[QuantWeight] | None,
+    counts: list[int],
+    small_rows: int,
+    out: torch.Tensor,
+) -> None:
     """out[rows of expert e] = x[those rows] @ weight[e].T, one matmul per expert that has rows."""
     start = 0
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            linear = projections.small_linear if count <= small_rows else F.linear
-            out[start:end] = linear(x[start:end], weight[expert])
+            out[start:end] = _expert(x[start:end], weight, quant, expert, small_rows)
             start = end
+
+
+def _expert(
+    x: torch.Tensor, weight: torch.Tensor, quant: list[QuantWeight] | None, expert: int, small_rows: int
+) -> torch.Tensor:
+    """x [rows, in] @ expert ``expert``'s weight.T: its quantized kernel, else the small-row kernel up to
+    ``small_rows`` rows, else F.linear on ``weight[expert]``."""
+    if quant is not None:
+        return quant[expert](x, None)
+    linear = projections.small_linear if x.shape[0] <= small_rows else F.linear
+    return linear(x, weight[expert])

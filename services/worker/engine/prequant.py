@@ -187,8 +187,8 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuant:
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., n] -> [..., n * 8] int16, nibble k of each word at position 8 * word + k."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return ((packed[..., None] >> shifts) & 0xF).to(torch.int16).flatten(-2)
+    data = packed.contiguous().view(torch.uint8)  # little-endian: nibble k of a word is byte k // 2's, low first
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2).to(torch.int16)
 
 
 def quantized_modules(quant: CheckpointQuant, names: list[str]) -> list[str]:

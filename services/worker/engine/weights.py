@@ -194,21 +194,57 @@ def _qk_norm(attn: Any, spec: ModelSpec, dtype: torch.dtype, device: str) -> tor
     return torch.cat([q, k]).contiguous()
 
 
-def _experts(mlp: Any, family: Family, config: PreTrainedConfig, dtype: torch.dtype, device: str) -> ExpertWeights:
-    """A sparse MLP's router and its experts, as transformers holds them fused ([experts, 2 * inter, hidden])."""
+def _experts(
+    mlp: Any,
+    family: Family,
+    config: PreTrainedConfig,
+    dtype: torch.dtype,
+    device: str,
+    packed: dict[str, PackedLinear],
+    name: str,
+) -> ExpertWeights:
+    """A sparse MLP's router and its experts, as transformers holds them fused ([experts, 2 * inter, hidden]);
+    a pre-quantized checkpoint's experts (``packed`` under ``{name}.experts.E.gate_proj`` etc.) as each
+    expert's gate|up and down quantized weights, the fused tensors then meta."""
     moe = family.moe
     assert moe is not None
     experts = mlp.experts
     shared_gate = mlp.shared_expert_gate.weight.detach().to(device=device, dtype=dtype) if moe.shared_expert else None
+    gate_up_quant = down_quant = None
+    count = experts.gate_up_proj.shape[0]
+    found = {
+        (e, p): linear
+        for e in range(count)
+        for p in ("gate_proj", "up_proj", "down_proj")
+        if (linear := packed.get(f"{name}.experts.{e}.{p}")) is not None
+    }
+    if found:
+        if len(found) != 3 * count:
+            raise UnsupportedQuantization(
+                f"{name}.experts: {len(found)} of the {3 * count} expert projections are quantized; the engine "
+                "serves all of a layer's experts quantized or none",
+                param="model",
+            )
+        gate_up_quant = [concat([found[e, "gate_proj"], found[e, "up_proj"]]).quant(dtype) for e in range(count)]
+        down_quant = [found[e, "down_proj"].quant(dtype) for e in range(count)]
     return ExpertWeights(
         router=mlp.gate.weight.detach().to(device=device, dtype=dtype),
-        gate_up=experts.gate_up_proj.detach().to(device=device, dtype=dtype),
-        down=experts.down_proj.detach().to(device=device, dtype=dtype),
+        gate_up=_expert_tensor(experts.gate_up_proj, dtype, device),
+        down=_expert_tensor(experts.down_proj, dtype, device),
         top_k=config.num_experts_per_tok,
         normalise=moe.always_normalise or bool(config.norm_topk_prob),
         fp32_weights=moe.fp32_weights,
         shared_gate=shared_gate,
+        gate_up_quant=gate_up_quant,
+        down_quant=down_quant,
     )
+
+
+def _expert_tensor(tensor: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A fused expert tensor in ``dtype`` on ``device``; a meta one (pre-quantized) stays meta."""
+    if tensor.is_meta:
+        return torch.empty(tensor.shape, dtype=dtype, device="meta")
+    return tensor.detach().to(device=device, dtype=dtype)
 
 
 def load_weights(
@@ -232,7 +268,7 @@ def load_weights(
     for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         sparse = hasattr(mlp, "experts")  # sparse_layers families mix dense MLP layers in
-        experts = _experts(mlp, family, config, dtype, device) if sparse else None
+        experts = _experts(mlp, family, config, dtype, device, packed, names[id(mlp)]) if sparse else None
         dense = mlp.shared_expert if experts is not None and experts.shared_gate is not None else mlp
         gate_up = gate_up_bias = down = down_bias = None
         groups: dict[str, list[torch.nn.Linear]] = {"o": [attn.o_proj]}

@@ -23,8 +23,8 @@ from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.fingerprint import BaseModelSpec, compute_fingerprint
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import assert_greedy_matches_peft
-from tests.helpers.families import FAMILIES, MOE_FAMILIES, PROMPTS, save_family
-from tests.helpers.prequant import with_weights
+from tests.helpers.families import FAMILIES, PROMPTS, save_family
+from tests.helpers.prequant import prompt_logits, with_weights
 
 MAX_LEN = 64
 Writer = Callable[[PreTrainedModel, Path], dict[str, torch.Tensor]]
@@ -114,30 +114,13 @@ def test_logits_match_transformers_on_the_dequantized_weights(case: str, tmp_pat
     assert engine.model.lm_head.quant is None  # the checkpoint leaves lm_head plain
     drift = 0.0
     for i, prompt in enumerate(PROMPTS):
-        logits = _prompt_logits(engine, prompt)
+        logits = prompt_logits(engine, prompt)
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0].float()
             unquantized = model(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"prompt {i}")
         drift = max(drift, (logits - unquantized).abs().max().item())
     assert drift > 1e-3
-
-
-def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Every position's logits: the prompt's prompt_logprobs would give only the top ones, so the forward runs
-    over the whole prompt with a fresh KV cache."""
-    from services.worker.engine.batch import build_batch
-    from services.worker.engine.kv_cache import BlockManager, KVCache
-    from services.worker.engine.sequence import Sequence
-
-    block = 4
-    cache = KVCache(engine.model.spec, 64, block, torch.float32, "cpu")
-    blocks = BlockManager(64, block)
-    seq = Sequence(EngineRequest("p", prompt), None)  # type: ignore[arg-type]
-    blocks.allocate(seq)
-    batch = build_batch([], [seq], block, "cpu")
-    indices = torch.arange(batch.input_ids.shape[0])
-    return engine.model.forward(batch.input_ids, batch.positions, batch.meta, cache, indices)
 
 
 @pytest.mark.parametrize("case", ["gptq-asym-g32-qwen3", "awq-g128-wide", "ct-pack-int8-llama"])
@@ -346,13 +329,4 @@ def test_checkpoints_written_by_compressed_tensors_match_its_own_decompression(
     for prompt in PROMPTS:
         with torch.no_grad():
             expected = reference(torch.tensor([prompt])).logits[0].float()
-        torch.testing.assert_close(_prompt_logits(engine, prompt), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_a_pre_quantized_mixture_of_experts_checkpoint_is_refused(tmp_path: Path) -> None:
-    directory = save_family(MOE_FAMILIES["qwen3-moe-qk-norm-normalised"](), tmp_path / "moe")
-    path = directory / "config.json"
-    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
-    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": config}))
-    with pytest.raises(UnsupportedQuantization, match=r"a gptq checkpoint is served by the CPU engine for dense "):
-        load_model(str(directory))
+        torch.testing.assert_close(prompt_logits(engine, prompt), expected, atol=1e-4, rtol=1e-4)
