@@ -147,20 +147,30 @@ async def _greedy_check(served: Served, peers: list[PeerServer]) -> dict[str, di
 
 
 def measure(started: Started, rounds: int, requests: int, rng: random.Random, label: str) -> dict[str, Figures]:
-    """Per system, the (median TTFT, median TPOT) of each round; the first to run rotates."""
+    """Per system, the (median TTFT, median TPOT) of each round; the first to run rotates. A system whose
+    requests keep failing leaves the run with its reason in ``not_run`` (no partial figures)."""
     names = list(started.runners)
     warm = [prompt(rng) for _ in range(2)]
-    for run in started.runners.values():
-        run(warm)
+    for name in names:
+        _attempt(started, name, warm, "warming up")
     per_round: dict[str, Figures] = {name: [] for name in names}
     for r in range(rounds):
         prompts = [prompt(rng) for _ in range(requests)]
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            figures = started.runners[name](prompts)
-            per_round[name].append((median_of(figures, 0), median_of(figures, 1)))
-        done = ", ".join(f"{n} {per_round[n][-1][1]:.2f}" for n in names)
+            if name in started.runners and (figures := _attempt(started, name, prompts, f"round {r + 1}")):
+                per_round[name].append((median_of(figures, 0), median_of(figures, 1)))
+        done = ", ".join(f"{n} {per_round[n][-1][1]:.2f}" for n in names if n in started.runners)
         print(f"  {label} round {r + 1} TPOT ms: {done}", flush=True)
-    return per_round
+    return {name: figures for name, figures in per_round.items() if name in started.runners}
+
+
+def _attempt(started: Started, name: str, prompts: list[str], when: str) -> Figures | None:
+    try:
+        return started.runners[name](prompts)
+    except RuntimeError as e:  # chat_round's: a request failed three times
+        started.not_run[name] = f"failed {when}: {e}"
+        del started.runners[name]
+        return None
 
 
 def summarise(started: Started, per_round: dict[str, Figures]) -> dict:

@@ -98,3 +98,23 @@ def test_a_peer_that_exits_while_starting_is_unavailable_with_its_log(tmp_path):
     with pytest.raises(PeerUnavailable, match=r"llama.cpp exited \(3\): bad flag --lora"):
         wait_healthy(server, timeout_s=60)
     server.stop()
+
+
+def test_a_system_whose_requests_keep_failing_leaves_the_run_with_its_reason():
+    started = Started()
+    started.runners["lorafleet"] = lambda prompts: [(100.0, 10.0) for _ in prompts]
+    calls = []
+
+    def flaky(prompts: list[str]) -> list[tuple[float, float]]:
+        calls.append(prompts)
+        if len(calls) > 1:  # the warm-up passes, round 1 fails
+            raise RuntimeError("llama.cpp: request 0 failed three times: ['completed:None:63']")
+        return [(100.0, 20.0) for _ in prompts]
+
+    started.runners["llama.cpp"] = flaky
+    per_round = measure(started, rounds=3, requests=2, rng=random.Random(0), label="fp32")
+    assert list(per_round) == ["lorafleet"] and len(per_round["lorafleet"]) == 3
+    assert started.not_run == {
+        "llama.cpp": "failed round 1: llama.cpp: request 0 failed three times: ['completed:None:63']"
+    }
+    assert len(calls) == 2  # never asked again
