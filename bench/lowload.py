@@ -46,6 +46,7 @@ from bench.rounds import DEFAULT_ROUNDS, Spread, spread
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.async_engine import lower_priority
 from services.worker.engine.model_loader import load_model
+from services.worker.engine.quant import WeightFormat
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 
@@ -100,20 +101,28 @@ async def _populate(stack: BenchStack) -> tuple[str, str]:
 
 
 async def stack_round(served: Served, prompts: list[str], failures: list[str]) -> list[tuple[float, float]]:
-    """(TTFT ms, TPOT ms) of each prompt, sent one after the other as streamed requests; a request
-    that fails (e.g. worker_lost on an overloaded machine) is noted in ``failures`` and sent again."""
+    """(TTFT ms, TPOT ms) of each prompt through the stack's HTTP API (``chat_round``)."""
+    return await chat_round(served.name, served.stack.url, served.key, served.adapter, prompts, failures)
+
+
+async def chat_round(
+    name: str, url: str, key: str, model: str, prompts: list[str], failures: list[str], extra: dict | None = None
+) -> list[tuple[float, float]]:
+    """(TTFT ms, TPOT ms) of each prompt, sent one after the other as streamed requests to an OpenAI chat
+    API; a request that fails (e.g. worker_lost on an overloaded machine) is noted in ``failures`` and
+    sent again."""
     figures = []
-    async with httpx.AsyncClient(base_url=served.stack.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         for i, text in enumerate(prompts):
             for _ in range(3):
-                arrival = Arrival(i, 0.0, TENANT, served.adapter, text)
-                out = await send(client, served.key, arrival, max_tokens=MAX_TOKENS, timeout_s=120)
+                arrival = Arrival(i, 0.0, TENANT, model, text)
+                out = await send(client, key, arrival, max_tokens=MAX_TOKENS, timeout_s=120, extra=extra)
                 if out.status == "completed" and out.tokens == MAX_TOKENS and out.tpot_ms and out.ttft_ms:
                     figures.append((out.ttft_ms, out.tpot_ms))
                     break
-                failures.append(f"{out.status}:{out.code}")
+                failures.append(f"{out.status}:{out.code}:{out.tokens}")
             else:
-                raise RuntimeError(f"{served.name}: request {i} failed three times: {failures[-3:]}")
+                raise RuntimeError(f"{name}: request {i} failed three times: {failures[-3:]}")
     return figures
 
 
@@ -121,13 +130,13 @@ class EngineAlone:
     """The built-in engine in this process, on the worker's engine defaults, one request at a time, on a
     thread of its own reniced as the worker's step loop is (its OpenMP threads inherit the value)."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, weights: WeightFormat = "none"):
         self.loaded = load_model(dtype=getattr(torch, dtype))
         lora = LoraConfig()
         shapes = ModelShapes.from_hf_config(self.loaded.model.config)
         manager = AdapterManager(lora, shapes, dtype=getattr(torch, dtype))
         manager.load_adapter("a", random_weights(shapes, ADAPTER_RANK, 3))
-        config = EngineConfig(dtype=dtype)
+        config = EngineConfig(dtype=dtype, weights=weights)
         self.engine = LLMEngine.from_loaded(self.loaded, config, manager)
         self.thread = ThreadPoolExecutor(1, "engine-alone", initializer=lower_priority, initargs=(config,))
         self.count = 0

@@ -145,6 +145,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/shared/test_env_names.py::test_a_service_with_an_unknown_variable_exits_with_one_line": "a service",
     "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
     "tests/bench/test_gpu_check.py": "bash and bench/gpu_check.sh",
+    "tests/bench/test_peers_stack.py::test_a_peer_that_exits_while_starting_is_unavailable_with_its_log": "a python process",
     "tests/bench/test_placement_scale.py::test_the_command_writes_json_and_markdown": "python -m bench.placement_scale",
     "tests/cli/test_supervisor.py": "the supervised python processes",
     "tests/deploy/test_compose_hardening.py": "compose's init command",

@@ -76,8 +76,9 @@ def _error_code(status: int, body: bytes) -> str:
         return f"http_{status}"
 
 
-def chat_body(arrival: Arrival, max_tokens: int) -> dict:
-    """Greedy, EOS ignored: every request generates exactly ``max_tokens`` tokens."""
+def chat_body(arrival: Arrival, max_tokens: int, extra: dict | None = None) -> dict:
+    """Greedy, EOS ignored: every request generates exactly ``max_tokens`` tokens; ``extra`` adds a
+    server's own fields (llama-server's per-request ``lora``)."""
     body = {
         "model": arrival.model,
         "messages": [{"role": "user", "content": arrival.prompt}],
@@ -89,11 +90,18 @@ def chat_body(arrival: Arrival, max_tokens: int) -> dict:
     }
     if arrival.priority is not None:
         body["priority"] = arrival.priority
-    return body
+    return body | (extra or {})
 
 
 async def send(
-    client: httpx.AsyncClient, key: str, arrival: Arrival, *, max_tokens: int, timeout_s: float, lag_ms: float = 0.0
+    client: httpx.AsyncClient,
+    key: str,
+    arrival: Arrival,
+    *,
+    max_tokens: int,
+    timeout_s: float,
+    lag_ms: float = 0.0,
+    extra: dict | None = None,
 ) -> Outcome:
     """One streamed chat request, bounded by ``timeout_s`` end to end."""
     out = Outcome(
@@ -106,7 +114,7 @@ async def send(
             async with client.stream(
                 "POST",
                 "/v1/chat/completions",
-                json=chat_body(arrival, max_tokens),
+                json=chat_body(arrival, max_tokens, extra),
                 headers={"Authorization": f"Bearer {key}"},
             ) as r:
                 out.adapter = r.headers.get("x-lorafleet-adapter")
