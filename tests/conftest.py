@@ -120,6 +120,7 @@ MODEL_FIXTURES = frozenset(
         "tests/worker/engine/test_multilora_engine.py::setup",  # its tokenizer, in both parameters
         "tests/worker/engine/test_step_cost.py::loaded",
         "tests/worker/test_serving_cost.py::loaded",
+        "tests/worker/test_serving_shadow.py::loaded",
     }
 )
 PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or a whole file) -> what it starts
