@@ -5,12 +5,11 @@ control. ``status`` prints each arm's figures with their 95% confidence interval
 
 import argparse
 import asyncio
-import json
-import os
 
 from pydantic import BaseModel, ValidationError
 
 from lorafleet.cli.adapter_cmd import actor
+from lorafleet.cli.bus_cli import answer, bus_options
 from lorafleet.cli.route_cmd import target
 from lorafleet.cli.tenant_cmd import call
 from shared.errors import LorafleetError
@@ -93,17 +92,11 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"error (invalid_request): {e}")
         return 1
-    if args.json:
-        print(json.dumps(reply.model_dump(mode="json"), indent=2))
-    else:
-        _print(reply)
-    return 0
+    return answer(reply, args.json, _print)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    opts = argparse.ArgumentParser(add_help=False)
-    opts.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
-    opts.add_argument("--json", action="store_true")
+    opts = bus_options()
     parser = subparsers.add_parser("experiment", help="experiments across adapters: weighted arms, sticky by user")
     subs = parser.add_subparsers(dest="sub", required=True)
     create = subs.add_parser("create", parents=[opts], help="create and start an experiment")
@@ -111,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("name")
     create.add_argument("arms", nargs="+", type=arm, help="name=target:weight (2 to 8; the first is the control)")
     subs.add_parser("list", parents=[opts], help="the tenant's experiments").add_argument("tenant")
-    texts = {"status": "per-arm figures with 95% intervals", "pause": "serve the control to all",
+    texts = {"status": "per-arm figures with 95%% intervals", "pause": "serve the control to all",
              "resume": "split by weight again", "stop": "end it: the winner serves every request"}  # fmt: skip
     for name, text in texts.items():
         sub = subs.add_parser(name, parents=[opts], help=text)

@@ -5,13 +5,12 @@ says which rule a request matches."""
 
 import argparse
 import asyncio
-import json
-import os
 from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from lorafleet.cli.adapter_cmd import actor
+from lorafleet.cli.bus_cli import answer, bus_options
 from lorafleet.cli.tenant_cmd import call
 from shared.errors import LorafleetError
 from shared.schemas import (
@@ -87,17 +86,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, OSError) as e:
         print(f"error (invalid_request): {e}")
         return 1
-    if args.json:
-        print(json.dumps(reply.model_dump(mode="json"), indent=2))
-    else:
-        _print(reply)
-    return 0
+    return answer(reply, args.json, _print)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    opts = argparse.ArgumentParser(add_help=False)
-    opts.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
-    opts.add_argument("--json", action="store_true")
+    opts = bus_options()
     route = subparsers.add_parser("route", help="a tenant's task routes (task:<name> -> adapter)")
     routes = route.add_subparsers(dest="sub", required=True)
     put = routes.add_parser("set", parents=[opts], help="route a task to an adapter (the tenant's other routes kept)")

@@ -3,13 +3,12 @@ and limits, as registry ops over NATS (the admin NATS user)."""
 
 import argparse
 import asyncio
-import json
-import os
 from collections.abc import Callable
 
 from pydantic import BaseModel
 
 from lorafleet.cli.adapter_cmd import TIMEOUT_S, actor, cli_connect
+from lorafleet.cli.bus_cli import answer, bus_options
 from shared import subjects
 from shared.bus import request
 from shared.errors import LorafleetError
@@ -89,17 +88,11 @@ def run(args: argparse.Namespace) -> int:
     except LorafleetError as e:
         print(f"error ({e.code}): {e.message}")
         return 1
-    if args.json:
-        print(json.dumps(reply.model_dump(), indent=2))
-    else:
-        _print(reply)
-    return 0
+    return answer(reply, args.json, _print)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    opts = argparse.ArgumentParser(add_help=False)
-    opts.add_argument("--nats-url", default=os.environ.get("LF_NATS_URL", "nats://127.0.0.1:4222"))
-    opts.add_argument("--json", action="store_true")
+    opts = bus_options()
     tenant = subparsers.add_parser("tenant", help="tenants of the platform").add_subparsers(dest="sub", required=True)
     tenant.add_parser("create", parents=[opts], help="a new tenant").add_argument("name")
     tenant.add_parser("list", parents=[opts], help="every tenant and its quota")

@@ -70,18 +70,7 @@ class ExperimentStats:
         if record.experiment is None or record.arm is None or record.outcome == "cancelled":
             return
         key = (record.tenant_id, record.experiment, record.arm)
-        tokens = record.prompt_tokens + record.completion_tokens
-        self._arms.setdefault(key, ArmTraffic()).samples.append(
-            Sample(
-                record.ts,
-                record.outcome == "error",
-                record.ttft_ms,
-                record.tpot_ms,
-                tokens,
-                record.completion_tokens,
-                record.engine_s,
-            )
-        )
+        self._arms.setdefault(key, ArmTraffic()).samples.append(Sample.of(record))
         self._arm_of[(record.tenant_id, record.request_id)] = (record.experiment, record.arm)
         if len(self._arm_of) > MAX_REMEMBERED:
             self._arm_of.popitem(last=False)

@@ -25,6 +25,18 @@ class Sample:
     completion_tokens: int
     engine_s: float | None  # None: its worker's engine does not measure it (vLLM), or an older worker
 
+    @classmethod
+    def of(cls, record: CompletionAudit) -> "Sample":
+        return cls(
+            record.ts,
+            record.outcome == "error",
+            record.ttft_ms,
+            record.tpot_ms,
+            record.prompt_tokens + record.completion_tokens,
+            record.completion_tokens,
+            record.engine_s,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Pair:
@@ -107,18 +119,7 @@ class LiveStats:
             self._pair(record, record.answer)
         if record.shadow_of is not None:  # the canary's run of another version's request: served to no one
             return
-        tokens = record.prompt_tokens + record.completion_tokens
-        traffic.samples.append(
-            Sample(
-                record.ts,
-                record.outcome == "error",
-                record.ttft_ms,
-                record.tpot_ms,
-                tokens,
-                record.completion_tokens,
-                record.engine_s,
-            )
-        )
+        traffic.samples.append(Sample.of(record))
 
     def _pair(self, record: CompletionAudit, answer: AnswerDigest) -> None:
         """Keep one half of a shadow pair, or, its other half here, compare the two and keep the pair
