@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NotFoundError
 
 from lorafleet.cli.infra import free_port, start_nats, start_redis
-from services.scheduler.dispatcher import Handle
+from services.scheduler.held import Handle
 from services.scheduler.ports import bus_ports
 from services.scheduler.service import Scheduler, build
 from services.scheduler.settings import SchedulerSettings

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import structlog
 
@@ -14,6 +13,7 @@ from services.scheduler.admission import Admission, AlreadyDispatched, Grant, to
 from services.scheduler.dedupe import Dispatched
 from services.scheduler.fairness import FairQueue
 from services.scheduler.heat import Heat
+from services.scheduler.held import Handle, Inflight, Queued, ShadowHandle
 from services.scheduler.limits import Quotas
 from services.scheduler.placement import Fleet, adapter_key_of
 from services.scheduler.shadow import ShadowPolicy, mark, shadow_of
@@ -48,15 +48,6 @@ from shared.undecodable import skip
 log = structlog.get_logger("scheduler")
 
 
-class Handle(Protocol):
-    headers: dict[str, str] | None  # trace context of the submission
-
-    async def ack(self) -> None: ...
-    async def term(self) -> None: ...
-    async def nak(self, delay: float | None = None) -> None: ...
-    async def in_progress(self) -> None: ...
-
-
 @dataclass(slots=True)
 class Ports:
     dispatch: Callable[[str, InferRequest, dict[str, str] | None], Awaitable[DispatchReply]]
@@ -65,58 +56,6 @@ class Ports:
     control: Callable[[str, WorkerControl], Awaitable[None]]
     # what submissions are granted by; without a registry behind it, every adapter request is refused
     catalog: CatalogView = field(default_factory=CatalogView)
-
-
-class ShadowHandle:
-    """A shadow run's handle: the scheduler's own submission, on no work queue to settle."""
-
-    headers: dict[str, str] | None = None
-
-    async def ack(self) -> None:
-        return None
-
-    async def term(self) -> None:
-        return None
-
-    async def nak(self, delay: float | None = None) -> None:
-        return None
-
-    async def in_progress(self) -> None:
-        return None
-
-
-@dataclass(slots=True, eq=False)
-class Queued:
-    request: InferRequest
-    handle: Handle
-    grant: Grant | None  # None: a shadow run, charged to no quota
-    seq: int | None = None  # the work-queue message's stream sequence
-    enqueued: float = field(default_factory=time.monotonic)
-
-    @property
-    def tenant(self) -> str:
-        return self.request.tenant_id
-
-    @property
-    def priority(self) -> SloClass:
-        return self.request.priority or "standard"  # set at admission: the tenant's tier when the client named none
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def ref(self) -> RequestRef:
-        return RequestRef.of(self.request)
-
-
-@dataclass(slots=True)
-class Inflight:
-    request: InferRequest
-    worker_id: str
-    grant: Grant | None
-    seq: int | None = None
-    started: float = field(default_factory=time.monotonic)  # when the worker accepted it
 
 
 @dataclass
