@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from services.registry.evaluation import Ask, export_quality, platform_eval
 from services.registry.fleet_ranks import RankClasses, default_fleet
 from services.registry.gate import GatePolicy, check_release, needs_run, summary
 from services.registry.kv import COMMIT_ATTEMPTS, RecordsKV, StaleRecords, contended
-from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, next_version, stored_push
+from services.registry.push_admission import BaseModelIdentity, IntakePolicy, admit, push_prefix, stored_push
 from services.registry.remote_intake import RemoteIntake
 from services.registry.signer_ops import Audit, Publish, SignerOps
 from services.registry.stores import (
@@ -34,12 +33,12 @@ from services.registry.stores import (
     Uploads,
     decode_inline,
     is_local_source,
-    object_prefix,
     trusted_source_dir,
 )
 from shared import subjects
 from shared.adapter_format import AdapterBytes, file_digests, read_adapter_dir
 from shared.catalog.access import may_use
+from shared.catalog.grants import IsolationAttempt
 from shared.catalog.records import Catalog, Change, record_key
 from shared.catalog.resolve import list_models, resolve
 from shared.errors import LorafleetError, ModelNotFound, ServiceUnavailable, SourceTimeout
@@ -160,7 +159,7 @@ class Registry:
             request_id=re.sub(r"[^A-Za-z0-9_.:-]", "-", req.request_key)[:128],
             tenant_id=req.tenant_id,
             service="registry",
-            code="tenant_isolation_attempt",
+            code=IsolationAttempt.code,
             reason=f"tenant {req.tenant_id} asked for {records[0].adapter_id} of another tenant",
             route=req.route,
         )
@@ -192,7 +191,7 @@ class Registry:
                         if (stored := stored_push(self.catalog, req, digests)) is not None:
                             return AdapterRecordsReply(records=[stored])
                         view = self._intake_view(req)
-                        prefix = object_prefix(req.adapter_id, next_version(view, req), attempt=_attempt())
+                        prefix = push_prefix(view, req)
                         change = await self._admit(view, req, files, digests, prefix)
                         await self._approved.put(prefix, files)
                         if EVAL_SET_FILE in files:
@@ -228,7 +227,7 @@ class Registry:
                     if (stored := stored_push(self.catalog, req, digests)) is not None:
                         return stored
                     view = self._intake_view(req)
-                    prefix = object_prefix(req.adapter_id, next_version(view, req), req.tenant_id, _attempt())
+                    prefix = push_prefix(view, req, req.tenant_id)
                     with fetched.mapped() as files:
                         change = await self._admit(view, req, files, digests, prefix, fetched.origin)
                     await self._approved.put(prefix, fetched.paths)
@@ -444,8 +443,3 @@ class Registry:
                 reason=reason,
             )
             await self._audit(audit)
-
-
-def _attempt() -> str:
-    """A push's own token in its files' prefix."""
-    return uuid.uuid4().hex[:12]

@@ -4,10 +4,12 @@ Pure: the service fetches the files and stores them only after ``admit`` returns
 refusal leaves nothing behind.
 """
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.registry.fleet_ranks import RankClasses
+from services.registry.stores import object_prefix
 from shared import signing
 from shared.adapter_format import WEIGHTS_FILE, AdapterBytes, AdapterLimits, validate_adapter
 from shared.catalog.access import SHARED_TENANT
@@ -160,6 +162,11 @@ def admit(
         slot_bytes=sizes,
     )
     return Change(kind="registered", before=None, after=record)
+
+
+def push_prefix(view: Catalog, req: RegisterRequest, tenant_id: str | None = None) -> str:
+    """Where a push's files go: its next version's prefix, with this attempt's own token in it."""
+    return object_prefix(req.adapter_id, next_version(view, req), tenant_id, uuid.uuid4().hex[:12])
 
 
 def next_version(catalog: Catalog, req: RegisterRequest) -> int:
