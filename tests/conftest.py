@@ -207,6 +207,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.model)
         if _listed(item.nodeid, SERIAL_TESTS):
             item.add_marker(pytest.mark.serial)
+    items[:] = longest_first(items)
+
+
+LONG_FILES = ("tests/e2e/",)  # after the vLLM files, the next longest: one stack per module
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files that take longest first, each file's tests kept together and in order: under xdist's
+    loadfile a long file then starts while others still queue, rather than last, alone on one worker. The
+    vLLM files (minutes each: the engine starts in a child process) lead, then the end-to-end ones."""
+    vllm_files = {item.path for item in items if item.get_closest_marker("vllm")}
+
+    def rank(item: pytest.Item) -> int:
+        if item.path in vllm_files:
+            return 0
+        return 1 if item.nodeid.startswith(LONG_FILES) else 2
+
+    return sorted(items, key=rank)  # stable: the order within each rank (and file) is collection's
 
 
 _running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast

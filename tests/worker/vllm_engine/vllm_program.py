@@ -1,15 +1,18 @@
 """Run by tests/worker/vllm_engine/test_vllm_engine.py with .venv-vllm's interpreter (vLLM does not install beside
 the project's transformers): drives services.worker.vllm_engine and prints what it saw as one JSON line.
 
-argv[1]: JSON {"mode": "engine" | "guard" | "priority" | "bases", "model_dir", "scratch", "adapters": [{"key", "digest", "dir", "rank"}],
-"prompts": [[ids]], "max_tokens"}. "engine" drives VllmEngine alone; "guard" runs base and both adapters in one
+argv[1]: JSON {"modes": ["engine" | "guard" | "priority" | "bases", ...], "model_dir", "scratch",
+"adapters": [{"key", "digest", "dir", "rank"}], "prompts": [[ids]], "max_tokens"}: each mode runs in turn in this
+one process, the result by mode. "engine" drives VllmEngine alone; "guard" runs base and both adapters in one
 batch with max_loras=3, first through the worker's cache tiers (VllmSlots), then straight on the engine.
-"priority" queues batch and interactive requests behind a running one on one sequence slot, under each policy.
+"priority" queues batch and interactive requests behind a running one on one sequence slot, under each policy,
+then aborts the running one.
 "bases" serves a GPTQ base ("model_dir") with its adapters in float16 and starts the bases refused at start-up
 (the GPTQ one in float32, "moe_dir" on the CPU build).
 """
 
 import asyncio
+import contextlib
 import json
 import stat
 import sys
@@ -273,21 +276,37 @@ async def _first_tokens(policy: Literal["priority", "fcfs"], spec: dict) -> dict
                     started.set()
 
     try:
-        long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        # the running request would outlast the test: it is aborted once the three behind it are in vLLM
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         started = asyncio.Event()
         running = asyncio.create_task(serve(EngineRequest("running", prompt, long, slo_class="batch"), started))
         await started.wait()
         queued = [("batch-1", "batch"), ("batch-2", "batch"), ("interactive", "interactive")]
         tasks = []
-        for rid, slo in queued:  # each added to vLLM before the next (the add is awaited in generate)
+        for rid, slo in queued:  # each in vLLM's client before the next; its engine core reads them in order
             tasks.append(asyncio.create_task(serve(EngineRequest(rid, prompt, short, slo_class=slo))))
-            await asyncio.sleep(0.2)
-        await asyncio.gather(running, *tasks)
+            await _added(engine, rid)
+        assert not running.done(), "the running request ended before the queue formed: raise its max_tokens"
+        running.cancel()  # its abort reaches the engine core after the three adds
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        await asyncio.gather(*tasks)
         reported = engine._running().vllm_config.scheduler_config.policy
     finally:
         engine.shutdown()
     return {"order": order, "policy": reported}
+
+
+async def _added(engine: VllmEngine, rid: str, timeout_s: float = 60.0) -> None:
+    """Until vLLM's client holds request ``rid`` (sent on to its engine core, which reads requests in order;
+    the client keys its requests by an internal id, ``external_req_ids`` maps ours to it)."""
+    states = engine._running().output_processor.external_req_ids
+    deadline = time.monotonic() + timeout_s
+    while rid not in states:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"request {rid!r} never reached vLLM")
+        await asyncio.sleep(0.01)
 
 
 async def _start_refusal(model_dir: str, config: VllmConfig) -> dict[str, object]:
@@ -326,8 +345,13 @@ async def priority(spec: dict) -> dict[str, object]:
     return {policy: await _first_tokens(policy, spec) for policy in ("priority", "fcfs")}
 
 
+MODES = {"engine": main, "guard": guard, "priority": priority, "bases": bases}
+
+
+async def run_modes(spec: dict) -> dict[str, object]:
+    """Each of ``spec["modes"]`` in turn, in this one process (vLLM's import is paid once)."""
+    return {mode: await MODES[mode](spec) for mode in spec["modes"]}
+
+
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    modes = {"guard": guard, "priority": priority, "bases": bases}
-    result = asyncio.run(modes.get(spec["mode"], main)(spec))
-    print(RESULT + json.dumps(result), flush=True)
+    print(RESULT + json.dumps(asyncio.run(run_modes(json.loads(sys.argv[1])))), flush=True)
