@@ -11,7 +11,9 @@ import pytest
 from bench.placement_scale import POLICIES, RANKS, RESULTS, Scale, run_all
 from shared.schemas import SLO_CLASSES
 
-TINY = Scale(workers=6, adapters=300, requests=4_000, tenants=20, pool_share=1 / 6, loads=(0.9, 1.3))
+# 2,000 requests (seeded): at 1.3x the class-aware queue still keeps 97% of interactive requests in target
+# where FCFS keeps 9%, and the rank-64 pool takes 79% of its rank; 4,000 doubled the fast tier's longest setup
+TINY = Scale(workers=6, adapters=300, requests=2_000, tenants=20, pool_share=1 / 6, loads=(0.9, 1.3))
 
 
 @pytest.fixture(scope="module")

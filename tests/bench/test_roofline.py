@@ -74,15 +74,29 @@ def test_bf16_without_a_bf16_gemm_measures_the_fp32_gemm_the_engine_widens_to(mo
 
     monkeypatch.setattr(roofline_module, "onednn_usable", lambda dtype: dtype == torch.float32)
     monkeypatch.setattr(roofline_module.torch, "randn", randn)
+    # which GEMM is measured, not how fast it ran (the test above times a real one): every op takes 1 s
+    monkeypatch.setattr(roofline_module, "timed", lambda op, device: 1.0)
     limits = machine_limits([torch.zeros(10, dtype=torch.bfloat16)], torch.bfloat16)
-    assert made == [torch.float32] and limits["gemm_gflop_s"] > 0
+    assert made == [torch.float32] and limits["gemm_gflop_s"] == pytest.approx(2 * 2048**3 / 1e9)
     assert limits["weight_mb"] == pytest.approx(20 / 1e6)  # the weights are still counted in bf16
 
 
-def test_a_probe_takes_the_median_of_its_samples_and_reports_their_spread():
+def test_a_probe_takes_the_median_of_its_samples_and_reports_their_spread(monkeypatch: pytest.MonkeyPatch):
     """A figure is compared with the probes around its own rounds, not whichever moment the first
-    probe landed on."""
-    probe = LimitsProbe([torch.zeros(1000)], torch.float32)
+    probe landed on. The probes are scripted (distinct figures, so a median cannot pass by a tie): what
+    one measures is machine_limits' test above, and four real ones took 9 s of the fast tier."""
+    import bench.roofline as roofline_module
+
+    weights = [torch.zeros(1000)]
+    figures = iter([(30.0, 300.0), (10.0, 100.0), (40.0, 250.0), (20.0, 200.0)])  # (read GB/s, GEMM GFLOP/s)
+
+    def scripted(ws: list[torch.Tensor], dtype: torch.dtype, device: str) -> Limits:
+        assert ws is weights and dtype == torch.float32 and device == "cpu"
+        read, gemm = next(figures)
+        return {"read_gb_s": read, "gemm_gflop_s": gemm, "weight_mb": 4000 / 1e6, "params": 1000}
+
+    monkeypatch.setattr(roofline_module, "machine_limits", scripted)
+    probe = LimitsProbe(weights, torch.float32)
     probe.sample()
     since = probe.mark()
     assert since == 1
@@ -100,6 +114,7 @@ def test_a_probe_takes_the_median_of_its_samples_and_reports_their_spread():
     assert spread["probes"] == 4
     assert spread["gemm_gflop_s"] == {"min": min(gemm), "median": statistics.median(gemm), "max": max(gemm)}
     assert spread["read_gb_s"] == {"min": min(read), "median": statistics.median(read), "max": max(read)}
+    assert limits["gemm_gflop_s"] == 225.0 and window["read_gb_s"] == 20.0  # the figures, not only their order
     assert probe.line().startswith("Roofline over 4 probes")
     gemm_text = f"GEMM {statistics.median(gemm):.0f} GFLOP/s ({min(gemm):.0f}-{max(gemm):.0f})"
     assert gemm_text in probe.line()
