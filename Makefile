@@ -80,12 +80,14 @@ endif
 # --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once;
 # the longest files are handed out first (tests/conftest.py longest_first). vLLM's engine runs one
 # OpenMP thread in its tests, so its files share the machine with the other worker's.
+# PYTHONDONTWRITEBYTECODE is cleared (as for test-fast below): every service process the tests start
+# would otherwise compile this checkout's modules again.
 TEST_WORKERS ?= 2
 HEAVY_MARK := -m "(serial or compose)$(foreach s,$(SKIP), and not $(s))"
 LIGHT_MARK := -m "not serial and not compose$(foreach s,$(SKIP), and not $(s))"
 
 test: $(TEST_DEPS)
-	@status=0; \
+	@status=0; export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(LIGHT_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(BIN)/python -m pytest -q --durations=30 $(HEAVY_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
