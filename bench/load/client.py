@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -168,9 +169,11 @@ async def run_open_loop(
     timeout_s: float,
     drain_s: float,
     transport: httpx.AsyncBaseTransport | None = None,
+    extra: Callable[[Arrival], dict] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send every arrival at its scheduled time, whatever is still in flight; (outcomes, wall seconds).
-    With several gateway ``urls`` the arrivals go to each in turn (what a round-robin balancer does).
+    With several gateway ``urls`` the arrivals go to each in turn (what a round-robin balancer does);
+    ``extra`` gives each arrival a peer server's own body fields (``send``'s).
 
     After the last arrival, in-flight requests get ``drain_s`` more; any still running then is lost."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -191,8 +194,17 @@ async def run_open_loop(
                 await asyncio.sleep(delay)
             lag_ms = max(0.0, (time.perf_counter() - start - arrival.at_s) * 1000)
             client = gateways[len(tasks) % len(gateways)]
+            fields = extra(arrival) if extra else None
             task = asyncio.create_task(
-                send(client, keys[arrival.tenant], arrival, max_tokens=max_tokens, timeout_s=timeout_s, lag_ms=lag_ms)
+                send(
+                    client,
+                    keys[arrival.tenant],
+                    arrival,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout_s,
+                    lag_ms=lag_ms,
+                    extra=fields,
+                )
             )
             tasks[task] = arrival
         if tasks:

@@ -256,6 +256,30 @@ async def test_arrivals_go_to_each_gateway_in_turn():
     assert Counter(seen) == {1: 3, 2: 3}
 
 
+async def test_each_arrival_carries_the_peer_fields_given_for_it():
+    bodies: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, headers=HEADERS, content=b"".join(COMPLETE))
+
+    arrivals = [Arrival(i, 0.0, "t0", f"a{i:02d}", "hi") for i in range(3)]
+    outcomes, _ = await run_open_loop(
+        ["http://127.0.0.1:1"],
+        {"t0": "key"},
+        arrivals,
+        max_tokens=3,
+        timeout_s=5,
+        drain_s=5,
+        transport=httpx.MockTransport(handler),
+        extra=lambda a: {"model": "base", "lora": [{"id": a.index, "scale": 1.0}]},
+    )
+    assert [o.status for o in outcomes] == ["completed"] * 3
+    assert sorted((b["model"], b["lora"][0]["id"], b["stream"]) for b in bodies) == [
+        ("base", 0, True), ("base", 1, True), ("base", 2, True),
+    ]  # fmt: skip
+
+
 def test_a_nats_fault_needs_the_cluster_shape_and_a_time_inside_the_run():
     assert config_from(parsed("--shape", "cluster", "--kill-nats-at-s", "10")).kill_nats_at_s == 10
     with pytest.raises(ValueError, match="cluster"):

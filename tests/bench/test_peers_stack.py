@@ -1,17 +1,20 @@
 """bench.peers_stack's pieces that need no model or peer: its arguments, the rotation of its rounds, the
 ratios and the report table from given figures, the greedy-answer comparison, and the clear reason a peer
-that cannot be built or started gets."""
+that cannot be built or started gets; and one short run of the load table on the tiny model (the stack only)."""
 
+import json
 import random
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from bench.peer_servers import PeerServer, agreement, wait_healthy
 from bench.peers_build import PeerUnavailable, llama_server
-from bench.peers_stack import Started, measure, parse_args, summarise, table
+from bench.peers_load import LoadOptions, load_table, run_load
+from bench.peers_stack import Started, load_options, measure, parse_args, summarise, table, write
 
 
 def test_the_arguments_default_to_fp32_and_bf16_and_int8_is_added_on_request():
@@ -118,3 +121,52 @@ def test_a_system_whose_requests_keep_failing_leaves_the_run_with_its_reason():
         "llama.cpp": "failed round 1: llama.cpp: request 0 failed three times: ['completed:None:63']"
     }
     assert len(calls) == 2  # never asked again
+
+
+def test_the_load_options_default_to_3_per_s_for_60_s_over_32_adapters():
+    args = parse_args(["--load"])
+    assert args.load and load_options(args) == LoadOptions(rate=3.0, duration_s=60.0, adapters=32)
+    args = parse_args(["--load", "--load-rate", "10", "--load-duration-s", "5", "--load-count", "7"])
+    assert (load_options(args).rate, load_options(args).duration_s, load_options(args).count) == (10.0, 5.0, 7)
+    for bad in (["--load-rate", "0"], ["--load-adapters", "0"], ["--load-count", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--load", *bad])
+
+
+def test_a_load_run_keeps_the_batch_1_figures_already_written_and_the_other_way_round(tmp_path):
+    s = {"min": 9.0, "median": 10.0, "max": 12.5}
+    batch_1 = {
+        "results": {"fp32": {"systems": {"lorafleet": {"ttft_ms": s, "tpot_ms": s}}, "not_run": {}, "greedy": {}}}
+    }
+    load = {
+        "options": asdict(LoadOptions()), "model": "m", "requests": 2, "distinct_adapters": 2, "not_run": {},
+        "systems": {"lorafleet": {
+            "requests": 2, "completed": 1, "errors": 1, "errors_by_code": {"worker_lost": 1}, "lost": 0,
+            "lost_by_reason": {}, "ttft_p50_ms": 61.7, "ttft_p95_ms": 3295.2, "tpot_p50_ms": 26.66,
+            "throughput_tok_s": 85.04, "throughput_req_s": 1.0, "wall_s": 1.0,
+        }},
+    }  # fmt: skip
+    out = tmp_path / "peers_stack.json"
+    write(out, batch_1)
+    markdown = write(out, {"load": load})
+    assert json.loads(out.read_text()).keys() == {"results", "load"}
+    assert "| fp32 | lorafleet | 10.00 (9.00-12.50)" in markdown
+    assert "| lorafleet | 2 | 1 | 1 {'worker_lost': 1} | 0 | 61.7 / 3,295 | 26.7 | 85.0 |" in markdown
+    assert write(out, batch_1) == markdown and out.with_suffix(".md").read_text() == markdown + "\n"
+
+
+@pytest.mark.slow
+def test_the_load_table_of_a_short_run_with_a_missing_peer(tmp_path, monkeypatch):
+    monkeypatch.setattr("bench.peer_servers.VLLM_PYTHON", tmp_path / "missing" / "python")
+    options = LoadOptions(
+        rate=4.0, duration_s=2.0, adapters=3, max_tokens=8, timeout_s=60, drain_s=60, base_model="tiny", warmup=1
+    )
+    load = run_load(["lorafleet", "vllm"], options, build=False)
+    row = load["systems"]["lorafleet"]
+    assert list(load["systems"]) == ["lorafleet"] and row["requests"] == load["requests"] > 0
+    assert row["completed"] == row["requests"] and row["errors"] == row["lost"] == 0
+    assert row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["tpot_p50_ms"] > 0 and row["throughput_tok_s"] > 0
+    assert load["not_run"] == {"vllm": f"{tmp_path / 'missing' / 'python'} is missing: run `make venv-vllm`"}
+    text = load_table(load)
+    assert f"| lorafleet | {row['requests']} | {row['requests']} | 0 | 0 |" in text
+    assert "| vllm | not run: " in text and "make venv-vllm" in text
