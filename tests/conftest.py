@@ -212,21 +212,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = longest_first(items)
 
 
-LONG_FILES = ("tests/e2e/",)  # after the vLLM files, the next longest: one stack per module
+LONG_FILES = ("tests/e2e/",)  # one stack per module: the light run's longest files
 
 
 def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The files that take longest first, each file's tests kept together and in order: under xdist's
-    loadfile a long file then starts while others still queue, rather than last, alone on one worker. The
-    vLLM files (minutes each: the engine starts in a child process) lead, then the end-to-end ones."""
-    vllm_files = {item.path for item in items if item.get_closest_marker("vllm")}
-
-    def rank(item: pytest.Item) -> int:
-        if item.path in vllm_files:
-            return 0
-        return 1 if item.nodeid.startswith(LONG_FILES) else 2
-
-    return sorted(items, key=rank)  # stable: the order within each rank (and file) is collection's
+    loadfile a long file then starts while others still queue, rather than last, alone on one worker."""
+    return sorted(items, key=lambda item: not item.nodeid.startswith(LONG_FILES))  # stable: collection's order
 
 
 _running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast
