@@ -77,11 +77,11 @@ endif
 # (markers vllm, compose, serial: the fault tests that time a kill under load, the load runs and
 # benchmarks, tests/conftest.py SERIAL_TESTS). Either failing fails `make test`; a run that selects no
 # test (exit 5, e.g. PYTEST_ARGS names one file) does not.
-# --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once;
-# the longest files are handed out first (tests/conftest.py longest_first). The vLLM tier stays out of
-# the xdist run: beside the other worker's stacks its engine cores and theirs fight over two cores (the
-# light run took 18.5 minutes with it against 10.8 without, more than the two apart) and the run's memory
-# peaked at 19 of 23 GiB.
+# --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once.
+# The vLLM tier stays out of the xdist run: beside the other worker's stacks its engine cores and theirs
+# fight over two cores (the light run took 18.5 minutes with it against 10.8 without, more than the two
+# apart) and the run's memory peaked at 19 of 23 GiB. Handing the end-to-end files out first did not
+# help either: two stacks then start at once on both workers (12.8 minutes against 10.8).
 # PYTHONDONTWRITEBYTECODE is cleared (as for test-fast below): every service process the tests start
 # would otherwise compile this checkout's modules again.
 TEST_WORKERS ?= 2

@@ -209,16 +209,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.model)
         if _listed(item.nodeid, SERIAL_TESTS):
             item.add_marker(pytest.mark.serial)
-    items[:] = longest_first(items)
-
-
-LONG_FILES = ("tests/e2e/",)  # one stack per module: the light run's longest files
-
-
-def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The files that take longest first, each file's tests kept together and in order: under xdist's
-    loadfile a long file then starts while others still queue, rather than last, alone on one worker."""
-    return sorted(items, key=lambda item: not item.nodeid.startswith(LONG_FILES))  # stable: collection's order
 
 
 _running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast
