@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -235,6 +237,26 @@ async def test_requests_still_running_when_the_drain_ends_are_lost():
     assert wall_s < 2 and [(o.status, o.code) for o in outcomes] == [("lost", "unfinished_at_drain")] * 3
 
 
+async def _served(
+    handler: Callable[[httpx.Request], Awaitable[httpx.Response]],
+    arrivals: list[Arrival],
+    gateways: list[str] | None = None,
+    **options: Any,
+) -> list[Outcome]:
+    """``arrivals`` run open loop against ``handler`` (on every gateway), each asking 3 tokens."""
+    outcomes, _ = await run_open_loop(
+        gateways or ["http://127.0.0.1:1"],
+        {"t0": "key"},
+        arrivals,
+        max_tokens=3,
+        timeout_s=5,
+        drain_s=5,
+        transport=httpx.MockTransport(handler),
+        **options,
+    )
+    return outcomes
+
+
 async def test_arrivals_go_to_each_gateway_in_turn():
     seen: list[int | None] = []
 
@@ -243,15 +265,7 @@ async def test_arrivals_go_to_each_gateway_in_turn():
         return httpx.Response(200, headers=HEADERS, content=b"".join(COMPLETE))
 
     arrivals = [Arrival(i, 0.0, "t0", "a00", "hi") for i in range(6)]
-    outcomes, _ = await run_open_loop(
-        ["http://127.0.0.1:1", "http://127.0.0.1:2"],
-        {"t0": "key"},
-        arrivals,
-        max_tokens=3,
-        timeout_s=5,
-        drain_s=5,
-        transport=httpx.MockTransport(handler),
-    )
+    outcomes = await _served(handler, arrivals, ["http://127.0.0.1:1", "http://127.0.0.1:2"])
     assert [o.status for o in outcomes] == ["completed"] * 6
     assert Counter(seen) == {1: 3, 2: 3}
 
@@ -264,15 +278,8 @@ async def test_each_arrival_carries_the_peer_fields_given_for_it():
         return httpx.Response(200, headers=HEADERS, content=b"".join(COMPLETE))
 
     arrivals = [Arrival(i, 0.0, "t0", f"a{i:02d}", "hi") for i in range(3)]
-    outcomes, _ = await run_open_loop(
-        ["http://127.0.0.1:1"],
-        {"t0": "key"},
-        arrivals,
-        max_tokens=3,
-        timeout_s=5,
-        drain_s=5,
-        transport=httpx.MockTransport(handler),
-        extra=lambda a: {"model": "base", "lora": [{"id": a.index, "scale": 1.0}]},
+    outcomes = await _served(
+        handler, arrivals, extra=lambda a: {"model": "base", "lora": [{"id": a.index, "scale": 1.0}]}
     )
     assert [o.status for o in outcomes] == ["completed"] * 3
     assert sorted((b["model"], b["lora"][0]["id"], b["stream"]) for b in bodies) == [
