@@ -80,8 +80,8 @@ endif
 # --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once.
 # The vLLM tier stays out of the xdist run: beside the other worker's stacks its engine cores and theirs
 # fight over two cores (the light run took 18.5 minutes with it against 10.8 without, more than the two
-# apart) and the run's memory peaked at 19 of 23 GiB. Handing the end-to-end files out first did not
-# help either: two stacks then start at once on both workers (12.8 minutes against 10.8).
+# apart) and the run's memory peaked at 19 of 23 GiB. Handing the end-to-end files out first showed no
+# gain (12.8 minutes, inside the 10.8-14.3 minutes the light run took in collection order the same day).
 # PYTHONDONTWRITEBYTECODE is cleared (as for test-fast below): every service process the tests start
 # would otherwise compile this checkout's modules again.
 TEST_WORKERS ?= 2
