@@ -46,32 +46,27 @@ def source_dir(cache: Path = CACHE) -> Path:
     return src
 
 
-def llama_server(cache: Path = CACHE) -> Path:
-    """The ``llama-server`` binary, configured and built the first time (tens of minutes on two cores)."""
+def llama_server(cache: Path = CACHE, build: bool = True) -> Path:
+    """The ``llama-server`` binary, configured and built the first time (tens of minutes on two cores);
+    with ``build`` False (``--no-build``) only one built before, else PeerUnavailable."""
     binary = cache / "build" / "bin" / "llama-server"
     if binary.exists():
         return binary
+    if not build:
+        raise PeerUnavailable(f"llama-server is not built ({binary}): run `python -m bench.peers_build`")
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         raise PeerUnavailable(f"building llama-server needs {' and '.join(missing)}: apt-get install cmake g++")
-    src, build = source_dir(cache), cache / "build"
-    configure = ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
+    src, build_dir = source_dir(cache), cache / "build"
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
     configure += ["-G", "Ninja"] if shutil.which("ninja") else []
     configure += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
-    compile_ = ["cmake", "--build", str(build), "--target", "llama-server", f"-j{BUILD_JOBS}"]
+    compile_ = ["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{BUILD_JOBS}"]
     log = cache / "build.log"
     with open(log, "w") as out:
         for command in (configure, compile_):
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
                 raise PeerUnavailable(f"building llama-server failed: see {log}")
-    return binary
-
-
-def built_llama_server(cache: Path = CACHE) -> Path:
-    """The ``llama-server`` binary built before (``--no-build``: never start the half-hour build)."""
-    binary = cache / "build" / "bin" / "llama-server"
-    if not binary.exists():
-        raise PeerUnavailable(f"llama-server is not built ({binary}): run `python -m bench.peers_build`")
     return binary
 
 

@@ -28,7 +28,7 @@ from bench.load.run import LoadConfig, open_target, progress
 from bench.load.stack import base_model_dir
 from bench.load.traffic import Arrival, Population, prompt, schedule
 from bench.peer_servers import start_llama, start_vllm
-from bench.peers_build import CACHE, PeerUnavailable, adapter_gguf, built_llama_server, llama_server, model_gguf
+from bench.peers_build import CACHE, PeerUnavailable, adapter_gguf, llama_server, model_gguf
 from shared.fingerprint import BaseModelSpec
 
 LOAD_SYSTEMS = ("lorafleet", "vllm", "llama.cpp")
@@ -146,7 +146,7 @@ def start(name: str, options: LoadOptions, adapters: PeerAdapters, build: bool, 
         stack.callback(peer.stop)
         return Target([peer.url], "none")
     if name == "llama.cpp":
-        binary = llama_server() if build else built_llama_server()
+        binary = llama_server(build=build)
         gguf = model_gguf(adapters.model_dir, "f32")
         peer = start_llama(binary, gguf, adapters.gguf(), threads, adapters.work / "llama.log", LLAMA_SLOTS)
         stack.callback(peer.stop)

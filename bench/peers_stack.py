@@ -38,7 +38,7 @@ from bench.load.stack import base_model_dir
 from bench.load.traffic import prompt
 from bench.lowload import MAX_TOKENS, EngineAlone, Served, chat_round, median_of, stack_round, start_served
 from bench.peer_servers import PeerServer, agreement, greedy_text, start_llama, start_vllm
-from bench.peers_build import PeerUnavailable, adapter_gguf, built_llama_server, llama_server, model_gguf
+from bench.peers_build import PeerUnavailable, adapter_gguf, llama_server, model_gguf
 from bench.peers_load import LOAD_SYSTEMS, LoadOptions, load_table, run_load
 from bench.rounds import DEFAULT_ROUNDS, Spread, spread, spread_text
 from services.worker.engine.quant import WeightFormat
@@ -98,7 +98,7 @@ def start_systems(name: str, systems: list[str], build: bool, work: Path, stack:
     peers: list[PeerServer] = []
     if "llama.cpp" in systems:
         try:
-            binary = llama_server() if build else built_llama_server()
+            binary = llama_server(build=build)
             gguf = model_gguf(model_dir, p.gguf)
             lora = adapter_gguf(adapter_dir, model_dir, p.lora_gguf, work / f"adapter-{p.lora_gguf}.gguf")
             peers.append(start_llama(binary, gguf, [lora], threads, work / f"llama-{name}.log"))
