@@ -46,6 +46,7 @@ SOURCES = tuple(
         "layer_ops.cpp",
         "act_argmax.cpp",
         "small_gemm.cpp",
+        "small_gemm_int8.cpp",
         "panel_gemm.cpp",
         "panel_dot_bf16.cpp",
         "panel_wide.cpp",

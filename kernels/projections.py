@@ -36,6 +36,49 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
+@functools.cache
+def native_small_linear_int8() -> bool:
+    """Whether ``small_linear_int8`` is built, loaded and agrees with ``F.linear`` over the dequantized
+    weight here (fp32 and bf16 rows, every row count it takes, with and without a bias)."""
+    return native.built() and _probe_small_linear_int8()
+
+
+def small_linear_int8(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ (codes * scales[:, None]).T + bias`` for x [rows, in] with 1 <= rows <= SMALL_LINEAR_ROWS
+    (contiguous rows, fp32 or bf16), codes [out, in] int8 contiguous, scales and bias [out] in x's dtype
+    -> a new [rows, out] in x's dtype (fp32 sums scaled once per feature, rounded once). Call only where
+    :func:`native_small_linear_int8` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.small_linear_int8(x, codes, scales, bias)
+    return out
+
+
+def _probe_small_linear_int8() -> bool:
+    """small_linear_int8 against the fp32 ``F.linear`` over ``codes * scales`` (fp32 and bf16 rows and
+    scales, every row count, with and without a bias, a width that is no multiple of a vector)."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    codes = torch.randint(-127, 128, (37, 53), generator=generator, dtype=torch.int8)
+    for dtype in DTYPES:
+        scales = (torch.rand(37, generator=generator) / 50).to(dtype)
+        weight = codes.float() * scales.float()[:, None]
+        bias = torch.randn(37, generator=generator).to(dtype)
+        for rows in range(1, SMALL_LINEAR_ROWS + 1):
+            x = torch.randn(rows, 53, generator=generator).to(dtype)
+            for b in (bias, None):
+                want = F.linear(x.float(), weight, None if b is None else b.float())
+                error = (small_linear_int8(x, codes, scales, b).float() - want).abs().max()
+                if not error <= tolerance[dtype] * want.abs().max():
+                    log.warning(
+                        "native_small_linear_int8_probe_failed", dtype=str(dtype), rows=rows, bias=b is not None
+                    )
+                    return False
+    return True
+
+
 def small_linear_dot_bf16() -> bool:
     """Whether the build takes bf16 batches of four rows and more through AVX512-BF16's dot product
     (vdpbf16ps), where it is faster than oneDNN's packed path up to SMALL_LINEAR_ROWS rows. Call only

@@ -6,15 +6,22 @@ stay in the engine's dtype; a projection's values are ``x @ dequantize(w).T + bi
     int8: q = round(w / s).clamp(-127, 127), s = max|w[row]| / 127           w' = q * s
     int4: q = round(w / s).clamp(-7, 7),     s = max|w[row, group]| / 7      w' = q * s
 
-The rows run through torch's own CPU kernels, ``aten._weight_int8pack_mm`` and
-``aten._weight_int4pack_mm_for_cpu`` (the weight in its blocked int4 layout), which accumulate in fp32.
-Both are vectorised for bf16 activations only: with fp32 ones they took 5-27x (int8, 1-8 rows) and
-16-120x (int4, 1-64 rows) F.linear's time on SmolLM2's gate_up projection (one thread, Zen 4, a machine
-shared with other jobs). So in fp32 every call dequantizes the weight into fp32 and runs F.linear (the
-values the reference forward has: that is the exactness path, not a fast one), and in bf16 the kernels
-take the rows: int8 up to INT8_KERNEL_ROWS rows (past them dequantizing per call was faster: 256 rows
-35 -> 17 ms), int4 at every row count (even with dequantizing per call at 256 rows, 1.4-7x faster at
-4-64 rows, and it holds no unpacked copy to dequantize from).
+int8 up to eight rows (a decode step's) runs the native small-row kernel ``small_linear_int8``
+(kernels/csrc/small_gemm_int8.cpp, fp32 or bf16 rows): the codes streamed once for all the rows, each
+sixteen widened to fp32 in registers, fp32 sums scaled once per output feature. At batch 1 on SmolLM2
+(2 threads, the shared 2-core box, the engine stepped on the thread that built it) a bf16 decode step
+took 15-18 ms through torch's ``aten._weight_int8pack_mm`` and 7-10 ms through it, the codes' pass near
+the read bandwidth (its 121 projections and lm_head about 5.8 ms of a step against a 5.2 ms floor), and
+an fp32 one (which dequantized every weight per call before) about 10 ms; the native layer loop
+(layer_loop.py) takes int8 models too. Past eight rows, and for int4, torch's own CPU kernels,
+``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu`` (the weight in its blocked int4
+layout), which accumulate in fp32. Both are vectorised for bf16 activations only: with fp32 ones they
+took 5-27x (int8, 1-8 rows) and 16-120x (int4, 1-64 rows) F.linear's time on SmolLM2's gate_up
+projection (one thread, Zen 4, a machine shared with other jobs). So past the small rows in fp32 every
+call dequantizes the weight into fp32 and runs F.linear (the values the reference forward has), and in
+bf16 torch's kernels take the rows: int8 up to INT8_KERNEL_ROWS rows (past them dequantizing per call
+was faster: 256 rows 35 -> 17 ms), int4 at every row count (even with dequantizing per call at 256
+rows, 1.4-7x faster at 4-64 rows, and it holds no unpacked copy to dequantize from).
 
 A pre-quantized checkpoint (prequant.py) arrives as codes, scales and zero points: ``from_codes`` takes
 them as they are. Its int4 groups may be asymmetric, ``w' = (q - z) * s`` with z in 0-16 per group
@@ -31,6 +38,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels import projections
 from services.worker.engine.errors import UnsupportedQuantization
 
 WeightFormat = Literal["none", "int8", "int4"]
@@ -53,6 +61,7 @@ class QuantWeight:
     scale_zeros: torch.Tensor | None = None  # int4 (bf16): [in / group_size, out, 2], (scale, 0) per group
     kernel_rows: int = 0  # rows up to which torch's kernel runs (0: none, dequantize per call)
     zeros: torch.Tensor | None = None  # int4 (fp32), asymmetric checkpoints: [out, in / group_size] uint8 z
+    small_rows: int = 0  # int8: rows up to which the native small-row kernel runs (0: none)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the projection computes with, [out, in] in the activation dtype."""
@@ -72,6 +81,11 @@ class QuantWeight:
             out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.contiguous(), self.packed, self.group_size, self.scale_zeros
             )
+        elif 0 < rows <= self.small_rows:
+            assert self.codes is not None
+            return projections.small_linear_int8(
+                x if x.stride(-1) == 1 else x.contiguous(), self.codes, self.scales, bias
+            )
         elif 0 < rows <= self.kernel_rows:
             out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
         else:
@@ -87,8 +101,7 @@ def quantize(weight: torch.Tensor, format: Literal["int8", "int4"], group_size: 
     if format == "int8":
         scales = _scales(w.abs().amax(dim=1), 127).to(dtype)
         codes = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
-        return QuantWeight(format, out_features, in_features, in_features, codes, scales, kernel_rows=kernel_rows)
+        return _int8(codes, scales, dtype)
     _check_int4(out_features, in_features, group_size)
     groups = w.view(out_features, in_features // group_size, group_size)
     scales = _scales(groups.abs().amax(dim=2), 7).to(dtype)  # [out, groups]
@@ -105,18 +118,8 @@ def from_codes(
     None: 8), ``w' = (q - z) * s``; fp32 keeps those bytes as they are. UnsupportedQuantization where the
     shape does not fit the format."""
     if codes.dtype == torch.int8:
-        out_features, in_features = codes.shape
-        assert zeros is None and scales.shape == (out_features,)
-        kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
-        return QuantWeight(
-            "int8",
-            out_features,
-            in_features,
-            in_features,
-            codes.contiguous(),
-            scales.to(dtype),
-            kernel_rows=kernel_rows,
-        )
+        assert zeros is None and scales.shape == (codes.shape[0],)
+        return _int8(codes.contiguous(), scales.to(dtype).contiguous(), dtype)
     _check_int4(codes.shape[0], codes.shape[1] * 2, group_size)
     return _int4(codes, scales.to(dtype), zeros, group_size, dtype)
 
@@ -142,6 +145,17 @@ def _check_int4(out_features: int, in_features: int, group_size: int) -> None:
             f"int4 weights need out_features divisible by {INT4_PACK_ROWS} (torch's int4 layout): "
             f"a [{out_features}, {in_features}] projection"
         )
+
+
+def _int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> QuantWeight:
+    """codes [out, in] int8, scales [out] in ``dtype``: the native small-row kernel up to its rows where it
+    is built here, torch's bf16 kernel past them (bf16 only), else the weight dequantized per call."""
+    out_features, in_features = codes.shape
+    kernel_rows = INT8_KERNEL_ROWS if dtype == torch.bfloat16 else 0
+    small = projections.SMALL_LINEAR_ROWS if projections.native_small_linear_int8() else 0
+    return QuantWeight(
+        "int8", out_features, in_features, in_features, codes, scales, kernel_rows=kernel_rows, small_rows=small
+    )
 
 
 def _int4(
