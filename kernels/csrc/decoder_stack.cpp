@@ -15,7 +15,9 @@
 // the stack's panel kernel past them, as linear.py's Linear does, or oneDNN's packed linear with the
 // rows padded as linear.py's padded_rows pads them (bf16 on CPUs with AMX, where oneDNN's AMX GEMM is
 // 1.5-5x the dot-product panel kernel from 16 rows on); the stack is built only where every projection
-// has one of these (model.py says when it serves a step).
+// has one of these (model.py says when it serves a step). Weight-only int8 projections (quant.py) take
+// small_linear_int8 on their codes and scales up to `small_rows` rows, torch's bf16 int8 kernel up to
+// `quant_rows`, and past them the weight dequantized per call, as quant.py's QuantWeight does.
 //
 // LoRA: the step's deltas come as lora_bgmv calls (group, per layer the targeted members' A and B,
 // their columns, the class's scales and token rows), added after each group's projection in the order
@@ -31,7 +33,7 @@
 namespace {
 
 constexpr int64_t kGroups = 4;  // qkv, o, gate_up, down: linear.py's GROUPS order
-enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2, kOneDnn = 3 };
+enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2, kOneDnn = 3, kInt8 = 4 };
 
 c10::OperatorHandle op(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -41,6 +43,9 @@ using Optional = c10::optional<at::Tensor>;
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)> small_linear =
       op("lorafleet::small_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&)>
+      small_linear_int8 = op("lorafleet::small_linear_int8")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&)>();
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)> panel[3] = {
       op("lorafleet::panel_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)>(),
       op("lorafleet::panel_linear_wide")
@@ -92,9 +97,9 @@ int64_t padded_rows(int64_t rows) {
 }
 
 struct Projection {
-  at::Tensor weight;  // [out, in], for small_linear
+  at::Tensor weight;  // [out, in], for small_linear (kInt8: the int8 codes)
   Optional bias;
-  at::Tensor panel;  // weight packed for the stack's panel kernel (oneDNN's blocked layout for kOneDnn)
+  at::Tensor panel;  // weight packed for the stack's panel kernel (oneDNN's blocked layout for kOneDnn; kInt8: scales [out])
   int64_t features;
 };
 
@@ -107,7 +112,7 @@ struct LoraCall {
 };
 
 struct DecoderStack : torch::CustomClassHolder {
-  int64_t layers, heads, kv_heads, head_dim, small_rows, kernel;
+  int64_t layers, heads, kv_heads, head_dim, small_rows, kernel, quant_rows;
   double eps, residual_mul;
   bool gelu;
   std::vector<Projection> proj;  // [layer * 4 + group]
@@ -122,13 +127,14 @@ struct DecoderStack : torch::CustomClassHolder {
                std::vector<at::Tensor> panels, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> input_norms,
                c10::List<Optional> attn_out_norms, c10::List<Optional> mlp_out_norms, c10::List<Optional> qk_norms,
                bool norm_fp32, std::vector<int64_t> local_rope, std::vector<int64_t> windows, std::vector<double> scales,
-               std::vector<double> softcaps)
+               std::vector<double> softcaps, int64_t quant_rows)
       : layers(static_cast<int64_t>(post_norms.size())),
         heads(heads),
         kv_heads(kv_heads),
         head_dim(head_dim),
         small_rows(small_rows),
         kernel(kernel),
+        quant_rows(quant_rows),
         eps(eps),
         residual_mul(residual_mul),
         gelu(gelu),
@@ -139,7 +145,7 @@ struct DecoderStack : torch::CustomClassHolder {
         scale(std::move(scales)),
         softcap(std::move(softcaps)) {
     TORCH_CHECK(layers >= 1, "DecoderStack: no layers");
-    TORCH_CHECK(kernel >= kEight && kernel <= kOneDnn, "DecoderStack: unknown panel kernel ", kernel);
+    TORCH_CHECK(kernel >= kEight && kernel <= kInt8, "DecoderStack: unknown panel kernel ", kernel);
     TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && head_dim >= 1, "DecoderStack: head counts");
     const size_t n = static_cast<size_t>(layers);
     TORCH_CHECK(weights.size() == n * kGroups && biases.size() == n * kGroups && panels.size() == n * kGroups,
@@ -162,10 +168,23 @@ struct DecoderStack : torch::CustomClassHolder {
   at::Tensor linear(int64_t layer, int64_t group, const at::Tensor& x) const {
     const Projection& p = proj[layer * kGroups + group];
     const int64_t rows = x.size(0);
+    if (kernel == kInt8) return int8_linear(x, p);
     if (rows <= small_rows && rows > 0)
       return ops().small_linear.call(x.stride(-1) == 1 ? x : x.contiguous(), p.weight, p.bias);
     if (kernel == kOneDnn) return packed_linear(x, p);
     return ops().panel[kernel].call(x, p.panel, p.bias, p.features);
+  }
+
+  // quant.py's QuantWeight.__call__ for int8 codes (p.weight) and scales (p.panel).
+  at::Tensor int8_linear(const at::Tensor& x, const Projection& p) const {
+    const int64_t rows = x.size(0);
+    if (rows <= small_rows && rows > 0)
+      return ops().small_linear_int8.call(x.stride(-1) == 1 ? x : x.contiguous(), p.weight, p.panel, p.bias);
+    if (rows <= quant_rows && rows > 0) {
+      at::Tensor out = at::_weight_int8pack_mm(x.contiguous(), p.weight, p.panel);
+      return p.bias ? out.add_(*p.bias) : out;
+    }
+    return at::linear(x, p.weight.to(p.panel.scalar_type()).mul(p.panel.unsqueeze(1)), p.bias);
   }
 
   // linear.py's _packed_linear: the rows zero-padded to padded_rows (oneDNN keeps a primitive per shape).
@@ -272,6 +291,6 @@ TORCH_LIBRARY_FRAGMENT(lorafleet, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, bool, int64_t, int64_t, std::vector<at::Tensor>,
                        c10::List<Optional>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        c10::List<Optional>, c10::List<Optional>, c10::List<Optional>, bool, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<double>, std::vector<double>>())
+                       std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t>())
       .def("forward", &DecoderStack::forward);
 }

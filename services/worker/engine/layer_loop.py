@@ -9,7 +9,8 @@ step's values are the Python loop's bit for bit.
 It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
 every piece has its native form: the fused layer ops and the native paged decode attention are on,
 every projection takes the same path past the same small rows (linear.py's ``path``: a panel kernel,
-or oneDNN's packed weight as bf16 on AMX does) as ``Linear`` does, and the step's LoRA deltas, if any,
+or oneDNN's packed weight as bf16 on AMX does; or weight-only int8 codes with the native small-row
+kernel, quant.py's ``QuantWeight``) as ``Linear`` does, and the step's LoRA deltas, if any,
 are all ``lora_bgmv`` calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop
 for every step.
 """
@@ -25,7 +26,7 @@ from services.worker.engine.lora_hook import BgmvCalls
 from services.worker.engine.weights import ModelWeights
 
 CpuLayerLoop = Literal["auto", "python"]
-PATHS: dict[LinearPath, int] = {"eight": 0, "wide": 1, "dot": 2, "onednn": 3}  # DecoderStack's kernel codes
+PATHS: dict[LinearPath, int] = {"eight": 0, "wide": 1, "dot": 2, "onednn": 3, "int8": 4}  # DecoderStack's kernel codes
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # lora_hook.GROUPS' order, DecoderStack's
 
 
@@ -38,6 +39,14 @@ class NativeLayerLoop:
         s = weights.spec
         linears = [layer[name] for layer in proj for name in PROJECTIONS]
         first = linears[0]
+        int8 = [linear.quant for linear in linears if linear.quant is not None and linear.quant.format == "int8"]
+        weights_in: list[torch.Tensor | None]
+        prepared: list[torch.Tensor | None]
+        if int8:  # the codes stand for the weight, the scales for the panel (DecoderStack's kInt8)
+            weights_in, prepared = [q.codes for q in int8], [q.scales for q in int8]
+        else:
+            weights_in = [linear.weight for linear in linears]
+            prepared = [linear.prepared for linear in linears]
         self._stack: Any = torch.classes.lorafleet.DecoderStack(
             s.num_heads,
             s.num_kv_heads,
@@ -45,11 +54,11 @@ class NativeLayerLoop:
             s.rms_norm_eps,
             s.residual_multiplier,
             gelu,
-            first.small_rows,
+            _small_rows(first),
             PATHS[first.path],
-            [linear.weight for linear in linears],
+            weights_in,
             [linear.bias for linear in linears],
-            [linear.prepared for linear in linears],
+            prepared,
             [layer.post_norm for layer in weights.layers],
             [layer.input_norm for layer in weights.layers],
             [layer.attn_out_norm for layer in weights.layers],
@@ -60,6 +69,7 @@ class NativeLayerLoop:
             [params.window or 0 for params in attention],
             [params.scale for params in attention],
             [params.softcap or 0.0 for params in attention],
+            int8[0].kernel_rows if int8 else 0,
         )
 
     @staticmethod
@@ -67,8 +77,9 @@ class NativeLayerLoop:
         weights: ModelWeights, proj: list[dict[str, Linear]], attention: list[AttentionParams], native_ops: bool
     ) -> bool:
         """Whether a model's layers can run natively: CPU, the fused layer ops and the native decode
-        attention on, one panel kernel (or oneDNN's packed weight) and small-row split for every
-        projection, and dense layers only (no experts, no OLMoE-wide q/k norm)."""
+        attention on, one panel kernel (or oneDNN's packed weight; or int8 codes on the native small-row
+        kernel) and small-row split for every projection, and dense layers only (no experts, no
+        OLMoE-wide q/k norm)."""
         if any(layer.experts is not None or layer.wide_qk_norm is not None for layer in weights.layers):
             return False
         linears = [layer[name] for layer in proj for name in PROJECTIONS]
@@ -76,8 +87,9 @@ class NativeLayerLoop:
             native_ops
             and weights.embed.device.type == "cpu"
             and all(params.native for params in attention)
-            and len({(linear.path, linear.small_rows) for linear in linears}) == 1
+            and len({(linear.path, _small_rows(linear), _kernel_rows(linear)) for linear in linears}) == 1
             and linears[0].path in PATHS
+            and (linears[0].path != "int8" or _small_rows(linears[0]) > 0)
         )
 
     def __call__(
@@ -107,3 +119,13 @@ class NativeLayerLoop:
             lora.layout,
         )
         return out
+
+
+def _small_rows(linear: Linear) -> int:
+    """Rows up to which ``linear`` takes its native small-row kernel (an int8 weight's own)."""
+    return linear.quant.small_rows if linear.quant is not None else linear.small_rows
+
+
+def _kernel_rows(linear: Linear) -> int:
+    """Rows up to which an int8 weight takes torch's bf16 kernel past its small rows (0 otherwise)."""
+    return linear.quant.kernel_rows if linear.quant is not None else 0

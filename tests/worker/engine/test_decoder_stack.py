@@ -2,7 +2,8 @@
 logits and K/V cache equal the Python loop's bit for bit, for every family (windows, soft-caps,
 Gemma's extra norms and local RoPE, Qwen3's and Gemma 3's q/k head norms, Granite's multipliers,
 Qwen2's biases, Phi-3), fp32
-and bf16, at row counts on both sides of the small-row kernel, with mixed-rank LoRA adapters; which
+and bf16, at row counts on both sides of the small-row kernel, with mixed-rank LoRA adapters, and on
+weight-only int8 projections; which
 steps and models it takes; and what its constructor and LoRA layout refuse."""
 
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from services.worker.engine.layer_loop import NativeLayerLoop
 from services.worker.engine.linear import AMX_SMALL_ROWS, DOT_SMALL_ROWS, CpuLinear, LinearFactory, onednn_usable
 from services.worker.engine.lora_hook import BgmvCalls, LoraHook
 from services.worker.engine.model import LlamaForward
+from services.worker.engine.quant import WeightFormat
 from services.worker.engine.sequence import Sequence
 from services.worker.engine.weights import ModelWeights, load_weights
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
@@ -32,17 +34,17 @@ BLOCK = 4
 MAX_LEN = 96
 
 
-def _forward(weights: ModelWeights, linear: CpuLinear, loop: bool) -> LlamaForward:
+def _forward(weights: ModelWeights, linear: CpuLinear, loop: bool, quant: WeightFormat = "none") -> LlamaForward:
     assert native.native_decode() and native.native_layer_ops()
-    factory = LinearFactory(linear, "cpu", weights.embed.dtype)
+    factory = LinearFactory(linear, "cpu", weights.embed.dtype, quant)
     return LlamaForward(weights, factory, native_attention=True, native_layer_ops=True, native_layer_loop=loop)
 
 
 class _Pair:
     """The same model with and without the native loop, each with its own cache, fed the same steps."""
 
-    def __init__(self, weights: ModelWeights, linear: CpuLinear = "panel"):
-        self.native, self.python = _forward(weights, linear, True), _forward(weights, linear, False)
+    def __init__(self, weights: ModelWeights, linear: CpuLinear = "panel", quant: WeightFormat = "none"):
+        self.native, self.python = _forward(weights, linear, True, quant), _forward(weights, linear, False, quant)
         assert self.python.loop is None
         dtype = weights.embed.dtype
         self.caches = [KVCache(weights.spec, 96, BLOCK, dtype, "cpu") for _ in range(2)]
@@ -114,6 +116,18 @@ def test_decode_steps_equal_the_python_loop(family: str, dtype: torch.dtype) -> 
     weights = load_weights(FAMILIES[family](), dtype, "cpu", MAX_LEN)
     pair = _Pair(weights)
     assert pair.native.loop is not None
+    _decode_rounds(pair, _sequences(9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama-head-dim", "qwen2-window-8-second-layer", "gemma2-window-8-softcaps"])
+def test_int8_decode_steps_equal_the_python_loop(family: str, dtype: torch.dtype) -> None:
+    """Weight-only int8: up to eight rows the native int8 kernel, past them torch's bf16 kernel or the
+    weight dequantized per call (fp32), in the loop as in QuantWeight."""
+    assert projections.native_small_linear_int8()
+    weights = load_weights(FAMILIES[family](), dtype, "cpu", MAX_LEN)
+    pair = _Pair(weights, "auto", "int8")
+    assert pair.native.loop is not None and pair.native.proj[0]["qkv"].path == "int8"
     _decode_rounds(pair, _sequences(9))
 
 
@@ -295,7 +309,7 @@ def _stack_args(layers: int = 1) -> list[object]:
         2, 1, 4, 1e-5, 1.0, False, 0, 1,
         [w] * 4 * layers, [None] * 4 * layers, [w] * 4 * layers,
         [torch.ones(8)] * layers, [torch.ones(8)] * layers, [None] * layers, [None] * layers,
-        [None] * layers, False, [0] * layers, [0] * layers, [0.5] * layers, [0.0] * layers,
+        [None] * layers, False, [0] * layers, [0] * layers, [0.5] * layers, [0.0] * layers, 0,
     ]  # fmt: skip
 
 
@@ -303,7 +317,7 @@ def _stack_args(layers: int = 1) -> list[object]:
     ("index", "value", "message"),
     [
         (8, [torch.zeros(8, 8)] * 3, "four projections per layer"),
-        (7, 4, "unknown panel kernel"),
+        (7, 5, "unknown panel kernel"),
         (1, 3, "head counts"),
         (17, [0, 0], "one of each per layer"),
         (8, [torch.zeros(8, 8).t()] * 4, "contiguous"),
