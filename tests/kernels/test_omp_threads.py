@@ -1,0 +1,84 @@
+"""kernels/omp_threads.py: after serial_process every thread runs torch inline (no OpenMP pool), a pool
+the caller held is freed, and parallel_thread gives one thread its own count, in torch's ops and in the
+native kernels' (whose library initialises a thread on its own). Each case runs in a child Python
+process: the counts are process-wide state."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.helpers.native import needs_toolchain
+
+pytestmark = needs_toolchain
+
+CHILD = textwrap.dedent(
+    """
+    import contextlib, json, os, threading
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+    with contextlib.suppress(ImportError):  # a wheel with its own libgomp, mapped before torch's is looked up
+        import sentencepiece
+    import torch
+    from kernels import native, omp_threads, projections
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    assert native.built() and projections.native_small_linear()
+    big = torch.randn(4096, 4096)
+    base = tasks()
+    big.sum()  # a parallel region on this thread: its pool's workers join the process
+    with_pool = tasks()
+    threads = omp_threads.serial_process()
+    released = tasks()
+    big.sum()  # inline now: no pool again
+    after_inline = tasks()
+
+    def other():  # a thread of no StepThread: torch and the native kernels inline
+        weight, x = torch.randn(4096, 512), torch.randn(1, 512)
+        before = tasks()
+        projections.small_linear(x, weight)
+        big.sum()
+        return torch.get_num_threads(), tasks() - before
+
+    with ThreadPoolExecutor(1) as pool:
+        serial_count, serial_added = pool.submit(other).result()
+
+    def step():
+        weight, x = torch.randn(4096, 512), torch.randn(1, 512)
+        projections.small_linear(x, weight)  # the native library's first parallel loop on this thread
+        big.sum()
+        return torch.get_num_threads()
+
+    with ThreadPoolExecutor(1, initializer=omp_threads.parallel_thread, initargs=(threads,)) as pool:
+        before = tasks()
+        step_count = pool.submit(step).result()
+        step_added = tasks() - before
+    runtime = Path(omp_threads._libgomp()._name)
+    print(json.dumps(dict(
+        torch_runtime=runtime.parent == Path(torch.__file__).parent / "lib", threads=threads, main=torch.get_num_threads(), pool=with_pool - base, released=released - base,
+        after_inline=after_inline - base, serial_count=serial_count, serial_added=serial_added,
+        step_count=step_count, step_added=step_added,
+    )))
+    """
+)
+
+
+def test_one_team_per_process() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch_runtime"]  # torch's own libgomp, not another wheel's copy
+    assert got["threads"] == 2 and got["main"] == 1
+    assert got["pool"] == 1  # the main thread's team of two: one worker thread
+    assert got["released"] == 0 and got["after_inline"] == 0  # freed, and not started again
+    assert got["serial_count"] == 1 and got["serial_added"] == 0
+    # the step thread itself and its team's one worker, its count kept past the native library's own
+    # per-thread initialisation
+    assert got["step_count"] == 2 and got["step_added"] == 2
