@@ -28,7 +28,6 @@ import sqlite3
 import statistics
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +42,10 @@ from bench.load.stack import BenchStack, create_tenants, start_stack, wait_keys
 from bench.load.traffic import Arrival, prompt
 from bench.multilora import random_weights
 from bench.rounds import DEFAULT_ROUNDS, Spread, spread
+from kernels import omp_threads
 from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
-from services.worker.engine.async_engine import lower_priority
-from services.worker.engine.model_loader import load_model
+from services.worker.engine.async_engine import StepThread
+from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.quant import WeightFormat
 from services.worker.lora import AdapterManager, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
@@ -128,21 +128,26 @@ async def chat_round(
 
 class EngineAlone:
     """The built-in engine in this process, on the worker's engine defaults, one request at a time, on a
-    thread of its own reniced as the worker's step loop is (its OpenMP threads inherit the value)."""
+    StepThread as the worker's (loaded, built and stepped there, reniced, this process's one OpenMP team)."""
 
     def __init__(self, dtype: str, weights: WeightFormat = "none"):
-        self.loaded = load_model(dtype=getattr(torch, dtype))
-        lora = LoraConfig()
-        shapes = ModelShapes.from_hf_config(self.loaded.model.config)
-        manager = AdapterManager(lora, shapes, dtype=getattr(torch, dtype))
-        manager.load_adapter("a", random_weights(shapes, ADAPTER_RANK, 3))
         config = EngineConfig(dtype=dtype, weights=weights)
-        self.engine = LLMEngine.from_loaded(self.loaded, config, manager)
-        self.thread = ThreadPoolExecutor(1, "engine-alone", initializer=lower_priority, initargs=(config,))
+        # loaded, built and stepped on one thread, the process's one OpenMP team, as in the worker
+        self.thread = StepThread(config, omp_threads.serial_process())
+        self.loaded, self.engine = self.thread.submit(lambda: self._build(config)).result()
         self.count = 0
 
+    @staticmethod
+    def _build(config: EngineConfig) -> tuple[LoadedModel, LLMEngine]:
+        dtype = getattr(torch, config.dtype)
+        loaded = load_model(dtype=dtype)
+        shapes = ModelShapes.from_hf_config(loaded.model.config)
+        manager = AdapterManager(LoraConfig(), shapes, dtype=dtype)
+        manager.load_adapter("a", random_weights(shapes, ADAPTER_RANK, 3))
+        return loaded, LLMEngine.from_loaded(loaded, config, manager)
+
     def round(self, prompts: list[str]) -> list[tuple[float, float]]:
-        return self.thread.submit(self._round, prompts).result()
+        return self.thread.submit(lambda: self._round(prompts)).result()
 
     def _round(self, prompts: list[str]) -> list[tuple[float, float]]:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -266,7 +271,7 @@ def run_dtype(
         for served in systems:
             served.stack.stop()
         if alone is not None:
-            alone.thread.shutdown()
+            alone.thread.close()
 
 
 def fmt(s: Spread) -> str:

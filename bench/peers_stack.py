@@ -91,7 +91,7 @@ def start_systems(name: str, systems: list[str], build: bool, work: Path, stack:
         started.runners["lorafleet"] = _stack_runner(served, started.failures.setdefault("lorafleet", []))
     if "engine" in systems:
         alone = EngineAlone(p.dtype, p.weights)
-        stack.callback(alone.thread.shutdown)
+        stack.callback(alone.thread.close)
         started.runners["engine"] = alone.round
     adapter_name = served.adapter if served else "lowload-adapter"
     adapter_dir = write_adapter(work / "adapter", BaseModelSpec.from_model_dir(model_dir), 16, ADAPTER_SEED)

@@ -136,6 +136,8 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/cli/test_up_redis.py": "redis-server and its sentinels",
     "tests/cli/test_wheel_install.py": "pip, a fresh environment and the installed services and command",
     "tests/kernels/test_kernel_cache.py": "python processes that build or load the native kernels, lorafleet kernels",
+    "tests/kernels/test_omp_threads.py": "a python process (torch's intra-op counts are process-wide)",
+    "tests/worker/engine/test_step_thread.py": "a python process (torch's intra-op counts are process-wide)",
     "tests/deploy/test_compose.py::test_generated_nats_config_is_accepted_by_nats_server": "nats-server -t",
     "tests/deploy/test_compose.py::test_every_file_init_writes_is_ignored_by_git": "git check-ignore",
     "tests/deploy/test_compose_init.py": "compose's init command, git ls-files and nats-server -t",

@@ -55,8 +55,8 @@ async def builtin(
 ) -> Served:  # type: ignore[no-untyped-def]
     import torch
 
-    from kernels import native
-    from services.worker.engine.async_engine import AsyncEngine
+    from kernels import native, omp_threads
+    from services.worker.engine.async_engine import AsyncEngine, StepThread
     from services.worker.engine.model_loader import load_model
     from services.worker.lora.manager import AdapterManager
 
@@ -67,20 +67,30 @@ async def builtin(
         await asyncio.to_thread(native.built)
     phases.enter("loading_model", str(settings.model_dir or "embedded SmolLM2"))
     cache_dir = Path(settings.model_cache) if settings.model_cache else None
-    loaded = await asyncio.to_thread(
-        load_model,
-        settings.model_dir,
-        device=settings.engine.device,
-        dtype=settings.engine.torch_dtype,  # read straight into the serving dtype: no fp32 copy
-        cache_dir=cache_dir,
+    # The model loads, and the engine is built, on the thread that then runs its steps: that thread's
+    # OpenMP team is the process's only one (async_engine.StepThread); every other thread runs torch inline.
+    thread = StepThread(settings.engine, omp_threads.serial_process())
+    stack.callback(thread.close)
+    loaded = await thread.run(
+        lambda: load_model(
+            settings.model_dir,
+            device=settings.engine.device,
+            dtype=settings.engine.torch_dtype,  # read straight into the serving dtype: no fp32 copy
+            cache_dir=cache_dir,
+        )
     )
     shapes = ModelShapes.from_hf_config(loaded.model.config)
     manager = AdapterManager(settings.lora, shapes, device=settings.engine.device, dtype=settings.engine.torch_dtype)
     loader = _loader(nc, catalog, settings, loaded.directory, shapes)
     cache = CacheHierarchy(manager, loader, settings.cache)
     stack.callback(cache.close)
-    engine = AsyncEngine.from_loaded(loaded, settings.engine, adapter_manager=manager, grammar_bounds=settings.grammar)
-    engine.start()
+    engine = await thread.run(
+        lambda: AsyncEngine.from_loaded(
+            loaded, settings.engine, adapter_manager=manager, grammar_bounds=settings.grammar
+        )
+    )
+    omp_threads.serial_process()  # LF_ENGINE__NUM_THREADS set the process-wide count on the step thread: back to 1
+    engine.start(thread)
     stack.callback(engine.shutdown)
     prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)
     capability = EngineCapability(

@@ -1,15 +1,25 @@
-"""Asyncio front of the engine: one background thread runs the step loop, outputs stream per request."""
+"""Asyncio front of the engine: one background thread runs the step loop, outputs stream per request.
+
+On CPU that thread should also be the one that loaded the model and built the engine (``StepThread``):
+GNU OpenMP keeps a pool of worker threads for every thread that has run a parallel region, and once a
+process holds more pool threads than CPUs every team sleeps between regions instead of spinning
+(kernels/omp_threads.py), which doubled a batch-1 bf16 decode step on the 2-core box (about 27 against
+13 ms: the model loaded and the engine built on other threads than the steps).
+"""
 
 import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import structlog
 import torch
 
+from kernels import omp_threads
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.engine_config import EngineConfig
 from services.worker.engine.errors import DuplicateRequest
@@ -19,6 +29,7 @@ from services.worker.engine.sequence import EngineRequest, RequestOutput
 from shared.config import GrammarBounds
 
 _IDLE_POLL_S = 0.005
+_T = TypeVar("_T")
 log = structlog.get_logger("engine")
 # one request's outputs, handed from the step thread to the caller's event loop; an exception ends it
 _Outputs = asyncio.Queue[RequestOutput | BaseException]
@@ -38,6 +49,31 @@ class EngineDead(RuntimeError):
     """The step loop failed; every in-flight request ends with this error."""
 
 
+class StepThread:
+    """The thread a worker loads its model on, builds its engine on and then runs the step loop on
+    (``AsyncEngine.start(thread)``), with ``threads`` intra-op threads where the process runs torch
+    inline elsewhere (kernels/omp_threads.py), reniced from its start (``lower_priority``) so that the
+    OpenMP threads it starts inherit the value: the process's one OpenMP team."""
+
+    def __init__(self, config: EngineConfig, threads: int):
+        self._executor = ThreadPoolExecutor(1, "engine-step-loop", initializer=self._setup, initargs=(config, threads))
+
+    @staticmethod
+    def _setup(config: EngineConfig, threads: int) -> None:
+        lower_priority(config)
+        omp_threads.parallel_thread(config.num_threads or threads, torch.device(config.device).type == "cpu")
+
+    def submit(self, fn: Callable[[], _T]) -> Future[_T]:
+        return self._executor.submit(fn)
+
+    async def run(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the thread, awaited."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
 class AsyncEngine:
     """Thread-safe owner of an LLMEngine. Create with ``from_loaded``, call ``start`` once, ``shutdown`` at exit."""
 
@@ -50,6 +86,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-step-loop", daemon=True)
+        self._on: Future[None] | None = None  # the step loop on a StepThread
         self.step_thread_id: int | None = None  # the step loop's OS thread id, once it runs
         self._stats = EngineStats(0, 0, engine.blocks.allocator.num_free, engine.num_blocks)
 
@@ -63,14 +100,21 @@ class AsyncEngine:
     ) -> "AsyncEngine":
         return cls(LLMEngine.from_loaded(loaded, config, adapter_manager, grammar_bounds))
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, thread: StepThread | None = None) -> None:
+        """Run the step loop on ``thread`` (the one the engine was built on), else on a thread of its own."""
+        if thread is not None:
+            self._on = thread.submit(self._loop)
+        else:
+            self._thread.start()
 
     def shutdown(self) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        if self._on is not None:
+            self._on.result()
+        else:
+            self._thread.join()
         self.engine.grammars.close()
 
     def stats(self) -> EngineStats:

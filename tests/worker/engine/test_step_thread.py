@@ -1,0 +1,70 @@
+"""StepThread: the worker's model load, engine build and step loop on one thread, which holds the
+process's only OpenMP team (kernels/omp_threads.py) while every other thread runs torch inline. In a
+child Python process: the intra-op counts are process-wide state."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.helpers.native import needs_toolchain
+
+pytestmark = needs_toolchain
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, os, threading
+    import torch
+    from kernels import omp_threads
+    from services.worker.engine import AsyncEngine, EngineConfig, EngineRequest, LLMEngine
+    from services.worker.engine.async_engine import StepThread
+    from services.worker.engine.weights import load_weights
+    from shared.schemas import SamplingParams
+    from tests.helpers.families import tiny_llama, word_tokenizer
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    async def main():
+        config = EngineConfig(num_blocks=64, kv_block_size=8, max_model_len=256, max_num_batched_tokens=256)
+        threads = omp_threads.serial_process()
+        base = tasks()
+        thread = StepThread(config, threads)
+
+        def build():
+            weights = load_weights(tiny_llama(vocab_size=256), torch.float32, "cpu", 256)
+            engine = AsyncEngine(LLMEngine(weights, word_tokenizer(256), config, eos_token_ids=set()))
+            return engine, torch.get_num_threads()
+
+        engine, step_count = await thread.run(build)
+        engine.start(thread)
+        tokens = []
+        request = EngineRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0))
+        async for out in engine.generate(request):
+            tokens += out.token_ids
+        added = tasks() - base
+        step_id = engine.step_thread_id
+        engine.shutdown()
+        thread.close()
+        return dict(
+            tokens=len(tokens), threads=threads, main=torch.get_num_threads(), added=added,
+            step_is_other=step_id not in (None, threading.get_native_id()), step_count=step_count,
+        )
+
+    print(json.dumps(asyncio.run(main())))
+    """
+)
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread_with_the_only_team() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).parents[3],
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == 6 and got["step_is_other"]
+    assert got["threads"] == 2 and got["main"] == 1 and got["step_count"] == 2
+    assert got["added"] == 2  # the step thread and its team's one worker thread: no other pool
