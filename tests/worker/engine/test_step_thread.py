@@ -24,8 +24,8 @@ CHILD = textwrap.dedent(
     from shared.schemas import SamplingParams
     from tests.helpers.families import tiny_llama, word_tokenizer
 
-    def tasks():
-        return len(os.listdir("/proc/self/task"))
+    def tasks():  # the process's live threads
+        return {int(t) for t in os.listdir("/proc/self/task")}
 
     async def main():
         config = EngineConfig(num_blocks=64, kv_block_size=8, max_model_len=256, max_num_batched_tokens=256)
@@ -44,7 +44,7 @@ CHILD = textwrap.dedent(
         request = EngineRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0))
         async for out in engine.generate(request):
             tokens += out.token_ids
-        added = tasks() - base
+        added = len(tasks() - base)  # alive and new
         step_id = engine.step_thread_id
         engine.shutdown()
         thread.close()
