@@ -1,8 +1,13 @@
 """Whether this machine can build kernels/native.py's CPU kernels: where it can, a failed build fails
 the tests that use them; where it cannot (no x86-64 g++), they are skipped and the eager paths serve."""
 
+import json
+import os
 import platform
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +45,15 @@ def linear_case(
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` in fp32 on the (exactly widened) inputs: what a kernel's fp32 sum should be."""
     return torch.nn.functional.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+
+
+def child_report(code: str) -> dict:
+    """Run ``code`` in a child Python at the repository root on two intra-op threads (torch's thread
+    counts are process-wide state) and return the JSON object its last line of output prints."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    return report

@@ -3,14 +3,9 @@ the caller held is freed, and parallel_thread gives one thread its own count, in
 native kernels' (whose library initialises a thread on its own). Each case runs in a child Python
 process: the counts are process-wide state."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-from tests.helpers.native import needs_toolchain
+from tests.helpers.native import child_report, needs_toolchain
 
 pytestmark = needs_toolchain
 
@@ -74,12 +69,7 @@ CHILD = textwrap.dedent(
 
 
 def test_one_team_per_process() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = child_report(CHILD)
     assert got["torch_runtime"]  # torch's own libgomp, not another wheel's copy
     assert got["threads"] == 2 and got["main"] == 1
     assert got["pool"] == 1  # the main thread's team of two: one worker thread

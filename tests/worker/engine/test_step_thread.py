@@ -2,14 +2,9 @@
 process's only OpenMP team (kernels/omp_threads.py) while every other thread runs torch inline. In a
 child Python process: the intra-op counts are process-wide state."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-from tests.helpers.native import needs_toolchain
+from tests.helpers.native import child_report, needs_toolchain
 
 pytestmark = needs_toolchain
 
@@ -59,12 +54,7 @@ CHILD = textwrap.dedent(
 
 
 def test_the_engine_is_built_and_stepped_on_one_thread_with_the_only_team() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).parents[3],
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = child_report(CHILD)
     assert got["tokens"] == 6 and got["step_is_other"]
     assert got["threads"] == 2 and got["main"] == 1 and got["step_count"] == 2
     assert got["added"] == 2  # the step thread and its team's one worker thread: no other pool
