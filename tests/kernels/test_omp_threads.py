@@ -17,10 +17,12 @@ CHILD = textwrap.dedent(
     with contextlib.suppress(ImportError):  # a wheel with its own libgomp, mapped before torch's is looked up
         import sentencepiece
     import torch
-    from kernels import native, omp_threads, projections
 
     def tasks():  # the process's live threads; a thread that has just been joined may still be listed
         return {int(t) for t in os.listdir("/proc/self/task")}
+
+    base = tasks()  # before any parallel region: the kernels' probes below may run the first one
+    from kernels import native, omp_threads, projections
 
     def gone(tids):  # a released pool's threads exit after the call returns: polled, bounded
         deadline = time.monotonic() + 10
@@ -30,8 +32,7 @@ CHILD = textwrap.dedent(
 
     assert native.built() and projections.native_small_linear()
     big = torch.randn(4096, 4096)
-    base = tasks()
-    big.sum()  # a parallel region on this thread: its pool's workers join the process
+    big.sum()  # a parallel region on this thread (if the probes ran none): its pool's workers join the process
     pool_threads = tasks() - base
     threads = omp_threads.serial_process()
     released = gone(pool_threads)
