@@ -75,6 +75,7 @@ async def main() -> None:
         for msg in batch:
             show(msg)
             await msg.ack()
+    await replay.unsubscribe()  # its last pull request is still open: a drain would wait 30 s for it
 
     async def live(msg) -> None:
         show(msg)

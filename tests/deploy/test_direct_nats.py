@@ -3,6 +3,7 @@ tenant users) on the tiny model: both workers serve through their own users, and
 direct-NATS programs run as printed, each tenant seeing only its own audit records."""
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -145,6 +147,16 @@ def test_the_readme_submit_program_streams_a_reply(secured: SecuredStack) -> Non
     assert violations_before == [], violations_before
 
 
+def _until_completion(stream: IO[str]) -> str:
+    """The lines a follower prints, up to and including its first completion record (or its end)."""
+    out = ""
+    for line in stream:
+        out += line
+        if " completion " in line:
+            break
+    return out
+
+
 def _follow_lines(out: str) -> list[tuple[str, str]]:
     """(subject, kind) of each record the follow program printed."""
     return [(fields[0], fields[1]) for fields in (line.split(" ") for line in out.splitlines() if line)]
@@ -164,15 +176,19 @@ def test_a_tenant_follows_only_its_own_audit_records_live_and_replayed(secured: 
 
     env = {**secured.tenant_env("acme"), "LF_FOLLOW_SECONDS": "60"}
     live = subprocess.Popen([sys.executable, "-c", follow], env=env, stdout=subprocess.PIPE, text=True)
+    out, reader = "", concurrent.futures.ThreadPoolExecutor(1)
     try:
         time.sleep(3)  # past its replay (nothing new: the run above acknowledged it) and into the live part
         for tenant in ("globex", "acme"):
             assert run_program(submit, secured.tenant_env(tenant)).returncode == 0
         asyncio.run(_until_audited(secured, {"acme": 2, "globex": 3}))
-        time.sleep(2)
+        assert live.stdout is not None
+        # the follower prints each record as it comes (flushed): read up to acme's new completion, bounded
+        out = reader.submit(_until_completion, live.stdout).result(timeout=60)
     finally:
         live.terminate()
-        out, _ = live.communicate(timeout=30)
+        out += live.communicate(timeout=30)[0]
+        reader.shutdown()
     lines = _follow_lines(out)
     assert [kind for _, kind in lines].count("completion") >= 1
     assert all(subject.endswith(".acme") for subject, _ in lines), lines
