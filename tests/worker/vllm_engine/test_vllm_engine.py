@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared import tool_calls
 from tests.helpers.adapters import ALL_MODULES
-from tests.helpers.vllm_runner import NO_VLLM, REPO, VLLM_PYTHON, run_program
+from tests.helpers.vllm_runner import NO_VLLM, REPO, VLLM_PYTHON, Program
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three things to pack for a hike:")
 MAX_TOKENS = 16
@@ -37,8 +37,9 @@ pytestmark = [
 ]
 
 
-def _reference(smollm_dir: Path, out: Path) -> tuple[list[list[int]], dict[str, dict], dict[str, list[list[int]]]]:
-    """Prompt ids, the saved adapters, and HF PEFT's greedy tokens per adapter key ("None" = base)."""
+def _adapters(smollm_dir: Path, out: Path) -> tuple[list[list[int]], dict[str, dict], dict[str, torch.nn.Module], int]:
+    """Prompt ids, the adapters saved under ``out``, the HF PEFT model of each adapter key ("None" = base),
+    and the tokenizer's EOS id."""
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
     base = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
@@ -51,18 +52,22 @@ def _reference(smollm_dir: Path, out: Path) -> tuple[list[list[int]], dict[str, 
         directory = out / key
         models[key].save_pretrained(directory)
         digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
-        adapters[key] = {"key": key, "digest": digest, "dir": str(directory)}
-    eos = tokenizer.eos_token_id
-    tokens = {}
+        adapters[key] = {"key": key, "digest": digest, "dir": str(directory), "rank": rank}
+    return prompts, adapters, models, tokenizer.eos_token_id
+
+
+def _greedy(models: dict[str, torch.nn.Module], prompts: list[list[int]], eos: int) -> dict[str, list[list[int]]]:
+    """HF PEFT's greedy tokens per adapter key."""
+    tokens: dict[str, list[list[int]]] = {}
     with torch.no_grad():
         for key, model in models.items():
             tokens[key] = []
             for ids in prompts:
-                output = model.generate(
+                output = model.generate(  # type: ignore[operator]
                     input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=eos
                 )
                 tokens[key].append(output[0, len(ids) :].tolist())
-    return prompts, adapters, tokens
+    return tokens
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -70,28 +75,32 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A scratch folder and the spec the vLLM program runs: HF PEFT's tokens stay beside it ("reference")."""
+def served(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict[str, dict]]:
+    """A scratch folder, the spec the vLLM programs ran (HF PEFT's tokens beside it, "reference") and each
+    of their modes' results. Two programs at once (tests/helpers/vllm_runner.py Program: vLLM's import and
+    each engine's start run on one thread) and HF PEFT's tokens meanwhile: 137 s one after the other here."""
     work = tmp_path_factory.mktemp("vllm")
-    prompts, adapters, tokens = _reference(smollm_dir, work)
-    for key, (rank, _) in ADAPTERS.items():
-        adapters[key]["rank"] = rank
-    spec = {
+    prompts, adapters, models, eos = _adapters(smollm_dir, work)
+    spec: dict = {
         "model_dir": str(smollm_dir),
         "scratch": str(work),
         "adapters": list(adapters.values()),
         "prompts": prompts,
         "max_tokens": MAX_TOKENS,
-        "reference": tokens,
     }
-    return work, spec
+    with Program(work, spec, "engine", "guard") as first, Program(work, spec, "priority") as second:
+        spec["reference"] = _greedy(models, prompts, eos)
+        return work, spec, {**first.result(), **second.result()}
 
 
 @pytest.fixture(scope="module")
-def programs(reference: tuple[Path, dict]) -> dict[str, dict]:
-    """The program's three modes in one process (vLLM's import, tens of seconds here, paid once)."""
-    work, spec = reference
-    return run_program(work, spec, "engine", "guard", "priority")
+def reference(served: tuple[Path, dict, dict[str, dict]]) -> tuple[Path, dict]:
+    return served[0], served[1]
+
+
+@pytest.fixture(scope="module")
+def programs(served: tuple[Path, dict, dict[str, dict]]) -> dict[str, dict]:
+    return served[2]
 
 
 @pytest.fixture(scope="module")
