@@ -10,6 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from lorafleet.cli import adapter_cmd
 from lorafleet.cli.adapter_cmd import push_adapter
 from shared import subjects
 from shared.bus import request
@@ -60,7 +61,10 @@ async def pushes(
             return retries
 
 
-def test_killing_one_of_two_registries_during_pushes_loses_and_repeats_no_version(fleet, tmp_path):
+def test_killing_one_of_two_registries_during_pushes_loses_and_repeats_no_version(fleet, tmp_path, monkeypatch):
+    # a push the killed replica had taken is never answered: its client gives up at the CLI's request
+    # timeout (30 s) and sends it again; here after 10 s (a slow push sent again is stored once: its push key)
+    monkeypatch.setattr(adapter_cmd, "TIMEOUT_S", 10.0)
     directory = make_adapter(fleet.model_dir, tmp_path / "burst", seed=21)
     fleet.stack.start("registry", {"LF_INSTANCE_ID": "registry-b"}, key="registry-b")
     asyncio.run(instance_ready(fleet.nats.url, "registry-b", 60))
