@@ -21,19 +21,39 @@ def test_the_workers_of_a_run_get_disjoint_slices_below_the_ephemeral_range(work
     assert ephemeral_low >= HIGH
 
 
+def _free_block(size: int) -> range:
+    """``size`` consecutive ports, all free now, that nobody else binds during the test: under xdist from
+    this worker's own slice (no other worker hands its ports out, and this one runs one test at a time;
+    a fixed range such as LOW.. is another worker's slice in one run of seven), else from below the
+    ephemeral range, which the kernel never hands out."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        count, run = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.environ["PYTEST_XDIST_TESTRUNUID"]
+        ports = worker_ports(worker, count, run)
+    else:
+        ports = range(LOW, HIGH)
+    for start in range(ports.start, ports.stop - size + 1, size):
+        block = range(start, start + size)
+        if all(infra.port_is_free(port) for port in block):
+            return block
+    raise AssertionError(f"no {size} free ports in a row in {ports}")
+
+
 def test_a_slice_skips_busy_ports_and_hands_each_out_once_per_round():
-    ports = PortSlice(range(LOW, LOW + 8))
+    block = _free_block(8)
+    ports = PortSlice(block)
     with socket.socket() as held:
-        held.bind(("127.0.0.1", LOW + 3))
+        held.bind(("127.0.0.1", block[3]))
         handed = [ports.free_port() for _ in range(7)]
-    assert sorted(handed) == [p for p in range(LOW, LOW + 8) if p != LOW + 3]
+    assert sorted(handed) == [p for p in block if p != block[3]]
 
 
 def test_a_full_slice_is_an_error():
+    block = _free_block(1)
     with socket.socket() as held:
-        held.bind(("127.0.0.1", LOW + 9))
+        held.bind(("127.0.0.1", block[0]))
         with pytest.raises(infra.InfraError, match="in use"):
-            PortSlice(range(LOW + 9, LOW + 10)).free_port()
+            PortSlice(block).free_port()
 
 
 @pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="only an xdist worker has a slice")
