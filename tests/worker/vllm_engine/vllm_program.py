@@ -35,8 +35,8 @@ from shared.chat_tokens import ChatTokenizer
 from shared.config import GrammarBounds
 from shared.errors import LorafleetError
 from shared.schemas import ChatMessage, SamplingParams, StructuredOutput, ToolFunction, Tools
+from tests.helpers.vllm_runner import RESULT
 
-RESULT = "VLLM_PROGRAM_RESULT "
 COMPILE_BOUND_S = 2.0  # the grammar compile bound the "engine" mode runs under
 # a pattern whose automaton takes xgrammar about a minute to build (tests/worker/engine/test_grammar_pool.py)
 HOSTILE = {"type": "object", "properties": {"code": {"type": "string", "pattern": '([^"]{1,10}){1,20}'}}}
