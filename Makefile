@@ -73,10 +73,14 @@ endif
 ifeq ($(LF_SKIP_COMPOSE),1)
 SKIP += compose
 endif
-# Two pytest runs: the light tiers on TEST_WORKERS pytest-xdist workers, then the heavy ones serially
-# (markers vllm, compose, serial: the fault tests that time a kill under load, the load runs and
-# benchmarks, tests/conftest.py SERIAL_TESTS). Either failing fails `make test`; a run that selects no
-# test (exit 5, e.g. PYTEST_ARGS names one file) does not.
+# Three pytest runs: the light tiers on TEST_WORKERS pytest-xdist workers; then the heavy ones serially
+# (markers vllm, compose, serial: the fault tests that time a kill under load, the load runs, the stack on
+# the vLLM engine, tests/conftest.py SERIAL_TESTS) and beside them, niced, the background tier (marker
+# background, tests/conftest.py BACKGROUND_TESTS: the vLLM engine programs and the engine benchmark's report,
+# CPU-bound but neither timed nor bound to a liveness deadline), its output printed when it ends. The serial
+# tier's fault tests leave the cores idle two thirds of the time while they wait on kills and recoveries; at
+# nice 10 the background tier takes what they leave and yields when they need the CPU. Any run failing fails
+# `make test`; a run that selects no test (exit 5, e.g. PYTEST_ARGS names one file) does not.
 # --dist loadfile: a file's tests run on one worker, so a module-scoped stack (tests/e2e) starts once.
 # The vLLM tier stays out of the xdist run: beside the other worker's stacks its engine cores and theirs
 # fight over two cores (the light run took 18.5 minutes with it against 10.8 without, more than the two
@@ -85,13 +89,22 @@ endif
 # PYTHONDONTWRITEBYTECODE is cleared (as for test-fast below): every service process the tests start
 # would otherwise compile this checkout's modules again.
 TEST_WORKERS ?= 2
-HEAVY_MARK := -m "(serial or vllm or compose)$(foreach s,$(SKIP), and not $(s))"
-LIGHT_MARK := -m "not serial and not vllm and not compose"
+NOT_SKIPPED := $(foreach s,$(SKIP), and not $(s))
+HEAVY_MARK := -m "(serial or vllm or compose) and not background$(NOT_SKIPPED)"
+BACKGROUND_MARK := -m "background$(NOT_SKIPPED)"
+LIGHT_MARK := -m "not serial and not vllm and not compose and not background"
+BACKGROUND_LOG := .lorafleet/test-background.log
 
 test: $(TEST_DEPS)
 	@status=0; export PYTHONDONTWRITEBYTECODE=; \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(LIGHT_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	mkdir -p $(dir $(BACKGROUND_LOG)); \
+	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(BACKGROUND_MARK) $(PYTEST_ARGS) \
+	  > $(BACKGROUND_LOG) 2>&1 & background=$$!; \
+	trap 'kill -INT $$background 2>/dev/null; wait $$background; exit 130' INT TERM; \
 	$(BIN)/python -m pytest -q --durations=30 $(HEAVY_MARK) $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	wait $$background || [ $$? -eq 5 ] || status=1; \
+	echo "--- the background tier (niced, beside the serial one): $(BACKGROUND_LOG)"; cat $(BACKGROUND_LOG); \
 	exit $$status
 
 # The tests that need no process besides pytest and no embedded model (markers set in tests/conftest.py);

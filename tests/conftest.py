@@ -159,16 +159,25 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/scheduler/test_rank_pools_stack.py": "the stack with two workers",
 }
 # `make test` runs these in its second, serial pytest (with the vllm and compose tiers), not beside
-# another xdist worker: they time a kill under load, measure, or load every core themselves.
+# another xdist worker (only the niced background tier below): they time a kill under load, measure, or
+# load every core themselves.
 SERIAL_TESTS: dict[str, str] = {  # node id -> why
     "tests/faults": "kills a process under load and times the recovery",
     "tests/bench/test_load.py::test_a_short_run_on_the_tiny_model_completes_every_request": "a load run",
     "tests/bench/test_peers_stack.py::test_the_load_table_of_a_short_run_with_a_missing_peer": "a load run",
-    "tests/bench/test_engine_peers.py": "runs both engines' benchmark",
     "tests/bench/test_hop_floor.py": "measures the bare pipeline's latency floor",
     "tests/e2e/test_up_own_model.py": "kill -9 of every process of a whole stack under traffic",
     "tests/registry/test_release_live.py::test_a_killed_registry_is_replaced_and_the_rollout_carries_on": "kills the "
     "registry mid-rollout (under -n 2 on a loaded runner it ran past its 300 s timeout once)",
+}
+# `make test` runs these niced in a third pytest beside its serial one: heavy on the CPU, but neither timed nor
+# bound to a liveness deadline (a program's result, not a stack's), so they take the cores the serial tier's
+# fault tests leave idle while those wait on kills and recoveries. Not beside the light tiers: their memory
+# and these (two vLLM engines and four HF models at once) would not fit in 23 GiB together.
+BACKGROUND_TESTS: dict[str, str] = {  # node id -> why
+    "tests/worker/vllm_engine/test_vllm_engine.py": "two vLLM programs and HF PEFT's reference, results compared",
+    "tests/worker/vllm_engine/test_vllm_bases.py": "one vLLM program, results compared",
+    "tests/bench/test_engine_peers.py": "both engines' benchmark on a tiny model: its report's shape, not its figures",
 }
 MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixtures above
     "tests/shared/test_fingerprint.py::test_embedded_smollm2_fingerprint_is_stable",
@@ -211,6 +220,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.model)
         if _listed(item.nodeid, SERIAL_TESTS):
             item.add_marker(pytest.mark.serial)
+        if _listed(item.nodeid, BACKGROUND_TESTS):
+            item.add_marker(pytest.mark.background)
+    # the fault tests first (a stable sort: every other test keeps its place): they wait on kills and
+    # recoveries, two thirds of the time with idle cores, which `make test`'s background tier takes
+    items.sort(key=lambda item: not _listed(item.nodeid, ("tests/faults",)))
 
 
 _running: list[str] = []  # the node id of the test under way, under LF_TEST_TIER=fast
