@@ -1,7 +1,9 @@
 """Fixtures: real nats-server and redis-server processes on free ports, the base model cache."""
 
+import atexit
 import inspect
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -20,8 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # stacks promote random adapters that have no eval set, so they run with that check off (and /readyz
 # says so). tests/registry/test_gate.py holds the default; the release controller tests pass their own policy.
 os.environ.setdefault("LF_RELEASE_REQUIRE_EVAL", "false")
-# base-model fingerprints are cached per directory: a session-private cache, never the user's
-os.environ.setdefault("LF_FINGERPRINT_CACHE", tempfile.mkdtemp(prefix="lf-fingerprints-"))
+# base-model fingerprints are cached per directory: a session-private cache, never the user's, removed by
+# the process that made it (pytest-xdist's workers inherit the controller's)
+if "LF_FINGERPRINT_CACHE" not in os.environ:
+    os.environ["LF_FINGERPRINT_CACHE"] = tempfile.mkdtemp(prefix="lf-fingerprints-")
+    atexit.register(shutil.rmtree, os.environ["LF_FINGERPRINT_CACHE"], ignore_errors=True)
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. at the first import of
 # kernels/, which any test module may trigger: choose the CPU interpreter before all of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
