@@ -4,6 +4,7 @@ import atexit
 import inspect
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,11 @@ os.environ.setdefault("LF_RELEASE_REQUIRE_EVAL", "false")
 if "LF_FINGERPRINT_CACHE" not in os.environ:
     os.environ["LF_FINGERPRINT_CACHE"] = tempfile.mkdtemp(prefix="lf-fingerprints-")
     atexit.register(shutil.rmtree, os.environ["LF_FINGERPRINT_CACHE"], ignore_errors=True)
+# A pytest started as a background job of a non-interactive shell (`make test`'s background tier) inherits
+# SIGINT ignored: restore Python's handler, so that Ctrl-C or the Makefile's trap interrupts it as it would a
+# pytest in the foreground, and its fixtures stop the processes they started.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. at the first import of
 # kernels/, which any test module may trigger: choose the CPU interpreter before all of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
