@@ -14,7 +14,7 @@ import pytest
 
 from lorafleet.cli import infra
 from lorafleet.cli.infra import Server, start_nats, start_redis
-from tests.helpers.ports import PortSlice, worker_ports
+from tests.helpers.ports import PortSlice, own_slice
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LF_MODEL_CACHE", str(REPO / ".lorafleet" / "models"))
@@ -42,10 +42,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # any test module imports free_port; and each runs torch on one thread (the workers share the cores;
 # a test that measures threads sets its own count, tests/kernels/test_native_lora.py).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if WORKER:
-    infra.free_port = PortSlice(
-        worker_ports(WORKER, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.environ["PYTEST_XDIST_TESTRUNUID"])
-    ).free_port
+OWN_PORTS = own_slice()
+if OWN_PORTS is not None:
+    infra.free_port = PortSlice(OWN_PORTS).free_port
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet.cli import infra
-from tests.helpers.ports import HIGH, LOW, PortSlice, worker_ports
+from tests.helpers.ports import HIGH, LOW, PortSlice, own_slice, worker_ports
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
@@ -26,12 +26,7 @@ def _free_block(size: int) -> range:
     this worker's own slice (no other worker hands its ports out, and this one runs one test at a time;
     a fixed range such as LOW.. is another worker's slice in one run of seven), else from below the
     ephemeral range, which the kernel never hands out."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        count, run = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.environ["PYTEST_XDIST_TESTRUNUID"]
-        ports = worker_ports(worker, count, run)
-    else:
-        ports = range(LOW, HIGH)
+    ports = own_slice() or range(LOW, HIGH)
     for start in range(ports.start, ports.stop - size + 1, size):
         block = range(start, start + size)
         if all(infra.port_is_free(port) for port in block):
@@ -58,9 +53,5 @@ def test_a_full_slice_is_an_error():
 
 @pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="only an xdist worker has a slice")
 def test_an_xdist_worker_hands_out_only_its_own_slice():
-    mine = worker_ports(
-        os.environ["PYTEST_XDIST_WORKER"],
-        int(os.environ["PYTEST_XDIST_WORKER_COUNT"]),
-        os.environ["PYTEST_XDIST_TESTRUNUID"],
-    )
-    assert all(infra.free_port() in mine for _ in range(50))
+    mine = own_slice()
+    assert mine is not None and all(infra.free_port() in mine for _ in range(50))

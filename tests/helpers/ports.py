@@ -33,6 +33,14 @@ def worker_ports(worker: str, workers: int, run: str) -> range:
     return range(start, start + SPAN)
 
 
+def own_slice() -> range | None:
+    """This pytest-xdist worker's slice (from the variables xdist sets in each worker), None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return None
+    return worker_ports(worker, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), os.environ["PYTEST_XDIST_TESTRUNUID"])
+
+
 def _cycle(ports: range) -> Iterator[int]:
     order = list(ports)
     random.Random(os.getpid()).shuffle(order)  # no neighbours in a row: `up` also tries port + 1, + 2
