@@ -7,7 +7,8 @@ import functools
 import io
 import signal
 import time
-from collections.abc import Awaitable, Callable
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -178,10 +179,14 @@ async def connect(
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", client=name)
 
+    signals: set[asyncio.Event] = set()
+
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
+        for event in signals:
+            event.set()
 
-    return await nats.connect(
+    nc = await nats.connect(
         servers=[u.strip() for u in url.split(",")],
         name=name,
         max_reconnect_attempts=-1,
@@ -196,6 +201,27 @@ async def connect(
         inbox_prefix=inbox_prefix,
         tls=settings.nats_tls(),
     )
+    _RECONNECT_SIGNALS[nc] = signals
+    return nc
+
+
+_RECONNECT_SIGNALS: "weakref.WeakKeyDictionary[NATS, set[asyncio.Event]]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def reconnects(nc: NATS) -> Iterator[asyncio.Event | None]:
+    """An event set at each reconnect of ``nc``, for as long as the block runs, so a watcher waits on
+    it rather than polling the client's counters; None for a client ``connect`` did not make."""
+    signals = _RECONNECT_SIGNALS.get(nc)
+    if signals is None:
+        yield None
+        return
+    event = asyncio.Event()
+    signals.add(event)
+    try:
+        yield event
+    finally:
+        signals.discard(event)
 
 
 _COMPARED = (

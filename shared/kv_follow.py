@@ -1,7 +1,8 @@
 """Keep an in-memory mirror equal to a JetStream KV bucket: load it, then apply every change.
 
 The watch's consumer lives on the server (nats-py does not re-create it if the server loses it,
-as across a nats-server restart), so the watch starts over after every reconnect, and is checked
+as across a nats-server restart), so the watch starts over after every reconnect (woken by it on a
+client ``shared.bus.connect`` made, with no clock running while the bucket is quiet), and is checked
 against the bucket itself: when no entry has come for ``check_s``, the bucket's last revision is
 read; if an entry the bucket held at the previous check has still not arrived, the watch has
 stalled and is started over. A mirror lags its bucket by at most about two check periods.
@@ -16,6 +17,7 @@ consumer has nothing left to deliver and every revision it delivered is applied.
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -25,12 +27,13 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared import metrics
+from shared.bus import reconnects
 from shared.undecodable import skip
 
 log = structlog.get_logger("kv_follow")
 RETRY_S = 0.5
 CHECK_S = 5.0
-POLL_S = 0.25  # how often a quiet watch looks for a reconnect
+POLL_S = 0.25  # how often a quiet watch looks for a reconnect (of a client not made by shared.bus.connect)
 
 # (key, value or None for a delete/purge, revision = the entry's stream sequence)
 Apply = Callable[[str, bytes | None, int], None]
@@ -99,15 +102,30 @@ async def _bucket(js: JetStreamContext, name: str) -> KeyValue:
 async def _consume(
     nc: NATS, bucket: KeyValue, name: str, apply: Apply, loaded: Callable[[], None], check_s: float
 ) -> None:
-    reconnects = nc.stats["reconnects"]
+    with reconnects(nc) as reconnected:
+        await _watch(nc, bucket, name, apply, loaded, check_s, reconnected)
+
+
+async def _watch(
+    nc: NATS,
+    bucket: KeyValue,
+    name: str,
+    apply: Apply,
+    loaded: Callable[[], None],
+    check_s: float,
+    reconnected: asyncio.Event | None,
+) -> None:
+    reconnects_seen = nc.stats["reconnects"]
     start = (await bucket.status()).stream_info.state.last_seq  # the initial values end at this revision
     watcher = await bucket.watchall()
     seen, expected = 0, 0  # the newest revision applied; the bucket's last revision at the previous check
     marked, is_loaded = False, False  # nats-py's marker has come (maybe early); ``loaded`` was called
     loop = asyncio.get_running_loop()
     next_check = loop.time() + check_s
-    pending: asyncio.Future[KeyValue.Entry | None] | None = None
-    done: set[asyncio.Future[KeyValue.Entry | None]] = set()
+    pending: asyncio.Future[Any] | None = None  # the watch's next entry (KeyValue.Entry, or None once loaded)
+    # a reconnect wakes the watch (a client ``connect`` made); another client's is polled for
+    woken: asyncio.Future[Any] | None = None if reconnected is None else asyncio.ensure_future(reconnected.wait())
+    done: set[asyncio.Future[Any]] = set()
     try:
         while True:
             if not is_loaded and (seen >= start or (marked and not done and await _delivered_all(watcher, seen))):
@@ -116,10 +134,14 @@ async def _consume(
                 log.info("kv_mirror_loaded", bucket=name)
             # nats-py leaves KeyWatcher unannotated; __anext__ yields an Entry, or None once loaded
             pending = pending or asyncio.ensure_future(watcher.__anext__())  # type: ignore[no-untyped-call]
-            done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, check_s))
-            if nc.stats["reconnects"] != reconnects:
+            if woken is None:
+                done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, check_s))
+            else:
+                left = max(0.0, next_check - loop.time())
+                done, _ = await asyncio.wait({pending, woken}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if nc.stats["reconnects"] != reconnects_seen or woken in done:
                 raise StaleWatch(f"reconnected under the watch of {name}")
-            if done:
+            if pending in done:
                 entry, pending = pending.result(), None  # StopAsyncIteration: the watcher ended
                 next_check = loop.time() + check_s
                 if entry is None:
@@ -137,8 +159,9 @@ async def _consume(
                 expected = (await bucket.status()).stream_info.state.last_seq
                 next_check = loop.time() + check_s
     finally:
-        if pending is not None:
-            pending.cancel()
+        for task in (pending, woken):
+            if task is not None:
+                task.cancel()
         await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves KeyWatcher unannotated
 
 

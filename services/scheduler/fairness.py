@@ -91,6 +91,10 @@ class FairQueue(Generic[Q]):
         """Tenants with a request queued here."""
         return list(self._queues)
 
+    def quiet(self) -> bool:
+        """Nothing queued here and nothing to hand off: a hand-off would only read the floor."""
+        return not (self._queues or self._charged or self._lifted)
+
     def take_changes(self) -> tuple[dict[str, float], set[str]]:
         """Hand off what was charged (tenant -> amount) and who was lifted since the last hand-off."""
         charged, lifted = self._charged, self._lifted

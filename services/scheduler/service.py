@@ -202,7 +202,10 @@ class Scheduler:
                 await self._turn_away(self._overflow.popleft())
             if msg is None and not self._overflow:
                 self._arrived.clear()
-                with contextlib.suppress(TimeoutError):
+                if not self.intake:  # only an arrival can bring work: no clock wakes an idle scheduler
+                    await self._arrived.wait()
+                    continue
+                with contextlib.suppress(TimeoutError):  # blocked on a full queue: look again for room
                     await asyncio.wait_for(self._arrived.wait(), ADMIT_POLL_S)
                 continue
             await asyncio.sleep(0)  # a dispatch just placed goes out before the next admission

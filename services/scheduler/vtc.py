@@ -23,6 +23,7 @@ from services.scheduler.fairness import FairQueue
 from services.scheduler.redis_guard import RedisGuard
 
 ACTIVE_PERIODS = 5  # a backlog report holds this many hand-off periods (a missed one or two is no idling)
+QUIET_PERIODS = 10  # a quiet scheduler reads the floor once in this many periods, not every period
 
 # KEYS: counters hash, active zset, floor string
 # ARGV: seconds a backlog report holds, then counts and lists: backlogged here, lifted here, charged
@@ -105,7 +106,14 @@ class SharedCounters:
         return True
 
     async def run(self) -> None:
-        """Hand off every period until cancelled."""
+        """Hand off every period until cancelled; while this scheduler is quiet (nothing queued or
+        charged), once in ``QUIET_PERIODS``: only the floor would change, which a tenant lifted here
+        corrects at the next hand-off, a period later (an idle scheduler leaves Redis alone)."""
+        skipped = 0
         while True:
             await asyncio.sleep(self.period_s)
+            if self._queue.quiet() and skipped < QUIET_PERIODS - 1:
+                skipped += 1
+                continue
+            skipped = 0
             await self.hand_off()

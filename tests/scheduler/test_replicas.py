@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.vtc import QUIET_PERIODS
 from shared.config import DefaultQuota
 from shared.errors import ServiceUnavailable
 from shared.redis_conn import connect_redis
@@ -145,3 +146,33 @@ async def test_a_claim_no_worker_took_is_released_so_the_other_scheduler_can_run
     b.beat("w2")
     redelivered = await b.submit("r1", seq=3)
     assert b.dispatched == [("w2", "r1")] and redelivered.acts == ["ack"]
+
+
+async def _hand_offs(redis) -> int:
+    """The hand-off scripts Redis has run (its own command count)."""
+    return (await redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+
+
+async def test_a_quiet_scheduler_reads_the_floor_rarely_and_hands_off_within_a_period_once_busy(redis):
+    (world,) = schedulers(redis, 1)
+    counters = world.upkeep.counters
+    counters.period_s = 0.02
+    await counters.hand_off()  # the script is loaded: EVALSHA from here on
+    running = asyncio.create_task(counters.run())
+    try:
+        before = await _hand_offs(redis)
+        await asyncio.sleep(1.0)  # 50 periods, quiet: one hand-off in QUIET_PERIODS
+        quiet = await _hand_offs(redis) - before
+        assert 1 <= quiet <= 50 / QUIET_PERIODS + 2, quiet
+        world.core.queue.charge("t", 10, 10)
+        busy_from = await _hand_offs(redis)
+        await asyncio.sleep(5 * counters.period_s)
+        assert await _hand_offs(redis) > busy_from  # a charge goes out at the next period, not a quiet one later
+        await world.submit("r1", tenant="t")  # no worker: queued here, which keeps it busy: every period
+        assert not world.core.queue.quiet()
+        busy_from = await _hand_offs(redis)
+        await asyncio.sleep(0.5)
+        assert await _hand_offs(redis) - busy_from > 0.5 / counters.period_s / QUIET_PERIODS + 2  # more than quiet
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

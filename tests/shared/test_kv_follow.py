@@ -3,13 +3,17 @@ consumer gone) instead of serving a stale copy forever."""
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 
+import nats
 import pytest
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
+from lorafleet.cli import infra
+from lorafleet.cli.infra import Server, start_nats
 from shared import metrics
-from shared.bus import connect
+from shared.bus import connect, reconnects
 from shared.kv_follow import Position, StaleMirror, follow_bucket
 
 
@@ -174,3 +178,50 @@ async def test_a_mirror_whose_last_entry_expired_before_the_watch_still_loads(na
     finally:
         await js.delete_key_value(name)
         await nc.close()
+
+
+@pytest.fixture
+def restartable_nats(tmp_path) -> Iterator[Server]:
+    server = start_nats(infra.free_port(), tmp_path / "nats")
+    yield server
+    server.stop()
+
+
+async def test_a_reconnect_wakes_the_watch_which_starts_over(restartable_nats: Server):
+    """The watch's consumer is lost with the server's memory: the reconnect itself starts the watch over
+    (``check_s`` is far longer than the test, so the stall check cannot be what restarts it)."""
+    nc = await connect(restartable_nats.url, "kv-reconnect")
+    js = nc.jetstream()
+    name = f"reconnect_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name))
+    await kv.put("a", b"1")
+    mirror: dict[str, bytes | None] = {}
+    follow = asyncio.create_task(
+        follow_bucket(nc, name, lambda k, v, r: mirror.__setitem__(k, v), lambda: None, check_s=600)
+    )
+    try:
+        await _until(lambda: mirror == {"a": b"1"}, 5)
+        restarts = metrics.KV_WATCH_RESTARTS.labels(name)._value.get()
+        restartable_nats.stop()
+        restartable_nats.start()
+        await _until(lambda: nc.is_connected and nc.stats["reconnects"] >= 1, 15)
+        await _until(lambda: metrics.KV_WATCH_RESTARTS.labels(name)._value.get() > restarts, 5)
+        await nc.jetstream().key_value(name)  # the bucket came back from the server's store
+        await kv.put("b", b"2")
+        await _until(lambda: mirror == {"a": b"1", "b": b"2"}, 10)
+    finally:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+        await nc.close()
+
+
+async def test_the_reconnect_signal_is_for_clients_connect_made(nats_url):
+    mine = await connect(nats_url, "kv-signal")
+    other = await nats.connect(nats_url)
+    try:
+        with reconnects(mine) as event, reconnects(other) as none:
+            assert isinstance(event, asyncio.Event) and not event.is_set()
+            assert none is None
+    finally:
+        await mine.close()
+        await other.close()
