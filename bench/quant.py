@@ -47,6 +47,7 @@ from services.worker.engine import EngineConfig, EngineRequest, LLMEngine
 from services.worker.engine.batch import build_batch
 from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.engine.sequence import Sequence
+from shared import heap
 from shared.schemas import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "quant.json"
@@ -243,6 +244,7 @@ def load_child(directory: str, weights: Literal["none", "int8", "int4"], threads
     )
     engine = LLMEngine.from_loaded(loaded, config)
     del loaded  # as the worker drops it: what stays is what the engine holds
+    heap.trim()  # and as it gives the load's freed memory back
     load_s = time.perf_counter() - start
     rss_mb = _rss_mb()
     run = run_engine(engine, [list(range(5, 37))], 8)

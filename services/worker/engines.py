@@ -16,6 +16,7 @@ from services.worker.lora.layout import ModelShapes
 from services.worker.prompt_ids import PromptIds
 from services.worker.settings import WorkerSettings
 from services.worker.start_phase import StartPhase
+from shared import heap
 from shared.base_model import resolve_model_dir, served_model_name
 from shared.catalog.view import CatalogView
 from shared.fingerprint import fingerprint_model_dir
@@ -90,6 +91,7 @@ async def builtin(
         )
     )
     omp_threads.serial_process()  # LF_ENGINE__NUM_THREADS set the process-wide count on the step thread: back to 1
+    heap.trim()  # the load's freed intermediates (checkpoint tensors, weights made into int8/int4 codes) go back
     engine.start(thread)
     stack.callback(engine.shutdown)
     prompts = await asyncio.to_thread(PromptIds.for_model, loaded.tokenizer, loaded.directory)

@@ -1,5 +1,6 @@
 """The engine's Llama-family forward pass over a flattened step of tokens, with the LoRA hook."""
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
@@ -67,7 +68,6 @@ class LlamaForward:
         native_layer_ops: bool = False,
         native_layer_loop: bool = False,
     ):
-        self.w = weights
         self.spec = weights.spec
         make = linear or LinearFactory("torch", str(weights.embed.device), weights.embed.dtype)
         if make.weights != "none" and any(layer.experts is not None for layer in weights.layers):
@@ -88,6 +88,7 @@ class LlamaForward:
                 }
             self.proj.append(proj)
         self.lm_head = make.head(weights.lm_head, weights.lm_head_packed)
+        self.w = weights = _without_quantized(weights, self.proj, self.lm_head)
         # the experts keep their plain weights: the small-row kernel (if the factory may use it) or F.linear
         self._expert_small_rows = projections.SMALL_LINEAR_ROWS if make.small_rows else 0
         s = self.spec
@@ -253,3 +254,20 @@ class LlamaForward:
         if s.final_softcap is not None:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits.float()
+
+
+def _without_quantized(weights: ModelWeights, proj: list[dict[str, Linear]], lm_head: Linear) -> ModelWeights:
+    """``weights`` as this forward keeps them: a quantized projection runs on its codes alone, so in
+    place of its unquantized weight it holds only the logical (meta) one, and the unquantized copy is
+    freed once the caller lets go of ``weights`` (the engine does, after building; ``weights`` itself is
+    not changed). The embedding stays whether tied to lm_head or not: its rows are looked up."""
+    if lm_head.quant is None and all(linear.quant is None for layer in proj for linear in layer.values()):
+        return weights
+    layers = [
+        dataclasses.replace(
+            layer, **{name: linear.weight for name, linear in linears.items() if linear.quant is not None}
+        )
+        for layer, linears in zip(weights.layers, proj, strict=True)
+    ]
+    head = lm_head.weight if lm_head.quant is not None else weights.lm_head
+    return dataclasses.replace(weights, layers=layers, lm_head=head)

@@ -225,6 +225,24 @@ def test_engine_shapes_stay_logical() -> None:
         assert quantized.lm_head.weight.shape == plain.lm_head.weight.shape
 
 
+def test_a_quantized_forward_holds_no_unquantized_projection() -> None:
+    """The codes replace the weights they were made from: the forward keeps only logical (meta) ones,
+    so the unquantized copies are freed with the caller's ``weights``, which the forward leaves as they were."""
+    model = FAMILIES["llama-head-dim"]()
+    for fmt in QUANTIZED:
+        weights = load_weights(model, torch.float32, "cpu", MAX_LEN)
+        linear = LinearFactory("auto", "cpu", torch.float32, fmt, GROUP)  # type: ignore[arg-type]
+        kept = LlamaForward(weights, linear).w
+        for layer, given in zip(kept.layers, weights.layers, strict=True):
+            for name in ("qkv", "o", "gate_up", "down"):
+                assert getattr(layer, name).is_meta and getattr(layer, name).shape == getattr(given, name).shape
+                assert not getattr(given, name).is_meta
+        assert kept.lm_head.is_meta and not kept.embed.is_meta
+        assert not weights.lm_head.is_meta
+    plain = load_weights(model, torch.float32, "cpu", MAX_LEN)
+    assert LlamaForward(plain).w is plain  # nothing quantized: the weights as given
+
+
 def test_int4_refuses_a_group_that_does_not_divide_in_features() -> None:
     model = FAMILIES["llama-head-dim"]()  # intermediate 96: the down projection's in_features
     linear = LinearFactory("auto", "cpu", torch.float32, "int4", 64)
