@@ -195,6 +195,7 @@ MODEL_TESTS: tuple[str, ...] = (  # the embedded SmolLM2 without one of the fixt
     "tests/worker/test_serving_isolation.py",
     "tests/scheduler/test_rank_pools_stack.py",
     "tests/faults/test_nats_cluster.py",
+    "tests/bench/test_quant_evals.py::test_a_short_run_scores_each_answer_with_its_items_scorer_and_reports_a_refused_format",
 )
 
 
