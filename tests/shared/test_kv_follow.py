@@ -24,6 +24,12 @@ async def _until(condition, timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _stop(follow: asyncio.Task, nc) -> None:
+    follow.cancel()
+    await asyncio.gather(follow, return_exceptions=True)
+    await nc.close()
+
+
 async def test_mirror_loads_follows_and_recovers_from_a_lost_consumer(nats_url):
     nc = await connect(nats_url, "kv-follow-test")
     js = nc.jetstream()
@@ -54,9 +60,7 @@ async def test_mirror_loads_follows_and_recovers_from_a_lost_consumer(nats_url):
         # nats-py does not re-create the lost consumer (a watch would wait forever): the check restarted it
         assert metrics.KV_WATCH_RESTARTS.labels(name)._value.get() > restarts
     finally:
-        follow.cancel()
-        await asyncio.gather(follow, return_exceptions=True)
-        await nc.close()
+        await _stop(follow, nc)
 
 
 async def test_a_bucket_created_later_is_waited_for(nats_url):
@@ -71,9 +75,7 @@ async def test_a_bucket_created_later_is_waited_for(nats_url):
         await kv.put("k", b"v")
         await _until(lambda: mirror == {"k": b"v"}, 5)
     finally:
-        follow.cancel()
-        await asyncio.gather(follow, return_exceptions=True)
-        await nc.close()
+        await _stop(follow, nc)
 
 
 async def test_the_read_barrier_waits_for_the_mirror_to_hold_the_buckets_last_write(nats_url):
@@ -210,9 +212,7 @@ async def test_a_reconnect_wakes_the_watch_which_starts_over(restartable_nats: S
         await kv.put("b", b"2")
         await _until(lambda: mirror == {"a": b"1", "b": b"2"}, 10)
     finally:
-        follow.cancel()
-        await asyncio.gather(follow, return_exceptions=True)
-        await nc.close()
+        await _stop(follow, nc)
 
 
 async def test_the_reconnect_signal_is_for_clients_connect_made(nats_url):
