@@ -2,7 +2,7 @@
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -263,11 +263,10 @@ def _without_quantized(weights: ModelWeights, proj: list[dict[str, Linear]], lm_
     not changed). The embedding stays whether tied to lm_head or not: its rows are looked up."""
     if lm_head.quant is None and all(linear.quant is None for layer in proj for linear in layer.values()):
         return weights
-    layers = [
-        dataclasses.replace(
-            layer, **{name: linear.weight for name, linear in linears.items() if linear.quant is not None}
-        )
-        for layer, linears in zip(weights.layers, proj, strict=True)
-    ]
+    layers = []
+    for layer, linears in zip(weights.layers, proj, strict=True):
+        # the keys are LayerWeights' projection fields ("qkv", "o", "gate_up", "down"), each a tensor
+        logical: dict[str, Any] = {name: linear.weight for name, linear in linears.items() if linear.quant is not None}
+        layers.append(dataclasses.replace(layer, **logical))
     head = lm_head.weight if lm_head.quant is not None else weights.lm_head
     return dataclasses.replace(weights, layers=layers, lm_head=head)
