@@ -7,6 +7,7 @@ machine; this client writes prebuilt bytes and scans the chunks, so what it time
 """
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 
@@ -50,6 +51,8 @@ class RawStreamClient:
         return headers
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            await self._writer.wait_closed()
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()

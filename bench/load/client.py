@@ -17,6 +17,7 @@ from typing import Literal
 import httpx
 
 from bench.load.traffic import Arrival
+from bench.raw_http import RawStreamClient
 
 Status = Literal["completed", "error", "lost"]
 
@@ -139,6 +140,39 @@ async def send(
         return out
     except (httpx.RequestError, json.JSONDecodeError) as e:
         out.code = f"broken_stream:{type(e).__name__}"
+        return out
+    return _classify(out, stream, started, time.perf_counter())
+
+
+async def send_raw(
+    client: RawStreamClient, arrival: Arrival, *, max_tokens: int, timeout_s: float, extra: dict | None = None
+) -> Outcome:
+    """``send``'s request and classification through ``bench.raw_http``'s client (prebuilt bytes, chunks
+    scanned for SSE lines): what a one-user benchmark times is then the server's, not httpx's own
+    millisecond or so per request and its CPU per token on the same two cores."""
+    out = Outcome(arrival.index, arrival.tenant, arrival.model, "lost", None, arrival.at_s, 0.0)
+    stream, pending = _Stream(), bytearray()
+
+    def on_chunk(chunk: bytes) -> None:
+        pending.extend(chunk)
+        now = time.perf_counter()
+        while (end := pending.find(b"\n")) >= 0:
+            line = pending[:end].decode().rstrip("\r")
+            del pending[: end + 1]
+            if line.startswith("data: "):
+                stream.feed(line[6:], now)
+
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.post_stream("/v1/chat/completions", chat_body(arrival, max_tokens, extra), on_chunk)
+    except TimeoutError:
+        out.code = "timeout"
+        await client.close()  # the connection may be mid-answer: the next request opens another
+        return out
+    except (OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as e:
+        out.status, out.code = "error", f"{type(e).__name__}: {e}"[:200]
+        await client.close()
         return out
     return _classify(out, stream, started, time.perf_counter())
 
