@@ -22,16 +22,12 @@ class RawStreamClient:
     async def post_stream(self, path: str, body: dict, on_chunk: Callable[[bytes], None]) -> dict[str, str]:
         """Send the request, call ``on_chunk`` with each body chunk as it arrives, read to the end;
         returns the response headers (lower-cased). Raises on a non-200 status."""
-        if self._reader is None or self._writer is None:  # the two are set together
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps(body).encode()
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._headers}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         )
-        self._writer.write(head.encode() + payload)
-        reader = self._reader
-        status_line = await reader.readline()
+        reader, status_line = await self._send(head.encode() + payload)
         status = int(status_line.split()[1])
         headers: dict[str, str] = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -49,6 +45,27 @@ class RawStreamClient:
         if status != 200:
             raise RuntimeError(f"HTTP {status}")
         return headers
+
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, bytes]:
+        """Write ``request`` and read the status line: on the kept-alive connection, or, where the
+        server had closed that one (llama-server closes it after a stream), once more on a new one."""
+        for _ in range(2):
+            reused = self._reader is not None
+            if self._reader is None or self._writer is None:  # the two are set together
+                self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            reader = self._reader
+            try:
+                self._writer.write(request)
+                await self._writer.drain()
+                status_line = await reader.readline()
+            except ConnectionError:
+                status_line = b""
+            if status_line or not reused:
+                break
+            await self.close()
+        if not status_line:
+            raise ConnectionResetError(f"{self.host}:{self.port} closed the connection without an answer")
+        return reader, status_line
 
     async def close(self) -> None:
         writer, self._reader, self._writer = self._writer, None, None
