@@ -3,8 +3,8 @@
 Loading a model and building an engine allocate and free a few hundred megabytes of intermediates (the
 checkpoint's tensors, fused copies, an unquantized weight made into int8 codes); glibc keeps such freed
 memory in its heap, so the process's resident size stays at its load-time peak. On SmolLM2 with int8
-weights: 937 MB resident after the engine is built, 714 MB after a trim (``python -m bench.quant
---checkpoints`` measures the same way). Elsewhere (musl, macOS) there is no such call and nothing to do.
+weights: 937 MB resident after the engine is built, 714 MB after a trim (``bench.quant``'s load child
+measures after a trim too). Elsewhere (musl, macOS) there is no such call and nothing to do.
 """
 
 import ctypes

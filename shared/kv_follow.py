@@ -2,7 +2,7 @@
 
 The watch's consumer lives on the server (nats-py does not re-create it if the server loses it,
 as across a nats-server restart), so the watch starts over after every reconnect (woken by it on a
-client ``shared.bus.connect`` made, with no clock running while the bucket is quiet), and is checked
+client ``shared.bus.connect`` made, rather than looking for it every 0.25 s), and is checked
 against the bucket itself: when no entry has come for ``check_s``, the bucket's last revision is
 read; if an entry the bucket held at the previous check has still not arrived, the watch has
 stalled and is started over. A mirror lags its bucket by at most about two check periods.
