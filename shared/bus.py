@@ -7,8 +7,7 @@ import functools
 import io
 import signal
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -24,6 +23,7 @@ from nats.js.errors import APIError, NotFoundError
 from nats.js.object_store import ObjectStore
 from pydantic import BaseModel, ValidationError
 
+from shared import reconnects as reconnect_signals
 from shared import subjects
 from shared.config import CommonSettings, StreamLimits
 from shared.errors import (
@@ -183,8 +183,7 @@ async def connect(
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
-        for event in signals:
-            event.set()
+        reconnect_signals.fire(signals)
 
     nc = await nats.connect(
         servers=[u.strip() for u in url.split(",")],
@@ -201,27 +200,8 @@ async def connect(
         inbox_prefix=inbox_prefix,
         tls=settings.nats_tls(),
     )
-    _RECONNECT_SIGNALS[nc] = signals
+    reconnect_signals.record(nc, signals)
     return nc
-
-
-_RECONNECT_SIGNALS: "weakref.WeakKeyDictionary[NATS, set[asyncio.Event]]" = weakref.WeakKeyDictionary()
-
-
-@contextlib.contextmanager
-def reconnects(nc: NATS) -> Iterator[asyncio.Event | None]:
-    """An event set at each reconnect of ``nc``, for as long as the block runs, so a watcher waits on
-    it rather than polling the client's counters; None for a client ``connect`` did not make."""
-    signals = _RECONNECT_SIGNALS.get(nc)
-    if signals is None:
-        yield None
-        return
-    event = asyncio.Event()
-    signals.add(event)
-    try:
-        yield event
-    finally:
-        signals.discard(event)
 
 
 _COMPARED = (

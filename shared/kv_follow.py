@@ -27,7 +27,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared import metrics
-from shared.bus import reconnects
+from shared.reconnects import reconnects
 from shared.undecodable import skip
 
 log = structlog.get_logger("kv_follow")

@@ -13,8 +13,9 @@ from nats.js.kv import KeyValue
 from lorafleet.cli import infra
 from lorafleet.cli.infra import Server, start_nats
 from shared import metrics
-from shared.bus import connect, reconnects
+from shared.bus import connect
 from shared.kv_follow import Position, StaleMirror, follow_bucket
+from shared.reconnects import reconnects
 
 
 async def _until(condition, timeout_s: float) -> None:

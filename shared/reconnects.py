@@ -1,0 +1,37 @@
+"""Reconnect events of the NATS clients ``shared.bus.connect`` makes: a watcher waits on one rather
+than polling the client's counters (``shared.kv_follow``)."""
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+from nats.aio.client import Client as NATS
+
+_SIGNALS: "weakref.WeakKeyDictionary[NATS, set[asyncio.Event]]" = weakref.WeakKeyDictionary()
+
+
+def record(nc: NATS, signals: set[asyncio.Event]) -> None:
+    """``signals``: the events ``nc``'s reconnect callback sets (``fire``)."""
+    _SIGNALS[nc] = signals
+
+
+def fire(signals: set[asyncio.Event]) -> None:
+    for event in signals:
+        event.set()
+
+
+@contextlib.contextmanager
+def reconnects(nc: NATS) -> Iterator[asyncio.Event | None]:
+    """An event set at each reconnect of ``nc``, for as long as the block runs; None for a client
+    ``shared.bus.connect`` did not make."""
+    signals = _SIGNALS.get(nc)
+    if signals is None:
+        yield None
+        return
+    event = asyncio.Event()
+    signals.add(event)
+    try:
+        yield event
+    finally:
+        signals.discard(event)
