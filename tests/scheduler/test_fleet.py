@@ -230,7 +230,12 @@ async def _probes_under_flood(fleet: Fleet, flood_class: str, probe_class: str) 
 
         flood = Flood(client, "key-demo", flood_class)
         flooding = [asyncio.create_task(flood.one()) for _ in range(42)]
-        await flood.first_wave(flooding)
+        try:
+            await flood.first_wave(flooding)
+        except AssertionError as e:  # a flood request that ended early: what the gateway said of it
+            failed = [repr(t.exception()) for t in flooding if t.done() and not t.cancelled() and t.exception()]
+            gateway = (fleet.stack.log_dir / "gateway.log").read_text().splitlines()[-40:]
+            raise AssertionError(f"{e}; ended: {failed[:3]}; gateway log:\n" + "\n".join(gateway)) from None
         probes = await asyncio.wait_for(asyncio.gather(*(timed(probe_class, 1) for _ in range(4))), BOUND_S)
         await asyncio.wait_for(asyncio.gather(*flooding), BOUND_S)
     return sorted(probes)
