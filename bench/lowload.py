@@ -127,23 +127,25 @@ async def chat_round(
     figures = []
     parts = urlsplit(url)
     raw = RawStreamClient(parts.hostname or "127.0.0.1", parts.port or 80, {"Authorization": f"Bearer {key}"})
-    async with httpx.AsyncClient(base_url=url, timeout=120) as web:
-        try:
-            for i, text in enumerate(prompts):
-                for _ in range(3):
-                    arrival = Arrival(i, 0.0, TENANT, model, text)
-                    if client == "raw":
-                        out = await send_raw(raw, arrival, max_tokens=MAX_TOKENS, timeout_s=120, extra=extra)
-                    else:
-                        out = await send(web, key, arrival, max_tokens=MAX_TOKENS, timeout_s=120, extra=extra)
-                    if out.status == "completed" and out.tokens == MAX_TOKENS and out.tpot_ms and out.ttft_ms:
-                        figures.append((out.ttft_ms, out.tpot_ms))
-                        break
-                    failures.append(f"{out.status}:{out.code}:{out.tokens}")
+    web = httpx.AsyncClient(base_url=url, timeout=120) if client == "httpx" else None
+    try:
+        for i, text in enumerate(prompts):
+            for _ in range(3):
+                arrival = Arrival(i, 0.0, TENANT, model, text)
+                if web is None:
+                    out = await send_raw(raw, arrival, max_tokens=MAX_TOKENS, timeout_s=120, extra=extra)
                 else:
-                    raise RuntimeError(f"{name}: request {i} failed three times: {failures[-3:]}")
-        finally:
-            await raw.close()
+                    out = await send(web, key, arrival, max_tokens=MAX_TOKENS, timeout_s=120, extra=extra)
+                if out.status == "completed" and out.tokens == MAX_TOKENS and out.tpot_ms and out.ttft_ms:
+                    figures.append((out.ttft_ms, out.tpot_ms))
+                    break
+                failures.append(f"{out.status}:{out.code}:{out.tokens}")
+            else:
+                raise RuntimeError(f"{name}: request {i} failed three times: {failures[-3:]}")
+    finally:
+        await raw.close()
+        if web is not None:
+            await web.aclose()
     return figures
 
 

@@ -163,7 +163,8 @@ async def test_a_quiet_scheduler_reads_the_floor_rarely_and_hands_off_within_a_p
         before = await _hand_offs(redis)
         await asyncio.sleep(1.0)  # 50 periods, quiet: one hand-off in QUIET_PERIODS
         quiet = await _hand_offs(redis) - before
-        assert 1 <= quiet <= 50 / QUIET_PERIODS + 2, quiet
+        assert quiet >= 1  # the floor is still read
+        assert quiet <= 50 / QUIET_PERIODS + 2, f"{quiet} hand-offs in 50 quiet periods: one a period"
         world.core.queue.charge("t", 10, 10)
         busy_from = await _hand_offs(redis)
         await asyncio.sleep(5 * counters.period_s)
