@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 
 from shared import subjects
 from shared.bus import encode
+from shared.event_loop import keep_cancel
 from shared.schemas import AuditEnvelope, AuditEvent
 
 ATTEMPTS = 6  # with the publish timeout and the pauses between, about a minute of NATS outage
@@ -26,6 +27,7 @@ async def publish_audit(js: JetStreamContext, event: AuditEvent, msg_id: str, at
             await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
             return True
         except Exception as e:  # e.g. no ack while NATS restarts
+            keep_cancel(e)
             log.warning(
                 "audit_publish_failed", request_id=getattr(event, "request_id", None), error=str(e), attempt=attempt
             )

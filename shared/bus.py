@@ -185,6 +185,9 @@ async def connect(
         log.info("nats_reconnected", client=name)
         reconnect_signals.fire(signals)
 
+    async def on_closed() -> None:  # a watcher waiting for a reconnect learns that none will come
+        reconnect_signals.fire(signals)
+
     nc = await nats.connect(
         servers=[u.strip() for u in url.split(",")],
         name=name,
@@ -195,6 +198,7 @@ async def connect(
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        closed_cb=on_closed,
         user=user,
         password=password,
         inbox_prefix=inbox_prefix,

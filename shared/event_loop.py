@@ -30,3 +30,12 @@ async def cancel_all(tasks: Iterable[asyncio.Task[Any]], grace_s: float = 5.0) -
     _, late = await asyncio.wait(pending, timeout=grace_s)
     for task in late:
         structlog.get_logger("shutdown").warning("task_still_running", task=task.get_name(), grace_s=grace_s)
+
+
+def keep_cancel(cause: BaseException) -> None:
+    """Raise ``CancelledError`` if the current task is being cancelled. A retry loop that catches
+    ``Exception`` calls this first: cleanup run while a cancel unwinds (an unsubscribe on a connection
+    that has closed) can raise in the cancel's place, and a loop that retried it would never end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from cause

@@ -8,6 +8,7 @@ from nats.aio.client import Client as NATS
 
 from shared import subjects
 from shared.bus import encode
+from shared.event_loop import keep_cancel
 from shared.schemas import ServiceHeartbeat, WorkerPhase
 
 log = structlog.get_logger("heartbeat")
@@ -41,5 +42,6 @@ async def publish_heartbeats(
                 )
                 await nc.publish(subject, encode(beat))
             except Exception as e:  # liveness must never take the service down
+                keep_cancel(e)
                 log.warning("heartbeat_failed", error=str(e))
         await asyncio.sleep(interval_s)

@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from shared import metrics
+from shared.event_loop import keep_cancel
 from shared.reconnects import reconnects
 from shared.undecodable import skip
 
@@ -139,6 +140,8 @@ async def _watch(
             else:
                 left = max(0.0, next_check - loop.time())
                 done, _ = await asyncio.wait({pending, woken}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if nc.is_closed:
+                return
             if nc.stats["reconnects"] != reconnects_seen or woken in done:
                 raise StaleWatch(f"reconnected under the watch of {name}")
             if pending in done:
@@ -162,7 +165,18 @@ async def _watch(
         for task in (pending, woken):
             if task is not None:
                 task.cancel()
+        await _stop(nc, watcher, name)
+
+
+async def _stop(nc: NATS, watcher: KeyValue.KeyWatcher, name: str) -> None:
+    """Unsubscribe the watch; a failure is logged, never raised, so that it cannot take the place of
+    the exception (or the cancel) that is ending the watch. A closed client's subscriptions are gone."""
+    if nc.is_closed:
+        return
+    try:
         await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves KeyWatcher unannotated
+    except Exception as e:
+        log.info("kv_watch_stop_failed", bucket=name, error=f"{type(e).__name__}: {e}")
 
 
 async def follow_bucket(
@@ -170,16 +184,21 @@ async def follow_bucket(
 ) -> None:
     """Apply every entry of the bucket, call ``loaded`` once the initial values are in, then apply
     every later change; runs until cancelled. A failed or stalled watch starts over from the
-    first entry, so ``apply`` must be idempotent."""
-    while True:
+    first entry, so ``apply`` must be idempotent. It returns once ``nc`` is closed (a closed client
+    never reconnects)."""
+    while not nc.is_closed:
         try:
             await _consume(nc, await _bucket(nc.jetstream(), name), name, apply, loaded, check_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:
+            keep_cancel(e)
+            if nc.is_closed:
+                break
             metrics.KV_WATCH_RESTARTS.labels(name).inc()
             log.warning("kv_watch_restarted", bucket=name, error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(RETRY_S)
+    log.info("kv_mirror_stopped", bucket=name, reason="its NATS client is closed")
 
 
 async def _delivered_all(watcher: KeyValue.KeyWatcher, seen: int) -> bool:

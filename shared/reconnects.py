@@ -12,7 +12,7 @@ _SIGNALS: "weakref.WeakKeyDictionary[NATS, set[asyncio.Event]]" = weakref.WeakKe
 
 
 def record(nc: NATS, signals: set[asyncio.Event]) -> None:
-    """``signals``: the events ``nc``'s reconnect callback sets (``fire``)."""
+    """``signals``: the events ``nc``'s reconnect and close callbacks set (``fire``)."""
     _SIGNALS[nc] = signals
 
 
@@ -23,7 +23,8 @@ def fire(signals: set[asyncio.Event]) -> None:
 
 @contextlib.contextmanager
 def reconnects(nc: NATS) -> Iterator[asyncio.Event | None]:
-    """An event set at each reconnect of ``nc``, for as long as the block runs; None for a client
+    """An event set at each reconnect of ``nc`` and when it closes, for as long as the block runs
+    (the waiter tells the two apart by ``nc.is_closed``); None for a client
     ``shared.bus.connect`` did not make."""
     signals = _SIGNALS.get(nc)
     if signals is None:

@@ -22,6 +22,7 @@ from services.registry.settings import RegistrySettings
 from shared import subjects
 from shared.bus import FOLLOW_HEARTBEAT_S, decode
 from shared.errors import LorafleetError
+from shared.event_loop import keep_cancel
 from shared.schemas import AuditEnvelope, CompletionAudit, FeedbackAudit
 from shared.undecodable import skip
 
@@ -92,6 +93,7 @@ async def drive_releases(controller: ReleaseController, tick_s: float) -> None:
     while True:
         try:
             await controller.tick()
-        except Exception:  # a KV or bus outage must not end the loop that rolls bad versions back
+        except Exception as e:  # a KV or bus outage must not end the loop that rolls bad versions back
+            keep_cancel(e)
             log.exception("release_tick_failed")
         await asyncio.sleep(tick_s)

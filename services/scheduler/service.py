@@ -175,6 +175,7 @@ class Scheduler:
         except (NatsTimeout, TimeoutError):
             return []
         except Exception as e:
+            event_loop.keep_cancel(e)
             log.warning("fetch_failed", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(0.5)
             return []

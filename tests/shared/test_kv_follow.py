@@ -226,3 +226,40 @@ async def test_the_reconnect_signal_is_for_clients_connect_made(nats_url):
     finally:
         await mine.close()
         await other.close()
+
+
+@pytest.mark.parametrize("own_client", [True, False], ids=["connect", "plain"])
+async def test_a_mirror_on_a_closed_client_stops_and_its_cancel_is_not_swallowed(nats_url, own_client):
+    # seen in CI: the client closed under a watch, the watch's cleanup raised ConnectionClosedError in
+    # place of the cancel, and the mirror retried on the dead client until the test runner timed out
+    nc = await connect(nats_url, "kv-follow-closed") if own_client else await nats.connect(nats_url)
+    js = nc.jetstream()
+    name = f"closed_{uuid.uuid4().hex[:8]}"
+    kv = await js.create_key_value(config=KeyValueConfig(bucket=name))
+    await kv.put("k", b"v")
+    mirror: dict[str, bytes | None] = {}
+    loaded = asyncio.Event()
+    follow = asyncio.create_task(follow_bucket(nc, name, lambda k, v, r: mirror.__setitem__(k, v), loaded.set))
+    await asyncio.wait_for(loaded.wait(), 5)
+    await nc.close()
+    # a closed client never reconnects: the mirror ends by itself rather than retrying forever
+    await asyncio.wait_for(asyncio.shield(follow), 5)
+    assert follow.done() and not follow.cancelled() and follow.exception() is None
+    assert mirror == {"k": b"v"}
+
+
+async def test_cancelling_a_mirror_whose_client_has_closed_cancels_it(nats_url, monkeypatch):
+    nc = await connect(nats_url, "kv-follow-cancel")
+    js = nc.jetstream()
+    name = f"cancel_{uuid.uuid4().hex[:8]}"
+    await js.create_key_value(config=KeyValueConfig(bucket=name))
+    loaded = asyncio.Event()
+    follow = asyncio.create_task(follow_bucket(nc, name, lambda k, v, r: None, loaded.set))
+    await asyncio.wait_for(loaded.wait(), 5)
+    # the cancel lands while the watch's cleanup talks to a client that is already closed
+    monkeypatch.setattr(nc, "_status", nats.aio.client.Client.CLOSED)
+    follow.cancel()
+    await asyncio.wait_for(asyncio.gather(follow, return_exceptions=True), 5)
+    assert follow.cancelled()
+    monkeypatch.undo()
+    await nc.close()
