@@ -82,6 +82,7 @@ async def _violations(records: Records, event, stop: asyncio.Event) -> list:
         try:
             return check_completion(event, await records.get(event.adapter_id, event.adapter_version))
         except (ServiceUnavailable, UpstreamTimeout) as e:
+            event_loop.keep_cancel(e)
             log.warning("crosscheck_waiting_for_records", error=e.message)
             if stop.is_set():
                 raise

@@ -222,7 +222,8 @@ class Worker:
                 # redis-py types zrange for every option at once; withscores and decoded responses
                 # give (member, score) pairs
                 self.served.cache.update_heat(dict(cast(list[tuple[str, float]], scores)))
-            except (RedisError, OSError):
+            except (RedisError, OSError) as e:
+                event_loop.keep_cancel(e)
                 metrics.REDIS_FALLBACKS.labels("heat_read").inc()
             await asyncio.sleep(self.settings.heat_refresh_s)
 
