@@ -235,7 +235,7 @@ def run_dtype(
     try:
         systems.append(start_served("stack", dtype, None, extra_env))
         if baseline is not None:
-            systems.append(start_served("baseline", dtype, baseline, {}))
+            systems.append(start_served("baseline", dtype, baseline, extra_env))
         for name, env in variants.items():
             systems.append(start_served(name, dtype, None, env))
         alone = EngineAlone(dtype)
@@ -333,7 +333,9 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     parser.add_argument("--requests", type=int, default=3, help="sequential requests per system per round")
-    parser.add_argument("--baseline", type=Path, help="a checkout whose services run as a second, paired stack")
+    parser.add_argument(
+        "--baseline", type=Path, help="a checkout whose services run as a second, paired stack (same --env)"
+    )
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="for the stack's services")
     parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME:K=V,K=V", help="another stack with these settings"
