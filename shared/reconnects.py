@@ -1,5 +1,5 @@
-"""Reconnect events of the NATS clients ``shared.bus.connect`` makes: a watcher waits on one rather
-than polling the client's counters (``shared.kv_follow``)."""
+"""Reconnect (and close) events of the NATS clients ``shared.bus.connect`` makes: a watcher waits on
+one rather than polling the client's counters, and learns of a close at once (``shared.kv_follow``)."""
 
 import asyncio
 import contextlib
