@@ -25,7 +25,7 @@ import numpy as np
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
 from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES, parse_eval_set
 from shared.fingerprint import BaseModelSpec
-from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, resolve
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, entry_matches, module_name, resolve
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -46,7 +46,7 @@ MAX_CONFIG_BYTES = 64 * 1024
 AdapterBytes = bytes | mmap.mmap  # a file's contents, or a read-only map of a file too large to copy
 
 _TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.\d+\.")
-_MODULE_NAME = re.compile(r"\.(\w+)\.lora_[AB]\.weight$")  # the module a per-module tensor's target_modules entry names
+_MODULE_PATH = re.compile(r"^(.*)\.lora_[AB]\.weight$")  # the module a per-module tensor's target_modules entry names
 _NEUTRAL_KEYS = frozenset({
     "peft_type", "peft_version", "r", "lora_alpha", "use_rslora", "target_modules", "base_model_name_or_path",
     "revision", "task_type", "inference_mode", "init_lora_weights", "lora_dropout", "bias", "auto_mapping",
@@ -59,6 +59,20 @@ _REFUSED = {
     "alpha_pattern": "alpha_pattern is refused: every module must use the adapter's single lora_alpha",
     "auto_map": "auto_map references remote code and is refused",
 }
+
+
+# PEFT 0.22 on a transformers-v5 MoE model reads a bare gate_proj/up_proj/down_proj as the routed experts'
+# fused tensors too, and writes twice the rank for gate_up_proj as a rank_pattern / alpha_pattern entry
+_FUSED_PATTERN_HINT = (
+    " (PEFT >= 0.22 wrote it for bare MLP names on a mixture-of-experts model, which it also applies to the routed"
+    " experts' fused gate_up_proj at twice the rank: name the plain MLPs by path, e.g. mlp.gate_proj and"
+    " shared_expert.gate_proj, and the experts with target_parameters, at one rank)"
+)
+
+
+def _fused_pattern(config: dict[str, Any]) -> bool:
+    patterns = [config.get("rank_pattern"), config.get("alpha_pattern")]
+    return any(isinstance(p, dict) and any(str(k).endswith("gate_up_proj") for k in p) for p in patterns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +160,7 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
         raise InvalidRequest(f"{CONFIG_FILE} must be a JSON object")
     for key, reason in _REFUSED.items():
         if config.get(key):
-            raise InvalidRequest(f"{CONFIG_FILE}: {reason}")
+            raise InvalidRequest(f"{CONFIG_FILE}: {reason}{_FUSED_PATTERN_HINT if _fused_pattern(config) else ''}")
     mapping = config.get("auto_mapping")
     if mapping and not (
         isinstance(mapping, dict) and str(mapping.get("parent_library", "")).startswith("transformers.models.")
@@ -175,7 +189,7 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
         modules or parameters
     ):
         raise InvalidRequest(f"{CONFIG_FILE}: target_modules (or target_parameters) must be a non-empty list of names")
-    unknown = sorted(set(modules) - ALLOWED_MODULES)
+    unknown = sorted(m for m in modules if module_name(m) not in ALLOWED_MODULES)
     if unknown:
         raise InvalidRequest(f"{CONFIG_FILE}: target_modules {unknown} are refused; allowed: {sorted(ALLOWED_MODULES)}")
     unserved = sorted(p for p in parameters if not p.endswith(EXPERT_PARAMETERS))
@@ -204,12 +218,12 @@ def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: s
         raise type(err)(f"{WEIGHTS_FILE}: {err.message}", param=err.param) from None
     seen: set[str] = set()
     for name, target in targets.items():
-        module = _MODULE_NAME.search(name)
-        if module is not None and not target.fused:
-            if module[1] not in modules:
+        path = _MODULE_PATH.match(name)
+        if path is not None and not target.fused:
+            if not any(entry_matches(entry, path[1]) for entry in modules):
                 raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} targets a module outside target_modules")
-            seen.add(module[1])
-    missing = sorted(modules - seen)
+            seen.add(module_name(path[1]))
+    missing = sorted({module_name(m) for m in modules} - seen)
     if missing:
         raise IntegrityError(f"{WEIGHTS_FILE}: no tensors for target_modules {missing}")
     _check_data(raw, header, data_start=8 + struct.unpack("<Q", raw[:8])[0])

@@ -31,6 +31,19 @@ EXPERT_MODULES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")  # target_parameters served, as name suffixes
 
+
+def module_name(entry: str) -> str:
+    """The module a target_modules entry names. PEFT matches a list entry against a module's path by
+    suffix (``mlp.gate_proj`` names each ``....mlp.gate_proj``; PEFT 0.22 needs such names to target a
+    transformers-v5 MoE model's plain MLPs alone), so the served module is the entry's last component."""
+    return entry.rsplit(".", 1)[-1]
+
+
+def entry_matches(entry: str, module_path: str) -> bool:
+    """PEFT's list match: the module's path is the entry or ends with ``.entry``."""
+    return module_path == entry or module_path.endswith(f".{entry}")
+
+
 _LAYER = r"^(?:base_model\.model\.)?model\.layers\.(\d+)\."
 _DENSE = re.compile(_LAYER + r"(self_attn|mlp|mlp\.shared_expert)\.([a-z]+_proj)\.lora_([AB])\.weight$")
 _PER_EXPERT = re.compile(

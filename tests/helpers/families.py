@@ -45,6 +45,10 @@ TINY: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 128,
 }
+# Qwen2-MoE's plain-MLP gate_proj Linears (a dense first layer's, the shared expert's), named by path. Since PEFT
+# 0.22 a bare "gate_proj" on a transformers-v5 MoE model also targets the routed experts' fused gate_up_proj
+# tensor (and is refused without "up_proj"); a path-qualified name matches the same Linears on every PEFT version.
+QWEN2_MOE_DENSE_GATE = ["mlp.gate_proj", "shared_expert.gate_proj"]
 PROMPTS = [
     [5, 17, 42, 99, 3, 8, 250, 11, 7],
     [200, 2, 9],

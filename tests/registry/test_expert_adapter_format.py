@@ -15,9 +15,9 @@ from transformers import PreTrainedModel
 from services.registry.fleet_ranks import RankClasses
 from services.registry.push_admission import _slot_bytes
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
-from shared.errors import IntegrityError, UnservedTarget
+from shared.errors import IntegrityError, InvalidRequest, UnservedTarget
 from shared.fingerprint import BaseModelSpec
-from tests.helpers.families import MOE_FAMILIES
+from tests.helpers.families import MOE_FAMILIES, QWEN2_MOE_DENSE_GATE
 
 LIMITS = AdapterLimits(max_rank=16, max_weights_bytes=4_000_000)
 QWEN2 = "qwen2-moe-shared-expert-dense-first"
@@ -43,7 +43,8 @@ def _files(tensors: dict[str, list[int]], modules: list[str], parameters: list[s
 def test_target_parameters_and_shared_expert_adapter_is_admitted_with_expert_bytes(tmp_path: Path) -> None:
     model = MOE_FAMILIES[QWEN2]()
     spec = _spec(model)
-    files = _peft_files(model, tmp_path, ["q_proj", "gate_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    modules = ["q_proj", *QWEN2_MOE_DENSE_GATE]
+    files = _peft_files(model, tmp_path, modules, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     summary = validate_adapter(files, spec, LIMITS)
     assert summary.target_modules == (
         "experts.down_proj",
@@ -105,3 +106,31 @@ def test_target_parameters_outside_the_experts_are_refused() -> None:
     files[CONFIG_FILE] = json.dumps(config).encode()
     with pytest.raises(Exception, match="target_parameters"):
         validate_adapter(files, _spec(MOE_FAMILIES[QWEN2]()), LIMITS)
+
+
+SHARED_GATE = {
+    "1.mlp.shared_expert.gate_proj.lora_A.weight": [4, 64],
+    "1.mlp.shared_expert.gate_proj.lora_B.weight": [56, 4],
+}
+
+
+def test_a_path_qualified_target_entry_matches_module_paths_by_suffix_as_peft_does() -> None:
+    spec = _spec(MOE_FAMILIES[QWEN2]())
+    assert validate_adapter(_files(SHARED_GATE, ["shared_expert.gate_proj"]), spec, LIMITS).target_modules == (
+        "gate_proj",
+    )
+    with pytest.raises(IntegrityError, match="outside target_modules"):  # layer 1's shared expert is not mlp.gate_proj
+        validate_adapter(_files(SHARED_GATE, ["mlp.gate_proj"]), spec, LIMITS)
+    with pytest.raises(InvalidRequest, match="are refused"):
+        validate_adapter(_files(SHARED_GATE, ["shared_expert.gate"]), spec, LIMITS)
+
+
+def test_peft_s_bare_mlp_names_on_an_moe_model_are_refused_with_the_way_to_name_them(tmp_path: Path) -> None:
+    """PEFT >= 0.22 also puts bare MLP names on the routed experts' fused tensors, at twice the rank for
+    gate_up_proj (a rank_pattern): one adapter of two ranks, which the slots cannot hold, so it is refused."""
+    model = MOE_FAMILIES[QWEN2]()
+    files = _peft_files(model, tmp_path, ["gate_proj", "up_proj", "down_proj"], [])
+    assert "gate_up_proj" in str(json.loads(files[CONFIG_FILE])["rank_pattern"])
+    with pytest.raises(InvalidRequest, match="rank_pattern is refused") as info:
+        validate_adapter(files, _spec(model), LIMITS)
+    assert "mlp.gate_proj" in info.value.message and "target_parameters" in info.value.message

@@ -11,6 +11,7 @@ import torch
 
 from services.worker.lora.layout import ModelShapes
 from shared.errors import IntegrityError
+from shared.lora_targets import module_name
 
 FUSED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -24,8 +25,8 @@ def split_fused(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The adapter's config and tensors with every fused module replaced by its parts; unchanged if none."""
     targets = config.get("target_modules")
-    if isinstance(targets, list) and any(t in FUSED for t in targets):
-        split = [part for t in targets for part in FUSED.get(t, (t,))]
+    if isinstance(targets, list) and any(module_name(t) in FUSED for t in targets):
+        split = [part for t in targets for part in _split_entry(t)]
         config = {**config, "target_modules": split}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -47,3 +48,11 @@ def split_fused(
         for part, rows in zip(parts, torch.split(tensor, widths), strict=True):
             out[f"{prefix}{part}{suffix}"] = rows
     return config, out
+
+
+def _split_entry(entry: str) -> tuple[str, ...]:
+    """A target_modules entry naming a fused module as its parts, its path kept (``self_attn.qkv_proj`` ->
+    ``self_attn.q_proj``, ...); any other entry unchanged."""
+    leaf = module_name(entry)
+    prefix = entry[: len(entry) - len(leaf)]
+    return tuple(prefix + part for part in FUSED[leaf]) if leaf in FUSED else (entry,)

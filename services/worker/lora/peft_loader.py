@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from services.worker.lora.fused import split_fused
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from shared.errors import IntegrityError, UnservedTarget
-from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, resolve
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, module_name, resolve
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -149,13 +149,15 @@ def to_slot_layout(
 
 def _check_targets(config: dict[str, Any], allowed_modules: tuple[str, ...]) -> None:
     """The config's target_modules name served modules (a per-expert name such as Mixtral's ``w1``: its
-    expert module), and its target_parameters the routed experts' fused tensors."""
+    expert module; a path-qualified entry: its last component), and its target_parameters the routed
+    experts' fused tensors."""
     targets = config.get("target_modules")
     if isinstance(targets, list):
+        leaves = {t: module_name(t) for t in targets}
         unknown = sorted(
             t
-            for t in targets
-            if t not in allowed_modules and f"experts.{MIXTRAL_NAMES.get(t, t)}" not in allowed_modules
+            for t, m in leaves.items()
+            if m not in allowed_modules and f"experts.{MIXTRAL_NAMES.get(m, m)}" not in allowed_modules
         )
         if unknown:
             raise IntegrityError(f"target modules {unknown} are not served {list(allowed_modules)}", param=unknown[0])

@@ -23,7 +23,7 @@ from services.worker.engine.model_loader import LoadedModel, load_model
 from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShapes
 from shared.schemas import SamplingParams
 from tests.helpers.adapters import assert_greedy_matches_peft
-from tests.helpers.families import PREQUANT_MOE_FAMILIES, PROMPTS, save_family
+from tests.helpers.families import PREQUANT_MOE_FAMILIES, PROMPTS, QWEN2_MOE_DENSE_GATE, save_family
 from tests.helpers.prequant import prompt_logits, with_weights
 
 Writer = Callable[[PreTrainedModel, Path], dict[str, torch.Tensor]]
@@ -112,7 +112,10 @@ def _expert_adapters(reference: PreTrainedModel, root: Path) -> PeftModel:
     peft: PeftModel | None = None
     shared = reference.config.model_type == "qwen2_moe"
     for seed, (name, rank, modules) in enumerate(
-        [("experts-r8", 8, ["q_proj", "v_proj"]), ("experts-r16", 16, ["o_proj", "gate_proj" if shared else "k_proj"])]
+        [
+            ("experts-r8", 8, ["q_proj", "v_proj"]),
+            ("experts-r16", 16, ["o_proj", *(QWEN2_MOE_DENSE_GATE if shared else ["k_proj"])]),
+        ]
     ):
         torch.manual_seed(seed + 1)
         config = PeftLoraConfig(

@@ -29,7 +29,7 @@ from services.worker.lora import MODULES, AdapterManager, LoraConfig, ModelShape
 from services.worker.lora.peft_loader import to_slot_layout
 from shared.errors import IntegrityError, UnservedTarget
 from shared.schemas import SamplingParams
-from tests.helpers.families import MOE_FAMILIES, PROMPTS, word_tokenizer
+from tests.helpers.families import MOE_FAMILIES, PROMPTS, QWEN2_MOE_DENSE_GATE, word_tokenizer
 
 BLOCK = 4
 NEW_TOKENS = 6
@@ -40,9 +40,13 @@ FAMILIES = [
     "olmoe-wide-qk-norm",
 ]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# name -> (rank, alpha, target_modules); both also target the experts' fused tensors; "gate_proj":
-# Qwen2-MoE's shared expert (families without one take k_proj: PEFT maps a lone gate_proj onto gate_up_proj)
-PARAM_ADAPTERS = {"experts-r8": (8, 32, ["q_proj", "v_proj"]), "experts-r16": (16, 24, ["o_proj", "gate_proj"])}
+# name -> (rank, alpha, target_modules); both also target the experts' fused tensors; the second also Qwen2-MoE's
+# shared expert and dense first layer gate_proj (families without them take k_proj: PEFT maps a lone gate_proj
+# onto gate_up_proj)
+PARAM_ADAPTERS = {
+    "experts-r8": (8, 32, ["q_proj", "v_proj"]),
+    "experts-r16": (16, 24, ["o_proj", *QWEN2_MOE_DENSE_GATE]),
+}
 
 
 def _manager(model: PreTrainedModel) -> AdapterManager:
@@ -61,7 +65,9 @@ def _peft_experts(model: PreTrainedModel, root: Path) -> PeftModel:
     for seed, (name, (rank, alpha, modules)) in enumerate(PARAM_ADAPTERS.items()):
         torch.manual_seed(seed + 1)
         if model.config.model_type != "qwen2_moe":
-            modules = [m.replace("gate_proj", "k_proj") for m in modules]
+            modules = [m for m in modules if m not in QWEN2_MOE_DENSE_GATE] + (
+                ["k_proj"] if set(QWEN2_MOE_DENSE_GATE) & set(modules) else []
+            )
         config = PeftLoraConfig(
             r=rank,
             lora_alpha=alpha,

@@ -24,8 +24,8 @@ NEW_TOKENS = 8
 Adapters = dict[str, tuple[int, int, tuple[str, ...]]]
 ADAPTERS: Adapters = {"attn-r8": (8, 96, ("q_proj", "k_proj", "v_proj", "o_proj")), "all-r16": (16, 192, ALL_MODULES)}
 PHI3_ADAPTERS: Adapters = {
-    "attn-r8": (8, 96, ("qkv_proj", "o_proj")),
-    "all-r16": (16, 192, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "attn-r8": (8, 96, ("self_attn.qkv_proj", "o_proj")),  # by path: PEFT matches an entry as a suffix
+    "all-r16": (16, 192, ("qkv_proj", "o_proj", "mlp.gate_up_proj", "down_proj")),
 }
 SERVED = [f for f in FAMILIES if not f.startswith("phi3")]
 MOE_ADAPTERS: Adapters = {"attn-r8": ADAPTERS["attn-r8"], "qvo-r16": (16, 24, ("q_proj", "v_proj", "o_proj"))}
@@ -123,5 +123,6 @@ def test_moe_attention_lora_greedy_matches_peft(family: str, tmp_path: Path) -> 
 
 def test_moe_models_dense_layer_mlp_lora_matches_peft(tmp_path: Path) -> None:
     """Qwen2-MoE's mlp_only_layers are a plain MLP: an adapter on layer 0's gate/up/down is served."""
-    adapters: Adapters = {"mlp-r8": (8, 96, ("gate_proj", "up_proj", "down_proj"))}
+    adapters: Adapters = {"mlp-r8": (8, 96, ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))}  # by path: PEFT 0.22
+    # reads a bare MLP name on an MoE model as the routed experts' fused tensors too
     _check_against_peft(MOE_FAMILIES["qwen2-moe-shared-expert-dense-first"](), tmp_path, adapters, layers=[0])
