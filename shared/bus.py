@@ -144,6 +144,18 @@ STREAM_NAMES: tuple[str, ...] = tuple(str(s.name) for s in streams(StreamLimits(
 # JSInsufficientResourcesErr, JSStreamMessageExceedsMaximumErr), and to one while the stream's
 # leader has too many publishes pending (JSStreamTooManyRequests: a flood, for the moment)
 _STORE_FAILED, _NO_RESOURCES, _TOO_LARGE, _TOO_MANY = 10077, 10023, 10054, 10167
+# ... and while a NATS node fails over: the JetStream system or the stream's leader is not back yet
+# (JSClusterNotAvailErr, "JetStream system temporarily unavailable"; JSClusterNotLeaderErr;
+# JSStreamOfflineErr). Each clears on its own within an election; a publish may be tried again.
+_FAILING_OVER = frozenset({10008, 10009, 10118})
+
+
+def publish_failing_over(error: APIError) -> bool:
+    """A refusal that a NATS node failing over causes and that ends on its own: any 503 but a full
+    queue's (answered at once, with Retry-After), and the cluster's not-yet-leader answers."""
+    if error.err_code in _FAILING_OVER:
+        return True
+    return error.code == 503 and error.err_code not in (_STORE_FAILED, _NO_RESOURCES, _TOO_MANY)
 
 
 def publish_refusal(error: APIError) -> LorafleetError:
@@ -158,6 +170,8 @@ def publish_refusal(error: APIError) -> LorafleetError:
         return ServiceUnavailable(f"the request queue is overloaded ({description})", retry_after_s=1.0)
     if error.err_code == _TOO_LARGE:
         return PayloadTooLarge(f"the message is larger than the stream takes ({description})")
+    if publish_failing_over(error):
+        return ServiceUnavailable(f"the request queue is failing over ({description}); retry", retry_after_s=1.0)
     return InternalError(f"the request queue refused the message ({error.err_code}: {description})")
 
 

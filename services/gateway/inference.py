@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
 
 from shared import subjects
-from shared.bus import decode, encode, publish_refusal
+from shared.bus import decode, encode, publish_failing_over, publish_refusal
 from shared.errors import (
     InternalError,
     LorafleetError,
@@ -141,8 +141,9 @@ PUBLISH_RETRY_S = 0.25
 
 async def _publish(js: JetStreamContext, request: InferRequest, preview: bool, deadline: float) -> None:
     """Store the submission on INFER. While the stream has no leader (a NATS node failing over: no
-    responder on its subject) try again until ``deadline`` (epoch seconds); the message id makes a
-    retry of a submission that was stored after all a duplicate the stream drops."""
+    responder on its subject, or JetStream's own temporarily-unavailable answers) try again until
+    ``deadline`` (epoch seconds); the message id makes a retry of a submission that was stored after
+    all a duplicate the stream drops."""
     subject = subjects.infer_submit(request.tenant_id, subjects.VIA_PREVIEW if preview else subjects.VIA_GATEWAY)
     data, headers = encode(request), inject({"Nats-Msg-Id": request.request_id})
     while True:
@@ -150,8 +151,9 @@ async def _publish(js: JetStreamContext, request: InferRequest, preview: bool, d
         try:
             await js.publish(subject, data, headers=headers, timeout=max(0.1, left))
             return
-        except NoStreamResponseError:
-            if left <= PUBLISH_RETRY_S:
+        except (NoStreamResponseError, APIError) as e:
+            failing_over = isinstance(e, NoStreamResponseError) or publish_failing_over(e)
+            if not failing_over or left <= PUBLISH_RETRY_S:
                 raise
             await asyncio.sleep(PUBLISH_RETRY_S)
 

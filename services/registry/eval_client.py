@@ -8,11 +8,11 @@ import time
 import uuid
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError
 
 from services.registry.evaluation import Ask
 from shared import subjects
-from shared.bus import decode, encode
+from shared.bus import decode, encode, publish_refusal
 from shared.errors import LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
 from shared.eval_set import EvalItem
 from shared.schemas import InferRequest, ReplyEnvelope, ReplyError, ReplyFinal, SamplingParams
@@ -62,6 +62,8 @@ def asker(nc: NATS, tenant_id: str, base_model: str, timeout_s: float) -> Ask:
                 await js.publish(subject, encode(request), headers={"Nats-Msg-Id": request_id}, timeout=timeout_s)
             except (NoStreamResponseError, TimeoutError) as e:
                 raise ServiceUnavailable(f"the request queue is not available ({type(e).__name__})") from None
+            except APIError as e:  # over the INFER stream's bounds, or failing over
+                raise publish_refusal(e) from None
             try:
                 return (await asyncio.wait_for(final, timeout_s)).text
             except TimeoutError:

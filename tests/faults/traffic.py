@@ -28,6 +28,7 @@ class Outcome:
     stream: bool
     elapsed_s: float
     code: str | None = None  # the typed error code, when refused
+    message: str = ""  # the refusal's message
     request_id: str = ""
     text: str = ""
     finishes: list[str] = field(default_factory=list)  # finish_reason of every finishing chunk
@@ -53,6 +54,7 @@ class Outcome:
         return (
             f"status={self.status} code={self.code} stream={self.stream} finishes={self.finishes} "
             f"done={self.done_markers} tokens={self.completion_tokens} {self.elapsed_s:.1f}s id={self.request_id}"
+            + (f" message={self.message!r}" if self.message else "")
         )
 
 
@@ -70,11 +72,12 @@ def _body(model: str, max_tokens: int, stream: bool) -> dict:
     return body
 
 
-def _error_code(response: httpx.Response) -> str:
+def _refused(response: httpx.Response, out: Outcome) -> None:
     try:
-        return response.json()["error"]["code"]
+        error = response.json()["error"]
+        out.code, out.message = error["code"], str(error.get("message", ""))
     except (ValueError, KeyError, TypeError):
-        return f"untyped:{response.text[:200]}"
+        out.code = f"untyped:{response.text[:200]}"
 
 
 async def _plain(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) -> None:
@@ -82,7 +85,7 @@ async def _plain(client: httpx.AsyncClient, key: str, body: dict, out: Outcome) 
     out.status = response.status_code
     out.request_id = response.headers.get("x-lorafleet-request-id", "")
     if response.status_code != 200:
-        out.code = _error_code(response)
+        _refused(response, out)
         return
     answer = response.json()
     out.text = answer["choices"][0]["message"]["content"]
@@ -99,7 +102,7 @@ async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcom
         out.request_id = response.headers.get("x-lorafleet-request-id", "")
         if response.status_code != 200:
             await response.aread()
-            out.code = _error_code(response)
+            _refused(response, out)
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -109,7 +112,7 @@ async def _streamed(client: httpx.AsyncClient, key: str, body: dict, out: Outcom
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                out.code = chunk["error"]["code"]
+                out.code, out.message = chunk["error"]["code"], str(chunk["error"].get("message", ""))
                 continue
             if chunk.get("usage"):
                 out.completion_tokens = chunk["usage"]["completion_tokens"]
