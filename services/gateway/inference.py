@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
 
 from shared import subjects
-from shared.bus import decode, encode, publish_failing_over, publish_refusal
+from shared.bus import decode, encode
 from shared.errors import (
     InternalError,
     LorafleetError,
@@ -22,6 +22,7 @@ from shared.errors import (
     UpstreamTimeout,
     from_body,
 )
+from shared.publish_refusals import publish_failing_over, publish_refusal
 from shared.schemas import (
     InferRequest,
     ReplyAccepted,

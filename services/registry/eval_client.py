@@ -12,9 +12,10 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from services.registry.evaluation import Ask
 from shared import subjects
-from shared.bus import decode, encode, publish_refusal
+from shared.bus import decode, encode
 from shared.errors import LorafleetError, ServiceUnavailable, UpstreamTimeout, from_body
 from shared.eval_set import EvalItem
+from shared.publish_refusals import publish_refusal
 from shared.schemas import InferRequest, ReplyEnvelope, ReplyError, ReplyFinal, SamplingParams
 
 REQUEST_PREFIX = "platform-eval"

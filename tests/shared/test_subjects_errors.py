@@ -2,7 +2,7 @@ import pytest
 from nats.js.errors import APIError
 
 from shared import subjects
-from shared.bus import decode, publish_failing_over, publish_refusal
+from shared.bus import decode
 from shared.errors import (
     InvalidMessage,
     ModelNotFound,
@@ -12,6 +12,7 @@ from shared.errors import (
     from_body,
 )
 from shared.liveness import Liveness
+from shared.publish_refusals import publish_failing_over, publish_refusal
 from shared.schemas import ErrorBody, InferRequest, WorkerControl
 
 
