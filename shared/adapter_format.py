@@ -25,7 +25,7 @@ import numpy as np
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
 from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES, parse_eval_set
 from shared.fingerprint import BaseModelSpec
-from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, entry_matches, module_name, resolve
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, entry_matches, expert_parameter, module_name, resolve
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -192,7 +192,7 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
     unknown = sorted(m for m in modules if module_name(m) not in ALLOWED_MODULES)
     if unknown:
         raise InvalidRequest(f"{CONFIG_FILE}: target_modules {unknown} are refused; allowed: {sorted(ALLOWED_MODULES)}")
-    unserved = sorted(p for p in parameters if not p.endswith(EXPERT_PARAMETERS))
+    unserved = sorted(p for p in parameters if not expert_parameter(p))
     if unserved:
         raise InvalidRequest(
             f"{CONFIG_FILE}: target_parameters {unserved} are refused; served: the routed experts' "

@@ -39,6 +39,20 @@ def module_name(entry: str) -> str:
     return entry.rsplit(".", 1)[-1]
 
 
+def expert_parameter(entry: str) -> bool:
+    """A target_parameters entry that PEFT matches (by path suffix) to the routed experts' fused tensors
+    alone: a dot-suffix of ``model.layers.N.mlp.experts.gate_up_proj`` or ``...down_proj``. PEFT 0.22
+    writes the bare name (``down_proj``) when it turns a target_modules entry (Mixtral's ``w2``) into one."""
+    *prefix, leaf = entry.split(".")
+    if f"experts.{leaf}" not in EXPERT_PARAMETERS or len(prefix) > len(_EXPERTS_PATH):
+        return False
+    path = _EXPERTS_PATH[len(_EXPERTS_PATH) - len(prefix) :]
+    return all(p == q or (q == "N" and p.isdigit()) for p, q in zip(prefix, path, strict=True))
+
+
+_EXPERTS_PATH = ("model", "layers", "N", "mlp", "experts")
+
+
 def entry_matches(entry: str, module_path: str) -> bool:
     """PEFT's list match: the module's path is the entry or ends with ``.entry``."""
     return module_path == entry or module_path.endswith(f".{entry}")

@@ -134,3 +134,15 @@ def test_peft_s_bare_mlp_names_on_an_moe_model_are_refused_with_the_way_to_name_
     with pytest.raises(InvalidRequest, match="rank_pattern is refused") as info:
         validate_adapter(files, _spec(model), LIMITS)
     assert "mlp.gate_proj" in info.value.message and "target_parameters" in info.value.message
+
+
+def test_a_bare_target_parameters_name_peft_wrote_is_admitted_and_a_non_expert_one_refused(tmp_path: Path) -> None:
+    """PEFT >= 0.22 turns Mixtral's target_modules "w2" into target_parameters ["down_proj"]: the experts'."""
+    model = MOE_FAMILIES["mixtral-window-8"]()
+    files = _peft_files(model, tmp_path, ["q_proj", "w2"], [])
+    assert json.loads(files[CONFIG_FILE])["target_parameters"] == ["down_proj"]
+    assert validate_adapter(files, _spec(model), LIMITS).target_modules == ("experts.down_proj", "q_proj")
+    config = json.loads(files[CONFIG_FILE]) | {"target_parameters": ["mlp.down_proj"]}  # a dense name: no expert
+    files[CONFIG_FILE] = json.dumps(config).encode()
+    with pytest.raises(InvalidRequest, match="target_parameters"):
+        validate_adapter(files, _spec(model), LIMITS)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from services.worker.lora.fused import split_fused
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from shared.errors import IntegrityError, UnservedTarget
-from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, module_name, resolve
+from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, expert_parameter, module_name, resolve
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -162,7 +162,7 @@ def _check_targets(config: dict[str, Any], allowed_modules: tuple[str, ...]) -> 
         if unknown:
             raise IntegrityError(f"target modules {unknown} are not served {list(allowed_modules)}", param=unknown[0])
     parameters = config.get("target_parameters") or []
-    unserved = [p for p in parameters if not (isinstance(p, str) and p.endswith(EXPERT_PARAMETERS))]
+    unserved = [p for p in parameters if not (isinstance(p, str) and expert_parameter(p))]
     if unserved:
         raise UnservedTarget(
             f"target_parameters {unserved} are not served: {list(EXPERT_PARAMETERS)} only", param=str(unserved[0])

@@ -336,3 +336,29 @@ def test_a_prefills_pairs_gathered_in_chunks_give_the_same_logits(
     for name in PARAM_ADAPTERS:
         manager.load_adapter(name, tmp_path / name)
     _steps(model, manager, _cases(list(PARAM_ADAPTERS)), _peft_reference(peft))
+
+
+# PEFT >= 0.22 turns a target_modules name of the routed experts into a bare target_parameters entry:
+# Mixtral's "w2" becomes ["down_proj"]; Qwen2-MoE's "down_proj" stays for the shared expert and dense layer
+# and also becomes ["down_proj"] for the experts (one rank: down_proj is not a fused pair)
+CONVERTED = {"mixtral-window-8": ["q_proj", "w2"], "qwen2-moe-shared-expert-dense-first": ["q_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("family", list(CONVERTED))
+def test_an_adapter_whose_expert_names_peft_converted_is_served_as_peft_serves_it(family: str, tmp_path: Path) -> None:
+    model = MOE_FAMILIES[family]()
+    torch.manual_seed(5)
+    config = PeftLoraConfig(r=8, lora_alpha=32, target_modules=CONVERTED[family], init_lora_weights=False)
+    peft = get_peft_model(copy.deepcopy(model), config, adapter_name="converted")
+    with torch.no_grad():
+        for param_name, param in peft.named_parameters():
+            if "lora_B" in param_name:
+                param.mul_(4.0)
+    peft.eval()
+    peft.save_pretrained(str(tmp_path))
+    written = json.loads((tmp_path / "converted" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["down_proj"], written  # what this test is about: the bare name
+    manager = _manager(model)
+    manager.load_adapter("converted", tmp_path / "converted")
+    reference = _peft_reference(peft)
+    _steps(model, manager, [(PROMPTS[0], "converted"), (PROMPTS[1], None)], reference)
