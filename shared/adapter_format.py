@@ -5,8 +5,8 @@ adapter, kept by the registry for its release gate, never served.
 
 Only ``adapter_model.safetensors`` + ``adapter_config.json`` are admitted: no pickle, no
 remote code, no feature the serving engine does not implement (DoRA, modules_to_save,
-per-module ranks), tensors exactly shaped for the base model (its routed experts included:
-shared.lora_targets), all values finite.
+per-module ranks that change a module's scale: shared.lora_ranks), tensors exactly shaped for the
+base model (its routed experts included: shared.lora_targets), all values finite.
 """
 
 import hashlib
@@ -25,6 +25,7 @@ import numpy as np
 from shared.errors import IntegrityError, InvalidRequest, PayloadTooLarge
 from shared.eval_set import EVAL_SET_FILE, MAX_EVAL_SET_BYTES, parse_eval_set
 from shared.fingerprint import BaseModelSpec
+from shared.lora_ranks import RankPlan
 from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, entry_matches, expert_parameter, module_name, resolve
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,29 +51,13 @@ _MODULE_PATH = re.compile(r"^(.*)\.lora_[AB]\.weight$")  # the module a per-modu
 _NEUTRAL_KEYS = frozenset({
     "peft_type", "peft_version", "r", "lora_alpha", "use_rslora", "target_modules", "base_model_name_or_path",
     "revision", "task_type", "inference_mode", "init_lora_weights", "lora_dropout", "bias", "auto_mapping",
-    "megatron_core", "qalora_group_size", "target_parameters",
+    "megatron_core", "qalora_group_size", "target_parameters", "rank_pattern", "alpha_pattern",
 })  # fmt: skip
 _REFUSED = {
     "use_dora": "DoRA adapters (use_dora) are not supported by the serving engine",
     "modules_to_save": "modules_to_save is refused: an adapter may only carry LoRA A/B matrices",
-    "rank_pattern": "rank_pattern is refused: every module must use the adapter's single rank r",
-    "alpha_pattern": "alpha_pattern is refused: every module must use the adapter's single lora_alpha",
     "auto_map": "auto_map references remote code and is refused",
 }
-
-
-# PEFT 0.22 on a transformers-v5 MoE model reads a bare gate_proj/up_proj/down_proj as the routed experts'
-# fused tensors too, and writes twice the rank for gate_up_proj as a rank_pattern / alpha_pattern entry
-_FUSED_PATTERN_HINT = (
-    " (PEFT >= 0.22 wrote it for bare MLP names on a mixture-of-experts model, which it also applies to the routed"
-    " experts' fused gate_up_proj at twice the rank: name the plain MLPs by path, e.g. mlp.gate_proj and"
-    " shared_expert.gate_proj, and the experts with target_parameters, at one rank)"
-)
-
-
-def _fused_pattern(config: dict[str, Any]) -> bool:
-    patterns = [config.get("rank_pattern"), config.get("alpha_pattern")]
-    return any(isinstance(p, dict) and any(str(k).endswith("gate_up_proj") for k in p) for p in patterns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +115,11 @@ def validate_adapter(files: Mapping[str, AdapterBytes], spec: BaseModelSpec, lim
         raise PayloadTooLarge(f"{WEIGHTS_FILE}: exceeds the {limits.max_weights_bytes}-byte cap")
     if EVAL_SET_FILE in files:
         parse_eval_set(bytes(files[EVAL_SET_FILE]))
-    rank, alpha, use_rslora, modules = _check_config(bytes(files[CONFIG_FILE]), limits)
-    count, slot_modules = _check_weights(files[WEIGHTS_FILE], spec, rank, modules)
-    return AdapterSummary(
-        rank=rank,
-        alpha=alpha,
+    plan, use_rslora, modules = _check_config(bytes(files[CONFIG_FILE]), limits)
+    count, slot_modules = _check_weights(files[WEIGHTS_FILE], spec, plan, modules)
+    return AdapterSummary(  # held at its largest rank (a rank_pattern's smaller modules zero-padded)
+        rank=plan.max_rank,
+        alpha=plan.scale * plan.max_rank if not use_rslora else plan.alpha,
         use_rslora=use_rslora,
         target_modules=tuple(sorted(slot_modules)),
         tensor_count=count,
@@ -151,7 +136,7 @@ def _check_name(name: str) -> None:
         )
 
 
-def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, set[str]]:
+def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[RankPlan, bool, set[str]]:
     try:
         config = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -160,7 +145,7 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
         raise InvalidRequest(f"{CONFIG_FILE} must be a JSON object")
     for key, reason in _REFUSED.items():
         if config.get(key):
-            raise InvalidRequest(f"{CONFIG_FILE}: {reason}{_FUSED_PATTERN_HINT if _fused_pattern(config) else ''}")
+            raise InvalidRequest(f"{CONFIG_FILE}: {reason}")
     mapping = config.get("auto_mapping")
     if mapping and not (
         isinstance(mapping, dict) and str(mapping.get("parent_library", "")).startswith("transformers.models.")
@@ -198,10 +183,16 @@ def _check_config(raw: bytes, limits: AdapterLimits) -> tuple[int, float, bool, 
             f"{CONFIG_FILE}: target_parameters {unserved} are refused; served: the routed experts' "
             f"{' and '.join(EXPERT_PARAMETERS)}"
         )
-    return rank, float(alpha), bool(config.get("use_rslora", False)), set(modules)
+    try:
+        plan = RankPlan.from_config(config)
+    except IntegrityError as e:
+        raise InvalidRequest(f"{CONFIG_FILE}: {e.message}", param=e.param) from None
+    if plan.max_rank > limits.max_rank:
+        raise InvalidRequest(f"{CONFIG_FILE}: rank_pattern's rank {plan.max_rank} exceeds the admitted maximum")
+    return plan, bool(config.get("use_rslora", False)), set(modules)
 
 
-def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: set[str]) -> tuple[int, set[str]]:
+def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, plan: RankPlan, modules: set[str]) -> tuple[int, set[str]]:
     """Every tensor's name, dtype and shape against the base model; the slot modules the adapter fills."""
     header = _header(raw)
     for name, entry in header.items():
@@ -213,7 +204,7 @@ def _check_weights(raw: AdapterBytes, spec: BaseModelSpec, rank: int, modules: s
         if not isinstance(shape, list) or not all(type(d) is int for d in shape):
             raise IntegrityError(f"{WEIGHTS_FILE}: tensor {name!r} has a malformed shape {shape!r}")
     try:
-        targets = resolve({name: entry["shape"] for name, entry in header.items()}, spec.layer_dims(), rank)
+        targets = resolve({name: entry["shape"] for name, entry in header.items()}, spec.layer_dims(), plan.rank_of)
     except IntegrityError as err:
         raise type(err)(f"{WEIGHTS_FILE}: {err.message}", param=err.param) from None
     seen: set[str] = set()

@@ -18,8 +18,9 @@ Anything else on a mixture-of-experts block (the router ``mlp.gate``, ``shared_e
 refused with :class:`UnservedTarget`.
 """
 
+import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.errors import IntegrityError, UnservedTarget
@@ -79,12 +80,17 @@ class Target:
     side: str
     expert: int | None = None
     fused: bool = False
+    rank: int = 0  # the tensor's own rank (an adapter with a rank_pattern has several)
 
 
-def resolve(shapes: Mapping[str, Sequence[int]], layers: Sequence[LayerDims], rank: int) -> dict[str, Target]:
-    """Tensor name -> its target, for every tensor of an adapter of rank ``rank``, each shape checked
+def resolve(
+    shapes: Mapping[str, Sequence[int]], layers: Sequence[LayerDims], rank: int | Callable[[str], int]
+) -> dict[str, Target]:
+    """Tensor name -> its target, for every tensor of an adapter of rank ``rank`` (or of the rank
+    ``rank(path)`` gives the module at PEFT's path ``model.layers.N.<module>``), each shape checked
     against the base model's ``layers`` and each A paired with its B; raises IntegrityError (or
     UnservedTarget) naming the first tensor that does not fit."""
+    rank_of = rank if callable(rank) else lambda _path: rank
     targets: dict[str, Target] = {}
     fused: dict[tuple[int, int], dict[str, tuple[str, list[int]]]] = {}  # (layer, depth) -> side -> (name, shape)
     for name, raw_shape in shapes.items():
@@ -96,12 +102,13 @@ def resolve(shapes: Mapping[str, Sequence[int]], layers: Sequence[LayerDims], ra
             continue
         target, dims = _module_target(name, layers)
         in_f, out_f = dims
-        expected = (rank, in_f) if target.side == "A" else (out_f, rank)
+        r = rank_of(_peft_path(name))
+        expected = (r, in_f) if target.side == "A" else (out_f, r)
         if tuple(shape) != expected:
-            raise IntegrityError(f"{name} has shape {tuple(shape)}, expected {expected} for r={rank}", param=name)
-        targets[name] = target
+            raise IntegrityError(f"{name} has shape {tuple(shape)}, expected {expected} for r={r}", param=name)
+        targets[name] = dataclasses.replace(target, rank=r)
     for (layer, _), sides in fused.items():
-        targets |= _fused_targets(layer, sides, layers, rank)
+        targets |= _fused_targets(layer, sides, layers, rank_of)
     _check_pairs(targets)
     return targets
 
@@ -142,8 +149,14 @@ def _module_target(name: str, layers: Sequence[LayerDims]) -> tuple[Target, tupl
     return Target(layer, (module,), match[4]), dims[1:]
 
 
+def _peft_path(name: str) -> str:
+    """The path PEFT matches a tensor's module by: ``model.layers.0.mlp.gate_proj`` of
+    ``base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight``."""
+    return name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+
+
 def _fused_targets(
-    layer: int, sides: dict[str, tuple[str, list[int]]], layers: Sequence[LayerDims], rank: int
+    layer: int, sides: dict[str, tuple[str, list[int]]], layers: Sequence[LayerDims], rank_of: Callable[[str], int]
 ) -> dict[str, Target]:
     if len(sides) != 2:
         (name, _), *_ = sides.values()
@@ -159,6 +172,8 @@ def _fused_targets(
     modules = {(hidden, 2 * inter): EXPERT_MODULES[:2], (inter, hidden): EXPERT_MODULES[2:]}.get(
         (a_shape[1], b_shape[0])
     )
+    fused_name = "gate_up_proj" if modules == EXPERT_MODULES[:2] else "down_proj"
+    rank = rank_of(f"model.layers.{layer}.mlp.experts.{fused_name}") if modules is not None else rank_of("")
     if modules is None or a_shape[0] != rank * experts or b_shape[1] != rank * experts:
         raise IntegrityError(
             f"{a_name} {a_shape} / {b_name} {b_shape} fit neither experts.gate_up_proj (A [{rank * experts}, {hidden}], "
@@ -166,7 +181,10 @@ def _fused_targets(
             f"B [{hidden}, {rank * experts}]) of layer {layer} for r={rank}",
             param=a_name,
         )
-    return {a_name: Target(layer, modules, "A", fused=True), b_name: Target(layer, modules, "B", fused=True)}
+    return {
+        a_name: Target(layer, modules, "A", fused=True, rank=rank),
+        b_name: Target(layer, modules, "B", fused=True, rank=rank),
+    }
 
 
 def _check_pairs(targets: Mapping[str, Target]) -> None:

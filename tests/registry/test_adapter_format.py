@@ -68,7 +68,7 @@ def test_unexpected_file_names_are_refused(
         ({"auto_mapping": {"base_model_class": "X", "parent_library": "evil_pkg"}}, "custom class"),
         ({"use_dora": True}, "DoRA adapters (use_dora) are not supported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save is refused"),
-        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern is refused"),
+        ({"rank_pattern": {"(q|k)_proj": 4}}, "rank_pattern key '(q|k)_proj' is not served"),
         ({"r": 32}, "rank 32 exceeds the admitted maximum 16"),
         ({"peft_type": "IA3"}, "peft_type must be LORA"),
         ({"target_modules": ["q_proj", "lm_head"]}, "target_modules ['lm_head'] are refused"),

@@ -17,6 +17,7 @@ from services.registry.push_admission import _slot_bytes
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE, AdapterLimits, read_adapter_dir, validate_adapter
 from shared.errors import IntegrityError, InvalidRequest, UnservedTarget
 from shared.fingerprint import BaseModelSpec
+from shared.slot_size import params_per_rank
 from tests.helpers.families import MOE_FAMILIES, QWEN2_MOE_DENSE_GATE
 
 LIMITS = AdapterLimits(max_rank=16, max_weights_bytes=4_000_000)
@@ -125,15 +126,38 @@ def test_a_path_qualified_target_entry_matches_module_paths_by_suffix_as_peft_do
         validate_adapter(_files(SHARED_GATE, ["shared_expert.gate"]), spec, LIMITS)
 
 
-def test_peft_s_bare_mlp_names_on_an_moe_model_are_refused_with_the_way_to_name_them(tmp_path: Path) -> None:
-    """PEFT >= 0.22 also puts bare MLP names on the routed experts' fused tensors, at twice the rank for
-    gate_up_proj (a rank_pattern): one adapter of two ranks, which the slots cannot hold, so it is refused."""
+def test_peft_s_bare_mlp_names_on_an_moe_model_are_admitted_at_their_largest_rank(tmp_path: Path) -> None:
+    """PEFT >= 0.22 also puts bare MLP names on the routed experts' fused tensors, gate_up_proj at twice
+    the rank and alpha (a rank_pattern / alpha_pattern, one scale): held at rank 2r, the rest zero-padded."""
     model = MOE_FAMILIES[QWEN2]()
+    spec = _spec(model)
     files = _peft_files(model, tmp_path, ["gate_proj", "up_proj", "down_proj"], [])
-    assert "gate_up_proj" in str(json.loads(files[CONFIG_FILE])["rank_pattern"])
-    with pytest.raises(InvalidRequest, match="rank_pattern is refused") as info:
+    assert json.loads(files[CONFIG_FILE])["rank_pattern"] == {".*\\.gate_up_proj": 8}
+    summary = validate_adapter(files, spec, LIMITS)
+    assert (summary.rank, summary.alpha) == (8, 16.0)  # r=4, lora_alpha=8: scale 2 kept
+    assert summary.target_modules == (
+        "down_proj", "experts.down_proj", "experts.gate_proj", "experts.up_proj", "gate_proj", "up_proj"
+    )  # fmt: skip
+    sizes = _slot_bytes(summary.rank, list(summary.target_modules), spec, RankClasses((8, 16), "test"), 4)
+    assert sizes == {"8": 8 * 4 * params_per_rank(spec.layer_dims(), summary.target_modules), "16": sizes["16"]}
+
+
+@pytest.mark.parametrize(
+    ("patterns", "text"),
+    [
+        ({"rank_pattern": {"(a+)+$": 8}}, "is not served: a dotted module name"),  # a regex that backtracks
+        ({"rank_pattern": {"q_proj": 64}}, "exceeds the admitted maximum"),
+        ({"rank_pattern": {"q_proj": 8}}, "must share one scale"),  # rank 8, alpha 8: scale 1, not 2
+        ({"rank_pattern": {"q_proj": 8}, "use_rslora": True}, "use_rslora"),
+        ({"alpha_pattern": {"q_proj": 0}}, "must be a positive float"),
+    ],
+)
+def test_a_rank_pattern_that_cannot_be_served_exactly_is_refused(tmp_path: Path, patterns: dict, text: str) -> None:
+    model = MOE_FAMILIES[QWEN2]()
+    files = _peft_files(model, tmp_path, ["q_proj"], [])
+    files[CONFIG_FILE] = json.dumps(json.loads(files[CONFIG_FILE]) | patterns).encode()
+    with pytest.raises((InvalidRequest, IntegrityError), match=text):
         validate_adapter(files, _spec(model), LIMITS)
-    assert "mlp.gate_proj" in info.value.message and "target_parameters" in info.value.message
 
 
 def test_a_bare_target_parameters_name_peft_wrote_is_admitted_and_a_non_expert_one_refused(tmp_path: Path) -> None:

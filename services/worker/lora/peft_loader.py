@@ -1,7 +1,7 @@
 """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) into slot layout.
 
 Everything the slots cannot serve exactly is refused with IntegrityError, naming the offending
-field in ``param``: pickle weights, DoRA, modules_to_save, per-module rank / alpha patterns,
+field in ``param``: pickle weights, DoRA, modules_to_save, rank / alpha patterns that change the scale,
 bias terms, unknown modules, a rank above the admitted maximum, shapes that do not match the
 base model, non-finite values.
 """
@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from services.worker.lora.fused import split_fused
 from services.worker.lora.layout import AdapterWeights, ModelShapes
 from shared.errors import IntegrityError, UnservedTarget
+from shared.lora_ranks import RankPlan
 from shared.lora_targets import EXPERT_PARAMETERS, MIXTRAL_NAMES, Target, expert_parameter, module_name, resolve
 
 CONFIG_FILE = "adapter_config.json"
@@ -28,8 +29,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 UNSUPPORTED_OPTIONS = (
     "use_dora",
     "modules_to_save",
-    "rank_pattern",
-    "alpha_pattern",
     "lora_bias",
     "fan_in_fan_out",
     "layer_replication",
@@ -126,13 +125,14 @@ def to_slot_layout(
     """Validate a parsed adapter against the base model and lay it out for the slots; modules fused
     in the checkpoint (Phi-3's qkv_proj, gate_up_proj) are split into the served ones first."""
     config, tensors = split_fused(config, tensors, shapes)
-    rank, alpha = config["r"], float(config["lora_alpha"])
+    plan = RankPlan.from_config(config)
+    rank = plan.max_rank  # a rank_pattern's smaller modules are zero-padded to it: they add nothing more
     if rank > max_rank:
         raise IntegrityError(f"adapter rank {rank} is above the admitted maximum {max_rank}", param="r")
     _check_targets(config, allowed_modules)
     if not tensors:
         raise IntegrityError(f"{WEIGHTS_FILE} holds no LoRA weights", param=WEIGHTS_FILE)
-    targets = resolve({key: tensor.shape for key, tensor in tensors.items()}, shapes.layers, rank)
+    targets = resolve({key: tensor.shape for key, tensor in tensors.items()}, shapes.layers, plan.rank_of)
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     for key, target in targets.items():
@@ -143,8 +143,20 @@ def to_slot_layout(
         if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
             raise IntegrityError(f"{key} holds non-finite or non-float values", param=key)
         _place(a if target.side == "A" else b, target, tensor, shapes, rank)
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return AdapterWeights(rank=rank, scale=scale, a=a, b=b)
+    scale = plan.alpha / math.sqrt(plan.r) if config.get("use_rslora") else plan.scale
+    return AdapterWeights(rank=rank, scale=scale, a=_padded(a, rank, -1), b=_padded(b, rank, -2))
+
+
+def _padded(out: dict[tuple[int, str], torch.Tensor], rank: int, dim: int) -> dict[tuple[int, str], torch.Tensor]:
+    """Each tensor's rank dimension ``dim`` zero-padded to ``rank`` (a rank_pattern's smaller modules)."""
+    for key, tensor in out.items():
+        if tensor.shape[dim] < rank:
+            sizes = list(tensor.shape)
+            sizes[dim] = rank
+            padded = tensor.new_zeros(sizes)
+            padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+            out[key] = padded
+    return out
 
 
 def _check_targets(config: dict[str, Any], allowed_modules: tuple[str, ...]) -> None:
@@ -173,23 +185,24 @@ def _place(
     out: dict[tuple[int, str], torch.Tensor], target: Target, tensor: torch.Tensor, shapes: ModelShapes, rank: int
 ) -> None:
     """Lay one checked tensor out for the slots: a dense module's A [in, r] / B [r, out]; an expert
-    module's [experts, in, r] / [experts, r, out], experts an adapter leaves out zero."""
-    layer, side = target.layer, target.side
+    module's [experts, in, rank] / [experts, rank, out], experts an adapter leaves out zero (``r``: the
+    tensor's own rank, ``rank``: the adapter's largest)."""
+    layer, side, r = target.layer, target.side, target.rank
     if target.expert is None and not target.fused:
         out[(layer, target.modules[0])] = tensor.t().contiguous()
         return
     copies, in_f, out_f = shapes.layers[layer][target.modules[0]]
     if target.fused:
         if side == "A":  # [E * r, in], expert-major -> [E, in, r]
-            stacked = tensor.reshape(copies, rank, -1).transpose(1, 2).contiguous()
+            stacked = tensor.reshape(copies, r, -1).transpose(1, 2).contiguous()
             for module in target.modules:  # gate and up share the fused tensor's A
                 out[(layer, module)] = stacked
         else:  # [out, r * E], rank-major -> [E, r, out]; gate_up's rows split into gate's and up's
-            stacked = tensor.reshape(tensor.shape[0], rank, copies).permute(2, 1, 0)
+            stacked = tensor.reshape(tensor.shape[0], r, copies).permute(2, 1, 0)
             for module, cols in zip(target.modules, torch.split(stacked, out_f, dim=2), strict=True):
                 out[(layer, module)] = cols.contiguous()
         return
     module = target.modules[0]
     shape = (copies, in_f, rank) if side == "A" else (copies, rank, out_f)
     stacked = out.setdefault((layer, module), torch.zeros(shape, dtype=tensor.dtype))
-    stacked[target.expert].copy_(tensor.t())
+    stacked[target.expert].narrow(1 if side == "A" else 0, 0, r).copy_(tensor.t())

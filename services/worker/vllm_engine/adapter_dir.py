@@ -4,14 +4,15 @@ vLLM loads a LoRA from a path, so the bytes lorafleet fetched and re-verified ar
 (never the store's path) and vLLM is handed the folder. The root is mode 0700, owned by this
 worker, and removed with everything in it at shutdown; a folder leaves when its adapter is evicted."""
 
+import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from shared.adapter_format import ADAPTER_FILES
-from shared.errors import IntegrityError
+from shared.adapter_format import ADAPTER_FILES, CONFIG_FILE
+from shared.errors import IntegrityError, UnservedTarget
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -33,6 +34,7 @@ class AdapterDir:
             raise IntegrityError(f"adapter digest {digest[:80]!r} is not a sha256 hex digest")
         if set(files) != set(ADAPTER_FILES):
             raise IntegrityError(f"adapter files {sorted(files)} are not {sorted(ADAPTER_FILES)}")
+        _check_one_rank(files[CONFIG_FILE])
         target = self.path_of(digest)
         if target.is_dir():
             return target
@@ -58,3 +60,18 @@ class AdapterDir:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _check_one_rank(config_bytes: bytes) -> None:
+    """vLLM serves one rank per adapter here: an adapter with a rank_pattern (which the built-in engine
+    serves, zero-padded) is refused rather than handed to vLLM untested."""
+    try:
+        config = json.loads(config_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise IntegrityError(f"{CONFIG_FILE} is not valid JSON", param=CONFIG_FILE) from None
+    for option in ("rank_pattern", "alpha_pattern"):
+        if isinstance(config, dict) and config.get(option):
+            raise UnservedTarget(
+                f"{option} is not served by the vLLM worker (one rank per adapter); the built-in engine serves it",
+                param=option,
+            )

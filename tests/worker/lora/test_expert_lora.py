@@ -344,11 +344,25 @@ def test_a_prefills_pairs_gathered_in_chunks_give_the_same_logits(
 CONVERTED = {"mixtral-window-8": ["q_proj", "w2"], "qwen2-moe-shared-expert-dense-first": ["q_proj", "down_proj"]}
 
 
-@pytest.mark.parametrize("family", list(CONVERTED))
-def test_an_adapter_whose_expert_names_peft_converted_is_served_as_peft_serves_it(family: str, tmp_path: Path) -> None:
+# ... and all of an MLP's names into the experts' fused tensors, gate_up_proj at twice the rank and alpha (a
+# rank_pattern / alpha_pattern): served at the largest rank, the rest zero-padded
+ALL_MLP = {
+    "mixtral-window-8": ["q_proj", "w1", "w2", "w3"],
+    "qwen2-moe-shared-expert-dense-first": ["q_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "modules", "parameters"),
+    [(f, m, ["down_proj"]) for f, m in CONVERTED.items()]
+    + [(f, m, ["down_proj", "gate_up_proj"]) for f, m in ALL_MLP.items()],
+)
+def test_an_adapter_whose_expert_names_peft_converted_is_served_as_peft_serves_it(
+    family: str, modules: list[str], parameters: list[str], tmp_path: Path
+) -> None:
     model = MOE_FAMILIES[family]()
     torch.manual_seed(5)
-    config = PeftLoraConfig(r=8, lora_alpha=32, target_modules=CONVERTED[family], init_lora_weights=False)
+    config = PeftLoraConfig(r=8, lora_alpha=32, target_modules=modules, init_lora_weights=False)
     peft = get_peft_model(copy.deepcopy(model), config, adapter_name="converted")
     with torch.no_grad():
         for param_name, param in peft.named_parameters():
@@ -357,7 +371,8 @@ def test_an_adapter_whose_expert_names_peft_converted_is_served_as_peft_serves_i
     peft.eval()
     peft.save_pretrained(str(tmp_path))
     written = json.loads((tmp_path / "converted" / "adapter_config.json").read_text())
-    assert written["target_parameters"] == ["down_proj"], written  # what this test is about: the bare name
+    assert sorted(written["target_parameters"]) == parameters, written  # what this test is about: bare names
+    assert (written["rank_pattern"] == {".*\\.gate_up_proj": 16}) == ("gate_up_proj" in parameters), written
     manager = _manager(model)
     manager.load_adapter("converted", tmp_path / "converted")
     reference = _peft_reference(peft)

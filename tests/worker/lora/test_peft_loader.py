@@ -66,7 +66,8 @@ def test_rslora_scales_by_the_square_root_of_the_rank(tmp_path: Path, base) -> N
     [
         ({"use_dora": True}, "use_dora", "not supported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save", "not supported"),
-        ({"rank_pattern": {"q_proj": 4}}, "rank_pattern", "not supported"),
+        ({"rank_pattern": {"q_proj": 4}}, "alpha_pattern", "share one scale"),  # q_proj's scale 4, the rest 2
+        ({"rank_pattern": {"(q|k)_proj": 4}}, "rank_pattern", "dotted module name"),  # regex syntax: not matched
         ({"bias": "all"}, "bias", "without bias"),
         ({"peft_type": "IA3"}, "peft_type", "not LORA"),
         ({"target_modules": ["q_proj", "lm_head"]}, "lm_head", "not served"),

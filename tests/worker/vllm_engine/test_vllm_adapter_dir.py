@@ -3,6 +3,7 @@ under the digest they were verified against, and nothing but a sha256 name and t
 is accepted."""
 
 import hashlib
+import json
 import stat
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from services.worker.vllm_engine.adapter_dir import AdapterDir
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from shared.errors import IntegrityError
+from shared.errors import IntegrityError, UnservedTarget
 
 FILES = {CONFIG_FILE: b'{"r": 8}', WEIGHTS_FILE: b"weights"}
 DIGEST = hashlib.sha256(FILES[WEIGHTS_FILE]).hexdigest()
@@ -45,3 +46,11 @@ def test_other_files_than_the_adapters_two_are_refused(adapters: AdapterDir) -> 
     with pytest.raises(IntegrityError, match="are not"):
         adapters.put(DIGEST, {WEIGHTS_FILE: FILES[WEIGHTS_FILE]})
     assert adapters.digests() == []
+
+
+@pytest.mark.parametrize("option", ["rank_pattern", "alpha_pattern"])
+def test_an_adapter_of_several_ranks_is_refused_before_vllm_sees_it(adapters: AdapterDir, option: str) -> None:
+    files = {**FILES, CONFIG_FILE: json.dumps({"r": 8, option: {".*\\.gate_up_proj": 16}}).encode()}
+    with pytest.raises(UnservedTarget, match=option):
+        adapters.put(DIGEST, files)
+    assert list(adapters.root.iterdir()) == []
