@@ -8,19 +8,7 @@ import pytest
 from nats.js.errors import APIError, ServiceUnavailableError
 
 from services.gateway.inference import _publish
-from shared.schemas import InferRequest, SamplingParams
-
-
-def _request() -> InferRequest:
-    return InferRequest(
-        request_id="r1",
-        tenant_id="t",
-        model="m",
-        base_model="b",
-        messages=[{"role": "user", "content": "hi"}],
-        sampling=SamplingParams(),
-        reply_to="_INBOX.x",
-    )
+from tests.helpers.requests import infer_request
 
 
 class Stream:
@@ -44,7 +32,7 @@ def _unavailable() -> APIError:
 async def test_a_failing_over_cluster_is_tried_again_with_the_same_message_id() -> None:
     not_leader = APIError(code=500, err_code=10009, description="JetStream cluster can not handle request")
     stream = Stream([_unavailable(), not_leader, None])
-    await _publish(stream, _request(), preview=False, deadline=time.time() + 10)  # type: ignore[arg-type]
+    await _publish(stream, infer_request(), preview=False, deadline=time.time() + 10)  # type: ignore[arg-type]
     assert stream.ids == ["r1", "r1", "r1"]
 
 
@@ -52,9 +40,9 @@ async def test_a_failover_past_the_deadline_and_a_lasting_refusal_are_raised() -
     stream = Stream([_unavailable()] * 100)
     start = time.monotonic()
     with pytest.raises(APIError):
-        await _publish(stream, _request(), preview=False, deadline=time.time() + 1)  # type: ignore[arg-type]
+        await _publish(stream, infer_request(), preview=False, deadline=time.time() + 1)  # type: ignore[arg-type]
     assert time.monotonic() - start < 3
     full = Stream([APIError(code=503, err_code=10077, description="maximum messages exceeded")])
     with pytest.raises(APIError):
-        await _publish(full, _request(), preview=False, deadline=time.time() + 10)  # type: ignore[arg-type]
+        await _publish(full, infer_request(), preview=False, deadline=time.time() + 10)  # type: ignore[arg-type]
     assert full.ids == ["r1"]

@@ -10,6 +10,7 @@ from shared.errors import InvalidSchema, SchemaTooLarge
 from shared.request_bounds import check_submission
 from shared.schema_bounds import check_schema_shape
 from shared.schemas import InferRequest, SamplingParams, StructuredOutput, ToolFunction, Tools
+from tests.helpers.requests import infer_request
 
 
 def nested(levels: int) -> dict:
@@ -22,16 +23,7 @@ def nested(levels: int) -> dict:
 def submission(schema_text: str | None = None, parameters: dict | None = None) -> InferRequest:
     structured = StructuredOutput(kind="json_schema", json_schema=schema_text) if schema_text else None
     tools = Tools(functions=[ToolFunction(name="f", parameters=parameters)]) if parameters is not None else None
-    return InferRequest(
-        request_id="r1",
-        tenant_id="t",
-        model="m",
-        base_model="b",
-        messages=[{"role": "user", "content": "hi"}],
-        tools=tools,
-        sampling=SamplingParams(structured=structured),
-        reply_to="_INBOX.x",
-    )
+    return infer_request(tools=tools, sampling=SamplingParams(structured=structured))
 
 
 def test_depth_counts_objects_and_arrays_and_values_count_every_json_value() -> None:
