@@ -15,7 +15,6 @@ from nats.js.errors import APIError, NoStreamResponseError
 from shared import subjects
 from shared.bus import decode, encode
 from shared.errors import (
-    InternalError,
     LorafleetError,
     NoWorkerAvailable,
     ServiceUnavailable,
@@ -204,9 +203,12 @@ async def submit(
     if isinstance(first, ReplyError):
         await sub.unsubscribe()
         raise from_body(first.error)
-    if not isinstance(first, ReplyAccepted):
+    if not isinstance(first, ReplyAccepted):  # the notice was lost on the bus (a NATS node failing over)
         await sub.unsubscribe()
-        raise InternalError(f"reply stream of {request.request_id} did not start with an accept notice")
+        log.warning("reply_accept_lost", request_id=request.request_id, first=type(first).__name__)
+        raise ServiceUnavailable(
+            f"the reply stream of {request.request_id} lost its accept notice; retry it", retry_after_s=1.0
+        )
     return Submission(request, first, queue, sub, nc, deadline)
 
 

@@ -5,7 +5,7 @@ The answer echoes what the request carried (model, adapter, sampling) so tests c
 gateway passed it on. A prompt containing "slow" streams a token every 20 ms until cancelled; "quota" is refused as
 the scheduler refuses a tenant over its limits. Asked for prompt logprobs, it sends one entry per word of the
 prompt (word i: logprob -i, none for the first) in pieces of two words; a prompt containing "lose-piece" loses
-the first piece on its way.
+the first piece on its way; one containing "lose-accept" loses its accept notice.
 """
 
 import asyncio
@@ -93,7 +93,8 @@ class FakeWorker:
             await self._send(request, ReplyError(request_id=rid, error=error))
             return
         told = None if "untold-hit" in text else True  # a worker tells no hit for an adapter not the tenant's own
-        await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=told))
+        if "lose-accept" not in text:  # else the accept notice is lost on its way (a NATS node failing over)
+            await self._send(request, ReplyAccepted(request_id=rid, worker_id=WORKER_ID, cache_hit=told))
         s = request.sampling
         echo = json.dumps(
             {
