@@ -40,6 +40,9 @@ def module_name(entry: str) -> str:
     return entry.rsplit(".", 1)[-1]
 
 
+_EXPERTS_PATH = ("model", "layers", "N", "mlp", "experts")  # where the fused expert tensors are
+
+
 def expert_parameter(entry: str) -> bool:
     """A target_parameters entry that PEFT matches (by path suffix) to the routed experts' fused tensors
     alone: a dot-suffix of ``model.layers.N.mlp.experts.gate_up_proj`` or ``...down_proj``. PEFT 0.22
@@ -49,9 +52,6 @@ def expert_parameter(entry: str) -> bool:
         return False
     path = _EXPERTS_PATH[len(_EXPERTS_PATH) - len(prefix) :]
     return all(p == q or (q == "N" and p.isdigit()) for p, q in zip(prefix, path, strict=True))
-
-
-_EXPERTS_PATH = ("model", "layers", "N", "mlp", "experts")
 
 
 def entry_matches(entry: str, module_path: str) -> bool:
@@ -172,8 +172,8 @@ def _fused_targets(
     modules = {(hidden, 2 * inter): EXPERT_MODULES[:2], (inter, hidden): EXPERT_MODULES[2:]}.get(
         (a_shape[1], b_shape[0])
     )
-    fused_name = "gate_up_proj" if modules == EXPERT_MODULES[:2] else "down_proj"
-    rank = rank_of(f"model.layers.{layer}.mlp.experts.{fused_name}") if modules is not None else rank_of("")
+    fused_name = "down_proj" if modules == EXPERT_MODULES[2:] else "gate_up_proj"  # neither: named for the error
+    rank = rank_of(f"model.layers.{layer}.mlp.experts.{fused_name}")
     if modules is None or a_shape[0] != rank * experts or b_shape[1] != rank * experts:
         raise IntegrityError(
             f"{a_name} {a_shape} / {b_name} {b_shape} fit neither experts.gate_up_proj (A [{rank * experts}, {hidden}], "
