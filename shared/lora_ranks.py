@@ -34,10 +34,8 @@ class RankPlan:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "RankPlan":
         """The plan of a parsed adapter_config.json whose ``r`` and ``lora_alpha`` are checked already."""
-        patterns = [_patterns(config, "rank_pattern", int), _patterns(config, "alpha_pattern", float)]
-        if (patterns[0] or patterns[1]) and config.get("use_rslora"):
-            raise IntegrityError("rank_pattern / alpha_pattern with use_rslora is not served", param="use_rslora")
-        return cls(int(config["r"]), float(config["lora_alpha"]), patterns[0], patterns[1])
+        ranks, alphas = checked_patterns(config)
+        return cls(int(config["r"]), float(config["lora_alpha"]), ranks, alphas)
 
     @property
     def max_rank(self) -> int:
@@ -59,6 +57,15 @@ class RankPlan:
                 param="alpha_pattern",
             )
         return r
+
+
+def checked_patterns(config: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, float]]:
+    """A parsed adapter_config.json's ``rank_pattern`` and ``alpha_pattern``, each key checked to be
+    served (a dotted name, at most ``MAX_PATTERNS``, not with ``use_rslora``)."""
+    ranks, alphas = _patterns(config, "rank_pattern", int), _patterns(config, "alpha_pattern", float)
+    if (ranks or alphas) and config.get("use_rslora"):
+        raise IntegrityError("rank_pattern / alpha_pattern with use_rslora is not served", param="use_rslora")
+    return ranks, alphas
 
 
 def _patterns(config: Mapping[str, Any], option: str, kind: type) -> dict[str, Any]:

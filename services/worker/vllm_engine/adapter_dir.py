@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from shared.adapter_format import ADAPTER_FILES, CONFIG_FILE
-from shared.errors import IntegrityError, UnservedTarget
+from shared.errors import IntegrityError
+from shared.lora_ranks import checked_patterns
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -34,7 +35,7 @@ class AdapterDir:
             raise IntegrityError(f"adapter digest {digest[:80]!r} is not a sha256 hex digest")
         if set(files) != set(ADAPTER_FILES):
             raise IntegrityError(f"adapter files {sorted(files)} are not {sorted(ADAPTER_FILES)}")
-        _check_one_rank(files[CONFIG_FILE])
+        _check_patterns(files[CONFIG_FILE])
         target = self.path_of(digest)
         if target.is_dir():
             return target
@@ -62,16 +63,14 @@ class AdapterDir:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _check_one_rank(config_bytes: bytes) -> None:
-    """vLLM serves one rank per adapter here: an adapter with a rank_pattern (which the built-in engine
-    serves, zero-padded) is refused rather than handed to vLLM untested."""
+def _check_patterns(config_bytes: bytes) -> None:
+    """vLLM reads ``rank_pattern`` / ``alpha_pattern`` by PEFT's own rule (its ``PEFTHelper``), with a
+    regular expression built from each key: only the keys the registry admits reach it (a dotted name,
+    at most 64 of them, not with rsLoRA), so no key can make that match backtrack."""
     try:
         config = json.loads(config_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise IntegrityError(f"{CONFIG_FILE} is not valid JSON", param=CONFIG_FILE) from None
-    for option in ("rank_pattern", "alpha_pattern"):
-        if isinstance(config, dict) and config.get(option):
-            raise UnservedTarget(
-                f"{option} is not served by the vLLM worker (one rank per adapter); the built-in engine serves it",
-                param=option,
-            )
+    if not isinstance(config, dict):
+        raise IntegrityError(f"{CONFIG_FILE} is not a JSON object", param=CONFIG_FILE)
+    checked_patterns(config)

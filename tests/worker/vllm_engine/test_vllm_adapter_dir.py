@@ -11,7 +11,7 @@ import pytest
 
 from services.worker.vllm_engine.adapter_dir import AdapterDir
 from shared.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from shared.errors import IntegrityError, UnservedTarget
+from shared.errors import IntegrityError
 
 FILES = {CONFIG_FILE: b'{"r": 8}', WEIGHTS_FILE: b"weights"}
 DIGEST = hashlib.sha256(FILES[WEIGHTS_FILE]).hexdigest()
@@ -48,9 +48,35 @@ def test_other_files_than_the_adapters_two_are_refused(adapters: AdapterDir) -> 
     assert adapters.digests() == []
 
 
-@pytest.mark.parametrize("option", ["rank_pattern", "alpha_pattern"])
-def test_an_adapter_of_several_ranks_is_refused_before_vllm_sees_it(adapters: AdapterDir, option: str) -> None:
-    files = {**FILES, CONFIG_FILE: json.dumps({"r": 8, option: {".*\\.gate_up_proj": 16}}).encode()}
-    with pytest.raises(UnservedTarget, match=option):
+def test_an_adapter_of_several_ranks_lands_as_written_for_vllm_to_read_its_patterns(adapters: AdapterDir) -> None:
+    config = {"r": 8, "lora_alpha": 16, "rank_pattern": {".*\\.gate_up_proj": 16}, "alpha_pattern": {"down_proj": 16}}
+    files = {**FILES, CONFIG_FILE: json.dumps(config).encode()}
+    path = adapters.put(DIGEST, files)
+    assert json.loads((path / CONFIG_FILE).read_bytes()) == config
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"rank_pattern": {"(a+)+$": 16}}, "rank_pattern"),  # a key whose match could backtrack without bound
+        ({"alpha_pattern": {"q_proj|v_proj": 16}}, "alpha_pattern"),  # regular-expression syntax beyond a name
+        ({"rank_pattern": {"q_proj": 0}}, "rank_pattern"),
+        ({"rank_pattern": {"q_proj": 16}, "use_rslora": True}, "use_rslora"),
+        ({"rank_pattern": {f"layers.{i}.q_proj": 16 for i in range(65)}}, "rank_pattern"),
+    ],
+)
+def test_a_pattern_the_registry_would_not_admit_is_refused_before_vllm_sees_it(
+    adapters: AdapterDir, extra: dict, param: str
+) -> None:
+    files = {**FILES, CONFIG_FILE: json.dumps({"r": 8, "lora_alpha": 16, **extra}).encode()}
+    with pytest.raises(IntegrityError) as refused:
         adapters.put(DIGEST, files)
+    assert refused.value.param == param
+    assert list(adapters.root.iterdir()) == []
+
+
+@pytest.mark.parametrize("config", [b"{not json", b"[8]", b"\xff"])
+def test_a_config_that_is_not_a_json_object_is_refused(adapters: AdapterDir, config: bytes) -> None:
+    with pytest.raises(IntegrityError, match=CONFIG_FILE):
+        adapters.put(DIGEST, {**FILES, CONFIG_FILE: config})
     assert list(adapters.root.iterdir()) == []

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared import tool_calls
@@ -25,9 +26,11 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three things to pac
 MAX_TOKENS = 16
 ADAPTERS = {  # cache key -> (rank, modules)
     "qv-r8@1": (8, ("q_proj", "v_proj")),
-    "all7-r16@1": (16, ALL_MODULES),
+    "all7-r16@1": (16, ALL_MODULES),  # rank 16 on o_proj and down_proj only (RANK_PATTERN), 8 elsewhere
     "qv-r16@1": (16, ("q_proj", "v_proj")),
 }
+# PEFT's rank_pattern / alpha_pattern (as PEFT 0.22 writes for MoE models), one scale kept: vLLM reads them
+RANK_PATTERN = {"all7-r16@1": {"o_proj": 16, "down_proj": 16}}
 
 pytestmark = [
     pytest.mark.vllm,
@@ -47,7 +50,16 @@ def _adapters(smollm_dir: Path, out: Path) -> tuple[list[list[int]], dict[str, d
     adapters = {}
     for seed, (key, (rank, modules)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(modules), init_lora_weights=False)
+        pattern = RANK_PATTERN.get(key, {})
+        low = rank // 2 if pattern else rank
+        config = LoraConfig(
+            r=low,
+            lora_alpha=2 * low,
+            rank_pattern=pattern,
+            alpha_pattern={name: 2 * r for name, r in pattern.items()},
+            target_modules=list(modules),
+            init_lora_weights=False,
+        )
         models[key] = get_peft_model(copy.deepcopy(base), config).eval()
         directory = out / key
         models[key].save_pretrained(directory)
@@ -119,6 +131,19 @@ def test_greedy_tokens_equal_hf_peft(run: tuple[dict, dict, int], key: str) -> N
     result, reference, eos = run
     served = [_until_eos(ids, eos) for ids in result["tokens"][key]]
     assert served == [_until_eos(ids, eos) for ids in reference[key]]
+
+
+def test_an_adapter_of_two_ranks_is_served_as_peft_serves_it(reference: tuple[Path, dict], run: tuple) -> None:
+    """PEFT wrote the rank_pattern adapter with two ranks; vLLM, handed it as written, gives PEFT's tokens."""
+    (key,) = RANK_PATTERN
+    adapter = next(a for a in reference[1]["adapters"] if a["key"] == key)
+    config = json.loads((Path(adapter["dir"]) / "adapter_config.json").read_bytes())
+    assert (config["r"], config["rank_pattern"]) == (8, {"o_proj": 16, "down_proj": 16}), config
+    with safe_open(Path(adapter["dir"]) / "adapter_model.safetensors", "pt") as f:
+        ranks = {f.get_slice(name).get_shape()[0] for name in f.keys() if "lora_A" in name}  # noqa: SIM118  # not a dict
+    assert ranks == {8, 16} and adapter["rank"] == 16
+    result, tokens, eos = run
+    assert [_until_eos(ids, eos) for ids in result["tokens"][key]] == [_until_eos(ids, eos) for ids in tokens[key]]
 
 
 def test_the_adapters_change_the_output(run: tuple[dict, dict, int]) -> None:
