@@ -25,7 +25,8 @@ SERVICE_HEARTBEAT_ALL = f"{PREFIX}.service.heartbeat.>"
 SUPERVISOR_STATUS = f"{PREFIX}.supervisor.status"  # lorafleet up's restarts, for the gateway's /readyz
 # CatalogSync: registry write -> every catalog mirror (gateways, schedulers, workers); named for the first
 GATEWAY_CATALOG_SYNC = f"{PREFIX}.gateway.catalog.sync"
-SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"  # WorkerControl(cancel): drop a queued request
+# WorkerControl(cancel): drop a queued request, or cancel it on the worker the scheduler gave it to
+SCHEDULER_CANCEL = f"{PREFIX}.scheduler.cancel"
 SCHEDULER_CHARGE = f"{PREFIX}.scheduler.charge"  # ChargeRequest: a tenant's request that runs no model (feedback)
 
 REGISTRY_OPS = (

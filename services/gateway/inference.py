@@ -128,7 +128,9 @@ class Submission:
             await self._sub.unsubscribe()
 
 
-async def _cancel_queued(nc: NATS, request: InferRequest) -> None:
+async def _cancel_at_scheduler(nc: NATS, request: InferRequest) -> None:
+    """Cancel a request whose worker this gateway does not know: the scheduler drops it from its queue,
+    or cancels it on the worker it gave it to."""
     cancel = WorkerControl(action="cancel", request_id=request.request_id, tenant_id=request.tenant_id)
     try:
         await nc.publish(subjects.SCHEDULER_CANCEL, encode(cancel))
@@ -194,9 +196,9 @@ async def submit(
     try:
         first = await asyncio.wait_for(queue.get(), accept_timeout_s)
     except (TimeoutError, asyncio.CancelledError) as e:
-        # nobody waits any more: drop it from the scheduler's queue too
+        # nobody waits any more: drop it from the scheduler's queue (or its worker) too
         await sub.unsubscribe()
-        await _cancel_queued(nc, request)
+        await _cancel_at_scheduler(nc, request)
         if isinstance(e, asyncio.CancelledError):
             raise
         raise NoWorkerAvailable(f"no worker accepted the request within {accept_timeout_s:.0f}s") from None
@@ -206,6 +208,7 @@ async def submit(
     if not isinstance(first, ReplyAccepted):  # the notice was lost on the bus (a NATS node failing over)
         await sub.unsubscribe()
         log.warning("reply_accept_lost", request_id=request.request_id, first=type(first).__name__)
+        await _cancel_at_scheduler(nc, request)  # it runs on a worker the lost notice would have named
         raise ServiceUnavailable(
             f"the reply stream of {request.request_id} lost its accept notice; retry it", retry_after_s=1.0
         )

@@ -388,10 +388,16 @@ class Dispatcher:
         self.pump()
 
     async def cancel(self, ref: RequestRef) -> bool:
-        """Drop a request still queued here (its client left); False if it is not queued."""
+        """Drop a request still queued here (its client left), or cancel it on the worker it was given to
+        (a gateway that lost its accept notice does not know which); False if it is neither."""
         item = self.queue.remove(ref)
         if item is None:
-            return False
+            running = self.inflight.get(ref)
+            if running is not None:
+                cancel = WorkerControl(action="cancel", request_id=ref.request_id, tenant_id=ref.tenant)
+                await self.ports.control(running.worker_id, cancel)
+                log.info("running_request_cancelled", request_id=ref.request_id, worker_id=running.worker_id)
+            return running is not None
         await self._forget(item)
         await item.handle.term()
         log.info("queued_request_cancelled", request_id=ref.request_id, tenant=ref.tenant)

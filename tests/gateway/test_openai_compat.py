@@ -6,6 +6,9 @@ import json
 import openai
 import pytest
 
+from shared import subjects
+from shared.bus import decode
+from shared.schemas import WorkerControl
 from tests.gateway.conftest import BASE
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -243,12 +246,18 @@ async def test_a_lost_prompt_logprobs_piece_fails_the_request(oai):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_reply_stream_that_lost_its_accept_notice_is_a_transient_refusal(oai, stream):
+async def test_a_reply_stream_that_lost_its_accept_notice_is_a_transient_refusal(oai, gateway, stream):
     """Tokens without the accept before them: the notice was lost on the bus (seen in CI while a NATS node
-    was killed): 503, retry it; it was a 500 internal_error."""
+    was killed): 503, retry it; it was a 500 internal_error. The request is cancelled through the scheduler,
+    which knows the worker the lost notice would have named."""
+    cancels = await gateway.nc.subscribe(subjects.SCHEDULER_CANCEL)
     with pytest.raises(openai.APIStatusError) as e:
         await oai.completions.create(model=BASE, prompt="lose-accept", stream=stream)
     assert e.value.status_code == 503 and "accept notice" in e.value.message
+    cancel = decode(WorkerControl, (await cancels.next_msg(timeout=5)).data)
+    asked = gateway.worker.requests[-1]
+    assert (cancel.action, cancel.request_id, cancel.tenant_id) == ("cancel", asked.request_id, asked.tenant_id)
+    await cancels.unsubscribe()
 
 
 async def test_completions_echo_prepends_the_prompt_streamed_and_not(oai):

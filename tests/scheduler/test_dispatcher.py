@@ -308,3 +308,20 @@ async def test_a_body_without_what_every_publisher_sets_is_dropped_unanswered_an
     assert msg.acts == ["term"]
     assert (world.rejections, world.errors) == ([("acme", "r2", "invalid_message")], {"r2": "invalid_message"})
     assert dropped() - before == len(NOT_SUBMISSIONS)
+
+
+async def test_a_cancel_of_a_dispatched_request_goes_to_the_worker_running_it(world):
+    """A gateway that lost a request's accept notice does not know its worker: the scheduler does."""
+    sent = []
+
+    async def control(worker_id, message):
+        sent.append((worker_id, message.action, message.tenant_id, message.request_id))
+
+    world.core.ports.control = control
+    world.beat("w1")
+    await world.submit("r1")
+    assert ("acme", "r1") in world.core.inflight
+    assert not await world.core.cancel(RequestRef("globex", "r1"))  # another tenant's id: nobody's run
+    assert sent == []
+    assert await world.core.cancel(RequestRef("acme", "r1"))
+    assert sent == [("w1", "cancel", "acme", "r1")]
