@@ -305,14 +305,13 @@ class Dispatcher:
             await self._forget(item, from_body(reply.error))
             await item.handle.term()
         else:
-            log.info(
-                "dispatch_failed",
-                worker_id=worker_id,
-                request_id=request.request_id,
-                error=reply.error.message if reply.error else "refused",
-            )
+            error = reply.error.message if reply.error else "refused"
+            log.info("dispatch_failed", worker_id=worker_id, request_id=request.request_id, error=error)
             self.fleet.refused(worker_id, ref, back_off=True)
-            if ref in self.held:
+            if item.cancelled:  # its client left meanwhile: not queued again
+                await self._forget(item)
+                await item.handle.term()
+            elif ref in self.held:
                 self.queue.push(item, front=True)
         self.pump()
 
@@ -340,7 +339,10 @@ class Dispatcher:
         finally:  # a failed ack must not leave a run that already ended holding its worker
             if ended is not None:
                 await self.completed(ended)
-        self._shadow(request)
+        if item.cancelled:  # its client left while it was being dispatched
+            await self._cancel_dispatched(ref)
+        else:
+            self._shadow(request)
 
     def _shadow(self, request: InferRequest) -> None:
         """Queue the canary's run of a production request marked for the shadow, at the batch class
@@ -388,19 +390,25 @@ class Dispatcher:
         self.pump()
 
     async def cancel(self, ref: RequestRef) -> bool:
-        """Drop a request still queued here (its client left), or cancel it on the worker it was given to
-        (a gateway that lost its accept notice does not know which); False if it is neither."""
+        """Drop a request queued here (its client left), else cancel it on its worker, which a gateway that lost
+        its accept notice cannot name: at once, or as soon as one accepts it; False if it is not held here."""
         item = self.queue.remove(ref)
         if item is None:
-            running = self.inflight.get(ref)
-            if running is not None:
-                cancel = WorkerControl(action="cancel", request_id=ref.request_id, tenant_id=ref.tenant)
-                await self.ports.control(running.worker_id, cancel)
-                log.info("running_request_cancelled", request_id=ref.request_id, worker_id=running.worker_id)
-            return running is not None
+            return await self._cancel_dispatched(ref)
         await self._forget(item)
         await item.handle.term()
         log.info("queued_request_cancelled", request_id=ref.request_id, tenant=ref.tenant)
+        return True
+
+    async def _cancel_dispatched(self, ref: RequestRef) -> bool:
+        if (dispatching := self.held.get(ref)) is not None:
+            dispatching.cancelled = True  # ``_accepted`` sends the cancel once it knows the worker
+            return True
+        if (running := self.inflight.get(ref)) is None:
+            return False
+        cancel = WorkerControl(action="cancel", request_id=ref.request_id, tenant_id=ref.tenant)
+        await self.ports.control(running.worker_id, cancel)
+        log.info("running_request_cancelled", request_id=ref.request_id, worker_id=running.worker_id)
         return True
 
     async def drop_queued(self, item: Queued, error: LorafleetError) -> None:

@@ -44,6 +44,7 @@ class Queued:
     grant: Grant | None  # None: a shadow run, charged to no quota
     seq: int | None = None  # the work-queue message's stream sequence
     enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # cancelled while being dispatched: cancelled on the worker that accepts it
 
     @property
     def tenant(self) -> str:
