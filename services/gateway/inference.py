@@ -22,6 +22,7 @@ from shared.errors import (
     from_body,
 )
 from shared.publish_refusals import publish_failing_over, publish_refusal
+from shared.request_ref import RequestRef
 from shared.schemas import (
     InferRequest,
     ReplyAccepted,
@@ -30,7 +31,6 @@ from shared.schemas import (
     ReplyFinal,
     ReplyPromptLogprobs,
     ReplyToken,
-    WorkerControl,
 )
 from shared.telemetry import inject, tracer
 
@@ -117,9 +117,7 @@ class Submission:
         """Stop listening; if the request has not finished, cancel it on its worker."""
         if not self.finished:
             self.finished = True
-            cancel = WorkerControl(
-                action="cancel", request_id=self.request.request_id, tenant_id=self.request.tenant_id
-            )
+            cancel = RequestRef.of(self.request).cancel()
             try:
                 await self._nc.publish(subjects.worker_control(self.accepted.worker_id), encode(cancel))
             except Exception as e:
@@ -131,9 +129,8 @@ class Submission:
 async def _cancel_at_scheduler(nc: NATS, request: InferRequest) -> None:
     """Cancel a request whose worker this gateway does not know: the scheduler drops it from its queue,
     or cancels it on the worker it gave it to."""
-    cancel = WorkerControl(action="cancel", request_id=request.request_id, tenant_id=request.tenant_id)
     try:
-        await nc.publish(subjects.SCHEDULER_CANCEL, encode(cancel))
+        await nc.publish(subjects.SCHEDULER_CANCEL, encode(RequestRef.of(request).cancel()))
     except Exception as e:
         log.warning("cancel_publish_failed", request_id=request.request_id, error=str(e))
 

@@ -289,8 +289,7 @@ class Dispatcher:
         except (UpstreamTimeout, NoResponders) as e:
             # the worker may still accept it late (or hold it, its subscription not back after a
             # reconnect): cancel it there before it can run in two places
-            cancel = WorkerControl(action="cancel", request_id=request.request_id, tenant_id=request.tenant_id)
-            await self.ports.control(worker_id, cancel)
+            await self.ports.control(worker_id, ref.cancel())
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
         except LorafleetError as e:
             reply = DispatchReply(accepted=False, worker_id=worker_id, error=e.to_body())
@@ -406,8 +405,7 @@ class Dispatcher:
             return True
         if (running := self.inflight.get(ref)) is None:
             return False
-        cancel = WorkerControl(action="cancel", request_id=ref.request_id, tenant_id=ref.tenant)
-        await self.ports.control(running.worker_id, cancel)
+        await self.ports.control(running.worker_id, ref.cancel())
         log.info("running_request_cancelled", request_id=ref.request_id, worker_id=running.worker_id)
         return True
 

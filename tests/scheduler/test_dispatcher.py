@@ -12,7 +12,7 @@ from shared import subjects
 from shared.errors import LorafleetError, ServiceUnavailable
 from shared.redis_conn import connect_redis
 from shared.request_ref import RequestRef
-from shared.schemas import CompletionAudit, DispatchReply, InferRequest, TenantQuota, WorkerHeartbeat
+from shared.schemas import CompletionAudit, DispatchReply, InferRequest, TenantQuota, WorkerControl, WorkerHeartbeat
 
 BASE = "base"
 
@@ -76,11 +76,12 @@ class World:
         async def record_rejection(tenant: str, request_id: str, err: LorafleetError) -> None:
             self.rejections.append((tenant, request_id, err.code))
 
-        async def nothing(*_) -> None:
-            return None
+        async def control(worker_id: str, message: WorkerControl) -> None:
+            self.controls.append((worker_id, message.action, message.tenant_id, message.request_id))
 
         self.rejections: list[tuple[str, str, str]] = []  # (tenant, request id, code) audited
-        self.core, self.upkeep = build(settings, Ports(dispatch, reply_error, record_rejection, nothing), redis)
+        self.controls: list[tuple[str, str, str | None, str | None]] = []  # (worker, action, tenant, request id)
+        self.core, self.upkeep = build(settings, Ports(dispatch, reply_error, record_rejection, control), redis)
         self.upkeep: Upkeep
 
     def beat(self, worker_id: str, max_running: int = 4, running: int = 0) -> None:
@@ -259,17 +260,11 @@ async def test_cancelled_or_unplaceable_queued_requests_are_dropped_and_shutdown
 async def test_a_dispatch_that_times_out_is_withdrawn_from_that_worker(world):
     from shared.errors import UpstreamTimeout
 
-    sent = []
-
-    async def control(worker_id, message):
-        sent.append((worker_id, message.action, message.request_id))
-
-    world.core.ports.control = control
     world.beat("slow")
     world.beat("w2", running=1)
     world.answers["slow"] = UpstreamTimeout("no answer")
     msg = await world.submit("r1")
-    assert ("slow", "cancel", "r1") in sent
+    assert ("slow", "cancel", "acme", "r1") in world.controls
     assert msg.acts == ["ack"] and world.dispatched[-1] == ("w2", "r1")
 
 
@@ -312,16 +307,10 @@ async def test_a_body_without_what_every_publisher_sets_is_dropped_unanswered_an
 
 async def test_a_cancel_of_a_dispatched_request_goes_to_the_worker_running_it(world):
     """A gateway that lost a request's accept notice does not know its worker: the scheduler does."""
-    sent = []
-
-    async def control(worker_id, message):
-        sent.append((worker_id, message.action, message.tenant_id, message.request_id))
-
-    world.core.ports.control = control
     world.beat("w1")
     await world.submit("r1")
     assert ("acme", "r1") in world.core.inflight
     assert not await world.core.cancel(RequestRef("globex", "r1"))  # another tenant's id: nobody's run
-    assert sent == []
+    assert world.controls == []
     assert await world.core.cancel(RequestRef("acme", "r1"))
-    assert sent == [("w1", "cancel", "acme", "r1")]
+    assert world.controls == [("w1", "cancel", "acme", "r1")]

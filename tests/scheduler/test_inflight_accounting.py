@@ -117,33 +117,21 @@ class Refusing(Gate):
         return DispatchReply(accepted=False, worker_id=worker_id, error=ServiceUnavailable("full").to_body())
 
 
-def recorded_controls(world: World) -> list[tuple[str, str, str]]:
-    sent: list[tuple[str, str, str]] = []
-
-    async def control(worker_id, message) -> None:
-        sent.append((worker_id, message.action, message.request_id))
-
-    world.core.ports.control = control
-    return sent
-
-
 async def test_a_request_cancelled_while_being_dispatched_is_cancelled_on_the_worker_that_accepts_it(world):
     """The gateway's accept wait ran out while the worker had not answered the dispatch yet."""
-    sent = recorded_controls(world)
     world.beat("w1")
     gate = Gate()
     submission = await submitted_behind(world, gate, "r1")
     assert await world.core.cancel(RequestRef("acme", "r1"))
-    assert sent == []  # no worker has it yet
+    assert world.controls == []  # no worker has it yet
     gate.open.set()
     await submission
-    assert sent == [("w1", "cancel", "r1")]
+    assert world.controls == [("w1", "cancel", "acme", "r1")]
     await world.core.completed(completion_audit("r1", "w1", outcome="cancelled"))  # the worker's end frees it
     assert not world.core.inflight and held_on(world) == {"w1": 0}
 
 
 async def test_a_request_cancelled_while_being_dispatched_is_not_queued_again_when_the_worker_refuses(world):
-    sent = recorded_controls(world)
     world.beat("w1")
     world.beat("w2")
     gate, msg = Refusing(), Msg()
@@ -151,5 +139,5 @@ async def test_a_request_cancelled_while_being_dispatched_is_not_queued_again_wh
     assert await world.core.cancel(RequestRef("acme", "r1"))
     gate.open.set()
     await submission
-    assert gate.calls == 1 and msg.acts == ["term"] and sent == []  # not offered to w2
+    assert gate.calls == 1 and msg.acts == ["term"] and world.controls == []  # not offered to w2
     assert not world.core.held and not world.core.inflight and world.core.queue.remove(RequestRef("acme", "r1")) is None
