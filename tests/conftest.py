@@ -162,6 +162,7 @@ PROCESS_TESTS: dict[str, str] = {  # node id (a test, any of its parameters, or 
     "tests/bench/test_peers_stack.py::test_the_load_table_of_a_short_run_with_a_missing_peer": "the stack, tiny model",
     "tests/bench/test_placement_scale.py::test_the_command_writes_json_and_markdown": "python -m bench.placement_scale",
     "tests/cli/test_supervisor.py": "the supervised python processes",
+    "tests/cli/test_stack_kill.py::test_a_killed_process_is_gone_and_forgotten": "a python process",
     "tests/deploy/test_compose_hardening.py": "compose's init command",
     "tests/deploy/test_k8s_hardening.py": "create-secrets.sh's init command and nats-server",
     "tests/deploy/test_nats_accounts.py::test_a_local_store_from_before_accounts_moves_to_the_platform_account": "nats-server",

@@ -55,11 +55,15 @@ class Stack:
             proc.kill()
             proc.wait()
 
-    def kill(self, key: str) -> None:
-        """SIGKILL, as a crash would."""
+    def kill(self, key: str, timeout_s: float = 30.0) -> None:
+        """SIGKILL, as a crash would; RuntimeError if the process is still there after ``timeout_s``
+        (stuck in the kernel), rather than a caller waiting on it for ever."""
         proc = self.procs.pop(key)
         proc.kill()
-        proc.wait()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{key} (pid {proc.pid}) still runs {timeout_s} s after SIGKILL") from None
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every service at once, then wait for all within one shared deadline."""

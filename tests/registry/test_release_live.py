@@ -48,8 +48,9 @@ DEADLINE_S = 90.0  # far past what each step needs at the traffic rate below, on
 START_S = 60.0  # a registry process's start, on a loaded machine
 BATCH = 40  # completion records published per round of traffic (<= 800/s: a loaded registry keeps up)
 PAUSE_S = 0.05
-# past the sum of the waits one test may make, so a stalled wait fails with its own message and the logs
-pytestmark = pytest.mark.timeout(2 * START_S + 2 * DEADLINE_S + 60)
+BUDGET_S = 2 * START_S + 2 * DEADLINE_S  # one test's waits together, from its fixture's start
+# past the budget, so a stalled wait fails with its own message and the logs (each wait ends by the budget)
+pytestmark = pytest.mark.timeout(BUDGET_S + 60)
 Behaviour = Callable[[int, int], dict]
 
 
@@ -112,14 +113,19 @@ class Traffic:
 class Live:
     stack: Stack
     nc: NATS
+    ends: float = field(default_factory=lambda: time.monotonic() + BUDGET_S)
+
+    def deadline(self, wait_s: float) -> float:
+        """``wait_s`` from now, or the test's budget's end if sooner."""
+        return min(time.monotonic() + wait_s, self.ends)
 
     async def start_registry(self, instance: str) -> None:
         beats = await self.nc.subscribe(subjects.service_heartbeat("registry"))
         self.stack.start("registry", {"LF_INSTANCE_ID": instance}, key=instance)
-        deadline = time.monotonic() + START_S
+        deadline = self.deadline(START_S)
         while True:
             left = deadline - time.monotonic()
-            assert left > 0, f"registry {instance} not ready in {START_S} s\n{self.log_tails()}"
+            assert left > 0, f"registry {instance} not ready in time\n{self.log_tails()}"
             with contextlib.suppress(TimeoutError):
                 beat = ServiceHeartbeat.model_validate_json((await beats.next_msg(timeout=left)).data)
                 if beat.instance_id == instance and beat.ready:
@@ -141,7 +147,7 @@ class Live:
         return reply.releases[0]
 
     async def wait_phase(self, phases: set[str], until: Callable[[ReleaseState], bool] | None = None) -> ReleaseState:
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = self.deadline(DEADLINE_S)
         state: ReleaseState | None = None
         while True:
             with contextlib.suppress(LorafleetError, IndexError):
