@@ -234,6 +234,34 @@ def _builders_lock(path: Path, deadline: float) -> Iterator[int]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+SESSION_EXIT_S = 10.0  # how long a killed build's processes may take to go (well under, even a linker's)
+
+
+def _kill_session(session: int, timeout_s: float) -> None:
+    """SIGKILL every process of ``session`` (the build child's: ninja runs each compiler in a process group
+    of its own, so killing the child's group leaves them running) until none is left alive, at most
+    ``timeout_s``: a kill is delivered when the process is next scheduled, and one may fork meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := _in_session(session)) and time.monotonic() < deadline:
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def _in_session(session: int) -> list[int]:
+    """The live processes (not zombies) of ``session``, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
 def _run_child(folder: Path, jobs: int, timeout_s: float, lock_fd: int) -> None:
     """``python -m kernels.native_compile <folder>`` in its own process group (killed whole on overrun),
     its output in ``<folder>/build.log``. The child shares the builders' flock: a builder killed alone
@@ -260,7 +288,8 @@ def _run_child(folder: Path, jobs: int, timeout_s: float, lock_fd: int) -> None:
         try:
             code = child.wait(timeout=max(timeout_s, 0.0))
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # ninja and its compilers too
+            os.killpg(child.pid, signal.SIGKILL)  # the builder and ninja
+            _kill_session(child.pid, SESSION_EXIT_S)  # and the compilers, each in a process group of its own
             child.wait()
             raise KernelBuildError(
                 f"the native kernels' build ran past {timeout_s:.0f} s (LF_KERNELS_BUILD_TIMEOUT_S) and was killed"

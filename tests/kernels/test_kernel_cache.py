@@ -66,14 +66,15 @@ def children(pid: int) -> list[int]:
 # `-c <source> -o <object>` per source, then the link. It compiles an empty unit in place of each
 # source (the build, its flock, torch's lock and the record are the code under test, not g++'s work on
 # the kernels: the session's own build compiles those, tests/conftest.py), so the rebuild takes
-# seconds, not minutes. While <dir>/hold exists it marks <dir>/compiling and waits to be killed: the
-# first build is killed midway, with torch's lock held, on that event rather than after a time.
+# seconds, not minutes. While <dir>/hold exists it marks <dir>/compiling and waits to be killed (a
+# process whose command line names <dir>): the first build is killed midway, with torch's lock held, on
+# that event rather than after a time.
 SHIM = """#!/bin/bash
 here=$(dirname "$0")
 args=(); prev=
 for a in "$@"; do
   if [ "$prev" = -c ]; then
-    [ -e "$here/hold" ] && { touch "$here/compiling"; exec sleep 3600; }
+    [ -e "$here/hold" ] && { touch "$here/compiling"; exec -a "$here/held-compiler" sleep 3600; }
     args+=("$here/empty.cpp")
   else
     args+=("$a")
@@ -118,8 +119,8 @@ def killed_then_built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     finally:  # a build child outlives a killed builder (it finishes its build): not past the tests
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
-        for process in running_in(cache):
-            with contextlib.suppress(ProcessLookupError):  # its group: the build child, ninja, the compilers
+        for process in running_in(cache) + running_in(shim):
+            with contextlib.suppress(ProcessLookupError):  # its group: the build child, ninja; a held compiler
                 os.killpg(os.getpgid(int(process.name)), signal.SIGKILL)
 
 
@@ -173,11 +174,27 @@ def test_a_failed_build_is_one_line_and_the_eager_paths_serve(tmp_path: Path) ->
 
 
 def test_a_build_past_its_bound_is_killed_with_its_compilers(tmp_path: Path) -> None:
-    done = load_in_child(LF_KERNELS_DIR=str(tmp_path), LF_KERNELS_BUILD_TIMEOUT_S="1", timeout_s=300)
-    assert "native False False False" in done.stdout, done.stdout + done.stderr
-    (line,) = [line for line in done.stdout.splitlines() if "native_kernels_unavailable" in line]
-    assert "LF_KERNELS_BUILD_TIMEOUT_S" in line and "killed" in line
-    assert running_in(tmp_path) == []
+    """Compilers still running at the bound are gone when the build gives up: ninja runs each in a process
+    group of its own, so killing the build's group alone left them compiling (or, here, held) on."""
+    shim, cache = tmp_path / "cxx", tmp_path / "cache"
+    shim.mkdir()
+    (shim / "empty.cpp").write_text("")
+    (shim / "c++").write_text(SHIM)
+    (shim / "c++").chmod(0o755)
+    (shim / "hold").touch()
+    try:
+        done = load_in_child(
+            LF_KERNELS_DIR=str(cache), LF_KERNELS_BUILD_TIMEOUT_S="20", CXX=str(shim / "c++"), timeout_s=300
+        )
+        assert "native False False False" in done.stdout, done.stdout + done.stderr
+        (line,) = [line for line in done.stdout.splitlines() if "native_kernels_unavailable" in line]
+        assert "LF_KERNELS_BUILD_TIMEOUT_S" in line and "killed" in line
+        assert (shim / "compiling").exists()  # the compilers had started: the case under test
+        assert running_in(shim) == [] and running_in(cache) == []
+    finally:
+        for process in running_in(shim) + running_in(cache):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(process.name), signal.SIGKILL)
 
 
 def _cmdline(process: Path) -> str:
