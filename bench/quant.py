@@ -2,7 +2,7 @@
 
 ``python -m bench.quant [--quick] [--rounds N] [--threads N] [--group-size 32|64|128]``:
 
-- batch-1 TPOT of the engine in fp32, bf16, and bf16 activations with int8 and int4 weights, one greedy
+- batch-1 TPOT of the engine in fp32, bf16, and bf16 (and fp32) activations with int8 and int4 weights, one greedy
   request of 64 new tokens (16 with --quick) per system per round, the systems' order rotating from
   round to round; each figure is the median round, and each ratio is taken round by round (paired)
   against fp32 and bf16, then its median: the machine's state moves within minutes, so only systems
@@ -68,6 +68,8 @@ SYSTEMS: dict[str, tuple[Dtype, Literal["none", "int8", "int4"]]] = {
     "bf16": ("bfloat16", "none"),
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
+    "int8 fp32": ("float32", "int8"),  # fp32 activations: the native small-row kernels' fp32 paths
+    "int4 fp32": ("float32", "int4"),
 }
 QUALITY_TOKENS = 32
 

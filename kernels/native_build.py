@@ -47,6 +47,7 @@ SOURCES = tuple(
         "act_argmax.cpp",
         "small_gemm.cpp",
         "small_gemm_int8.cpp",
+        "small_gemm_int4.cpp",
         "threads.cpp",
         "panel_gemm.cpp",
         "panel_dot_bf16.cpp",

@@ -79,6 +79,62 @@ def _probe_small_linear_int8() -> bool:
     return True
 
 
+@functools.cache
+def native_small_linear_int4() -> bool:
+    """Whether ``small_linear_int4`` is built, loaded and agrees with ``F.linear`` over the dequantized
+    weight here (fp32 and bf16 rows, every row count it takes, symmetric and asymmetric groups, a bias)."""
+    return native.built() and _probe_small_linear_int4()
+
+
+INT4_GROUP_MULTIPLE = 32  # kGroupMultiple in the source: a group size it takes is a multiple of this
+
+
+def small_linear_int4(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """``x @ ((q - z) * s).T + bias`` for x [rows, in] with 1 <= rows <= SMALL_LINEAR_ROWS (contiguous
+    rows, fp32 or bf16); codes [out, in / 2] uint8, two 4-bit q a byte (even inputs in the low nibble);
+    scales [out, in / group] in x's dtype; zeros [out, in / group] uint8 z, or None for z = 8; bias [out]
+    in x's dtype; ``group`` a multiple of INT4_GROUP_MULTIPLE dividing ``in`` -> a new [rows, out] in x's
+    dtype (fp32 sums, each group's scaled once, rounded once). Call only where
+    :func:`native_small_linear_int4` is True."""
+    out: torch.Tensor = torch.ops.lorafleet.small_linear_int4(x, codes, scales, zeros, bias, group)
+    return out
+
+
+def _probe_small_linear_int4() -> bool:
+    """small_linear_int4 against the fp32 ``F.linear`` over ``(q - z) * s`` (fp32 and bf16 rows and scales,
+    every row count, groups of 32 and 64, z = 8 and per-group z, with and without a bias)."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+    out, inp = 37, 128
+    q = torch.randint(0, 16, (out, inp), generator=generator, dtype=torch.uint8)
+    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    for dtype in DTYPES:
+        bias = torch.randn(out, generator=generator).to(dtype)
+        for group in (32, 64):
+            scales = (torch.rand(out, inp // group, generator=generator) / 50).to(dtype)
+            for zeros in (None, torch.randint(0, 16, (out, inp // group), generator=generator, dtype=torch.uint8)):
+                z = 8.0 if zeros is None else zeros.float().repeat_interleave(group, dim=1)
+                weight = (q.float() - z) * scales.float().repeat_interleave(group, dim=1)
+                for rows in range(1, SMALL_LINEAR_ROWS + 1):
+                    x = torch.randn(rows, inp, generator=generator).to(dtype)
+                    b = bias if rows % 2 else None
+                    want = F.linear(x.float(), weight, None if b is None else b.float())
+                    error = (small_linear_int4(x, codes, scales, zeros, b, group).float() - want).abs().max()
+                    if not error <= tolerance[dtype] * want.abs().max():
+                        log.warning("native_small_linear_int4_probe_failed", dtype=str(dtype), rows=rows, group=group)
+                        return False
+    return True
+
+
 def small_linear_dot_bf16() -> bool:
     """Whether the build takes bf16 batches of four rows and more through AVX512-BF16's dot product
     (vdpbf16ps), where it is faster than oneDNN's packed path up to SMALL_LINEAR_ROWS rows. Call only

@@ -17,7 +17,9 @@
 // 1.5-5x the dot-product panel kernel from 16 rows on); the stack is built only where every projection
 // has one of these (model.py says when it serves a step). Weight-only int8 projections (quant.py) take
 // small_linear_int8 on their codes and scales up to `small_rows` rows, torch's bf16 int8 kernel up to
-// `quant_rows`, and past them the weight dequantized per call, as quant.py's QuantWeight does.
+// `quant_rows`, and past them the weight dequantized per call, as quant.py's QuantWeight does; int4 ones
+// take small_linear_int4 on their nibbles, scales and zeros up to `small_rows` rows, past them torch's bf16
+// int4 kernel or the weight dequantized per call (use_int4 hands over the parts beside the constructor's).
 //
 // LoRA: the step's deltas come as lora_bgmv calls (group, per layer the targeted members' A and B,
 // their columns, the class's scales and token rows), added after each group's projection in the order
@@ -33,7 +35,7 @@
 namespace {
 
 constexpr int64_t kGroups = 4;  // qkv, o, gate_up, down: linear.py's GROUPS order
-enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2, kOneDnn = 3, kInt8 = 4 };
+enum Kernel : int64_t { kEight = 0, kWide = 1, kDot = 2, kOneDnn = 3, kInt8 = 4, kInt4 = 5 };
 
 c10::OperatorHandle op(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
 
@@ -46,6 +48,11 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&)>
       small_linear_int8 = op("lorafleet::small_linear_int8")
                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&)>();
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
+                                      const Optional&, int64_t)>
+      small_linear_int4 = op("lorafleet::small_linear_int4")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const Optional&, const Optional&, int64_t)>();
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)> panel[3] = {
       op("lorafleet::panel_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t)>(),
       op("lorafleet::panel_linear_wide")
@@ -97,10 +104,13 @@ int64_t padded_rows(int64_t rows) {
 }
 
 struct Projection {
-  at::Tensor weight;  // [out, in], for small_linear (kInt8: the int8 codes)
+  at::Tensor weight;  // [out, in], for small_linear (kInt8: the int8 codes; kInt4: the nibbles [out, in / 2])
   Optional bias;
-  at::Tensor panel;  // weight packed for the stack's panel kernel (oneDNN's blocked layout for kOneDnn; kInt8: scales [out])
+  at::Tensor panel;  // weight packed for the stack's panel kernel (oneDNN's blocked layout for kOneDnn; kInt8: scales
+                     // [out]; kInt4: scales [out, groups])
   int64_t features;
+  Optional zeros = {};  // kInt4: z [out, groups] uint8, or none for 8
+  Optional packed4 = {}, scale_zeros = {};  // kInt4 in bf16: torch's int4 layout and its (scale, offset) pairs
 };
 
 // One step's lora_bgmv call for one group and rank class, every layer.
@@ -113,6 +123,7 @@ struct LoraCall {
 
 struct DecoderStack : torch::CustomClassHolder {
   int64_t layers, heads, kv_heads, head_dim, small_rows, kernel, quant_rows;
+  int64_t group = 0;  // kInt4: input features per scale (use_int4)
   double eps, residual_mul;
   bool gelu;
   std::vector<Projection> proj;  // [layer * 4 + group]
@@ -145,7 +156,7 @@ struct DecoderStack : torch::CustomClassHolder {
         scale(std::move(scales)),
         softcap(std::move(softcaps)) {
     TORCH_CHECK(layers >= 1, "DecoderStack: no layers");
-    TORCH_CHECK(kernel >= kEight && kernel <= kInt8, "DecoderStack: unknown panel kernel ", kernel);
+    TORCH_CHECK(kernel >= kEight && kernel <= kInt4, "DecoderStack: unknown panel kernel ", kernel);
     TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && head_dim >= 1, "DecoderStack: head counts");
     const size_t n = static_cast<size_t>(layers);
     TORCH_CHECK(weights.size() == n * kGroups && biases.size() == n * kGroups && panels.size() == n * kGroups,
@@ -169,6 +180,7 @@ struct DecoderStack : torch::CustomClassHolder {
     const Projection& p = proj[layer * kGroups + group];
     const int64_t rows = x.size(0);
     if (kernel == kInt8) return int8_linear(x, p);
+    if (kernel == kInt4) return int4_linear(x, p);
     if (rows <= small_rows && rows > 0)
       return ops().small_linear.call(x.stride(-1) == 1 ? x : x.contiguous(), p.weight, p.bias);
     if (kernel == kOneDnn) return packed_linear(x, p);
@@ -185,6 +197,43 @@ struct DecoderStack : torch::CustomClassHolder {
       return p.bias ? out.add_(*p.bias) : out;
     }
     return at::linear(x, p.weight.to(p.panel.scalar_type()).mul(p.panel.unsqueeze(1)), p.bias);
+  }
+
+  // kInt4's per-projection parts (quant.py's QuantWeight): each projection's zeros (none: z = 8) and, in
+  // bf16, torch's int4 layout with its (scale, offset) pairs for the rows past small_rows.
+  void use_int4(int64_t group_size, c10::List<Optional> zeros, c10::List<Optional> packed,
+                c10::List<Optional> scale_zeros) {
+    TORCH_CHECK(kernel == kInt4, "DecoderStack: use_int4 on a stack of kernel ", kernel);
+    TORCH_CHECK(group_size > 0, "DecoderStack: int4 group size ", group_size);
+    TORCH_CHECK(zeros.size() == proj.size() && packed.size() == proj.size() && scale_zeros.size() == proj.size(),
+                "DecoderStack: use_int4 wants one of each per projection");
+    group = group_size;
+    for (size_t i = 0; i < proj.size(); ++i) {
+      proj[i].zeros = zeros.get(i);
+      proj[i].packed4 = packed.get(i);
+      proj[i].scale_zeros = scale_zeros.get(i);
+      TORCH_CHECK(proj[i].packed4.has_value() == proj[i].scale_zeros.has_value(),
+                  "DecoderStack: torch's int4 layout comes with its scale and offset pairs");
+    }
+  }
+
+  // quant.py's QuantWeight.__call__ for int4 nibbles (p.weight) and scales (p.panel): the small-row
+  // kernel, else torch's bf16 kernel, else the weight dequantized per call as QuantWeight.dequantize does.
+  at::Tensor int4_linear(const at::Tensor& x, const Projection& p) const {
+    TORCH_CHECK(group > 0, "DecoderStack: int4 projections before use_int4");
+    const int64_t rows = x.size(0);
+    if (rows <= small_rows && rows > 0)
+      return ops().small_linear_int4.call(x.stride(-1) == 1 ? x : x.contiguous(), p.weight, p.panel, p.zeros, p.bias,
+                                          group);
+    if (p.packed4) {
+      at::Tensor out = at::_weight_int4pack_mm_for_cpu(x.contiguous(), *p.packed4, group, *p.scale_zeros);
+      return p.bias ? out.add_(*p.bias) : out;
+    }
+    const at::Tensor low = p.weight.bitwise_and(0xF).to(at::kShort), high = p.weight.bitwise_right_shift(4).to(at::kShort);
+    at::Tensor codes = at::stack({low, high}, -1).view({p.features, -1, group});
+    codes = p.zeros ? codes - p.zeros->unsqueeze(2).to(at::kShort) : codes - 8;
+    const at::Tensor weight = (codes.to(p.panel.scalar_type()) * p.panel.unsqueeze(2)).view({p.features, -1});
+    return at::linear(x, weight, p.bias);
   }
 
   // linear.py's _packed_linear: the rows zero-padded to padded_rows (oneDNN keeps a primitive per shape).
@@ -292,5 +341,6 @@ TORCH_LIBRARY_FRAGMENT(lorafleet, m) {
                        c10::List<Optional>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        c10::List<Optional>, c10::List<Optional>, c10::List<Optional>, bool, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t>())
+      .def("use_int4", &DecoderStack::use_int4)
       .def("forward", &DecoderStack::forward);
 }

@@ -9,8 +9,8 @@ step's values are the Python loop's bit for bit.
 It serves a step of decodes only (prefills take the Python loop: their attention is SDPA's), where
 every piece has its native form: the fused layer ops and the native paged decode attention are on,
 every projection takes the same path past the same small rows (linear.py's ``path``: a panel kernel,
-or oneDNN's packed weight as bf16 on AMX does; or weight-only int8 codes with the native small-row
-kernel, quant.py's ``QuantWeight``) as ``Linear`` does, and the step's LoRA deltas, if any,
+or oneDNN's packed weight as bf16 on AMX does; or weight-only int8 codes or int4 nibbles with their
+native small-row kernel, quant.py's ``QuantWeight``) as ``Linear`` does, and the step's LoRA deltas, if any,
 are all ``lora_bgmv`` calls (``LoraHook.bgmv_calls``). ``cpu_layer_loop=python`` keeps the Python loop
 for every step.
 """
@@ -26,7 +26,7 @@ from services.worker.engine.lora_hook import BgmvCalls
 from services.worker.engine.weights import ModelWeights
 
 CpuLayerLoop = Literal["auto", "python"]
-PATHS: dict[LinearPath, int] = {"eight": 0, "wide": 1, "dot": 2, "onednn": 3, "int8": 4}  # DecoderStack's kernel codes
+PATHS: dict[LinearPath, int] = {"eight": 0, "wide": 1, "dot": 2, "onednn": 3, "int8": 4, "int4": 5}  # its kernel codes
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # lora_hook.GROUPS' order, DecoderStack's
 
 
@@ -39,11 +39,12 @@ class NativeLayerLoop:
         s = weights.spec
         linears = [layer[name] for layer in proj for name in PROJECTIONS]
         first = linears[0]
-        int8 = [linear.quant for linear in linears if linear.quant is not None and linear.quant.format == "int8"]
+        quant = [linear.quant for linear in linears if linear.quant is not None]
         weights_in: list[torch.Tensor | None]
         prepared: list[torch.Tensor | None]
-        if int8:  # the codes stand for the weight, the scales for the panel (DecoderStack's kInt8)
-            weights_in, prepared = [q.codes for q in int8], [q.scales for q in int8]
+        if quant:  # the codes stand for the weight (bf16 int4: torch's layout, all it keeps), the scales for the panel
+            weights_in = [q.codes if q.codes is not None else q.packed for q in quant]
+            prepared = [q.scales for q in quant]
         else:
             weights_in = [linear.weight for linear in linears]
             prepared = [linear.prepared for linear in linears]
@@ -69,16 +70,20 @@ class NativeLayerLoop:
             [params.window or 0 for params in attention],
             [params.scale for params in attention],
             [params.softcap or 0.0 for params in attention],
-            int8[0].kernel_rows if int8 else 0,
+            quant[0].kernel_rows if quant else 0,
         )
+        if first.path == "int4":
+            self._stack.use_int4(
+                quant[0].group_size, [q.zeros for q in quant], [q.packed for q in quant], [q.scale_zeros for q in quant]
+            )
 
     @staticmethod
     def serves(
         weights: ModelWeights, proj: list[dict[str, Linear]], attention: list[AttentionParams], native_ops: bool
     ) -> bool:
         """Whether a model's layers can run natively: CPU, the fused layer ops and the native decode
-        attention on, one panel kernel (or oneDNN's packed weight; or int8 codes on the native small-row
-        kernel) and small-row split for every projection, and dense layers only (no experts, no
+        attention on, one panel kernel (or oneDNN's packed weight; or int8 codes or int4 nibbles on their
+        native small-row kernel) and small-row split for every projection, and dense layers only (no experts, no
         OLMoE-wide q/k norm)."""
         if any(layer.experts is not None or layer.wide_qk_norm is not None for layer in weights.layers):
             return False
@@ -87,9 +92,10 @@ class NativeLayerLoop:
             native_ops
             and weights.embed.device.type == "cpu"
             and all(params.native for params in attention)
-            and len({(linear.path, _small_rows(linear), _kernel_rows(linear)) for linear in linears}) == 1
+            and len({(linear.path, _small_rows(linear), _kernel_rows(linear), _group(linear)) for linear in linears})
+            == 1
             and linears[0].path in PATHS
-            and (linears[0].path != "int8" or _small_rows(linears[0]) > 0)
+            and (linears[0].path not in ("int8", "int4") or _small_rows(linears[0]) > 0 or _int4_kernel(linears[0]))
         )
 
     def __call__(
@@ -122,8 +128,18 @@ class NativeLayerLoop:
 
 
 def _small_rows(linear: Linear) -> int:
-    """Rows up to which ``linear`` takes its native small-row kernel (an int8 weight's own)."""
+    """Rows up to which ``linear`` takes its native small-row kernel (a quantized weight's own)."""
     return linear.quant.small_rows if linear.quant is not None else linear.small_rows
+
+
+def _int4_kernel(linear: Linear) -> bool:
+    """Whether an int4 weight runs torch's int4 kernel at every row count (bf16)."""
+    return linear.quant is not None and linear.quant.format == "int4" and linear.quant.packed is not None
+
+
+def _group(linear: Linear) -> int:
+    """An int4 weight's group size (0 otherwise): one per stack."""
+    return linear.quant.group_size if linear.quant is not None and linear.quant.format == "int4" else 0
 
 
 def _kernel_rows(linear: Linear) -> int:

@@ -13,7 +13,12 @@ sixteen widened to fp32 in registers, fp32 sums scaled once per output feature. 
 took 15-18 ms through torch's ``aten._weight_int8pack_mm`` and 7-10 ms through it, the codes' pass near
 the read bandwidth (its 121 projections and lm_head about 5.8 ms of a step against a 5.2 ms floor), and
 an fp32 one (which dequantized every weight per call before) about 10 ms; the native layer loop
-(layer_loop.py) takes int8 models too. Past eight rows, and for int4, torch's own CPU kernels,
+(layer_loop.py) takes int8 models too. int4 with fp32 activations likewise runs up to eight rows through
+``small_linear_int4`` (kernels/csrc/small_gemm_int4.cpp, groups a multiple of 32: each group's fp32 sum
+of x * (q - z) scaled once), where it used to dequantize every weight per call (SmolLM2 at batch 1:
+201 -> 5.1 ms a token). With bf16 activations torch's int4 kernel was faster at one row than that one
+(SmolLM2's 120 layer projections 2.3-2.7 against 3.4-4.0 ms), so it keeps every row count there; the
+native layer loop takes int4 models in both dtypes. Past eight rows, and for bf16 int4, torch's own CPU kernels,
 ``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu`` (the weight in its blocked int4
 layout), which accumulate in fp32. Both are vectorised for bf16 activations only: with fp32 ones they
 took 5-27x (int8, 1-8 rows) and 16-120x (int4, 1-64 rows) F.linear's time on SmolLM2's gate_up
@@ -61,7 +66,7 @@ class QuantWeight:
     scale_zeros: torch.Tensor | None = None  # int4 (bf16): [in / group_size, out, 2], (scale, 0) per group
     kernel_rows: int = 0  # rows up to which torch's kernel runs (0: none, dequantize per call)
     zeros: torch.Tensor | None = None  # int4 (fp32), asymmetric checkpoints: [out, in / group_size] uint8 z
-    small_rows: int = 0  # int8: rows up to which the native small-row kernel runs (0: none)
+    small_rows: int = 0  # rows up to which the native small-row kernel runs (0: none)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the projection computes with, [out, in] in the activation dtype."""
@@ -69,7 +74,7 @@ class QuantWeight:
         if self.format == "int8":
             assert self.codes is not None
             return self.codes.to(dtype) * self.scales[:, None]
-        assert self.codes is not None, "bf16 int4 weights live in the kernel's layout only"
+        assert self.codes is not None, "bf16 int4 weights live in torch's layout only"
         low, high = (self.codes & 0xF).to(torch.int16), (self.codes >> 4).to(torch.int16)
         codes = torch.stack((low, high), dim=-1).view(self.out_features, -1, self.group_size)
         codes = codes - (self.zeros[:, :, None].to(torch.int16) if self.zeros is not None else 8)
@@ -77,6 +82,11 @@ class QuantWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
+        if 0 < rows <= self.small_rows and self.format == "int4":
+            assert self.codes is not None
+            return projections.small_linear_int4(
+                x if x.stride(-1) == 1 else x.contiguous(), self.codes, self.scales, self.zeros, bias, self.group_size
+            )
         if self.format == "int4" and self.packed is not None:
             out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.contiguous(), self.packed, self.group_size, self.scale_zeros
@@ -161,16 +171,29 @@ def _int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Quan
 def _int4(
     nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype: torch.dtype
 ) -> QuantWeight:
-    """nibbles [out, in / 2] (pack_nibbles), scales [out, groups] in ``dtype``, zeros [out, groups] (None: 8)."""
+    """nibbles [out, in / 2] (pack_nibbles), scales [out, groups] in ``dtype``, zeros [out, groups] (None: 8):
+    bf16 rows take torch's kernel (its own layout) at every row count; fp32 ones the native small-row
+    kernel up to its rows where it is built here and takes the group size, past them the weight
+    dequantized per call (both from the nibbles)."""
     out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
+    small = (
+        projections.SMALL_LINEAR_ROWS
+        if dtype == torch.float32
+        and group_size % projections.INT4_GROUP_MULTIPLE == 0
+        and projections.native_small_linear_int4()
+        else 0
+    )
+    zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None else None
+    kept = nibbles.contiguous() if dtype != torch.bfloat16 else None
+    scales = scales.contiguous()
+    packed = scale_zeros = None
     if dtype == torch.bfloat16:
-        codes = unpack_nibbles(nibbles).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).to(torch.int32), 1)
         offsets = torch.zeros_like(scales) if zeros is None else ((8 - zeros.float()) * scales.float()).to(dtype)
         scale_zeros = torch.stack((scales, offsets), dim=-1).transpose(0, 1).contiguous()
-        return QuantWeight("int4", out_features, in_features, group_size, None, scales, packed, scale_zeros)
-    zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None else None
-    return QuantWeight("int4", out_features, in_features, group_size, nibbles.contiguous(), scales, zeros=zero_codes)
+    return QuantWeight(
+        "int4", out_features, in_features, group_size, kept, scales, packed, scale_zeros, 0, zero_codes, small
+    )
 
 
 def _scales(amax: torch.Tensor, levels: int) -> torch.Tensor:

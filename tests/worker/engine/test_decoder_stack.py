@@ -3,7 +3,7 @@ logits and K/V cache equal the Python loop's bit for bit, for every family (wind
 Gemma's extra norms and local RoPE, Qwen3's and Gemma 3's q/k head norms, Granite's multipliers,
 Qwen2's biases, Phi-3), fp32
 and bf16, at row counts on both sides of the small-row kernel, with mixed-rank LoRA adapters, and on
-weight-only int8 projections; which
+weight-only int8 and int4 projections; which
 steps and models it takes; and what its constructor and LoRA layout refuse."""
 
 from collections.abc import Callable
@@ -128,6 +128,21 @@ def test_int8_decode_steps_equal_the_python_loop(family: str, dtype: torch.dtype
     weights = load_weights(FAMILIES[family](), dtype, "cpu", MAX_LEN)
     pair = _Pair(weights, "auto", "int8")
     assert pair.native.loop is not None and pair.native.proj[0]["qkv"].path == "int8"
+    _decode_rounds(pair, _sequences(9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama-head-dim", "qwen2-window-8-second-layer"])
+def test_int4_decode_steps_equal_the_python_loop(family: str, dtype: torch.dtype) -> None:
+    """Weight-only int4 (groups of 32): fp32 up to eight rows on the native int4 kernel, past them the
+    weight dequantized per call; bf16 on torch's int4 kernel at every row count; in the loop as in
+    QuantWeight."""
+    assert projections.native_small_linear_int4()
+    weights = load_weights(FAMILIES[family](), dtype, "cpu", MAX_LEN)
+    pair = _Pair(weights, "auto", "int4")
+    quant = pair.native.proj[0]["qkv"].quant
+    assert pair.native.loop is not None and quant is not None and quant.format == "int4"
+    assert (quant.small_rows, quant.packed is not None) == ((8, False) if dtype == torch.float32 else (0, True))
     _decode_rounds(pair, _sequences(9))
 
 
@@ -317,7 +332,7 @@ def _stack_args(layers: int = 1) -> list[object]:
     ("index", "value", "message"),
     [
         (8, [torch.zeros(8, 8)] * 3, "four projections per layer"),
-        (7, 5, "unknown panel kernel"),
+        (7, 6, "unknown panel kernel"),
         (1, 3, "head counts"),
         (17, [0, 0], "one of each per layer"),
         (8, [torch.zeros(8, 8).t()] * 4, "contiguous"),
@@ -350,3 +365,18 @@ def test_the_stack_refuses_a_malformed_lora_layout(
     with pytest.raises(RuntimeError, match=message):
         stack.forward(h, h, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.long), cache,
                       torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 4, tensors, layout)  # fmt: skip
+
+
+def test_use_int4_refuses_what_does_not_fit() -> None:
+    args = _stack_args()
+    stack = torch.classes.lorafleet.DecoderStack(*args)
+    with pytest.raises(RuntimeError, match="use_int4 on a stack of kernel 1"):
+        stack.use_int4(32, [None] * 4, [None] * 4, [None] * 4)
+    args[7] = 5  # kInt4
+    stack = torch.classes.lorafleet.DecoderStack(*args)
+    with pytest.raises(RuntimeError, match="one of each per projection"):
+        stack.use_int4(32, [None] * 3, [None] * 4, [None] * 4)
+    with pytest.raises(RuntimeError, match="int4 group size 0"):
+        stack.use_int4(0, [None] * 4, [None] * 4, [None] * 4)
+    with pytest.raises(RuntimeError, match="scale and offset pairs"):
+        stack.use_int4(32, [None] * 4, [torch.zeros(1)] * 4, [None] * 4)
