@@ -183,13 +183,7 @@ void features(const X* x, int64_t x_stride, const T* w, const T* bias, T* out, i
   constexpr int F = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 3 : 1;
 #endif
   float sums[M * F];
-  auto emit = [&](int64_t f0, int width) {
-    for (int m = 0; m < M; ++m)
-      for (int f = 0; f < width; ++f) {
-        const float b = bias != nullptr ? widen(bias[f0 + f]) : 0.f;
-        store(out + m * out_stride + f0 + f, sums[m * width + f] + b);
-      }
-  };
+  auto emit = [&](int64_t f0, int width) { store_features<T>(out, out_stride, sums, M, width, f0, nullptr, bias); };
   Ahead ahead(kAheadLines);
   ahead.add(w + begin * in, (end - begin) * in * static_cast<int64_t>(sizeof(T)));
   ahead.start();

@@ -150,13 +150,6 @@ void features(const float* xs, int64_t in, const uint8_t* w, const T* scales, co
   constexpr int F = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t groups = in / group, row_bytes = in / 2;
   float sums[M * F];
-  auto emit = [&](int64_t f0, int width) {
-    for (int m = 0; m < M; ++m)
-      for (int f = 0; f < width; ++f) {
-        const float b = bias != nullptr ? widen(bias[f0 + f]) : 0.f;
-        store(out + m * out_stride + f0 + f, sums[m * width + f] + b);
-      }
-  };
   Ahead ahead(kAheadLines);
   ahead.add(w + begin * row_bytes, (end - begin) * row_bytes);
   ahead.start();
@@ -164,7 +157,7 @@ void features(const float* xs, int64_t in, const uint8_t* w, const T* scales, co
     constexpr int W = decltype(width)::value;
     dots<T, M, W>(xs, in, Codes{w + f0 * row_bytes, row_bytes}, scales + f0 * groups,
                   zeros != nullptr ? zeros + f0 * groups : nullptr, groups, group, sums, ahead);
-    emit(f0, W);
+    store_features<T>(out, out_stride, sums, M, W, f0, nullptr, bias);
   };
   int64_t f0 = begin;
   for (; f0 + F <= end; f0 += F) block(std::integral_constant<int, F>{}, f0);

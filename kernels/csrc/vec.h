@@ -34,6 +34,18 @@ inline float rnd(float v) {
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(at::BFloat16* dst, float v) { *dst = at::BFloat16(v); }
 
+// A small-row projection's sums for `rows` rows and `width` features from f0 (sums[m * width + f]), each
+// times its feature's scale (none: 1), plus its bias (none: 0), stored as T in out (row stride out_stride).
+template <typename T>
+inline void store_features(T* out, int64_t out_stride, const float* sums, int rows, int width, int64_t f0,
+                           const T* scales, const T* bias) {
+  for (int m = 0; m < rows; ++m)
+    for (int f = 0; f < width; ++f) {
+      const float s = scales != nullptr ? widen(scales[f0 + f]) : 1.f, b = bias != nullptr ? widen(bias[f0 + f]) : 0.f;
+      store(out + m * out_stride + f0 + f, sums[m * width + f] * s + b);
+    }
+}
+
 #if defined(__AVX512F__)
 // Sixteen consecutive elements as fp32 lanes (bf16 widened in the register); the masked forms read
 // only the lanes set in mask and zero the rest.
