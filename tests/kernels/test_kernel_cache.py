@@ -85,16 +85,21 @@ exec g++ "${args[@]}"
 """
 
 
+def held_compiler(shim: Path) -> None:
+    """SHIM as ``<shim>/c++``, its empty unit beside it, holding every compile (``hold``) until removed."""
+    (shim / "empty.cpp").write_text("")
+    (shim / "c++").write_text(SHIM)
+    (shim / "c++").chmod(0o755)
+    (shim / "hold").touch()
+
+
 @pytest.fixture(scope="module")
 def killed_then_built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
     """A cache where a build was killed (-9, with its compilers) while torch's builder held its ``lock``,
     then built by the next ``lorafleet kernels build``: (directory, extension name, that build's output)."""
     cache = tmp_path_factory.mktemp("kernels")
     shim = tmp_path_factory.mktemp("cxx")
-    (shim / "empty.cpp").write_text("")
-    (shim / "c++").write_text(SHIM)
-    (shim / "c++").chmod(0o755)
-    (shim / "hold").touch()
+    held_compiler(shim)
     name = native_build.extension_name()
     first = subprocess.Popen(
         [sys.executable, "-m", "lorafleet.cli", "kernels", "build", "--dir", str(cache)],
@@ -178,10 +183,7 @@ def test_a_build_past_its_bound_is_killed_with_its_compilers(tmp_path: Path) -> 
     group of its own, so killing the build's group alone left them compiling (or, here, held) on."""
     shim, cache = tmp_path / "cxx", tmp_path / "cache"
     shim.mkdir()
-    (shim / "empty.cpp").write_text("")
-    (shim / "c++").write_text(SHIM)
-    (shim / "c++").chmod(0o755)
-    (shim / "hold").touch()
+    held_compiler(shim)
     try:
         done = load_in_child(
             LF_KERNELS_DIR=str(cache), LF_KERNELS_BUILD_TIMEOUT_S="20", CXX=str(shim / "c++"), timeout_s=300

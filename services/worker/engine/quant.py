@@ -183,8 +183,8 @@ def _int4(
         and projections.native_small_linear_int4()
         else 0
     )
-    zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None else None
-    kept = nibbles.contiguous() if dtype != torch.bfloat16 else None
+    kept = nibbles.contiguous() if dtype != torch.bfloat16 else None  # bf16: torch's layout only
+    zero_codes = zeros.to(torch.uint8).contiguous() if zeros is not None and kept is not None else None
     scales = scales.contiguous()
     packed = scale_zeros = None
     if dtype == torch.bfloat16:
